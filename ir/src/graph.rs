@@ -1,0 +1,260 @@
+//! Functions as plain Rust data: the form passes read and rewrite.
+//!
+//! A [`Module`] mirrors the MLIR module op for op (`xf` ops, and the `shard` ops that later
+//! passes insert); [`crate::mlir`] turns it into a real MLIR module, which is verified and
+//! printed after every pass. Keeping passes on owned data means no MLIR handle outlives a
+//! rewrite (see STYLE.md section 8), and a pass is ordinary Rust that can be unit-tested.
+//!
+//! Values are numbered in definition order within a function: arguments first, then op
+//! results. A function is in SSA form; [`crate::verify`] checks it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::attrs::Attrs;
+use crate::ops;
+use crate::types::TensorTy;
+
+/// An SSA value of one function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Value(pub u32);
+
+impl fmt::Display for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}", self.0)
+    }
+}
+
+/// Type of a value.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Type {
+    /// A static ranked tensor.
+    Tensor(TensorTy),
+    /// `!shard.sharding`, the result of `shard.sharding`.
+    Sharding,
+}
+
+impl Type {
+    /// The tensor type, if this is one.
+    pub fn as_tensor(&self) -> Option<&TensorTy> {
+        match self {
+            Type::Tensor(t) => Some(t),
+            Type::Sharding => None,
+        }
+    }
+}
+
+impl fmt::Display for Type {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Type::Tensor(t) => t.fmt(f),
+            Type::Sharding => f.write_str("!shard.sharding"),
+        }
+    }
+}
+
+/// What a function argument is; printed as an argument attribute (`{xf.param = "name"}`) so
+/// the role and name survive a round trip through MLIR text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ArgRole {
+    /// A trainable parameter.
+    Param,
+    /// Data fed per step (tokens, targets).
+    Input,
+}
+
+impl ArgRole {
+    /// Name of the argument attribute that carries this role.
+    pub fn attr_name(self) -> &'static str {
+        match self {
+            ArgRole::Param => "xf.param",
+            ArgRole::Input => "xf.input",
+        }
+    }
+}
+
+/// One function argument.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FuncArg {
+    /// The SSA value of the argument.
+    pub value: Value,
+    /// Stable name, e.g. `layers.3.attn.q.weight` or `tokens`.
+    pub name: String,
+    /// Parameter or input.
+    pub role: ArgRole,
+}
+
+/// One operation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Op {
+    /// Full op name, e.g. `xf.matmul` or `shard.all_reduce`.
+    pub name: String,
+    /// Operands, in order.
+    pub operands: Vec<Value>,
+    /// Results, in order.
+    pub results: Vec<Value>,
+    /// Attributes.
+    pub attrs: Attrs,
+    /// Where in the model the op comes from, e.g. `layers.3.attn.q` (an MLIR name location).
+    pub loc: String,
+}
+
+/// A function: arguments, a straight-line body and returned values.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Func {
+    /// Symbol name, e.g. `forward`.
+    pub name: String,
+    /// Arguments, in order.
+    pub args: Vec<FuncArg>,
+    /// Body ops in program order.
+    pub ops: Vec<Op>,
+    /// Returned values.
+    pub returns: Vec<Value>,
+    /// Type of each value, indexed by `Value.0`.
+    pub types: Vec<Type>,
+}
+
+impl Func {
+    /// Type of a value.
+    pub fn ty(&self, value: Value) -> &Type {
+        &self.types[value.0 as usize]
+    }
+
+    /// Tensor type of a value; `None` for non-tensor values (and unknown ones).
+    pub fn tensor(&self, value: Value) -> Option<&TensorTy> {
+        self.types.get(value.0 as usize).and_then(Type::as_tensor)
+    }
+
+    /// The arguments with the given role.
+    pub fn args_with(&self, role: ArgRole) -> impl Iterator<Item = &FuncArg> {
+        self.args.iter().filter(move |a| a.role == role)
+    }
+
+    /// Number of scalar parameters (elements of every `Param` argument).
+    pub fn parameter_count(&self) -> u64 {
+        self.args_with(ArgRole::Param)
+            .filter_map(|a| self.tensor(a.value))
+            .map(TensorTy::num_elements)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// How many ops of each name the body holds.
+    pub fn op_counts(&self) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for op in &self.ops {
+            *counts.entry(op.name.clone()).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// Summed cost of every registered op of the body (`shard` ops have none here).
+    pub fn cost(&self) -> ops::Cost {
+        let mut total = ops::Cost::default();
+        for op in &self.ops {
+            let Some(def) = ops::lookup(&op.name) else { continue };
+            let inputs: Vec<&TensorTy> = op.operands.iter().filter_map(|v| self.tensor(*v)).collect();
+            let outputs: Vec<TensorTy> = op.results.iter().filter_map(|v| self.tensor(*v).cloned()).collect();
+            total += def.cost(&inputs, &outputs, &op.attrs);
+        }
+        total
+    }
+}
+
+/// A `shard.grid`: a named device mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grid {
+    /// Symbol name, e.g. `mesh`.
+    pub name: String,
+    /// Extent of each grid axis.
+    pub shape: Vec<i64>,
+}
+
+/// A module: grids, then functions.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Module {
+    /// Device meshes.
+    pub grids: Vec<Grid>,
+    /// Functions.
+    pub funcs: Vec<Func>,
+}
+
+impl Module {
+    /// The function called `name`.
+    pub fn func(&self, name: &str) -> Option<&Func> {
+        self.funcs.iter().find(|f| f.name == name)
+    }
+}
+
+/// Error from building an op whose operands break its shape rule.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{loc}: `{op}`: {reason}")]
+pub struct BuildError {
+    /// Location name of the op being built.
+    pub loc: String,
+    /// Op name.
+    pub op: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+/// Builds a [`Func`] op by op, inferring result types from the op registry.
+#[derive(Debug)]
+pub struct FuncBuilder {
+    func: Func,
+}
+
+impl FuncBuilder {
+    /// Starts an empty function.
+    pub fn new(name: &str) -> Self {
+        FuncBuilder { func: Func { name: name.to_string(), args: Vec::new(), ops: Vec::new(), returns: Vec::new(), types: Vec::new() } }
+    }
+
+    fn fresh(&mut self, ty: Type) -> Value {
+        self.func.types.push(ty);
+        Value(self.func.types.len() as u32 - 1)
+    }
+
+    /// Adds an argument.
+    pub fn arg(&mut self, name: &str, ty: TensorTy, role: ArgRole) -> Value {
+        let value = self.fresh(Type::Tensor(ty));
+        self.func.args.push(FuncArg { value, name: name.to_string(), role });
+        value
+    }
+
+    /// Adds a registered `xf` op with one result; its type comes from the op's shape rule.
+    pub fn op(&mut self, name: &str, operands: &[Value], attrs: Attrs, loc: &str) -> Result<Value, BuildError> {
+        let error = |reason: String| BuildError { loc: loc.to_string(), op: name.to_string(), reason };
+        let def = ops::lookup(name).ok_or_else(|| error("not a registered xf op".into()))?;
+        let inputs = operands
+            .iter()
+            .map(|v| self.func.tensor(*v).ok_or_else(|| error(format!("operand {v} is not a tensor"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut types = def.infer(&inputs, &attrs).map_err(error)?;
+        if types.len() != 1 {
+            return Err(error(format!("has {} results; use op_typed", types.len())));
+        }
+        let result = self.fresh(Type::Tensor(types.remove(0)));
+        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: vec![result], attrs, loc: loc.to_string() });
+        Ok(result)
+    }
+
+    /// Adds an op with explicit result types (ops outside the registry, such as `shard` ops).
+    pub fn op_typed(&mut self, name: &str, operands: &[Value], attrs: Attrs, results: Vec<Type>, loc: &str) -> Vec<Value> {
+        let results: Vec<Value> = results.into_iter().map(|t| self.fresh(t)).collect();
+        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: results.clone(), attrs, loc: loc.to_string() });
+        results
+    }
+
+    /// Tensor type of a value built so far.
+    pub fn tensor(&self, value: Value) -> Option<&TensorTy> {
+        self.func.tensor(value)
+    }
+
+    /// Finishes the function, returning `values`.
+    pub fn finish(mut self, values: &[Value]) -> Func {
+        self.func.returns = values.to_vec();
+        self.func
+    }
+}

@@ -1,0 +1,29 @@
+//! shardc's intermediate representation.
+//!
+//! The pipeline reads: model spec → [`spec::lower`] → [`graph::Module`] (owned Rust data that
+//! passes rewrite) ↔ MLIR ([`mlir`], built with melior, verified and printed after every pass).
+//!
+//! Model ops live in our dialect `xf`, defined in IRDL (`dialect/xf.irdl.mlir`, generated from
+//! [`ops::REGISTRY`]). Its semantics, op by op, are the doc comments of the `ops` module: every
+//! op works on static ranked tensors; linear weights are `[in, out]`; activations are
+//! `[batch, seq, features]`, and attention works on split heads `[batch, heads, seq, head_dim]`.
+//! Meshes, shardings and collectives are upstream MLIR's `shard` dialect, not ours.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod attrs;
+mod ffi;
+mod error;
+pub mod graph;
+pub mod mesh;
+pub mod mlir;
+pub mod ops;
+pub mod spec;
+pub mod types;
+pub mod verify;
+
+pub use attrs::{AttrValue, Attrs};
+pub use error::IrError;
+pub use graph::{ArgRole, Func, FuncBuilder, Module, Op, Type, Value};
+pub use types::{DType, TensorTy};

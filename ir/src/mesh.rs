@@ -1,0 +1,109 @@
+//! The device mesh a user asks for: `dp x tp x pp`, parsed from `--mesh dp=2,tp=4,pp=2`, and
+//! checked against a spec before any work is done.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::Spec;
+
+/// Data-, tensor- and pipeline-parallel extents. Every axis is at least 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mesh {
+    /// Data-parallel replicas.
+    pub dp: u64,
+    /// Tensor-parallel ranks per replica.
+    pub tp: u64,
+    /// Pipeline stages.
+    pub pp: u64,
+}
+
+impl Default for Mesh {
+    fn default() -> Self {
+        Mesh { dp: 1, tp: 1, pp: 1 }
+    }
+}
+
+impl fmt::Display for Mesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "dp={},tp={},pp={}", self.dp, self.tp, self.pp)
+    }
+}
+
+/// A problem with a mesh: which axis, what is wrong, how to fix it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("mesh: {message}")]
+pub struct MeshError {
+    /// What is wrong.
+    pub message: String,
+    /// How to fix it.
+    pub help: String,
+}
+
+impl Mesh {
+    /// Number of ranks (devices).
+    pub fn ranks(&self) -> u64 {
+        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
+    }
+
+    /// Parses `dp=2,tp=4,pp=2`; omitted axes are 1.
+    pub fn parse(text: &str) -> Result<Mesh, MeshError> {
+        let mut mesh = Mesh::default();
+        let mut seen = Vec::new();
+        let error = |message: String, help: &str| MeshError { message, help: help.to_string() };
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((axis, value)) = part.split_once('=') else {
+                return Err(error(format!("`{part}` is not of the form axis=size"), "write e.g. --mesh dp=2,tp=4,pp=1"));
+            };
+            let axis = axis.trim();
+            let size: u64 = match value.trim().parse() {
+                Ok(n) if n >= 1 && n <= 1 << 20 => n,
+                _ => return Err(error(format!("size of `{axis}` must be an integer from 1 to 1048576, got `{}`", value.trim()), "write e.g. tp=4")),
+            };
+            if seen.contains(&axis.to_string()) {
+                return Err(error(format!("axis `{axis}` is given twice"), "give each of dp, tp, pp at most once"));
+            }
+            seen.push(axis.to_string());
+            match axis {
+                "dp" => mesh.dp = size,
+                "tp" => mesh.tp = size,
+                "pp" => mesh.pp = size,
+                _ => return Err(error(format!("unknown axis `{axis}`"), "the axes are dp (data), tp (tensor) and pp (pipeline)")),
+            }
+        }
+        Ok(mesh)
+    }
+
+    /// Checks that the mesh can partition this model; returns every problem.
+    pub fn check(&self, spec: &Spec) -> Vec<MeshError> {
+        let m = &spec.model;
+        let mut errors = Vec::new();
+        let mut error = |message: String, help: String| errors.push(MeshError { message, help });
+        if m.heads % self.tp != 0 {
+            error(format!("tp={} does not divide the {} attention heads", self.tp, m.heads), divisors_help("tp", m.heads));
+        }
+        if m.ffn_hidden % self.tp != 0 {
+            error(format!("tp={} does not divide ffn_hidden={}", self.tp, m.ffn_hidden), divisors_help("tp", m.ffn_hidden));
+        }
+        if self.pp > m.layers {
+            error(format!("pp={} exceeds the {} layers (each stage needs at least one)", self.pp, m.layers), format!("use pp <= {}", m.layers));
+        }
+        let replicas_batch = self.dp.saturating_mul(spec.training.micro_batch);
+        if spec.training.global_batch % replicas_batch != 0 {
+            error(
+                format!(
+                    "global_batch={} is not a multiple of dp x micro_batch = {} x {}",
+                    spec.training.global_batch, self.dp, spec.training.micro_batch
+                ),
+                "change dp, or training.global_batch / training.micro_batch in the spec".into(),
+            );
+        }
+        errors
+    }
+}
+
+/// "use tp in {1, 2, 4, ...}" for the divisors of `n` (the first few).
+fn divisors_help(axis: &str, n: u64) -> String {
+    let divisors: Vec<String> = (1..=n.min(1024)).filter(|d| n % d == 0).take(8).map(|d| d.to_string()).collect();
+    format!("use {axis} in {{{}}}", divisors.join(", "))
+}

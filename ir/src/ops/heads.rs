@@ -1,0 +1,115 @@
+//! Layout ops: `xf.split_heads`, `xf.merge_heads` and `xf.slice`.
+//!
+//! `split_heads` is `reshape [b, s, n*d] -> [b, s, n, d]` then `transpose (0, 2, 1, 3)`;
+//! `merge_heads` is its inverse. Keeping them as named ops (instead of a generic reshape and
+//! transpose) makes their sharding rule trivial: a split of the feature dimension into whole
+//! heads becomes a split of the head dimension.
+
+use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot};
+use crate::attrs::Attrs;
+use crate::types::TensorTy;
+
+/// `[batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim]`.
+#[derive(Debug)]
+pub struct SplitHeads;
+
+impl OpDef for SplitHeads {
+    fn mnemonic(&self) -> &'static str {
+        "split_heads"
+    }
+    fn summary(&self) -> &'static str {
+        "[b, s, n*d] -> [b, n, s, d] (reshape, then transpose 0,2,1,3)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "U" }],
+            attrs: &[("heads", AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        let x = inputs[0];
+        float("x", x)?;
+        rank_is("x", x, 3)?;
+        let heads = positive("heads", attrs.int("heads")?)?;
+        if x.shape[2] % heads != 0 {
+            return Err(format!("feature dimension of {x} is not divisible by heads = {heads}"));
+        }
+        Ok(vec![TensorTy::new([x.shape[0], heads, x.shape[1], x.shape[2] / heads], x.dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+    }
+}
+
+/// `[batch, heads, seq, head_dim] -> [batch, seq, heads*head_dim]`.
+#[derive(Debug)]
+pub struct MergeHeads;
+
+impl OpDef for MergeHeads {
+    fn mnemonic(&self) -> &'static str {
+        "merge_heads"
+    }
+    fn summary(&self) -> &'static str {
+        "[b, n, s, d] -> [b, s, n*d] (transpose 0,2,1,3, then reshape)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "U" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        let x = inputs[0];
+        float("x", x)?;
+        rank_is("x", x, 4)?;
+        Ok(vec![TensorTy::new([x.shape[0], x.shape[2], x.shape[1] * x.shape[3]], x.dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+    }
+}
+
+/// `y = x[..., start:start+size, ...]` along `axis` (e.g. the first `seq` rows of the learned
+/// position table).
+#[derive(Debug)]
+pub struct Slice;
+
+impl OpDef for Slice {
+    fn mnemonic(&self) -> &'static str {
+        "slice"
+    }
+    fn summary(&self) -> &'static str {
+        "contiguous slice x[start:start+size] along one axis"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "U" }],
+            attrs: &[("axis", AttrKind::Int), ("start", AttrKind::Int), ("size", AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        let x = inputs[0];
+        let axis = attrs.int("axis")?;
+        let start = attrs.int("start")?;
+        let size = positive("size", attrs.int("size")?)?;
+        let Some(&extent) = usize::try_from(axis).ok().and_then(|a| x.shape.get(a)) else {
+            return Err(format!("axis {axis} is out of range for {x}"));
+        };
+        if start < 0 || start.checked_add(size).is_none_or(|end| end > extent) {
+            return Err(format!("slice [{start}, {start}+{size}) is out of range for axis {axis} of {x}"));
+        }
+        let mut shape = x.shape.clone();
+        shape[axis as usize] = size;
+        Ok(vec![TensorTy::new(shape, x.dtype)])
+    }
+    fn cost(&self, _inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        // Reads only the rows it keeps.
+        Cost { flops: 0.0, bytes: 2.0 * outputs.iter().map(|t| t.bytes() as f64).sum::<f64>() }
+    }
+}

@@ -1,0 +1,205 @@
+//! The op registry: every fact about an `xf` op lives with the op, in one place.
+//!
+//! An op is a unit struct implementing [`OpDef`]: its signature (which also generates the IRDL
+//! definition in `ir/dialect/xf.irdl.mlir`), its shape rule and its FLOP/byte cost. Later
+//! stages add their facts (sharding rule, VJP, kernel name) to the same trait, so adding an op
+//! means one new `impl` here plus its kernels, and one line in [`REGISTRY`].
+//!
+//! IRDL checks only that operands are ranked tensors and that slots sharing a constraint have
+//! equal types; everything shape-related is checked here by [`OpDef::infer`].
+
+mod attention;
+mod elementwise;
+mod embedding;
+mod heads;
+mod loss;
+mod matmul;
+mod norm;
+mod rope;
+
+use crate::attrs::Attrs;
+use crate::types::{DType, TensorTy};
+
+pub use attention::Attention;
+pub use elementwise::{Add, Gelu, Mul, Scale, Silu, Swiglu};
+pub use embedding::Embedding;
+pub use heads::{MergeHeads, Slice, SplitHeads};
+pub use loss::CrossEntropy;
+pub use matmul::MatMul;
+pub use norm::{LayerNorm, RmsNorm};
+pub use rope::Rope;
+
+/// Every `xf` op, in the order the dialect file lists them.
+pub static REGISTRY: &[&dyn OpDef] = &[
+    &Embedding,
+    &MatMul,
+    &Add,
+    &Mul,
+    &Scale,
+    &Gelu,
+    &Silu,
+    &Swiglu,
+    &LayerNorm,
+    &RmsNorm,
+    &Rope,
+    &SplitHeads,
+    &MergeHeads,
+    &Slice,
+    &Attention,
+    &CrossEntropy,
+];
+
+/// Name of our dialect.
+pub const DIALECT: &str = "xf";
+
+/// Looks an op up by its full name (`xf.matmul`).
+pub fn lookup(full_name: &str) -> Option<&'static dyn OpDef> {
+    let mnemonic = full_name.strip_prefix("xf.")?;
+    REGISTRY.iter().copied().find(|op| op.mnemonic() == mnemonic)
+}
+
+/// Kind of value an attribute holds; decides its IRDL constraint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttrKind {
+    /// An `i64` integer attribute.
+    Int,
+    /// An `f64` float attribute.
+    Float,
+    /// An `i1` integer attribute (`true`/`false`).
+    Bool,
+}
+
+/// One operand or result slot. Slots of one op that name the same `constraint` must have
+/// equal types; IRDL enforces it.
+#[derive(Clone, Copy, Debug)]
+pub struct Slot {
+    /// Name of the slot in the IRDL definition.
+    pub name: &'static str,
+    /// Name of the IRDL type-constraint variable.
+    pub constraint: &'static str,
+}
+
+/// Operands, results and required attributes of an op.
+#[derive(Clone, Copy, Debug)]
+pub struct Signature {
+    /// Operand slots, in order.
+    pub operands: &'static [Slot],
+    /// Result slots, in order.
+    pub results: &'static [Slot],
+    /// Required attributes (IRDL has no optional attributes).
+    pub attrs: &'static [(&'static str, AttrKind)],
+}
+
+/// Estimated work of one op instance: floating-point operations and bytes moved to and from
+/// memory (every operand read once, every result written once).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Cost {
+    /// Floating-point operations (a fused multiply-add counts 2).
+    pub flops: f64,
+    /// Bytes read plus bytes written.
+    pub bytes: f64,
+}
+
+impl std::ops::AddAssign for Cost {
+    fn add_assign(&mut self, other: Cost) {
+        self.flops += other.flops;
+        self.bytes += other.bytes;
+    }
+}
+
+/// Every fact about one `xf` op.
+pub trait OpDef: Sync {
+    /// Name inside the dialect, e.g. `matmul` for `xf.matmul`.
+    fn mnemonic(&self) -> &'static str;
+
+    /// One-line description, used in the dialect file and `shardc ops`.
+    fn summary(&self) -> &'static str;
+
+    /// Operand, result and attribute slots.
+    fn signature(&self) -> Signature;
+
+    /// Result types for these operand types and attributes, or why they are invalid.
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String>;
+
+    /// Floating-point operations per result element, for ops whose work is proportional to
+    /// their output (element-wise ops); ops with other shapes of work override [`OpDef::cost`].
+    fn flops_per_element(&self) -> f64 {
+        0.0
+    }
+
+    /// Cost of one instance.
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        let out_elems: f64 = outputs.iter().map(|t| t.num_elements() as f64).sum();
+        Cost { flops: out_elems * self.flops_per_element(), bytes: io_bytes(inputs, outputs) }
+    }
+
+    /// Full name, e.g. `xf.matmul`.
+    fn name(&self) -> String {
+        format!("{DIALECT}.{}", self.mnemonic())
+    }
+}
+
+/// Bytes of every operand plus every result.
+pub fn io_bytes(inputs: &[&TensorTy], outputs: &[TensorTy]) -> f64 {
+    inputs.iter().map(|t| t.bytes() as f64).sum::<f64>()
+        + outputs.iter().map(|t| t.bytes() as f64).sum::<f64>()
+}
+
+/// Checks the operand count; shape rules start with it.
+pub(crate) fn arity<'a>(inputs: &[&'a TensorTy], n: usize) -> Result<(), String> {
+    if inputs.len() == n {
+        Ok(())
+    } else {
+        Err(format!("expects {n} operands, got {}", inputs.len()))
+    }
+}
+
+/// Checks that an operand holds floating-point values.
+pub(crate) fn float(what: &str, t: &TensorTy) -> Result<(), String> {
+    if t.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a floating-point tensor, got {t}"))
+    }
+}
+
+/// Checks that an operand holds token ids.
+pub(crate) fn ids(what: &str, t: &TensorTy) -> Result<(), String> {
+    if t.dtype == DType::I32 {
+        Ok(())
+    } else {
+        Err(format!("{what} must be an i32 tensor of token ids, got {t}"))
+    }
+}
+
+/// Checks a minimum rank.
+pub(crate) fn rank_at_least(what: &str, t: &TensorTy, rank: usize) -> Result<(), String> {
+    if t.rank() >= rank {
+        Ok(())
+    } else {
+        Err(format!("{what} must have rank >= {rank}, got {t}"))
+    }
+}
+
+/// Checks an exact rank.
+pub(crate) fn rank_is(what: &str, t: &TensorTy, rank: usize) -> Result<(), String> {
+    if t.rank() == rank {
+        Ok(())
+    } else {
+        Err(format!("{what} must have rank {rank}, got {t}"))
+    }
+}
+
+/// Checks that two operands have the same element type.
+pub(crate) fn same_dtype(a: &TensorTy, b: &TensorTy) -> Result<(), String> {
+    if a.dtype == b.dtype {
+        Ok(())
+    } else {
+        Err(format!("element types differ: {a} and {b}"))
+    }
+}
+
+/// A shape rule's error for a bad attribute value.
+pub(crate) fn positive(name: &str, value: i64) -> Result<i64, String> {
+    if value > 0 { Ok(value) } else { Err(format!("attribute `{name}` must be positive, got {value}")) }
+}

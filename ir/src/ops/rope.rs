@@ -1,0 +1,48 @@
+//! `xf.rope`: rotary position embedding.
+
+use super::{arity, float, rank_is, AttrKind, OpDef, Signature, Slot};
+use crate::attrs::Attrs;
+use crate::types::TensorTy;
+
+/// Rotary position embedding in the rotate-half layout (Hugging Face Llama):
+/// for `x[b, head, pos, :]` with head dimension `d`, `i < d/2` and
+/// `angle = pos * theta^(-2i/d)`:
+/// `y[i] = x[i] cos(angle) - x[i + d/2] sin(angle)`,
+/// `y[i + d/2] = x[i + d/2] cos(angle) + x[i] sin(angle)`.
+/// Operates on split heads `[batch, heads, seq, head_dim]`; positions are `0..seq`.
+#[derive(Debug)]
+pub struct Rope;
+
+impl OpDef for Rope {
+    fn mnemonic(&self) -> &'static str {
+        "rope"
+    }
+    fn summary(&self) -> &'static str {
+        "rotary position embedding (rotate-half) on [batch, heads, seq, head_dim]"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "T" }],
+            attrs: &[("theta", AttrKind::Float)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        let x = inputs[0];
+        float("x", x)?;
+        rank_is("x", x, 4)?;
+        if x.shape[3] % 2 != 0 {
+            return Err(format!("head dimension of {x} must be even for rotary embedding"));
+        }
+        let theta = attrs.float("theta")?;
+        if !(theta > 0.0 && theta.is_finite()) {
+            return Err(format!("theta must be positive, got {theta}"));
+        }
+        Ok(vec![x.clone()])
+    }
+    fn flops_per_element(&self) -> f64 {
+        // two multiplies and one add per element; the angles are tabulated.
+        3.0
+    }
+}

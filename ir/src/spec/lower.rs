@@ -1,0 +1,158 @@
+//! Frontend lowering: a [`Spec`] becomes `func.func @forward(params..., tokens, targets) -> loss`
+//! in `xf` ops, one block of ops per transformer layer, each op located by its place in the
+//! model (`layers.3.attn.q`), each parameter argument named (`layers.3.attn.q.weight`).
+//!
+//! Linear weights are stored `[in, out]`, so a column-parallel split is a split of dimension 1
+//! and a row-parallel split one of dimension 0. Attention uses separate q, k and v projections
+//! so that each splits by whole heads, grouped-query attention included.
+
+use super::{Activation, Norm, Positions, Spec};
+use crate::attrs::{AttrValue, Attrs};
+use crate::graph::{ArgRole, BuildError, Func, FuncBuilder, Module, Value};
+use crate::types::{DType, TensorTy};
+
+/// Error from lowering a spec: a shape rule rejected an op, which means the spec passed
+/// validation but is still inconsistent (a bug in validation or the frontend).
+pub type LowerError = BuildError;
+
+/// Lowers a validated spec to a module holding `@forward`.
+pub fn lower(spec: &Spec) -> Result<Module, LowerError> {
+    Ok(Module { grids: Vec::new(), funcs: vec![forward(spec)?] })
+}
+
+/// Shorthand for attribute sets.
+fn attrs(items: &[(&str, AttrValue)]) -> Attrs {
+    items.iter().fold(Attrs::new(), |a, (k, v)| a.with(k, v.clone()))
+}
+
+/// Builds `@forward`. Parameters are declared as they are first used, so argument order
+/// follows the model from embedding to head.
+fn forward(spec: &Spec) -> Result<Func, LowerError> {
+    let m = &spec.model;
+    let dtype: DType = m.dtype.into();
+    let (b, s) = (spec.training.micro_batch as i64, spec.seq_len() as i64);
+    let (h, v, f) = (m.hidden as i64, m.vocab as i64, m.ffn_hidden as i64);
+    let (heads, kv_heads) = (m.heads as i64, m.kv_heads() as i64);
+    let head_dim = h / heads;
+    let mut fb = FuncBuilder::new("forward");
+    let param = |fb: &mut FuncBuilder, name: &str, shape: &[i64]| fb.arg(name, TensorTy::new(shape, dtype), ArgRole::Param);
+
+    // Parameters that the whole model shares are declared up front; per-layer ones as used.
+    let wte = param(&mut fb, "embed.tokens.weight", &[v, h]);
+    let wpe = (m.positions == Positions::Learned).then(|| param(&mut fb, "embed.positions.weight", &[m.max_seq as i64, h]));
+    let tokens = fb.arg("tokens", TensorTy::new([b, s], DType::I32), ArgRole::Input);
+    let targets = fb.arg("targets", TensorTy::new([b, s], DType::I32), ArgRole::Input);
+
+    let mut x = fb.op("xf.embedding", &[wte, tokens], Attrs::new(), "embed.tokens")?;
+    if let Some(wpe) = wpe {
+        let pos = fb.op(
+            "xf.slice",
+            &[wpe],
+            attrs(&[("axis", AttrValue::Int(0)), ("start", AttrValue::Int(0)), ("size", AttrValue::Int(s))]),
+            "embed.positions.slice",
+        )?;
+        x = fb.op("xf.add", &[x, pos], Attrs::new(), "embed.positions")?;
+    }
+
+    let mut cx = LayerCx { fb, spec, dtype };
+    for layer in 0..m.layers {
+        let p = format!("layers.{layer}");
+        // Attention block: x + out(attention(q, k, v)).
+        let normed = cx.norm(x, &format!("{p}.attn_norm"))?;
+        let q = cx.linear(normed, h, heads * head_dim, &format!("{p}.attn.q"))?;
+        let k = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.k"))?;
+        let val = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.v"))?;
+        let mut q = cx.split_heads(q, heads, &format!("{p}.attn.q.heads"))?;
+        let mut k = cx.split_heads(k, kv_heads, &format!("{p}.attn.k.heads"))?;
+        let val = cx.split_heads(val, kv_heads, &format!("{p}.attn.v.heads"))?;
+        if m.positions == Positions::Rope {
+            let theta = attrs(&[("theta", AttrValue::Float(m.rope_theta))]);
+            q = cx.fb.op("xf.rope", &[q], theta.clone(), &format!("{p}.attn.q.rope"))?;
+            k = cx.fb.op("xf.rope", &[k], theta, &format!("{p}.attn.k.rope"))?;
+        }
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let core = cx.fb.op(
+            "xf.attention",
+            &[q, k, val],
+            attrs(&[("causal", AttrValue::Bool(true)), ("scale", AttrValue::Float(scale))]),
+            &format!("{p}.attn.core"),
+        )?;
+        let merged = cx.fb.op("xf.merge_heads", &[core], Attrs::new(), &format!("{p}.attn.merge_heads"))?;
+        let out = cx.linear(merged, heads * head_dim, h, &format!("{p}.attn.out"))?;
+        x = cx.fb.op("xf.add", &[x, out], Attrs::new(), &format!("{p}.attn.residual"))?;
+
+        // MLP block: x + down(act(up(x))).
+        let normed = cx.norm(x, &format!("{p}.mlp_norm"))?;
+        let inner = match m.activation {
+            Activation::Gelu => {
+                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"))?;
+                cx.fb.op("xf.gelu", &[up], Attrs::new(), &format!("{p}.mlp.act"))?
+            }
+            Activation::Swiglu => {
+                let gate = cx.linear(normed, h, f, &format!("{p}.mlp.gate"))?;
+                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"))?;
+                cx.fb.op("xf.swiglu", &[gate, up], Attrs::new(), &format!("{p}.mlp.act"))?
+            }
+        };
+        let down = cx.linear(inner, f, h, &format!("{p}.mlp.down"))?;
+        x = cx.fb.op("xf.add", &[x, down], Attrs::new(), &format!("{p}.mlp.residual"))?;
+    }
+
+    let x = cx.norm(x, "final_norm")?;
+    let logits = if m.tied_embeddings {
+        // The LM head reads the [vocab, hidden] embedding table transposed.
+        cx.fb.op("xf.matmul", &[x, wte], matmul_attrs(false, true), "lm_head")?
+    } else {
+        let w = param(&mut cx.fb, "lm_head.weight", &[h, v]);
+        cx.fb.op("xf.matmul", &[x, w], matmul_attrs(false, false), "lm_head")?
+    };
+    let loss = cx.fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "loss")?;
+    Ok(cx.fb.finish(&[loss]))
+}
+
+fn matmul_attrs(transpose_lhs: bool, transpose_rhs: bool) -> Attrs {
+    attrs(&[("transpose_lhs", AttrValue::Bool(transpose_lhs)), ("transpose_rhs", AttrValue::Bool(transpose_rhs))])
+}
+
+/// Builders for the repeated pieces of a layer.
+struct LayerCx<'s> {
+    fb: FuncBuilder,
+    spec: &'s Spec,
+    dtype: DType,
+}
+
+impl LayerCx<'_> {
+    fn param(&mut self, name: &str, shape: &[i64]) -> Value {
+        self.fb.arg(name, TensorTy::new(shape, self.dtype), ArgRole::Param)
+    }
+
+    /// `x @ W (+ b)` with `W [in, out]`, named `{name}.weight` / `{name}.bias`.
+    fn linear(&mut self, x: Value, fan_in: i64, fan_out: i64, name: &str) -> Result<Value, LowerError> {
+        let w = self.param(&format!("{name}.weight"), &[fan_in, fan_out]);
+        let y = self.fb.op("xf.matmul", &[x, w], matmul_attrs(false, false), name)?;
+        if !self.spec.model.linear_bias {
+            return Ok(y);
+        }
+        let bias = self.param(&format!("{name}.bias"), &[fan_out]);
+        self.fb.op("xf.add", &[y, bias], Attrs::new(), &format!("{name}.bias"))
+    }
+
+    /// The spec's normalisation over the hidden dimension.
+    fn norm(&mut self, x: Value, name: &str) -> Result<Value, LowerError> {
+        let model = &self.spec.model;
+        let hidden = model.hidden as i64;
+        let eps = attrs(&[("epsilon", AttrValue::Float(model.norm_eps))]);
+        let gamma = self.param(&format!("{name}.weight"), &[hidden]);
+        match model.norm {
+            Norm::LayerNorm => {
+                let beta = self.param(&format!("{name}.bias"), &[hidden]);
+                self.fb.op("xf.layernorm", &[x, gamma, beta], eps, name)
+            }
+            Norm::RmsNorm => self.fb.op("xf.rmsnorm", &[x, gamma], eps, name),
+        }
+    }
+
+    fn split_heads(&mut self, x: Value, heads: i64, name: &str) -> Result<Value, LowerError> {
+        self.fb.op("xf.split_heads", &[x], attrs(&[("heads", AttrValue::Int(heads))]), name)
+    }
+}

@@ -1,0 +1,406 @@
+//! Model specs: the frontend's input.
+//!
+//! A spec is a TOML or JSON file with a `[model]` section (architecture) and a `[training]`
+//! section (sequence length and batch sizes); see `models/*.toml`. Parsing never stops at the
+//! first problem: [`parse`] returns every error it finds, each naming the field, carrying the
+//! byte span of the field in the source and saying how to fix it. The CLI renders them with
+//! miette; this crate stays free of rendering.
+
+mod locate;
+mod lower;
+
+use std::fmt;
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::DType;
+
+pub use lower::{lower, LowerError};
+
+/// Largest size accepted for any dimension. Bigger values are surely typos, and keeping every
+/// product of two or three sizes inside `i64`/`f64` range keeps the arithmetic exact.
+pub const MAX_DIM: u64 = 1 << 31;
+
+/// A whole spec file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    /// Display name, e.g. `gpt2-small`.
+    pub name: String,
+    /// The architecture.
+    pub model: ModelSpec,
+    /// Sequence length and batch sizes of a training step.
+    pub training: TrainingSpec,
+}
+
+/// Normalisation layer kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Norm {
+    /// LayerNorm with learned scale and shift (GPT).
+    LayerNorm,
+    /// RMSNorm with learned scale (Llama).
+    RmsNorm,
+}
+
+/// MLP kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// `down(gelu(up(x)))` (GPT).
+    Gelu,
+    /// `down(silu(gate(x)) * up(x))` (Llama).
+    Swiglu,
+}
+
+/// Position encoding kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Positions {
+    /// A learned `[max_seq, hidden]` table added to the token embeddings (GPT).
+    Learned,
+    /// Rotary embedding of queries and keys (Llama).
+    Rope,
+}
+
+/// Training data types the frontend accepts for parameters and activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SpecDType {
+    /// 32-bit floats.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// 64-bit floats (gradient checks).
+    F64,
+}
+
+impl From<SpecDType> for DType {
+    fn from(d: SpecDType) -> DType {
+        match d {
+            SpecDType::F32 => DType::F32,
+            SpecDType::Bf16 => DType::Bf16,
+            SpecDType::F64 => DType::F64,
+        }
+    }
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_dtype() -> SpecDType {
+    SpecDType::F32
+}
+
+/// The architecture of a GPT- or Llama-style decoder-only transformer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Longest sequence the model supports (size of the learned position table).
+    pub max_seq: u64,
+    /// Hidden (model) dimension.
+    pub hidden: u64,
+    /// Number of transformer layers.
+    pub layers: u64,
+    /// Attention (query) heads.
+    pub heads: u64,
+    /// Key/value heads (grouped-query attention); defaults to `heads`.
+    #[serde(default)]
+    pub kv_heads: Option<u64>,
+    /// Inner dimension of the MLP.
+    pub ffn_hidden: u64,
+    /// Normalisation layer.
+    pub norm: Norm,
+    /// MLP kind.
+    pub activation: Activation,
+    /// Position encoding.
+    pub positions: Positions,
+    /// Whether linear layers (and LayerNorm) carry biases.
+    #[serde(default)]
+    pub linear_bias: bool,
+    /// Whether the LM head reuses the token embedding table.
+    #[serde(default)]
+    pub tied_embeddings: bool,
+    /// Epsilon of the normalisation layers.
+    #[serde(default = "default_eps")]
+    pub norm_eps: f64,
+    /// Base of the rotary embedding's frequencies.
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    /// Parameter and activation type.
+    #[serde(default = "default_dtype")]
+    pub dtype: SpecDType,
+}
+
+impl ModelSpec {
+    /// Key/value heads, with the default applied.
+    pub fn kv_heads(&self) -> u64 {
+        self.kv_heads.unwrap_or(self.heads)
+    }
+
+    /// Dimension of one attention head.
+    pub fn head_dim(&self) -> u64 {
+        self.hidden / self.heads.max(1)
+    }
+}
+
+/// Shape of one training step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingSpec {
+    /// Tokens per sequence; defaults to the model's `max_seq`.
+    #[serde(default)]
+    pub seq_len: Option<u64>,
+    /// Sequences per micro-batch (what one forward pass sees).
+    pub micro_batch: u64,
+    /// Sequences per optimizer step, over all data-parallel replicas and micro-batches.
+    pub global_batch: u64,
+}
+
+impl Spec {
+    /// Sequence length of a step, with the default applied.
+    pub fn seq_len(&self) -> u64 {
+        self.training.seq_len.unwrap_or(self.model.max_seq)
+    }
+
+    /// Micro-batches per optimizer step on a single replica.
+    pub fn micro_batches(&self) -> u64 {
+        self.training.global_batch / self.training.micro_batch.max(1)
+    }
+}
+
+/// Input format of a spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// TOML.
+    Toml,
+    /// JSON.
+    Json,
+}
+
+impl Format {
+    /// The format a file name implies, by extension; TOML unless it ends in `.json`.
+    pub fn from_path(path: &str) -> Format {
+        if path.to_ascii_lowercase().ends_with(".json") { Format::Json } else { Format::Toml }
+    }
+}
+
+/// One problem with a spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecError {
+    /// Dotted path of the field, e.g. `model.heads` (empty when the file does not parse).
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+    /// How to fix it.
+    pub help: Option<String>,
+    /// Byte range of the field (key and value) in the source, when it can be located.
+    pub span: Option<Range<usize>>,
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() { write!(f, "{}", self.message) } else { write!(f, "{}: {}", self.field, self.message) }
+    }
+}
+
+/// Every problem found in one spec file, with the source they point into.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct SpecErrors {
+    /// File name, for display.
+    pub source_name: String,
+    /// The file's text.
+    pub text: String,
+    /// The problems, in source order where known.
+    pub errors: Vec<SpecError>,
+}
+
+impl fmt::Display for SpecErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.errors.len();
+        write!(f, "invalid model spec {}: {n} error{}", self.source_name, if n == 1 { "" } else { "s" })?;
+        for e in &self.errors {
+            write!(f, "\n  {e}")?;
+            if let Some(help) = &e.help {
+                write!(f, " (help: {help})")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses and validates a spec. `source_name` is only used in messages.
+pub fn parse(source: &str, format: Format, source_name: &str) -> Result<Spec, SpecErrors> {
+    let fail = |errors: Vec<SpecError>| SpecErrors { source_name: source_name.to_string(), text: source.to_string(), errors };
+    let spec = deserialize(source, format).map_err(|e| fail(vec![e]))?;
+    let mut errors = validate(&spec);
+    if errors.is_empty() {
+        return Ok(spec);
+    }
+    for e in &mut errors {
+        e.span = locate::field_span(source, format, &e.field);
+    }
+    errors.sort_by_key(|e| e.span.as_ref().map_or(usize::MAX, |s| s.start));
+    Err(fail(errors))
+}
+
+/// Reads a spec from a file, choosing the format by extension.
+pub fn parse_file(path: &std::path::Path) -> Result<Spec, SpecErrors> {
+    let name = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse(&text, Format::from_path(&name), &name),
+        Err(e) => Err(SpecErrors {
+            source_name: name.clone(),
+            text: String::new(),
+            errors: vec![SpecError { field: String::new(), message: format!("cannot read {name}: {e}"), help: None, span: None }],
+        }),
+    }
+}
+
+/// Deserializes, turning serde's first error into a [`SpecError`] with the field path.
+fn deserialize(source: &str, format: Format) -> Result<Spec, SpecError> {
+    let help = |message: &str| -> Option<String> {
+        if message.contains("unknown field") {
+            Some("remove the field or fix its spelling; the accepted fields are listed above".into())
+        } else if message.contains("missing field") {
+            Some("add the field; every size must be given explicitly".into())
+        } else if message.contains("invalid value") || message.contains("invalid type") {
+            Some("sizes are positive integers; choices are lowercase strings such as \"layernorm\"".into())
+        } else {
+            None
+        }
+    };
+    match format {
+        Format::Toml => {
+            let de = toml::Deserializer::parse(source).map_err(|e| SpecError {
+                field: String::new(),
+                message: e.message().to_string(),
+                help: None,
+                span: e.span(),
+            })?;
+            serde_path_to_error::deserialize(de).map_err(|e| {
+                let field = path_string(e.path());
+                let inner = e.into_inner();
+                let message = inner.message().to_string();
+                SpecError { help: help(&message), span: inner.span(), field, message }
+            })
+        }
+        Format::Json => {
+            let mut de = serde_json::Deserializer::from_str(source);
+            serde_path_to_error::deserialize(&mut de).map_err(|e| {
+                let field = path_string(e.path());
+                let inner = e.into_inner();
+                let offset = line_col_to_offset(source, inner.line(), inner.column());
+                // serde_json appends " at line L column C"; the span already says where.
+                let message = inner.to_string();
+                let message = message.split(" at line ").next().unwrap_or(&message).to_string();
+                SpecError { help: help(&message), span: Some(offset..offset), field, message }
+            })
+        }
+    }
+}
+
+/// Dotted field path; `.` (serde_path_to_error's root) becomes empty.
+fn path_string(path: &serde_path_to_error::Path) -> String {
+    let text = path.to_string();
+    if text == "." { String::new() } else { text }
+}
+
+/// Byte offset of a 1-based line and column.
+fn line_col_to_offset(source: &str, line: usize, column: usize) -> usize {
+    let line_start: usize = source.split_inclusive('\n').take(line.saturating_sub(1)).map(str::len).sum();
+    (line_start + column.saturating_sub(1)).min(source.len())
+}
+
+/// Checks the relations between fields that types alone cannot express.
+fn validate(spec: &Spec) -> Vec<SpecError> {
+    let mut errors = Vec::new();
+    let mut error = |field: &str, message: String, help: String| {
+        errors.push(SpecError { field: field.to_string(), message, help: Some(help), span: None });
+    };
+    let m = &spec.model;
+    let t = &spec.training;
+    let sizes = [
+        ("model.vocab", m.vocab),
+        ("model.max_seq", m.max_seq),
+        ("model.hidden", m.hidden),
+        ("model.layers", m.layers),
+        ("model.heads", m.heads),
+        ("model.kv_heads", m.kv_heads()),
+        ("model.ffn_hidden", m.ffn_hidden),
+        ("training.seq_len", spec.seq_len()),
+        ("training.micro_batch", t.micro_batch),
+        ("training.global_batch", t.global_batch),
+    ];
+    let mut sizes_ok = true;
+    for (field, value) in sizes {
+        if value == 0 {
+            error(field, "must be at least 1".into(), "give a positive size".into());
+            sizes_ok = false;
+        } else if value > MAX_DIM {
+            error(field, format!("{value} exceeds the largest supported size {MAX_DIM}"), "check the value for a typo".into());
+            sizes_ok = false;
+        }
+    }
+    if !sizes_ok {
+        // The relations below divide by these sizes.
+        return errors;
+    }
+    if m.hidden % m.heads != 0 {
+        let suggestion = (1..=m.heads).rev().find(|h| m.hidden % h == 0).unwrap_or(1);
+        error(
+            "model.heads",
+            format!("hidden ({}) must be divisible by heads ({})", m.hidden, m.heads),
+            format!("use a number of heads that divides hidden, e.g. {suggestion}"),
+        );
+    } else if m.positions == Positions::Rope && m.head_dim() % 2 != 0 {
+        error(
+            "model.heads",
+            format!("rotary embedding needs an even head dimension, but hidden / heads = {}", m.head_dim()),
+            "choose heads so that hidden / heads is even".into(),
+        );
+    }
+    if m.heads % m.kv_heads() != 0 {
+        error(
+            "model.kv_heads",
+            format!("heads ({}) must be a multiple of kv_heads ({})", m.heads, m.kv_heads()),
+            "kv_heads must divide heads (equal to heads for multi-head attention)".into(),
+        );
+    }
+    if spec.seq_len() > m.max_seq {
+        error(
+            "training.seq_len",
+            format!("seq_len ({}) exceeds the model's max_seq ({})", spec.seq_len(), m.max_seq),
+            "lower seq_len or raise model.max_seq".into(),
+        );
+    }
+    if t.global_batch % t.micro_batch != 0 {
+        error(
+            "training.global_batch",
+            format!("global_batch ({}) is not a multiple of micro_batch ({})", t.global_batch, t.micro_batch),
+            "make global_batch a multiple of micro_batch".into(),
+        );
+    }
+    if !(m.norm_eps > 0.0 && m.norm_eps < 1.0) {
+        error("model.norm_eps", format!("must be in (0, 1), got {}", m.norm_eps), "typical values are 1e-5 or 1e-6".into());
+    }
+    if !(m.rope_theta > 1.0 && m.rope_theta.is_finite()) {
+        error("model.rope_theta", format!("must be greater than 1, got {}", m.rope_theta), "the usual base is 10000".into());
+    }
+    if m.norm == Norm::RmsNorm && m.linear_bias {
+        // Not a contradiction in itself, but no model family we import combines them and the
+        // frontend would silently drop the norm bias: say so instead.
+        error(
+            "model.linear_bias",
+            "rmsnorm has no bias, and biased linears with rmsnorm are not a supported family".into(),
+            "set linear_bias = false for Llama-style models".into(),
+        );
+    }
+    errors
+}

@@ -1,0 +1,213 @@
+//! `shardc`: compile a transformer model spec into a partitioned training plan.
+//!
+//! This is the CLI edge: it reads files, prints, writes dumps and maps errors to miette
+//! reports and exit codes. Everything else is in the library crates, in pipeline order:
+//! `ir` (spec, dialect, MLIR) -> `passes` -> `codegen` -> `runtime`.
+
+#![forbid(unsafe_code)]
+
+mod report;
+mod summary;
+
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, Subcommand};
+use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use serde::Serialize;
+use shardc_ir::mesh::Mesh;
+use shardc_ir::mlir::{irdl_source, print_module, IrContext, PrintStyle, XF_IRDL};
+use shardc_ir::spec::{self, Spec};
+
+use summary::Summary;
+
+/// shardc partitions the training of a transformer across many accelerators, as a compiler:
+/// a model spec is lowered to MLIR (our `xf` dialect plus upstream's `shard` dialect) and
+/// transformed by a pipeline of named, verified passes.
+#[derive(Parser, Debug)]
+#[command(name = "shardc", version, about, long_about = None, after_help = "Examples:\n  shardc ir models/tiny.toml\n  shardc compile models/gpt2-small.toml --mesh dp=2,tp=4 -o plan.json\n  shardc compile models/tiny.toml --print-ir-after-all --dump-dir out/ir")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print a spec lowered to MLIR (`func.func @forward` in xf ops).
+    ///
+    /// Example: shardc ir models/tiny.toml | mlir-opt-22 --irdl-file=ir/dialect/xf.irdl.mlir
+    Ir {
+        /// Model spec (.toml or .json).
+        spec: PathBuf,
+        /// Print every op in MLIR's generic form.
+        #[arg(long)]
+        generic: bool,
+        /// Leave out locations (`loc("layers.0.attn.q")`).
+        #[arg(long)]
+        no_locations: bool,
+    },
+    /// Run the pass pipeline on a spec for a mesh and print a summary.
+    ///
+    /// Example: shardc compile models/gpt2-small.toml --mesh dp=2,tp=4,pp=1 -o plan.json
+    Compile {
+        /// Model spec (.toml or .json).
+        spec: PathBuf,
+        /// Device mesh as axis=size pairs; omitted axes are 1.
+        #[arg(long, default_value = "dp=1,tp=1,pp=1")]
+        mesh: String,
+        /// Print the IR after every pass (to stdout).
+        #[arg(long)]
+        print_ir_after_all: bool,
+        /// Print the IR after the named pass (repeatable); `input` is the IR before any pass.
+        #[arg(long, value_name = "PASS")]
+        print_ir_after: Vec<String>,
+        /// Write the IR before and after every pass into DIR as NN-PASS.mlir.
+        #[arg(long, value_name = "DIR")]
+        dump_dir: Option<PathBuf>,
+        /// Write the compiled plan as JSON.
+        #[arg(short, long, value_name = "FILE")]
+        output: Option<PathBuf>,
+    },
+    /// Print the xf dialect's IRDL definition, generated from the op registry.
+    ///
+    /// Example: shardc dialect --check ir/dialect/xf.irdl.mlir
+    Dialect {
+        /// Compare with this file instead of printing; fail if it is out of date.
+        #[arg(long, value_name = "FILE")]
+        check: Option<PathBuf>,
+    },
+    /// List the xf ops with their operands, attributes and meaning.
+    ///
+    /// Example: shardc ops
+    Ops,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Ir { spec, generic, no_locations } => {
+            let spec = load_spec(&spec)?;
+            let module = spec::lower(&spec).into_diagnostic()?;
+            let cx = ir_context()?;
+            let style = match (generic, no_locations) {
+                (true, _) => PrintStyle::Generic,
+                (false, true) => PrintStyle::Plain,
+                (false, false) => PrintStyle::WithLocations,
+            };
+            print!("{}", print_module(&cx, &module, style).into_diagnostic()?);
+            Ok(())
+        }
+        Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output } => {
+            compile(&spec, &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref())
+        }
+        Command::Dialect { check } => {
+            let generated = irdl_source();
+            match check {
+                None => print!("{generated}"),
+                Some(path) => {
+                    let on_disk = std::fs::read_to_string(&path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
+                    if on_disk != generated {
+                        return Err(miette!(
+                            help = "regenerate it: shardc dialect > ir/dialect/xf.irdl.mlir",
+                            "{} is out of date with the op registry",
+                            path.display()
+                        ));
+                    }
+                    // The built-in copy is what the binary loads; it must match as well.
+                    if XF_IRDL != generated {
+                        return Err(miette!("this binary was built with an outdated dialect file; rebuild"));
+                    }
+                    println!("{} is up to date", path.display());
+                }
+            }
+            Ok(())
+        }
+        Command::Ops => {
+            for op in shardc_ir::ops::REGISTRY {
+                let sig = op.signature();
+                let operands: Vec<&str> = sig.operands.iter().map(|s| s.name).collect();
+                let attrs: Vec<&str> = sig.attrs.iter().map(|(n, _)| *n).collect();
+                println!("{:<18} ({}){}", op.name(), operands.join(", "), if attrs.is_empty() { String::new() } else { format!(" {{{}}}", attrs.join(", ")) });
+                println!("{:<18} {}", "", op.summary());
+            }
+            Ok(())
+        }
+    }
+}
+
+fn load_spec(path: &Path) -> Result<Spec> {
+    spec::parse_file(path).map_err(report::spec_report)
+}
+
+fn ir_context() -> Result<IrContext> {
+    IrContext::new().into_diagnostic().wrap_err("setting up MLIR")
+}
+
+/// The plan file `compile -o` writes.
+#[derive(Serialize)]
+struct PlanFile<'a> {
+    /// Bumped whenever the layout changes.
+    format_version: u32,
+    spec: &'a Spec,
+    mesh: Mesh,
+    passes: Vec<&'static str>,
+    summary: &'a Summary,
+    module: &'a shardc_ir::Module,
+}
+
+fn compile(
+    spec_path: &Path,
+    mesh: &str,
+    print_all: bool,
+    print_after: &[String],
+    dump_dir: Option<&Path>,
+    output: Option<&Path>,
+) -> Result<()> {
+    let spec = load_spec(spec_path)?;
+    let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
+    let problems = mesh.check(&spec);
+    if !problems.is_empty() {
+        return Err(report::mesh_report(problems));
+    }
+    let pipeline = shardc_passes::compile_pipeline();
+    let names = pipeline.names();
+    for wanted in print_after {
+        if wanted != "input" && !names.contains(&wanted.as_str()) {
+            return Err(miette!(help = format!("the passes are: input, {}", names.join(", ")), "--print-ir-after: no pass named `{wanted}`"));
+        }
+    }
+    if let Some(dir) = dump_dir {
+        std::fs::create_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("creating {}", dir.display()))?;
+    }
+    let mut module = spec::lower(&spec).into_diagnostic()?;
+    let cx = ir_context()?;
+    let wants = |pass: &str| print_all || dump_dir.is_some() || print_after.iter().any(|p| p == pass);
+    let mut dump_index = 0;
+    let mut io_error = None;
+    let report = pipeline
+        .run(&cx, &mut module, wants, |pass, ir| {
+            if print_all || print_after.iter().any(|p| p == pass) {
+                println!("// -----// IR after {pass} //----- //\n{ir}");
+            }
+            if let Some(dir) = dump_dir {
+                let file = dir.join(format!("{dump_index:02}-{pass}.mlir"));
+                if let Err(e) = std::fs::write(&file, ir) {
+                    io_error.get_or_insert(format!("writing {}: {e}", file.display()));
+                }
+                dump_index += 1;
+            }
+        })
+        .into_diagnostic()?;
+    if let Some(e) = io_error {
+        return Err(miette!("{e}"));
+    }
+    let summary = Summary::of(&spec, &module);
+    println!("shardc: compiled {} ({})", spec.name, spec_path.display());
+    print!("{}", summary.render(&spec, &mesh, &report.passes.iter().map(|p| p.name).collect::<Vec<_>>()));
+    if let Some(path) = output {
+        let plan = PlanFile { format_version: 1, spec: &spec, mesh, passes: names, summary: &summary, module: &module };
+        let json = serde_json::to_string(&plan).into_diagnostic()?;
+        std::fs::write(path, json).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+        println!("  plan        written to {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! The short summary `shardc compile` prints, and the figures it is made of.
+
+use serde::Serialize;
+use shardc_ir::mesh::Mesh;
+use shardc_ir::spec::Spec;
+use shardc_ir::Module;
+
+/// Figures of one compiled step, as printed and as written into the plan file.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// Trainable parameters.
+    pub parameters: u64,
+    /// Bytes of the parameters in the spec's dtype.
+    pub parameter_bytes: u64,
+    /// Forward FLOPs of one micro-batch (sum of the op registry's costs).
+    pub forward_flops_per_microbatch: f64,
+    /// Micro-batches per optimizer step over all replicas.
+    pub microbatches_per_step: u64,
+    /// Ops of each kind in `@forward`.
+    pub op_counts: std::collections::BTreeMap<String, usize>,
+}
+
+impl Summary {
+    /// Collects the figures of `@forward`.
+    pub fn of(spec: &Spec, module: &Module) -> Summary {
+        let forward = module.func("forward");
+        let parameters = forward.map_or(0, |f| f.parameter_count());
+        let dtype: shardc_ir::DType = spec.model.dtype.into();
+        Summary {
+            parameters,
+            parameter_bytes: parameters.saturating_mul(dtype.bytes()),
+            forward_flops_per_microbatch: forward.map_or(0.0, |f| f.cost().flops),
+            microbatches_per_step: spec.micro_batches(),
+            op_counts: forward.map(|f| f.op_counts()).unwrap_or_default(),
+        }
+    }
+
+    /// The printed summary.
+    pub fn render(&self, spec: &Spec, mesh: &Mesh, passes: &[&str]) -> String {
+        let m = &spec.model;
+        let mut out = String::new();
+        let mut line = |key: &str, value: String| out.push_str(&format!("  {key:<12}{value}\n"));
+        line(
+            "model",
+            format!(
+                "{} layers, hidden {}, {} heads ({} kv), ffn {}, vocab {}, {:?}/{:?}/{:?}{}",
+                m.layers,
+                m.hidden,
+                m.heads,
+                m.kv_heads(),
+                m.ffn_hidden,
+                m.vocab,
+                m.norm,
+                m.activation,
+                m.positions,
+                if m.tied_embeddings { ", tied embeddings" } else { "" }
+            )
+            .to_lowercase(),
+        );
+        line("parameters", format!("{} ({})", thousands(self.parameters), bytes(self.parameter_bytes)));
+        line(
+            "step",
+            format!(
+                "seq {} x micro-batch {}, {} micro-batches per step (global batch {})",
+                spec.seq_len(),
+                spec.training.micro_batch,
+                self.microbatches_per_step,
+                spec.training.global_batch
+            ),
+        );
+        // Backward costs about twice the forward (one product for the input gradient, one
+        // for the weight gradient, per forward product); autodiff will replace this estimate
+        // with the cost of the real training step.
+        let step_flops = 3.0 * self.forward_flops_per_microbatch * self.microbatches_per_step as f64;
+        line("FLOPs", format!("{} forward per micro-batch; ~{} per step (forward + backward = 3x forward)", flops(self.forward_flops_per_microbatch), flops(step_flops)));
+        line("mesh", format!("{mesh} ({} ranks)", mesh.ranks()));
+        line("passes", passes.join(" -> "));
+        let ops: Vec<String> = self.op_counts.iter().map(|(name, n)| format!("{name} {n}")).collect();
+        line("ops", ops.join(", "));
+        out
+    }
+}
+
+/// `124439808` -> `124,439,808`.
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Bytes in binary units.
+pub fn bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 { format!("{n} B") } else { format!("{value:.1} {}", units[unit]) }
+}
+
+/// FLOPs in decimal units.
+pub fn flops(n: f64) -> String {
+    let units = ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"];
+    let mut value = n;
+    let mut unit = 0;
+    while value >= 1000.0 && unit + 1 < units.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", units[unit])
+}
