@@ -30,8 +30,10 @@ struct SpecDiagnostic {
     errors: Vec<FieldDiagnostic>,
 }
 
-fn field_diagnostic(errors: &SpecErrors, e: &SpecError) -> FieldDiagnostic {
-    let title = if e.field.is_empty() {
+fn field_diagnostic(errors: &SpecErrors, e: &SpecError, headline: bool) -> FieldDiagnostic {
+    let title = if !headline {
+        format!("field `{}`: {}", e.field, e.message)
+    } else if e.field.is_empty() {
         format!("invalid model spec {}: {}", errors.source_name, e.message)
     } else {
         format!("invalid model spec {}: field `{}`: {}", errors.source_name, e.field, e.message)
@@ -48,9 +50,9 @@ fn field_diagnostic(errors: &SpecErrors, e: &SpecError) -> FieldDiagnostic {
 /// A report for every error of a spec.
 pub fn spec_report(errors: SpecErrors) -> miette::Report {
     if errors.errors.len() == 1 {
-        return miette::Report::new(field_diagnostic(&errors, &errors.errors[0]));
+        return miette::Report::new(field_diagnostic(&errors, &errors.errors[0], true));
     }
-    let diagnostics = errors.errors.iter().map(|e| field_diagnostic(&errors, e)).collect();
+    let diagnostics = errors.errors.iter().map(|e| field_diagnostic(&errors, e, false)).collect();
     miette::Report::new(SpecDiagnostic { name: errors.source_name.clone(), count: errors.errors.len(), errors: diagnostics })
 }
 

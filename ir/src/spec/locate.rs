@@ -8,7 +8,13 @@ use super::Format;
 /// Span of `section.key = value` (TOML) or `"key": value` inside `"section"` (JSON); for a
 /// defaulted field that is absent, the span of its section header.
 pub fn field_span(source: &str, format: Format, field: &str) -> Option<Range<usize>> {
-    let (section, key) = field.split_once('.')?;
+    let Some((section, key)) = field.split_once('.') else {
+        // A whole section: its header, or nothing if it is absent.
+        return match format {
+            Format::Toml => toml_edit::Document::parse(source).ok()?.as_table().key(field)?.span(),
+            Format::Json => source.find(&format!("\"{field}\"")).map(|at| at..at + field.len() + 2),
+        };
+    };
     match format {
         Format::Toml => toml_span(source, section, key),
         Format::Json => json_span(source, section, key),

@@ -134,7 +134,7 @@ impl LayerCx<'_> {
             return Ok(y);
         }
         let bias = self.param(&format!("{name}.bias"), &[fan_out]);
-        self.fb.op("xf.add", &[y, bias], Attrs::new(), &format!("{name}.bias"))
+        self.fb.op("xf.add", &[y, bias], Attrs::new(), &format!("{name}.bias_add"))
     }
 
     /// The spec's normalisation over the hidden dimension.

@@ -18,6 +18,10 @@ use crate::types::DType;
 
 pub use lower::{lower, LowerError};
 
+/// Most layers a spec may have: the frontend builds every layer's ops, and the deepest
+/// published models have around a hundred and fifty.
+pub const MAX_LAYERS: u64 = 4096;
+
 /// Largest size accepted for any dimension. Bigger values are surely typos, and keeping every
 /// product of two or three sizes inside `i64`/`f64` range keeps the arithmetic exact.
 pub const MAX_DIM: u64 = 1 << 31;
@@ -266,15 +270,22 @@ pub fn parse_file(path: &std::path::Path) -> Result<Spec, SpecErrors> {
 /// Deserializes, turning serde's first error into a [`SpecError`] with the field path.
 fn deserialize(source: &str, format: Format) -> Result<Spec, SpecError> {
     let help = |message: &str| -> Option<String> {
-        if message.contains("unknown field") {
-            Some("remove the field or fix its spelling; the accepted fields are listed above".into())
+        let text = if message.contains("unknown field") {
+            "remove the field or fix its spelling; the accepted fields are listed above"
         } else if message.contains("missing field") {
-            Some("add the field; every size must be given explicitly".into())
-        } else if message.contains("invalid value") || message.contains("invalid type") {
-            Some("sizes are positive integers; choices are lowercase strings such as \"layernorm\"".into())
+            "add the field; every size must be given explicitly (see models/tiny.toml)"
+        } else if message.contains("unknown variant") {
+            "use one of the values listed above"
+        } else if message.contains("expected u64") {
+            "sizes are positive whole numbers, e.g. 768"
+        } else if message.contains("expected f64") {
+            "give a number, e.g. 1e-5"
+        } else if message.contains("expected a boolean") {
+            "write true or false"
         } else {
-            None
-        }
+            return None;
+        };
+        Some(text.to_string())
     };
     match format {
         Format::Toml => {
@@ -288,7 +299,9 @@ fn deserialize(source: &str, format: Format) -> Result<Spec, SpecError> {
                 let field = path_string(e.path());
                 let inner = e.into_inner();
                 let message = inner.message().to_string();
-                SpecError { help: help(&message), span: inner.span(), field, message }
+                let field = missing_field_path(&field, &message);
+                let span = inner.span().or_else(|| locate::field_span(source, format, &field)).or(Some(source.len()..source.len()));
+                SpecError { help: help(&message), span, field, message }
             })
         }
         Format::Json => {
@@ -300,16 +313,35 @@ fn deserialize(source: &str, format: Format) -> Result<Spec, SpecError> {
                 // serde_json appends " at line L column C"; the span already says where.
                 let message = inner.to_string();
                 let message = message.split(" at line ").next().unwrap_or(&message).to_string();
-                SpecError { help: help(&message), span: Some(offset..offset), field, message }
+                let field = missing_field_path(&field, &message);
+                // A syntax error is best shown where the parser stopped; a type error at the field.
+                let at_parser = offset.saturating_sub(1)..offset.min(source.len());
+                let span = if inner.is_syntax() || inner.is_eof() {
+                    at_parser
+                } else {
+                    locate::field_span(source, format, &field).unwrap_or(at_parser)
+                };
+                SpecError { help: help(&message), span: Some(span), field, message }
             })
         }
     }
 }
 
-/// Dotted field path; `.` (serde_path_to_error's root) becomes empty.
+/// Dotted field path; `.` (serde_path_to_error's root) becomes empty, and the `?` it writes
+/// for a key it could not read is dropped.
 fn path_string(path: &serde_path_to_error::Path) -> String {
     let text = path.to_string();
-    if text == "." { String::new() } else { text }
+    let text = text.trim_end_matches(".?").trim_end_matches('?');
+    if text == "." { String::new() } else { text.to_string() }
+}
+
+/// For "missing field `x`" at the root, the path of the missing field itself (`training`), so
+/// the error names what to add.
+fn missing_field_path(field: &str, message: &str) -> String {
+    match message.strip_prefix("missing field `").and_then(|rest| rest.split('`').next()) {
+        Some(missing) if field.is_empty() => missing.to_string(),
+        _ => field.to_string(),
+    }
 }
 
 /// Byte offset of a 1-based line and column.
@@ -347,6 +379,10 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
             error(field, format!("{value} exceeds the largest supported size {MAX_DIM}"), "check the value for a typo".into());
             sizes_ok = false;
         }
+    }
+    if sizes_ok && m.layers > MAX_LAYERS {
+        error("model.layers", format!("{} layers exceed the supported maximum of {MAX_LAYERS}", m.layers), "check the value for a typo".into());
+        sizes_ok = false;
     }
     if !sizes_ok {
         // The relations below divide by these sizes.

@@ -1,0 +1,194 @@
+//! End-to-end tests of the `shardc` binary: what a user types, what they see.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn shardc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(args)
+        .current_dir(root())
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("shardc runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+/// Feeds `text` to `mlir-opt-22` with our dialect; panics with its complaint if it rejects it.
+fn assert_mlir_opt_accepts(text: &str) {
+    let mut child = Command::new("mlir-opt-22")
+        .arg(format!("--irdl-file={}", root().join("ir/dialect/xf.irdl.mlir").display()))
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mlir-opt-22 not found: run scripts/setup");
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "mlir-opt-22 rejected:\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn ir_output_parses_with_mlir_opt() {
+    for spec in ["models/tiny.toml", "models/tiny-llama.toml"] {
+        for extra in [&[][..], &["--generic"][..], &["--no-locations"][..]] {
+            let mut args = vec!["ir", spec];
+            args.extend_from_slice(extra);
+            let out = shardc(&args);
+            assert!(out.status.success(), "{}", stderr(&out));
+            assert!(stdout(&out).contains("forward"));
+            assert_mlir_opt_accepts(&stdout(&out));
+        }
+    }
+}
+
+#[test]
+fn compile_prints_a_summary_for_gpt2_small() {
+    let out = shardc(&["compile", "models/gpt2-small.toml", "--mesh", "dp=2,tp=4,pp=1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("124,439,808"), "{text}");
+    insta::assert_snapshot!(text);
+}
+
+#[test]
+fn llama_7b_parameter_count_is_printed() {
+    let out = shardc(&["compile", "models/llama-7b.toml"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("6,738,415,616"), "{}", stdout(&out));
+}
+
+#[test]
+fn dump_dir_holds_ir_before_and_after_every_pass() {
+    let dir = tempdir("dump");
+    let out = shardc(&["compile", "models/tiny.toml", "--dump-dir", dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut files: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
+    files.sort();
+    assert_eq!(files, ["00-input.mlir", "01-verify.mlir"]);
+    for file in files {
+        assert_mlir_opt_accepts(&std::fs::read_to_string(dir.join(file)).unwrap());
+    }
+}
+
+#[test]
+fn print_ir_after_named_pass_and_all() {
+    let out = shardc(&["compile", "models/tiny.toml", "--print-ir-after=verify"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert_eq!(text.matches("// -----// IR after").count(), 1);
+    assert!(text.contains("// -----// IR after verify //----- //"));
+    let out = shardc(&["compile", "models/tiny.toml", "--print-ir-after-all"]);
+    let text = stdout(&out);
+    assert!(text.contains("IR after input") && text.contains("IR after verify"), "{text}");
+}
+
+#[test]
+fn unknown_pass_name_lists_the_passes() {
+    let out = shardc(&["compile", "models/tiny.toml", "--print-ir-after=partition-everything"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("no pass named `partition-everything`") && err.contains("input, verify"), "{err}");
+}
+
+#[test]
+fn plan_file_is_written() {
+    let dir = tempdir("plan");
+    let plan = dir.join("plan.json");
+    let out = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "tp=2", "-o", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    assert_eq!(json["format_version"], 1);
+    assert_eq!(json["mesh"]["tp"], 2);
+    // embed 64*16 + 2 layers * (norms 2*16 + q,out 2*16*16 + k,v 2*16*8 + gate,up,down 3*16*48)
+    // + final norm 16 + untied head 16*64.
+    assert_eq!(json["summary"]["parameters"], 1024 + 2 * (32 + 512 + 256 + 2304) + 16 + 1024);
+    assert!(json["module"]["funcs"][0]["ops"].as_array().unwrap().len() > 20);
+}
+
+#[test]
+fn every_invalid_spec_gives_a_one_screen_error_naming_the_field() {
+    let dir = root().join("ir/tests/specs");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let out = shardc(&["ir", path.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{}: {err}", path.display());
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(err.lines().count() <= 40, "{}: more than one screen:\n{err}", path.display());
+        assert!(err.contains("invalid model spec"), "{err}");
+        let name = path.file_name().unwrap().to_string_lossy();
+        if name.contains("heads_not_dividing_hidden") {
+            assert!(err.contains("model.heads") && err.contains("divisible"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn spec_error_rendering() {
+    let out = shardc(&["ir", "ir/tests/specs/several_errors.toml"]);
+    insta::assert_snapshot!(stderr(&out));
+}
+
+#[test]
+fn invalid_meshes_are_refused_with_the_fix() {
+    for (mesh, expect) in [
+        ("tp=3", "does not divide the 4 attention heads"),
+        ("xp=2", "unknown axis `xp`"),
+        ("dp=0", "must be an integer from 1"),
+        ("dp=2,dp=2", "given twice"),
+        ("pp=9", "exceeds the 2 layers"),
+        ("dp=3", "not a multiple of dp x micro_batch"),
+        ("tp", "not of the form axis=size"),
+    ] {
+        let out = shardc(&["compile", "models/tiny.toml", "--mesh", mesh]);
+        assert_eq!(out.status.code(), Some(1), "{mesh}");
+        let err = stderr(&out);
+        assert!(err.contains(expect), "{mesh}: {err}");
+        assert!(err.contains("help"), "{mesh}: {err}");
+    }
+}
+
+#[test]
+fn missing_spec_file_is_a_clear_error() {
+    let out = shardc(&["ir", "models/does-not-exist.toml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("cannot read") && err.contains("No such file"), "{err}");
+}
+
+#[test]
+fn checked_in_dialect_is_current() {
+    let out = shardc(&["dialect", "--check", "ir/dialect/xf.irdl.mlir"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn help_explains_each_command_with_an_example() {
+    let text = stdout(&shardc(&["--help"]));
+    for command in ["ir", "compile", "dialect", "ops"] {
+        assert!(text.contains(&format!("  {command}")), "{text}");
+    }
+    let text = stdout(&shardc(&["compile", "--help"]));
+    assert!(text.contains("Example: shardc compile") && text.contains("--dump-dir"), "{text}");
+}
+
+fn tempdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardc-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
