@@ -168,7 +168,7 @@ fn compile(
     if !problems.is_empty() {
         return Err(report::mesh_report(problems));
     }
-    let pipeline = shardc_passes::compile_pipeline();
+    let pipeline = shardc_passes::compile_pipeline(&shardc_passes::CompileOptions::default());
     let names = pipeline.names();
     for wanted in print_after {
         if wanted != "input" && !names.contains(&wanted.as_str()) {

@@ -77,7 +77,7 @@ fn dump_dir_holds_ir_before_and_after_every_pass() {
     assert!(out.status.success(), "{}", stderr(&out));
     let mut files: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
     files.sort();
-    assert_eq!(files, ["00-input.mlir", "01-verify.mlir"]);
+    assert_eq!(files, ["00-input.mlir", "01-verify.mlir", "02-autodiff.mlir", "03-optimizer.mlir"]);
     for file in files {
         assert_mlir_opt_accepts(&std::fs::read_to_string(dir.join(file)).unwrap());
     }
@@ -100,7 +100,7 @@ fn unknown_pass_name_lists_the_passes() {
     let out = shardc(&["compile", "models/tiny.toml", "--print-ir-after=partition-everything"]);
     assert!(!out.status.success());
     let err = stderr(&out);
-    assert!(err.contains("no pass named `partition-everything`") && err.contains("input, verify"), "{err}");
+    assert!(err.contains("no pass named `partition-everything`") && err.contains("input, verify, autodiff, optimizer"), "{err}");
 }
 
 #[test]
@@ -112,9 +112,9 @@ fn plan_file_is_written() {
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
     assert_eq!(json["format_version"], 1);
     assert_eq!(json["mesh"]["tp"], 2);
-    // embed 64*16 + 2 layers * (norms 2*16 + q,out 2*16*16 + k,v 2*16*8 + gate,up,down 3*16*48)
-    // + final norm 16 + untied head 16*64.
-    assert_eq!(json["summary"]["parameters"], 1024 + 2 * (32 + 512 + 256 + 2304) + 16 + 1024);
+    // embed 256*16 + 2 layers * (norms 2*16 + q,out 2*16*16 + k,v 2*16*8 + gate,up,down 3*16*48)
+    // + final norm 16 + untied head 16*256.
+    assert_eq!(json["summary"]["parameters"], 4096 + 2 * (32 + 512 + 256 + 2304) + 16 + 4096);
     assert!(json["module"]["funcs"][0]["ops"].as_array().unwrap().len() > 20);
 }
 

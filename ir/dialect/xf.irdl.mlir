@@ -132,4 +132,134 @@ irdl.dialect @xf {
     irdl.operands(logits: %L, targets: %I)
     irdl.results(loss: %S)
   }
+  // xf.sum_leading: sum over the leading dims, keeping the trailing `keep` dims
+  irdl.operation @sum_leading {
+    %T = irdl.base "!builtin.tensor"
+    %U = irdl.base "!builtin.tensor"
+    %keep = irdl.base "#builtin.integer"
+    irdl.attributes {"keep" = %keep}
+    irdl.operands(x: %T)
+    irdl.results(y: %U)
+  }
+  // xf.fill_like: a tensor of x's type filled with value
+  irdl.operation @fill_like {
+    %T = irdl.base "!builtin.tensor"
+    %value = irdl.base "#builtin.float"
+    irdl.attributes {"value" = %value}
+    irdl.operands(x: %T)
+    irdl.results(y: %T)
+  }
+  // xf.pad: zero-pad x to extent size along axis, x at offset start (slice's transpose)
+  irdl.operation @pad {
+    %T = irdl.base "!builtin.tensor"
+    %U = irdl.base "!builtin.tensor"
+    %axis = irdl.base "#builtin.integer"
+    %start = irdl.base "#builtin.integer"
+    %size = irdl.base "#builtin.integer"
+    irdl.attributes {"axis" = %axis, "start" = %start, "size" = %size}
+    irdl.operands(x: %T)
+    irdl.results(y: %U)
+  }
+  // xf.embedding_grad: scatter-add: out[ids[...], :] += dy[..., :] into [vocab, hidden]
+  irdl.operation @embedding_grad {
+    %I = irdl.base "!builtin.tensor"
+    %D = irdl.base "!builtin.tensor"
+    %W = irdl.base "!builtin.tensor"
+    %vocab = irdl.base "#builtin.integer"
+    irdl.attributes {"vocab" = %vocab}
+    irdl.operands(ids: %I, dy: %D)
+    irdl.results(out: %W)
+  }
+  // xf.matmul_wgrad: sum over batch of a[..., m, k]^T b[..., m, n] -> [k, n] (weight gradient)
+  irdl.operation @matmul_wgrad {
+    %A = irdl.base "!builtin.tensor"
+    %B = irdl.base "!builtin.tensor"
+    %C = irdl.base "!builtin.tensor"
+    irdl.operands(a: %A, b: %B)
+    irdl.results(out: %C)
+  }
+  // xf.gelu_grad: dy * gelu'(x) (tanh approximation)
+  irdl.operation @gelu_grad {
+    %T = irdl.base "!builtin.tensor"
+    irdl.operands(x: %T, dy: %T)
+    irdl.results(dx: %T)
+  }
+  // xf.silu_grad: dy * silu'(x)
+  irdl.operation @silu_grad {
+    %T = irdl.base "!builtin.tensor"
+    irdl.operands(x: %T, dy: %T)
+    irdl.results(dx: %T)
+  }
+  // xf.swiglu_grad: (dy * up * silu'(gate), dy * silu(gate))
+  irdl.operation @swiglu_grad {
+    %T = irdl.base "!builtin.tensor"
+    irdl.operands(gate: %T, up: %T, dy: %T)
+    irdl.results(dgate: %T, dup: %T)
+  }
+  // xf.layernorm_grad: layernorm backward: (dx, dgamma, dbeta) from x, gamma, dy
+  irdl.operation @layernorm_grad {
+    %T = irdl.base "!builtin.tensor"
+    %P = irdl.base "!builtin.tensor"
+    %epsilon = irdl.base "#builtin.float"
+    irdl.attributes {"epsilon" = %epsilon}
+    irdl.operands(x: %T, gamma: %P, dy: %T)
+    irdl.results(dx: %T, dgamma: %P, dbeta: %P)
+  }
+  // xf.rmsnorm_grad: rmsnorm backward: (dx, dgamma) from x, gamma, dy
+  irdl.operation @rmsnorm_grad {
+    %T = irdl.base "!builtin.tensor"
+    %P = irdl.base "!builtin.tensor"
+    %epsilon = irdl.base "#builtin.float"
+    irdl.attributes {"epsilon" = %epsilon}
+    irdl.operands(x: %T, gamma: %P, dy: %T)
+    irdl.results(dx: %T, dgamma: %P)
+  }
+  // xf.rope_grad: rotary embedding backward: rotate by -angle
+  irdl.operation @rope_grad {
+    %T = irdl.base "!builtin.tensor"
+    %theta = irdl.base "#builtin.float"
+    irdl.attributes {"theta" = %theta}
+    irdl.operands(dy: %T)
+    irdl.results(dx: %T)
+  }
+  // xf.attention_grad: attention backward: (dq, dk, dv) from q, k, v, dout; recomputes the probabilities
+  irdl.operation @attention_grad {
+    %Q = irdl.base "!builtin.tensor"
+    %K = irdl.base "!builtin.tensor"
+    %causal = irdl.base "#builtin.integer"
+    %scale = irdl.base "#builtin.float"
+    irdl.attributes {"causal" = %causal, "scale" = %scale}
+    irdl.operands(q: %Q, k: %K, v: %K, dout: %Q)
+    irdl.results(dq: %Q, dk: %K, dv: %K)
+  }
+  // xf.cross_entropy_grad: dloss * (softmax(logits) - onehot(targets)) / tokens
+  irdl.operation @cross_entropy_grad {
+    %L = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    irdl.operands(logits: %L, targets: %I, dloss: %S)
+    irdl.results(dlogits: %L)
+  }
+  // xf.adamw: AdamW update with bias correction: (param, m, v) -> (param', m', v')
+  irdl.operation @adamw {
+    %P = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    %lr = irdl.base "#builtin.float"
+    %beta1 = irdl.base "#builtin.float"
+    %beta2 = irdl.base "#builtin.float"
+    %epsilon = irdl.base "#builtin.float"
+    %weight_decay = irdl.base "#builtin.float"
+    irdl.attributes {"lr" = %lr, "beta1" = %beta1, "beta2" = %beta2, "epsilon" = %epsilon, "weight_decay" = %weight_decay}
+    irdl.operands(param: %P, grad: %P, m: %P, v: %P, step: %S)
+    irdl.results(new_param: %P, new_m: %P, new_v: %P)
+  }
+  // xf.sgd: SGD update: param - lr (grad + weight_decay param)
+  irdl.operation @sgd {
+    %P = irdl.base "!builtin.tensor"
+    %lr = irdl.base "#builtin.float"
+    %weight_decay = irdl.base "#builtin.float"
+    irdl.attributes {"lr" = %lr, "weight_decay" = %weight_decay}
+    irdl.operands(param: %P, grad: %P)
+    irdl.results(new_param: %P)
+  }
 }

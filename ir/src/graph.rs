@@ -61,8 +61,10 @@ impl fmt::Display for Type {
 pub enum ArgRole {
     /// A trainable parameter.
     Param,
-    /// Data fed per step (tokens, targets).
+    /// Data fed per step (tokens, targets, the step counter).
     Input,
+    /// Optimizer state (Adam moments), updated in place by the training step.
+    OptState,
 }
 
 impl ArgRole {
@@ -71,6 +73,7 @@ impl ArgRole {
         match self {
             ArgRole::Param => "xf.param",
             ArgRole::Input => "xf.input",
+            ArgRole::OptState => "xf.opt_state",
         }
     }
 }
@@ -112,6 +115,9 @@ pub struct Func {
     pub ops: Vec<Op>,
     /// Returned values.
     pub returns: Vec<Value>,
+    /// Name of each returned value (`loss`, `layers.0.attn.q.weight`, ...), printed as
+    /// result attributes so that a caller can match results to state.
+    pub result_names: Vec<String>,
     /// Type of each value, indexed by `Value.0`.
     pub types: Vec<Type>,
 }
@@ -208,7 +214,9 @@ pub struct FuncBuilder {
 impl FuncBuilder {
     /// Starts an empty function.
     pub fn new(name: &str) -> Self {
-        FuncBuilder { func: Func { name: name.to_string(), args: Vec::new(), ops: Vec::new(), returns: Vec::new(), types: Vec::new() } }
+        FuncBuilder {
+            func: Func { name: name.to_string(), args: Vec::new(), ops: Vec::new(), returns: Vec::new(), result_names: Vec::new(), types: Vec::new() },
+        }
     }
 
     fn fresh(&mut self, ty: Type) -> Value {
@@ -225,19 +233,39 @@ impl FuncBuilder {
 
     /// Adds a registered `xf` op with one result; its type comes from the op's shape rule.
     pub fn op(&mut self, name: &str, operands: &[Value], attrs: Attrs, loc: &str) -> Result<Value, BuildError> {
+        let results = self.op_multi(name, operands, attrs, loc)?;
+        match results[..] {
+            [result] => Ok(result),
+            _ => Err(BuildError { loc: loc.to_string(), op: name.to_string(), reason: format!("has {} results; use op_multi", results.len()) }),
+        }
+    }
+
+    /// Adds a registered `xf` op with any number of results.
+    pub fn op_multi(&mut self, name: &str, operands: &[Value], attrs: Attrs, loc: &str) -> Result<Vec<Value>, BuildError> {
         let error = |reason: String| BuildError { loc: loc.to_string(), op: name.to_string(), reason };
         let def = ops::lookup(name).ok_or_else(|| error("not a registered xf op".into()))?;
         let inputs = operands
             .iter()
             .map(|v| self.func.tensor(*v).ok_or_else(|| error(format!("operand {v} is not a tensor"))))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut types = def.infer(&inputs, &attrs).map_err(error)?;
-        if types.len() != 1 {
-            return Err(error(format!("has {} results; use op_typed", types.len())));
-        }
-        let result = self.fresh(Type::Tensor(types.remove(0)));
-        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: vec![result], attrs, loc: loc.to_string() });
-        Ok(result)
+        let types = def.infer(&inputs, &attrs).map_err(error)?;
+        let results: Vec<Value> = types.into_iter().map(|t| self.fresh(Type::Tensor(t))).collect();
+        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: results.clone(), attrs, loc: loc.to_string() });
+        Ok(results)
+    }
+
+    /// Copies `op` (any op) with new operands and location; result types are copied from
+    /// `source`, the function `op` belongs to.
+    pub fn clone_op(&mut self, source: &Func, op: &Op, operands: &[Value], loc: &str) -> Vec<Value> {
+        let types = op.results.iter().map(|v| source.ty(*v).clone()).collect();
+        self.op_typed(&op.name, operands, op.attrs.clone(), types, loc)
+    }
+
+    /// Adds an argument of any type and role.
+    pub fn arg_typed(&mut self, name: &str, ty: Type, role: ArgRole) -> Value {
+        let value = self.fresh(ty);
+        self.func.args.push(FuncArg { value, name: name.to_string(), role });
+        value
     }
 
     /// Adds an op with explicit result types (ops outside the registry, such as `shard` ops).
@@ -252,9 +280,18 @@ impl FuncBuilder {
         self.func.tensor(value)
     }
 
-    /// Finishes the function, returning `values`.
-    pub fn finish(mut self, values: &[Value]) -> Func {
+    /// Finishes the function, returning `values` under `names` (one per value).
+    pub fn finish(mut self, values: &[Value], names: &[String]) -> Func {
+        debug_assert_eq!(values.len(), names.len());
         self.func.returns = values.to_vec();
+        self.func.result_names = names.to_vec();
+        // Arguments read parameters first, then optimizer state, then per-step inputs,
+        // whatever order they were declared in; value numbers do not depend on it.
+        self.func.args.sort_by_key(|a| match a.role {
+            ArgRole::Param => 0,
+            ArgRole::OptState => 1,
+            ArgRole::Input => 2,
+        });
         self.func
     }
 }

@@ -12,14 +12,36 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod autodiff;
+mod optimizer;
 mod pipeline;
 mod verify_pass;
 
+pub use autodiff::{differentiate, Autodiff, Recompute};
+pub use optimizer::{Optimizer, OptimizerKind};
 pub use pipeline::{Changed, Pass, PassError, PassRecord, Pipeline, PipelineReport};
 pub use verify_pass::VerifyShapes;
 
-/// The pipeline `shardc compile` runs. Later stages (autodiff, sharding, pipeline stages,
-/// communication optimisation) are added here, in order, as straight-line code.
-pub fn compile_pipeline() -> Pipeline {
-    Pipeline::new().then(VerifyShapes)
+/// Options of the compile pipeline.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CompileOptions {
+    /// Activation recomputation.
+    pub recompute: Recompute,
+    /// Update rule of the training step.
+    pub optimizer: OptimizerKind,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions { recompute: Recompute::None, optimizer: OptimizerKind::adamw(1e-3) }
+    }
+}
+
+/// The pipeline `shardc compile` runs, in order. Later stages (sharding, pipeline stages,
+/// communication optimisation) are added here as straight-line code.
+pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
+    Pipeline::new()
+        .then(VerifyShapes)
+        .then(Autodiff { recompute: options.recompute })
+        .then(Optimizer { kind: options.optimizer })
 }

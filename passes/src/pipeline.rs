@@ -35,7 +35,7 @@ pub enum PassError {
         message: String,
     },
     /// A pass left IR that does not verify: a bug in shardc.
-    #[error("internal error: IR after pass `{pass}` does not verify (a bug in shardc): {source}")]
+    #[error("internal error: IR after pass `{pass}` does not verify (a bug in shardc)")]
     Internal {
         /// Pass name (`input` for the IR before the first pass).
         pass: String,

@@ -167,12 +167,18 @@ fn emit_func<'c>(cx: &'c IrContext, func: &Func) -> Result<melior::ir::Operation
     let region = Region::new();
     region.append_block(block);
     let arg_attrs: Vec<String> = func.args.iter().map(|a| format!("{{{} = {:?}}}", a.role.attr_name(), a.name)).collect();
+    let res_attrs: Vec<String> = (0..func.returns.len())
+        .map(|i| format!("{{xf.result = {:?}}}", func.result_names.get(i).map_or("", String::as_str)))
+        .collect();
     Ok(func::func(
         ctx,
         StringAttribute::new(ctx, &func.name),
         TypeAttribute::new(FunctionType::new(ctx, &arg_types, &result_types).into()),
         region,
-        &[(Identifier::new(ctx, "arg_attrs"), parse_attr(cx, &format!("[{}]", arg_attrs.join(", ")))?)],
+        &[
+            (Identifier::new(ctx, "arg_attrs"), parse_attr(cx, &format!("[{}]", arg_attrs.join(", ")))?),
+            (Identifier::new(ctx, "res_attrs"), parse_attr(cx, &format!("[{}]", res_attrs.join(", ")))?),
+        ],
         Location::unknown(ctx),
     ))
 }

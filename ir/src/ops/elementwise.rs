@@ -1,7 +1,8 @@
 //! Element-wise ops: `add`, `mul` (with right-aligned broadcasting of the second operand),
-//! `scale`, and the activations `gelu`, `silu`, `swiglu`.
+//! `scale`, the activations `gelu`, `silu`, `swiglu`, and their backward ops.
 
-use super::{arity, float, same_dtype, AttrKind, OpDef, Signature, Slot};
+use super::{arity, float, same_dtype, AttrKind, OpDef, Signature, Slot, VjpCx};
+use crate::graph::Value;
 use crate::attrs::Attrs;
 use crate::types::TensorTy;
 
@@ -45,6 +46,14 @@ impl OpDef for Add {
     fn flops_per_element(&self) -> f64 {
         1.0
     }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        // d lhs = dy; d rhs = dy summed over the dimensions rhs was broadcast along.
+        let rhs = cx.sum_to(grads[0], cx.operands[1])?;
+        Ok(vec![Some(grads[0]), Some(rhs)])
+    }
 }
 
 /// `out = lhs * rhs`, `rhs` broadcast over the leading dimensions of `lhs`.
@@ -68,6 +77,16 @@ impl OpDef for Mul {
     }
     fn flops_per_element(&self) -> f64 {
         1.0
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let (lhs, rhs) = (cx.operands[0], cx.operands[1]);
+        let d_lhs = cx.emit("xf.mul", &[grads[0], rhs], Attrs::new())?;
+        let d_rhs_full = cx.emit("xf.mul", &[grads[0], lhs], Attrs::new())?;
+        let d_rhs = cx.sum_to(d_rhs_full, rhs)?;
+        Ok(vec![Some(d_lhs), Some(d_rhs)])
     }
 }
 
@@ -93,6 +112,13 @@ impl OpDef for Scale {
     }
     fn flops_per_element(&self) -> f64 {
         1.0
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let attrs = cx.attrs.clone();
+        Ok(vec![Some(cx.emit("xf.scale", &[grads[0]], attrs)?)])
     }
 }
 
@@ -120,6 +146,13 @@ impl OpDef for Gelu {
         // x^3, two multiply-adds, tanh (counted as 1), 1 + t, two multiplies.
         8.0
     }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let x = cx.operands[0];
+        Ok(vec![Some(cx.emit("xf.gelu_grad", &[x, grads[0]], Attrs::new())?)])
+    }
 }
 
 /// SiLU (swish): `x * sigmoid(x)`.
@@ -143,6 +176,13 @@ impl OpDef for Silu {
     }
     fn flops_per_element(&self) -> f64 {
         4.0
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let x = cx.operands[0];
+        Ok(vec![Some(cx.emit("xf.silu_grad", &[x, grads[0]], Attrs::new())?)])
     }
 }
 
@@ -174,5 +214,108 @@ impl OpDef for Swiglu {
     }
     fn flops_per_element(&self) -> f64 {
         5.0
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let (gate, up) = (cx.operands[0], cx.operands[1]);
+        let d = cx.emit_multi("xf.swiglu_grad", &[gate, up, grads[0]], Attrs::new())?;
+        Ok(vec![Some(d[0]), Some(d[1])])
+    }
+}
+
+/// Same-type check of the operands of a backward element-wise op.
+fn same_types(what: &[&str], inputs: &[&TensorTy]) -> Result<TensorTy, String> {
+    arity(inputs, what.len())?;
+    float(what[0], inputs[0])?;
+    for (name, t) in what.iter().zip(inputs).skip(1) {
+        if *t != inputs[0] {
+            return Err(format!("{name} {t} must have the type of {} {}", what[0], inputs[0]));
+        }
+    }
+    Ok(inputs[0].clone())
+}
+
+/// `dx = dy * gelu'(x)` for the tanh approximation.
+#[derive(Debug)]
+pub struct GeluGrad;
+
+impl OpDef for GeluGrad {
+    fn mnemonic(&self) -> &'static str {
+        "gelu_grad"
+    }
+    fn summary(&self) -> &'static str {
+        "dy * gelu'(x) (tanh approximation)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }, Slot { name: "dy", constraint: "T" }],
+            results: &[Slot { name: "dx", constraint: "T" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        Ok(vec![same_types(&["x", "dy"], inputs)?])
+    }
+    fn flops_per_element(&self) -> f64 {
+        14.0
+    }
+}
+
+/// `dx = dy * silu'(x) = dy * s (1 + x (1 - s))` with `s = sigmoid(x)`.
+#[derive(Debug)]
+pub struct SiluGrad;
+
+impl OpDef for SiluGrad {
+    fn mnemonic(&self) -> &'static str {
+        "silu_grad"
+    }
+    fn summary(&self) -> &'static str {
+        "dy * silu'(x)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }, Slot { name: "dy", constraint: "T" }],
+            results: &[Slot { name: "dx", constraint: "T" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        Ok(vec![same_types(&["x", "dy"], inputs)?])
+    }
+    fn flops_per_element(&self) -> f64 {
+        7.0
+    }
+}
+
+/// `dgate = dy * up * silu'(gate)`, `dup = dy * silu(gate)`.
+#[derive(Debug)]
+pub struct SwigluGrad;
+
+impl OpDef for SwigluGrad {
+    fn mnemonic(&self) -> &'static str {
+        "swiglu_grad"
+    }
+    fn summary(&self) -> &'static str {
+        "(dy * up * silu'(gate), dy * silu(gate))"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "gate", constraint: "T" },
+                Slot { name: "up", constraint: "T" },
+                Slot { name: "dy", constraint: "T" },
+            ],
+            results: &[Slot { name: "dgate", constraint: "T" }, Slot { name: "dup", constraint: "T" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        let t = same_types(&["gate", "up", "dy"], inputs)?;
+        Ok(vec![t.clone(), t])
+    }
+    fn flops_per_element(&self) -> f64 {
+        6.0
     }
 }

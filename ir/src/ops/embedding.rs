@@ -1,7 +1,8 @@
-//! `xf.embedding`: row lookup in a table.
+//! `xf.embedding`: row lookup in a table, and its gradient `xf.embedding_grad`.
 
-use super::{arity, float, ids, io_bytes, rank_is, Cost, OpDef, Signature, Slot};
-use crate::attrs::Attrs;
+use super::{arity, float, ids, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
+use crate::attrs::{AttrValue, Attrs};
+use crate::graph::Value;
 use crate::types::TensorTy;
 
 /// `out[..., :] = table[ids[...], :]`: token embedding lookup. `table` is `[vocab, hidden]`,
@@ -37,5 +38,49 @@ impl OpDef for Embedding {
         // A gather reads only the rows it copies, not the whole table.
         let out = outputs.iter().map(|t| t.bytes() as f64).sum::<f64>();
         Cost { flops: 0.0, bytes: 2.0 * out + io_bytes(&inputs[1..], &[]) }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let vocab = cx.ty(cx.operands[0])?.shape[0];
+        let ids = cx.operands[1];
+        let d_table = cx.emit("xf.embedding_grad", &[ids, grads[0]], Attrs::new().with("vocab", AttrValue::Int(vocab)))?;
+        Ok(vec![Some(d_table), None])
+    }
+}
+
+/// `out[v, :] = sum of dy[t, :] over every position t with ids[t] = v`: the scatter-add that
+/// is the gradient of an embedding lookup. `out` is `[vocab, hidden]`.
+#[derive(Debug)]
+pub struct EmbeddingGrad;
+
+impl OpDef for EmbeddingGrad {
+    fn mnemonic(&self) -> &'static str {
+        "embedding_grad"
+    }
+    fn summary(&self) -> &'static str {
+        "scatter-add: out[ids[...], :] += dy[..., :] into [vocab, hidden]"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "ids", constraint: "I" }, Slot { name: "dy", constraint: "D" }],
+            results: &[Slot { name: "out", constraint: "W" }],
+            attrs: &[("vocab", AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 2)?;
+        let (index, dy) = (inputs[0], inputs[1]);
+        ids("ids", index)?;
+        float("dy", dy)?;
+        if dy.rank() != index.rank() + 1 || dy.shape[..index.rank()] != index.shape[..] {
+            return Err(format!("dy {dy} must be ids {index} plus a hidden dimension"));
+        }
+        let vocab = positive("vocab", attrs.int("vocab")?)?;
+        Ok(vec![TensorTy::new([vocab, dy.shape[dy.rank() - 1]], dy.dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: inputs[1].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
     }
 }

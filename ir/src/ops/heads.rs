@@ -1,12 +1,13 @@
-//! Layout ops: `xf.split_heads`, `xf.merge_heads` and `xf.slice`.
+//! Layout ops: `xf.split_heads`, `xf.merge_heads`, `xf.slice` and its transpose `xf.pad`.
 //!
 //! `split_heads` is `reshape [b, s, n*d] -> [b, s, n, d]` then `transpose (0, 2, 1, 3)`;
 //! `merge_heads` is its inverse. Keeping them as named ops (instead of a generic reshape and
 //! transpose) makes their sharding rule trivial: a split of the feature dimension into whole
 //! heads becomes a split of the head dimension.
 
-use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot};
-use crate::attrs::Attrs;
+use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
+use crate::attrs::{AttrValue, Attrs};
+use crate::graph::Value;
 use crate::types::TensorTy;
 
 /// `[batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim]`.
@@ -41,6 +42,12 @@ impl OpDef for SplitHeads {
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
     }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        Ok(vec![Some(cx.emit("xf.merge_heads", &[grads[0]], Attrs::new())?)])
+    }
 }
 
 /// `[batch, heads, seq, head_dim] -> [batch, seq, heads*head_dim]`.
@@ -70,6 +77,13 @@ impl OpDef for MergeHeads {
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let heads = cx.ty(cx.operands[0])?.shape[1];
+        Ok(vec![Some(cx.emit("xf.split_heads", &[grads[0]], Attrs::new().with("heads", AttrValue::Int(heads)))?)])
     }
 }
 
@@ -111,5 +125,57 @@ impl OpDef for Slice {
     fn cost(&self, _inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         // Reads only the rows it keeps.
         Cost { flops: 0.0, bytes: 2.0 * outputs.iter().map(|t| t.bytes() as f64).sum::<f64>() }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let axis = cx.attrs.int("axis")?;
+        let extent = cx.ty(cx.operands[0])?.shape[axis as usize];
+        let attrs = Attrs::new()
+            .with("axis", AttrValue::Int(axis))
+            .with("start", AttrValue::Int(cx.attrs.int("start")?))
+            .with("size", AttrValue::Int(extent));
+        Ok(vec![Some(cx.emit("xf.pad", &[grads[0]], attrs)?)])
+    }
+}
+
+/// `y` is zeros of extent `size` along `axis` with `x` written at `start`: the transpose of
+/// [`Slice`] (its gradient).
+#[derive(Debug)]
+pub struct Pad;
+
+impl OpDef for Pad {
+    fn mnemonic(&self) -> &'static str {
+        "pad"
+    }
+    fn summary(&self) -> &'static str {
+        "zero-pad x to extent size along axis, x at offset start (slice's transpose)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "U" }],
+            attrs: &[("axis", AttrKind::Int), ("start", AttrKind::Int), ("size", AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        let x = inputs[0];
+        let axis = attrs.int("axis")?;
+        let start = attrs.int("start")?;
+        let size = positive("size", attrs.int("size")?)?;
+        let Some(&extent) = usize::try_from(axis).ok().and_then(|a| x.shape.get(a)) else {
+            return Err(format!("axis {axis} is out of range for {x}"));
+        };
+        if start < 0 || start.checked_add(extent).is_none_or(|end| end > size) {
+            return Err(format!("{x} at offset {start} does not fit in extent {size} along axis {axis}"));
+        }
+        let mut shape = x.shape.clone();
+        shape[axis as usize] = size;
+        Ok(vec![TensorTy::new(shape, x.dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
     }
 }

@@ -1,7 +1,9 @@
-//! `xf.matmul`: batched matrix product with optional transposes.
+//! `xf.matmul`: batched matrix product with optional transposes, and `xf.matmul_wgrad`, the
+//! weight gradient of a matrix shared across a batch.
 
-use super::{arity, float, io_bytes, rank_at_least, same_dtype, AttrKind, Cost, OpDef, Signature, Slot};
-use crate::attrs::Attrs;
+use super::{arity, float, io_bytes, rank_at_least, same_dtype, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
+use crate::attrs::{AttrValue, Attrs};
+use crate::graph::Value;
 use crate::types::TensorTy;
 
 /// `out[..., m, n] = sum_k lhs[..., m, k] * rhs[..., k, n]`.
@@ -79,5 +81,73 @@ impl OpDef for MatMul {
             .map(|d| 2.0 * d.batch.iter().map(|&b| b as f64).product::<f64>() * (d.m * d.k) as f64 * d.n as f64)
             .unwrap_or(0.0);
         Cost { flops, bytes: io_bytes(inputs, outputs) }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        // C = op(A) op(B), where op transposes the last two dims when its flag is set.
+        let (a, b, dc) = (cx.operands[0], cx.operands[1], grads[0]);
+        let ta = cx.attrs.bool("transpose_lhs")?;
+        let tb = cx.attrs.bool("transpose_rhs")?;
+        let mm = |ta: bool, tb: bool| {
+            Attrs::new().with("transpose_lhs", AttrValue::Bool(ta)).with("transpose_rhs", AttrValue::Bool(tb))
+        };
+        // dA = dC op(B)^T, or op(B) dC^T when A enters transposed.
+        let da = if ta { cx.emit("xf.matmul", &[b, dc], mm(tb, true))? } else { cx.emit("xf.matmul", &[dc, b], mm(false, !tb))? };
+        let shared_rhs = cx.ty(b)?.rank() == 2 && cx.ty(a)?.rank() > 2;
+        let db = if shared_rhs {
+            // A matrix shared across the batch: its gradient sums every batch element.
+            if ta {
+                return Err("gradient of a shared rhs with a transposed batched lhs is not supported".into());
+            }
+            if tb { cx.emit("xf.matmul_wgrad", &[dc, a], Attrs::new())? } else { cx.emit("xf.matmul_wgrad", &[a, dc], Attrs::new())? }
+        } else if tb {
+            // dB = dC^T op(A)
+            cx.emit("xf.matmul", &[dc, a], mm(true, ta))?
+        } else {
+            // dB = op(A)^T dC
+            cx.emit("xf.matmul", &[a, dc], mm(!ta, false))?
+        };
+        Ok(vec![Some(da), Some(db)])
+    }
+}
+
+/// `out[k, n] = sum over batch and m of a[..., m, k] * b[..., m, n]`: the gradient of a
+/// weight matrix shared across every batch element (`a` the layer input, `b` the output
+/// gradient), reduced in one GEMM with the batch folded into the contraction.
+#[derive(Debug)]
+pub struct MatMulWeightGrad;
+
+impl OpDef for MatMulWeightGrad {
+    fn mnemonic(&self) -> &'static str {
+        "matmul_wgrad"
+    }
+    fn summary(&self) -> &'static str {
+        "sum over batch of a[..., m, k]^T b[..., m, n] -> [k, n] (weight gradient)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "a", constraint: "A" }, Slot { name: "b", constraint: "B" }],
+            results: &[Slot { name: "out", constraint: "C" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 2)?;
+        let (a, b) = (inputs[0], inputs[1]);
+        float("a", a)?;
+        float("b", b)?;
+        same_dtype(a, b)?;
+        rank_at_least("a", a, 2)?;
+        if a.rank() != b.rank() || a.shape[..a.rank() - 1] != b.shape[..b.rank() - 1] {
+            return Err(format!("a {a} and b {b} must agree in every dimension but the last"));
+        }
+        Ok(vec![TensorTy::new([a.shape[a.rank() - 1], b.shape[b.rank() - 1]], a.dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        let rows = inputs[0].num_elements() as f64 / inputs[0].last_dim().unwrap_or(1).max(1) as f64;
+        let (k, n) = (outputs[0].shape[0] as f64, outputs[0].shape[1] as f64);
+        Cost { flops: 2.0 * rows * k * n, bytes: io_bytes(inputs, outputs) }
     }
 }

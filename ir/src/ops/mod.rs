@@ -15,19 +15,25 @@ mod heads;
 mod loss;
 mod matmul;
 mod norm;
+mod optim;
+mod reduce;
 mod rope;
 
 use crate::attrs::Attrs;
 use crate::types::{DType, TensorTy};
 
-pub use attention::Attention;
-pub use elementwise::{Add, Gelu, Mul, Scale, Silu, Swiglu};
-pub use embedding::Embedding;
-pub use heads::{MergeHeads, Slice, SplitHeads};
-pub use loss::CrossEntropy;
-pub use matmul::MatMul;
-pub use norm::{LayerNorm, RmsNorm};
-pub use rope::Rope;
+pub use attention::{Attention, AttentionGrad};
+pub use elementwise::{Add, Gelu, GeluGrad, Mul, Scale, Silu, SiluGrad, Swiglu, SwigluGrad};
+pub use embedding::{Embedding, EmbeddingGrad};
+pub use heads::{MergeHeads, Pad, Slice, SplitHeads};
+pub use loss::{CrossEntropy, CrossEntropyGrad};
+pub use matmul::{MatMul, MatMulWeightGrad};
+pub use norm::{LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad};
+pub use optim::{AdamW, Sgd};
+pub use reduce::{FillLike, SumLeading};
+pub use rope::{Rope, RopeGrad};
+
+use crate::graph::{FuncBuilder, Value};
 
 /// Every `xf` op, in the order the dialect file lists them.
 pub static REGISTRY: &[&dyn OpDef] = &[
@@ -47,6 +53,24 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &Slice,
     &Attention,
     &CrossEntropy,
+    // Reductions and fills, used by gradients.
+    &SumLeading,
+    &FillLike,
+    &Pad,
+    // Backward ops, emitted by the VJP rules of the ops above.
+    &EmbeddingGrad,
+    &MatMulWeightGrad,
+    &GeluGrad,
+    &SiluGrad,
+    &SwigluGrad,
+    &LayerNormGrad,
+    &RmsNormGrad,
+    &RopeGrad,
+    &AttentionGrad,
+    &CrossEntropyGrad,
+    // Optimizers.
+    &AdamW,
+    &Sgd,
 ];
 
 /// Name of our dialect.
@@ -136,6 +160,71 @@ pub trait OpDef: Sync {
     /// Full name, e.g. `xf.matmul`.
     fn name(&self) -> String {
         format!("{DIALECT}.{}", self.mnemonic())
+    }
+
+    /// Whether [`OpDef::vjp`] is defined: autodiff differentiates through this op.
+    fn differentiable(&self) -> bool {
+        false
+    }
+
+    /// The vector-Jacobian product: given the gradient of every result (`grads`, one per
+    /// result), emits ops through `cx` that compute the gradient of every operand (`None`
+    /// for operands that carry no gradient, such as token ids).
+    fn vjp(&self, _cx: &mut VjpCx<'_>, _grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        Err(format!("{} has no VJP", self.name()))
+    }
+
+    /// Pairs `(result, operand)` where the result may share the operand's buffer (optimizer
+    /// updates write the parameter in place). Codegen aliases them when the operand is dead
+    /// after the op; kernels of such ops read the old value from the result buffer.
+    fn in_place(&self) -> &'static [(usize, usize)] {
+        &[]
+    }
+}
+
+/// What a VJP rule sees of the op it differentiates, and how it emits gradient ops.
+#[derive(Debug)]
+pub struct VjpCx<'a> {
+    fb: &'a mut FuncBuilder,
+    /// The forward op's operands (recomputed copies when activation recomputation applies).
+    pub operands: Vec<Value>,
+    /// The forward op's results.
+    pub results: Vec<Value>,
+    /// The forward op's attributes.
+    pub attrs: Attrs,
+    /// Location of the emitted ops: the forward op's location plus `.grad`.
+    pub loc: String,
+}
+
+impl<'a> VjpCx<'a> {
+    /// A context for differentiating one op.
+    pub fn new(fb: &'a mut FuncBuilder, operands: Vec<Value>, results: Vec<Value>, attrs: Attrs, forward_loc: &str) -> Self {
+        VjpCx { fb, operands, results, attrs, loc: format!("{forward_loc}.grad") }
+    }
+
+    /// The tensor type of a value.
+    pub fn ty(&self, value: Value) -> Result<TensorTy, String> {
+        self.fb.tensor(value).cloned().ok_or_else(|| format!("{value} is not a tensor"))
+    }
+
+    /// Emits a one-result op.
+    pub fn emit(&mut self, name: &str, operands: &[Value], attrs: Attrs) -> Result<Value, String> {
+        self.fb.op(name, operands, attrs, &self.loc).map_err(|e| e.to_string())
+    }
+
+    /// Emits an op with several results.
+    pub fn emit_multi(&mut self, name: &str, operands: &[Value], attrs: Attrs) -> Result<Vec<Value>, String> {
+        self.fb.op_multi(name, operands, attrs, &self.loc).map_err(|e| e.to_string())
+    }
+
+    /// `sum_leading(x)` down to the rank of `like`, or `x` itself when the shapes agree
+    /// (the gradient of a broadcast operand).
+    pub fn sum_to(&mut self, x: Value, like: Value) -> Result<Value, String> {
+        let (tx, tl) = (self.ty(x)?, self.ty(like)?);
+        if tx.shape == tl.shape {
+            return Ok(x);
+        }
+        self.emit("xf.sum_leading", &[x], Attrs::new().with("keep", crate::AttrValue::Int(tl.rank() as i64)))
     }
 }
 

@@ -1,7 +1,9 @@
-//! Normalisations over the last dimension: `xf.layernorm` and `xf.rmsnorm`.
+//! Normalisations over the last dimension, `xf.layernorm` and `xf.rmsnorm`, and their
+//! backward ops (which recompute the row statistics instead of storing them).
 
-use super::{arity, float, rank_at_least, AttrKind, OpDef, Signature, Slot};
+use super::{arity, float, rank_at_least, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
+use crate::graph::Value;
 use crate::types::TensorTy;
 
 /// Checks that a per-feature parameter (`gamma`, `beta`) is a vector of the last dimension.
@@ -56,6 +58,15 @@ impl OpDef for LayerNorm {
         // mean, centre, square, variance sum, normalise, scale, shift (+ the row's rsqrt).
         8.0
     }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let (x, gamma) = (cx.operands[0], cx.operands[1]);
+        let attrs = cx.attrs.clone();
+        let d = cx.emit_multi("xf.layernorm_grad", &[x, gamma, grads[0]], attrs)?;
+        Ok(vec![Some(d[0]), Some(d[1]), Some(d[2])])
+    }
 }
 
 /// `y = x / sqrt(mean(x^2) + epsilon) * gamma` over the last dimension (Llama's norm).
@@ -83,6 +94,97 @@ impl OpDef for RmsNorm {
         feature_vector("gamma", inputs[0], inputs[1])?;
         epsilon(attrs)?;
         Ok(vec![inputs[0].clone()])
+    }
+    fn flops_per_element(&self) -> f64 {
+        5.0
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let (x, gamma) = (cx.operands[0], cx.operands[1]);
+        let attrs = cx.attrs.clone();
+        let d = cx.emit_multi("xf.rmsnorm_grad", &[x, gamma, grads[0]], attrs)?;
+        Ok(vec![Some(d[0]), Some(d[1])])
+    }
+}
+
+/// Checks `(x, gamma, dy)` of a norm's backward op.
+fn backward_operands(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(), String> {
+    arity(inputs, 3)?;
+    float("x", inputs[0])?;
+    rank_at_least("x", inputs[0], 1)?;
+    feature_vector("gamma", inputs[0], inputs[1])?;
+    if inputs[2] != inputs[0] {
+        return Err(format!("dy {} must have the type of x {}", inputs[2], inputs[0]));
+    }
+    epsilon(attrs)
+}
+
+/// LayerNorm backward: with `xhat = (x - mean) * rstd` per row of `n` features and
+/// `g = dy * gamma`: `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`,
+/// `dgamma = sum over rows of dy * xhat`, `dbeta = sum over rows of dy`.
+#[derive(Debug)]
+pub struct LayerNormGrad;
+
+impl OpDef for LayerNormGrad {
+    fn mnemonic(&self) -> &'static str {
+        "layernorm_grad"
+    }
+    fn summary(&self) -> &'static str {
+        "layernorm backward: (dx, dgamma, dbeta) from x, gamma, dy"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "x", constraint: "T" },
+                Slot { name: "gamma", constraint: "P" },
+                Slot { name: "dy", constraint: "T" },
+            ],
+            results: &[
+                Slot { name: "dx", constraint: "T" },
+                Slot { name: "dgamma", constraint: "P" },
+                Slot { name: "dbeta", constraint: "P" },
+            ],
+            attrs: &[("epsilon", AttrKind::Float)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        backward_operands(inputs, attrs)?;
+        Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[1].clone()])
+    }
+    fn flops_per_element(&self) -> f64 {
+        // Counted per element of every result; the work is ~14 per element of x.
+        14.0 / 3.0
+    }
+}
+
+/// RMSNorm backward: with `xhat = x * rstd` and `g = dy * gamma`:
+/// `dx = rstd * (g - xhat * mean(g * xhat))`, `dgamma = sum over rows of dy * xhat`.
+#[derive(Debug)]
+pub struct RmsNormGrad;
+
+impl OpDef for RmsNormGrad {
+    fn mnemonic(&self) -> &'static str {
+        "rmsnorm_grad"
+    }
+    fn summary(&self) -> &'static str {
+        "rmsnorm backward: (dx, dgamma) from x, gamma, dy"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "x", constraint: "T" },
+                Slot { name: "gamma", constraint: "P" },
+                Slot { name: "dy", constraint: "T" },
+            ],
+            results: &[Slot { name: "dx", constraint: "T" }, Slot { name: "dgamma", constraint: "P" }],
+            attrs: &[("epsilon", AttrKind::Float)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        backward_operands(inputs, attrs)?;
+        Ok(vec![inputs[0].clone(), inputs[1].clone()])
     }
     fn flops_per_element(&self) -> f64 {
         5.0

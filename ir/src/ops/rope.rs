@@ -1,7 +1,8 @@
-//! `xf.rope`: rotary position embedding.
+//! `xf.rope`: rotary position embedding, and `xf.rope_grad`, its transpose.
 
-use super::{arity, float, rank_is, AttrKind, OpDef, Signature, Slot};
+use super::{arity, float, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
+use crate::graph::Value;
 use crate::types::TensorTy;
 
 /// Rotary position embedding in the rotate-half layout (Hugging Face Llama):
@@ -28,6 +29,51 @@ impl OpDef for Rope {
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        check_rope(inputs, attrs)
+    }
+    fn flops_per_element(&self) -> f64 {
+        // two multiplies and one add per element; the angles are tabulated.
+        3.0
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let attrs = cx.attrs.clone();
+        Ok(vec![Some(cx.emit("xf.rope_grad", &[grads[0]], attrs)?)])
+    }
+}
+
+/// The transpose of [`Rope`]: each pair is rotated by `-angle` (a rotation's inverse is its
+/// transpose), which is the gradient of the rotation.
+#[derive(Debug)]
+pub struct RopeGrad;
+
+impl OpDef for RopeGrad {
+    fn mnemonic(&self) -> &'static str {
+        "rope_grad"
+    }
+    fn summary(&self) -> &'static str {
+        "rotary embedding backward: rotate by -angle"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "dy", constraint: "T" }],
+            results: &[Slot { name: "dx", constraint: "T" }],
+            attrs: &[("theta", AttrKind::Float)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        check_rope(inputs, attrs)
+    }
+    fn flops_per_element(&self) -> f64 {
+        3.0
+    }
+}
+
+/// Shape rule shared by `rope` and `rope_grad`.
+fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+    {
         arity(inputs, 1)?;
         let x = inputs[0];
         float("x", x)?;
@@ -40,9 +86,5 @@ impl OpDef for Rope {
             return Err(format!("theta must be positive, got {theta}"));
         }
         Ok(vec![x.clone()])
-    }
-    fn flops_per_element(&self) -> f64 {
-        // two multiplies and one add per element; the angles are tabulated.
-        3.0
     }
 }

@@ -107,7 +107,7 @@ fn forward(spec: &Spec) -> Result<Func, LowerError> {
         cx.fb.op("xf.matmul", &[x, w], matmul_attrs(false, false), "lm_head")?
     };
     let loss = cx.fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "loss")?;
-    Ok(cx.fb.finish(&[loss]))
+    Ok(cx.fb.finish(&[loss], &["loss".to_string()]))
 }
 
 fn matmul_attrs(transpose_lhs: bool, transpose_rhs: bool) -> Attrs {

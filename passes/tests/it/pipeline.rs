@@ -27,7 +27,7 @@ fn verify_pass_leaves_tiny_models_unchanged() {
         let mut module = tiny(name);
         let before = module.clone();
         let cx = IrContext::new().unwrap();
-        let report = compile_pipeline().run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        let report = Pipeline::new().then(VerifyShapes).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
         assert_eq!(report.passes.len(), 1);
         assert_eq!(report.passes[0].changed, Changed::No);
         assert_eq!(module, before);
@@ -37,9 +37,9 @@ fn verify_pass_leaves_tiny_models_unchanged() {
 #[test]
 fn ir_after_verify_on_tiny_llama() {
     let mut module = tiny("tiny-llama");
-    let seen = run_observed(&compile_pipeline(), &mut module).unwrap();
+    let seen = run_observed(&compile_pipeline(&Default::default()), &mut module).unwrap();
     let names: Vec<&str> = seen.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(names, ["input", "verify"]);
+    assert_eq!(names, ["input", "verify", "autodiff", "optimizer"]);
     // Dumps carry name locations, so every op is traceable to its layer.
     insta::assert_snapshot!(seen[1].1);
 }
@@ -93,5 +93,78 @@ impl Pass for BreakSsa {
 fn use_before_definition_is_caught() {
     let mut module = tiny("tiny");
     let err = run_observed(&Pipeline::new().then(BreakSsa), &mut module).unwrap_err();
-    assert!(err.to_string().contains("before it is defined"), "{err}");
+    let PassError::Internal { source, .. } = &err else { panic!("expected an internal error, got {err}") };
+    assert!(source.to_string().contains("before it is defined"), "{source}");
+}
+
+/// Runs verify, autodiff (with `recompute`) and the optimizer on a tiny model and returns the
+/// IR printed after `pass`.
+fn ir_after(model: &str, recompute: shardc_passes::Recompute, pass: &str) -> String {
+    let options = shardc_passes::CompileOptions { recompute, ..Default::default() };
+    let mut module = tiny(model);
+    let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
+    seen.into_iter().find(|(name, _)| name == pass).map(|(_, ir)| ir).unwrap()
+}
+
+#[test]
+fn gradients_of_tiny_gpt() {
+    insta::assert_snapshot!(ir_after("tiny", shardc_passes::Recompute::None, "autodiff"));
+}
+
+#[test]
+fn train_step_of_tiny_gpt() {
+    insta::assert_snapshot!(ir_after("tiny", shardc_passes::Recompute::None, "optimizer"));
+}
+
+#[test]
+fn train_step_of_tiny_llama() {
+    insta::assert_snapshot!(ir_after("tiny-llama", shardc_passes::Recompute::None, "optimizer"));
+}
+
+#[test]
+fn train_step_of_tiny_llama_with_full_recompute() {
+    insta::assert_snapshot!(ir_after("tiny-llama", shardc_passes::Recompute::Full, "optimizer"));
+}
+
+#[test]
+fn train_step_of_tiny_llama_with_selective_recompute() {
+    insta::assert_snapshot!(ir_after("tiny-llama", shardc_passes::Recompute::SelectiveAttention, "optimizer"));
+}
+
+#[test]
+fn recompute_copies_exactly_the_chosen_ops() {
+    use shardc_passes::Recompute;
+    let count = |recompute| {
+        let ir = ir_after("tiny-llama", recompute, "optimizer");
+        // Ops whose result is a recomputed copy: `%layers.0.mlp.up.recompute = "xf.matmul"(...)`.
+        ir.lines().filter(|l| l.trim_start().split(" = ").next().is_some_and(|lhs| lhs.contains(".recompute"))).count()
+    };
+    assert_eq!(count(Recompute::None), 0);
+    // One attention core per layer.
+    assert_eq!(count(Recompute::SelectiveAttention), 2);
+    // Every op of both layers.
+    let layer_ops = tiny("tiny-llama").funcs[0].ops.iter().filter(|o| o.loc.starts_with("layers.")).count();
+    assert_eq!(count(Recompute::Full), layer_ops);
+}
+
+#[test]
+fn train_step_signature_orders_params_state_inputs() {
+    let mut module = tiny("tiny");
+    let cx = IrContext::new().unwrap();
+    compile_pipeline(&Default::default()).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let step = module.func("train_step").unwrap();
+    let roles: Vec<shardc_ir::ArgRole> = step.args.iter().map(|a| a.role).collect();
+    let rank = |r: &shardc_ir::ArgRole| match r {
+        shardc_ir::ArgRole::Param => 0,
+        shardc_ir::ArgRole::OptState => 1,
+        shardc_ir::ArgRole::Input => 2,
+    };
+    let mut sorted = roles.clone();
+    sorted.sort_by_key(rank);
+    assert_eq!(roles, sorted);
+    let n_params = step.args_with(shardc_ir::ArgRole::Param).count();
+    assert_eq!(step.args_with(shardc_ir::ArgRole::OptState).count(), 2 * n_params);
+    assert_eq!(step.returns.len(), 1 + 3 * n_params);
+    assert_eq!(step.result_names[0], "loss");
+    assert_eq!(step.ops.iter().filter(|o| o.name == "xf.adamw").count(), n_params);
 }

@@ -1,0 +1,79 @@
+//! Reductions and fills that gradients need: `xf.sum_leading` (the transpose of a
+//! broadcast) and `xf.fill_like` (the seed of reverse mode, and zero gradients).
+
+use super::{arity, float, AttrKind, OpDef, Signature, Slot, VjpCx};
+use crate::attrs::{AttrValue, Attrs};
+use crate::graph::Value;
+use crate::types::TensorTy;
+
+/// Sums `x` over its leading dimensions, keeping the trailing `keep` ones: `[b, s, n]` with
+/// `keep = 1` gives `[n]` (a bias gradient), `keep = 0` gives a scalar.
+#[derive(Debug)]
+pub struct SumLeading;
+
+impl OpDef for SumLeading {
+    fn mnemonic(&self) -> &'static str {
+        "sum_leading"
+    }
+    fn summary(&self) -> &'static str {
+        "sum over the leading dims, keeping the trailing `keep` dims"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "U" }],
+            attrs: &[("keep", AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        let x = inputs[0];
+        float("x", x)?;
+        let keep = attrs.int("keep")?;
+        if keep < 0 || keep as usize > x.rank() {
+            return Err(format!("keep = {keep} is out of range for {x}"));
+        }
+        Ok(vec![TensorTy::new(x.shape[x.rank() - keep as usize..].to_vec(), x.dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> super::Cost {
+        super::Cost { flops: inputs[0].num_elements() as f64, bytes: super::io_bytes(inputs, outputs) }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        // Broadcasting dy back over the summed dimensions: zeros(x) + dy.
+        let x = cx.operands[0];
+        let zeros = cx.emit("xf.fill_like", &[x], Attrs::new().with("value", AttrValue::Float(0.0)))?;
+        Ok(vec![Some(cx.emit("xf.add", &[zeros, grads[0]], Attrs::new())?)])
+    }
+}
+
+/// A tensor of the type of `x` with every element `value` (`x`'s values are not read).
+#[derive(Debug)]
+pub struct FillLike;
+
+impl OpDef for FillLike {
+    fn mnemonic(&self) -> &'static str {
+        "fill_like"
+    }
+    fn summary(&self) -> &'static str {
+        "a tensor of x's type filled with value"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "T" }],
+            attrs: &[("value", AttrKind::Float)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        float("x", inputs[0])?;
+        attrs.float("value")?;
+        Ok(vec![inputs[0].clone()])
+    }
+    fn cost(&self, _inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> super::Cost {
+        super::Cost { flops: 0.0, bytes: outputs.iter().map(|t| t.bytes() as f64).sum() }
+    }
+}

@@ -1,0 +1,168 @@
+//! `autodiff`: reverse-mode differentiation of `@forward` into `@gradients`.
+//!
+//! Input: a module with `func.func @forward(params..., inputs...) -> loss` (a float scalar).
+//! Output: the same module plus `func.func @gradients(params..., inputs...) -> (loss,
+//! d loss / d param...)`, one gradient per parameter in argument order. The forward ops are
+//! copied first, then each op's VJP (from the op registry, [`shardc_ir::ops::OpDef::vjp`]) is
+//! emitted in reverse order; gradients reaching a value along several paths are summed with
+//! `xf.add`. Every gradient op is located at its forward op plus `.grad`.
+//!
+//! Activation recomputation trades compute for memory: before the backward ops of layer
+//! `layers.N`, the forward ops of that layer are emitted again (located `….recompute`) and the
+//! backward ops read those copies, so the first copies die at the end of the forward pass.
+//! `full` recomputes every op of the layer from its input; `selective-attention` recomputes
+//! only the attention core (Korthikanti et al. 2022).
+
+use std::collections::{HashMap, HashSet};
+
+use shardc_ir::ops::{lookup, VjpCx};
+use shardc_ir::{ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, Op, Value};
+
+use crate::{Changed, Pass, PassError};
+
+/// Which forward activations are recomputed in the backward pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Keep every activation the backward pass reads.
+    #[default]
+    None,
+    /// Keep only each layer's input; recompute the rest of the layer.
+    Full,
+    /// Recompute the attention core of each layer.
+    SelectiveAttention,
+}
+
+impl Recompute {
+    /// Parses `none`, `full` or `selective-attention`.
+    pub fn parse(text: &str) -> Option<Recompute> {
+        Some(match text {
+            "none" => Recompute::None,
+            "full" => Recompute::Full,
+            "selective-attention" | "selective" => Recompute::SelectiveAttention,
+            _ => return None,
+        })
+    }
+
+    fn recomputes(self, op: &Op) -> bool {
+        match self {
+            Recompute::None => false,
+            Recompute::Full => true,
+            Recompute::SelectiveAttention => op.name == "xf.attention",
+        }
+    }
+}
+
+/// The `autodiff` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Autodiff {
+    /// Activation recomputation policy.
+    pub recompute: Recompute,
+}
+
+impl Pass for Autodiff {
+    fn name(&self) -> &'static str {
+        "autodiff"
+    }
+
+    fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
+        let user = |message: String| PassError::User { pass: self.name().into(), message };
+        let forward = module.func("forward").ok_or_else(|| user("the module has no @forward to differentiate".into()))?;
+        let gradients = differentiate(forward, self.recompute).map_err(user)?;
+        module.funcs.retain(|f| f.name != "gradients");
+        module.funcs.push(gradients);
+        Ok(Changed::Yes)
+    }
+}
+
+/// `layers.N` for an op located inside layer N.
+fn layer_of(loc: &str) -> Option<&str> {
+    let rest = loc.strip_prefix("layers.")?;
+    let end = rest.find('.').unwrap_or(rest.len());
+    Some(&loc[..("layers.".len() + end)])
+}
+
+/// Builds `@gradients` from `forward`.
+pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, String> {
+    let [loss] = forward.returns[..] else {
+        return Err(format!("@forward must return exactly one value (the loss), it returns {}", forward.returns.len()));
+    };
+    match forward.tensor(loss) {
+        Some(t) if t.rank() == 0 && t.dtype.is_float() => {}
+        other => return Err(format!("the loss must be a float scalar, got {}", other.map_or("a non-tensor".into(), |t| t.to_string()))),
+    }
+    let mut fb = FuncBuilder::new("gradients");
+    // Forward value -> value in @gradients.
+    let mut map: HashMap<Value, Value> = HashMap::new();
+    for arg in &forward.args {
+        map.insert(arg.value, fb.arg_typed(&arg.name, forward.ty(arg.value).clone(), arg.role));
+    }
+    for op in &forward.ops {
+        let operands: Vec<Value> = op.operands.iter().map(|v| map[v]).collect();
+        let results = fb.clone_op(forward, op, &operands, &op.loc);
+        map.extend(op.results.iter().copied().zip(results));
+    }
+
+    let fill = |fb: &mut FuncBuilder, like: Value, value: f64, loc: &str| {
+        fb.op("xf.fill_like", &[like], Attrs::new().with("value", AttrValue::Float(value)), loc).map_err(|e| e.to_string())
+    };
+    let mut grads: HashMap<Value, Value> = HashMap::new();
+    grads.insert(loss, fill(&mut fb, map[&loss], 1.0, "loss.seed")?);
+    // Recomputed copies of forward values, per forward value.
+    let mut recomputed: HashMap<Value, Value> = HashMap::new();
+    let mut layers_done: HashSet<String> = HashSet::new();
+
+    for op in forward.ops.iter().rev() {
+        if !op.results.iter().any(|r| grads.contains_key(r)) {
+            continue;
+        }
+        let def = lookup(&op.name).filter(|d| d.differentiable()).ok_or_else(|| {
+            format!("{}: cannot differentiate through `{}` (it has no VJP rule)", op.loc, op.name)
+        })?;
+        if recompute != Recompute::None {
+            if let Some(layer) = layer_of(&op.loc) {
+                if layers_done.insert(layer.to_string()) {
+                    for fwd in forward.ops.iter().filter(|o| layer_of(&o.loc) == Some(layer) && recompute.recomputes(o)) {
+                        let operands: Vec<Value> = fwd.operands.iter().map(|v| *recomputed.get(v).unwrap_or(&map[v])).collect();
+                        let results = fb.clone_op(forward, fwd, &operands, &format!("{}.recompute", fwd.loc));
+                        recomputed.extend(fwd.results.iter().copied().zip(results));
+                    }
+                }
+            }
+        }
+        let current = |v: &Value| *recomputed.get(v).unwrap_or(&map[v]);
+        let mut out_grads = Vec::with_capacity(op.results.len());
+        for r in &op.results {
+            out_grads.push(match grads.get(r) {
+                Some(g) => *g,
+                // A result nobody differentiates through (e.g. one output of a multi-result
+                // op): its gradient is zero.
+                None => fill(&mut fb, current(r), 0.0, &format!("{}.grad.zero", op.loc))?,
+            });
+        }
+        let operands: Vec<Value> = op.operands.iter().map(current).collect();
+        let results: Vec<Value> = op.results.iter().map(current).collect();
+        let mut cx = VjpCx::new(&mut fb, operands, results, op.attrs.clone(), &op.loc);
+        let in_grads = def.vjp(&mut cx, &out_grads).map_err(|e| format!("{}: VJP of `{}`: {e}", op.loc, op.name))?;
+        for (operand, grad) in op.operands.iter().zip(in_grads) {
+            let Some(grad) = grad else { continue };
+            let total = match grads.get(operand) {
+                Some(previous) => fb.op("xf.add", &[*previous, grad], Attrs::new(), &format!("{}.grad.acc", op.loc)).map_err(|e| e.to_string())?,
+                None => grad,
+            };
+            grads.insert(*operand, total);
+        }
+    }
+
+    let mut returns = vec![map[&loss]];
+    let mut names = vec!["loss".to_string()];
+    for arg in forward.args_with(ArgRole::Param) {
+        let grad = match grads.get(&arg.value) {
+            Some(g) => *g,
+            // A parameter the loss does not depend on has a zero gradient.
+            None => fill(&mut fb, map[&arg.value], 0.0, &format!("{}.grad.zero", arg.name))?,
+        };
+        returns.push(grad);
+        names.push(format!("grad.{}", arg.name));
+    }
+    Ok(fb.finish(&returns, &names))
+}
