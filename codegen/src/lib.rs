@@ -1,1 +1,195 @@
-//! p
+//! Codegen: a verified function of the IR becomes a rank program ([`shardc_runtime::Program`]).
+//!
+//! Every tensor value gets a buffer; every op an instruction, in program order. The memory
+//! plan comes from liveness: a temporary lives from the op that defines it to its last use
+//! (to the end if the function returns it), and temporaries whose lifetimes do not overlap
+//! share a storage slot (best fit, growing the largest free slot when none fits). Arguments
+//! keep their own slots for the whole run. Ops that declare in-place results (optimizer
+//! updates) write into their operand's buffer when that operand is dead afterwards, so a
+//! training step updates parameters and optimizer state where they are.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+use std::collections::BTreeMap;
+
+use shardc_ir::ops::lookup;
+use shardc_ir::{ArgRole, AttrValue, Func, Value};
+use shardc_runtime::program::{Attr, Binding, Buffer, Instr, MemoryPlan, Program, Role, FORMAT_VERSION};
+use shardc_runtime::DType;
+
+/// Why a function cannot become a rank program.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodegenError {
+    /// The function uses something codegen does not lower yet.
+    #[error("@{func}: {loc}: cannot generate code: {reason}")]
+    Unsupported {
+        /// Function name.
+        func: String,
+        /// Location of the op.
+        loc: String,
+        /// What is unsupported.
+        reason: String,
+    },
+}
+
+fn dtype(d: shardc_ir::DType) -> DType {
+    match d {
+        shardc_ir::DType::F32 => DType::F32,
+        shardc_ir::DType::Bf16 => DType::Bf16,
+        shardc_ir::DType::F64 => DType::F64,
+        shardc_ir::DType::I32 => DType::I32,
+    }
+}
+
+/// Lowers `func` to a rank program.
+pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
+    let unsupported = |loc: &str, reason: String| CodegenError::Unsupported { func: func.name.clone(), loc: loc.to_string(), reason };
+    let n_values = func.types.len();
+    let end = func.ops.len();
+
+    // Last op index that reads each value; returned values live to the end.
+    let mut last_use = vec![None::<usize>; n_values];
+    for (i, op) in func.ops.iter().enumerate() {
+        for v in &op.operands {
+            last_use[v.0 as usize] = Some(i);
+        }
+    }
+    for v in &func.returns {
+        last_use[v.0 as usize] = Some(end);
+    }
+
+    // Buffers: arguments first, then op results; an in-place result reuses its operand's.
+    let mut buffer_of: Vec<Option<usize>> = vec![None; n_values];
+    let mut buffers: Vec<Buffer> = Vec::new();
+    let new_buffer = |v: Value, name: &str, buffers: &mut Vec<Buffer>| -> Result<usize, CodegenError> {
+        let t = func.tensor(v).ok_or_else(|| unsupported(name, format!("value {v} is not a tensor")))?;
+        let shape = t.shape.iter().map(|&d| usize::try_from(d).map_err(|_| unsupported(name, format!("dynamic or negative dimension in {t}")))).collect::<Result<Vec<_>, _>>()?;
+        buffers.push(Buffer { shape, dtype: dtype(t.dtype), slot: usize::MAX, name: name.to_string() });
+        Ok(buffers.len() - 1)
+    };
+    for arg in &func.args {
+        buffer_of[arg.value.0 as usize] = Some(new_buffer(arg.value, &arg.name, &mut buffers)?);
+    }
+    let mut instrs = Vec::with_capacity(func.ops.len());
+    for (i, op) in func.ops.iter().enumerate() {
+        let def = lookup(&op.name).ok_or_else(|| unsupported(&op.loc, format!("`{}` has no kernel", op.name)))?;
+        let in_place = def.in_place();
+        let mut outputs = Vec::with_capacity(op.results.len());
+        for (r, result) in op.results.iter().enumerate() {
+            let alias = in_place.iter().find(|(res, _)| *res == r).map(|(_, operand)| op.operands[*operand]).filter(|operand| {
+                // Only when this op is the operand's last reader, it is read once here, and
+                // it is not itself a result of the function.
+                last_use[operand.0 as usize] == Some(i) && op.operands.iter().filter(|o| *o == operand).count() == 1
+            });
+            let id = match alias {
+                Some(operand) => buffer_of[operand.0 as usize].expect("operands are defined before use"),
+                None => new_buffer(*result, &op.loc, &mut buffers)?,
+            };
+            buffer_of[result.0 as usize] = Some(id);
+            outputs.push(id);
+        }
+        let mut attrs = BTreeMap::new();
+        for (name, value) in op.attrs.iter() {
+            let value = match value {
+                AttrValue::Int(v) => Attr::Int(*v),
+                AttrValue::Float(v) => Attr::Float(*v),
+                AttrValue::Bool(v) => Attr::Bool(*v),
+                other => return Err(unsupported(&op.loc, format!("attribute `{name}` = {other} of `{}`", op.name))),
+            };
+            attrs.insert(name.clone(), value);
+        }
+        let inputs = op.operands.iter().map(|v| buffer_of[v.0 as usize].expect("verified IR defines before use")).collect();
+        instrs.push(Instr { op: op.name.clone(), attrs, inputs, outputs, loc: op.loc.clone() });
+    }
+
+    let memory = plan_memory(func, &mut buffers, &buffer_of, &last_use, &instrs);
+    let role = |r: ArgRole| match r {
+        ArgRole::Param => Role::Param,
+        ArgRole::OptState => Role::OptState,
+        ArgRole::Input => Role::Input,
+    };
+    let args = func.args.iter().map(|a| Binding { name: a.name.clone(), buffer: buffer_of[a.value.0 as usize].unwrap(), role: Some(role(a.role)) }).collect();
+    let results = func
+        .returns
+        .iter()
+        .enumerate()
+        .map(|(i, v)| Binding {
+            name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")),
+            buffer: buffer_of[v.0 as usize].unwrap(),
+            role: None,
+        })
+        .collect();
+    Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), buffers, args, results, instrs, memory })
+}
+
+/// Assigns every buffer a slot: arguments their own, temporaries by liveness.
+fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>], last_use: &[Option<usize>], instrs: &[Instr]) -> MemoryPlan {
+    let end = func.ops.len();
+    // A buffer's last use is the latest last use of any value living in it.
+    let mut buffer_last = vec![0usize; buffers.len()];
+    for (v, b) in buffer_of.iter().enumerate() {
+        if let Some(b) = b {
+            buffer_last[*b] = buffer_last[*b].max(last_use[v].unwrap_or(0));
+        }
+    }
+    let is_arg: Vec<bool> = {
+        let mut is_arg = vec![false; buffers.len()];
+        for a in &func.args {
+            is_arg[buffer_of[a.value.0 as usize].unwrap()] = true;
+        }
+        is_arg
+    };
+    let mut slots: Vec<(usize, DType)> = Vec::new();
+    let mut argument_bytes = 0;
+    for (b, buffer) in buffers.iter_mut().enumerate() {
+        if is_arg[b] {
+            buffer.slot = slots.len();
+            slots.push((buffer.len(), buffer.dtype));
+            argument_bytes += buffer.len() * buffer.dtype.bytes();
+        }
+    }
+    let mut free: Vec<usize> = Vec::new();
+    // Buffers to release after each instruction.
+    let mut release: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
+    let mut without_reuse = 0;
+    let temp_slots_start = slots.len();
+    for (i, instr) in instrs.iter().enumerate() {
+        for &b in &instr.outputs {
+            if is_arg[b] || buffers[b].slot != usize::MAX {
+                continue;
+            }
+            let (len, dt) = (buffers[b].len(), buffers[b].dtype);
+            without_reuse += len * dt.bytes();
+            // Best fit among free slots of this type; else grow the largest; else a new slot.
+            let fitting = free.iter().enumerate().filter(|(_, s)| slots[**s].1 == dt && slots[**s].0 >= len).min_by_key(|(_, s)| slots[**s].0);
+            let chosen = match fitting {
+                Some((at, _)) => Some(free.swap_remove(at)),
+                None => free
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| slots[**s].1 == dt)
+                    .max_by_key(|(_, s)| slots[**s].0)
+                    .map(|(at, _)| at)
+                    .map(|at| free.swap_remove(at)),
+            };
+            let slot = match chosen {
+                Some(s) => {
+                    slots[s].0 = slots[s].0.max(len);
+                    s
+                }
+                None => {
+                    slots.push((len, dt));
+                    slots.len() - 1
+                }
+            };
+            buffers[b].slot = slot;
+            release[buffer_last[b].min(end).max(i)].push(b);
+        }
+        for b in std::mem::take(&mut release[i]) {
+            free.push(buffers[b].slot);
+        }
+    }
+    let temporary_bytes = slots[temp_slots_start..].iter().map(|(len, dt)| len * dt.bytes()).sum();
+    MemoryPlan { slots, argument_bytes, temporary_bytes, temporary_bytes_without_reuse: without_reuse }
+}

@@ -1,1 +1,23 @@
-//! p
+//! shardc's runtime: executes rank programs.
+//!
+//! A rank program ([`program::Program`]) is plain data: numbered buffers with a memory plan,
+//! and instructions (kernels, later collectives and send/recv) in execution order. Codegen
+//! writes it, this crate runs it. This crate does not depend on MLIR, so a small runtime
+//! binary can run a program on a machine with no compiler toolchain.
+//!
+//! The CPU backend ([`cpu`]) is the default and the test oracle: f32 and f64 kernels with a
+//! real GEMM (the `gemm` crate) and rayon, deterministic (every reduction has a fixed order,
+//! whatever the thread schedule), so that the same seed gives bit-identical runs.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod checkpoint;
+pub mod cpu;
+pub mod data;
+mod error;
+pub mod init;
+pub mod program;
+
+pub use error::RuntimeError;
+pub use program::{Attr, BufferId, DType, Instr, Program};

@@ -1,0 +1,51 @@
+//! Helpers: compile functions to rank programs and run them.
+
+use std::path::PathBuf;
+
+use shardc_codegen::lower_func;
+use shardc_ir::spec::{lower, parse, Format, Spec};
+use shardc_ir::{Func, Module};
+use shardc_passes::{Autodiff, Pass, Recompute};
+use shardc_runtime::cpu::CpuExecutor;
+use shardc_runtime::init::{init_param, key, normal};
+use shardc_runtime::program::Role;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// A shipped spec with its dtype replaced.
+pub fn spec_with_dtype(name: &str, dtype: &str) -> Spec {
+    let text = std::fs::read_to_string(root().join(format!("models/{name}.toml"))).unwrap();
+    let text = text.replace("dtype = \"f32\"", &format!("dtype = \"{dtype}\""));
+    parse(&text, Format::Toml, name).unwrap()
+}
+
+/// `@forward` and `@gradients` of a module holding `@forward`.
+pub fn forward_and_gradients(mut module: Module, recompute: Recompute) -> (Func, Func) {
+    Autodiff { recompute }.run(&mut module).unwrap();
+    (module.func("forward").unwrap().clone(), module.func("gradients").unwrap().clone())
+}
+
+pub fn executor(func: &Func) -> CpuExecutor {
+    CpuExecutor::new(lower_func(func).unwrap()).unwrap()
+}
+
+/// Deterministic pseudo-random normal values.
+pub fn randn(seed: u64, name: &str, len: usize, std: f64) -> Vec<f64> {
+    let k = key(seed, name);
+    (0..len as u64).map(|i| std * normal(k, i)).collect()
+}
+
+/// Initialises every parameter of `exec` as `shardc run` does.
+pub fn init_params(exec: &mut CpuExecutor, seed: u64, layers: usize) {
+    for (name, shape) in exec.args_with(Role::Param) {
+        let len = shape.iter().product();
+        exec.write::<f64>(&name, &init_param(&name, len, seed, layers)).unwrap();
+    }
+}
+
+/// The spec's model lowered to a module.
+pub fn model(spec: &Spec) -> Module {
+    lower(spec).unwrap()
+}

@@ -1,0 +1,6 @@
+//! Numeric tests: IR -> passes -> codegen -> CPU runtime, in one binary.
+
+mod common;
+mod gradcheck;
+mod memory;
+mod training;

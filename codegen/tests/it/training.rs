@@ -1,0 +1,1 @@
+//! Training runs through the CPU runtime.

@@ -1,0 +1,32 @@
+//! Runtime errors: what failed, at which instruction and model location.
+
+/// An error while loading or running a program.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// The program is malformed or unsupported by this backend.
+    #[error("invalid program: {0}")]
+    Program(String),
+    /// A kernel failed (bad input data, such as a token id outside the vocabulary).
+    #[error("instruction {index} (`{op}` at {loc}): {message}")]
+    Kernel {
+        /// Instruction index.
+        index: usize,
+        /// Op name.
+        op: String,
+        /// Model location of the instruction.
+        loc: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A named argument or result does not exist or has the wrong size.
+    #[error("{0}")]
+    Binding(String),
+    /// Reading or writing a file.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The IO error.
+        source: std::io::Error,
+    },
+}

@@ -1,0 +1,51 @@
+//! Deterministic parameter initialisation.
+//!
+//! Every element's value is a function of (seed, parameter name, element index in the global
+//! tensor) only, through a counter-based generator, so the same seed gives the same model
+//! whatever order parameters are created in, and whatever mesh later shards them.
+//! The scheme is GPT-2's: weights ~ N(0, 0.02), the residual projections (`attn.out`,
+//! `mlp.down`) scaled by 1/sqrt(2 layers), norm scales 1, biases 0.
+
+/// SplitMix64: a bijective 64-bit mixer (Steele, Lea, Flood 2014).
+pub fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// A 64-bit key for a name (FNV-1a), mixed with the seed.
+pub fn key(seed: u64, name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    splitmix64(h ^ splitmix64(seed))
+}
+
+/// A uniform number in (0, 1) for counter `i` under `key`.
+pub fn uniform(key: u64, i: u64) -> f64 {
+    ((splitmix64(key ^ splitmix64(i)) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// A standard normal number for counter `i` under `key` (Box-Muller on two uniforms).
+pub fn normal(key: u64, i: u64) -> f64 {
+    let (u1, u2) = (uniform(key, 2 * i), uniform(key, 2 * i + 1));
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// The initial value of every element of parameter `name` with `len` elements.
+pub fn init_param(name: &str, len: usize, seed: u64, layers: usize) -> Vec<f64> {
+    if name.ends_with(".bias") {
+        return vec![0.0; len];
+    }
+    if name.ends_with("norm.weight") {
+        return vec![1.0; len];
+    }
+    let mut std = 0.02;
+    if name.ends_with("attn.out.weight") || name.ends_with("mlp.down.weight") {
+        std /= (2.0 * layers.max(1) as f64).sqrt();
+    }
+    let k = key(seed, name);
+    (0..len as u64).map(|i| std * normal(k, i)).collect()
+}

@@ -1,0 +1,239 @@
+//! The rank program: the serialized, versioned contract between codegen and runtimes.
+//!
+//! Buffers are numbered; each lives in a storage slot. Arguments and results are named
+//! buffers (`layers.0.attn.q.weight`, `loss`). Temporaries share slots according to the
+//! memory plan, which codegen computed from liveness: two buffers share a slot only when their
+//! lifetimes do not overlap. An instruction may name the same buffer as input and output when
+//! its op updates in place (optimizer steps); such kernels read the old value from the output.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Bumped whenever the format changes incompatibly.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Element type of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// bfloat16 (accelerator backends only).
+    Bf16,
+    /// 64-bit float.
+    F64,
+    /// 32-bit signed integer.
+    I32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::Bf16 => 2,
+            DType::F64 => 8,
+        }
+    }
+}
+
+/// Index of a buffer in [`Program::buffers`].
+pub type BufferId = usize;
+
+/// One buffer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    /// Shape, outermost first.
+    pub shape: Vec<usize>,
+    /// Element type.
+    pub dtype: DType,
+    /// Storage slot (index into [`MemoryPlan::slots`]).
+    pub slot: usize,
+    /// Where it comes from (the SSA value's name), for messages and `shardc inspect`.
+    pub name: String,
+}
+
+impl Buffer {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Role of an argument, as in the IR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Trainable parameter.
+    Param,
+    /// Optimizer state.
+    OptState,
+    /// Per-step input.
+    Input,
+}
+
+/// A named argument or result.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Binding {
+    /// Name (`layers.0.attn.q.weight`, `tokens`, `loss`).
+    pub name: String,
+    /// The buffer.
+    pub buffer: BufferId,
+    /// Role (arguments only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
+}
+
+/// An attribute value of an instruction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Attr {
+    /// Boolean.
+    Bool(bool),
+    /// Integer.
+    Int(i64),
+    /// Float.
+    Float(f64),
+}
+
+/// One instruction: a kernel call over buffers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Instr {
+    /// Op name, e.g. `xf.matmul`.
+    pub op: String,
+    /// Attributes of the op.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attrs: BTreeMap<String, Attr>,
+    /// Input buffers.
+    pub inputs: Vec<BufferId>,
+    /// Output buffers.
+    pub outputs: Vec<BufferId>,
+    /// Model location, e.g. `layers.3.attn.q`.
+    pub loc: String,
+}
+
+impl Instr {
+    /// An integer attribute.
+    pub fn int(&self, name: &str) -> Result<i64, String> {
+        match self.attrs.get(name) {
+            Some(Attr::Int(v)) => Ok(*v),
+            other => Err(format!("attribute `{name}`: expected an integer, got {other:?}")),
+        }
+    }
+
+    /// A float attribute.
+    pub fn float(&self, name: &str) -> Result<f64, String> {
+        match self.attrs.get(name) {
+            Some(Attr::Float(v)) => Ok(*v),
+            Some(Attr::Int(v)) => Ok(*v as f64),
+            other => Err(format!("attribute `{name}`: expected a float, got {other:?}")),
+        }
+    }
+
+    /// A boolean attribute.
+    pub fn bool(&self, name: &str) -> Result<bool, String> {
+        match self.attrs.get(name) {
+            Some(Attr::Bool(v)) => Ok(*v),
+            other => Err(format!("attribute `{name}`: expected a boolean, got {other:?}")),
+        }
+    }
+}
+
+/// Storage slots and what they add up to.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    /// Size of each slot in elements, and its element type.
+    pub slots: Vec<(usize, DType)>,
+    /// Bytes of argument buffers (parameters, optimizer state, inputs).
+    pub argument_bytes: usize,
+    /// Bytes of temporary slots: the peak of temporaries with reuse.
+    pub temporary_bytes: usize,
+    /// What temporaries would take without reuse.
+    pub temporary_bytes_without_reuse: usize,
+}
+
+/// A program for one rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u32,
+    /// Function name, e.g. `train_step`.
+    pub name: String,
+    /// Every buffer.
+    pub buffers: Vec<Buffer>,
+    /// Arguments, in order.
+    pub args: Vec<Binding>,
+    /// Results, in order.
+    pub results: Vec<Binding>,
+    /// Instructions in execution order.
+    pub instrs: Vec<Instr>,
+    /// Slots and memory figures.
+    pub memory: MemoryPlan,
+}
+
+impl Program {
+    /// Peak bytes of the program: arguments plus temporaries.
+    pub fn peak_bytes(&self) -> usize {
+        self.memory.argument_bytes + self.memory.temporary_bytes
+    }
+
+    /// The argument called `name`.
+    pub fn arg(&self, name: &str) -> Option<&Binding> {
+        self.args.iter().find(|b| b.name == name)
+    }
+
+    /// The result called `name`.
+    pub fn result(&self, name: &str) -> Option<&Binding> {
+        self.results.iter().find(|b| b.name == name)
+    }
+
+    /// Reads a program from JSON, checking the format version.
+    pub fn from_json(text: &str) -> Result<Program, crate::RuntimeError> {
+        let program: Program = serde_json::from_str(text).map_err(|e| crate::RuntimeError::Program(format!("not a rank program: {e}")))?;
+        if program.format_version != FORMAT_VERSION {
+            return Err(crate::RuntimeError::Program(format!(
+                "format version {} is not supported (this runtime reads version {FORMAT_VERSION}); recompile the plan",
+                program.format_version
+            )));
+        }
+        Ok(program)
+    }
+
+    /// Checks internal consistency: buffer and slot indices in range, slots large enough and
+    /// of the right type. Runs before execution, so a corrupt file is an error, not a panic.
+    pub fn validate(&self) -> Result<(), crate::RuntimeError> {
+        let bad = |m: String| Err(crate::RuntimeError::Program(m));
+        for (i, b) in self.buffers.iter().enumerate() {
+            let Some(&(capacity, dtype)) = self.memory.slots.get(b.slot) else {
+                return bad(format!("buffer {i} ({}) names slot {} of {}", b.name, b.slot, self.memory.slots.len()));
+            };
+            if b.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).is_none() {
+                return bad(format!("buffer {i} ({}) has an overflowing shape {:?}", b.name, b.shape));
+            }
+            if capacity < b.len() || dtype != b.dtype {
+                return bad(format!("buffer {i} ({}) does not fit its slot {}", b.name, b.slot));
+            }
+        }
+        let in_range = |id: &BufferId| *id < self.buffers.len();
+        for (i, instr) in self.instrs.iter().enumerate() {
+            if !instr.inputs.iter().chain(&instr.outputs).all(in_range) {
+                return bad(format!("instruction {i} ({}) names a buffer out of range", instr.op));
+            }
+            let mut slots: Vec<usize> = instr.outputs.iter().map(|o| self.buffers[*o].slot).collect();
+            slots.sort_unstable();
+            if slots.windows(2).any(|w| w[0] == w[1]) {
+                return bad(format!("instruction {i} ({}) writes two outputs into one slot", instr.op));
+            }
+        }
+        if !self.args.iter().chain(&self.results).all(|b| in_range(&b.buffer)) {
+            return bad("an argument or result names a buffer out of range".into());
+        }
+        Ok(())
+    }
+}
