@@ -6,8 +6,11 @@
 
 #![forbid(unsafe_code)]
 
+mod inspect;
+mod options;
 mod report;
 mod summary;
+mod train;
 
 use std::path::{Path, PathBuf};
 
@@ -18,13 +21,14 @@ use shardc_ir::mesh::Mesh;
 use shardc_ir::mlir::{irdl_source, print_module, IrContext, PrintStyle, XF_IRDL};
 use shardc_ir::spec::{self, Spec};
 
+use options::StepArgs;
 use summary::Summary;
 
 /// shardc partitions the training of a transformer across many accelerators, as a compiler:
 /// a model spec is lowered to MLIR (our `xf` dialect plus upstream's `shard` dialect) and
 /// transformed by a pipeline of named, verified passes.
 #[derive(Parser, Debug)]
-#[command(name = "shardc", version, about, long_about = None, after_help = "Examples:\n  shardc ir models/tiny.toml\n  shardc compile models/gpt2-small.toml --mesh dp=2,tp=4 -o plan.json\n  shardc compile models/tiny.toml --print-ir-after-all --dump-dir out/ir")]
+#[command(name = "shardc", version, about, long_about = None, after_help = "Examples:\n  shardc ir models/tiny.toml\n  shardc compile models/gpt2-small.toml --mesh dp=2,tp=4 -o plan.json\n  shardc compile models/tiny.toml --print-ir-after-all --dump-dir out/ir\n  shardc run models/tiny.toml --steps 200\n  shardc inspect plan.json\n  shardc bench models/gpt2-small.toml --seq 128 --micro-batch 1")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -63,10 +67,25 @@ enum Command {
         /// Write the IR before and after every pass into DIR as NN-PASS.mlir.
         #[arg(long, value_name = "DIR")]
         dump_dir: Option<PathBuf>,
-        /// Write the compiled plan as JSON.
+        /// Write the compiled plan (rank programs with their memory plans) as JSON.
         #[arg(short, long, value_name = "FILE")]
         output: Option<PathBuf>,
+        #[command(flatten)]
+        step: StepArgs,
     },
+    /// Train a spec on the CPU runtime, on a text corpus read as bytes.
+    ///
+    /// Example: shardc run models/tiny.toml --steps 200 --save tiny.safetensors
+    Run(train::RunArgs),
+    /// Print a compiled plan (or a single rank program) readably: instructions, buffers,
+    /// memory.
+    ///
+    /// Example: shardc inspect plan.json --instrs
+    Inspect(inspect::InspectArgs),
+    /// Time a training step on the CPU runtime (optionally against PyTorch).
+    ///
+    /// Example: shardc bench models/gpt2-small.toml --seq 128 --micro-batch 1
+    Bench(train::BenchArgs),
     /// Print the xf dialect's IRDL definition, generated from the op registry.
     ///
     /// Example: shardc dialect --check ir/dialect/xf.irdl.mlir
@@ -96,9 +115,12 @@ fn main() -> Result<()> {
             print!("{}", print_module(&cx, &module, style).into_diagnostic()?);
             Ok(())
         }
-        Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output } => {
-            compile(&spec, &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref())
+        Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output, step } => {
+            compile(&spec, &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref(), &step)
         }
+        Command::Run(args) => train::run(&args),
+        Command::Inspect(args) => inspect::inspect(&args),
+        Command::Bench(args) => train::bench(&args),
         Command::Dialect { check } => {
             let generated = irdl_source();
             match check {
@@ -134,24 +156,25 @@ fn main() -> Result<()> {
     }
 }
 
-fn load_spec(path: &Path) -> Result<Spec> {
+pub(crate) fn load_spec(path: &Path) -> Result<Spec> {
     spec::parse_file(path).map_err(report::spec_report)
 }
 
-fn ir_context() -> Result<IrContext> {
+pub(crate) fn ir_context() -> Result<IrContext> {
     IrContext::new().into_diagnostic().wrap_err("setting up MLIR")
 }
 
-/// The plan file `compile -o` writes.
-#[derive(Serialize)]
-struct PlanFile<'a> {
+/// The plan file `compile -o` writes and `inspect` reads.
+#[derive(Serialize, serde::Deserialize)]
+pub(crate) struct PlanFile {
     /// Bumped whenever the layout changes.
-    format_version: u32,
-    spec: &'a Spec,
-    mesh: Mesh,
-    passes: Vec<&'static str>,
-    summary: &'a Summary,
-    module: &'a shardc_ir::Module,
+    pub format_version: u32,
+    pub spec: Spec,
+    pub mesh: Mesh,
+    pub passes: Vec<String>,
+    pub summary: Summary,
+    /// One program per function: the training step, and the forward pass for evaluation.
+    pub programs: Vec<shardc_runtime::Program>,
 }
 
 fn compile(
@@ -161,14 +184,15 @@ fn compile(
     print_after: &[String],
     dump_dir: Option<&Path>,
     output: Option<&Path>,
+    step: &StepArgs,
 ) -> Result<()> {
-    let spec = load_spec(spec_path)?;
+    let spec = step.load_spec(spec_path)?;
     let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);
     if !problems.is_empty() {
         return Err(report::mesh_report(problems));
     }
-    let pipeline = shardc_passes::compile_pipeline(&shardc_passes::CompileOptions::default());
+    let pipeline = shardc_passes::compile_pipeline(&step.compile_options()?);
     let names = pipeline.names();
     for wanted in print_after {
         if wanted != "input" && !names.contains(&wanted.as_str()) {
@@ -200,11 +224,17 @@ fn compile(
     if let Some(e) = io_error {
         return Err(miette!("{e}"));
     }
-    let summary = Summary::of(&spec, &module);
+    let programs = ["train_step", "forward"]
+        .iter()
+        .filter_map(|name| module.func(name))
+        .map(shardc_codegen::lower_func)
+        .collect::<Result<Vec<_>, _>>()
+        .into_diagnostic()?;
+    let summary = Summary::of(&spec, &module, &programs);
     println!("shardc: compiled {} ({})", spec.name, spec_path.display());
     print!("{}", summary.render(&spec, &mesh, &report.passes.iter().map(|p| p.name).collect::<Vec<_>>()));
     if let Some(path) = output {
-        let plan = PlanFile { format_version: 1, spec: &spec, mesh, passes: names, summary: &summary, module: &module };
+        let plan = PlanFile { format_version: 1, spec, mesh, passes: names.iter().map(|n| n.to_string()).collect(), summary, programs };
         let json = serde_json::to_string(&plan).into_diagnostic()?;
         std::fs::write(path, json).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
         println!("  plan        written to {}", path.display());

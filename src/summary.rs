@@ -1,12 +1,12 @@
 //! The short summary `shardc compile` prints, and the figures it is made of.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use shardc_ir::mesh::Mesh;
 use shardc_ir::spec::Spec;
 use shardc_ir::Module;
 
 /// Figures of one compiled step, as printed and as written into the plan file.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
     /// Trainable parameters.
     pub parameters: u64,
@@ -14,15 +14,32 @@ pub struct Summary {
     pub parameter_bytes: u64,
     /// Forward FLOPs of one micro-batch (sum of the op registry's costs).
     pub forward_flops_per_microbatch: f64,
+    /// FLOPs of one `train_step` (one micro-batch: forward, backward, optimizer), summed
+    /// from the op registry's costs over the real training-step IR.
+    pub train_step_flops_per_microbatch: f64,
     /// Micro-batches per optimizer step over all replicas.
     pub microbatches_per_step: u64,
+    /// Memory of the training step's rank program: arguments (parameters, optimizer
+    /// state, inputs) and the peak of temporaries with and without slot reuse.
+    pub memory: Option<MemorySummary>,
     /// Ops of each kind in `@forward`.
     pub op_counts: std::collections::BTreeMap<String, usize>,
 }
 
+/// Memory of one rank program.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemorySummary {
+    /// Parameters, optimizer state and inputs.
+    pub argument_bytes: u64,
+    /// Peak of temporaries with slot reuse.
+    pub temporary_bytes: u64,
+    /// Temporaries without reuse.
+    pub temporary_bytes_without_reuse: u64,
+}
+
 impl Summary {
-    /// Collects the figures of `@forward`.
-    pub fn of(spec: &Spec, module: &Module) -> Summary {
+    /// Collects the figures of `@forward` and `@train_step`.
+    pub fn of(spec: &Spec, module: &Module, programs: &[shardc_runtime::Program]) -> Summary {
         let forward = module.func("forward");
         let parameters = forward.map_or(0, |f| f.parameter_count());
         let dtype: shardc_ir::DType = spec.model.dtype.into();
@@ -30,7 +47,13 @@ impl Summary {
             parameters,
             parameter_bytes: parameters.saturating_mul(dtype.bytes()),
             forward_flops_per_microbatch: forward.map_or(0.0, |f| f.cost().flops),
+            train_step_flops_per_microbatch: module.func("train_step").map_or(0.0, |f| f.cost().flops),
             microbatches_per_step: spec.micro_batches(),
+            memory: programs.iter().find(|p| p.name == "train_step").map(|p| MemorySummary {
+                argument_bytes: p.memory.argument_bytes as u64,
+                temporary_bytes: p.memory.temporary_bytes as u64,
+                temporary_bytes_without_reuse: p.memory.temporary_bytes_without_reuse as u64,
+            }),
             op_counts: forward.map(|f| f.op_counts()).unwrap_or_default(),
         }
     }
@@ -68,11 +91,28 @@ impl Summary {
                 spec.training.global_batch
             ),
         );
-        // Backward costs about twice the forward (one product for the input gradient, one
-        // for the weight gradient, per forward product); autodiff will replace this estimate
-        // with the cost of the real training step.
-        let step_flops = 3.0 * self.forward_flops_per_microbatch * self.microbatches_per_step as f64;
-        line("FLOPs", format!("{} forward per micro-batch; ~{} per step (forward + backward = 3x forward)", flops(self.forward_flops_per_microbatch), flops(step_flops)));
+        let step_flops = self.train_step_flops_per_microbatch * self.microbatches_per_step as f64;
+        line(
+            "FLOPs",
+            format!(
+                "{} forward, {} training step per micro-batch ({:.2}x forward); {} per step",
+                flops(self.forward_flops_per_microbatch),
+                flops(self.train_step_flops_per_microbatch),
+                self.train_step_flops_per_microbatch / self.forward_flops_per_microbatch.max(1.0),
+                flops(step_flops)
+            ),
+        );
+        if let Some(m) = &self.memory {
+            line(
+                "memory",
+                format!(
+                    "{} arguments (parameters, optimizer state, inputs) + {} peak temporaries ({} without reuse)",
+                    bytes(m.argument_bytes),
+                    bytes(m.temporary_bytes),
+                    bytes(m.temporary_bytes_without_reuse)
+                ),
+            );
+        }
         line("mesh", format!("{mesh} ({} ranks)", mesh.ranks()));
         line("passes", passes.join(" -> "));
         let ops: Vec<String> = self.op_counts.iter().map(|(name, n)| format!("{name} {n}")).collect();

@@ -115,7 +115,9 @@ fn plan_file_is_written() {
     // embed 256*16 + 2 layers * (norms 2*16 + q,out 2*16*16 + k,v 2*16*8 + gate,up,down 3*16*48)
     // + final norm 16 + untied head 16*256.
     assert_eq!(json["summary"]["parameters"], 4096 + 2 * (32 + 512 + 256 + 2304) + 16 + 4096);
-    assert!(json["module"]["funcs"][0]["ops"].as_array().unwrap().len() > 20);
+    let programs = json["programs"].as_array().unwrap();
+    assert_eq!(programs[0]["name"], "train_step");
+    assert!(programs[0]["instrs"].as_array().unwrap().len() > 100);
 }
 
 #[test]
@@ -178,7 +180,7 @@ fn checked_in_dialect_is_current() {
 #[test]
 fn help_explains_each_command_with_an_example() {
     let text = stdout(&shardc(&["--help"]));
-    for command in ["ir", "compile", "dialect", "ops"] {
+    for command in ["ir", "compile", "run", "inspect", "bench", "dialect", "ops"] {
         assert!(text.contains(&format!("  {command}")), "{text}");
     }
     let text = stdout(&shardc(&["compile", "--help"]));
@@ -192,3 +194,61 @@ fn tempdir(tag: &str) -> PathBuf {
     dir
 }
 
+
+#[test]
+fn run_trains_and_the_loss_falls() {
+    let dir = tempdir("run");
+    let weights = dir.join("tiny.safetensors");
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "60", "--log-every", "20", "--save", weights.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let losses: Vec<f64> = text.lines().filter_map(|l| l.strip_prefix("step ")).map(|l| l.split_whitespace().nth(2).unwrap().parse().unwrap()).collect();
+    assert_eq!(losses.len(), 3, "{text}");
+    assert!(losses[2] < losses[0], "{text}");
+    assert!(text.contains("% lower"), "{text}");
+    // Loading the saved parameters resumes from where training stopped: the first loss is
+    // far below the untrained one.
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--log-every", "1", "--load", weights.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let resumed: f64 = stdout(&out).lines().find_map(|l| l.strip_prefix("step 1 loss ")).unwrap().trim().parse().unwrap();
+    assert!(resumed < 5.0, "resumed at {resumed}");
+}
+
+#[test]
+fn same_seed_same_loss_curve_from_the_cli() {
+    let run = || stdout(&shardc(&["run", "models/tiny-llama.toml", "--steps", "10", "--log-every", "1", "--seed", "3"]));
+    let curve = |text: String| text.lines().filter(|l| l.starts_with("step ")).map(String::from).collect::<Vec<_>>();
+    let (a, b) = (curve(run()), curve(run()));
+    assert_eq!(a.len(), 10);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn run_errors_are_clear() {
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--backend", "cuda"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("CUDA backend"), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--load", "Cargo.toml"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("safetensors"), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--lr=-1"]);
+    assert!(stderr(&out).contains("--lr must be positive"), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--seq", "999"]);
+    assert!(stderr(&out).contains("seq_len"), "{}", stderr(&out));
+}
+
+#[test]
+fn inspect_shows_programs_and_memory() {
+    let dir = tempdir("inspect");
+    let plan = dir.join("plan.json");
+    let out = shardc(&["compile", "models/tiny.toml", "-o", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = shardc(&["inspect", plan.to_str().unwrap(), "--instrs"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for expected in ["program @train_step", "program @forward", "peak", "xf.adamw", "without", "layers.1.mlp.down"] {
+        assert!(text.contains(expected), "missing {expected}:\n{text}");
+    }
+    let out = shardc(&["inspect", "Cargo.toml"]);
+    assert_eq!(out.status.code(), Some(1));
+}

@@ -71,6 +71,12 @@ pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
     for arg in &func.args {
         buffer_of[arg.value.0 as usize] = Some(new_buffer(arg.value, &arg.name, &mut buffers)?);
     }
+    // An argument may be overwritten in place only by its own new value: a result returned
+    // under the argument's name (an optimizer update). Anything else would clobber an input
+    // the caller still owns.
+    let arg_name: std::collections::HashMap<Value, &str> = func.args.iter().map(|a| (a.value, a.name.as_str())).collect();
+    let returned_as: std::collections::HashMap<Value, &str> =
+        func.returns.iter().zip(&func.result_names).map(|(v, n)| (*v, n.as_str())).collect();
     let mut instrs = Vec::with_capacity(func.ops.len());
     for (i, op) in func.ops.iter().enumerate() {
         let def = lookup(&op.name).ok_or_else(|| unsupported(&op.loc, format!("`{}` has no kernel", op.name)))?;
@@ -78,9 +84,14 @@ pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
         let mut outputs = Vec::with_capacity(op.results.len());
         for (r, result) in op.results.iter().enumerate() {
             let alias = in_place.iter().find(|(res, _)| *res == r).map(|(_, operand)| op.operands[*operand]).filter(|operand| {
-                // Only when this op is the operand's last reader, it is read once here, and
-                // it is not itself a result of the function.
-                last_use[operand.0 as usize] == Some(i) && op.operands.iter().filter(|o| *o == operand).count() == 1
+                // Only when this op is the operand's last reader and reads it once; an
+                // argument only when this result is its new value.
+                let dead_after = last_use[operand.0 as usize] == Some(i) && op.operands.iter().filter(|o| *o == operand).count() == 1;
+                let owned = match arg_name.get(operand) {
+                    Some(name) => returned_as.get(result) == Some(name),
+                    None => true,
+                };
+                dead_after && owned
             });
             let id = match alias {
                 Some(operand) => buffer_of[operand.0 as usize].expect("operands are defined before use"),

@@ -7,6 +7,10 @@
 //! arguments named `opt.m.<param>` and `opt.v.<param>`; `step` (i32, from 1) drives bias
 //! correction. Weight decay applies to matrices only, not to norm scales and biases (as in
 //! GPT-2 and Llama training). The updates alias their state, so codegen updates in place.
+//!
+//! Each update is placed right after the last op that reads its parameter or its gradient,
+//! not at the end: the gradient's buffer is then free while the backward pass goes on, so
+//! the step never holds every gradient at once (PyTorch's "optimizer in backward").
 
 use std::collections::HashMap;
 
@@ -122,9 +126,41 @@ impl Pass for Optimizer {
             returns.extend(values);
             names.extend(params.iter().map(|p| format!("opt.{}.{}", state_names[k], p.name)));
         }
-        let train_step = fb.finish(&returns, &names);
+        let mut train_step = fb.finish(&returns, &names);
+        place_updates_early(&mut train_step);
         module.funcs.retain(|f| f.name != "gradients" && f.name != "train_step");
         module.funcs.push(train_step);
         Ok(Changed::Yes)
     }
+}
+
+/// Moves every update op (located `optimizer.*`) to just after the last op that reads its
+/// parameter or defines or reads its gradient. Updates read only values defined before that
+/// point and nothing but the function's results reads them, so the order stays valid.
+fn place_updates_early(func: &mut shardc_ir::Func) {
+    let (updates, mut rest): (Vec<_>, Vec<_>) = func.ops.drain(..).partition(|op| op.loc.starts_with("optimizer."));
+    // For each update: the index in `rest` after which it may run (None: before every op).
+    let mut after: Vec<(Option<usize>, shardc_ir::Op)> = updates
+        .into_iter()
+        .map(|update| {
+            let touches = |op: &shardc_ir::Op| {
+                op.operands.iter().chain(&op.results).any(|v| update.operands[..2].contains(v))
+            };
+            (rest.iter().rposition(touches), update)
+        })
+        .collect();
+    // Stable by position, so updates at the same point keep the parameter order.
+    after.sort_by_key(|(at, _)| at.map_or(0, |i| i + 1));
+    let mut ops = Vec::with_capacity(rest.len() + after.len());
+    let mut pending = after.into_iter().peekable();
+    while let Some((None, _)) = pending.peek() {
+        ops.push(pending.next().unwrap().1);
+    }
+    for (i, op) in rest.drain(..).enumerate() {
+        ops.push(op);
+        while pending.peek().is_some_and(|(at, _)| *at == Some(i)) {
+            ops.push(pending.next().unwrap().1);
+        }
+    }
+    func.ops = ops;
 }

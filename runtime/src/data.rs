@@ -11,14 +11,8 @@ pub struct ByteCorpus {
 }
 
 impl ByteCorpus {
-    /// Reads `path`; it must hold more than `seq + 1` bytes, and every byte must be a valid
-    /// token of a `vocab`-sized vocabulary.
-    pub fn load(path: &std::path::Path, seq: usize, vocab: usize) -> Result<ByteCorpus, RuntimeError> {
-        let bytes = std::fs::read(path).map_err(|source| RuntimeError::Io { context: format!("reading {}", path.display()), source })?;
-        ByteCorpus::new(bytes, seq, vocab)
-    }
-
-    /// A corpus from bytes, checked as in [`ByteCorpus::load`].
+    /// A corpus of `bytes`: it must hold more than `seq + 1` bytes, and every byte must be a
+    /// valid token of a `vocab`-sized vocabulary.
     pub fn new(bytes: Vec<u8>, seq: usize, vocab: usize) -> Result<ByteCorpus, RuntimeError> {
         if bytes.len() <= seq + 1 {
             return Err(RuntimeError::Binding(format!("the corpus has {} bytes, fewer than one sequence of {} tokens plus one", bytes.len(), seq)));

@@ -21,12 +21,4 @@ pub enum RuntimeError {
     /// A named argument or result does not exist or has the wrong size.
     #[error("{0}")]
     Binding(String),
-    /// Reading or writing a file.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: String,
-        /// The IO error.
-        source: std::io::Error,
-    },
 }

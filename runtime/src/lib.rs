@@ -18,6 +18,7 @@ pub mod data;
 mod error;
 pub mod init;
 pub mod program;
+pub mod train;
 
 pub use error::RuntimeError;
 pub use program::{Attr, BufferId, DType, Instr, Program};

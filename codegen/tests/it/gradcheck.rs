@@ -190,7 +190,8 @@ fn check_model(name: &str, recompute: Recompute) {
         values.insert(arg.name.clone(), base.iter().zip(noise).map(|(a, b)| a + b).collect::<Vec<f64>>());
     }
     let seq = spec.seq_len() as usize;
-    let corpus = ByteCorpus::load(&root().join("data/kjv-genesis-exodus.txt"), seq, spec.model.vocab as usize).unwrap();
+    let bytes = std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap();
+    let corpus = ByteCorpus::new(bytes, seq, spec.model.vocab as usize).unwrap();
     let (tokens, targets) = corpus.batch(1, 0, spec.training.micro_batch as usize, seq);
     let ints = HashMap::from([("tokens".to_string(), tokens), ("targets".to_string(), targets)]);
     let worst = check(module, &values, &ints, recompute);

@@ -49,6 +49,10 @@ impl OpDef for Add {
     fn differentiable(&self) -> bool {
         true
     }
+    fn in_place(&self) -> &'static [(usize, usize)] {
+        // Accumulating into a dead lhs (gradient sums, residual adds) needs no new buffer.
+        &[(0, 0)]
+    }
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         // d lhs = dy; d rhs = dy summed over the dimensions rhs was broadcast along.
         let rhs = cx.sum_to(grads[0], cx.operands[1])?;

@@ -350,6 +350,12 @@ fn line_col_to_offset(source: &str, line: usize, column: usize) -> usize {
     (line_start + column.saturating_sub(1)).min(source.len())
 }
 
+/// Re-checks a spec changed after parsing (command-line overrides such as `--seq`); errors
+/// carry no spans, as the values did not come from the file.
+pub fn check(spec: &Spec) -> Vec<SpecError> {
+    validate(spec)
+}
+
 /// Checks the relations between fields that types alone cannot express.
 fn validate(spec: &Spec) -> Vec<SpecError> {
     let mut errors = Vec::new();

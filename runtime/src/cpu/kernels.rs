@@ -135,11 +135,21 @@ fn binary<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], f: impl Fn(T, T) -> T +
     Ok(())
 }
 
-/// `out[i] = f(a[i], b[i mod len(b)])`: `b` broadcast over the leading dims of `a`.
+/// `out[i] = f(a[i], b[i mod len(b)])`: `b` broadcast over the leading dims of `a`. When
+/// the op runs in place (`out` is `a`'s buffer), `a` is read from `out`.
 fn broadcast<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], f: impl Fn(T, T) -> T + Sync) -> Result<(), String> {
-    let (a, b) = (ins[0].get::<T>()?, ins[1].get::<T>()?);
+    let b = ins[1].get::<T>()?;
     let y = outs[0].get::<T>()?;
     let n = b.len().max(1);
+    if ins[0].is_taken() {
+        y.par_chunks_mut(n).for_each(|y| {
+            for (y, &b) in y.iter_mut().zip(b) {
+                *y = f(*y, b);
+            }
+        });
+        return Ok(());
+    }
+    let a = ins[0].get::<T>()?;
     y.par_chunks_mut(n).zip(a.par_chunks(n)).for_each(|(y, a)| {
         for ((y, &a), &b) in y.iter_mut().zip(a).zip(b) {
             *y = f(a, b);

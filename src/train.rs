@@ -1,0 +1,210 @@
+//! `shardc run` (train on the CPU runtime) and `shardc bench` (time a training step).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use shardc_ir::spec::Spec;
+use shardc_runtime::data::ByteCorpus;
+use shardc_runtime::train::Trainer;
+use shardc_runtime::Program;
+
+use crate::options::{default_corpus, StepArgs};
+
+/// Arguments of `shardc run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Model spec (.toml or .json).
+    pub spec: PathBuf,
+    /// Optimizer steps to run.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Seed of the initial parameters and the data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Training text, read as bytes (one token per byte).
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Save the trained parameters as safetensors.
+    #[arg(long, value_name = "FILE")]
+    pub save: Option<PathBuf>,
+    /// Start from parameters in a safetensors file.
+    #[arg(long, value_name = "FILE")]
+    pub load: Option<PathBuf>,
+    /// Print `step N loss X` every N steps (0: only the summary).
+    #[arg(long, default_value_t = 0)]
+    pub log_every: u64,
+    /// Backend: cpu (the default and the reference).
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    #[command(flatten)]
+    pub step: StepArgs,
+}
+
+/// Compiles the spec's training step to a rank program.
+pub fn compile_train_step(spec: &Spec, step: &StepArgs) -> Result<Program> {
+    let options = step.compile_options()?;
+    let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
+    let cx = crate::ir_context()?;
+    shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
+    let train_step = module.func("train_step").ok_or_else(|| miette!("the pipeline produced no @train_step"))?;
+    shardc_codegen::lower_func(train_step).into_diagnostic()
+}
+
+fn check_backend(backend: &str) -> Result<()> {
+    match backend {
+        "cpu" => Ok(()),
+        "cuda" => Err(miette!(
+            help = "run on the CPU backend (the default), or see issue 8 for the CUDA backend",
+            "the CUDA backend is not built into this shardc"
+        )),
+        other => Err(miette!(help = "use --backend cpu", "unknown backend `{other}`")),
+    }
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    check_backend(&args.backend)?;
+    let spec = args.step.load_spec(&args.spec)?;
+    let program = compile_train_step(&spec, &args.step)?;
+    let peak = program.peak_bytes();
+    let mut trainer = Trainer::new(program, args.seed, spec.model.layers as usize).into_diagnostic()?;
+    if let Some(path) = &args.load {
+        let bytes = std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
+        let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
+        trainer.load(&tensors).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
+    }
+    let data_path = args.data.clone().unwrap_or_else(default_corpus);
+    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
+    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+
+    println!(
+        "shardc: training {} on {} ({} bytes), {} steps of {} tokens, seed {}, peak memory {}",
+        spec.name,
+        data_path.display(),
+        corpus.len(),
+        args.steps,
+        trainer.tokens_per_step(),
+        args.seed,
+        crate::summary::bytes(peak as u64)
+    );
+    let bar = ProgressBar::new(args.steps);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").into_diagnostic()?);
+    let start = Instant::now();
+    let mut losses = Vec::with_capacity(args.steps as usize);
+    for step in 1..=args.steps {
+        let loss = trainer.step(&corpus).into_diagnostic()?;
+        if !loss.is_finite() {
+            bar.finish_and_clear();
+            return Err(miette!(help = "lower --lr", "the loss became {loss} at step {step}"));
+        }
+        losses.push(loss);
+        let tokens_per_s = (step as usize * trainer.tokens_per_step()) as f64 / start.elapsed().as_secs_f64();
+        bar.set_message(format!("loss {loss:.4}  {tokens_per_s:.0} tokens/s"));
+        bar.inc(1);
+        if args.log_every > 0 && step % args.log_every == 0 {
+            bar.suspend(|| println!("step {step} loss {loss:.6}"));
+        }
+    }
+    bar.finish_and_clear();
+    if let (Some(first), Some(_)) = (losses.first(), losses.last()) {
+        // The last ten steps' mean smooths the batch-to-batch noise.
+        let tail = &losses[losses.len().saturating_sub(10)..];
+        let last = tail.iter().sum::<f64>() / tail.len() as f64;
+        let elapsed = start.elapsed().as_secs_f64();
+        println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
+        println!(
+            "  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s",
+            1e3 * elapsed / losses.len() as f64,
+            (losses.len() * trainer.tokens_per_step()) as f64 / elapsed
+        );
+    }
+    if let Some(path) = &args.save {
+        let bytes = shardc_runtime::checkpoint::to_bytes(&trainer.parameters().into_diagnostic()?).into_diagnostic()?;
+        std::fs::write(path, bytes).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+        println!("  saved       {}", path.display());
+    }
+    Ok(())
+}
+
+/// Arguments of `shardc bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model spec (.toml or .json).
+    pub spec: PathBuf,
+    /// Timed steps (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    pub steps: u64,
+    /// Also time the same training step in PyTorch (CPU) through bench/torch_step.py with
+    /// this Python interpreter.
+    #[arg(long, value_name = "PYTHON")]
+    pub torch: Option<PathBuf>,
+    #[command(flatten)]
+    pub step: StepArgs,
+}
+
+/// Peak resident memory of this process so far (Linux), in bytes.
+fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    let spec = args.step.load_spec(&args.spec)?;
+    let compile_start = Instant::now();
+    let program = compile_train_step(&spec, &args.step)?;
+    let compile_s = compile_start.elapsed().as_secs_f64();
+    let planned = program.peak_bytes();
+    let mut trainer = Trainer::new(program, 0, spec.model.layers as usize).into_diagnostic()?;
+    let corpus = synthetic_corpus(&spec)?;
+    trainer.step(&corpus).into_diagnostic()?;
+    let mut times = Vec::new();
+    for _ in 0..args.steps.max(1) {
+        let t = Instant::now();
+        trainer.step(&corpus).into_diagnostic()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let rss = peak_rss().unwrap_or(0);
+    println!("benchmark: {} training step, seq {}, micro-batch {}, {} timed steps (median)", spec.name, spec.seq_len(), spec.training.micro_batch, times.len());
+    println!("{:<22}{:>14}{:>16}{:>18}", "", "step time", "peak memory", "compile time");
+    println!("{:<22}{:>12.3} s{:>16}{:>16.2} s", "shardc (CPU)", median, crate::summary::bytes(rss), compile_s);
+    println!("{:<22}{:>14}{:>16}", "  planned by codegen", "", crate::summary::bytes(planned as u64));
+    if let Some(python) = &args.torch {
+        let torch = torch_step(python, &args.spec, &spec, args.steps)?;
+        println!("{:<22}{:>12.3} s{:>16}", "PyTorch (CPU)", torch.0, crate::summary::bytes(torch.1));
+        println!("ratio shardc / PyTorch: {:.2} (below 1 means shardc is faster)", median / torch.0);
+    }
+    Ok(())
+}
+
+/// A corpus of the model's own vocabulary: benchmarks time steps, not learning.
+fn synthetic_corpus(spec: &Spec) -> Result<ByteCorpus> {
+    let vocab = spec.model.vocab.min(256) as usize;
+    let bytes: Vec<u8> = (0..(spec.seq_len() as usize + 2) * 64).map(|i| (shardc_runtime::init::splitmix64(i as u64) % vocab as u64) as u8).collect();
+    ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()
+}
+
+/// Runs bench/torch_step.py; returns (median step seconds, peak RSS bytes).
+fn torch_step(python: &Path, spec_path: &Path, spec: &Spec, steps: u64) -> Result<(f64, u64)> {
+    let out = std::process::Command::new(python)
+        .arg("bench/torch_step.py")
+        .arg(spec_path)
+        .args(["--seq", &spec.seq_len().to_string(), "--micro-batch", &spec.training.micro_batch.to_string(), "--steps", &steps.to_string()])
+        .output()
+        .into_diagnostic()
+        .wrap_err_with(|| format!("running {} bench/torch_step.py", python.display()))?;
+    if !out.status.success() {
+        return Err(miette!(
+            help = "scripts/bench-torch sets up a virtual environment with PyTorch",
+            "the PyTorch benchmark failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let result: serde_json::Value = serde_json::from_slice(&out.stdout).into_diagnostic().wrap_err("reading the PyTorch benchmark's JSON")?;
+    let step = result["step_s"].as_f64().ok_or_else(|| miette!("the PyTorch benchmark printed no step_s"))?;
+    Ok((step, result["peak_rss_bytes"].as_u64().unwrap_or(0)))
+}
