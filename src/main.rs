@@ -101,6 +101,7 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    sigpipe::reset();
     let cli = Cli::parse();
     match cli.command {
         Command::Ir { spec, generic, no_locations } => {
@@ -236,6 +237,9 @@ fn compile(
     if let Some(path) = output {
         let plan = PlanFile { format_version: 1, spec, mesh, passes: names.iter().map(|n| n.to_string()).collect(), summary, programs };
         let json = serde_json::to_string(&plan).into_diagnostic()?;
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).into_diagnostic().wrap_err_with(|| format!("creating {}", parent.display()))?;
+        }
         std::fs::write(path, json).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
         println!("  plan        written to {}", path.display());
     }

@@ -113,7 +113,12 @@ impl Summary {
                 ),
             );
         }
-        line("mesh", format!("{mesh} ({} ranks)", mesh.ranks()));
+        if mesh.ranks() > 1 {
+            // Said plainly until the SPMD partitioner lands: the programs are single-device.
+            line("mesh", format!("{mesh} ({} ranks): checked against the model; the programs are not partitioned yet", mesh.ranks()));
+        } else {
+            line("mesh", format!("{mesh} (1 rank)"));
+        }
         line("passes", passes.join(" -> "));
         let ops: Vec<String> = self.op_counts.iter().map(|(name, n)| format!("{name} {n}")).collect();
         line("ops", ops.join(", "));

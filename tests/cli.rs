@@ -252,3 +252,21 @@ fn inspect_shows_programs_and_memory() {
     let out = shardc(&["inspect", "Cargo.toml"]);
     assert_eq!(out.status.code(), Some(1));
 }
+
+#[test]
+fn a_closed_pipe_ends_quietly() {
+    use std::io::Read;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        // Far more output than a pipe buffer holds, so shardc is still writing when it closes.
+        .args(["ir", "models/gpt2-small.toml"])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read a little, then close the pipe, as `| head -1` does.
+    let mut first = [0u8; 16];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -168,3 +168,35 @@ fn train_step_signature_orders_params_state_inputs() {
     assert_eq!(step.result_names[0], "loss");
     assert_eq!(step.ops.iter().filter(|o| o.name == "xf.adamw").count(), n_params);
 }
+
+/// Runs `mlir-opt-22 --irdl-file=<xf>` on `text`; panics with its complaint if it rejects it.
+fn assert_mlir_opt_accepts(text: &str) {
+    use std::io::Write;
+    let irdl = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("ir/dialect/xf.irdl.mlir");
+    let mut child = std::process::Command::new("mlir-opt-22")
+        .arg(format!("--irdl-file={}", irdl.display()))
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mlir-opt-22 not found: run scripts/setup");
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "mlir-opt-22 rejected the dump:\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn every_dump_of_the_training_pipeline_parses_with_mlir_opt() {
+    use shardc_passes::Recompute;
+    for model in ["tiny", "tiny-llama"] {
+        for recompute in [Recompute::None, Recompute::Full, Recompute::SelectiveAttention] {
+            let options = shardc_passes::CompileOptions { recompute, ..Default::default() };
+            let mut module = tiny(model);
+            for (pass, ir) in run_observed(&compile_pipeline(&options), &mut module).unwrap() {
+                assert!(!ir.is_empty(), "{model} {pass}");
+                assert_mlir_opt_accepts(&ir);
+            }
+        }
+    }
+}
