@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+pub mod collectives;
 pub mod cpu;
 pub mod data;
 mod error;
