@@ -193,7 +193,7 @@ fn compile(
     if !problems.is_empty() {
         return Err(report::mesh_report(problems));
     }
-    let pipeline = shardc_passes::compile_pipeline(&step.compile_options()?);
+    let pipeline = shardc_passes::compile_pipeline(&step.compile_options(&spec, mesh)?);
     let names = pipeline.names();
     for wanted in print_after {
         if wanted != "input" && !names.contains(&wanted.as_str()) {

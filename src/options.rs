@@ -31,8 +31,8 @@ pub struct StepArgs {
 }
 
 impl StepArgs {
-    /// The pipeline options these arguments ask for.
-    pub fn compile_options(&self) -> Result<CompileOptions> {
+    /// The pipeline options these arguments ask for, for `spec` on `mesh`.
+    pub fn compile_options(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<CompileOptions> {
         let recompute = Recompute::parse(&self.recompute)
             .ok_or_else(|| miette!(help = "use none, full or selective-attention", "--recompute: unknown policy `{}`", self.recompute))?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
@@ -43,7 +43,7 @@ impl StepArgs {
             "sgd" => OptimizerKind::Sgd { lr: self.lr, weight_decay: 0.0 },
             other => return Err(miette!(help = "use adamw or sgd", "--optimizer: unknown optimizer `{other}`")),
         };
-        Ok(CompileOptions { recompute, optimizer })
+        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64 })
     }
 
     /// Loads a spec and applies `--seq` / `--micro-batch`.

@@ -114,8 +114,7 @@ impl Summary {
             );
         }
         if mesh.ranks() > 1 {
-            // Said plainly until the SPMD partitioner lands: the programs are single-device.
-            line("mesh", format!("{mesh} ({} ranks): checked against the model; the programs are not partitioned yet", mesh.ranks()));
+            line("mesh", format!("{mesh} ({} ranks): partitioned; training-step FLOPs and memory are per rank", mesh.ranks()));
         } else {
             line("mesh", format!("{mesh} (1 rank)"));
         }

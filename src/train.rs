@@ -45,7 +45,7 @@ pub struct RunArgs {
 
 /// Compiles the spec's training step to a rank program.
 pub fn compile_train_step(spec: &Spec, step: &StepArgs) -> Result<Program> {
-    let options = step.compile_options()?;
+    let options = step.compile_options(spec, shardc_ir::mesh::Mesh::default())?;
     let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
     let cx = crate::ir_context()?;
     shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;

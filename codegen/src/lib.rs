@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use shardc_ir::ops::lookup;
 use shardc_ir::{ArgRole, AttrValue, Func, Value};
-use shardc_runtime::program::{Attr, Binding, Buffer, Instr, MemoryPlan, Program, Role, FORMAT_VERSION};
+use shardc_runtime::program::{Attr, Binding, Buffer, Instr, Layout, MemoryPlan, Program, Role, FORMAT_VERSION};
 use shardc_runtime::DType;
 
 /// Why a function cannot become a rank program.
@@ -42,8 +42,40 @@ fn dtype(d: shardc_ir::DType) -> DType {
     }
 }
 
-/// Lowers `func` to a rank program.
+/// Converts an attribute to the program's form. `Raw` MLIR syntax is read for the forms the
+/// `shard` collectives use: `array<i16: 1, 2>`, `#shard<partial sum>`, `3 : index`; the
+/// grid symbol (`@mesh`) carries nothing a rank program needs.
+fn convert_attr(value: &AttrValue) -> Result<Option<Attr>, String> {
+    Ok(Some(match value {
+        AttrValue::Int(v) => Attr::Int(*v),
+        AttrValue::Float(v) => Attr::Float(*v),
+        AttrValue::Bool(v) => Attr::Bool(*v),
+        AttrValue::Str(s) => Attr::Str(s.clone()),
+        AttrValue::Raw(raw) if raw.starts_with('@') => return Ok(None),
+        AttrValue::Raw(raw) => {
+            if let Some(list) = raw.strip_prefix("array<").and_then(|r| r.strip_suffix('>')) {
+                let items = list.split_once(':').map_or("", |(_, items)| items);
+                Attr::Ints(items.split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse::<i64>().map_err(|e| format!("`{raw}`: {e}"))).collect::<Result<_, _>>()?)
+            } else if let Some(kind) = raw.strip_prefix("#shard<partial ").and_then(|r| r.strip_suffix('>')) {
+                Attr::Str(kind.trim().to_string())
+            } else if let Some(n) = raw.strip_suffix(" : index") {
+                Attr::Int(n.trim().parse::<i64>().map_err(|e| format!("`{raw}`: {e}"))?)
+            } else {
+                return Err(format!("attribute `{raw}` has no rank-program form"));
+            }
+        }
+    }))
+}
+
+/// Lowers `func` to a rank program for a single device.
 pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
+    lower_func_on(func, &[])
+}
+
+/// Lowers `func` to a rank program for a grid of `grid` extents (empty: one device). A
+/// partitioned function gives the same program to every rank; ranks differ only in their
+/// coordinates, which collectives and vocab-split lookups read at run time.
+pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError> {
     let unsupported = |loc: &str, reason: String| CodegenError::Unsupported { func: func.name.clone(), loc: loc.to_string(), reason };
     let n_values = func.types.len();
     let end = func.ops.len();
@@ -79,8 +111,11 @@ pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
         func.returns.iter().zip(&func.result_names).map(|(v, n)| (*v, n.as_str())).collect();
     let mut instrs = Vec::with_capacity(func.ops.len());
     for (i, op) in func.ops.iter().enumerate() {
-        let def = lookup(&op.name).ok_or_else(|| unsupported(&op.loc, format!("`{}` has no kernel", op.name)))?;
-        let in_place = def.in_place();
+        let in_place = match lookup(&op.name) {
+            Some(def) => def.in_place(),
+            None if op.name.starts_with("shard.") => &[],
+            None => return Err(unsupported(&op.loc, format!("`{}` has no kernel", op.name))),
+        };
         let mut outputs = Vec::with_capacity(op.results.len());
         for (r, result) in op.results.iter().enumerate() {
             let alias = in_place.iter().find(|(res, _)| *res == r).map(|(_, operand)| op.operands[*operand]).filter(|operand| {
@@ -102,13 +137,9 @@ pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
         }
         let mut attrs = BTreeMap::new();
         for (name, value) in op.attrs.iter() {
-            let value = match value {
-                AttrValue::Int(v) => Attr::Int(*v),
-                AttrValue::Float(v) => Attr::Float(*v),
-                AttrValue::Bool(v) => Attr::Bool(*v),
-                other => return Err(unsupported(&op.loc, format!("attribute `{name}` = {other} of `{}`", op.name))),
-            };
-            attrs.insert(name.clone(), value);
+            if let Some(value) = convert_attr(value).map_err(|e| unsupported(&op.loc, format!("attribute `{name}` of `{}`: {e}", op.name)))? {
+                attrs.insert(name.clone(), value);
+            }
         }
         let inputs = op.operands.iter().map(|v| buffer_of[v.0 as usize].expect("verified IR defines before use")).collect();
         instrs.push(Instr { op: op.name.clone(), attrs, inputs, outputs, loc: op.loc.clone() });
@@ -120,7 +151,19 @@ pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
         ArgRole::OptState => Role::OptState,
         ArgRole::Input => Role::Input,
     };
-    let args = func.args.iter().map(|a| Binding { name: a.name.clone(), buffer: buffer_of[a.value.0 as usize].unwrap(), role: Some(role(a.role)) }).collect();
+    let args = func
+        .args
+        .iter()
+        .map(|a| Binding {
+            name: a.name.clone(),
+            buffer: buffer_of[a.value.0 as usize].unwrap(),
+            role: Some(role(a.role)),
+            layout: a.layout.as_ref().map(|l| Layout {
+                global_shape: l.global_shape.iter().map(|&d| d as usize).collect(),
+                split: l.sharding.split.iter().map(|axes| axes.iter().map(|&a| a as usize).collect()).collect(),
+            }),
+        })
+        .collect();
     let results = func
         .returns
         .iter()
@@ -129,9 +172,11 @@ pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
             name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")),
             buffer: buffer_of[v.0 as usize].unwrap(),
             role: None,
+            layout: None,
         })
         .collect();
-    Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), buffers, args, results, instrs, memory })
+    let mesh = grid.iter().map(|&e| e as usize).collect();
+    Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), mesh, buffers, args, results, instrs, memory })
 }
 
 /// Assigns every buffer a slot: arguments their own, temporaries by liveness.

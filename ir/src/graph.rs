@@ -87,6 +87,18 @@ pub struct FuncArg {
     pub name: String,
     /// Parameter or input.
     pub role: ArgRole,
+    /// In a partitioned function: the global tensor this argument is this rank's shard of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<ArgLayout>,
+}
+
+/// The global shape and sharding of a partitioned argument.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArgLayout {
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<i64>,
+    /// How it is split over the grid.
+    pub sharding: crate::sharding::Sharding,
 }
 
 /// One operation.
@@ -120,6 +132,10 @@ pub struct Func {
     pub result_names: Vec<String>,
     /// Type of each value, indexed by `Value.0`.
     pub types: Vec<Type>,
+    /// How values are laid out over the grid, once a sharding pass has annotated them
+    /// (printed as `shard.sharding` + `shard.shard` after each annotated value).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub shardings: BTreeMap<Value, crate::sharding::Sharding>,
 }
 
 impl Func {
@@ -175,6 +191,9 @@ pub struct Grid {
     pub name: String,
     /// Extent of each grid axis.
     pub shape: Vec<i64>,
+    /// Name of each axis (`dp`, `tp`, `pp`), printed as the grid's `xf.axes` attribute.
+    #[serde(default)]
+    pub axes: Vec<String>,
 }
 
 /// A module: grids, then functions.
@@ -215,7 +234,15 @@ impl FuncBuilder {
     /// Starts an empty function.
     pub fn new(name: &str) -> Self {
         FuncBuilder {
-            func: Func { name: name.to_string(), args: Vec::new(), ops: Vec::new(), returns: Vec::new(), result_names: Vec::new(), types: Vec::new() },
+            func: Func {
+                name: name.to_string(),
+                args: Vec::new(),
+                ops: Vec::new(),
+                returns: Vec::new(),
+                result_names: Vec::new(),
+                types: Vec::new(),
+                shardings: BTreeMap::new(),
+            },
         }
     }
 
@@ -227,7 +254,7 @@ impl FuncBuilder {
     /// Adds an argument.
     pub fn arg(&mut self, name: &str, ty: TensorTy, role: ArgRole) -> Value {
         let value = self.fresh(Type::Tensor(ty));
-        self.func.args.push(FuncArg { value, name: name.to_string(), role });
+        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None });
         value
     }
 
@@ -264,8 +291,15 @@ impl FuncBuilder {
     /// Adds an argument of any type and role.
     pub fn arg_typed(&mut self, name: &str, ty: Type, role: ArgRole) -> Value {
         let value = self.fresh(ty);
-        self.func.args.push(FuncArg { value, name: name.to_string(), role });
+        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None });
         value
+    }
+
+    /// Sets the layout of the argument `value`.
+    pub fn set_layout(&mut self, value: Value, layout: ArgLayout) {
+        if let Some(arg) = self.func.args.iter_mut().find(|a| a.value == value) {
+            arg.layout = Some(layout);
+        }
     }
 
     /// Adds an op with explicit result types (ops outside the registry, such as `shard` ops).

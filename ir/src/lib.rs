@@ -19,11 +19,12 @@ pub mod graph;
 pub mod mesh;
 pub mod mlir;
 pub mod ops;
+pub mod sharding;
 pub mod spec;
 pub mod types;
 pub mod verify;
 
 pub use attrs::{AttrValue, Attrs};
 pub use error::IrError;
-pub use graph::{ArgRole, Func, FuncBuilder, Module, Op, Type, Value};
+pub use graph::{ArgLayout, ArgRole, Func, FuncBuilder, Grid, Module, Op, Type, Value};
 pub use types::{DType, TensorTy};

@@ -15,6 +15,7 @@
 mod autodiff;
 mod optimizer;
 mod pipeline;
+pub mod sharding;
 mod verify_pass;
 
 pub use autodiff::{differentiate, Autodiff, Recompute};
@@ -29,19 +30,38 @@ pub struct CompileOptions {
     pub recompute: Recompute,
     /// Update rule of the training step.
     pub optimizer: OptimizerKind,
+    /// The device mesh; with more than one rank the sharding passes run.
+    pub mesh: shardc_ir::mesh::Mesh,
+    /// Vocabulary size and key/value heads of the model, for the sharding strategy.
+    pub vocab: i64,
+    /// Key/value heads of the model.
+    pub kv_heads: i64,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { recompute: Recompute::None, optimizer: OptimizerKind::adamw(1e-3) }
+        CompileOptions {
+            recompute: Recompute::None,
+            optimizer: OptimizerKind::adamw(1e-3),
+            mesh: shardc_ir::mesh::Mesh::default(),
+            vocab: 1,
+            kv_heads: 1,
+        }
     }
 }
 
-/// The pipeline `shardc compile` runs, in order. Later stages (sharding, pipeline stages,
-/// communication optimisation) are added here as straight-line code.
+/// The pipeline `shardc compile` runs, in order, as straight-line code. The sharding passes
+/// run only for meshes of more than one rank.
 pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
-    Pipeline::new()
+    let pipeline = Pipeline::new()
         .then(VerifyShapes)
         .then(Autodiff { recompute: options.recompute })
-        .then(Optimizer { kind: options.optimizer })
+        .then(Optimizer { kind: options.optimizer });
+    if options.mesh.ranks() <= 1 {
+        return pipeline;
+    }
+    pipeline
+        .then(sharding::ShardMegatron { mesh: options.mesh, vocab: options.vocab, kv_heads: options.kv_heads })
+        .then(sharding::PropagateSharding)
+        .then(sharding::Partition)
 }

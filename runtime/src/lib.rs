@@ -18,6 +18,7 @@ pub mod cpu;
 pub mod data;
 mod error;
 pub mod init;
+pub mod layout;
 pub mod program;
 pub mod train;
 

@@ -88,6 +88,20 @@ pub struct Binding {
     /// Role (arguments only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub role: Option<Role>,
+    /// For a partitioned argument: the global tensor's shape and the grid axes splitting
+    /// each of its dimensions, so a runtime can initialise the global tensor and take its
+    /// rank's shard.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Layout>,
+}
+
+/// The global shape and split of a partitioned argument.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Layout {
+    /// Shape of the whole tensor.
+    pub global_shape: Vec<usize>,
+    /// Grid axes splitting each dimension.
+    pub split: Vec<Vec<usize>>,
 }
 
 /// An attribute value of an instruction.
@@ -100,6 +114,10 @@ pub enum Attr {
     Int(i64),
     /// Float.
     Float(f64),
+    /// Integers (grid axes of a collective).
+    Ints(Vec<i64>),
+    /// Text (a reduction kind, a collective's cause).
+    Str(String),
 }
 
 /// One instruction: a kernel call over buffers.
@@ -136,6 +154,14 @@ impl Instr {
         }
     }
 
+    /// An integer-list attribute.
+    pub fn ints(&self, name: &str) -> Result<Vec<i64>, String> {
+        match self.attrs.get(name) {
+            Some(Attr::Ints(v)) => Ok(v.clone()),
+            other => Err(format!("attribute `{name}`: expected integers, got {other:?}")),
+        }
+    }
+
     /// A boolean attribute.
     pub fn bool(&self, name: &str) -> Result<bool, String> {
         match self.attrs.get(name) {
@@ -165,6 +191,9 @@ pub struct Program {
     pub format_version: u32,
     /// Function name, e.g. `train_step`.
     pub name: String,
+    /// Extent of each grid axis (dp, tp, pp); empty for a single-device program.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mesh: Vec<usize>,
     /// Every buffer.
     pub buffers: Vec<Buffer>,
     /// Arguments, in order.

@@ -95,3 +95,80 @@ fn write_f64(exec: &mut CpuExecutor, name: &str, values: &[f64]) -> Result<(), R
         Err(_) => exec.write::<f32>(name, &values.iter().map(|&v| v as f32).collect::<Vec<_>>()),
     }
 }
+
+/// What a multi-rank training run produced.
+#[derive(Debug, Clone)]
+pub struct SpmdRun {
+    /// Loss of each step (every rank holds the same, reduced value).
+    pub losses: Vec<f64>,
+    /// Every parameter, reassembled from the ranks' shards: (name, global shape, values).
+    pub parameters: Vec<(String, Vec<usize>, Vec<f64>)>,
+    /// Bytes each rank sent, per kind of collective.
+    pub bytes_sent: Vec<std::collections::BTreeMap<crate::collectives::CollectiveKind, u64>>,
+}
+
+/// Trains a partitioned `train_step` for `steps` steps, one thread per rank of its mesh.
+/// Parameters are initialised as global tensors from `seed` and each rank takes its shard,
+/// and each step feeds every rank its shard of the same global batch, so the run is
+/// comparable with a single-device run of the same seed.
+pub fn train_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, steps: u64, timeout: std::time::Duration) -> Result<SpmdRun, RuntimeError> {
+    use crate::collectives::{world, Algorithm, MeshShape};
+    use crate::layout::{assemble, local_shard};
+    let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
+    let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
+    let tokens_layout = tokens.layout.clone().ok_or_else(|| RuntimeError::Binding("`tokens` has no layout: the program is not partitioned".into()))?;
+    let (rows, seq) = (tokens_layout.global_shape[0], tokens_layout.global_shape[1]);
+    let comms = world(mesh.ranks(), timeout);
+    type RankResult = Result<(Vec<f64>, Vec<Vec<f64>>, std::collections::BTreeMap<crate::collectives::CollectiveKind, u64>), RuntimeError>;
+    let results: Vec<RankResult> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (mesh, tokens_layout) = (&mesh, &tokens_layout);
+                s.spawn(move || -> RankResult {
+                    let rank = comm.rank();
+                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, Algorithm::Ring)?;
+                    let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).cloned().collect();
+                    for p in &params {
+                        let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
+                        let global = init_param(&p.name, layout.global_shape.iter().product(), seed, layers);
+                        write_f64(&mut exec, &p.name, &local_shard(&global, layout, mesh, rank))?;
+                    }
+                    let mut losses = Vec::new();
+                    for step in 1..=steps {
+                        let (t, g) = corpus.batch(seed, step, rows, seq);
+                        exec.write::<i32>("tokens", &local_shard(&t, tokens_layout, mesh, rank))?;
+                        exec.write::<i32>("targets", &local_shard(&g, tokens_layout, mesh, rank))?;
+                        exec.write::<i32>("step", &[step as i32])?;
+                        exec.run()?;
+                        losses.push(read_f64(&exec, "loss")?[0]);
+                    }
+                    let shards = params.iter().map(|p| read_f64(&exec, &p.name)).collect::<Result<Vec<_>, _>>()?;
+                    let sent = exec.communicator().map(|c| c.bytes_sent().clone()).unwrap_or_default();
+                    Ok((losses, shards, sent))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Program("a rank panicked".into())))).collect()
+    });
+    let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).collect();
+    let parameters = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let layout = p.layout.as_ref().expect("checked above");
+            let shards: Vec<Vec<f64>> = results.iter().map(|r| r.1[i].clone()).collect();
+            (p.name.clone(), layout.global_shape.clone(), assemble(&shards, layout, &mesh))
+        })
+        .collect();
+    Ok(SpmdRun { losses: results[0].0.clone(), parameters, bytes_sent: results.iter().map(|r| r.2.clone()).collect() })
+}
+
+/// Reads an f32 or f64 buffer as f64.
+fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, RuntimeError> {
+    match exec.read::<f64>(name) {
+        Ok(v) => Ok(v.to_vec()),
+        Err(_) => Ok(exec.read::<f32>(name)?.iter().map(|&v| v as f64).collect()),
+    }
+}

@@ -3,4 +3,5 @@
 mod common;
 mod gradcheck;
 mod memory;
+mod spmd;
 mod training;

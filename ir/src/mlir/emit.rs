@@ -9,7 +9,7 @@ use melior::ir::attribute::{StringAttribute, TypeAttribute};
 use melior::ir::block::BlockLike;
 use melior::ir::operation::{OperationBuilder, OperationLike, OperationPrintingFlags};
 use melior::ir::r#type::FunctionType;
-use melior::ir::{Attribute, Block, Identifier, Location, Module, Region, RegionLike, Type, Value};
+use melior::ir::{Attribute, Block, Identifier, Location, Module, Region, RegionLike, Type, Value, ValueLike};
 use melior::dialect::func;
 
 use super::context::IrContext;
@@ -80,18 +80,21 @@ pub fn emit<'c>(cx: &'c IrContext, module: &graph::Module) -> Result<MlirModule<
     let (result, diags) = cx.collect(|| -> Result<MlirModule<'c>, String> {
         let mlir = Module::new(Location::unknown(ctx));
         for grid in &module.grids {
-            let shape = grid.shape.iter().map(i64::to_string).collect::<Vec<_>>().join(", ");
+            let shape = i64_array(&grid.shape);
+            let axes = grid.axes.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>().join(", ");
             let op = OperationBuilder::new("shard.grid", Location::unknown(ctx))
                 .add_attributes(&[
                     (Identifier::new(ctx, "sym_name"), StringAttribute::new(ctx, &grid.name).into()),
-                    (Identifier::new(ctx, "shape"), parse_attr(cx, &format!("array<i64: {shape}>"))?),
+                    (Identifier::new(ctx, "shape"), parse_attr(cx, &shape)?),
+                    (Identifier::new(ctx, "xf.axes"), parse_attr(cx, &format!("[{axes}]"))?),
                 ])
                 .build()
                 .map_err(|e| format!("shard.grid @{}: {e}", grid.name))?;
             mlir.body().append_operation(op);
         }
+        let grid = module.grids.first().map(|g| g.name.as_str());
         for func in &module.funcs {
-            mlir.body().append_operation(emit_func(cx, func)?);
+            mlir.body().append_operation(emit_func(cx, func, grid)?);
         }
         Ok(MlirModule { module: mlir })
     });
@@ -126,11 +129,58 @@ fn attr_text(value: &AttrValue) -> String {
     }
 }
 
+/// `array<i64: 2, 3>`, or `array<i64>` when empty (MLIR rejects `array<i64: >`).
+fn i64_array(values: &[i64]) -> String {
+    if values.is_empty() {
+        "array<i64>".to_string()
+    } else {
+        format!("array<i64: {}>", values.iter().map(i64::to_string).collect::<Vec<_>>().join(", "))
+    }
+}
+
 fn lookup<'c, 'a>(values: &[Option<Value<'c, 'a>>], v: graph::Value, op: &str) -> Result<Value<'c, 'a>, String> {
     values.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("{op} uses undefined value {v}"))
 }
 
-fn emit_func<'c>(cx: &'c IrContext, func: &Func) -> Result<melior::ir::Operation<'c>, String> {
+/// Appends `shard.sharding` + `shard.shard` for `value` (annotated `sharding`) to `block`
+/// and returns the annotated value, which later uses read instead.
+fn annotate<'c, 'a>(
+    cx: &'c IrContext,
+    block: &'a Block<'c>,
+    grid: &str,
+    value: Value<'c, 'a>,
+    sharding: &crate::sharding::Sharding,
+    loc: Location<'c>,
+) -> Result<Value<'c, 'a>, String> {
+    let ctx = cx.mlir();
+    let sharding_op = OperationBuilder::new("shard.sharding", loc)
+        .add_attributes(&[
+            (Identifier::new(ctx, "grid"), parse_attr(cx, &format!("@{grid}"))?),
+            (Identifier::new(ctx, "split_axes"), parse_attr(cx, &sharding.split_axes_attr())?),
+            (Identifier::new(ctx, "operandSegmentSizes"), parse_attr(cx, "array<i32: 0, 0>")?),
+            (Identifier::new(ctx, "static_halo_sizes"), parse_attr(cx, "array<i64>")?),
+            (Identifier::new(ctx, "static_sharded_dims_offsets"), parse_attr(cx, "array<i64>")?),
+        ])
+        .add_results(&[Type::parse(ctx, "!shard.sharding").ok_or("no !shard.sharding type")?])
+        .build()
+        .map_err(|e| format!("shard.sharding: {e}"))?;
+    let sharding_op = block.append_operation(sharding_op);
+    let sharding_value: Value = sharding_op.result(0).map_err(|e| e.to_string())?.into();
+    let mut attrs = Vec::new();
+    if !sharding.partial.is_empty() {
+        let axes = sharding.partial.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ");
+        attrs.push((Identifier::new(ctx, "xf.partial"), parse_attr(cx, &format!("array<i16: {axes}>"))?));
+    }
+    let shard_op = OperationBuilder::new("shard.shard", loc)
+        .add_operands(&[value, sharding_value])
+        .add_results(&[value.r#type()])
+        .add_attributes(&attrs)
+        .build()
+        .map_err(|e| format!("shard.shard: {e}"))?;
+    Ok(block.append_operation(shard_op).result(0).map_err(|e| e.to_string())?.into())
+}
+
+fn emit_func<'c>(cx: &'c IrContext, func: &Func, grid: Option<&str>) -> Result<melior::ir::Operation<'c>, String> {
     let ctx = cx.mlir();
     let loc = |name: &str| Location::name(ctx, name, Location::unknown(ctx));
     let arg_types = func.args.iter().map(|a| parse_type(cx, func.ty(a.value))).collect::<Result<Vec<_>, _>>()?;
@@ -139,8 +189,16 @@ fn emit_func<'c>(cx: &'c IrContext, func: &Func) -> Result<melior::ir::Operation
     {
         // Maps our value numbers to MLIR values; scoped so the block can move into the region.
         let mut values: Vec<Option<Value<'c, '_>>> = vec![None; func.types.len()];
+        let annotation = |v: graph::Value| match (grid, func.shardings.get(&v)) {
+            (Some(grid), Some(s)) => Some((grid, s)),
+            _ => None,
+        };
         for (i, arg) in func.args.iter().enumerate() {
-            values[arg.value.0 as usize] = Some(block.argument(i).map_err(|e| e.to_string())?.into());
+            let mut value: Value = block.argument(i).map_err(|e| e.to_string())?.into();
+            if let Some((grid, s)) = annotation(arg.value) {
+                value = annotate(cx, &block, grid, value, s, loc(&arg.name))?;
+            }
+            values[arg.value.0 as usize] = Some(value);
         }
         for op in &func.ops {
             let operands = op.operands.iter().map(|v| lookup(&values, *v, &op.name)).collect::<Result<Vec<_>, _>>()?;
@@ -158,7 +216,11 @@ fn emit_func<'c>(cx: &'c IrContext, func: &Func) -> Result<melior::ir::Operation
                 .map_err(|e| format!("{} at {}: {e}", op.name, op.loc))?;
             let built = block.append_operation(built);
             for (i, v) in op.results.iter().enumerate() {
-                values[v.0 as usize] = Some(built.result(i).map_err(|e| e.to_string())?.into());
+                let mut value: Value = built.result(i).map_err(|e| e.to_string())?.into();
+                if let Some((grid, s)) = annotation(*v) {
+                    value = annotate(cx, &block, grid, value, s, loc(&op.loc))?;
+                }
+                values[v.0 as usize] = Some(value);
             }
         }
         let returns = func.returns.iter().map(|v| lookup(&values, *v, "return")).collect::<Result<Vec<_>, _>>()?;
@@ -166,7 +228,21 @@ fn emit_func<'c>(cx: &'c IrContext, func: &Func) -> Result<melior::ir::Operation
     }
     let region = Region::new();
     region.append_block(block);
-    let arg_attrs: Vec<String> = func.args.iter().map(|a| format!("{{{} = {:?}}}", a.role.attr_name(), a.name)).collect();
+    let arg_attrs: Vec<String> = func
+        .args
+        .iter()
+        .map(|a| match &a.layout {
+            // A shard of a global tensor: say which, and how it is split.
+            Some(l) => format!(
+                "{{{} = {:?}, xf.global_shape = {}, xf.split_axes = {:?}}}",
+                a.role.attr_name(),
+                a.name,
+                i64_array(&l.global_shape),
+                l.sharding.to_string()
+            ),
+            None => format!("{{{} = {:?}}}", a.role.attr_name(), a.name),
+        })
+        .collect();
     let res_attrs: Vec<String> = (0..func.returns.len())
         .map(|i| format!("{{xf.result = {:?}}}", func.result_names.get(i).map_or("", String::as_str)))
         .collect();

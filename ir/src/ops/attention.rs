@@ -4,6 +4,7 @@
 use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
+use crate::sharding::{Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// Scaled dot-product attention, one op with this decomposition:
@@ -61,6 +62,12 @@ impl OpDef for Attention {
         let attrs = cx.attrs.clone();
         let d = cx.emit_multi("xf.attention_grad", &operands, attrs)?;
         Ok(vec![Some(d[0]), Some(d[1]), Some(d[2])])
+    }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // Batch and heads free (q heads and kv heads share the factor: splitting both by the
+        // same count keeps every group of q heads with its kv head); positions and the head
+        // dim stay whole.
+        ShardingRule::elementwise(4, 3, 1, Linearity::None).block(2).block(3)
     }
 }
 
@@ -129,5 +136,8 @@ impl OpDef for AttentionGrad {
         let (b, h, s, d) = (q.shape[0] as f64, q.shape[1] as f64, q.shape[2] as f64, q.shape[3] as f64);
         // Recomputed q k^T, then dp, dq, dk, dv: five S x S x d products.
         Cost { flops: 10.0 * b * h * s * s * d + 8.0 * b * h * s * s, bytes: io_bytes(inputs, outputs) }
+    }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(4, 4, 3, Linearity::None).block(2).block(3)
     }
 }

@@ -3,6 +3,7 @@
 
 use super::{arity, float, same_dtype, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::graph::Value;
+use crate::sharding::{Linearity, ShardingRule};
 use crate::attrs::Attrs;
 use crate::types::TensorTy;
 
@@ -58,6 +59,9 @@ impl OpDef for Add {
         let rhs = cx.sum_to(grads[0], cx.operands[1])?;
         Ok(vec![Some(grads[0]), Some(rhs)])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        broadcast_rule(inputs, Linearity::Sum)
+    }
 }
 
 /// `out = lhs * rhs`, `rhs` broadcast over the leading dimensions of `lhs`.
@@ -92,6 +96,9 @@ impl OpDef for Mul {
         let d_rhs = cx.sum_to(d_rhs_full, rhs)?;
         Ok(vec![Some(d_lhs), Some(d_rhs)])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        broadcast_rule(inputs, Linearity::Product)
+    }
 }
 
 /// `y = factor * x`.
@@ -123,6 +130,9 @@ impl OpDef for Scale {
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         let attrs = cx.attrs.clone();
         Ok(vec![Some(cx.emit("xf.scale", &[grads[0]], attrs)?)])
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::Sum)
     }
 }
 
@@ -157,6 +167,9 @@ impl OpDef for Gelu {
         let x = cx.operands[0];
         Ok(vec![Some(cx.emit("xf.gelu_grad", &[x, grads[0]], Attrs::new())?)])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::None)
+    }
 }
 
 /// SiLU (swish): `x * sigmoid(x)`.
@@ -187,6 +200,9 @@ impl OpDef for Silu {
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         let x = cx.operands[0];
         Ok(vec![Some(cx.emit("xf.silu_grad", &[x, grads[0]], Attrs::new())?)])
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::None)
     }
 }
 
@@ -227,6 +243,9 @@ impl OpDef for Swiglu {
         let d = cx.emit_multi("xf.swiglu_grad", &[gate, up, grads[0]], Attrs::new())?;
         Ok(vec![Some(d[0]), Some(d[1])])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 2, 1, Linearity::None)
+    }
 }
 
 /// Same-type check of the operands of a backward element-wise op.
@@ -265,6 +284,9 @@ impl OpDef for GeluGrad {
     fn flops_per_element(&self) -> f64 {
         14.0
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 2, 1, Linearity::None)
+    }
 }
 
 /// `dx = dy * silu'(x) = dy * s (1 + x (1 - s))` with `s = sigmoid(x)`.
@@ -290,6 +312,9 @@ impl OpDef for SiluGrad {
     }
     fn flops_per_element(&self) -> f64 {
         7.0
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 2, 1, Linearity::None)
     }
 }
 
@@ -322,4 +347,16 @@ impl OpDef for SwigluGrad {
     fn flops_per_element(&self) -> f64 {
         6.0
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 3, 2, Linearity::None)
+    }
+}
+
+/// `lhs [d0..dr]` and `rhs` = the trailing dims of `lhs`, sharing their factors.
+fn broadcast_rule(inputs: &[&TensorTy], linearity: Linearity) -> ShardingRule {
+    let rank = inputs[0].rank();
+    let rhs_rank = inputs.get(1).map_or(0, |t| t.rank()).min(rank);
+    let mut rule = ShardingRule::elementwise(rank, 1, 1, linearity);
+    rule.operands.push((rank - rhs_rank..rank).collect());
+    rule
 }

@@ -3,6 +3,7 @@
 use super::{arity, float, ids, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
+use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// `out[..., :] = table[ids[...], :]`: token embedding lookup. `table` is `[vocab, hidden]`,
@@ -48,6 +49,16 @@ impl OpDef for Embedding {
         let d_table = cx.emit("xf.embedding_grad", &[ids, grads[0]], Attrs::new().with("vocab", AttrValue::Int(vocab)))?;
         Ok(vec![Some(d_table), None])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // Factors: vocab (0), hidden (1), the ids' dims (2..). Splitting the vocab is a
+        // reduction: each rank looks up the rows it holds (zeros for the others), and the
+        // partial results sum to the lookup (vocab-parallel embedding).
+        let r = inputs[1].rank();
+        let ids: Vec<usize> = (2..2 + r).collect();
+        let mut out = ids.clone();
+        out.push(1);
+        ShardingRule { operands: vec![vec![0, 1], ids], results: vec![out], factors: vec![FactorKind::Free; 2 + r], linearity: Linearity::None }
+    }
 }
 
 /// `out[v, :] = sum of dy[t, :] over every position t with ids[t] = v`: the scatter-add that
@@ -82,5 +93,16 @@ impl OpDef for EmbeddingGrad {
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         Cost { flops: inputs[1].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // The ids' dims are reductions (rows are summed); hidden passes; the vocab dim of the
+        // result has no operand dim and stays whole.
+        let r = inputs[0].rank();
+        let ids: Vec<usize> = (0..r).collect();
+        let mut dy = ids.clone();
+        dy.push(r);
+        let mut factors = vec![FactorKind::Free; r + 2];
+        factors[r + 1] = FactorKind::Blocked;
+        ShardingRule { operands: vec![ids, dy], results: vec![vec![r + 1, r]], factors, linearity: Linearity::Product }
     }
 }

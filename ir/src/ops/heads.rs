@@ -8,6 +8,7 @@
 use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
+use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// `[batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim]`.
@@ -48,6 +49,12 @@ impl OpDef for SplitHeads {
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         Ok(vec![Some(cx.emit("xf.merge_heads", &[grads[0]], Attrs::new())?)])
     }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // x [b, s, n*d] -> y [b, n, s, d]: splitting x's features into whole heads is
+        // splitting n (factor 2); d (factor 3) stays whole.
+        let factors = vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked];
+        ShardingRule { operands: vec![vec![0, 1, 2]], results: vec![vec![0, 2, 1, 3]], factors, linearity: Linearity::Sum }
+    }
 }
 
 /// `[batch, heads, seq, head_dim] -> [batch, seq, heads*head_dim]`.
@@ -84,6 +91,11 @@ impl OpDef for MergeHeads {
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         let heads = cx.ty(cx.operands[0])?.shape[1];
         Ok(vec![Some(cx.emit("xf.split_heads", &[grads[0]], Attrs::new().with("heads", AttrValue::Int(heads)))?)])
+    }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // x [b, n, s, d] -> y [b, s, n*d]: the inverse of split_heads.
+        let factors = vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked];
+        ShardingRule { operands: vec![vec![0, 2, 1, 3]], results: vec![vec![0, 1, 2]], factors, linearity: Linearity::Sum }
     }
 }
 
@@ -138,6 +150,10 @@ impl OpDef for Slice {
             .with("size", AttrValue::Int(extent));
         Ok(vec![Some(cx.emit("xf.pad", &[grads[0]], attrs)?)])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {
+        let axis = attrs.int("axis").unwrap_or(0).max(0) as usize;
+        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::Sum).block(axis.min(inputs[0].rank().saturating_sub(1)))
+    }
 }
 
 /// `y` is zeros of extent `size` along `axis` with `x` written at `start`: the transpose of
@@ -177,5 +193,9 @@ impl OpDef for Pad {
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {
+        let axis = attrs.int("axis").unwrap_or(0).max(0) as usize;
+        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::Sum).block(axis.min(inputs[0].rank().saturating_sub(1)))
     }
 }

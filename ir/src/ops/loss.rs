@@ -3,6 +3,7 @@
 use super::{arity, float, ids, io_bytes, rank_at_least, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
+use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// `loss = mean_t (logsumexp(logits[t, :]) - logits[t, targets[t]])` over every token
@@ -39,6 +40,14 @@ impl OpDef for CrossEntropy {
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         let operands = [cx.operands[0], cx.operands[1], grads[0]];
         Ok(vec![Some(cx.emit("xf.cross_entropy_grad", &operands, Attrs::new())?), None])
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // Token dims are reductions (a split batch leaves the mean partial; partitioning
+        // records the global token count so each rank divides by it); the vocab stays whole.
+        let r = inputs[0].rank();
+        let mut factors = vec![FactorKind::Free; r];
+        factors[r - 1] = FactorKind::Blocked;
+        ShardingRule { operands: vec![(0..r).collect(), (0..r - 1).collect()], results: vec![vec![]], factors, linearity: Linearity::None }
     }
 }
 
@@ -84,5 +93,16 @@ impl OpDef for CrossEntropyGrad {
     }
     fn flops_per_element(&self) -> f64 {
         5.0
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        let r = inputs[0].rank();
+        let mut factors = vec![FactorKind::Free; r];
+        factors[r - 1] = FactorKind::Blocked;
+        ShardingRule {
+            operands: vec![(0..r).collect(), (0..r - 1).collect(), vec![]],
+            results: vec![(0..r).collect()],
+            factors,
+            linearity: Linearity::None,
+        }
     }
 }

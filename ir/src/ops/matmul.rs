@@ -4,6 +4,7 @@
 use super::{arity, float, io_bytes, rank_at_least, same_dtype, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
+use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// `out[..., m, n] = sum_k lhs[..., m, k] * rhs[..., k, n]`.
@@ -111,6 +112,21 @@ impl OpDef for MatMul {
         };
         Ok(vec![Some(da), Some(db)])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {
+        // Factors: the batch dims of lhs, then m, k (contracted: a reduction), n.
+        let (ra, rb) = (inputs[0].rank(), inputs[1].rank());
+        let nb = ra - 2;
+        let (m, k, n) = (nb, nb + 1, nb + 2);
+        let ta = attrs.bool("transpose_lhs").unwrap_or(false);
+        let tb = attrs.bool("transpose_rhs").unwrap_or(false);
+        let mut lhs: Vec<usize> = (0..nb).collect();
+        lhs.extend(if ta { [k, m] } else { [m, k] });
+        let mut rhs: Vec<usize> = if rb > 2 { (0..nb).collect() } else { Vec::new() };
+        rhs.extend(if tb { [n, k] } else { [k, n] });
+        let mut out: Vec<usize> = (0..nb).collect();
+        out.extend([m, n]);
+        ShardingRule { operands: vec![lhs, rhs], results: vec![out], factors: vec![FactorKind::Free; nb + 3], linearity: Linearity::Product }
+    }
 }
 
 /// `out[k, n] = sum over batch and m of a[..., m, k] * b[..., m, n]`: the gradient of a
@@ -149,5 +165,15 @@ impl OpDef for MatMulWeightGrad {
         let rows = inputs[0].num_elements() as f64 / inputs[0].last_dim().unwrap_or(1).max(1) as f64;
         let (k, n) = (outputs[0].shape[0] as f64, outputs[0].shape[1] as f64);
         Cost { flops: 2.0 * rows * k * n, bytes: io_bytes(inputs, outputs) }
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // The shared leading dims (batch and m) are reductions; k and n pass.
+        let r = inputs[0].rank();
+        let (k, n) = (r - 1, r);
+        let mut a: Vec<usize> = (0..r - 1).collect();
+        a.push(k);
+        let mut b: Vec<usize> = (0..r - 1).collect();
+        b.push(n);
+        ShardingRule { operands: vec![a, b], results: vec![vec![k, n]], factors: vec![FactorKind::Free; r + 1], linearity: Linearity::Product }
     }
 }

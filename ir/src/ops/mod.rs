@@ -34,6 +34,7 @@ pub use reduce::{FillLike, SumLeading};
 pub use rope::{Rope, RopeGrad};
 
 use crate::graph::{FuncBuilder, Value};
+use crate::sharding::ShardingRule;
 
 /// Every `xf` op, in the order the dialect file lists them.
 pub static REGISTRY: &[&dyn OpDef] = &[
@@ -172,6 +173,13 @@ pub trait OpDef: Sync {
     /// for operands that carry no gradient, such as token ids).
     fn vjp(&self, _cx: &mut VjpCx<'_>, _grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         Err(format!("{} has no VJP", self.name()))
+    }
+
+    /// How the op may be split over a device grid, by factors (see [`crate::sharding`]).
+    /// The default keeps every dimension whole, which is always correct; ops override it.
+    fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {
+        let results = self.infer(inputs, attrs).map(|r| r.iter().map(TensorTy::rank).collect::<Vec<_>>()).unwrap_or_default();
+        ShardingRule::replicated(&inputs.iter().map(|t| t.rank()).collect::<Vec<_>>(), &results)
     }
 
     /// Pairs `(result, operand)` where the result may share the operand's buffer (optimizer

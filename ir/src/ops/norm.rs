@@ -4,6 +4,7 @@
 use super::{arity, float, rank_at_least, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
+use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// Checks that a per-feature parameter (`gamma`, `beta`) is a vector of the last dimension.
@@ -67,6 +68,9 @@ impl OpDef for LayerNorm {
         let d = cx.emit_multi("xf.layernorm_grad", &[x, gamma, grads[0]], attrs)?;
         Ok(vec![Some(d[0]), Some(d[1]), Some(d[2])])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        norm_rule(inputs[0], 2, false, 1, 0)
+    }
 }
 
 /// `y = x / sqrt(mean(x^2) + epsilon) * gamma` over the last dimension (Llama's norm).
@@ -106,6 +110,9 @@ impl OpDef for RmsNorm {
         let attrs = cx.attrs.clone();
         let d = cx.emit_multi("xf.rmsnorm_grad", &[x, gamma, grads[0]], attrs)?;
         Ok(vec![Some(d[0]), Some(d[1])])
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        norm_rule(inputs[0], 1, false, 1, 0)
     }
 }
 
@@ -157,6 +164,10 @@ impl OpDef for LayerNormGrad {
         // Counted per element of every result; the work is ~14 per element of x.
         14.0 / 3.0
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // dgamma and dbeta sum over rows: split rows leave them partial.
+        norm_rule(inputs[0], 1, true, 1, 2)
+    }
 }
 
 /// RMSNorm backward: with `xhat = x * rstd` and `g = dy * gamma`:
@@ -189,4 +200,26 @@ impl OpDef for RmsNormGrad {
     fn flops_per_element(&self) -> f64 {
         5.0
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        norm_rule(inputs[0], 1, true, 1, 1)
+    }
+}
+
+/// `x [..., h]` with per-feature parameters `[h]`: rows free, the normalised h blocked.
+/// `params` parameter operands follow x (and `dy` after them for backward ops); results are
+/// x-shaped `x_results` then `param_results` vectors of h.
+fn norm_rule(x: &TensorTy, params: usize, with_dy: bool, x_results: usize, param_results: usize) -> ShardingRule {
+    let r = x.rank();
+    let xs: Vec<usize> = (0..r).collect();
+    let h = vec![r - 1];
+    let mut operands = vec![xs.clone()];
+    operands.extend(std::iter::repeat_n(h.clone(), params));
+    if with_dy {
+        operands.push(xs.clone());
+    }
+    let mut results = vec![xs; x_results];
+    results.extend(std::iter::repeat_n(h, param_results));
+    let mut factors = vec![FactorKind::Free; r];
+    factors[r - 1] = FactorKind::Blocked;
+    ShardingRule { operands, results, factors, linearity: Linearity::None }
 }

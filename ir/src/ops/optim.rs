@@ -3,6 +3,7 @@
 
 use super::{arity, float, AttrKind, Cost, OpDef, Signature, Slot};
 use crate::attrs::Attrs;
+use crate::sharding::{Linearity, ShardingRule};
 use crate::types::{DType, TensorTy};
 
 /// AdamW (Loshchilov and Hutter) with bias correction, at step `t >= 1`:
@@ -67,6 +68,12 @@ impl OpDef for AdamW {
     fn in_place(&self) -> &'static [(usize, usize)] {
         &[(0, 0), (1, 2), (2, 3)]
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // Parameter, gradient and moments share every factor; step is a scalar.
+        let mut rule = ShardingRule::elementwise(inputs[0].rank(), 4, 3, Linearity::None);
+        rule.operands.push(vec![]);
+        rule
+    }
 }
 
 /// Plain SGD with decoupled weight decay: `p' = p - lr (g + weight_decay p)`.
@@ -102,5 +109,8 @@ impl OpDef for Sgd {
     }
     fn in_place(&self) -> &'static [(usize, usize)] {
         &[(0, 0)]
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 2, 1, Linearity::None)
     }
 }

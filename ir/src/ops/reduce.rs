@@ -4,6 +4,7 @@
 use super::{arity, float, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
+use crate::sharding::{Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// Sums `x` over its leading dimensions, keeping the trailing `keep` ones: `[b, s, n]` with
@@ -47,6 +48,14 @@ impl OpDef for SumLeading {
         let zeros = cx.emit("xf.fill_like", &[x], Attrs::new().with("value", AttrValue::Float(0.0)))?;
         Ok(vec![Some(cx.emit("xf.add", &[zeros, grads[0]], Attrs::new())?)])
     }
+    fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {
+        // Summed leading dims are reductions; kept trailing dims pass.
+        let r = inputs[0].rank();
+        let keep = (attrs.int("keep").unwrap_or(0).max(0) as usize).min(r);
+        let mut rule = ShardingRule::elementwise(r, 1, 1, Linearity::Sum);
+        rule.results = vec![(r - keep..r).collect()];
+        rule
+    }
 }
 
 /// A tensor of the type of `x` with every element `value` (`x`'s values are not read).
@@ -75,5 +84,8 @@ impl OpDef for FillLike {
     }
     fn cost(&self, _inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> super::Cost {
         super::Cost { flops: 0.0, bytes: outputs.iter().map(|t| t.bytes() as f64).sum() }
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::IgnoresValues)
     }
 }

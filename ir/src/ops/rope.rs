@@ -3,6 +3,7 @@
 use super::{arity, float, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
+use crate::sharding::{Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// Rotary position embedding in the rotate-half layout (Hugging Face Llama):
@@ -42,6 +43,11 @@ impl OpDef for Rope {
         let attrs = cx.attrs.clone();
         Ok(vec![Some(cx.emit("xf.rope_grad", &[grads[0]], attrs)?)])
     }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // Batch and heads free; positions (the angle depends on them) and the rotated pairs
+        // stay whole. A rotation is linear.
+        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(2).block(3)
+    }
 }
 
 /// The transpose of [`Rope`]: each pair is rotated by `-angle` (a rotation's inverse is its
@@ -68,6 +74,11 @@ impl OpDef for RopeGrad {
     }
     fn flops_per_element(&self) -> f64 {
         3.0
+    }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // Batch and heads free; positions (the angle depends on them) and the rotated pairs
+        // stay whole. A rotation is linear.
+        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(2).block(3)
     }
 }
 

@@ -8,7 +8,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use super::gemm::{matmul as gemm_matmul, Strided};
-use super::{Element, In, Out};
+use super::{Element, In, Out, RankCx};
 use crate::program::{DType, Instr};
 
 /// Float types with kernels.
@@ -44,17 +44,17 @@ pub(crate) fn supported(op: &str) -> bool {
 const ROW_CHUNK: usize = 16;
 
 /// Runs one instruction.
-pub(crate) fn run(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+pub(crate) fn run(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let float = ins.iter().map(|i| i.dtype()).chain(outs.iter().map(|o| o.buffer.dtype)).find(|d| *d != DType::I32);
     match float {
-        Some(DType::F64) => run_typed::<f64>(instr, ins, outs),
-        _ => run_typed::<f32>(instr, ins, outs),
+        Some(DType::F64) => run_typed::<f64>(instr, ins, outs, cx),
+        _ => run_typed::<f32>(instr, ins, outs, cx),
     }
 }
 
-fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     match instr.op.as_str() {
-        "xf.embedding" => embedding::<T>(ins, outs),
+        "xf.embedding" => embedding::<T>(ins, outs, cx),
         "xf.embedding_grad" => embedding_grad::<T>(ins, outs),
         "xf.matmul" => matmul::<T>(instr, ins, outs),
         "xf.matmul_wgrad" => matmul_wgrad::<T>(ins, outs),
@@ -87,8 +87,8 @@ fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Re
         "xf.pad" => slice_or_pad::<T>(instr, ins, outs, true),
         "xf.attention" => attention::<T>(instr, ins, outs),
         "xf.attention_grad" => attention_grad::<T>(instr, ins, outs),
-        "xf.cross_entropy" => cross_entropy::<T>(ins, outs),
-        "xf.cross_entropy_grad" => cross_entropy_grad::<T>(ins, outs),
+        "xf.cross_entropy" => cross_entropy::<T>(instr, ins, outs),
+        "xf.cross_entropy_grad" => cross_entropy_grad::<T>(instr, ins, outs),
         "xf.adamw" => adamw::<T>(instr, ins, outs),
         "xf.sgd" => sgd::<T>(instr, ins, outs),
         other => Err(format!("no CPU kernel for `{other}`")),
@@ -183,16 +183,23 @@ fn sum_leading<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), Stri
     Ok(())
 }
 
-fn embedding<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+/// Row lookup. With a vocab-split table (`cx.rows`), this rank holds rows
+/// `first..first + local`: it copies those and writes zeros for ids other ranks hold, and
+/// the all-reduce that follows sums the lookups.
+fn embedding<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let table = ins[0].get::<T>()?;
     let ids = ins[1].get::<i32>()?;
-    let (vocab, hidden) = (ins[0].shape()[0], ins[0].shape()[1]);
+    let (local, hidden) = (ins[0].shape()[0], ins[0].shape()[1]);
+    let (first, vocab) = cx.rows.unwrap_or((0, local));
     if let Some(bad) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
         return Err(format!("token id {bad} is outside the vocabulary of {vocab}"));
     }
     let y = outs[0].get::<T>()?;
     y.par_chunks_mut(hidden).zip(ids.par_iter()).for_each(|(row, &id)| {
-        row.copy_from_slice(&table[id as usize * hidden..(id as usize + 1) * hidden]);
+        match (id as usize).checked_sub(first).filter(|&r| r < local) {
+            Some(r) => row.copy_from_slice(&table[r * hidden..(r + 1) * hidden]),
+            None => row.fill(T::zero()),
+        }
     });
     Ok(())
 }
@@ -519,7 +526,12 @@ fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) 
     Ok(())
 }
 
-fn cross_entropy<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+/// Tokens the mean divides by: the global count when the batch is split over ranks.
+fn token_count(instr: &Instr, local: usize) -> usize {
+    instr.int("xf.tokens").map_or(local, |n| n.max(1) as usize)
+}
+
+fn cross_entropy<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
     let logits = ins[0].get::<T>()?;
     let targets = ins[1].get::<i32>()?;
     let vocab = *ins[0].shape().last().unwrap_or(&1);
@@ -534,7 +546,7 @@ fn cross_entropy<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), St
             (max + sum.ln() - row[t as usize]).to_f64().unwrap_or(f64::NAN)
         })
         .collect();
-    let mean = losses.iter().sum::<f64>() / losses.len().max(1) as f64;
+    let mean = losses.iter().sum::<f64>() / token_count(instr, losses.len().max(1)) as f64;
     outs[0].get::<T>()?[0] = T::of(mean);
     Ok(())
 }
@@ -546,13 +558,13 @@ fn check_targets(targets: &[i32], vocab: usize) -> Result<(), String> {
     }
 }
 
-fn cross_entropy_grad<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+fn cross_entropy_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
     let logits = ins[0].get::<T>()?;
     let targets = ins[1].get::<i32>()?;
     let dloss = ins[2].get::<T>()?[0];
     let vocab = *ins[0].shape().last().unwrap_or(&1);
     check_targets(targets, vocab)?;
-    let factor = dloss / T::of(targets.len().max(1) as f64);
+    let factor = dloss / T::of(token_count(instr, targets.len().max(1)) as f64);
     outs[0].get::<T>()?.par_chunks_mut(vocab).zip(logits.par_chunks(vocab).zip(targets.par_iter())).for_each(|(g, (row, &t))| {
         let max = row.iter().copied().fold(T::neg_infinity(), T::max);
         let sum: T = row.iter().map(|&x| (x - max).exp()).sum();

@@ -8,7 +8,8 @@
 mod gemm;
 mod kernels;
 
-use crate::program::{Buffer, Program, Role};
+use crate::collectives::{Algorithm, Communicator, MeshShape, ReduceOp};
+use crate::program::{Buffer, Instr, Program, Role};
 use crate::{DType, RuntimeError};
 
 /// Typed contents of one slot.
@@ -98,20 +99,33 @@ impl Out<'_> {
     }
 }
 
+/// What a kernel may need to know about its rank.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RankCx {
+    /// For a vocab-split embedding: (first row this rank holds, rows in the whole table).
+    pub rows: Option<(usize, usize)>,
+}
+
 /// Runs one program on the CPU, keeping its arguments (parameters, optimizer state) between
-/// runs.
+/// runs. A partitioned program runs on one rank of its mesh, with a communicator.
 #[derive(Debug)]
 pub struct CpuExecutor {
     program: Program,
     slots: Vec<Storage>,
+    comm: Option<Communicator>,
+    mesh: MeshShape,
+    algorithm: Algorithm,
 }
+
+/// The collectives the executor runs itself (everything else is a kernel).
+const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice"];
 
 impl CpuExecutor {
     /// Validates `program` and allocates its slots, zero-filled.
     pub fn new(program: Program) -> Result<CpuExecutor, RuntimeError> {
         program.validate()?;
         for instr in &program.instrs {
-            if !kernels::supported(&instr.op) {
+            if !kernels::supported(&instr.op) && !COLLECTIVES.contains(&instr.op.as_str()) {
                 return Err(RuntimeError::Program(format!("no CPU kernel for `{}` (at {})", instr.op, instr.loc)));
             }
         }
@@ -128,7 +142,29 @@ impl CpuExecutor {
                 )),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(CpuExecutor { program, slots })
+        let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
+        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring })
+    }
+
+    /// Sets up a partitioned program on the rank `comm` belongs to.
+    pub fn with_communicator(program: Program, comm: Communicator, algorithm: Algorithm) -> Result<CpuExecutor, RuntimeError> {
+        let mut exec = CpuExecutor::new(program)?;
+        if exec.mesh.ranks() != comm.size() {
+            return Err(RuntimeError::Program(format!("the program's mesh {:?} has {} ranks, the world {}", exec.mesh.0, exec.mesh.ranks(), comm.size())));
+        }
+        exec.comm = Some(comm);
+        exec.algorithm = algorithm;
+        Ok(exec)
+    }
+
+    /// This executor's rank (0 without a communicator).
+    pub fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, Communicator::rank)
+    }
+
+    /// The communicator, if any (its byte counters).
+    pub fn communicator(&self) -> Option<&Communicator> {
+        self.comm.as_ref()
     }
 
     /// The program being run.
@@ -183,8 +219,10 @@ impl CpuExecutor {
 
     /// Runs every instruction once.
     pub fn run(&mut self) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm } = self;
+        let rank = comm.as_ref().map_or(0, Communicator::rank);
         for (index, instr) in program.instrs.iter().enumerate() {
+            let cx = rank_cx(instr, program, mesh, rank).map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
             let mut taken: Vec<(usize, Storage)> = instr
                 .outputs
                 .iter()
@@ -201,7 +239,11 @@ impl CpuExecutor {
                     .zip(&instr.outputs)
                     .map(|((_, storage), &b)| Out { buffer: &program.buffers[b], storage })
                     .collect();
-                kernels::run(instr, &ins, &mut outs)
+                if COLLECTIVES.contains(&instr.op.as_str()) {
+                    collective(instr, &ins, &mut outs, comm.as_mut(), mesh, rank, *algorithm)
+                } else {
+                    kernels::run(instr, &ins, &mut outs, &cx)
+                }
             };
             // Put the outputs back before reporting any error: the arguments (parameters)
             // stay intact and readable.
@@ -211,5 +253,91 @@ impl CpuExecutor {
             result.map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
         }
         Ok(())
+    }
+}
+
+/// The rank facts an instruction's kernel needs.
+fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<RankCx, String> {
+    let mut cx = RankCx::default();
+    if let Ok(axes) = instr.ints("xf.row_split_axes") {
+        let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
+        let group = mesh.group(rank, &axes);
+        let position = group.iter().position(|&r| r == rank).unwrap_or(0);
+        let rows = program.buffers[instr.inputs[0]].shape[0];
+        cx.rows = Some((position * rows, rows * group.len()));
+    }
+    Ok(cx)
+}
+
+/// Runs a `shard` collective of this rank.
+fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], comm: Option<&mut Communicator>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<(), String> {
+    match ins[0].dtype() {
+        DType::F64 => collective_typed::<f64>(instr, ins, outs, comm, mesh, rank, algorithm),
+        DType::I32 => collective_typed::<i32>(instr, ins, outs, comm, mesh, rank, algorithm),
+        _ => collective_typed::<f32>(instr, ins, outs, comm, mesh, rank, algorithm),
+    }
+}
+
+fn collective_typed<T: Element + crate::collectives::Elem + Default>(
+    instr: &Instr,
+    ins: &[In<'_>],
+    outs: &mut [Out<'_>],
+    comm: Option<&mut Communicator>,
+    mesh: &MeshShape,
+    rank: usize,
+    algorithm: Algorithm,
+) -> Result<(), String> {
+    let axes: Vec<usize> = instr.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    let position = group.iter().position(|&r| r == rank).ok_or("rank outside its group")?;
+    let n = group.len();
+    let input = ins[0].get::<T>()?;
+    let in_shape = ins[0].shape().to_vec();
+    let out_shape = outs[0].shape().to_vec();
+    let out = outs[0].get::<T>()?;
+    // For gathers and slices along `axis`: outer rows, the axis, inner elements.
+    let split = |axis: usize| {
+        let outer: usize = in_shape[..axis].iter().product();
+        let inner: usize = in_shape[axis + 1..].iter().product();
+        (outer, inner)
+    };
+    match instr.op.as_str() {
+        "shard.all_reduce" => {
+            out.copy_from_slice(input);
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            let op = match instr.attrs.get("reduction") {
+                Some(crate::program::Attr::Str(kind)) if kind == "max" => ReduceOp::Max,
+                _ => ReduceOp::Sum,
+            };
+            comm.all_reduce(&group, out, op, algorithm).map_err(|e| e.to_string())
+        }
+        "shard.all_gather" => {
+            let axis = instr.int("gather_axis")? as usize;
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            let mut gathered = vec![T::default(); input.len() * n];
+            comm.all_gather(&group, input, &mut gathered).map_err(|e| e.to_string())?;
+            // gathered is [n][local]; interleave along `axis`.
+            let (outer, inner) = split(axis);
+            let block = in_shape[axis] * inner;
+            for r in 0..n {
+                for o in 0..outer {
+                    let src = r * input.len() + o * block;
+                    let dst = (o * n + r) * block;
+                    out[dst..dst + block].copy_from_slice(&gathered[src..src + block]);
+                }
+            }
+            Ok(())
+        }
+        "shard.all_slice" => {
+            let axis = instr.int("slice_axis")? as usize;
+            let (outer, inner) = split(axis);
+            let block = out_shape[axis] * inner;
+            for o in 0..outer {
+                let src = (o * in_shape[axis] + position * out_shape[axis]) * inner;
+                out[o * block..(o + 1) * block].copy_from_slice(&input[src..src + block]);
+            }
+            Ok(())
+        }
+        other => Err(format!("unknown collective `{other}`")),
     }
 }

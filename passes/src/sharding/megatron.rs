@@ -1,0 +1,92 @@
+//! `shard-megatron`: the Megatron-LM layout as annotations of the training step's arguments.
+//!
+//! Input: a module with `@train_step` (or `@gradients`) and no grid. Output: the grid
+//! `@mesh` of shape `dp x tp x pp` (axes named `dp`, `tp`, `pp`) and a sharding for every
+//! argument: column-parallel weights (q, k, v, MLP up and gate, stored `[in, out]`) split
+//! their output dimension over `tp`, and their biases with them; row-parallel weights
+//! (attention out, MLP down) split their input dimension; the embedding table and an untied
+//! LM head split the vocabulary (vocab-parallel) when `tp` divides it; norms and positions
+//! are replicated; optimizer state follows its parameter; tokens and targets split the batch
+//! over `dp`. Everything else follows from the ops' sharding rules in propagation.
+
+use shardc_ir::mesh::Mesh;
+use shardc_ir::sharding::Sharding;
+use shardc_ir::{ArgRole, Grid, Module};
+
+use super::{DP, TP};
+use crate::{Changed, Pass, PassError};
+
+/// The `shard-megatron` pass.
+#[derive(Clone, Copy, Debug)]
+pub struct ShardMegatron {
+    /// The mesh.
+    pub mesh: Mesh,
+    /// Vocabulary size of the model (the vocab-parallel split needs tp to divide it).
+    pub vocab: i64,
+    /// Key/value heads (their projections split only when tp divides them).
+    pub kv_heads: i64,
+}
+
+/// Sharding of a parameter called `name` of `rank` dimensions.
+fn param_sharding(name: &str, rank: usize, tp: i64, vocab: i64, kv_heads: i64) -> Sharding {
+    let column = ["attn.q.", "attn.k.", "attn.v.", "mlp.up.", "mlp.gate."];
+    let row = ["attn.out.", "mlp.down."];
+    let is = |pieces: &[&str]| pieces.iter().any(|p| name.contains(p));
+    let kv_splits = kv_heads % tp == 0;
+    if tp > 1 && is(&column) && (kv_splits || !is(&["attn.k.", "attn.v."])) {
+        // [in, out] weights split `out`; their [out] biases likewise.
+        return Sharding::split_dim(rank, rank - 1, &[TP]);
+    }
+    if tp > 1 && is(&row) && name.ends_with(".weight") {
+        return Sharding::split_dim(rank, 0, &[TP]);
+    }
+    if tp > 1 && vocab % tp == 0 {
+        if name == "embed.tokens.weight" {
+            return Sharding::split_dim(rank, 0, &[TP]);
+        }
+        if name == "lm_head.weight" {
+            return Sharding::split_dim(rank, 1, &[TP]);
+        }
+    }
+    Sharding::replicated(rank)
+}
+
+impl Pass for ShardMegatron {
+    fn name(&self) -> &'static str {
+        "shard-megatron"
+    }
+
+    fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
+        let user = |message: String| PassError::User { pass: "shard-megatron".into(), message };
+        let (dp, tp) = (self.mesh.dp as i64, self.mesh.tp as i64);
+        if self.mesh.pp > 1 {
+            return Err(user("pipeline parallelism (pp > 1) is not supported yet; use dp and tp".into()));
+        }
+        module.grids = vec![Grid { name: "mesh".into(), shape: vec![dp, tp, self.mesh.pp as i64], axes: vec!["dp".into(), "tp".into(), "pp".into()] }];
+        let func = module
+            .funcs
+            .iter_mut()
+            .find(|f| f.name == "train_step" || f.name == "gradients")
+            .ok_or_else(|| user("the module has no @train_step or @gradients to shard".into()))?;
+        for arg in func.args.clone() {
+            let Some(t) = func.tensor(arg.value).cloned() else { continue };
+            let sharding = match arg.role {
+                ArgRole::Param => param_sharding(&arg.name, t.rank(), tp, self.vocab, self.kv_heads),
+                // opt.m.<param> / opt.v.<param> follow their parameter.
+                ArgRole::OptState => {
+                    let param = arg.name.splitn(3, '.').nth(2).unwrap_or("");
+                    param_sharding(param, t.rank(), tp, self.vocab, self.kv_heads)
+                }
+                ArgRole::Input if t.rank() >= 1 && dp > 1 => {
+                    if t.shape[0] % dp != 0 {
+                        return Err(user(format!("`{}` has batch {} which dp={dp} does not divide", arg.name, t.shape[0])));
+                    }
+                    Sharding::split_dim(t.rank(), 0, &[DP])
+                }
+                ArgRole::Input => Sharding::replicated(t.rank()),
+            };
+            func.shardings.insert(arg.value, sharding);
+        }
+        Ok(Changed::Yes)
+    }
+}

@@ -1,0 +1,115 @@
+//! SPMD partitioning: a strategy annotates arguments, propagation extends shardings through
+//! every op by the op's sharding rule, and partitioning rewrites the function into the
+//! per-rank program with explicit `shard` collectives.
+//!
+//! [`plan_op`] is the one place where an op's rule meets its operands' shardings; both
+//! propagation (to annotate results) and partitioning (to insert collectives) call it, so
+//! the two can never disagree.
+
+mod megatron;
+mod partition;
+mod propagate;
+
+use shardc_ir::ops::lookup;
+use shardc_ir::sharding::{Axis, FactorKind, Linearity, Sharding};
+use shardc_ir::{Func, Op, TensorTy};
+
+pub use megatron::ShardMegatron;
+pub use partition::Partition;
+pub use propagate::PropagateSharding;
+
+/// Grid axes of the mesh, by name.
+pub const DP: Axis = 0;
+/// The tensor-parallel axis.
+pub const TP: Axis = 1;
+/// The pipeline axis.
+pub const PP: Axis = 2;
+
+/// What one op needs and produces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpPlan {
+    /// The sharding each operand must have when the op reads it.
+    pub operands: Vec<Sharding>,
+    /// The sharding of each result.
+    pub results: Vec<Sharding>,
+    /// Grid axes assigned to each factor of the rule.
+    pub factor_axes: Vec<Vec<Axis>>,
+}
+
+/// The sharding of `value` in `func` (replicated when not annotated).
+pub fn sharding_of(func: &Func, value: shardc_ir::Value) -> Sharding {
+    func.shardings.get(&value).cloned().unwrap_or_else(|| Sharding::replicated(func.tensor(value).map_or(0, TensorTy::rank)))
+}
+
+/// Applies `op`'s sharding rule to the current shardings of its operands.
+///
+/// Each factor takes the axes of the first operand dimension that carries it, skipping axes
+/// another factor already took and axes that operand is partial over; blocked factors take
+/// none. An operand's required sharding follows its factors; a result is split by its
+/// factors and partial over the axes of every split factor some operand has but the result
+/// lacks (a reduction). Partial operands are reduced first unless the op's linearity lets
+/// the partial sum pass through to the results.
+pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
+    let current: Vec<Sharding> = op.operands.iter().map(|v| sharding_of(func, *v)).collect();
+    let inputs: Vec<&TensorTy> = op.operands.iter().map(|v| func.tensor(*v).ok_or("non-tensor operand")).collect::<Result<_, _>>()?;
+    let def = lookup(&op.name).ok_or_else(|| format!("`{}` has no sharding rule", op.name))?;
+    let rule = def.sharding_rule(&inputs, &op.attrs);
+    if rule.operands.len() != op.operands.len() || rule.results.len() != op.results.len() {
+        return Err(format!("the sharding rule of `{}` does not match its operands", op.name));
+    }
+    // Partial sums that may pass through.
+    let float_operands: Vec<usize> = (0..op.operands.len()).filter(|&i| inputs[i].dtype.is_float()).collect();
+    let partials: Vec<&Vec<Axis>> = float_operands.iter().map(|&i| &current[i].partial).collect();
+    let pass_through: Vec<Axis> = match rule.linearity {
+        Linearity::Sum if !partials.is_empty() && partials.iter().all(|p| !p.is_empty() && *p == partials[0]) => partials[0].clone(),
+        Linearity::Product if partials.iter().filter(|p| !p.is_empty()).count() == 1 => {
+            partials.iter().find(|p| !p.is_empty()).map(|p| (*p).clone()).unwrap_or_default()
+        }
+        _ => Vec::new(),
+    };
+    let keeps_partial = |i: usize| match rule.linearity {
+        Linearity::IgnoresValues => true,
+        _ => !pass_through.is_empty() && !current[i].partial.is_empty(),
+    };
+
+    let mut factor_axes: Vec<Vec<Axis>> = vec![Vec::new(); rule.factors.len()];
+    let mut taken: Vec<Axis> = pass_through.clone();
+    for (i, dims) in rule.operands.iter().enumerate() {
+        for (d, &f) in dims.iter().enumerate() {
+            if rule.factors[f] == FactorKind::Blocked || !factor_axes[f].is_empty() {
+                continue;
+            }
+            let axes: Vec<Axis> = current[i].split.get(d).cloned().unwrap_or_default();
+            if !axes.is_empty() && axes.iter().all(|a| !taken.contains(a) && !current[i].partial.contains(a)) {
+                taken.extend(&axes);
+                factor_axes[f] = axes;
+            }
+        }
+    }
+    let required: Vec<Sharding> = rule
+        .operands
+        .iter()
+        .enumerate()
+        .map(|(i, dims)| Sharding {
+            split: dims.iter().map(|&f| factor_axes[f].clone()).collect(),
+            partial: if keeps_partial(i) { current[i].partial.clone() } else { Vec::new() },
+        })
+        .collect();
+    let in_operands: Vec<usize> = rule.operands.iter().flatten().copied().collect();
+    let results = rule
+        .results
+        .iter()
+        .map(|dims| {
+            let mut partial: Vec<Axis> = if rule.linearity == Linearity::IgnoresValues { Vec::new() } else { pass_through.clone() };
+            for (f, axes) in factor_axes.iter().enumerate() {
+                if !axes.is_empty() && in_operands.contains(&f) && !dims.contains(&f) {
+                    partial.extend(axes);
+                }
+            }
+            partial.sort_unstable();
+            partial.dedup();
+            Sharding { split: dims.iter().map(|&f| factor_axes[f].clone()).collect(), partial }
+        })
+        .collect();
+    Ok(OpPlan { operands: required, results, factor_axes })
+}

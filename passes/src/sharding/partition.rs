@@ -1,0 +1,179 @@
+//! `partition`: rewrites an annotated function into the per-rank SPMD program.
+//!
+//! Input: a function annotated by propagation. Output: the same function over per-rank
+//! tensor types, every argument recording the global tensor it is a shard of, and an
+//! explicit `shard` collective wherever a value's sharding differs from what its consumer
+//! needs, in this order:
+//! - `shard.all_reduce` over the axes a value is partial over and its consumer cannot take
+//!   partial (the sum of a row-parallel matmul before its bias, a gradient before a norm);
+//! - per dimension, `shard.all_gather` over the axes that split it but should not, then
+//!   `shard.all_slice` over the axes that should split it but do not (a local slice, no
+//!   communication).
+//! Every collective carries `xf.cause`, naming the op and operand that needed it; the same
+//! reshard of one value is made once and shared by its consumers. Returned values take
+//! their argument's sharding when they update it in place (parameters, optimizer state),
+//! and are otherwise replicated (the loss, reduced over the data-parallel axis).
+
+use std::collections::HashMap;
+
+use shardc_ir::sharding::{Axis, Sharding};
+use shardc_ir::{ArgLayout, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
+
+use super::{plan_op, sharding_of};
+use crate::{Changed, Pass, PassError};
+
+/// The `partition` pass.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Partition;
+
+impl Pass for Partition {
+    fn name(&self) -> &'static str {
+        "partition"
+    }
+
+    fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
+        let Some(grid) = module.grids.first().cloned() else {
+            return Ok(Changed::No);
+        };
+        for func in module.funcs.iter_mut().filter(|f| !f.shardings.is_empty()) {
+            *func = partition_func(func, &grid.name, &grid.shape)
+                .map_err(|message| PassError::User { pass: "partition".into(), message: format!("@{}: {message}", func.name) })?;
+        }
+        Ok(Changed::Yes)
+    }
+}
+
+fn axes_attr(axes: &[Axis]) -> AttrValue {
+    AttrValue::Raw(format!("array<i16: {}>", axes.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")))
+}
+
+/// Builds the per-rank function.
+struct Partitioner<'f> {
+    global: &'f Func,
+    grid: String,
+    grid_shape: Vec<i64>,
+    fb: FuncBuilder,
+    /// Global value -> its per-rank value, with the sharding that value has.
+    local: HashMap<Value, (Value, Sharding)>,
+    /// Reshards already made: (global value, target sharding) -> per-rank value.
+    reshards: HashMap<(Value, Sharding), Value>,
+}
+
+impl Partitioner<'_> {
+    fn local_type(&self, global: &TensorTy, sharding: &Sharding) -> Result<TensorTy, String> {
+        Ok(TensorTy::new(sharding.local_shape(&global.shape, &self.grid_shape)?, global.dtype))
+    }
+
+    /// Emits one collective on `value` and returns its result.
+    fn collective(&mut self, name: &str, value: Value, attrs: Attrs, result: TensorTy, loc: &str, cause: &str) -> Value {
+        let attrs = attrs.with("grid", AttrValue::Raw(format!("@{}", self.grid))).with("xf.cause", AttrValue::Str(cause.to_string()));
+        self.fb.op_typed(name, &[value], attrs, vec![Type::Tensor(result)], loc)[0]
+    }
+
+    /// The per-rank value of `value` laid out as `target`, emitting collectives as needed.
+    fn reshard(&mut self, value: Value, target: &Sharding, loc: &str, cause: &str) -> Result<Value, String> {
+        let (mut v, mut s) = self.local[&value].clone();
+        if s == *target {
+            return Ok(v);
+        }
+        if let Some(done) = self.reshards.get(&(value, target.clone())) {
+            return Ok(*done);
+        }
+        let global = self.global.tensor(value).ok_or("non-tensor value")?.clone();
+        if target.partial.iter().any(|a| !s.partial.contains(a)) {
+            return Err(format!("{loc}: cannot make a complete value partial ({cause})"));
+        }
+        let reduce: Vec<Axis> = s.partial.iter().copied().filter(|a| !target.partial.contains(a)).collect();
+        if !reduce.is_empty() {
+            s.partial.retain(|a| target.partial.contains(a));
+            let ty = self.local_type(&global, &s)?;
+            let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", AttrValue::Raw("#shard<partial sum>".into()));
+            v = self.collective("shard.all_reduce", v, attrs, ty, &format!("{loc}.all_reduce"), &format!("partial sum reduced for {cause}"));
+        }
+        for d in 0..global.rank() {
+            if s.split[d] == target.split[d] {
+                continue;
+            }
+            if !s.split[d].is_empty() {
+                let axes = std::mem::take(&mut s.split[d]);
+                let ty = self.local_type(&global, &s)?;
+                let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Raw(format!("{d} : index")));
+                v = self.collective("shard.all_gather", v, attrs, ty, &format!("{loc}.all_gather"), &format!("dimension {d} gathered for {cause}"));
+            }
+            if !target.split[d].is_empty() {
+                s.split[d] = target.split[d].clone();
+                let ty = self.local_type(&global, &s)?;
+                let attrs = Attrs::new().with("grid_axes", axes_attr(&target.split[d])).with("slice_axis", AttrValue::Raw(format!("{d} : index")));
+                v = self.collective("shard.all_slice", v, attrs, ty, &format!("{loc}.all_slice"), &format!("dimension {d} sliced for {cause}"));
+            }
+        }
+        self.reshards.insert((value, target.clone()), v);
+        Ok(v)
+    }
+}
+
+fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, String> {
+    let mut p = Partitioner {
+        global: func,
+        grid: grid.to_string(),
+        grid_shape: grid_shape.to_vec(),
+        fb: FuncBuilder::new(&func.name),
+        local: HashMap::new(),
+        reshards: HashMap::new(),
+    };
+    for arg in &func.args {
+        let global = func.tensor(arg.value).ok_or("non-tensor argument")?.clone();
+        let sharding = sharding_of(func, arg.value);
+        let ty = p.local_type(&global, &sharding).map_err(|e| format!("argument `{}`: {e}", arg.name))?;
+        let v = p.fb.arg_typed(&arg.name, Type::Tensor(ty), arg.role);
+        p.fb.set_layout(v, ArgLayout { global_shape: global.shape.clone(), sharding: sharding.clone() });
+        p.local.insert(arg.value, (v, sharding));
+    }
+    for op in &func.ops {
+        let plan = plan_op(func, op).map_err(|e| format!("{}: {e}", op.loc))?;
+        let mut operands = Vec::with_capacity(op.operands.len());
+        for (i, (value, target)) in op.operands.iter().zip(&plan.operands).enumerate() {
+            let cause = format!("operand {i} of {} `{}`", op.name, op.loc);
+            operands.push(p.reshard(*value, target, &op.loc, &cause)?);
+        }
+        let mut types = Vec::with_capacity(op.results.len());
+        for (r, s) in op.results.iter().zip(&plan.results) {
+            let global = func.tensor(*r).ok_or("non-tensor result")?;
+            types.push(Type::Tensor(p.local_type(global, s).map_err(|e| format!("{}: result of `{}`: {e}", op.loc, op.name))?));
+        }
+        let mut attrs = op.attrs.clone();
+        match op.name.as_str() {
+            // The head count is a per-rank size.
+            "xf.split_heads" => {
+                if let Some(Type::Tensor(t)) = types.first() {
+                    attrs = attrs.with("heads", AttrValue::Int(t.shape[1]));
+                }
+            }
+            // A split batch leaves each rank's mean partial: divide by the global count.
+            "xf.cross_entropy" | "xf.cross_entropy_grad" => {
+                let logits = func.tensor(op.operands[0]).ok_or("non-tensor logits")?;
+                let tokens: i64 = logits.shape[..logits.rank() - 1].iter().product();
+                attrs = attrs.with("xf.tokens", AttrValue::Int(tokens));
+            }
+            // A vocab-split table: each rank looks up the rows it holds.
+            "xf.embedding" if !plan.factor_axes[0].is_empty() => {
+                attrs = attrs.with("xf.row_split_axes", axes_attr(&plan.factor_axes[0]));
+            }
+            _ => {}
+        }
+        let results = p.fb.op_typed(&op.name, &operands, attrs, types, &op.loc);
+        for ((global, local), s) in op.results.iter().zip(results).zip(plan.results) {
+            p.local.insert(*global, (local, s));
+        }
+    }
+    let mut returns = Vec::with_capacity(func.returns.len());
+    for (value, name) in func.returns.iter().zip(&func.result_names) {
+        // A state update keeps its argument's layout; anything else is replicated.
+        let target = match func.args.iter().find(|a| &a.name == name) {
+            Some(arg) => sharding_of(func, arg.value),
+            None => Sharding::replicated(func.tensor(*value).map_or(0, TensorTy::rank)),
+        };
+        returns.push(p.reshard(*value, &target, &format!("return.{name}"), &format!("result `{name}`"))?);
+    }
+    Ok(p.fb.finish(&returns, &func.result_names))
+}

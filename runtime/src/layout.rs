@@ -1,0 +1,63 @@
+//! Global tensors and their per-rank shards: cut a rank's shard out of a global tensor (to
+//! initialise partitioned parameters identically to a single device, and to feed each rank
+//! its slice of the batch), and put shards back together.
+
+use crate::collectives::MeshShape;
+use crate::program::Layout;
+
+/// For each dimension: (number of parts, this rank's part index).
+fn parts(layout: &Layout, mesh: &MeshShape, rank: usize) -> Vec<(usize, usize)> {
+    let coords = mesh.coords(rank);
+    layout
+        .split
+        .iter()
+        .map(|axes| {
+            // Row-major over the axes in the order listed, as the collectives order groups.
+            axes.iter().fold((1, 0), |(n, i), &a| (n * mesh.0[a], i * mesh.0[a] + coords[a]))
+        })
+        .chain(std::iter::repeat((1, 0)))
+        .take(layout.global_shape.len())
+        .collect()
+}
+
+/// Calls `f(global_index, local_index)` for every element of `rank`'s shard.
+fn for_each<F: FnMut(usize, usize)>(layout: &Layout, mesh: &MeshShape, rank: usize, mut f: F) {
+    let shape = &layout.global_shape;
+    let p = parts(layout, mesh, rank);
+    let local: Vec<usize> = shape.iter().zip(&p).map(|(&g, &(n, _))| g / n.max(1)).collect();
+    let total: usize = local.iter().product();
+    let mut index = vec![0usize; shape.len()];
+    for l in 0..total {
+        // Global index of the local multi-index.
+        let mut g = 0;
+        for d in 0..shape.len() {
+            g = g * shape[d] + p[d].1 * local[d] + index[d];
+        }
+        f(g, l);
+        for d in (0..shape.len()).rev() {
+            index[d] += 1;
+            if index[d] < local[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// `rank`'s shard of `global`.
+pub fn local_shard<T: Copy + Default>(global: &[T], layout: &Layout, mesh: &MeshShape, rank: usize) -> Vec<T> {
+    let len = layout.global_shape.iter().zip(parts(layout, mesh, rank)).map(|(&g, (n, _))| g / n.max(1)).product();
+    let mut out = vec![T::default(); len];
+    for_each(layout, mesh, rank, |g, l| out[l] = global[g]);
+    out
+}
+
+/// The global tensor from every rank's shard (`shards[rank]`); replicas overwrite each other
+/// with what must be the same values.
+pub fn assemble<T: Copy + Default>(shards: &[Vec<T>], layout: &Layout, mesh: &MeshShape) -> Vec<T> {
+    let mut out = vec![T::default(); layout.global_shape.iter().product()];
+    for (rank, shard) in shards.iter().enumerate() {
+        for_each(layout, mesh, rank, |g, l| out[g] = shard[l]);
+    }
+    out
+}
