@@ -86,6 +86,18 @@ enum Command {
     ///
     /// Example: shardc bench models/gpt2-small.toml --seq 128 --micro-batch 1
     Bench(train::BenchArgs),
+    /// List every collective the partitioner inserts, with its cause and byte cost.
+    ///
+    /// Example: shardc explain models/tiny.toml --mesh dp=2,tp=2
+    Explain {
+        /// Model spec (.toml or .json).
+        spec: PathBuf,
+        /// Device mesh as axis=size pairs.
+        #[arg(long, default_value = "dp=1,tp=1,pp=1")]
+        mesh: String,
+        #[command(flatten)]
+        step: StepArgs,
+    },
     /// Print the xf dialect's IRDL definition, generated from the op registry.
     ///
     /// Example: shardc dialect --check ir/dialect/xf.irdl.mlir
@@ -119,6 +131,7 @@ fn main() -> Result<()> {
         Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output, step } => {
             compile(&spec, &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref(), &step)
         }
+        Command::Explain { spec, mesh, step } => explain(&spec, &mesh, &step),
         Command::Run(args) => train::run(&args),
         Command::Inspect(args) => inspect::inspect(&args),
         Command::Bench(args) => train::bench(&args),
@@ -225,10 +238,11 @@ fn compile(
     if let Some(e) = io_error {
         return Err(miette!("{e}"));
     }
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
     let programs = ["train_step", "forward"]
         .iter()
         .filter_map(|name| module.func(name))
-        .map(shardc_codegen::lower_func)
+        .map(|f| if f.name == "train_step" { shardc_codegen::lower_func_on(f, &grid) } else { shardc_codegen::lower_func(f) })
         .collect::<Result<Vec<_>, _>>()
         .into_diagnostic()?;
     let summary = Summary::of(&spec, &module, &programs);
@@ -243,5 +257,33 @@ fn compile(
         std::fs::write(path, json).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
         println!("  plan        written to {}", path.display());
     }
+    Ok(())
+}
+
+/// `shardc explain`: each collective of the partitioned training step with its cause.
+fn explain(spec_path: &Path, mesh: &str, step: &StepArgs) -> Result<()> {
+    let spec = step.load_spec(spec_path)?;
+    let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
+    let problems = mesh.check(&spec);
+    if !problems.is_empty() {
+        return Err(report::mesh_report(problems));
+    }
+    let program = train::compile_train_step_on(&spec, step, mesh)?;
+    let records = shardc_runtime::report::comm_records(&program, 0);
+    println!("{} on {mesh}: {} collectives in the training step of one micro-batch (bytes sent by rank 0)", spec.name, records.len());
+    for r in &records {
+        println!(
+            "  {:>5}  {:<18} over {:<6} {:>12} elements {:>12}  at {}\n         cause: {}",
+            r.index,
+            r.op,
+            summary::axis_names(&r.axes),
+            r.elements,
+            summary::bytes(r.bytes),
+            r.loc,
+            r.cause
+        );
+    }
+    let total: u64 = records.iter().map(|r| r.bytes).sum();
+    println!("  total sent by rank 0: {}", summary::bytes(total));
     Ok(())
 }

@@ -22,8 +22,30 @@ pub struct Summary {
     /// Memory of the training step's rank program: arguments (parameters, optimizer
     /// state, inputs) and the peak of temporaries with and without slot reuse.
     pub memory: Option<MemorySummary>,
+    /// Collectives of the training step by kind and axes, as rank 0 runs them.
+    #[serde(default)]
+    pub communication: Vec<CommSummary>,
     /// Ops of each kind in `@forward`.
     pub op_counts: std::collections::BTreeMap<String, usize>,
+}
+
+/// Collectives of one kind over one set of axes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CommSummary {
+    /// Op name.
+    pub op: String,
+    /// Axis names, e.g. `tp`.
+    pub axes: String,
+    /// How many.
+    pub count: usize,
+    /// Bytes rank 0 sends for them.
+    pub bytes: u64,
+}
+
+/// Names of grid axes, for reports.
+pub fn axis_names(axes: &[usize]) -> String {
+    let names = ["dp", "tp", "pp"];
+    axes.iter().map(|&a| names.get(a).copied().unwrap_or("?")).collect::<Vec<_>>().join("+")
 }
 
 /// Memory of one rank program.
@@ -49,6 +71,7 @@ impl Summary {
             forward_flops_per_microbatch: forward.map_or(0.0, |f| f.cost().flops),
             train_step_flops_per_microbatch: module.func("train_step").map_or(0.0, |f| f.cost().flops),
             microbatches_per_step: spec.micro_batches(),
+            communication: programs.iter().find(|p| p.name == "train_step").map(communication).unwrap_or_default(),
             memory: programs.iter().find(|p| p.name == "train_step").map(|p| MemorySummary {
                 argument_bytes: p.memory.argument_bytes as u64,
                 temporary_bytes: p.memory.temporary_bytes as u64,
@@ -119,6 +142,14 @@ impl Summary {
             line("mesh", format!("{mesh} (1 rank)"));
         }
         line("passes", passes.join(" -> "));
+        if !self.communication.is_empty() {
+            let parts: Vec<String> = self
+                .communication
+                .iter()
+                .map(|c| format!("{} {} over {} ({})", c.count, c.op, c.axes, bytes(c.bytes)))
+                .collect();
+            line("comm/rank", format!("{} per training step of one micro-batch (rank 0): {}", bytes(self.communication.iter().map(|c| c.bytes).sum()), parts.join(", ")));
+        }
         let ops: Vec<String> = self.op_counts.iter().map(|(name, n)| format!("{name} {n}")).collect();
         line("ops", ops.join(", "));
         out
@@ -160,4 +191,15 @@ pub fn flops(n: f64) -> String {
         unit += 1;
     }
     format!("{value:.2} {}", units[unit])
+}
+
+/// Collectives of `program` grouped by op and axes, for rank 0.
+fn communication(program: &shardc_runtime::Program) -> Vec<CommSummary> {
+    let mut groups: std::collections::BTreeMap<(String, String), (usize, u64)> = std::collections::BTreeMap::new();
+    for r in shardc_runtime::report::comm_records(program, 0) {
+        let entry = groups.entry((r.op.trim_start_matches("shard.").to_string(), axis_names(&r.axes))).or_insert((0, 0));
+        entry.0 += 1;
+        entry.1 += r.bytes;
+    }
+    groups.into_iter().map(|((op, axes), (count, bytes))| CommSummary { op, axes, count, bytes }).collect()
 }

@@ -39,18 +39,27 @@ pub struct RunArgs {
     /// Backend: cpu (the default and the reference).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// Device mesh as axis=size pairs: one CPU thread per rank, real collectives.
+    #[arg(long, default_value = "dp=1,tp=1,pp=1")]
+    pub mesh: String,
     #[command(flatten)]
     pub step: StepArgs,
 }
 
-/// Compiles the spec's training step to a rank program.
+/// Compiles the spec's training step to a single-device rank program.
 pub fn compile_train_step(spec: &Spec, step: &StepArgs) -> Result<Program> {
-    let options = step.compile_options(spec, shardc_ir::mesh::Mesh::default())?;
+    compile_train_step_on(spec, step, shardc_ir::mesh::Mesh::default())
+}
+
+/// Compiles the spec's training step for `mesh` (partitioned when it has several ranks).
+pub fn compile_train_step_on(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh) -> Result<Program> {
+    let options = step.compile_options(spec, mesh)?;
     let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
     let cx = crate::ir_context()?;
     shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
     let train_step = module.func("train_step").ok_or_else(|| miette!("the pipeline produced no @train_step"))?;
-    shardc_codegen::lower_func(train_step).into_diagnostic()
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    shardc_codegen::lower_func_on(train_step, &grid).into_diagnostic()
 }
 
 fn check_backend(backend: &str) -> Result<()> {
@@ -67,6 +76,14 @@ fn check_backend(backend: &str) -> Result<()> {
 pub fn run(args: &RunArgs) -> Result<()> {
     check_backend(&args.backend)?;
     let spec = args.step.load_spec(&args.spec)?;
+    let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
+    let problems = mesh.check(&spec);
+    if !problems.is_empty() {
+        return Err(crate::report::mesh_report(problems));
+    }
+    if mesh.ranks() > 1 {
+        return run_partitioned(args, &spec, mesh);
+    }
     let program = compile_train_step(&spec, &args.step)?;
     let peak = program.peak_bytes();
     let mut trainer = Trainer::new(program, args.seed, spec.model.layers as usize).into_diagnostic()?;
@@ -207,4 +224,41 @@ fn torch_step(python: &Path, spec_path: &Path, spec: &Spec, steps: u64) -> Resul
     let result: serde_json::Value = serde_json::from_slice(&out.stdout).into_diagnostic().wrap_err("reading the PyTorch benchmark's JSON")?;
     let step = result["step_s"].as_f64().ok_or_else(|| miette!("the PyTorch benchmark printed no step_s"))?;
     Ok((step, result["peak_rss_bytes"].as_u64().unwrap_or(0)))
+}
+
+/// `shardc run --mesh ...` with several ranks: one thread per rank.
+fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+    if args.load.is_some() || args.save.is_some() {
+        return Err(miette!(help = "run without --mesh to load or save parameters", "--load and --save work on one rank for now"));
+    }
+    let program = compile_train_step_on(spec, &args.step, mesh)?;
+    let data_path = args.data.clone().unwrap_or_else(default_corpus);
+    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
+    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+    println!(
+        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} steps, seed {}, peak memory per rank {}",
+        spec.name,
+        mesh.ranks(),
+        args.steps,
+        args.seed,
+        crate::summary::bytes(program.peak_bytes() as u64)
+    );
+    let start = Instant::now();
+    let run = shardc_runtime::train::train_spmd(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, std::time::Duration::from_secs(60))
+        .into_diagnostic()?;
+    if args.log_every > 0 {
+        for (i, loss) in run.losses.iter().enumerate() {
+            if (i as u64 + 1) % args.log_every == 0 {
+                println!("step {} loss {loss:.6}", i + 1);
+            }
+        }
+    }
+    if let (Some(first), Some(_)) = (run.losses.first(), run.losses.last()) {
+        let tail = &run.losses[run.losses.len().saturating_sub(10)..];
+        let last = tail.iter().sum::<f64>() / tail.len() as f64;
+        println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
+    }
+    let sent: u64 = run.bytes_sent.iter().flat_map(|m| m.values()).sum();
+    println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
+    Ok(())
 }

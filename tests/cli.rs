@@ -270,3 +270,21 @@ fn a_closed_pipe_ends_quietly() {
     let out = child.wait_with_output().unwrap();
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn partitioned_run_and_explain() {
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2,tp=2", "--steps", "2", "--log-every", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("4 CPU threads") && text.contains("step 2 loss"), "{text}");
+    // The same seed gives the single-device run's first loss.
+    let single = stdout(&shardc(&["run", "models/tiny.toml", "--steps", "1", "--log-every", "1"]));
+    let first = |t: &str| t.lines().find_map(|l| l.strip_prefix("step 1 loss ")).map(|v| v.trim().parse::<f64>().unwrap()).unwrap();
+    assert!((first(&text) - first(&single)).abs() < 1e-5, "{text}\n{single}");
+
+    let out = shardc(&["explain", "models/tiny.toml", "--mesh", "tp=2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("cause: partial sum reduced for operand 0 of xf.add `layers.0.attn.out.bias_add`"), "{text}");
+    assert!(text.contains("total sent by rank 0"), "{text}");
+}

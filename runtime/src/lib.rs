@@ -20,6 +20,7 @@ mod error;
 pub mod init;
 pub mod layout;
 pub mod program;
+pub mod report;
 pub mod train;
 
 pub use error::RuntimeError;

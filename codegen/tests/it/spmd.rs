@@ -82,3 +82,48 @@ fn tiny_llama_partitioned_equals_single_device() {
         check("tiny-llama", dp, tp);
     }
 }
+
+#[test]
+fn measured_bytes_equal_the_compile_time_report() {
+    for (name, dp, tp) in [("tiny", 2, 2), ("tiny-llama", 1, 2), ("tiny", 4, 1)] {
+        let (program, spec) = compile(name, Mesh { dp, tp, pp: 1 });
+        let run = train_spmd(&program, 3, spec.model.layers as usize, &corpus(&spec), 2, Duration::from_secs(30)).unwrap();
+        for (rank, measured) in run.bytes_sent.iter().enumerate() {
+            let mut expected = std::collections::BTreeMap::new();
+            for record in shardc_runtime::report::comm_records(&program, rank) {
+                if let Some(kind) = record.kind {
+                    *expected.entry(kind).or_insert(0u64) += 2 * record.bytes;
+                }
+            }
+            expected.retain(|_, v| *v > 0);
+            assert_eq!(measured, &expected, "{name} dp={dp} tp={tp} rank {rank}");
+        }
+    }
+}
+
+/// Tensor-parallel all-reduces inside each layer of gpt2-small at tp=4 (seq 128, batch 1).
+#[test]
+fn gpt2_small_at_tp4_has_two_forward_and_two_backward_all_reduces_per_layer() {
+    let mut spec = crate::common::spec_with_dtype("gpt2-small", "f32");
+    spec.training.seq_len = Some(128);
+    spec.training.micro_batch = 1;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[1, 4, 1]).unwrap();
+    let records = shardc_runtime::report::comm_records(&program, 0);
+    let bsh = 128 * 768;
+    for layer in 0..12 {
+        let prefix = format!("layers.{layer}.");
+        let in_layer: Vec<_> = records.iter().filter(|r| r.loc.starts_with(&prefix) && r.kind.is_some()).collect();
+        let forward = in_layer.iter().filter(|r| !r.loc.contains(".grad")).count();
+        let backward = in_layer.iter().filter(|r| r.loc.contains(".grad")).count();
+        assert_eq!((forward, backward), (2, 2), "layer {layer}: {in_layer:#?}");
+        for r in &in_layer {
+            assert_eq!((r.op.as_str(), r.axes.as_slice(), r.elements), ("shard.all_reduce", &[1usize][..], bsh), "layer {layer}: {r:?}");
+            // Ring all-reduce: 2 (n - 1) / n of the buffer per rank.
+            assert_eq!(r.bytes, 2 * 3 * (bsh as u64 / 4) * 4);
+        }
+    }
+}

@@ -200,3 +200,39 @@ fn every_dump_of_the_training_pipeline_parses_with_mlir_opt() {
         }
     }
 }
+
+/// The IR after each sharding pass on tiny GPT at tp=2.
+fn sharded_ir(pass: &str) -> String {
+    let options = shardc_passes::CompileOptions {
+        mesh: shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1 },
+        vocab: 256,
+        kv_heads: 4,
+        ..Default::default()
+    };
+    let mut module = tiny("tiny");
+    let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
+    for (_, ir) in &seen {
+        assert_mlir_opt_accepts(ir);
+    }
+    seen.into_iter().find(|(name, _)| name == pass).map(|(_, ir)| ir).unwrap()
+}
+
+#[test]
+fn shard_megatron_on_tiny_gpt_tp2() {
+    insta::assert_snapshot!(sharded_ir("shard-megatron"));
+}
+
+#[test]
+fn propagate_sharding_on_tiny_gpt_tp2() {
+    insta::assert_snapshot!(sharded_ir("propagate-sharding"));
+}
+
+#[test]
+fn partition_on_tiny_gpt_tp2() {
+    let ir = sharded_ir("partition");
+    // Every inserted collective says why it is there.
+    for line in ir.lines().filter(|l| l.contains("shard.all_")) {
+        assert!(line.contains("xf.cause"), "collective without a cause: {line}");
+    }
+    insta::assert_snapshot!(ir);
+}
