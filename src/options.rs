@@ -28,6 +28,10 @@ pub struct StepArgs {
     /// Learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
+    /// ZeRO stage with data parallelism: 1-2 shard optimizer state over dp (gradients are
+    /// reduce-scattered into the shards), 3 shards parameters too.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
 }
 
 impl StepArgs {
@@ -43,7 +47,10 @@ impl StepArgs {
             "sgd" => OptimizerKind::Sgd { lr: self.lr, weight_decay: 0.0 },
             other => return Err(miette!(help = "use adamw or sgd", "--optimizer: unknown optimizer `{other}`")),
         };
-        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64 })
+        if self.zero > 3 {
+            return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.zero));
+        }
+        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero: self.zero })
     }
 
     /// Loads a spec and applies `--seq` / `--micro-batch`.

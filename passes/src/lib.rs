@@ -36,6 +36,8 @@ pub struct CompileOptions {
     pub vocab: i64,
     /// Key/value heads of the model.
     pub kv_heads: i64,
+    /// ZeRO stage (0 to 3).
+    pub zero: u8,
 }
 
 impl Default for CompileOptions {
@@ -46,6 +48,7 @@ impl Default for CompileOptions {
             mesh: shardc_ir::mesh::Mesh::default(),
             vocab: 1,
             kv_heads: 1,
+            zero: 0,
         }
     }
 }
@@ -61,7 +64,7 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
         return pipeline;
     }
     pipeline
-        .then(sharding::ShardMegatron { mesh: options.mesh, vocab: options.vocab, kv_heads: options.kv_heads })
+        .then(sharding::ShardMegatron { mesh: options.mesh, zero: options.zero, vocab: options.vocab, kv_heads: options.kv_heads })
         .then(sharding::PropagateSharding)
         .then(sharding::Partition)
 }

@@ -57,6 +57,8 @@ pub fn comm_records(program: &Program, rank: usize) -> Vec<CommRecord> {
                 }
                 "shard.all_reduce" => (Some(CollectiveKind::AllReduce), input.len(), 0),
                 "shard.all_gather" => (Some(CollectiveKind::AllGather), output.len(), (n - 1) * input.len()),
+                // Every chunk but this rank's own.
+                "shard.reduce_scatter" => (Some(CollectiveKind::ReduceScatter), input.len(), input.len() - chunk_len(input.len(), n, p)),
                 _ => (None, output.len(), 0),
             };
             let cause = match instr.attrs.get("xf.cause") {

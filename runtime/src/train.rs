@@ -76,6 +76,7 @@ impl Trainer {
         let step = i32::try_from(self.step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?;
         self.exec.write::<i32>("step", &[step])?;
         self.exec.run()?;
+        self.exec.carry_state()?;
         match self.exec.read::<f32>("loss") {
             Ok(v) => Ok(v[0] as f64),
             Err(_) => Ok(self.exec.read::<f64>("loss")?[0]),
@@ -141,6 +142,7 @@ pub fn train_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorp
                         exec.write::<i32>("targets", &local_shard(&g, tokens_layout, mesh, rank))?;
                         exec.write::<i32>("step", &[step as i32])?;
                         exec.run()?;
+                        exec.carry_state()?;
                         losses.push(read_f64(&exec, "loss")?[0]);
                     }
                     let shards = params.iter().map(|p| read_f64(&exec, &p.name)).collect::<Result<Vec<_>, _>>()?;

@@ -15,19 +15,33 @@ const STEPS: u64 = 3;
 const TOLERANCE: f64 = 1e-5;
 
 fn compile(name: &str, mesh: Mesh) -> (Program, shardc_ir::spec::Spec) {
+    compile_zero(name, mesh, 0)
+}
+
+/// SGD: AdamW divides each gradient by its own magnitude, so for a gradient that is exactly
+/// zero in theory (the attention key bias: softmax ignores a per-row shift) it turns
+/// rounding noise into full-size steps, and the comparison would measure noise.
+const SGD: OptimizerKind = OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 };
+
+/// AdamW for the ZeRO tests (they need optimizer state to shard); its large epsilon keeps
+/// those noise-sized gradients from turning into full steps.
+const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, epsilon: 1e-3, weight_decay: 0.1 };
+
+fn compile_zero(name: &str, mesh: Mesh, zero: u8) -> (Program, shardc_ir::spec::Spec) {
+    compile_with(name, mesh, zero, if zero > 0 { ADAMW } else { SGD })
+}
+
+fn compile_with(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind) -> (Program, shardc_ir::spec::Spec) {
     let mut spec = spec_with_dtype(name, "f32");
     // A batch every tested data-parallel degree divides.
     spec.training.micro_batch = 4;
     let mut module = model(&spec);
     let options = CompileOptions {
-        // SGD: AdamW divides each gradient by its own magnitude, so for a gradient that is
-        // exactly zero in theory (the attention key bias: softmax ignores a per-row shift)
-        // it turns rounding noise into full-size steps, and the comparison would measure
-        // noise. The update kernels are element-wise and the same on every layout.
-        optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
+        optimizer,
         mesh,
         vocab: spec.model.vocab as i64,
         kv_heads: spec.model.kv_heads() as i64,
+        zero,
         ..Default::default()
     };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
@@ -50,22 +64,27 @@ fn rel(a: &[f64], b: &[f64]) -> f64 {
 }
 
 fn check(name: &str, dp: u64, tp: u64) {
-    let (single, spec) = compile(name, Mesh::default());
+    check_zero(name, dp, tp, 0);
+}
+
+fn check_zero(name: &str, dp: u64, tp: u64, zero: u8) {
+    let optimizer = if zero > 0 { ADAMW } else { SGD };
+    let (single, spec) = compile_with(name, Mesh::default(), 0, optimizer);
     let corpus = corpus(&spec);
     let mut trainer = Trainer::new(single, 11, spec.model.layers as usize).unwrap();
     let losses: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let reference = trainer.parameters().unwrap();
 
-    let (partitioned, _) = compile(name, Mesh { dp, tp, pp: 1 });
+    let (partitioned, _) = compile_zero(name, Mesh { dp, tp, pp: 1 }, zero);
     let run = train_spmd(&partitioned, 11, spec.model.layers as usize, &corpus, STEPS, Duration::from_secs(30)).unwrap();
     for (step, (a, b)) in losses.iter().zip(&run.losses).enumerate() {
-        assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} tp={tp} step {}: loss {a} vs {b}", step + 1);
+        assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} tp={tp} zero={zero} step {}: loss {a} vs {b}", step + 1);
     }
     for ((name_a, _, a), (name_b, _, b)) in reference.iter().zip(&run.parameters) {
         assert_eq!(name_a, name_b);
         let a: Vec<f64> = a.iter().map(|&x| x as f64).collect();
         let err = rel(&a, b);
-        assert!(err <= TOLERANCE, "{name} dp={dp} tp={tp}: parameter {name_a} differs by {err:e} after {STEPS} steps");
+        assert!(err <= TOLERANCE, "{name} dp={dp} tp={tp} zero={zero}: parameter {name_a} differs by {err:e} after {STEPS} steps");
     }
 }
 
@@ -126,4 +145,41 @@ fn gpt2_small_at_tp4_has_two_forward_and_two_backward_all_reduces_per_layer() {
             assert_eq!(r.bytes, 2 * 3 * (bsh as u64 / 4) * 4);
         }
     }
+}
+
+#[test]
+fn zero_stages_equal_single_device() {
+    for name in ["tiny", "tiny-llama"] {
+        for zero in [1, 2, 3] {
+            check_zero(name, 2, 1, zero);
+        }
+    }
+    // ZeRO-3 with tensor parallelism as well.
+    check_zero("tiny", 2, 2, 3);
+}
+
+#[test]
+fn zero_collectives() {
+    let kinds = |zero: u8| {
+        let (program, _) = compile_zero("tiny", Mesh { dp: 2, tp: 1, pp: 1 }, zero);
+        let mut counts = std::collections::BTreeMap::new();
+        for r in shardc_runtime::report::comm_records(&program, 0) {
+            *counts.entry(r.op).or_insert(0) += 1;
+        }
+        counts
+    };
+    let (program, _) = compile_zero("tiny", Mesh::default(), 1);
+    let params = program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).count();
+    // Plain data parallelism: one all-reduce per gradient, plus the loss.
+    assert_eq!(kinds(0).get("shard.all_reduce"), Some(&(params + 1)));
+    // ZeRO-1/2: gradients reduce-scattered into the state shards, parameters gathered back.
+    for zero in [1, 2] {
+        let k = kinds(zero);
+        assert_eq!(k.get("shard.reduce_scatter"), Some(&params), "zero {zero}: {k:?}");
+        assert_eq!(k.get("shard.all_gather"), Some(&params), "zero {zero}: {k:?}");
+    }
+    // ZeRO-3: parameters stay sharded; they are gathered where they are used.
+    let k = kinds(3);
+    assert_eq!(k.get("shard.reduce_scatter"), Some(&params), "{k:?}");
+    assert!(k.get("shard.all_gather").copied().unwrap_or(0) >= params, "{k:?}");
 }

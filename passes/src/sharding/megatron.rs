@@ -8,6 +8,12 @@
 //! LM head split the vocabulary (vocab-parallel) when `tp` divides it; norms and positions
 //! are replicated; optimizer state follows its parameter; tokens and targets split the batch
 //! over `dp`. Everything else follows from the ops' sharding rules in propagation.
+//!
+//! ZeRO adds `dp` to one dimension of each tensor it shards (the first whose extent the
+//! extra split divides): optimizer state from stage 1, parameters at stage 3. Propagation
+//! then makes the update run on the shard, the gradient arrive reduce-scattered, the new
+//! parameter be all-gathered (stages 1-2) and, at stage 3, every use of a parameter gather
+//! it first.
 
 use shardc_ir::mesh::Mesh;
 use shardc_ir::sharding::Sharding;
@@ -21,6 +27,9 @@ use crate::{Changed, Pass, PassError};
 pub struct ShardMegatron {
     /// The mesh.
     pub mesh: Mesh,
+    /// ZeRO stage: 1 and 2 shard optimizer state over `dp` (gradients are reduce-scattered
+    /// straight into the shards either way), 3 shards the parameters too.
+    pub zero: u8,
     /// Vocabulary size of the model (the vocab-parallel split needs tp to divide it).
     pub vocab: i64,
     /// Key/value heads (their projections split only when tp divides them).
@@ -68,14 +77,36 @@ impl Pass for ShardMegatron {
             .iter_mut()
             .find(|f| f.name == "train_step" || f.name == "gradients")
             .ok_or_else(|| user("the module has no @train_step or @gradients to shard".into()))?;
+        if self.zero > 3 {
+            return Err(user(format!("ZeRO stage {} does not exist; use 0, 1, 2 or 3", self.zero)));
+        }
+        // Adds dp to the first dimension that can take it.
+        let add_dp = |mut s: Sharding, shape: &[i64]| {
+            if dp <= 1 {
+                return s;
+            }
+            let grid = [dp, tp, self.mesh.pp as i64];
+            for d in 0..shape.len() {
+                let parts: i64 = s.split[d].iter().map(|&a| grid[a as usize]).product::<i64>() * dp;
+                if shape[d] % parts == 0 {
+                    s.split[d].push(DP);
+                    return s;
+                }
+            }
+            s
+        };
         for arg in func.args.clone() {
             let Some(t) = func.tensor(arg.value).cloned() else { continue };
             let sharding = match arg.role {
-                ArgRole::Param => param_sharding(&arg.name, t.rank(), tp, self.vocab, self.kv_heads),
+                ArgRole::Param => {
+                    let s = param_sharding(&arg.name, t.rank(), tp, self.vocab, self.kv_heads);
+                    if self.zero >= 3 { add_dp(s, &t.shape) } else { s }
+                }
                 // opt.m.<param> / opt.v.<param> follow their parameter.
                 ArgRole::OptState => {
                     let param = arg.name.splitn(3, '.').nth(2).unwrap_or("");
-                    param_sharding(param, t.rank(), tp, self.vocab, self.kv_heads)
+                    let s = param_sharding(param, t.rank(), tp, self.vocab, self.kv_heads);
+                    if self.zero >= 1 { add_dp(s, &t.shape) } else { s }
                 }
                 ArgRole::Input if t.rank() >= 1 && dp > 1 => {
                     if t.shape[0] % dp != 0 {

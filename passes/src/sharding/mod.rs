@@ -43,7 +43,8 @@ pub fn sharding_of(func: &Func, value: shardc_ir::Value) -> Sharding {
 
 /// Applies `op`'s sharding rule to the current shardings of its operands.
 ///
-/// Each factor takes the axes of the first operand dimension that carries it, skipping axes
+/// Each factor takes the axes of the first operand dimension that carries it (activations
+/// and inputs before parameters and optimizer state), skipping axes
 /// another factor already took and axes that operand is partial over; blocked factors take
 /// none. An operand's required sharding follows its factors; a result is split by its
 /// factors and partial over the axes of every split factor some operand has but the result
@@ -74,7 +75,13 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
 
     let mut factor_axes: Vec<Vec<Axis>> = vec![Vec::new(); rule.factors.len()];
     let mut taken: Vec<Axis> = pass_through.clone();
-    for (i, dims) in rule.operands.iter().enumerate() {
+    // Activations and inputs first, then parameters and optimizer state: a parameter sharded
+    // by ZeRO over dp is meant to be gathered where it is used, not to take dp from the
+    // batch (which would turn data parallelism off downstream).
+    let is_arg = |v: &shardc_ir::Value| func.args.iter().any(|a| a.value == *v && a.role != shardc_ir::ArgRole::Input);
+    let order: Vec<usize> = (0..op.operands.len()).filter(|&i| !is_arg(&op.operands[i])).chain((0..op.operands.len()).filter(|&i| is_arg(&op.operands[i]))).collect();
+    for &i in &order {
+        let dims = &rule.operands[i];
         for (d, &f) in dims.iter().enumerate() {
             if rule.factors[f] == FactorKind::Blocked || !factor_axes[f].is_empty() {
                 continue;

@@ -5,10 +5,13 @@
 //! explicit `shard` collective wherever a value's sharding differs from what its consumer
 //! needs, in this order:
 //! - `shard.all_reduce` over the axes a value is partial over and its consumer cannot take
-//!   partial (the sum of a row-parallel matmul before its bias, a gradient before a norm);
-//! - per dimension, `shard.all_gather` over the axes that split it but should not, then
-//!   `shard.all_slice` over the axes that should split it but do not (a local slice, no
-//!   communication).
+//!   partial (the sum of a row-parallel matmul before its bias, a gradient before a norm),
+//!   or `shard.reduce_scatter` when the consumer wants it split over those same axes (a
+//!   gradient arriving at its ZeRO optimizer shard);
+//! - `shard.all_gather` of every dimension split over axes it should not be, then
+//!   `shard.all_slice` of every dimension that should be split but is not (a local slice,
+//!   no communication). All gathers come first: an axis that moves between dimensions must
+//!   never split two of them at once.
 //! Every collective carries `xf.cause`, naming the op and operand that needed it; the same
 //! reshard of one value is made once and shared by its consumers. Returned values take
 //! their argument's sharding when they update it in place (parameters, optimizer state),
@@ -83,24 +86,39 @@ impl Partitioner<'_> {
         if target.partial.iter().any(|a| !s.partial.contains(a)) {
             return Err(format!("{loc}: cannot make a complete value partial ({cause})"));
         }
-        let reduce: Vec<Axis> = s.partial.iter().copied().filter(|a| !target.partial.contains(a)).collect();
+        let mut reduce: Vec<Axis> = s.partial.iter().copied().filter(|a| !target.partial.contains(a)).collect();
+        // A partial sum that is then sliced over the same axes along one dimension is one
+        // reduce-scatter: each rank receives only the reduced part it keeps.
+        let scatter = (0..global.rank()).find(|&d| !reduce.is_empty() && s.split[d].is_empty() && target.split[d] == reduce);
+        if let Some(d) = scatter {
+            s.partial.retain(|a| target.partial.contains(a));
+            s.split[d] = target.split[d].clone();
+            let ty = self.local_type(&global, &s)?;
+            let attrs = Attrs::new()
+                .with("grid_axes", axes_attr(&reduce))
+                .with("reduction", AttrValue::Raw("#shard<partial sum>".into()))
+                .with("scatter_axis", AttrValue::Raw(format!("{d} : index")));
+            v = self.collective("shard.reduce_scatter", v, attrs, ty, &format!("{loc}.reduce_scatter"), &format!("partial sum reduce-scattered along dimension {d} for {cause}"));
+            reduce.clear();
+        }
         if !reduce.is_empty() {
             s.partial.retain(|a| target.partial.contains(a));
             let ty = self.local_type(&global, &s)?;
             let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", AttrValue::Raw("#shard<partial sum>".into()));
             v = self.collective("shard.all_reduce", v, attrs, ty, &format!("{loc}.all_reduce"), &format!("partial sum reduced for {cause}"));
         }
+        // Every gather before any slice: an axis may move from one dimension to another
+        // (dp from the vocabulary to the batch), and it must never split two at once.
         for d in 0..global.rank() {
-            if s.split[d] == target.split[d] {
-                continue;
-            }
-            if !s.split[d].is_empty() {
+            if s.split[d] != target.split[d] && !s.split[d].is_empty() {
                 let axes = std::mem::take(&mut s.split[d]);
                 let ty = self.local_type(&global, &s)?;
                 let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Raw(format!("{d} : index")));
                 v = self.collective("shard.all_gather", v, attrs, ty, &format!("{loc}.all_gather"), &format!("dimension {d} gathered for {cause}"));
             }
-            if !target.split[d].is_empty() {
+        }
+        for d in 0..global.rank() {
+            if s.split[d] != target.split[d] && !target.split[d].is_empty() {
                 s.split[d] = target.split[d].clone();
                 let ty = self.local_type(&global, &s)?;
                 let attrs = Attrs::new().with("grid_axes", axes_attr(&target.split[d])).with("slice_axis", AttrValue::Raw(format!("{d} : index")));

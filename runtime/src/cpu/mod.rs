@@ -118,7 +118,7 @@ pub struct CpuExecutor {
 }
 
 /// The collectives the executor runs itself (everything else is a kernel).
-const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice"];
+const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter"];
 
 impl CpuExecutor {
     /// Validates `program` and allocates its slots, zero-filled.
@@ -215,6 +215,35 @@ impl CpuExecutor {
             .filter(|a| a.role == Some(role))
             .map(|a| (a.name.clone(), self.program.buffers[a.buffer].shape.clone()))
             .collect()
+    }
+
+    /// Copies every result that is the new value of an argument (same name) into that
+    /// argument when they live in different buffers, so the next run reads the new state.
+    /// (Usually the update happened in place and there is nothing to copy; a sharded update
+    /// that is gathered back returns a fresh buffer.)
+    pub fn carry_state(&mut self) -> Result<(), RuntimeError> {
+        let pairs: Vec<(usize, usize)> = self
+            .program
+            .results
+            .iter()
+            .filter_map(|r| self.program.arg(&r.name).map(|a| (r.buffer, a.buffer)))
+            .filter(|(r, a)| r != a)
+            .collect();
+        for (from, to) in pairs {
+            let (from, to) = (&self.program.buffers[from], &self.program.buffers[to]);
+            if from.slot == to.slot {
+                continue;
+            }
+            let len = from.len().min(to.len());
+            let source = self.slots[from.slot].clone();
+            match (&source, &mut self.slots[to.slot]) {
+                (Storage::F32(s), Storage::F32(d)) => d[..len].copy_from_slice(&s[..len]),
+                (Storage::F64(s), Storage::F64(d)) => d[..len].copy_from_slice(&s[..len]),
+                (Storage::I32(s), Storage::I32(d)) => d[..len].copy_from_slice(&s[..len]),
+                _ => return Err(RuntimeError::Binding(format!("result `{}` and its argument differ in type", from.name))),
+            }
+        }
+        Ok(())
     }
 
     /// Runs every instruction once.
@@ -327,6 +356,22 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
                 }
             }
             Ok(())
+        }
+        "shard.reduce_scatter" => {
+            let axis = instr.int("scatter_axis")? as usize;
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            // Stage the chunks along `axis` contiguously, [n][outer][chunk], then reduce-scatter.
+            let (outer, inner) = split(axis);
+            let block = out_shape[axis] * inner;
+            let mut staged = vec![T::default(); input.len()];
+            for r in 0..n {
+                for o in 0..outer {
+                    let src = (o * in_shape[axis] + r * out_shape[axis]) * inner;
+                    let dst = (r * outer + o) * block;
+                    staged[dst..dst + block].copy_from_slice(&input[src..src + block]);
+                }
+            }
+            comm.reduce_scatter(&group, &staged, out, ReduceOp::Sum).map_err(|e| e.to_string())
         }
         "shard.all_slice" => {
             let axis = instr.int("slice_axis")? as usize;
