@@ -114,6 +114,24 @@ irdl.dialect @xf {
     irdl.operands(x: %T)
     irdl.results(y: %U)
   }
+  // xf.repeat_heads: [b, h, s, d] -> [b, h*times, s, d], head j reads head j / times
+  irdl.operation @repeat_heads {
+    %T = irdl.base "!builtin.tensor"
+    %U = irdl.base "!builtin.tensor"
+    %times = irdl.base "#builtin.integer"
+    irdl.attributes {"times" = %times}
+    irdl.operands(x: %T)
+    irdl.results(y: %U)
+  }
+  // xf.sum_heads: [b, h*times, s, d] -> [b, h, s, d], summing each group of times heads
+  irdl.operation @sum_heads {
+    %T = irdl.base "!builtin.tensor"
+    %U = irdl.base "!builtin.tensor"
+    %times = irdl.base "#builtin.integer"
+    irdl.attributes {"times" = %times}
+    irdl.operands(x: %T)
+    irdl.results(y: %U)
+  }
   // xf.attention: softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads
   irdl.operation @attention {
     %Q = irdl.base "!builtin.tensor"

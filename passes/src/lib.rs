@@ -56,8 +56,12 @@ impl Default for CompileOptions {
 /// The pipeline `shardc compile` runs, in order, as straight-line code. The sharding passes
 /// run only for meshes of more than one rank.
 pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
-    let pipeline = Pipeline::new()
-        .then(VerifyShapes)
+    let tp = options.mesh.tp as i64;
+    let mut pipeline = Pipeline::new().then(VerifyShapes);
+    if tp > 1 && options.kv_heads % tp != 0 {
+        pipeline = pipeline.then(sharding::ExpandKvHeads { tp });
+    }
+    let pipeline = pipeline
         .then(Autodiff { recompute: options.recompute })
         .then(Optimizer { kind: options.optimizer });
     if options.mesh.ranks() <= 1 {

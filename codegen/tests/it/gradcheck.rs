@@ -110,6 +110,8 @@ fn cases() -> Vec<Case> {
         Case { op: "xf.split_heads", operands: vec![f(&[2, 3, 6])], attrs: a(&[("heads", Int(2))]) },
         Case { op: "xf.merge_heads", operands: vec![f(&[2, 2, 3, 3])], attrs: Attrs::new() },
         Case { op: "xf.slice", operands: vec![f(&[6, 3])], attrs: a(&[("axis", Int(0)), ("start", Int(1)), ("size", Int(4))]) },
+        Case { op: "xf.repeat_heads", operands: vec![f(&[2, 2, 3, 4])], attrs: a(&[("times", Int(3))]) },
+        Case { op: "xf.sum_heads", operands: vec![f(&[2, 6, 3, 4])], attrs: a(&[("times", Int(3))]) },
         Case { op: "xf.sum_leading", operands: vec![f(&[2, 3, 4])], attrs: a(&[("keep", Int(1))]) },
         Case {
             op: "xf.attention",

@@ -97,7 +97,8 @@ fn tiny_gpt_partitioned_equals_single_device() {
 
 #[test]
 fn tiny_llama_partitioned_equals_single_device() {
-    for (dp, tp) in [(1, 2), (2, 1), (2, 2), (4, 1)] {
+    // (1, 4): tp does not divide the 2 kv heads; they are repeated and sliced per rank.
+    for (dp, tp) in [(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)] {
         check("tiny-llama", dp, tp);
     }
 }

@@ -199,3 +199,96 @@ impl OpDef for Pad {
         ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::Sum).block(axis.min(inputs[0].rank().saturating_sub(1)))
     }
 }
+
+/// Checks `[b, h, s, d]` and the `times` attribute of the head-repeat ops.
+fn check_heads(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(TensorTy, i64), String> {
+    arity(inputs, 1)?;
+    let x = inputs[0];
+    float("x", x)?;
+    rank_is("x", x, 4)?;
+    Ok((x.clone(), positive("times", attrs.int("times")?)?))
+}
+
+/// `y[b, j, s, :] = x[b, j / times, s, :]`: each head repeated `times` times in place, so
+/// grouped key/value heads line up with the query heads (what tensor parallelism needs when
+/// it cannot split the key/value heads themselves).
+#[derive(Debug)]
+pub struct RepeatHeads;
+
+impl OpDef for RepeatHeads {
+    fn mnemonic(&self) -> &'static str {
+        "repeat_heads"
+    }
+    fn summary(&self) -> &'static str {
+        "[b, h, s, d] -> [b, h*times, s, d], head j reads head j / times"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "U" }],
+            attrs: &[("times", AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        let (x, times) = check_heads(inputs, attrs)?;
+        Ok(vec![TensorTy::new([x.shape[0], x.shape[1] * times, x.shape[2], x.shape[3]], x.dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+    }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        // Batch free; the input heads stay whole; the output heads (their own factor) are
+        // sliced by whoever needs them split.
+        let factors = vec![FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked];
+        ShardingRule { operands: vec![vec![0, 1, 2, 3]], results: vec![vec![0, 4, 2, 3]], factors, linearity: Linearity::Sum }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let attrs = cx.attrs.clone();
+        Ok(vec![Some(cx.emit("xf.sum_heads", &[grads[0]], attrs)?)])
+    }
+}
+
+/// `y[b, i, s, :] = sum over k < times of x[b, i * times + k, s, :]`: the transpose of
+/// [`RepeatHeads`].
+#[derive(Debug)]
+pub struct SumHeads;
+
+impl OpDef for SumHeads {
+    fn mnemonic(&self) -> &'static str {
+        "sum_heads"
+    }
+    fn summary(&self) -> &'static str {
+        "[b, h*times, s, d] -> [b, h, s, d], summing each group of times heads"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "U" }],
+            attrs: &[("times", AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        let (x, times) = check_heads(inputs, attrs)?;
+        if x.shape[1] % times != 0 {
+            return Err(format!("{} heads do not form groups of {times}", x.shape[1]));
+        }
+        Ok(vec![TensorTy::new([x.shape[0], x.shape[1] / times, x.shape[2], x.shape[3]], x.dtype)])
+    }
+    fn flops_per_element(&self) -> f64 {
+        1.0
+    }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        let factors = vec![FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked];
+        ShardingRule { operands: vec![vec![0, 1, 2, 3]], results: vec![vec![0, 4, 2, 3]], factors, linearity: Linearity::Sum }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        let attrs = cx.attrs.clone();
+        Ok(vec![Some(cx.emit("xf.repeat_heads", &[grads[0]], attrs)?)])
+    }
+}

@@ -25,7 +25,7 @@ use crate::types::{DType, TensorTy};
 pub use attention::{Attention, AttentionGrad};
 pub use elementwise::{Add, Gelu, GeluGrad, Mul, Scale, Silu, SiluGrad, Swiglu, SwigluGrad};
 pub use embedding::{Embedding, EmbeddingGrad};
-pub use heads::{MergeHeads, Pad, Slice, SplitHeads};
+pub use heads::{MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads};
 pub use loss::{CrossEntropy, CrossEntropyGrad};
 pub use matmul::{MatMul, MatMulWeightGrad};
 pub use norm::{LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad};
@@ -52,6 +52,8 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &SplitHeads,
     &MergeHeads,
     &Slice,
+    &RepeatHeads,
+    &SumHeads,
     &Attention,
     &CrossEntropy,
     // Reductions and fills, used by gradients.

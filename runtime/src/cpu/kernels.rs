@@ -31,7 +31,7 @@ const SUPPORTED: &[&str] = &[
     "xf.embedding", "xf.embedding_grad", "xf.matmul", "xf.matmul_wgrad", "xf.add", "xf.mul", "xf.scale", "xf.fill_like",
     "xf.sum_leading", "xf.gelu", "xf.gelu_grad", "xf.silu", "xf.silu_grad", "xf.swiglu", "xf.swiglu_grad", "xf.layernorm",
     "xf.layernorm_grad", "xf.rmsnorm", "xf.rmsnorm_grad", "xf.rope", "xf.rope_grad", "xf.split_heads", "xf.merge_heads",
-    "xf.slice", "xf.pad", "xf.attention", "xf.attention_grad", "xf.cross_entropy", "xf.cross_entropy_grad", "xf.adamw",
+    "xf.slice", "xf.pad", "xf.repeat_heads", "xf.sum_heads", "xf.attention", "xf.attention_grad", "xf.cross_entropy", "xf.cross_entropy_grad", "xf.adamw",
     "xf.sgd",
 ];
 
@@ -84,6 +84,8 @@ fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &
         "xf.split_heads" => split_heads::<T>(ins, outs, true),
         "xf.merge_heads" => split_heads::<T>(ins, outs, false),
         "xf.slice" => slice_or_pad::<T>(instr, ins, outs, false),
+        "xf.repeat_heads" => repeat_heads::<T>(instr, ins, outs, false),
+        "xf.sum_heads" => repeat_heads::<T>(instr, ins, outs, true),
         "xf.pad" => slice_or_pad::<T>(instr, ins, outs, true),
         "xf.attention" => attention::<T>(instr, ins, outs),
         "xf.attention_grad" => attention_grad::<T>(instr, ins, outs),
@@ -626,5 +628,35 @@ fn sgd<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(
             p[i] = p[i] - lr * (g[i] + wd * p[i]);
         }
     });
+    Ok(())
+}
+
+/// `repeat_heads` (each head copied `times` times) or, with `sum`, its transpose `sum_heads`
+/// (each group of `times` heads summed, in head order).
+fn repeat_heads<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sum: bool) -> Result<(), String> {
+    let times = instr.int("times")?.max(1) as usize;
+    let x = ins[0].get::<T>()?;
+    let (small, large) = if sum { (outs[0].shape().to_vec(), ins[0].shape().to_vec()) } else { (ins[0].shape().to_vec(), outs[0].shape().to_vec()) };
+    let block = small[2] * small[3];
+    let heads = small[1];
+    let y = outs[0].get::<T>()?;
+    if sum {
+        y.fill(T::zero());
+    }
+    for b in 0..small[0] {
+        for h in 0..heads {
+            for k in 0..times {
+                let big = ((b * large[1]) + h * times + k) * block;
+                let little = (b * heads + h) * block;
+                if sum {
+                    for i in 0..block {
+                        y[little + i] += x[big + i];
+                    }
+                } else {
+                    y[big..big + block].copy_from_slice(&x[little..little + block]);
+                }
+            }
+        }
+    }
     Ok(())
 }
