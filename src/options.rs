@@ -32,6 +32,9 @@ pub struct StepArgs {
     /// reduce-scattered into the shards), 3 shards parameters too.
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
+    /// Sequence parallelism: split the residual stream and norms along the sequence over tp.
+    #[arg(long)]
+    pub sequence_parallel: bool,
 }
 
 impl StepArgs {
@@ -50,7 +53,7 @@ impl StepArgs {
         if self.zero > 3 {
             return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.zero));
         }
-        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero: self.zero })
+        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero: self.zero, sequence_parallel: self.sequence_parallel })
     }
 
     /// Loads a spec and applies `--seq` / `--micro-batch`.

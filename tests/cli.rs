@@ -282,6 +282,13 @@ fn partitioned_run_and_explain() {
     let first = |t: &str| t.lines().find_map(|l| l.strip_prefix("step 1 loss ")).map(|v| v.trim().parse::<f64>().unwrap()).unwrap();
     assert!((first(&text) - first(&single)).abs() < 1e-5, "{text}\n{single}");
 
+    // ZeRO and sequence parallelism from the command line: still the same first loss.
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2,tp=2", "--zero", "1", "--sequence-parallel", "--steps", "1", "--log-every", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!((first(&stdout(&out)) - first(&single)).abs() < 1e-5, "{}", stdout(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2", "--zero", "4"]);
+    assert!(stderr(&out).contains("no ZeRO stage 4"), "{}", stderr(&out));
+
     let out = shardc(&["explain", "models/tiny.toml", "--mesh", "tp=2"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);

@@ -136,6 +136,10 @@ pub struct Func {
     /// (printed as `shard.sharding` + `shard.shard` after each annotated value).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub shardings: BTreeMap<Value, crate::sharding::Sharding>,
+    /// Layouts a strategy demands for op results (sequence parallelism pins the residual
+    /// stream); propagation honours them and partitioning reshards right after the op.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub constraints: BTreeMap<Value, crate::sharding::Sharding>,
 }
 
 impl Func {
@@ -242,6 +246,7 @@ impl FuncBuilder {
                 result_names: Vec::new(),
                 types: Vec::new(),
                 shardings: BTreeMap::new(),
+                constraints: BTreeMap::new(),
             },
         }
     }

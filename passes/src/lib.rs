@@ -38,6 +38,8 @@ pub struct CompileOptions {
     pub kv_heads: i64,
     /// ZeRO stage (0 to 3).
     pub zero: u8,
+    /// Sequence parallelism over the tensor-parallel axis.
+    pub sequence_parallel: bool,
 }
 
 impl Default for CompileOptions {
@@ -49,6 +51,7 @@ impl Default for CompileOptions {
             vocab: 1,
             kv_heads: 1,
             zero: 0,
+            sequence_parallel: false,
         }
     }
 }
@@ -68,7 +71,13 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
         return pipeline;
     }
     pipeline
-        .then(sharding::ShardMegatron { mesh: options.mesh, zero: options.zero, vocab: options.vocab, kv_heads: options.kv_heads })
+        .then(sharding::ShardMegatron {
+            mesh: options.mesh,
+            zero: options.zero,
+            sequence_parallel: options.sequence_parallel,
+            vocab: options.vocab,
+            kv_heads: options.kv_heads,
+        })
         .then(sharding::PropagateSharding)
         .then(sharding::Partition)
 }

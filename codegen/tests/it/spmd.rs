@@ -28,10 +28,10 @@ const SGD: OptimizerKind = OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 };
 const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, epsilon: 1e-3, weight_decay: 0.1 };
 
 fn compile_zero(name: &str, mesh: Mesh, zero: u8) -> (Program, shardc_ir::spec::Spec) {
-    compile_with(name, mesh, zero, if zero > 0 { ADAMW } else { SGD })
+    compile_with(name, mesh, zero, if zero > 0 { ADAMW } else { SGD }, false)
 }
 
-fn compile_with(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind) -> (Program, shardc_ir::spec::Spec) {
+fn compile_with(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind, sequence_parallel: bool) -> (Program, shardc_ir::spec::Spec) {
     let mut spec = spec_with_dtype(name, "f32");
     // A batch every tested data-parallel degree divides.
     spec.training.micro_batch = 4;
@@ -42,6 +42,7 @@ fn compile_with(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind) -> (
         vocab: spec.model.vocab as i64,
         kv_heads: spec.model.kv_heads() as i64,
         zero,
+        sequence_parallel,
         ..Default::default()
     };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
@@ -68,23 +69,27 @@ fn check(name: &str, dp: u64, tp: u64) {
 }
 
 fn check_zero(name: &str, dp: u64, tp: u64, zero: u8) {
+    check_all(name, dp, tp, zero, false);
+}
+
+fn check_all(name: &str, dp: u64, tp: u64, zero: u8, sequence_parallel: bool) {
     let optimizer = if zero > 0 { ADAMW } else { SGD };
-    let (single, spec) = compile_with(name, Mesh::default(), 0, optimizer);
+    let (single, spec) = compile_with(name, Mesh::default(), 0, optimizer, false);
     let corpus = corpus(&spec);
     let mut trainer = Trainer::new(single, 11, spec.model.layers as usize).unwrap();
     let losses: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let reference = trainer.parameters().unwrap();
 
-    let (partitioned, _) = compile_zero(name, Mesh { dp, tp, pp: 1 }, zero);
+    let (partitioned, _) = compile_with(name, Mesh { dp, tp, pp: 1 }, zero, optimizer, sequence_parallel);
     let run = train_spmd(&partitioned, 11, spec.model.layers as usize, &corpus, STEPS, Duration::from_secs(30)).unwrap();
     for (step, (a, b)) in losses.iter().zip(&run.losses).enumerate() {
-        assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} tp={tp} zero={zero} step {}: loss {a} vs {b}", step + 1);
+        assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} tp={tp} zero={zero} sp={sequence_parallel} step {}: loss {a} vs {b}", step + 1);
     }
     for ((name_a, _, a), (name_b, _, b)) in reference.iter().zip(&run.parameters) {
         assert_eq!(name_a, name_b);
         let a: Vec<f64> = a.iter().map(|&x| x as f64).collect();
         let err = rel(&a, b);
-        assert!(err <= TOLERANCE, "{name} dp={dp} tp={tp} zero={zero}: parameter {name_a} differs by {err:e} after {STEPS} steps");
+        assert!(err <= TOLERANCE, "{name} dp={dp} tp={tp} zero={zero} sp={sequence_parallel}: parameter {name_a} differs by {err:e} after {STEPS} steps");
     }
 }
 
@@ -170,6 +175,7 @@ fn zero_collectives() {
         counts
     };
     let (program, _) = compile_zero("tiny", Mesh::default(), 1);
+    // (The parameter count, from the single-device program.)
     let params = program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).count();
     // Plain data parallelism: one all-reduce per gradient, plus the loss.
     assert_eq!(kinds(0).get("shard.all_reduce"), Some(&(params + 1)));
@@ -183,4 +189,54 @@ fn zero_collectives() {
     let k = kinds(3);
     assert_eq!(k.get("shard.reduce_scatter"), Some(&params), "{k:?}");
     assert!(k.get("shard.all_gather").copied().unwrap_or(0) >= params, "{k:?}");
+}
+
+#[test]
+fn sequence_parallel_equals_single_device() {
+    for name in ["tiny", "tiny-llama"] {
+        for (dp, tp) in [(1, 2), (2, 2), (1, 4)] {
+            check_all(name, dp, tp, 0, true);
+        }
+    }
+    check_all("tiny", 2, 2, 1, true);
+}
+
+/// Per layer of gpt2-small at tp=4 (seq 128, batch 1) with sequence parallelism: the
+/// tensor-parallel all-reduces become reduce-scatters and all-gathers of the same total
+/// volume.
+#[test]
+fn gpt2_small_sequence_parallel_trades_all_reduces_for_reduce_scatter_and_all_gather() {
+    let mut spec = crate::common::spec_with_dtype("gpt2-small", "f32");
+    spec.training.seq_len = Some(128);
+    spec.training.micro_batch = 1;
+    let records = |sequence_parallel: bool| {
+        let mut module = model(&spec);
+        let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, sequence_parallel, ..Default::default() };
+        let cx = shardc_ir::mlir::IrContext::new().unwrap();
+        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[1, 4, 1]).unwrap();
+        shardc_runtime::report::comm_records(&program, 0)
+    };
+    let (plain, sp) = (records(false), records(true));
+    let bsh = 128 * 768;
+    for layer in 0..12 {
+        let prefix = format!("layers.{layer}.");
+        // Activation collectives (b*s*h elements) of this layer.
+        let activations = |rs: &[shardc_runtime::report::CommRecord], grad: bool| {
+            let mut ops: Vec<String> = rs
+                .iter()
+                .filter(|r| r.loc.starts_with(&prefix) && r.elements == bsh && r.loc.contains(".grad") == grad && r.kind.is_some())
+                .map(|r| r.op.clone())
+                .collect();
+            ops.sort();
+            ops
+        };
+        for grad in [false, true] {
+            assert_eq!(activations(&sp, grad), ["shard.all_gather", "shard.all_gather", "shard.reduce_scatter", "shard.reduce_scatter"], "layer {layer} grad={grad}");
+            let volume = |rs: &[shardc_runtime::report::CommRecord]| {
+                rs.iter().filter(|r| r.loc.starts_with(&prefix) && r.elements == bsh && r.loc.contains(".grad") == grad).map(|r| r.bytes).sum::<u64>()
+            };
+            assert_eq!(volume(&sp), volume(&plain), "layer {layer} grad={grad}");
+        }
+    }
 }

@@ -9,6 +9,12 @@
 //! are replicated; optimizer state follows its parameter; tokens and targets split the batch
 //! over `dp`. Everything else follows from the ops' sharding rules in propagation.
 //!
+//! Sequence parallelism pins the residual stream (`[batch, seq, hidden]` results of the
+//! residual adds, the row-parallel bias adds and the embedding's position add) to be split
+//! along the sequence over `tp` (and the batch over `dp`). Norms then run on sequence shards,
+//! a row-parallel sum arrives reduce-scattered instead of all-reduced, and a column-parallel
+//! layer all-gathers its input along the sequence (Korthikanti et al. 2022).
+//!
 //! ZeRO adds `dp` to one dimension of each tensor it shards (the first whose extent the
 //! extra split divides): optimizer state from stage 1, parameters at stage 3. Propagation
 //! then makes the update run on the shard, the gradient arrive reduce-scattered, the new
@@ -30,6 +36,8 @@ pub struct ShardMegatron {
     /// ZeRO stage: 1 and 2 shard optimizer state over `dp` (gradients are reduce-scattered
     /// straight into the shards either way), 3 shards the parameters too.
     pub zero: u8,
+    /// Sequence parallelism: the residual stream is split along the sequence over `tp`.
+    pub sequence_parallel: bool,
     /// Vocabulary size of the model (the vocab-parallel split needs tp to divide it).
     pub vocab: i64,
     /// Key/value heads (their projections split only when tp divides them).
@@ -117,6 +125,33 @@ impl Pass for ShardMegatron {
                 ArgRole::Input => Sharding::replicated(t.rank()),
             };
             func.shardings.insert(arg.value, sharding);
+        }
+        // Every gradient is wanted in its optimizer state's layout (the parameter's, plus dp
+        // under ZeRO): pin it there, so the op producing it computes it in that layout
+        // rather than in whatever layout its inputs suggest.
+        for op in func.ops.clone().iter().filter(|o| o.name == "xf.adamw" || o.name == "xf.sgd") {
+            let (grad, state) = (op.operands[1], op.operands[if op.name == "xf.adamw" { 2 } else { 0 }]);
+            let produced = func.ops.iter().any(|o| o.results.contains(&grad));
+            if let (true, Some(layout)) = (produced, func.shardings.get(&state).cloned()) {
+                func.constraints.insert(grad, Sharding { split: layout.split, partial: Vec::new() });
+            }
+        }
+        if self.sequence_parallel && tp > 1 {
+            let pinned = |loc: &str| loc.ends_with(".residual") || loc.ends_with(".out.bias_add") || loc.ends_with(".down.bias_add") || loc == "embed.positions";
+            for op in func.ops.clone() {
+                let Some(t) = op.results.first().and_then(|r| func.tensor(*r)).cloned() else { continue };
+                if !pinned(&op.loc) || t.rank() != 3 {
+                    continue;
+                }
+                if t.shape[1] % tp != 0 {
+                    return Err(user(format!("sequence parallelism: tp={tp} does not divide the sequence length {}", t.shape[1])));
+                }
+                let mut pin = Sharding::split_dim(3, 1, &[TP]);
+                if dp > 1 {
+                    pin.split[0] = vec![DP];
+                }
+                func.constraints.insert(op.results[0], pin);
+            }
         }
         Ok(Changed::Yes)
     }

@@ -45,8 +45,9 @@ pub fn sharding_of(func: &Func, value: shardc_ir::Value) -> Sharding {
 
 /// Applies `op`'s sharding rule to the current shardings of its operands.
 ///
-/// Each factor takes the axes of the first operand dimension that carries it (activations
-/// and inputs before parameters and optimizer state), skipping axes
+/// Each factor takes the axes of a pinned result first, then of the first operand dimension
+/// that carries it (tensor-parallel parameters, then activations and inputs, then other
+/// parameter splits), skipping axes
 /// another factor already took and axes that operand is partial over; blocked factors take
 /// none. An operand's required sharding follows its factors; a result is split by its
 /// factors and partial over the axes of every split factor some operand has but the result
@@ -77,21 +78,45 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
 
     let mut factor_axes: Vec<Vec<Axis>> = vec![Vec::new(); rule.factors.len()];
     let mut taken: Vec<Axis> = pass_through.clone();
-    // Activations and inputs first, then parameters and optimizer state: a parameter sharded
-    // by ZeRO over dp is meant to be gathered where it is used, not to take dp from the
-    // batch (which would turn data parallelism off downstream).
-    let is_arg = |v: &shardc_ir::Value| func.args.iter().any(|a| a.value == *v && a.role != shardc_ir::ArgRole::Input);
-    let order: Vec<usize> = (0..op.operands.len()).filter(|&i| !is_arg(&op.operands[i])).chain((0..op.operands.len()).filter(|&i| is_arg(&op.operands[i]))).collect();
-    for &i in &order {
-        let dims = &rule.operands[i];
-        for (d, &f) in dims.iter().enumerate() {
-            if rule.factors[f] == FactorKind::Blocked || !factor_axes[f].is_empty() {
-                continue;
+    let mut assign = |f: usize, axes: &[Axis], partial: &[Axis], taken: &mut Vec<Axis>, factor_axes: &mut Vec<Vec<Axis>>| {
+        if rule.factors[f] == FactorKind::Blocked || !factor_axes[f].is_empty() || axes.is_empty() {
+            return;
+        }
+        if axes.iter().all(|a| !taken.contains(a) && !partial.contains(a)) {
+            taken.extend(axes);
+            factor_axes[f] = axes.to_vec();
+        }
+    };
+    // Round 0: the tensor-parallel axis of results a strategy pinned (sequence
+    // parallelism's residual stream, gradients in their optimizer state's layout). Only tp:
+    // a pinned dp split (a ZeRO gradient) is reached by reduce-scattering the result, not by
+    // taking dp from the batch.
+    for (j, dims) in rule.results.iter().enumerate() {
+        if let Some(pin) = func.constraints.get(&op.results[j]) {
+            for (d, &f) in dims.iter().enumerate() {
+                if pin.split.get(d).is_some_and(|axes| axes == &[TP]) {
+                    assign(f, &[TP], &[], &mut taken, &mut factor_axes);
+                }
             }
-            let axes: Vec<Axis> = current[i].split.get(d).cloned().unwrap_or_default();
-            if !axes.is_empty() && axes.iter().all(|a| !taken.contains(a) && !current[i].partial.contains(a)) {
-                taken.extend(&axes);
-                factor_axes[f] = axes;
+        }
+    }
+    // Then operands: the tensor-parallel axis from parameters first (a column-parallel
+    // weight keeps its split and the activation is gathered, not the weight), then every
+    // axis from activations and inputs, then from parameters and optimizer state (a
+    // ZeRO-sharded parameter is gathered where it is used rather than taking dp from the
+    // batch).
+    let is_param = |v: &shardc_ir::Value| func.args.iter().any(|a| a.value == *v && a.role != shardc_ir::ArgRole::Input);
+    let params: Vec<usize> = (0..op.operands.len()).filter(|&i| is_param(&op.operands[i])).collect();
+    let activations: Vec<usize> = (0..op.operands.len()).filter(|&i| !is_param(&op.operands[i])).collect();
+    let rounds: [(&[usize], Option<Axis>); 3] = [(&params, Some(TP)), (&activations, None), (&params, None)];
+    for (operands, only) in rounds {
+        for &i in operands {
+            for (d, &f) in rule.operands[i].iter().enumerate() {
+                let axes: Vec<Axis> = current[i].split.get(d).cloned().unwrap_or_default();
+                if only.is_some_and(|a| axes != [a]) {
+                    continue;
+                }
+                assign(f, &axes, &current[i].partial, &mut taken, &mut factor_axes);
             }
         }
     }

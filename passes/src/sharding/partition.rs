@@ -182,6 +182,11 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         let results = p.fb.op_typed(&op.name, &operands, attrs, types, &op.loc);
         for ((global, local), s) in op.results.iter().zip(results).zip(plan.results) {
             p.local.insert(*global, (local, s));
+            // A pinned result is resharded right away, and every consumer sees the pin.
+            if let Some(pin) = func.constraints.get(global) {
+                let pinned = p.reshard(*global, pin, &op.loc, &format!("the layout pinned on the result of `{}`", op.loc))?;
+                p.local.insert(*global, (pinned, pin.clone()));
+            }
         }
     }
     let mut returns = Vec::with_capacity(func.returns.len());

@@ -28,6 +28,8 @@ impl Pass for PropagateSharding {
                     message: format!("{}: {message}", func.ops[i].loc),
                 })?;
                 for (result, sharding) in func.ops[i].results.clone().into_iter().zip(plan.results) {
+                    // A pinned result takes its pinned layout (partitioning reshards to it).
+                    let sharding = func.constraints.get(&result).cloned().unwrap_or(sharding);
                     func.shardings.insert(result, sharding);
                 }
             }
