@@ -42,6 +42,9 @@ pub struct RunArgs {
     /// Device mesh as axis=size pairs: one CPU thread per rank, real collectives.
     #[arg(long, default_value = "dp=1,tp=1,pp=1")]
     pub mesh: String,
+    /// All-reduce algorithm between ranks: ring (bandwidth-optimal) or tree (latency-optimal).
+    #[arg(long, default_value = "ring")]
+    pub collectives: String,
     #[command(flatten)]
     pub step: StepArgs,
 }
@@ -243,8 +246,14 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
         args.seed,
         crate::summary::bytes(program.peak_bytes() as u64)
     );
+    let algorithm = match args.collectives.as_str() {
+        "ring" => shardc_runtime::collectives::Algorithm::Ring,
+        "tree" => shardc_runtime::collectives::Algorithm::Tree,
+        other => return Err(miette!(help = "use ring or tree", "--collectives: unknown algorithm `{other}`")),
+    };
     let start = Instant::now();
-    let run = shardc_runtime::train::train_spmd(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, std::time::Duration::from_secs(60))
+    let timeout = std::time::Duration::from_secs(60);
+    let run = shardc_runtime::train::train_spmd_with(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, timeout, algorithm)
         .into_diagnostic()?;
     if args.log_every > 0 {
         for (i, loss) in run.losses.iter().enumerate() {

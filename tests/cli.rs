@@ -286,6 +286,10 @@ fn partitioned_run_and_explain() {
     let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2,tp=2", "--zero", "1", "--sequence-parallel", "--steps", "1", "--log-every", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!((first(&stdout(&out)) - first(&single)).abs() < 1e-5, "{}", stdout(&out));
+    // Tree all-reduce: the same loss to within rounding (another summation order).
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2,tp=2", "--collectives", "tree", "--steps", "1", "--log-every", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!((first(&stdout(&out)) - first(&single)).abs() < 1e-5, "{}", stdout(&out));
     let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2", "--zero", "4"]);
     assert!(stderr(&out).contains("no ZeRO stage 4"), "{}", stderr(&out));
 

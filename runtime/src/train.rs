@@ -113,7 +113,20 @@ pub struct SpmdRun {
 /// and each step feeds every rank its shard of the same global batch, so the run is
 /// comparable with a single-device run of the same seed.
 pub fn train_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, steps: u64, timeout: std::time::Duration) -> Result<SpmdRun, RuntimeError> {
-    use crate::collectives::{world, Algorithm, MeshShape};
+    train_spmd_with(program, seed, layers, corpus, steps, timeout, crate::collectives::Algorithm::Ring)
+}
+
+/// [`train_spmd`] with the all-reduce algorithm chosen.
+pub fn train_spmd_with(
+    program: &Program,
+    seed: u64,
+    layers: usize,
+    corpus: &ByteCorpus,
+    steps: u64,
+    timeout: std::time::Duration,
+    algorithm: crate::collectives::Algorithm,
+) -> Result<SpmdRun, RuntimeError> {
+    use crate::collectives::{world, MeshShape};
     use crate::layout::{assemble, local_shard};
     let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
     let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
@@ -128,7 +141,7 @@ pub fn train_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorp
                 let (mesh, tokens_layout) = (&mesh, &tokens_layout);
                 s.spawn(move || -> RankResult {
                     let rank = comm.rank();
-                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, Algorithm::Ring)?;
+                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
                     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).cloned().collect();
                     for p in &params {
                         let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;

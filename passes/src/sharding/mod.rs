@@ -78,7 +78,7 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
 
     let mut factor_axes: Vec<Vec<Axis>> = vec![Vec::new(); rule.factors.len()];
     let mut taken: Vec<Axis> = pass_through.clone();
-    let mut assign = |f: usize, axes: &[Axis], partial: &[Axis], taken: &mut Vec<Axis>, factor_axes: &mut Vec<Vec<Axis>>| {
+    let assign = |f: usize, axes: &[Axis], partial: &[Axis], taken: &mut Vec<Axis>, factor_axes: &mut Vec<Vec<Axis>>| {
         if rule.factors[f] == FactorKind::Blocked || !factor_axes[f].is_empty() || axes.is_empty() {
             return;
         }
