@@ -1,7 +1,7 @@
 //! End-to-end tests of the `shardc` binary: what a user types, what they see.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 fn root() -> PathBuf {

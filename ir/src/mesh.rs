@@ -57,7 +57,7 @@ impl Mesh {
             };
             let axis = axis.trim();
             let size: u64 = match value.trim().parse() {
-                Ok(n) if n >= 1 && n <= 1 << 20 => n,
+                Ok(n) if (1..=1 << 20).contains(&n) => n,
                 _ => return Err(error(format!("size of `{axis}` must be an integer from 1 to 1048576, got `{}`", value.trim()), "write e.g. tp=4")),
             };
             if seen.contains(&axis.to_string()) {
@@ -79,17 +79,17 @@ impl Mesh {
         let m = &spec.model;
         let mut errors = Vec::new();
         let mut error = |message: String, help: String| errors.push(MeshError { message, help });
-        if m.heads % self.tp != 0 {
+        if !m.heads.is_multiple_of(self.tp) {
             error(format!("tp={} does not divide the {} attention heads", self.tp, m.heads), divisors_help("tp", m.heads));
         }
-        if m.ffn_hidden % self.tp != 0 {
+        if !m.ffn_hidden.is_multiple_of(self.tp) {
             error(format!("tp={} does not divide ffn_hidden={}", self.tp, m.ffn_hidden), divisors_help("tp", m.ffn_hidden));
         }
         if self.pp > m.layers {
             error(format!("pp={} exceeds the {} layers (each stage needs at least one)", self.pp, m.layers), format!("use pp <= {}", m.layers));
         }
         let replicas_batch = self.dp.saturating_mul(spec.training.micro_batch);
-        if spec.training.global_batch % replicas_batch != 0 {
+        if !spec.training.global_batch.is_multiple_of(replicas_batch) {
             error(
                 format!(
                     "global_batch={} is not a multiple of dp x micro_batch = {} x {}",
@@ -104,6 +104,6 @@ impl Mesh {
 
 /// "use tp in {1, 2, 4, ...}" for the divisors of `n` (the first few).
 fn divisors_help(axis: &str, n: u64) -> String {
-    let divisors: Vec<String> = (1..=n.min(1024)).filter(|d| n % d == 0).take(8).map(|d| d.to_string()).collect();
+    let divisors: Vec<String> = (1..=n.min(1024)).filter(|d| n.is_multiple_of(*d)).take(8).map(|d| d.to_string()).collect();
     format!("use {axis} in {{{}}}", divisors.join(", "))
 }

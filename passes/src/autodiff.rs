@@ -118,17 +118,15 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
         let def = lookup(&op.name).filter(|d| d.differentiable()).ok_or_else(|| {
             format!("{}: cannot differentiate through `{}` (it has no VJP rule)", op.loc, op.name)
         })?;
-        if recompute != Recompute::None {
-            if let Some(layer) = layer_of(&op.loc) {
-                if layers_done.insert(layer.to_string()) {
+        if recompute != Recompute::None
+            && let Some(layer) = layer_of(&op.loc)
+                && layers_done.insert(layer.to_string()) {
                     for fwd in forward.ops.iter().filter(|o| layer_of(&o.loc) == Some(layer) && recompute.recomputes(o)) {
                         let operands: Vec<Value> = fwd.operands.iter().map(|v| *recomputed.get(v).unwrap_or(&map[v])).collect();
                         let results = fb.clone_op(forward, fwd, &operands, &format!("{}.recompute", fwd.loc));
                         recomputed.extend(fwd.results.iter().copied().zip(results));
                     }
                 }
-            }
-        }
         let current = |v: &Value| *recomputed.get(v).unwrap_or(&map[v]);
         let mut out_grads = Vec::with_capacity(op.results.len());
         for r in &op.results {

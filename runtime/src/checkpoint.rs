@@ -8,6 +8,9 @@ use safetensors::SafeTensors;
 
 use crate::RuntimeError;
 
+/// Named f32 tensors: `(name, shape, values)`.
+pub type NamedTensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
 /// Serializes f32 tensors `(name, shape, values)`.
 pub fn to_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>, RuntimeError> {
     let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();

@@ -48,7 +48,7 @@ impl Trainer {
     }
 
     /// Every parameter as `(name, shape, f32 values)`.
-    pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, RuntimeError> {
+    pub fn parameters(&self) -> Result<crate::checkpoint::NamedTensors, RuntimeError> {
         self.exec
             .args_with(Role::Param)
             .into_iter()

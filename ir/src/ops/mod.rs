@@ -245,7 +245,7 @@ pub fn io_bytes(inputs: &[&TensorTy], outputs: &[TensorTy]) -> f64 {
 }
 
 /// Checks the operand count; shape rules start with it.
-pub(crate) fn arity<'a>(inputs: &[&'a TensorTy], n: usize) -> Result<(), String> {
+pub(crate) fn arity(inputs: &[&TensorTy], n: usize) -> Result<(), String> {
     if inputs.len() == n {
         Ok(())
     } else {

@@ -394,21 +394,21 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
         // The relations below divide by these sizes.
         return errors;
     }
-    if m.hidden % m.heads != 0 {
-        let suggestion = (1..=m.heads).rev().find(|h| m.hidden % h == 0).unwrap_or(1);
+    if !m.hidden.is_multiple_of(m.heads) {
+        let suggestion = (1..=m.heads).rev().find(|h| m.hidden.is_multiple_of(*h)).unwrap_or(1);
         error(
             "model.heads",
             format!("hidden ({}) must be divisible by heads ({})", m.hidden, m.heads),
             format!("use a number of heads that divides hidden, e.g. {suggestion}"),
         );
-    } else if m.positions == Positions::Rope && m.head_dim() % 2 != 0 {
+    } else if m.positions == Positions::Rope && !m.head_dim().is_multiple_of(2) {
         error(
             "model.heads",
             format!("rotary embedding needs an even head dimension, but hidden / heads = {}", m.head_dim()),
             "choose heads so that hidden / heads is even".into(),
         );
     }
-    if m.heads % m.kv_heads() != 0 {
+    if !m.heads.is_multiple_of(m.kv_heads()) {
         error(
             "model.kv_heads",
             format!("heads ({}) must be a multiple of kv_heads ({})", m.heads, m.kv_heads()),
@@ -422,7 +422,7 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
             "lower seq_len or raise model.max_seq".into(),
         );
     }
-    if t.global_batch % t.micro_batch != 0 {
+    if !t.global_batch.is_multiple_of(t.micro_batch) {
         error(
             "training.global_batch",
             format!("global_batch ({}) is not a multiple of micro_batch ({})", t.global_batch, t.micro_batch),
