@@ -258,6 +258,37 @@ irdl.dialect @xf {
     irdl.operands(logits: %L, targets: %I, dloss: %S)
     irdl.results(dlogits: %L)
   }
+  // xf.row_max: maximum over the last dim (vocab-parallel cross-entropy)
+  irdl.operation @row_max {
+    %T = irdl.base "!builtin.tensor"
+    %U = irdl.base "!builtin.tensor"
+    irdl.operands(x: %T)
+    irdl.results(max: %U)
+  }
+  // xf.cross_entropy_stats: local sum of exp(logits - max) and the owned target logit (vocab-parallel cross-entropy)
+  irdl.operation @cross_entropy_stats {
+    %L = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %M = irdl.base "!builtin.tensor"
+    irdl.operands(logits: %L, targets: %I, max: %M)
+    irdl.results(sumexp: %M, target: %M)
+  }
+  // xf.cross_entropy_finish: mean of max + ln(sumexp) - target (vocab-parallel cross-entropy)
+  irdl.operation @cross_entropy_finish {
+    %M = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    irdl.operands(max: %M, sumexp: %M, target: %M)
+    irdl.results(loss: %S)
+  }
+  // xf.cross_entropy_grad_shard: cross-entropy gradient on a vocab shard from the global max and sumexp
+  irdl.operation @cross_entropy_grad_shard {
+    %L = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    %M = irdl.base "!builtin.tensor"
+    irdl.operands(logits: %L, targets: %I, dloss: %S, max: %M, sumexp: %M)
+    irdl.results(dlogits: %L)
+  }
   // xf.adamw: AdamW update with bias correction: (param, m, v) -> (param', m', v')
   irdl.operation @adamw {
     %P = irdl.base "!builtin.tensor"

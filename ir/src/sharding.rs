@@ -97,6 +97,10 @@ pub enum FactorKind {
     Free,
     /// Must stay whole (its dimension is normalised or reduced non-linearly).
     Blocked,
+    /// May be split, and the op's partitioned form reduces over it with collectives of its
+    /// own (vocab-parallel cross-entropy): its results are complete, not partial, over the
+    /// factor's axes.
+    Collective,
 }
 
 /// How partial operands may pass through an op without being reduced first.

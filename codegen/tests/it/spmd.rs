@@ -240,3 +240,16 @@ fn gpt2_small_sequence_parallel_trades_all_reduces_for_reduce_scatter_and_all_ga
         }
     }
 }
+
+#[test]
+fn vocab_parallel_loss_moves_no_logits() {
+    // tiny's vocabulary (256) splits over tp=2: the head and the loss stay vocab-parallel.
+    let (program, _) = compile("tiny", Mesh { dp: 1, tp: 2, pp: 1 });
+    let records = shardc_runtime::report::comm_records(&program, 0);
+    assert!(records.iter().all(|r| r.op != "shard.all_gather"), "{records:#?}");
+    let loss: Vec<_> = records.iter().filter(|r| r.loc.starts_with("loss")).collect();
+    // Forward: max, sum of exponentials, target logit; backward: max, sum of exponentials.
+    assert_eq!(loss.len(), 5, "{loss:#?}");
+    // The helper compiles a micro-batch of 4 sequences of 8 tokens.
+    assert!(loss.iter().all(|r| r.elements == 4 * 8), "per-token values only: {loss:#?}");
+}

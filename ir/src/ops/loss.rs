@@ -43,10 +43,12 @@ impl OpDef for CrossEntropy {
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // Token dims are reductions (a split batch leaves the mean partial; partitioning
-        // records the global token count so each rank divides by it); the vocab stays whole.
+        // records the global token count so each rank divides by it). A split vocabulary is
+        // handled by partitioning the op into local max / sum-exp / target-logit pieces and
+        // all-reduces of per-token values (vocab-parallel cross-entropy): no logits move.
         let r = inputs[0].rank();
         let mut factors = vec![FactorKind::Free; r];
-        factors[r - 1] = FactorKind::Blocked;
+        factors[r - 1] = FactorKind::Collective;
         ShardingRule { operands: vec![(0..r).collect(), (0..r - 1).collect()], results: vec![vec![]], factors, linearity: Linearity::None }
     }
 }
@@ -97,12 +99,153 @@ impl OpDef for CrossEntropyGrad {
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         let r = inputs[0].rank();
         let mut factors = vec![FactorKind::Free; r];
-        factors[r - 1] = FactorKind::Blocked;
+        factors[r - 1] = FactorKind::Collective;
         ShardingRule {
             operands: vec![(0..r).collect(), (0..r - 1).collect(), vec![]],
             results: vec![(0..r).collect()],
             factors,
             linearity: Linearity::None,
         }
+    }
+}
+
+/// Checks `logits [..., v]` against per-token operands `[...]` of a vocab-parallel piece.
+fn per_token(what: &str, logits: &TensorTy, t: &TensorTy) -> Result<(), String> {
+    if t.shape[..] != logits.shape[..logits.rank() - 1] || t.dtype != logits.dtype {
+        return Err(format!("{what} {t} must have the token dims of logits {logits}"));
+    }
+    Ok(())
+}
+
+/// Vocab-parallel cross-entropy, piece 1: `max[t] = max over this rank's vocab of logits`.
+#[derive(Debug)]
+pub struct RowMax;
+
+impl OpDef for RowMax {
+    fn mnemonic(&self) -> &'static str {
+        "row_max"
+    }
+    fn summary(&self) -> &'static str {
+        "maximum over the last dim (vocab-parallel cross-entropy)"
+    }
+    fn signature(&self) -> Signature {
+        Signature { operands: &[Slot { name: "x", constraint: "T" }], results: &[Slot { name: "max", constraint: "U" }], attrs: &[] }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        float("x", inputs[0])?;
+        rank_at_least("x", inputs[0], 1)?;
+        Ok(vec![TensorTy::new(inputs[0].shape[..inputs[0].rank() - 1].to_vec(), inputs[0].dtype)])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
+    }
+}
+
+/// Piece 2: with the global `max`, `sumexp[t] = sum over this rank's vocab of
+/// exp(logits - max)` and `target[t]` = the target's logit if this rank holds it, else 0.
+/// The rank's first vocab id comes from its coordinates (`xf.vocab_split_axes`).
+#[derive(Debug)]
+pub struct CrossEntropyStats;
+
+impl OpDef for CrossEntropyStats {
+    fn mnemonic(&self) -> &'static str {
+        "cross_entropy_stats"
+    }
+    fn summary(&self) -> &'static str {
+        "local sum of exp(logits - max) and the owned target logit (vocab-parallel cross-entropy)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "logits", constraint: "L" },
+                Slot { name: "targets", constraint: "I" },
+                Slot { name: "max", constraint: "M" },
+            ],
+            results: &[Slot { name: "sumexp", constraint: "M" }, Slot { name: "target", constraint: "M" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 3)?;
+        check_logits(inputs[0], inputs[1])?;
+        per_token("max", inputs[0], inputs[2])?;
+        Ok(vec![inputs[2].clone(), inputs[2].clone()])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: 3.0 * inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
+    }
+}
+
+/// Piece 3: `loss = sum over tokens of (max + ln sumexp - target) / tokens` (the global
+/// token count in `xf.tokens`).
+#[derive(Debug)]
+pub struct CrossEntropyFinish;
+
+impl OpDef for CrossEntropyFinish {
+    fn mnemonic(&self) -> &'static str {
+        "cross_entropy_finish"
+    }
+    fn summary(&self) -> &'static str {
+        "mean of max + ln(sumexp) - target (vocab-parallel cross-entropy)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "max", constraint: "M" },
+                Slot { name: "sumexp", constraint: "M" },
+                Slot { name: "target", constraint: "M" },
+            ],
+            results: &[Slot { name: "loss", constraint: "S" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 3)?;
+        float("max", inputs[0])?;
+        if inputs[1] != inputs[0] || inputs[2] != inputs[0] {
+            return Err("max, sumexp and target must have one type".into());
+        }
+        Ok(vec![TensorTy::scalar(inputs[0].dtype)])
+    }
+    fn flops_per_element(&self) -> f64 {
+        3.0
+    }
+}
+
+/// The gradient on this rank's vocab shard: `(exp(logits - max) / sumexp - onehot) * dloss /
+/// tokens`, the one-hot set only where this rank holds the target.
+#[derive(Debug)]
+pub struct CrossEntropyGradShard;
+
+impl OpDef for CrossEntropyGradShard {
+    fn mnemonic(&self) -> &'static str {
+        "cross_entropy_grad_shard"
+    }
+    fn summary(&self) -> &'static str {
+        "cross-entropy gradient on a vocab shard from the global max and sumexp"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "logits", constraint: "L" },
+                Slot { name: "targets", constraint: "I" },
+                Slot { name: "dloss", constraint: "S" },
+                Slot { name: "max", constraint: "M" },
+                Slot { name: "sumexp", constraint: "M" },
+            ],
+            results: &[Slot { name: "dlogits", constraint: "L" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 5)?;
+        check_logits(inputs[0], inputs[1])?;
+        per_token("max", inputs[0], inputs[3])?;
+        per_token("sumexp", inputs[0], inputs[4])?;
+        Ok(vec![inputs[0].clone()])
+    }
+    fn flops_per_element(&self) -> f64 {
+        4.0
     }
 }

@@ -26,7 +26,7 @@ pub use attention::{Attention, AttentionGrad};
 pub use elementwise::{Add, Gelu, GeluGrad, Mul, Scale, Silu, SiluGrad, Swiglu, SwigluGrad};
 pub use embedding::{Embedding, EmbeddingGrad};
 pub use heads::{MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads};
-pub use loss::{CrossEntropy, CrossEntropyGrad};
+pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyGradShard, CrossEntropyStats, RowMax};
 pub use matmul::{MatMul, MatMulWeightGrad};
 pub use norm::{LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad};
 pub use optim::{AdamW, Sgd};
@@ -71,6 +71,11 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &RopeGrad,
     &AttentionGrad,
     &CrossEntropyGrad,
+    // Pieces of vocab-parallel cross-entropy, made by partitioning.
+    &RowMax,
+    &CrossEntropyStats,
+    &CrossEntropyFinish,
+    &CrossEntropyGradShard,
     // Optimizers.
     &AdamW,
     &Sgd,

@@ -136,7 +136,7 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
         .map(|dims| {
             let mut partial: Vec<Axis> = if rule.linearity == Linearity::IgnoresValues { Vec::new() } else { pass_through.clone() };
             for (f, axes) in factor_axes.iter().enumerate() {
-                if !axes.is_empty() && in_operands.contains(&f) && !dims.contains(&f) {
+                if !axes.is_empty() && in_operands.contains(&f) && !dims.contains(&f) && rule.factors[f] != FactorKind::Collective {
                     partial.extend(axes);
                 }
             }

@@ -130,6 +130,49 @@ impl Partitioner<'_> {
     }
 }
 
+/// Vocab-parallel cross-entropy: when the loss or its gradient reads logits split along the
+/// vocabulary, emit it as per-rank pieces joined by all-reduces of per-token values (the
+/// global row max, the sum of exponentials, the target's logit) instead of gathering the
+/// logits. Returns the per-rank result, or `None` when the op is not such a loss.
+fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op, plan: &super::OpPlan, operands: &[Value]) -> Result<Option<Value>, String> {
+    if op.name != "xf.cross_entropy" && op.name != "xf.cross_entropy_grad" {
+        return Ok(None);
+    }
+    let logits = func.tensor(op.operands[0]).ok_or("non-tensor logits")?.clone();
+    let axes = plan.factor_axes[logits.rank() - 1].clone();
+    if axes.is_empty() {
+        return Ok(None);
+    }
+    let tokens: i64 = logits.shape[..logits.rank() - 1].iter().product();
+    let local_logits = p.fb.tensor(operands[0]).ok_or("non-tensor logits")?.clone();
+    let per_token = Type::Tensor(TensorTy::new(local_logits.shape[..local_logits.rank() - 1].to_vec(), local_logits.dtype));
+    let per_token_ty = per_token.as_tensor().cloned().ok_or("per-token type")?;
+    let split = axes_attr(&axes);
+    let reduce = |p: &mut Partitioner<'_>, v: Value, kind: &str, what: &str| {
+        let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("reduction", AttrValue::Raw(format!("#shard<partial {kind}>")));
+        p.collective("shard.all_reduce", v, attrs, per_token_ty.clone(), &format!("{}.{what}", op.loc), &format!("vocab-parallel cross-entropy of `{}`: {what} over the vocabulary shards", op.loc))
+    };
+    let local_max = p.fb.op_typed("xf.row_max", &operands[..1], Attrs::new(), vec![per_token.clone()], &format!("{}.row_max", op.loc))[0];
+    let max = reduce(p, local_max, "max", "max");
+    let stats = p.fb.op_typed(
+        "xf.cross_entropy_stats",
+        &[operands[0], operands[1], max],
+        Attrs::new().with("xf.vocab_split_axes", split.clone()),
+        vec![per_token.clone(), per_token.clone()],
+        &format!("{}.stats", op.loc),
+    );
+    let sumexp = reduce(p, stats[0], "sum", "sumexp");
+    let result = if op.name == "xf.cross_entropy" {
+        let target = reduce(p, stats[1], "sum", "target_logit");
+        let scalar = Type::Tensor(TensorTy::scalar(local_logits.dtype));
+        p.fb.op_typed("xf.cross_entropy_finish", &[max, sumexp, target], Attrs::new().with("xf.tokens", AttrValue::Int(tokens)), vec![scalar], &op.loc)[0]
+    } else {
+        let attrs = Attrs::new().with("xf.tokens", AttrValue::Int(tokens)).with("xf.vocab_split_axes", split);
+        p.fb.op_typed("xf.cross_entropy_grad_shard", &[operands[0], operands[1], operands[2], max, sumexp], attrs, vec![Type::Tensor(local_logits)], &op.loc)[0]
+    };
+    Ok(Some(result))
+}
+
 fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, String> {
     let mut p = Partitioner {
         global: func,
@@ -153,6 +196,10 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         for (i, (value, target)) in op.operands.iter().zip(&plan.operands).enumerate() {
             let cause = format!("operand {i} of {} `{}`", op.name, op.loc);
             operands.push(p.reshard(*value, target, &op.loc, &cause)?);
+        }
+        if let Some(result) = vocab_parallel_loss(&mut p, func, op, &plan, &operands)? {
+            p.local.insert(op.results[0], (result, plan.results[0].clone()));
+            continue;
         }
         let mut types = Vec::with_capacity(op.results.len());
         for (r, s) in op.results.iter().zip(&plan.results) {

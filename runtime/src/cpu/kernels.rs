@@ -32,7 +32,7 @@ const SUPPORTED: &[&str] = &[
     "xf.sum_leading", "xf.gelu", "xf.gelu_grad", "xf.silu", "xf.silu_grad", "xf.swiglu", "xf.swiglu_grad", "xf.layernorm",
     "xf.layernorm_grad", "xf.rmsnorm", "xf.rmsnorm_grad", "xf.rope", "xf.rope_grad", "xf.split_heads", "xf.merge_heads",
     "xf.slice", "xf.pad", "xf.repeat_heads", "xf.sum_heads", "xf.attention", "xf.attention_grad", "xf.cross_entropy", "xf.cross_entropy_grad", "xf.adamw",
-    "xf.sgd",
+    "xf.sgd", "xf.row_max", "xf.cross_entropy_stats", "xf.cross_entropy_finish", "xf.cross_entropy_grad_shard",
 ];
 
 /// Whether `op` has a CPU kernel.
@@ -91,6 +91,10 @@ fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &
         "xf.attention_grad" => attention_grad::<T>(instr, ins, outs),
         "xf.cross_entropy" => cross_entropy::<T>(instr, ins, outs),
         "xf.cross_entropy_grad" => cross_entropy_grad::<T>(instr, ins, outs),
+        "xf.row_max" => row_max::<T>(ins, outs),
+        "xf.cross_entropy_stats" => cross_entropy_stats::<T>(ins, outs, cx),
+        "xf.cross_entropy_finish" => cross_entropy_finish::<T>(instr, ins, outs),
+        "xf.cross_entropy_grad_shard" => cross_entropy_grad_shard::<T>(instr, ins, outs, cx),
         "xf.adamw" => adamw::<T>(instr, ins, outs),
         "xf.sgd" => sgd::<T>(instr, ins, outs),
         other => Err(format!("no CPU kernel for `{other}`")),
@@ -656,6 +660,66 @@ fn repeat_heads<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], su
                     y[big..big + block].copy_from_slice(&x[little..little + block]);
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+fn row_max<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+    let x = ins[0].get::<T>()?;
+    let v = *ins[0].shape().last().unwrap_or(&1);
+    outs[0].get::<T>()?.par_iter_mut().zip(x.par_chunks(v)).for_each(|(m, row)| *m = row.iter().copied().fold(T::neg_infinity(), T::max));
+    Ok(())
+}
+
+/// This rank's vocab range (first id, local size) and the whole vocabulary.
+fn vocab_range(cx: &RankCx, local: usize) -> (usize, usize) {
+    cx.rows.unwrap_or((0, local))
+}
+
+fn cross_entropy_stats<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    let logits = ins[0].get::<T>()?;
+    let targets = ins[1].get::<i32>()?;
+    let max = ins[2].get::<T>()?;
+    let v = *ins[0].shape().last().unwrap_or(&1);
+    let (first, vocab) = vocab_range(cx, v);
+    check_targets(targets, vocab)?;
+    let (head, tail) = outs.split_at_mut(1);
+    let (sumexp, target) = (head[0].get::<T>()?, tail[0].get::<T>()?);
+    for (t, row) in logits.chunks(v).enumerate() {
+        sumexp[t] = row.iter().map(|&x| (x - max[t]).exp()).sum();
+        target[t] = match (targets[t] as usize).checked_sub(first).filter(|&i| i < v) {
+            Some(i) => row[i],
+            None => T::zero(),
+        };
+    }
+    Ok(())
+}
+
+fn cross_entropy_finish<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+    let (max, sumexp, target) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
+    let total: f64 = (0..max.len())
+        .map(|t| (max[t] + sumexp[t].ln() - target[t]).to_f64().unwrap_or(f64::NAN))
+        .sum();
+    outs[0].get::<T>()?[0] = T::of(total / token_count(instr, max.len().max(1)) as f64);
+    Ok(())
+}
+
+fn cross_entropy_grad_shard<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    let logits = ins[0].get::<T>()?;
+    let targets = ins[1].get::<i32>()?;
+    let dloss = ins[2].get::<T>()?[0];
+    let (max, sumexp) = (ins[3].get::<T>()?, ins[4].get::<T>()?);
+    let v = *ins[0].shape().last().unwrap_or(&1);
+    let (first, _) = vocab_range(cx, v);
+    let factor = dloss / T::of(token_count(instr, targets.len().max(1)) as f64);
+    let g = outs[0].get::<T>()?;
+    for (t, (g, row)) in g.chunks_mut(v).zip(logits.chunks(v)).enumerate() {
+        for (g, &x) in g.iter_mut().zip(row) {
+            *g = (x - max[t]).exp() / sumexp[t] * factor;
+        }
+        if let Some(i) = (targets[t] as usize).checked_sub(first).filter(|&i| i < v) {
+            g[i] -= factor;
         }
     }
     Ok(())

@@ -288,12 +288,17 @@ impl CpuExecutor {
 /// The rank facts an instruction's kernel needs.
 fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<RankCx, String> {
     let mut cx = RankCx::default();
-    if let Ok(axes) = instr.ints("xf.row_split_axes") {
-        let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
-        let group = mesh.group(rank, &axes);
-        let position = group.iter().position(|&r| r == rank).unwrap_or(0);
-        let rows = program.buffers[instr.inputs[0]].shape[0];
-        cx.rows = Some((position * rows, rows * group.len()));
+    // A table split along its rows (embedding) or logits along their last dim (vocab-parallel
+    // cross-entropy): this rank's first index and the whole extent.
+    for (attr, last_dim) in [("xf.row_split_axes", false), ("xf.vocab_split_axes", true)] {
+        if let Ok(axes) = instr.ints(attr) {
+            let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
+            let group = mesh.group(rank, &axes);
+            let position = group.iter().position(|&r| r == rank).unwrap_or(0);
+            let shape = &program.buffers[instr.inputs[0]].shape;
+            let rows = if last_dim { *shape.last().unwrap_or(&1) } else { shape[0] };
+            cx.rows = Some((position * rows, rows * group.len()));
+        }
     }
     Ok(cx)
 }
