@@ -35,6 +35,9 @@ pub struct StepArgs {
     /// Sequence parallelism: split the residual stream and norms along the sequence over tp.
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Data-parallel gradient bucket size in MiB (0: one synchronous all-reduce per gradient).
+    #[arg(long, default_value_t = 25)]
+    pub grad_bucket_mb: u64,
 }
 
 impl StepArgs {
@@ -53,7 +56,7 @@ impl StepArgs {
         if self.zero > 3 {
             return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.zero));
         }
-        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero: self.zero, sequence_parallel: self.sequence_parallel })
+        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero: self.zero, sequence_parallel: self.sequence_parallel, grad_bucket_bytes: self.grad_bucket_mb << 20 })
     }
 
     /// Loads a spec and applies `--seq` / `--micro-batch`.

@@ -178,6 +178,12 @@ irdl.dialect @xf {
     irdl.operands(x: %T)
     irdl.results(y: %U)
   }
+  // xf.wait: x, once the asynchronous collective that produced it has completed
+  irdl.operation @wait {
+    %T = irdl.base "!builtin.tensor"
+    irdl.operands(x: %T)
+    irdl.results(y: %T)
+  }
   // xf.embedding_grad: scatter-add: out[ids[...], :] += dy[..., :] into [vocab, hidden]
   irdl.operation @embedding_grad {
     %I = irdl.base "!builtin.tensor"

@@ -40,6 +40,8 @@ pub struct CompileOptions {
     pub zero: u8,
     /// Sequence parallelism over the tensor-parallel axis.
     pub sequence_parallel: bool,
+    /// Largest data-parallel gradient bucket in bytes (0: no buckets, synchronous syncs).
+    pub grad_bucket_bytes: u64,
 }
 
 impl Default for CompileOptions {
@@ -52,6 +54,7 @@ impl Default for CompileOptions {
             kv_heads: 1,
             zero: 0,
             sequence_parallel: false,
+            grad_bucket_bytes: 25 << 20,
         }
     }
 }
@@ -70,7 +73,7 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
     if options.mesh.ranks() <= 1 {
         return pipeline;
     }
-    pipeline
+    let pipeline = pipeline
         .then(sharding::ShardMegatron {
             mesh: options.mesh,
             zero: options.zero,
@@ -79,5 +82,9 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
             kv_heads: options.kv_heads,
         })
         .then(sharding::PropagateSharding)
-        .then(sharding::Partition)
+        .then(sharding::Partition);
+    if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 {
+        return pipeline.then(sharding::BucketGradients { bucket_bytes: options.grad_bucket_bytes });
+    }
+    pipeline
 }

@@ -33,8 +33,37 @@ fn chunk_len(len: usize, n: usize, i: usize) -> usize {
     len / n + usize::from(i < len % n)
 }
 
-/// Every collective of `program` for `rank`.
+/// Every collective of `program` for `rank`. Members of a gradient bucket travel as one
+/// all-reduce of their concatenation, counted at the bucket's last member.
 pub fn comm_records(program: &Program, rank: usize) -> Vec<CommRecord> {
+    let mut records = collective_records(program, rank);
+    let mut buckets: std::collections::BTreeMap<i64, Vec<usize>> = std::collections::BTreeMap::new();
+    for (k, r) in records.iter().enumerate() {
+        if let Ok(b) = program.instrs[r.index].int("xf.bucket") {
+            buckets.entry(b).or_default().push(k);
+        }
+    }
+    for members in buckets.values() {
+        let len: usize = members.iter().map(|&k| records[k].elements).sum();
+        let (n, p) = (records[members[0]].group_size, position(program, rank, &records[members[0]].axes));
+        let width = program.buffers[program.instrs[records[members[0]].index].inputs[0]].dtype.bytes() as u64;
+        let bytes = if n > 1 { (2 * len - chunk_len(len, n, p) - chunk_len(len, n, (p + 1) % n)) as u64 * width } else { 0 };
+        for &k in members {
+            records[k].bytes = 0;
+        }
+        if let Some(&last) = members.last() {
+            records[last].bytes = bytes;
+        }
+    }
+    records
+}
+
+fn position(program: &Program, rank: usize, axes: &[usize]) -> usize {
+    let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
+    mesh.group(rank, axes).iter().position(|&r| r == rank).unwrap_or(0)
+}
+
+fn collective_records(program: &Program, rank: usize) -> Vec<CommRecord> {
     let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
     program
         .instrs

@@ -253,3 +253,52 @@ fn vocab_parallel_loss_moves_no_logits() {
     // The helper compiles a micro-batch of 4 sequences of 8 tokens.
     assert!(loss.iter().all(|r| r.elements == 4 * 8), "per-token values only: {loss:#?}");
 }
+
+#[test]
+fn gradient_buckets_are_async_and_equal_single_device() {
+    let spec = {
+        let mut s = crate::common::spec_with_dtype("tiny", "f32");
+        s.training.micro_batch = 4;
+        s
+    };
+    let build = |bucket_bytes: u64| {
+        let mut module = model(&spec);
+        let options = CompileOptions {
+            optimizer: SGD,
+            mesh: Mesh { dp: 2, tp: 1, pp: 1 },
+            vocab: 256,
+            kv_heads: 4,
+            grad_bucket_bytes: bucket_bytes,
+            ..Default::default()
+        };
+        let cx = shardc_ir::mlir::IrContext::new().unwrap();
+        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap()
+    };
+    // 1 KiB buckets: several buckets, every gradient sync async with an explicit wait.
+    let program = build(1024);
+    let params = program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).count();
+    let asynchronous: Vec<_> = program.instrs.iter().filter(|i| i.attrs.contains_key("xf.async")).collect();
+    assert_eq!(asynchronous.len(), params);
+    assert_eq!(program.instrs.iter().filter(|i| i.op == "xf.wait").count(), params);
+    let buckets: std::collections::BTreeSet<i64> = asynchronous.iter().map(|i| i.int("xf.bucket").unwrap()).collect();
+    assert!(buckets.len() > 2, "{buckets:?}");
+    // Every wait comes after the last gradient sync is issued.
+    let last_issue = program.instrs.iter().rposition(|i| i.attrs.contains_key("xf.async")).unwrap();
+    let first_wait = program.instrs.iter().position(|i| i.op == "xf.wait").unwrap();
+    assert!(first_wait > last_issue);
+
+    let corpus = corpus(&spec);
+    let (single, _) = compile_with("tiny", Mesh::default(), 0, SGD, false);
+    let mut trainer = Trainer::new(single, 5, 2).unwrap();
+    let reference: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
+    for bucket_bytes in [1024, 0] {
+        let run = train_spmd(&build(bucket_bytes), 5, 2, &corpus, STEPS, Duration::from_secs(30)).unwrap();
+        for (a, b) in reference.iter().zip(&run.losses) {
+            assert!((a - b).abs() <= TOLERANCE * a.abs(), "buckets of {bucket_bytes} B: {a} vs {b}");
+        }
+        // One message per bucket: the counters equal the report.
+        let expected: u64 = shardc_runtime::report::comm_records(&build(bucket_bytes), 0).iter().map(|r| r.bytes).sum::<u64>() * STEPS;
+        assert_eq!(run.bytes_sent[0].values().sum::<u64>(), expected);
+    }
+}

@@ -30,7 +30,7 @@ pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyG
 pub use matmul::{MatMul, MatMulWeightGrad};
 pub use norm::{LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad};
 pub use optim::{AdamW, Sgd};
-pub use reduce::{FillLike, SumLeading};
+pub use reduce::{FillLike, SumLeading, Wait};
 pub use rope::{Rope, RopeGrad};
 
 use crate::graph::{FuncBuilder, Value};
@@ -60,6 +60,7 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &SumLeading,
     &FillLike,
     &Pad,
+    &Wait,
     // Backward ops, emitted by the VJP rules of the ops above.
     &EmbeddingGrad,
     &MatMulWeightGrad,

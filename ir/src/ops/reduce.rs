@@ -89,3 +89,31 @@ impl OpDef for FillLike {
         ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::IgnoresValues)
     }
 }
+
+/// `y = x` once an asynchronous collective producing `x` has completed: the explicit wait of
+/// a bucketed gradient all-reduce. It updates in place; a backend that overlaps
+/// communication blocks here.
+#[derive(Debug)]
+pub struct Wait;
+
+impl OpDef for Wait {
+    fn mnemonic(&self) -> &'static str {
+        "wait"
+    }
+    fn summary(&self) -> &'static str {
+        "x, once the asynchronous collective that produced it has completed"
+    }
+    fn signature(&self) -> Signature {
+        Signature { operands: &[Slot { name: "x", constraint: "T" }], results: &[Slot { name: "y", constraint: "T" }], attrs: &[] }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        Ok(vec![inputs[0].clone()])
+    }
+    fn cost(&self, _inputs: &[&TensorTy], _outputs: &[TensorTy], _attrs: &Attrs) -> super::Cost {
+        super::Cost::default()
+    }
+    fn in_place(&self) -> &'static [(usize, usize)] {
+        &[(0, 0)]
+    }
+}

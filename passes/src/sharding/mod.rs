@@ -6,6 +6,7 @@
 //! propagation (to annotate results) and partitioning (to insert collectives) call it, so
 //! the two can never disagree.
 
+mod bucket;
 mod expand_kv;
 mod megatron;
 mod partition;
@@ -15,6 +16,7 @@ use shardc_ir::ops::lookup;
 use shardc_ir::sharding::{Axis, FactorKind, Linearity, Sharding};
 use shardc_ir::{Func, Op, TensorTy};
 
+pub use bucket::BucketGradients;
 pub use expand_kv::ExpandKvHeads;
 pub use megatron::ShardMegatron;
 pub use partition::Partition;

@@ -250,6 +250,8 @@ impl CpuExecutor {
     pub fn run(&mut self) -> Result<(), RuntimeError> {
         let CpuExecutor { program, slots, comm, mesh, algorithm } = self;
         let rank = comm.as_ref().map_or(0, Communicator::rank);
+        // Gradient buckets: members still to be issued, per bucket.
+        let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
         for (index, instr) in program.instrs.iter().enumerate() {
             let cx = rank_cx(instr, program, mesh, rank).map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
             let mut taken: Vec<(usize, Storage)> = instr
@@ -280,6 +282,20 @@ impl CpuExecutor {
                 slots[slot] = storage;
             }
             result.map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+            // An async member of a gradient bucket was only staged; the bucket goes out as
+            // one all-reduce as soon as its last member is ready.
+            if let (Ok(bucket), Ok(members)) = (instr.int("xf.bucket"), instr.int("xf.bucket_members")) {
+                let staged = waiting.entry(bucket).or_default();
+                staged.push(index);
+                if staged.len() as i64 == members {
+                    let staged = waiting.remove(&bucket).unwrap_or_default();
+                    flush_bucket(&staged, program, slots, comm.as_mut(), mesh, rank, *algorithm)
+                        .map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+                }
+            }
+        }
+        if let Some((bucket, _)) = waiting.iter().next() {
+            return Err(RuntimeError::Program(format!("gradient bucket {bucket} was never completed")));
         }
         Ok(())
     }
@@ -301,6 +317,33 @@ fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> R
         }
     }
     Ok(cx)
+}
+
+/// Sends a gradient bucket: the staged outputs of its members, concatenated, in one
+/// all-reduce over their group, then written back.
+fn flush_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm: Option<&mut Communicator>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<(), String> {
+    let comm = comm.ok_or("a collective needs a communicator")?;
+    let first = &program.instrs[members[0]];
+    let axes: Vec<usize> = first.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    let buffers: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
+    fn send<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &mut [Storage], comm: &mut Communicator, group: &[usize], algorithm: Algorithm) -> Result<(), String> {
+        let mut joined: Vec<T> = Vec::with_capacity(buffers.iter().map(|b| b.len()).sum());
+        for b in buffers {
+            joined.extend_from_slice(&T::slice(&slots[b.slot]).ok_or("bucket member of another type")?[..b.len()]);
+        }
+        comm.all_reduce(group, &mut joined, ReduceOp::Sum, algorithm).map_err(|e| e.to_string())?;
+        let mut at = 0;
+        for b in buffers {
+            T::slice_mut(&mut slots[b.slot]).ok_or("bucket member of another type")?[..b.len()].copy_from_slice(&joined[at..at + b.len()]);
+            at += b.len();
+        }
+        Ok(())
+    }
+    match buffers[0].dtype {
+        DType::F64 => send::<f64>(&buffers, slots, comm, &group, algorithm),
+        _ => send::<f32>(&buffers, slots, comm, &group, algorithm),
+    }
 }
 
 /// Runs a `shard` collective of this rank.
@@ -338,6 +381,10 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
     match instr.op.as_str() {
         "shard.all_reduce" => {
             out.copy_from_slice(input);
+            if instr.bool("xf.async").unwrap_or(false) {
+                // Staged for its bucket; sent when the bucket is complete.
+                return Ok(());
+            }
             let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
             let op = match instr.attrs.get("reduction") {
                 Some(crate::program::Attr::Str(kind)) if kind == "max" => ReduceOp::Max,
