@@ -159,7 +159,7 @@ pub fn train_spmd_with(
                         losses.push(read_f64(&exec, "loss")?[0]);
                     }
                     let shards = params.iter().map(|p| read_f64(&exec, &p.name)).collect::<Result<Vec<_>, _>>()?;
-                    let sent = exec.communicator().map(|c| c.bytes_sent().clone()).unwrap_or_default();
+                    let sent = exec.bytes_sent()?;
                     Ok((losses, shards, sent))
                 })
             })

@@ -72,7 +72,8 @@ impl Pass for BucketGradients {
             let (value, loc) = (op.results[0], op.loc.clone());
             func.types.push(func.types[value.0 as usize].clone());
             let wait = Value(func.types.len() as u32 - 1);
-            waits.push(Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs: Attrs::new(), loc: format!("{loc}.wait") });
+            let attrs = Attrs::new().with("xf.bucket", AttrValue::Int(*b as i64));
+            waits.push(Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs, loc: format!("{loc}.wait") });
             waited.insert(value, wait);
         }
         // Waits, then the updates that read them, at the end of the step.

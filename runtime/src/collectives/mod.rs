@@ -11,6 +11,7 @@
 
 mod algorithms;
 mod mesh;
+mod worker;
 
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
@@ -19,6 +20,7 @@ use std::time::{Duration, Instant};
 
 pub use algorithms::Algorithm;
 pub use mesh::MeshShape;
+pub use worker::AsyncComm;
 
 /// A number that collectives can add, compare and send.
 pub trait Elem: Copy + Send + Sync + PartialOrd + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + 'static {}

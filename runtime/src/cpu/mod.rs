@@ -8,7 +8,7 @@
 mod gemm;
 mod kernels;
 
-use crate::collectives::{Algorithm, Communicator, MeshShape, ReduceOp};
+use crate::collectives::{Algorithm, AsyncComm, Communicator, MeshShape, ReduceOp};
 use crate::program::{Buffer, Instr, Program, Role};
 use crate::{DType, RuntimeError};
 
@@ -112,7 +112,7 @@ pub(crate) struct RankCx {
 pub struct CpuExecutor {
     program: Program,
     slots: Vec<Storage>,
-    comm: Option<Communicator>,
+    comm: Option<AsyncComm>,
     mesh: MeshShape,
     algorithm: Algorithm,
 }
@@ -152,19 +152,24 @@ impl CpuExecutor {
         if exec.mesh.ranks() != comm.size() {
             return Err(RuntimeError::Program(format!("the program's mesh {:?} has {} ranks, the world {}", exec.mesh.0, exec.mesh.ranks(), comm.size())));
         }
-        exec.comm = Some(comm);
+        // Collectives run on the rank's communication thread, so a gradient bucket can be
+        // on the wire while this thread computes.
+        exec.comm = Some(AsyncComm::start(comm));
         exec.algorithm = algorithm;
         Ok(exec)
     }
 
     /// This executor's rank (0 without a communicator).
     pub fn rank(&self) -> usize {
-        self.comm.as_ref().map_or(0, Communicator::rank)
+        self.comm.as_ref().map_or(0, AsyncComm::rank)
     }
 
-    /// The communicator, if any (its byte counters).
-    pub fn communicator(&self) -> Option<&Communicator> {
-        self.comm.as_ref()
+    /// Bytes this rank has sent so far, per kind of collective (empty on one rank).
+    pub fn bytes_sent(&mut self) -> Result<std::collections::BTreeMap<crate::collectives::CollectiveKind, u64>, RuntimeError> {
+        match &mut self.comm {
+            Some(c) => c.bytes_sent().map_err(|e| RuntimeError::Program(e.to_string())),
+            None => Ok(Default::default()),
+        }
     }
 
     /// The program being run.
@@ -249,10 +254,18 @@ impl CpuExecutor {
     /// Runs every instruction once.
     pub fn run(&mut self) -> Result<(), RuntimeError> {
         let CpuExecutor { program, slots, comm, mesh, algorithm } = self;
-        let rank = comm.as_ref().map_or(0, Communicator::rank);
-        // Gradient buckets: members still to be issued, per bucket.
+        let rank = comm.as_ref().map_or(0, AsyncComm::rank);
+        // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
+        let mut in_flight: std::collections::HashMap<i64, InFlight> = std::collections::HashMap::new();
         for (index, instr) in program.instrs.iter().enumerate() {
+            // A wait for a bucket on the wire: take its result back into its members' slots.
+            if instr.op == "xf.wait" {
+                if let Some(flight) = instr.int("xf.bucket").ok().and_then(|b| in_flight.remove(&b)) {
+                    let comm = comm.as_mut().ok_or_else(|| RuntimeError::Program("a bucket without a communicator".into()))?;
+                    flight.land(comm, slots).map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+                }
+            }
             let cx = rank_cx(instr, program, mesh, rank).map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
             let mut taken: Vec<(usize, Storage)> = instr
                 .outputs
@@ -289,13 +302,14 @@ impl CpuExecutor {
                 staged.push(index);
                 if staged.len() as i64 == members {
                     let staged = waiting.remove(&bucket).unwrap_or_default();
-                    flush_bucket(&staged, program, slots, comm.as_mut(), mesh, rank, *algorithm)
+                    let flight = send_bucket(&staged, program, slots, comm.as_mut(), mesh, rank, *algorithm)
                         .map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+                    in_flight.insert(bucket, flight);
                 }
             }
         }
-        if let Some((bucket, _)) = waiting.iter().next() {
-            return Err(RuntimeError::Program(format!("gradient bucket {bucket} was never completed")));
+        if let Some(bucket) = waiting.keys().chain(in_flight.keys()).next() {
+            return Err(RuntimeError::Program(format!("gradient bucket {bucket} was never completed and waited for")));
         }
         Ok(())
     }
@@ -319,35 +333,63 @@ fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> R
     Ok(cx)
 }
 
-/// Sends a gradient bucket: the staged outputs of its members, concatenated, in one
-/// all-reduce over their group, then written back.
-fn flush_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm: Option<&mut Communicator>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<(), String> {
+/// A gradient bucket on the wire: its ticket and where its members' values go back.
+struct InFlight {
+    ticket: u64,
+    dtype: DType,
+    /// (slot, elements) of each member, in order.
+    members: Vec<(usize, usize)>,
+}
+
+impl InFlight {
+    /// Waits for the bucket and writes the reduced values back into the members' slots.
+    fn land(self, comm: &mut AsyncComm, slots: &mut [Storage]) -> Result<(), String> {
+        fn back<T: Element>(joined: Vec<T>, members: &[(usize, usize)], slots: &mut [Storage]) -> Result<(), String> {
+            let mut at = 0;
+            for &(slot, len) in members {
+                T::slice_mut(&mut slots[slot]).ok_or("bucket member of another type")?[..len].copy_from_slice(&joined[at..at + len]);
+                at += len;
+            }
+            Ok(())
+        }
+        match self.dtype {
+            DType::F64 => back(comm.wait::<Vec<f64>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
+            _ => back(comm.wait::<Vec<f32>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
+        }
+    }
+}
+
+/// Puts a gradient bucket on the wire: the staged outputs of its members, concatenated, as
+/// one all-reduce over their group, run by the communication thread while this one goes on.
+fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm: Option<&mut AsyncComm>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<InFlight, String> {
     let comm = comm.ok_or("a collective needs a communicator")?;
     let first = &program.instrs[members[0]];
     let axes: Vec<usize> = first.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
     let group = mesh.group(rank, &axes);
     let buffers: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
-    fn send<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &mut [Storage], comm: &mut Communicator, group: &[usize], algorithm: Algorithm) -> Result<(), String> {
+    fn join<T: Element>(buffers: &[&Buffer], slots: &[Storage]) -> Result<Vec<T>, String> {
         let mut joined: Vec<T> = Vec::with_capacity(buffers.iter().map(|b| b.len()).sum());
         for b in buffers {
             joined.extend_from_slice(&T::slice(&slots[b.slot]).ok_or("bucket member of another type")?[..b.len()]);
         }
-        comm.all_reduce(group, &mut joined, ReduceOp::Sum, algorithm).map_err(|e| e.to_string())?;
-        let mut at = 0;
-        for b in buffers {
-            T::slice_mut(&mut slots[b.slot]).ok_or("bucket member of another type")?[..b.len()].copy_from_slice(&joined[at..at + b.len()]);
-            at += b.len();
+        Ok(joined)
+    }
+    let dtype = buffers[0].dtype;
+    let ticket = match dtype {
+        DType::F64 => {
+            let mut data = join::<f64>(&buffers, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
         }
-        Ok(())
-    }
-    match buffers[0].dtype {
-        DType::F64 => send::<f64>(&buffers, slots, comm, &group, algorithm),
-        _ => send::<f32>(&buffers, slots, comm, &group, algorithm),
-    }
+        _ => {
+            let mut data = join::<f32>(&buffers, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
+    };
+    Ok(InFlight { ticket, dtype, members: buffers.iter().map(|b| (b.slot, b.len())).collect() })
 }
 
 /// Runs a `shard` collective of this rank.
-fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], comm: Option<&mut Communicator>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<(), String> {
+fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], comm: Option<&mut AsyncComm>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<(), String> {
     match ins[0].dtype() {
         DType::F64 => collective_typed::<f64>(instr, ins, outs, comm, mesh, rank, algorithm),
         DType::I32 => collective_typed::<i32>(instr, ins, outs, comm, mesh, rank, algorithm),
@@ -359,7 +401,7 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
     instr: &Instr,
     ins: &[In<'_>],
     outs: &mut [Out<'_>],
-    comm: Option<&mut Communicator>,
+    comm: Option<&mut AsyncComm>,
     mesh: &MeshShape,
     rank: usize,
     algorithm: Algorithm,
@@ -390,13 +432,21 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
                 Some(crate::program::Attr::Str(kind)) if kind == "max" => ReduceOp::Max,
                 _ => ReduceOp::Sum,
             };
-            comm.all_reduce(&group, out, op, algorithm).map_err(|e| e.to_string())
+            let mut data = out.to_vec();
+            let reduced = comm.call(move |c| c.all_reduce(&group, &mut data, op, algorithm).map(|()| data)).map_err(|e| e.to_string())?;
+            out.copy_from_slice(&reduced);
+            Ok(())
         }
         "shard.all_gather" => {
             let axis = instr.int("gather_axis")? as usize;
             let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
-            let mut gathered = vec![T::default(); input.len() * n];
-            comm.all_gather(&group, input, &mut gathered).map_err(|e| e.to_string())?;
+            let local = input.to_vec();
+            let gathered: Vec<T> = comm
+                .call(move |c| {
+                    let mut gathered = vec![T::default(); local.len() * n];
+                    c.all_gather(&group, &local, &mut gathered).map(|()| gathered)
+                })
+                .map_err(|e| e.to_string())?;
             // gathered is [n][local]; interleave along `axis`.
             let (outer, inner) = split(axis);
             let block = in_shape[axis] * inner;
@@ -423,7 +473,15 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
                     staged[dst..dst + block].copy_from_slice(&input[src..src + block]);
                 }
             }
-            comm.reduce_scatter(&group, &staged, out, ReduceOp::Sum).map_err(|e| e.to_string())
+            let len = out.len();
+            let part: Vec<T> = comm
+                .call(move |c| {
+                    let mut part = vec![T::default(); len];
+                    c.reduce_scatter(&group, &staged, &mut part, ReduceOp::Sum).map(|()| part)
+                })
+                .map_err(|e| e.to_string())?;
+            out.copy_from_slice(&part);
+            Ok(())
         }
         "shard.all_slice" => {
             let axis = instr.int("slice_axis")? as usize;
