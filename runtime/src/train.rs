@@ -187,3 +187,39 @@ fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, RuntimeError> {
         Err(_) => Ok(exec.read::<f32>(name)?.iter().map(|&v| v as f64).collect()),
     }
 }
+
+/// Runs a partitioned `gradients` function once on every rank of its mesh (parameters from
+/// `seed`, the first batch of `corpus`) and returns rank 0's results by name: the loss and
+/// every gradient, which the partitioner leaves replicated.
+pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, timeout: std::time::Duration) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
+    use crate::collectives::{world, Algorithm, MeshShape};
+    use crate::layout::local_shard;
+    let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
+    let tokens = program.arg("tokens").and_then(|a| a.layout.clone()).ok_or_else(|| RuntimeError::Binding("`tokens` has no layout".into()))?;
+    let (rows, seq) = (tokens.global_shape[0], tokens.global_shape[1]);
+    let (t, g) = corpus.batch(seed, 1, rows, seq);
+    let comms = world(mesh.ranks(), timeout);
+    let results: Vec<Result<Vec<(String, Vec<f64>)>, RuntimeError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (mesh, tokens, t, g) = (&mesh, &tokens, &t, &g);
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, Algorithm::Ring)?;
+                    for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+                        let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
+                        let global = init_param(&p.name, layout.global_shape.iter().product(), seed, layers);
+                        write_f64(&mut exec, &p.name, &local_shard(&global, layout, mesh, rank))?;
+                    }
+                    exec.write::<i32>("tokens", &local_shard(t, tokens, mesh, rank))?;
+                    exec.write::<i32>("targets", &local_shard(g, tokens, mesh, rank))?;
+                    exec.run()?;
+                    program.results.iter().map(|r| Ok((r.name.clone(), read_f64(&exec, &r.name)?))).collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Program("a rank panicked".into())))).collect()
+    });
+    results.into_iter().next().unwrap_or_else(|| Err(RuntimeError::Program("no ranks".into())))
+}

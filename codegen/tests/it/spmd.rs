@@ -302,3 +302,60 @@ fn gradient_buckets_are_async_and_equal_single_device() {
         assert_eq!(run.bytes_sent[0].values().sum::<u64>(), expected);
     }
 }
+
+/// Every gradient of the partitioned `@gradients` equals the single-device gradient.
+#[test]
+fn every_gradient_equals_single_device() {
+    use shardc_passes::sharding::{Partition, PropagateSharding, ShardMegatron};
+    use shardc_passes::{Autodiff, Pass};
+    for (name, dp, tp, sequence_parallel) in [("tiny", 2, 2, false), ("tiny-llama", 1, 4, false), ("tiny", 1, 2, true), ("tiny-llama", 2, 2, true)] {
+        let mut spec = crate::common::spec_with_dtype(name, "f32");
+        spec.training.micro_batch = 4;
+        let corpus = corpus(&spec);
+        let gradients = |mesh: Mesh| {
+            let mut module = model(&spec);
+            let kv_heads = spec.model.kv_heads() as i64;
+            if mesh.tp > 1 && kv_heads % mesh.tp as i64 != 0 {
+                shardc_passes::sharding::ExpandKvHeads { tp: mesh.tp as i64 }.run(&mut module).unwrap();
+            }
+            Autodiff::default().run(&mut module).unwrap();
+            module.funcs.retain(|f| f.name == "gradients");
+            if mesh.ranks() > 1 {
+                ShardMegatron { mesh, zero: 0, sequence_parallel, vocab: spec.model.vocab as i64, kv_heads }.run(&mut module).unwrap();
+                PropagateSharding.run(&mut module).unwrap();
+                Partition.run(&mut module).unwrap();
+            }
+            let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+            shardc_codegen::lower_func_on(module.func("gradients").unwrap(), &grid).unwrap()
+        };
+        // The single-device gradients, run directly (an unpartitioned program has no layouts).
+        let single: Vec<(String, Vec<f64>)> = {
+            let program = gradients(Mesh::default());
+            let mut exec = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
+            for (n, shape) in exec.args_with(shardc_runtime::program::Role::Param) {
+                let v: Vec<f32> = shardc_runtime::init::init_param(&n, shape.iter().product(), 3, 2).iter().map(|&x| x as f32).collect();
+                exec.write::<f32>(&n, &v).unwrap();
+            }
+            let (t, g) = corpus.batch(3, 1, 4, spec.seq_len() as usize);
+            exec.write::<i32>("tokens", &t).unwrap();
+            exec.write::<i32>("targets", &g).unwrap();
+            exec.run().unwrap();
+            program.results.iter().map(|r| (r.name.clone(), exec.read::<f32>(&r.name).unwrap().iter().map(|&x| x as f64).collect())).collect()
+        };
+        let partitioned = shardc_runtime::train::gradients_spmd(&gradients(Mesh { dp, tp, pp: 1 }), 3, 2, &corpus, Duration::from_secs(30)).unwrap();
+        assert_eq!(single.len(), partitioned.len());
+        for ((na, a), (nb, b)) in single.iter().zip(&partitioned) {
+            assert_eq!(na, nb);
+            // Relative to the tensor's own scale; a gradient that is zero in theory (the
+            // attention key bias: softmax ignores a per-row shift) holds only rounding noise,
+            // compared absolutely.
+            let scale = a.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let diff = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+            if scale > 1e-6 {
+                assert!(diff / scale <= 1e-5, "{name} dp={dp} tp={tp} sp={sequence_parallel}: {na} differs by {:e}", diff / scale);
+            } else {
+                assert!(diff <= 1e-8, "{name} dp={dp} tp={tp} sp={sequence_parallel}: {na} (zero in theory) differs by {diff:e}");
+            }
+        }
+    }
+}
