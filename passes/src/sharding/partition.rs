@@ -5,13 +5,14 @@
 //! explicit `shard` collective wherever a value's sharding differs from what its consumer
 //! needs, in this order:
 //! - `shard.all_reduce` over the axes a value is partial over and its consumer cannot take
-//!  partial (the sum of a row-parallel matmul before its bias, a gradient before a norm),
-//!  or `shard.reduce_scatter` when the consumer wants it split over those same axes (a
-//!  gradient arriving at its ZeRO optimizer shard);
+//!   partial (the sum of a row-parallel matmul before its bias, a gradient before a norm),
+//!   or `shard.reduce_scatter` when the consumer wants it split over those same axes (a
+//!   gradient arriving at its ZeRO optimizer shard);
 //! - `shard.all_gather` of every dimension split over axes it should not be, then
-//!  `shard.all_slice` of every dimension that should be split but is not (a local slice,
-//!  no communication). All gathers come first: an axis that moves between dimensions must
-//!  never split two of them at once.
+//!   `shard.all_slice` of every dimension that should be split but is not (a local slice,
+//!   no communication). All gathers come first: an axis that moves between dimensions must
+//!   never split two of them at once.
+//!
 //! Every collective carries `xf.cause`, naming the op and operand that needed it; the same
 //! reshard of one value is made once and shared by its consumers. Returned values take
 //! their argument's sharding when they update it in place (parameters, optimizer state),
