@@ -115,16 +115,28 @@ impl Summary {
             ),
         );
         let step_flops = self.train_step_flops_per_microbatch * self.microbatches_per_step as f64;
-        line(
-            "FLOPs",
-            format!(
-                "{} forward, {} training step per micro-batch ({:.2}x forward); {} per step",
-                flops(self.forward_flops_per_microbatch),
-                flops(self.train_step_flops_per_microbatch),
-                self.train_step_flops_per_microbatch / self.forward_flops_per_microbatch.max(1.0),
-                flops(step_flops)
-            ),
-        );
+        if mesh.ranks() > 1 {
+            // The training step is a rank's program; the forward figure is the whole model's.
+            line(
+                "FLOPs",
+                format!(
+                    "{} forward (whole model) and {} training step on each rank, per micro-batch",
+                    flops(self.forward_flops_per_microbatch),
+                    flops(self.train_step_flops_per_microbatch)
+                ),
+            );
+        } else {
+            line(
+                "FLOPs",
+                format!(
+                    "{} forward, {} training step per micro-batch ({:.2}x forward); {} per step",
+                    flops(self.forward_flops_per_microbatch),
+                    flops(self.train_step_flops_per_microbatch),
+                    self.train_step_flops_per_microbatch / self.forward_flops_per_microbatch.max(1.0),
+                    flops(step_flops)
+                ),
+            );
+        }
         if let Some(m) = &self.memory {
             line(
                 "memory",
