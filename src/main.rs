@@ -98,6 +98,29 @@ enum Command {
         #[command(flatten)]
         step: StepArgs,
     },
+    /// Generate a pipeline schedule, check it by simulation, and report its bubble and memory.
+    ///
+    /// Example: shardc schedule --pp 4 --microbatches 8 --schedule 1f1b --svg out.svg
+    Schedule {
+        /// Pipeline stages (ranks).
+        #[arg(long)]
+        pp: usize,
+        /// Micro-batches per optimizer step.
+        #[arg(long)]
+        microbatches: usize,
+        /// gpipe, 1f1b, interleaved or zb-h1.
+        #[arg(long, default_value = "1f1b")]
+        schedule: String,
+        /// Model chunks per rank (interleaved).
+        #[arg(long, default_value_t = 2)]
+        virtual_stages: usize,
+        /// Write the timeline as SVG.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
+        /// Write the timeline as Chrome/Perfetto trace JSON.
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
+    },
     /// Print the xf dialect's IRDL definition, generated from the op registry.
     ///
     /// Example: shardc dialect --check ir/dialect/xf.irdl.mlir
@@ -133,6 +156,9 @@ fn main() -> Result<()> {
         }
         Command::Explain { spec, mesh, step } => explain(&spec, &mesh, &step),
         Command::Run(args) => train::run(&args),
+        Command::Schedule { pp, microbatches, schedule, virtual_stages, svg, trace } => {
+            pipeline_schedule(pp, microbatches, &schedule, virtual_stages, svg.as_deref(), trace.as_deref())
+        }
         Command::Inspect(args) => inspect::inspect(&args),
         Command::Bench(args) => train::bench(&args),
         Command::Dialect { check } => {
@@ -285,5 +311,32 @@ fn explain(spec_path: &Path, mesh: &str, step: &StepArgs) -> Result<()> {
     }
     let total: u64 = records.iter().map(|r| r.bytes).sum();
     println!("  total sent by rank 0: {}", summary::bytes(total));
+    Ok(())
+}
+
+/// `shardc schedule`: a pipeline schedule, simulated with unit costs.
+fn pipeline_schedule(pp: usize, microbatches: usize, kind: &str, chunks: usize, svg: Option<&Path>, trace: Option<&Path>) -> Result<()> {
+    use shardc_runtime::schedule::{generate, simulate, Costs, Kind};
+    let kind = Kind::parse(kind).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{kind}`"))?;
+    let schedule = generate(kind, pp, microbatches, chunks).map_err(|e| miette!(help = "check --pp, --microbatches and --virtual-stages", "{e}"))?;
+    // Unit costs: a forward and a backward of one stage take one unit each (a backward split
+    // into input and weight gradients, one unit each; an interleaved chunk 1/v).
+    let v = schedule.chunks as f64;
+    let costs = match kind {
+        Kind::ZeroBubble => Costs { f: 1.0, b: 1.0, w: 1.0 },
+        _ => Costs { f: 1.0 / v, b: 1.0 / v, w: 0.0 },
+    };
+    let timeline = simulate(&schedule, costs).into_diagnostic()?;
+    println!("{} schedule: {} stages, {} micro-batches{}", kind.label(), pp, microbatches, if schedule.chunks > 1 { format!(", {} chunks per rank", schedule.chunks) } else { String::new() });
+    println!("  bubble      {:.1}% of the step (makespan {:.2} units)", 100.0 * timeline.bubble, timeline.makespan);
+    println!("  in flight   {:?} micro-batches of activations at most, per rank", timeline.peak_in_flight);
+    if let Some(path) = svg {
+        std::fs::write(path, shardc_runtime::schedule::svg(&schedule, &timeline)).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+        println!("  picture     {}", path.display());
+    }
+    if let Some(path) = trace {
+        std::fs::write(path, shardc_runtime::schedule::trace_json(&timeline)).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+        println!("  trace       {}", path.display());
+    }
     Ok(())
 }

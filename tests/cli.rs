@@ -180,7 +180,7 @@ fn checked_in_dialect_is_current() {
 #[test]
 fn help_explains_each_command_with_an_example() {
     let text = stdout(&shardc(&["--help"]));
-    for command in ["ir", "compile", "run", "inspect", "bench", "dialect", "ops"] {
+    for command in ["ir", "compile", "run", "inspect", "bench", "explain", "schedule", "dialect", "ops"] {
         assert!(text.contains(&format!("  {command}")), "{text}");
     }
     let text = stdout(&shardc(&["compile", "--help"]));
@@ -298,4 +298,20 @@ fn partitioned_run_and_explain() {
     let text = stdout(&out);
     assert!(text.contains("cause: partial sum reduced for operand 0 of xf.add `layers.0.attn.out.bias_add`"), "{text}");
     assert!(text.contains("total sent by rank 0"), "{text}");
+}
+
+#[test]
+fn schedule_command_reports_bubbles_and_writes_pictures() {
+    let dir = tempdir("schedule");
+    let (svg, trace) = (dir.join("1f1b.svg"), dir.join("1f1b.json"));
+    let out = shardc(&["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--svg", svg.to_str().unwrap(), "--trace", trace.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // (p - 1) / (m + p - 1) = 3 / 11.
+    assert!(stdout(&out).contains("bubble      27.3%"), "{}", stdout(&out));
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    assert_eq!(json["traceEvents"].as_array().unwrap().len(), 4 * 16);
+    let out = shardc(&["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("multiple of stages"), "{}", stderr(&out));
 }

@@ -21,6 +21,7 @@ pub mod init;
 pub mod layout;
 pub mod program;
 pub mod report;
+pub mod schedule;
 pub mod train;
 
 pub use error::RuntimeError;

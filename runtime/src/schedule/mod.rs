@@ -1,0 +1,226 @@
+//! Pipeline schedules as data: for each pipeline rank, the ordered list of work items
+//! (forward `F`, backward `B`, and for zero-bubble schedules the weight-gradient part `W`)
+//! with their micro-batch and model chunk.
+//!
+//! [`generate`] builds GPipe, 1F1B, interleaved 1F1B and ZB-H1 schedules; [`simulate`] runs
+//! one against per-item costs, honouring the dependencies between stages (a stage's forward
+//! needs the previous stage's, a backward the next stage's backward and its own forward, a
+//! weight gradient its backward), and reports start times, the bubble fraction, peak
+//! in-flight activations, and a deadlock as an error. Bubbles and memory are therefore
+//! computed from the schedule itself, not from formulas; tests check the formulas hold.
+
+mod generate;
+mod render;
+
+pub use generate::generate;
+pub use render::{svg, trace_json};
+
+use serde::{Deserialize, Serialize};
+
+/// Kind of work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Work {
+    /// Forward pass of one micro-batch through one model chunk.
+    F,
+    /// Backward pass (input gradient and, unless split off into `W`, weight gradient).
+    B,
+    /// Weight-gradient part of a backward pass (zero-bubble schedules).
+    W,
+}
+
+/// One work item on a rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Item {
+    /// What.
+    pub work: Work,
+    /// Which micro-batch.
+    pub microbatch: usize,
+    /// Which of the rank's model chunks (interleaved schedules; 0 otherwise).
+    pub chunk: usize,
+}
+
+/// A schedule family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    /// All forwards, then all backwards.
+    Gpipe,
+    /// One forward, one backward in the steady state.
+    OneFOneB,
+    /// 1F1B over `v` model chunks per rank.
+    Interleaved,
+    /// ZB-H1: 1F1B with backward split into input and weight gradients, the weight
+    /// gradients filling the bubbles (Qi et al. 2023).
+    ZeroBubble,
+}
+
+impl Kind {
+    /// The usual name: `GPipe`, `1F1B`, `interleaved 1F1B`, `ZB-H1`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::Gpipe => "GPipe",
+            Kind::OneFOneB => "1F1B",
+            Kind::Interleaved => "interleaved 1F1B",
+            Kind::ZeroBubble => "ZB-H1",
+        }
+    }
+
+    /// Parses `gpipe`, `1f1b`, `interleaved` or `zb-h1`.
+    pub fn parse(text: &str) -> Option<Kind> {
+        Some(match text {
+            "gpipe" => Kind::Gpipe,
+            "1f1b" => Kind::OneFOneB,
+            "interleaved" => Kind::Interleaved,
+            "zb-h1" | "zero-bubble" => Kind::ZeroBubble,
+            _ => return None,
+        })
+    }
+}
+
+/// A pipeline schedule.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// Family.
+    pub kind: Kind,
+    /// Pipeline ranks.
+    pub stages: usize,
+    /// Micro-batches per optimizer step.
+    pub microbatches: usize,
+    /// Model chunks per rank (1 unless interleaved).
+    pub chunks: usize,
+    /// Each rank's items in execution order.
+    pub ranks: Vec<Vec<Item>>,
+}
+
+impl Schedule {
+    /// The pipeline stage (0 .. stages * chunks) that chunk `chunk` of `rank` runs: model
+    /// chunks are dealt round-robin, so rank r holds stages r, r + p, r + 2p, ...
+    pub fn stage_of(&self, rank: usize, chunk: usize) -> usize {
+        chunk * self.stages + rank
+    }
+}
+
+/// Costs of one item, in any time unit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Costs {
+    /// A forward through one chunk.
+    pub f: f64,
+    /// A backward through one chunk (the input-gradient part when `W` is split off).
+    pub b: f64,
+    /// A weight-gradient part.
+    pub w: f64,
+}
+
+/// The outcome of [`simulate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Timeline {
+    /// For each rank, each item with its start and end time.
+    pub ranks: Vec<Vec<(Item, f64, f64)>>,
+    /// End of the last item.
+    pub makespan: f64,
+    /// Idle time over total rank time, between 0 and 1.
+    pub bubble: f64,
+    /// For each rank, the most micro-batches whose activations it holds at once (forward
+    /// done, backward not yet).
+    pub peak_in_flight: Vec<usize>,
+}
+
+/// Why a schedule is invalid.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    /// An item appears twice or one is missing.
+    #[error("rank {rank}: {message}")]
+    Items {
+        /// The rank.
+        rank: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// No rank can make progress.
+    #[error("deadlock: every rank waits ({0})")]
+    Deadlock(String),
+    /// Bad parameters.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Runs `schedule` with `costs`: every item starts when its rank is free and its inputs exist.
+pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, ScheduleError> {
+    use std::collections::HashMap;
+    let (p, m, v) = (schedule.stages, schedule.microbatches, schedule.chunks);
+    let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
+    // Every rank must run each of its items exactly once.
+    for (rank, items) in schedule.ranks.iter().enumerate() {
+        let mut seen = std::collections::HashSet::new();
+        for item in items {
+            if item.microbatch >= m || item.chunk >= v || !seen.insert(*item) {
+                return Err(ScheduleError::Items { rank, message: format!("{item:?} is out of range or repeated") });
+            }
+        }
+        let expected = m * v * if splits_w { 3 } else { 2 };
+        if seen.len() != expected {
+            return Err(ScheduleError::Items { rank, message: format!("{} items, expected {expected}", seen.len()) });
+        }
+    }
+    let last_stage = p * v - 1;
+    // Finish time of (work, microbatch, stage).
+    let mut done: HashMap<(Work, usize, usize), f64> = HashMap::new();
+    let mut next = vec![0usize; p];
+    let mut free = vec![0f64; p];
+    let mut out: Vec<Vec<(Item, f64, f64)>> = vec![Vec::new(); p];
+    let total: usize = schedule.ranks.iter().map(Vec::len).sum();
+    let mut placed = 0;
+    while placed < total {
+        let mut progressed = false;
+        for rank in 0..p {
+            while let Some(item) = schedule.ranks[rank].get(next[rank]).copied() {
+                let stage = schedule.stage_of(rank, item.chunk);
+                let deps: Vec<(Work, usize, usize)> = match item.work {
+                    Work::F if stage == 0 => vec![],
+                    Work::F => vec![(Work::F, item.microbatch, stage - 1)],
+                    Work::B if stage == last_stage => vec![(Work::F, item.microbatch, stage)],
+                    Work::B => vec![(Work::F, item.microbatch, stage), (Work::B, item.microbatch, stage + 1)],
+                    Work::W => vec![(Work::B, item.microbatch, stage)],
+                };
+                let Some(ready) = deps.iter().map(|d| done.get(d).copied()).try_fold(0f64, |acc, t| t.map(|t| acc.max(t))) else {
+                    break;
+                };
+                let cost = match item.work {
+                    Work::F => costs.f,
+                    Work::B => costs.b,
+                    Work::W => costs.w,
+                };
+                let start = ready.max(free[rank]);
+                free[rank] = start + cost;
+                done.insert((item.work, item.microbatch, stage), start + cost);
+                out[rank].push((item, start, start + cost));
+                next[rank] += 1;
+                placed += 1;
+                progressed = true;
+            }
+        }
+        if !progressed {
+            let waiting: Vec<String> = (0..p).filter_map(|r| schedule.ranks[r].get(next[r]).map(|i| format!("rank {r} at {i:?}"))).collect();
+            return Err(ScheduleError::Deadlock(waiting.join(", ")));
+        }
+    }
+    let makespan = free.iter().copied().fold(0f64, f64::max);
+    let busy: f64 = out.iter().flatten().map(|(_, s, e)| e - s).sum();
+    let bubble = if makespan > 0.0 { 1.0 - busy / (makespan * p as f64) } else { 0.0 };
+    let peak_in_flight = out
+        .iter()
+        .map(|items| {
+            let (mut live, mut peak) = (0i64, 0i64);
+            for (item, _, _) in items {
+                match item.work {
+                    Work::F => live += 1,
+                    Work::B => live -= 1,
+                    Work::W => {}
+                }
+                peak = peak.max(live);
+            }
+            peak as usize
+        })
+        .collect();
+    Ok(Timeline { ranks: out, makespan, bubble, peak_in_flight })
+}
