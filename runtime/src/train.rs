@@ -108,10 +108,61 @@ pub struct SpmdRun {
     pub bytes_sent: Vec<std::collections::BTreeMap<crate::collectives::CollectiveKind, u64>>,
 }
 
+/// The global batch shape `(rows, seq)` of a partitioned program's `tokens` input, and its
+/// layout.
+fn batch_layout(program: &Program) -> Result<(usize, usize, crate::program::Layout), RuntimeError> {
+    let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
+    let layout = tokens.layout.clone().ok_or_else(|| RuntimeError::Binding("`tokens` has no layout: the program is not partitioned".into()))?;
+    Ok((layout.global_shape[0], layout.global_shape[1], layout))
+}
+
+/// Runs `body` on every rank of `program`'s mesh, one thread each (plus each rank's
+/// communication thread). Before `body`, every parameter is initialised as the global tensor
+/// from `seed` and the rank takes its shard, so runs are comparable with a single device.
+/// Returns the results by rank.
+fn on_every_rank<R: Send>(
+    program: &Program,
+    seed: u64,
+    layers: usize,
+    timeout: std::time::Duration,
+    algorithm: crate::collectives::Algorithm,
+    body: impl Fn(&mut CpuExecutor, &crate::collectives::MeshShape, usize) -> Result<R, RuntimeError> + Sync,
+) -> Result<Vec<R>, RuntimeError> {
+    use crate::collectives::{world, MeshShape};
+    let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
+    let comms = world(mesh.ranks(), timeout);
+    let results: Vec<Result<R, RuntimeError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (mesh, body) = (&mesh, &body);
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
+                    for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+                        let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
+                        let global = init_param(&p.name, layout.global_shape.iter().product(), seed, layers);
+                        write_f64(&mut exec, &p.name, &crate::layout::local_shard(&global, layout, mesh, rank))?;
+                    }
+                    body(&mut exec, mesh, rank)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Program("a rank panicked".into())))).collect()
+    });
+    results.into_iter().collect()
+}
+
+/// Writes this rank's shard of a global batch into `tokens` and `targets`.
+fn write_batch(exec: &mut CpuExecutor, layout: &crate::program::Layout, mesh: &crate::collectives::MeshShape, rank: usize, tokens: &[i32], targets: &[i32]) -> Result<(), RuntimeError> {
+    use crate::layout::local_shard;
+    exec.write::<i32>("tokens", &local_shard(tokens, layout, mesh, rank))?;
+    exec.write::<i32>("targets", &local_shard(targets, layout, mesh, rank))
+}
+
 /// Trains a partitioned `train_step` for `steps` steps, one thread per rank of its mesh.
-/// Parameters are initialised as global tensors from `seed` and each rank takes its shard,
-/// and each step feeds every rank its shard of the same global batch, so the run is
-/// comparable with a single-device run of the same seed.
+/// Each step feeds every rank its shard of the same global batch, so the run is comparable
+/// with a single-device run of the same seed.
 pub fn train_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, steps: u64, timeout: std::time::Duration) -> Result<SpmdRun, RuntimeError> {
     train_spmd_with(program, seed, layers, corpus, steps, timeout, crate::collectives::Algorithm::Ring)
 }
@@ -126,55 +177,29 @@ pub fn train_spmd_with(
     timeout: std::time::Duration,
     algorithm: crate::collectives::Algorithm,
 ) -> Result<SpmdRun, RuntimeError> {
-    use crate::collectives::{world, MeshShape};
-    use crate::layout::{assemble, local_shard};
-    let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-    let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
-    let tokens_layout = tokens.layout.clone().ok_or_else(|| RuntimeError::Binding("`tokens` has no layout: the program is not partitioned".into()))?;
-    let (rows, seq) = (tokens_layout.global_shape[0], tokens_layout.global_shape[1]);
-    let comms = world(mesh.ranks(), timeout);
-    type RankResult = Result<(Vec<f64>, Vec<Vec<f64>>, std::collections::BTreeMap<crate::collectives::CollectiveKind, u64>), RuntimeError>;
-    let results: Vec<RankResult> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (mesh, tokens_layout) = (&mesh, &tokens_layout);
-                s.spawn(move || -> RankResult {
-                    let rank = comm.rank();
-                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
-                    let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).cloned().collect();
-                    for p in &params {
-                        let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
-                        let global = init_param(&p.name, layout.global_shape.iter().product(), seed, layers);
-                        write_f64(&mut exec, &p.name, &local_shard(&global, layout, mesh, rank))?;
-                    }
-                    let mut losses = Vec::new();
-                    for step in 1..=steps {
-                        let (t, g) = corpus.batch(seed, step, rows, seq);
-                        exec.write::<i32>("tokens", &local_shard(&t, tokens_layout, mesh, rank))?;
-                        exec.write::<i32>("targets", &local_shard(&g, tokens_layout, mesh, rank))?;
-                        exec.write::<i32>("step", &[step as i32])?;
-                        exec.run()?;
-                        exec.carry_state()?;
-                        losses.push(read_f64(&exec, "loss")?[0]);
-                    }
-                    let shards = params.iter().map(|p| read_f64(&exec, &p.name)).collect::<Result<Vec<_>, _>>()?;
-                    let sent = exec.bytes_sent()?;
-                    Ok((losses, shards, sent))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Program("a rank panicked".into())))).collect()
-    });
-    let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let (rows, seq, tokens) = batch_layout(program)?;
     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).collect();
+    let results = on_every_rank(program, seed, layers, timeout, algorithm, |exec, mesh, rank| {
+        let mut losses = Vec::new();
+        for step in 1..=steps {
+            let (t, g) = corpus.batch(seed, step, rows, seq);
+            write_batch(exec, &tokens, mesh, rank, &t, &g)?;
+            exec.write::<i32>("step", &[step as i32])?;
+            exec.run()?;
+            exec.carry_state()?;
+            losses.push(read_f64(exec, "loss")?[0]);
+        }
+        let shards = params.iter().map(|p| read_f64(exec, &p.name)).collect::<Result<Vec<_>, _>>()?;
+        Ok((losses, shards, exec.bytes_sent()?))
+    })?;
+    let mesh = crate::collectives::MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
     let parameters = params
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let layout = p.layout.as_ref().expect("checked above");
+            let layout = p.layout.as_ref().expect("every parameter was initialised from its layout");
             let shards: Vec<Vec<f64>> = results.iter().map(|r| r.1[i].clone()).collect();
-            (p.name.clone(), layout.global_shape.clone(), assemble(&shards, layout, &mesh))
+            (p.name.clone(), layout.global_shape.clone(), crate::layout::assemble(&shards, layout, &mesh))
         })
         .collect();
     Ok(SpmdRun { losses: results[0].0.clone(), parameters, bytes_sent: results.iter().map(|r| r.2.clone()).collect() })
@@ -192,34 +217,15 @@ fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, RuntimeError> {
 /// `seed`, the first batch of `corpus`) and returns rank 0's results by name: the loss and
 /// every gradient, which the partitioner leaves replicated.
 pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, timeout: std::time::Duration) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
-    use crate::collectives::{world, Algorithm, MeshShape};
-    use crate::layout::local_shard;
-    let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-    let tokens = program.arg("tokens").and_then(|a| a.layout.clone()).ok_or_else(|| RuntimeError::Binding("`tokens` has no layout".into()))?;
-    let (rows, seq) = (tokens.global_shape[0], tokens.global_shape[1]);
+    let (rows, seq, tokens) = batch_layout(program)?;
     let (t, g) = corpus.batch(seed, 1, rows, seq);
-    let comms = world(mesh.ranks(), timeout);
-    let results: Vec<Result<Vec<(String, Vec<f64>)>, RuntimeError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (mesh, tokens, t, g) = (&mesh, &tokens, &t, &g);
-                s.spawn(move || {
-                    let rank = comm.rank();
-                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, Algorithm::Ring)?;
-                    for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
-                        let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
-                        let global = init_param(&p.name, layout.global_shape.iter().product(), seed, layers);
-                        write_f64(&mut exec, &p.name, &local_shard(&global, layout, mesh, rank))?;
-                    }
-                    exec.write::<i32>("tokens", &local_shard(t, tokens, mesh, rank))?;
-                    exec.write::<i32>("targets", &local_shard(g, tokens, mesh, rank))?;
-                    exec.run()?;
-                    program.results.iter().map(|r| Ok((r.name.clone(), read_f64(&exec, &r.name)?))).collect()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Program("a rank panicked".into())))).collect()
-    });
-    results.into_iter().next().unwrap_or_else(|| Err(RuntimeError::Program("no ranks".into())))
+    let mut results = on_every_rank(program, seed, layers, timeout, crate::collectives::Algorithm::Ring, |exec, mesh, rank| {
+        write_batch(exec, &tokens, mesh, rank, &t, &g)?;
+        exec.run()?;
+        program.results.iter().map(|r| Ok((r.name.clone(), read_f64(exec, &r.name)?))).collect()
+    })?;
+    if results.is_empty() {
+        return Err(RuntimeError::Program("the program's mesh has no ranks".into()));
+    }
+    Ok(results.swap_remove(0))
 }
