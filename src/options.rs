@@ -67,10 +67,6 @@ impl StepArgs {
         }
         if let Some(mb) = self.micro_batch {
             spec.training.micro_batch = mb;
-            // One micro-batch per replica at least: keep global_batch a multiple of it.
-            if spec.training.global_batch % mb != 0 {
-                spec.training.global_batch = mb;
-            }
         }
         let errors = spec::check(&spec);
         if let Some(e) = errors.first() {

@@ -235,6 +235,11 @@ fn run_errors_are_clear() {
     assert!(stderr(&out).contains("--lr must be positive"), "{}", stderr(&out));
     let out = shardc(&["run", "models/tiny.toml", "--seq", "999"]);
     assert!(stderr(&out).contains("seq_len"), "{}", stderr(&out));
+    // An override that breaks the spec is refused, not silently adjusted.
+    let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "3"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("global_batch (8)") && err.contains("micro_batch (3)"), "{err}");
 }
 
 #[test]
