@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use miette::{miette, Result};
+use miette::{Result, miette};
 use shardc_ir::spec::{self, Spec};
 use shardc_passes::{CompileOptions, OptimizerKind, Recompute};
 
@@ -38,25 +38,98 @@ pub struct StepArgs {
     /// Data-parallel gradient bucket size in MiB (0: one synchronous all-reduce per gradient).
     #[arg(long, default_value_t = 25)]
     pub grad_bucket_mb: u64,
+    /// Micro-batches per optimizer step (gradient accumulation; the pipeline's m). Default:
+    /// the spec's global_batch / micro_batch with pp > 1, else 1.
+    #[arg(long)]
+    pub microbatches: Option<u64>,
+    /// Pipeline schedule with pp > 1: gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// Model chunks per pipeline rank for the interleaved schedule.
+    #[arg(long, default_value_t = 2)]
+    pub virtual_stages: u64,
+    /// Manual pipeline split as layer ranges per stage, e.g. `0-5,6-11` (the embedding goes
+    /// with the first stage, the head with the last); default: balanced by cost.
+    #[arg(long, value_name = "RANGES")]
+    pub stages: Option<String>,
+}
+
+/// Parses `0-5,6-11` (a single layer may be written `7`).
+pub fn parse_stage_ranges(text: &str) -> std::result::Result<Vec<(usize, usize)>, String> {
+    text.split(',')
+        .map(|part| {
+            let part = part.trim();
+            let (a, b) = part.split_once('-').unwrap_or((part, part));
+            let parse = |x: &str| x.trim().parse::<usize>().map_err(|_| format!("`{part}` is not a layer range like 0-5"));
+            Ok((parse(a)?, parse(b)?))
+        })
+        .collect()
 }
 
 impl StepArgs {
     /// The pipeline options these arguments ask for, for `spec` on `mesh`.
     pub fn compile_options(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<CompileOptions> {
-        let recompute = Recompute::parse(&self.recompute)
-            .ok_or_else(|| miette!(help = "use none, full or selective-attention", "--recompute: unknown policy `{}`", self.recompute))?;
+        let recompute = Recompute::parse(&self.recompute).ok_or_else(|| miette!(help = "use none, full or selective-attention", "--recompute: unknown policy `{}`", self.recompute))?;
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return Err(miette!(help = "a typical value is 3e-3 for the tiny models, 6e-4 for GPT-2", "--lr must be positive, got {}", self.lr));
         }
         let optimizer = match self.optimizer.as_str() {
             "adamw" => OptimizerKind::adamw(self.lr),
             "sgd" => OptimizerKind::Sgd { lr: self.lr, weight_decay: 0.0 },
-            other => return Err(miette!(help = "use adamw or sgd", "--optimizer: unknown optimizer `{other}`")),
+            other => {
+                return Err(miette!(help = "use adamw or sgd", "--optimizer: unknown optimizer `{other}`"));
+            }
         };
         if self.zero > 3 {
             return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.zero));
         }
-        Ok(CompileOptions { recompute, optimizer, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero: self.zero, sequence_parallel: self.sequence_parallel, grad_bucket_bytes: self.grad_bucket_mb << 20 })
+        let pipeline = self.pipeline_options(spec, mesh)?;
+        Ok(CompileOptions {
+            recompute,
+            optimizer,
+            mesh,
+            vocab: spec.model.vocab as i64,
+            kv_heads: spec.model.kv_heads() as i64,
+            zero: self.zero,
+            sequence_parallel: self.sequence_parallel,
+            grad_bucket_bytes: self.grad_bucket_mb << 20,
+            pipeline,
+        })
+    }
+
+    /// The schedule `--schedule` names.
+    pub fn schedule_kind(&self) -> Result<shardc_runtime::schedule::Kind> {
+        shardc_runtime::schedule::Kind::parse(&self.schedule).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{}`", self.schedule))
+    }
+
+    /// Micro-batches per step: `--microbatches`, else the spec's with pp > 1, else 1.
+    pub fn microbatches(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> u64 {
+        self.microbatches.unwrap_or(if mesh.pp > 1 { spec.micro_batches().max(1) } else { 1 })
+    }
+
+    /// Stages and micro-batches, when the step is pipelined or accumulates gradients.
+    fn pipeline_options(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<Option<shardc_passes::PipelineOptions>> {
+        use shardc_runtime::schedule::Kind;
+        let kind = self.schedule_kind()?;
+        let m = self.microbatches(spec, mesh);
+        if m == 0 || m > 4096 {
+            return Err(miette!(help = "use 1 to 4096 micro-batches", "--microbatches must be between 1 and 4096, got {m}"));
+        }
+        if mesh.pp == 1 && m == 1 && self.stages.is_none() {
+            return Ok(None);
+        }
+        let chunks = if kind == Kind::Interleaved { self.virtual_stages } else { 1 };
+        if chunks == 0 || chunks > 64 {
+            return Err(miette!(help = "use 2 to 4 virtual stages per rank", "--virtual-stages must be between 1 and 64, got {chunks}"));
+        }
+        if kind == Kind::Interleaved && m % mesh.pp != 0 {
+            return Err(miette!(help = format!("use a multiple of pp={} micro-batches", mesh.pp), "--microbatches {m}: interleaved 1F1B needs a multiple of pp"));
+        }
+        let manual = match &self.stages {
+            Some(text) => Some(parse_stage_ranges(text).map_err(|e| miette!(help = "write one layer range per stage, e.g. --stages 0-5,6-11", "--stages: {e}"))?),
+            None => None,
+        };
+        Ok(Some(shardc_passes::PipelineOptions { chunks: chunks as usize, microbatches: m as usize, manual, split_weight_grads: kind == Kind::ZeroBubble }))
     }
 
     /// Loads a spec and applies `--seq` / `--micro-batch`.

@@ -5,13 +5,13 @@ use std::time::Instant;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use miette::{miette, IntoDiagnostic, Result, WrapErr};
+use miette::{IntoDiagnostic, Result, WrapErr, miette};
 use shardc_ir::spec::Spec;
+use shardc_runtime::Program;
 use shardc_runtime::data::ByteCorpus;
 use shardc_runtime::train::Trainer;
-use shardc_runtime::Program;
 
-use crate::options::{default_corpus, StepArgs};
+use crate::options::{StepArgs, default_corpus};
 
 /// Arguments of `shardc run`.
 #[derive(Args, Debug)]
@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// All-reduce algorithm between ranks: ring (bandwidth-optimal) or tree (latency-optimal).
     #[arg(long, default_value = "ring")]
     pub collectives: String,
+    /// With pipeline stages: write the last step's measured timeline as Chrome/Perfetto
+    /// trace JSON (one track per pipeline rank).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
 }
@@ -65,13 +69,25 @@ pub fn compile_train_step_on(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh
     shardc_codegen::lower_func_on(train_step, &grid).into_diagnostic()
 }
 
+/// Compiles the spec's training step into pipeline stages (when the options ask for stages
+/// or micro-batches): one rank program per pipeline rank, and the schedule to run them by.
+pub fn compile_pipeline_programs(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh) -> Result<(Vec<Program>, shardc_runtime::schedule::Schedule)> {
+    let options = step.compile_options(spec, mesh)?;
+    let stages = options.pipeline.clone().ok_or_else(|| miette!("no pipeline stages or micro-batches were asked for"))?;
+    let schedule = shardc_runtime::schedule::generate(step.schedule_kind()?, mesh.pp as usize, stages.microbatches, stages.chunks)
+        .map_err(|e| miette!(help = "check --mesh pp=, --microbatches and --virtual-stages", "{e}"))?;
+    let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
+    let cx = crate::ir_context()?;
+    shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    let programs = shardc_codegen::lower_pipeline(&module, &grid).into_diagnostic()?;
+    Ok((programs, schedule))
+}
+
 fn check_backend(backend: &str) -> Result<()> {
     match backend {
         "cpu" => Ok(()),
-        "cuda" => Err(miette!(
-            help = "run on the CPU backend (the default), or see issue 8 for the CUDA backend",
-            "the CUDA backend is not built into this shardc"
-        )),
+        "cuda" => Err(miette!(help = "run on the CPU backend (the default), or see issue 8 for the CUDA backend", "the CUDA backend is not built into this shardc")),
         other => Err(miette!(help = "use --backend cpu", "unknown backend `{other}`")),
     }
 }
@@ -83,6 +99,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let problems = mesh.check(&spec);
     if !problems.is_empty() {
         return Err(crate::report::mesh_report(problems));
+    }
+    if args.step.compile_options(&spec, mesh)?.pipeline.is_some() {
+        return run_pipelined(args, &spec, mesh);
     }
     if mesh.ranks() > 1 {
         return run_partitioned(args, &spec, mesh);
@@ -134,11 +153,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let last = tail.iter().sum::<f64>() / tail.len() as f64;
         let elapsed = start.elapsed().as_secs_f64();
         println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
-        println!(
-            "  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s",
-            1e3 * elapsed / losses.len() as f64,
-            (losses.len() * trainer.tokens_per_step()) as f64 / elapsed
-        );
+        println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.len() as f64, (losses.len() * trainer.tokens_per_step()) as f64 / elapsed);
     }
     if let Some(path) = &args.save {
         let bytes = shardc_runtime::checkpoint::to_bytes(&trainer.parameters().into_diagnostic()?).into_diagnostic()?;
@@ -218,11 +233,7 @@ fn torch_step(python: &Path, spec_path: &Path, spec: &Spec, steps: u64) -> Resul
         .into_diagnostic()
         .wrap_err_with(|| format!("running {} bench/torch_step.py", python.display()))?;
     if !out.status.success() {
-        return Err(miette!(
-            help = "scripts/bench-torch sets up a virtual environment with PyTorch",
-            "the PyTorch benchmark failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
+        return Err(miette!(help = "scripts/bench-torch sets up a virtual environment with PyTorch", "the PyTorch benchmark failed:\n{}", String::from_utf8_lossy(&out.stderr)));
     }
     let result: serde_json::Value = serde_json::from_slice(&out.stdout).into_diagnostic().wrap_err("reading the PyTorch benchmark's JSON")?;
     let step = result["step_s"].as_f64().ok_or_else(|| miette!("the PyTorch benchmark printed no step_s"))?;
@@ -246,15 +257,10 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
         args.seed,
         crate::summary::bytes(program.peak_bytes() as u64)
     );
-    let algorithm = match args.collectives.as_str() {
-        "ring" => shardc_runtime::collectives::Algorithm::Ring,
-        "tree" => shardc_runtime::collectives::Algorithm::Tree,
-        other => return Err(miette!(help = "use ring or tree", "--collectives: unknown algorithm `{other}`")),
-    };
+    let algorithm = collective_algorithm(&args.collectives)?;
     let start = Instant::now();
     let timeout = std::time::Duration::from_secs(60);
-    let run = shardc_runtime::train::train_spmd_with(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, timeout, algorithm)
-        .into_diagnostic()?;
+    let run = shardc_runtime::train::train_spmd_with(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, timeout, algorithm).into_diagnostic()?;
     if args.log_every > 0 {
         for (i, loss) in run.losses.iter().enumerate() {
             if (i as u64 + 1) % args.log_every == 0 {
@@ -269,5 +275,68 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     }
     let sent: u64 = run.bytes_sent.iter().flat_map(|m| m.values()).sum();
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
+    Ok(())
+}
+
+fn collective_algorithm(name: &str) -> Result<shardc_runtime::collectives::Algorithm> {
+    match name {
+        "ring" => Ok(shardc_runtime::collectives::Algorithm::Ring),
+        "tree" => Ok(shardc_runtime::collectives::Algorithm::Tree),
+        other => Err(miette!(help = "use ring or tree", "--collectives: unknown algorithm `{other}`")),
+    }
+}
+
+/// `shardc run` with pipeline stages or several micro-batches per step.
+fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+    if args.load.is_some() || args.save.is_some() {
+        return Err(miette!(help = "run without --mesh and --microbatches to load or save parameters", "--load and --save work on one rank for now"));
+    }
+    let (programs, schedule) = compile_pipeline_programs(spec, &args.step, mesh)?;
+    let algorithm = collective_algorithm(&args.collectives)?;
+    let data_path = args.data.clone().unwrap_or_else(default_corpus);
+    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
+    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+    let peak = programs.iter().map(Program::peak_bytes).max().unwrap_or(0);
+    println!(
+        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} schedule, {} micro-batches of {} rows per step, {} steps, seed {}, peak planned memory per rank {}",
+        spec.name,
+        mesh.ranks(),
+        schedule.kind.label(),
+        schedule.microbatches,
+        spec.training.micro_batch,
+        args.steps,
+        args.seed,
+        crate::summary::bytes(peak as u64)
+    );
+    let start = Instant::now();
+    let run =
+        shardc_runtime::pipeline::train_pipeline(&programs, &schedule, args.seed, spec.model.layers as usize, &corpus, args.steps, std::time::Duration::from_secs(60), algorithm).into_diagnostic()?;
+    if let Some(step) = run.losses.iter().position(|l| !l.is_finite()) {
+        return Err(miette!(help = "lower --lr", "the loss became {} at step {}", run.losses[step], step + 1));
+    }
+    if args.log_every > 0 {
+        for (i, loss) in run.losses.iter().enumerate() {
+            if (i as u64 + 1) % args.log_every == 0 {
+                println!("step {} loss {loss:.6}", i + 1);
+            }
+        }
+    }
+    if let Some(first) = run.losses.first() {
+        let tail = &run.losses[run.losses.len().saturating_sub(10)..];
+        let last = tail.iter().sum::<f64>() / tail.len() as f64;
+        println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
+    }
+    let sent: u64 = run.bytes_sent.iter().flat_map(|m| m.values()).sum();
+    println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
+    println!(
+        "  pipeline    measured bubble {:.1}% of the last step; activations held at most {:?} micro-batches, {} per pipeline rank",
+        100.0 * run.timeline.bubble,
+        run.timeline.peak_in_flight,
+        run.peak_kept_bytes.iter().map(|b| crate::summary::bytes(*b as u64)).collect::<Vec<_>>().join(", ")
+    );
+    if let Some(path) = &args.trace {
+        std::fs::write(path, shardc_runtime::schedule::trace_json(&run.timeline)).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+        println!("  trace       {} (open in Perfetto or chrome://tracing)", path.display());
+    }
     Ok(())
 }

@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 
 use shardc_ir::ops::lookup;
 use shardc_ir::{ArgRole, AttrValue, Func, Value};
-use shardc_runtime::program::{Attr, Binding, Buffer, Instr, Layout, MemoryPlan, Program, Role, FORMAT_VERSION};
 use shardc_runtime::DType;
+use shardc_runtime::program::{Attr, Binding, Buffer, FORMAT_VERSION, Instr, Layout, MemoryPlan, PipelinePlan, Program, Role};
 
 /// Why a function cannot become a rank program.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -107,13 +107,12 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
     // under the argument's name (an optimizer update). Anything else would clobber an input
     // the caller still owns.
     let arg_name: std::collections::HashMap<Value, &str> = func.args.iter().map(|a| (a.value, a.name.as_str())).collect();
-    let returned_as: std::collections::HashMap<Value, &str> =
-        func.returns.iter().zip(&func.result_names).map(|(v, n)| (*v, n.as_str())).collect();
+    let returned_as: std::collections::HashMap<Value, &str> = func.returns.iter().zip(&func.result_names).map(|(v, n)| (*v, n.as_str())).collect();
     let mut instrs = Vec::with_capacity(func.ops.len());
     for (i, op) in func.ops.iter().enumerate() {
         let in_place = match lookup(&op.name) {
             Some(def) => def.in_place(),
-            None if op.name.starts_with("shard.") => &[],
+            None if op.name.starts_with("shard.") || op.name == "tensor.empty" => &[],
             None => return Err(unsupported(&op.loc, format!("`{}` has no kernel", op.name))),
         };
         let mut outputs = Vec::with_capacity(op.results.len());
@@ -168,15 +167,10 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
         .returns
         .iter()
         .enumerate()
-        .map(|(i, v)| Binding {
-            name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")),
-            buffer: buffer_of[v.0 as usize].unwrap(),
-            role: None,
-            layout: None,
-        })
+        .map(|(i, v)| Binding { name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")), buffer: buffer_of[v.0 as usize].unwrap(), role: None, layout: None })
         .collect();
     let mesh = grid.iter().map(|&e| e as usize).collect();
-    Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), mesh, buffers, args, results, instrs, memory })
+    Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), mesh, buffers, args, results, instrs, memory, pipeline: None })
 }
 
 /// Assigns every buffer a slot: arguments their own, temporaries by liveness.
@@ -221,13 +215,7 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
             let fitting = free.iter().enumerate().filter(|(_, s)| slots[**s].1 == dt && slots[**s].0 >= len).min_by_key(|(_, s)| slots[**s].0);
             let chosen = match fitting {
                 Some((at, _)) => Some(free.swap_remove(at)),
-                None => free
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| slots[**s].1 == dt)
-                    .max_by_key(|(_, s)| slots[**s].0)
-                    .map(|(at, _)| at)
-                    .map(|at| free.swap_remove(at)),
+                None => free.iter().enumerate().filter(|(_, s)| slots[**s].1 == dt).max_by_key(|(_, s)| slots[**s].0).map(|(at, _)| at).map(|at| free.swap_remove(at)),
             };
             let slot = match chosen {
                 Some(s) => {
@@ -248,4 +236,136 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
     }
     let temporary_bytes = slots[temp_slots_start..].iter().map(|(len, dt)| len * dt.bytes()).sum();
     MemoryPlan { slots, argument_bytes, temporary_bytes, temporary_bytes_without_reuse: without_reuse }
+}
+
+/// Lowers the pipeline stages of `module` (`@stage0 ..`, from the `split-stages` pass) to one
+/// rank program per pipeline rank (the `pp` coordinate, grid axis 2). Rank `r` holds stages
+/// `r, r + pp, r + 2 pp, ...` as its model chunks; their bodies are laid one after the other,
+/// arguments shared by name (the inputs), so one memory plan covers them. The program's
+/// [`PipelinePlan`] says where each chunk's forward, backward, weight and step sections are,
+/// and which buffers a runtime must keep per micro-batch (read by a later section of the same
+/// micro-batch) or sum over micro-batches (gradients the step section reads).
+pub fn lower_pipeline(module: &shardc_ir::Module, grid: &[i64]) -> Result<Vec<Program>, CodegenError> {
+    let unsupported = |func: &str, reason: String| CodegenError::Unsupported { func: func.to_string(), loc: "module".into(), reason };
+    let stages: Vec<&Func> = (0..).map_while(|k| module.func(&format!("stage{k}"))).collect();
+    let pp = grid.get(2).copied().unwrap_or(1).max(1) as usize;
+    if stages.is_empty() || stages.len() % pp != 0 {
+        return Err(unsupported("stage0", format!("{} pipeline stages cannot be dealt to pp={pp} ranks", stages.len())));
+    }
+    let chunks = stages.len() / pp;
+    (0..pp)
+        .map(|rank| {
+            let mine: Vec<&Func> = (0..chunks).map(|c| stages[c * pp + rank]).collect();
+            let (combined, chunk_of) = concat_stages(&mine, rank);
+            let mut program = lower_func_on(&combined, grid)?;
+            program.pipeline = Some(pipeline_plan(&program, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?);
+            Ok(program)
+        })
+        .collect()
+}
+
+/// One function holding `stages` back to back (arguments merged by name), and the chunk of
+/// each op.
+fn concat_stages(stages: &[&Func], rank: usize) -> (Func, Vec<usize>) {
+    let mut func = Func {
+        name: format!("pipeline_rank{rank}"),
+        args: Vec::new(),
+        ops: Vec::new(),
+        returns: Vec::new(),
+        result_names: Vec::new(),
+        types: Vec::new(),
+        shardings: Default::default(),
+        constraints: Default::default(),
+    };
+    let mut by_name: std::collections::HashMap<String, Value> = std::collections::HashMap::new();
+    let mut maps: Vec<std::collections::HashMap<Value, Value>> = vec![Default::default(); stages.len()];
+    for (c, stage) in stages.iter().enumerate() {
+        for arg in &stage.args {
+            let v = *by_name.entry(arg.name.clone()).or_insert_with(|| {
+                func.types.push(stage.ty(arg.value).clone());
+                let v = Value(func.types.len() as u32 - 1);
+                func.args.push(shardc_ir::graph::FuncArg { value: v, ..arg.clone() });
+                v
+            });
+            maps[c].insert(arg.value, v);
+        }
+    }
+    let mut chunk_of = Vec::new();
+    for (c, stage) in stages.iter().enumerate() {
+        for op in &stage.ops {
+            let mut op2 = op.clone();
+            op2.operands = op.operands.iter().map(|v| maps[c][v]).collect();
+            op2.results = op
+                .results
+                .iter()
+                .map(|r| {
+                    func.types.push(stage.ty(*r).clone());
+                    let v = Value(func.types.len() as u32 - 1);
+                    maps[c].insert(*r, v);
+                    v
+                })
+                .collect();
+            func.ops.push(op2);
+            chunk_of.push(c);
+        }
+        func.returns.extend(stage.returns.iter().map(|v| maps[c][v]));
+        func.result_names.extend(stage.result_names.iter().cloned());
+    }
+    (func, chunk_of)
+}
+
+/// Sections and per-micro-batch buffers of a lowered, concatenated pipeline rank.
+fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize, pp: usize, chunks: usize) -> Result<PipelinePlan, String> {
+    use shardc_runtime::program::{ChunkPlan, Section};
+    if program.instrs.len() != func.ops.len() {
+        return Err("codegen emitted instructions that are not one per op".into());
+    }
+    let phase_of = |i: usize| -> Result<Section, String> {
+        match func.ops[i].attrs.get("xf.phase") {
+            Some(AttrValue::Str(s)) => Section::parse(s).ok_or_else(|| format!("{}: unknown phase `{s}`", func.ops[i].loc)),
+            _ => Err(format!("{}: `{}` has no xf.phase", func.ops[i].loc, func.ops[i].name)),
+        }
+    };
+    let mut plans: Vec<ChunkPlan> = (0..chunks).map(|c| ChunkPlan { stage: c * pp + rank, ..ChunkPlan::default() }).collect();
+    let is_arg: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
+    // Section that defines each buffer.
+    let mut defined: std::collections::HashMap<usize, (usize, Section)> = std::collections::HashMap::new();
+    for (i, instr) in program.instrs.iter().enumerate() {
+        let (c, section) = (chunk_of[i], phase_of(i)?);
+        let range = &mut plans[c].sections[section as usize];
+        if range.1 == 0 {
+            *range = (i, i + 1);
+        } else if range.1 == i {
+            range.1 = i + 1;
+        } else {
+            return Err(format!("{}: the {} section of chunk {c} is not contiguous", instr.loc, section.label()));
+        }
+        for &b in &instr.inputs {
+            let Some(&(dc, made)) = defined.get(&b) else {
+                continue;
+            };
+            if dc != c || made == section {
+                continue;
+            }
+            let plan = &mut plans[c];
+            let list = match (made, section) {
+                (Section::Forward, Section::Backward | Section::Weight) => &mut plan.keep_forward,
+                (Section::Backward, Section::Weight) => &mut plan.keep_backward,
+                (Section::Backward, Section::Step) => &mut plan.sum_backward,
+                (Section::Weight, Section::Step) => &mut plan.sum_weight,
+                _ => {
+                    return Err(format!("{}: reads a {} value in the {} section", instr.loc, made.label(), section.label()));
+                }
+            };
+            if !list.contains(&b) {
+                list.push(b);
+            }
+        }
+        for &b in &instr.outputs {
+            if !is_arg.contains(&b) {
+                defined.insert(b, (c, section));
+            }
+        }
+    }
+    Ok(PipelinePlan { rank, ranks: pp, chunks: plans })
 }

@@ -85,8 +85,8 @@ impl Mesh {
         if !m.ffn_hidden.is_multiple_of(self.tp) {
             error(format!("tp={} does not divide ffn_hidden={}", self.tp, m.ffn_hidden), divisors_help("tp", m.ffn_hidden));
         }
-        if self.pp > m.layers {
-            error(format!("pp={} exceeds the {} layers (each stage needs at least one)", self.pp, m.layers), format!("use pp <= {}", m.layers));
+        if self.pp > 2 * m.layers + 2 {
+            error(format!("pp={} exceeds the {} blocks of the model (embedding, attention and MLP of each layer, head)", self.pp, 2 * m.layers + 2), format!("use pp <= {}", 2 * m.layers + 2));
         }
         let replicas_batch = self.dp.saturating_mul(spec.training.micro_batch);
         if !spec.training.global_batch.is_multiple_of(replicas_batch) {

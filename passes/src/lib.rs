@@ -16,15 +16,17 @@ mod autodiff;
 mod optimizer;
 mod pipeline;
 pub mod sharding;
+mod stages;
 mod verify_pass;
 
-pub use autodiff::{differentiate, Autodiff, Recompute};
+pub use autodiff::{Autodiff, Recompute, differentiate};
 pub use optimizer::{Optimizer, OptimizerKind};
 pub use pipeline::{Changed, Pass, PassError, PassRecord, Pipeline, PipelineReport};
+pub use stages::{PP_AXIS, Phase, SplitStages, balance, op_time};
 pub use verify_pass::VerifyShapes;
 
 /// Options of the compile pipeline.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CompileOptions {
     /// Activation recomputation.
     pub recompute: Recompute,
@@ -42,6 +44,21 @@ pub struct CompileOptions {
     pub sequence_parallel: bool,
     /// Largest data-parallel gradient bucket in bytes (0: no buckets, synchronous syncs).
     pub grad_bucket_bytes: u64,
+    /// Pipeline stages and micro-batches; `None`: one micro-batch per step, no stages.
+    pub pipeline: Option<PipelineOptions>,
+}
+
+/// How the training step is cut into pipeline stages and micro-batches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PipelineOptions {
+    /// Model chunks per pipeline rank (interleaved schedules), 1 otherwise.
+    pub chunks: usize,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    pub microbatches: usize,
+    /// Layer ranges per stage, overriding the cost balance.
+    pub manual: Option<Vec<(usize, usize)>>,
+    /// Split backward sections into input and weight gradients (zero-bubble schedules).
+    pub split_weight_grads: bool,
 }
 
 impl Default for CompileOptions {
@@ -55,6 +72,7 @@ impl Default for CompileOptions {
             zero: 0,
             sequence_parallel: false,
             grad_bucket_bytes: 25 << 20,
+            pipeline: None,
         }
     }
 }
@@ -67,22 +85,25 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
     if tp > 1 && options.kv_heads % tp != 0 {
         pipeline = pipeline.then(sharding::ExpandKvHeads { tp });
     }
-    let pipeline = pipeline
-        .then(Autodiff { recompute: options.recompute })
-        .then(Optimizer { kind: options.optimizer });
-    if options.mesh.ranks() <= 1 {
+    let pipeline = pipeline.then(Autodiff { recompute: options.recompute }).then(Optimizer { kind: options.optimizer });
+    if options.mesh.ranks() <= 1 && options.pipeline.is_none() {
         return pipeline;
     }
     let pipeline = pipeline
-        .then(sharding::ShardMegatron {
-            mesh: options.mesh,
-            zero: options.zero,
-            sequence_parallel: options.sequence_parallel,
-            vocab: options.vocab,
-            kv_heads: options.kv_heads,
-        })
+        .then(sharding::ShardMegatron { mesh: options.mesh, zero: options.zero, sequence_parallel: options.sequence_parallel, vocab: options.vocab, kv_heads: options.kv_heads })
         .then(sharding::PropagateSharding)
         .then(sharding::Partition);
+    if let Some(stages) = &options.pipeline {
+        // Gradient syncs run once per global batch on the accumulated gradients, in the
+        // stages' step sections; buckets are for syncs inside a single backward pass.
+        return pipeline.then(SplitStages {
+            ranks: options.mesh.pp as usize,
+            chunks: stages.chunks,
+            microbatches: stages.microbatches,
+            manual: stages.manual.clone(),
+            split_weight_grads: stages.split_weight_grads,
+        });
+    }
     if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 {
         return pipeline.then(sharding::BucketGradients { bucket_bytes: options.grad_bucket_bytes });
     }

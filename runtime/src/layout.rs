@@ -55,8 +55,20 @@ pub fn local_shard<T: Copy + Default>(global: &[T], layout: &Layout, mesh: &Mesh
 /// The global tensor from every rank's shard (`shards[rank]`); replicas overwrite each other
 /// with what must be the same values.
 pub fn assemble<T: Copy + Default>(shards: &[Vec<T>], layout: &Layout, mesh: &MeshShape) -> Vec<T> {
+    let indexed: Vec<(usize, &[T])> = shards.iter().enumerate().map(|(rank, s)| (rank, s.as_slice())).collect();
+    assemble_from(&indexed, layout, mesh)
+}
+
+/// The global tensor from the shards of the ranks that hold it, `(rank, shard)` (pipeline
+/// stages hold only their own parameters).
+pub fn assemble_some<T: Copy + Default>(shards: &[(usize, Vec<T>)], layout: &Layout, mesh: &MeshShape) -> Vec<T> {
+    let indexed: Vec<(usize, &[T])> = shards.iter().map(|(rank, s)| (*rank, s.as_slice())).collect();
+    assemble_from(&indexed, layout, mesh)
+}
+
+fn assemble_from<T: Copy + Default>(shards: &[(usize, &[T])], layout: &Layout, mesh: &MeshShape) -> Vec<T> {
     let mut out = vec![T::default(); layout.global_shape.iter().product()];
-    for (rank, shard) in shards.iter().enumerate() {
+    for &(rank, shard) in shards {
         for_each(layout, mesh, rank, |g, l| out[g] = shard[l]);
     }
     out

@@ -19,6 +19,7 @@ pub mod data;
 mod error;
 pub mod init;
 pub mod layout;
+pub mod pipeline;
 pub mod program;
 pub mod report;
 pub mod schedule;

@@ -204,6 +204,83 @@ pub struct Program {
     pub instrs: Vec<Instr>,
     /// Slots and memory figures.
     pub memory: MemoryPlan,
+    /// For a pipeline rank: its model chunks and their sections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelinePlan>,
+}
+
+/// A section of a pipeline stage: what runs per micro-batch (forward, backward, weight) and
+/// once per global batch (step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Section {
+    /// What the loss needs.
+    Forward = 0,
+    /// Input gradients (and weight gradients unless split off).
+    Backward = 1,
+    /// Weight gradients (zero-bubble schedules).
+    Weight = 2,
+    /// Optimizer updates on the gradients summed over micro-batches.
+    Step = 3,
+}
+
+impl Section {
+    /// The IR's `xf.phase` name.
+    pub fn label(self) -> &'static str {
+        match self {
+            Section::Forward => "forward",
+            Section::Backward => "backward",
+            Section::Weight => "weight",
+            Section::Step => "step",
+        }
+    }
+
+    /// Parses an `xf.phase` name.
+    pub fn parse(text: &str) -> Option<Section> {
+        Some(match text {
+            "forward" => Section::Forward,
+            "backward" => Section::Backward,
+            "weight" => Section::Weight,
+            "step" => Section::Step,
+            _ => return None,
+        })
+    }
+}
+
+/// One model chunk (pipeline stage) of a pipeline rank.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChunkPlan {
+    /// The pipeline stage this chunk is.
+    pub stage: usize,
+    /// Instruction range `[start, end)` of each section, indexed by [`Section`].
+    pub sections: [(usize, usize); 4],
+    /// Buffers the forward section makes and a later section of the same micro-batch reads.
+    pub keep_forward: Vec<BufferId>,
+    /// Buffers the backward section makes and the weight section reads.
+    pub keep_backward: Vec<BufferId>,
+    /// Buffers the backward section makes and the step reads: summed over micro-batches.
+    pub sum_backward: Vec<BufferId>,
+    /// Buffers the weight section makes and the step reads: summed over micro-batches.
+    pub sum_weight: Vec<BufferId>,
+}
+
+impl ChunkPlan {
+    /// The instruction range of `section`.
+    pub fn range(&self, section: Section) -> std::ops::Range<usize> {
+        let (start, end) = self.sections[section as usize];
+        start..end
+    }
+}
+
+/// The pipeline facts of a rank program.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PipelinePlan {
+    /// This program's pipeline rank (its `pp` coordinate).
+    pub rank: usize,
+    /// Pipeline ranks.
+    pub ranks: usize,
+    /// Model chunks, in chunk order (stage `rank + chunk * ranks`).
+    pub chunks: Vec<ChunkPlan>,
 }
 
 impl Program {
@@ -226,10 +303,7 @@ impl Program {
     pub fn from_json(text: &str) -> Result<Program, crate::RuntimeError> {
         let program: Program = serde_json::from_str(text).map_err(|e| crate::RuntimeError::Program(format!("not a rank program: {e}")))?;
         if program.format_version != FORMAT_VERSION {
-            return Err(crate::RuntimeError::Program(format!(
-                "format version {} is not supported (this runtime reads version {FORMAT_VERSION}); recompile the plan",
-                program.format_version
-            )));
+            return Err(crate::RuntimeError::Program(format!("format version {} is not supported (this runtime reads version {FORMAT_VERSION}); recompile the plan", program.format_version)));
         }
         Ok(program)
     }
@@ -262,6 +336,14 @@ impl Program {
         }
         if !self.args.iter().chain(&self.results).all(|b| in_range(&b.buffer)) {
             return bad("an argument or result names a buffer out of range".into());
+        }
+        if let Some(pipeline) = &self.pipeline {
+            for chunk in &pipeline.chunks {
+                let lists = [&chunk.keep_forward, &chunk.keep_backward, &chunk.sum_backward, &chunk.sum_weight];
+                if !lists.iter().all(|l| l.iter().all(in_range)) || chunk.sections.iter().any(|&(s, e)| s > e || e > self.instrs.len()) {
+                    return bad(format!("pipeline chunk {} names a buffer or instruction out of range", chunk.stage));
+                }
+            }
         }
         Ok(())
     }

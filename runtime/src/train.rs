@@ -1,11 +1,11 @@
 //! A training loop over a compiled `train_step` program: parameters initialised (or loaded),
 //! optimizer state zeroed, one step per call on a batch from the corpus.
 
+use crate::RuntimeError;
 use crate::cpu::CpuExecutor;
 use crate::data::ByteCorpus;
 use crate::init::init_param;
 use crate::program::{Program, Role};
-use crate::RuntimeError;
 
 /// Drives `train_step` on the CPU.
 #[derive(Debug)]
@@ -90,7 +90,7 @@ impl Trainer {
 }
 
 /// Writes f64 values into an f32 or f64 argument.
-fn write_f64(exec: &mut CpuExecutor, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
+pub(crate) fn write_f64(exec: &mut CpuExecutor, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
     match exec.write::<f64>(name, values) {
         Ok(()) => Ok(()),
         Err(_) => exec.write::<f32>(name, &values.iter().map(|&v| v as f32).collect::<Vec<_>>()),
@@ -128,8 +128,22 @@ fn on_every_rank<R: Send>(
     algorithm: crate::collectives::Algorithm,
     body: impl Fn(&mut CpuExecutor, &crate::collectives::MeshShape, usize) -> Result<R, RuntimeError> + Sync,
 ) -> Result<Vec<R>, RuntimeError> {
-    use crate::collectives::{world, MeshShape};
-    let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
+    on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, algorithm, body)
+}
+
+/// [`on_every_rank`] for pipeline-parallel programs: the rank at `pp` coordinate `s` runs
+/// `programs[s]` (one program: every rank runs it).
+pub(crate) fn on_every_rank_of<R: Send>(
+    programs: &[Program],
+    seed: u64,
+    layers: usize,
+    timeout: std::time::Duration,
+    algorithm: crate::collectives::Algorithm,
+    body: impl Fn(&mut CpuExecutor, &crate::collectives::MeshShape, usize) -> Result<R, RuntimeError> + Sync,
+) -> Result<Vec<R>, RuntimeError> {
+    use crate::collectives::{MeshShape, world};
+    let first = programs.first().ok_or_else(|| RuntimeError::Program("no programs to run".into()))?;
+    let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
     let comms = world(mesh.ranks(), timeout);
     let results: Vec<Result<R, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -138,6 +152,10 @@ fn on_every_rank<R: Send>(
                 let (mesh, body) = (&mesh, &body);
                 s.spawn(move || {
                     let rank = comm.rank();
+                    let program = match programs {
+                        [only] => only,
+                        _ => programs.get(mesh.coords(rank).get(2).copied().unwrap_or(0)).ok_or_else(|| RuntimeError::Program(format!("no program for rank {rank}")))?,
+                    };
                     let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
                     for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
                         let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
@@ -206,7 +224,7 @@ pub fn train_spmd_with(
 }
 
 /// Reads an f32 or f64 buffer as f64.
-fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, RuntimeError> {
+pub(crate) fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, RuntimeError> {
     match exec.read::<f64>(name) {
         Ok(v) => Ok(v.to_vec()),
         Err(_) => Ok(exec.read::<f32>(name)?.iter().map(|&v| v as f64).collect()),

@@ -76,9 +76,6 @@ impl Pass for ShardMegatron {
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
         let user = |message: String| PassError::User { pass: "shard-megatron".into(), message };
         let (dp, tp) = (self.mesh.dp as i64, self.mesh.tp as i64);
-        if self.mesh.pp > 1 {
-            return Err(user("pipeline parallelism (pp > 1) is not supported yet; use dp and tp".into()));
-        }
         module.grids = vec![Grid { name: "mesh".into(), shape: vec![dp, tp, self.mesh.pp as i64], axes: vec!["dp".into(), "tp".into(), "pp".into()] }];
         let func = module
             .funcs

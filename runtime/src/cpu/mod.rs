@@ -9,7 +9,7 @@ mod gemm;
 mod kernels;
 
 use crate::collectives::{Algorithm, AsyncComm, Communicator, MeshShape, ReduceOp};
-use crate::program::{Buffer, Instr, Program, Role};
+use crate::program::{Buffer, BufferId, Instr, Program, Role};
 use crate::{DType, RuntimeError};
 
 /// Typed contents of one slot.
@@ -77,9 +77,7 @@ impl<'a> In<'a> {
         matches!(self.storage, Storage::Empty)
     }
     pub(crate) fn get<T: Element>(&self) -> Result<&'a [T], String> {
-        T::slice(self.storage)
-            .map(|s| &s[..self.buffer.len()])
-            .ok_or_else(|| format!("input `{}` is not {:?}", self.buffer.name, T::DTYPE))
+        T::slice(self.storage).map(|s| &s[..self.buffer.len()]).ok_or_else(|| format!("input `{}` is not {:?}", self.buffer.name, T::DTYPE))
     }
 }
 
@@ -115,10 +113,16 @@ pub struct CpuExecutor {
     comm: Option<AsyncComm>,
     mesh: MeshShape,
     algorithm: Algorithm,
+    /// (step, micro-batch) of the work running now: pipeline sends and receives are paired
+    /// by it and their transfer number.
+    transfer_context: (u64, u64),
 }
 
 /// The collectives the executor runs itself (everything else is a kernel).
-const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter"];
+const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.send", "shard.recv", "tensor.empty"];
+
+/// Grid axis of pipeline parallelism, along which sends and receives go.
+const PP_AXIS: usize = 2;
 
 impl CpuExecutor {
     /// Validates `program` and allocates its slots, zero-filled.
@@ -137,13 +141,11 @@ impl CpuExecutor {
                 DType::F32 => Ok(Storage::F32(vec![0.0; len])),
                 DType::F64 => Ok(Storage::F64(vec![0.0; len])),
                 DType::I32 => Ok(Storage::I32(vec![0; len])),
-                DType::Bf16 => Err(RuntimeError::Program(
-                    "bf16 programs need an accelerator backend; set dtype = \"f32\" in the spec to run on the CPU".into(),
-                )),
+                DType::Bf16 => Err(RuntimeError::Program("bf16 programs need an accelerator backend; set dtype = \"f32\" in the spec to run on the CPU".into())),
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring })
+        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring, transfer_context: (0, 0) })
     }
 
     /// Sets up a partitioned program on the rank `comm` belongs to.
@@ -178,11 +180,7 @@ impl CpuExecutor {
     }
 
     fn binding(&self, name: &str) -> Result<&Buffer, RuntimeError> {
-        let binding = self
-            .program
-            .arg(name)
-            .or_else(|| self.program.result(name))
-            .ok_or_else(|| RuntimeError::Binding(format!("the program has no argument or result `{name}`")))?;
+        let binding = self.program.arg(name).or_else(|| self.program.result(name)).ok_or_else(|| RuntimeError::Binding(format!("the program has no argument or result `{name}`")))?;
         Ok(&self.program.buffers[binding.buffer])
     }
 
@@ -190,14 +188,7 @@ impl CpuExecutor {
     pub fn write<T: Element>(&mut self, name: &str, data: &[T]) -> Result<(), RuntimeError> {
         let buffer = self.binding(name)?.clone();
         if buffer.len() != data.len() || buffer.dtype != T::DTYPE {
-            return Err(RuntimeError::Binding(format!(
-                "`{name}` takes {} {:?} elements (shape {:?}), got {} {:?}",
-                buffer.len(),
-                buffer.dtype,
-                buffer.shape,
-                data.len(),
-                T::DTYPE
-            )));
+            return Err(RuntimeError::Binding(format!("`{name}` takes {} {:?} elements (shape {:?}), got {} {:?}", buffer.len(), buffer.dtype, buffer.shape, data.len(), T::DTYPE)));
         }
         let slot = T::slice_mut(&mut self.slots[buffer.slot]).ok_or_else(|| RuntimeError::Binding(format!("`{name}` has no storage")))?;
         slot[..data.len()].copy_from_slice(data);
@@ -207,19 +198,12 @@ impl CpuExecutor {
     /// Reads a result or argument.
     pub fn read<T: Element>(&self, name: &str) -> Result<&[T], RuntimeError> {
         let buffer = self.binding(name)?;
-        T::slice(&self.slots[buffer.slot])
-            .map(|s| &s[..buffer.len()])
-            .ok_or_else(|| RuntimeError::Binding(format!("`{name}` is {:?}, not {:?}", buffer.dtype, T::DTYPE)))
+        T::slice(&self.slots[buffer.slot]).map(|s| &s[..buffer.len()]).ok_or_else(|| RuntimeError::Binding(format!("`{name}` is {:?}, not {:?}", buffer.dtype, T::DTYPE)))
     }
 
     /// Names and shapes of the arguments with `role`.
     pub fn args_with(&self, role: Role) -> Vec<(String, Vec<usize>)> {
-        self.program
-            .args
-            .iter()
-            .filter(|a| a.role == Some(role))
-            .map(|a| (a.name.clone(), self.program.buffers[a.buffer].shape.clone()))
-            .collect()
+        self.program.args.iter().filter(|a| a.role == Some(role)).map(|a| (a.name.clone(), self.program.buffers[a.buffer].shape.clone())).collect()
     }
 
     /// Copies every result that is the new value of an argument (same name) into that
@@ -227,13 +211,7 @@ impl CpuExecutor {
     /// (Usually the update happened in place and there is nothing to copy; a sharded update
     /// that is gathered back returns a fresh buffer.)
     pub fn carry_state(&mut self) -> Result<(), RuntimeError> {
-        let pairs: Vec<(usize, usize)> = self
-            .program
-            .results
-            .iter()
-            .filter_map(|r| self.program.arg(&r.name).map(|a| (r.buffer, a.buffer)))
-            .filter(|(r, a)| r != a)
-            .collect();
+        let pairs: Vec<(usize, usize)> = self.program.results.iter().filter_map(|r| self.program.arg(&r.name).map(|a| (r.buffer, a.buffer))).filter(|(r, a)| r != a).collect();
         for (from, to) in pairs {
             let (from, to) = (&self.program.buffers[from], &self.program.buffers[to]);
             if from.slot == to.slot {
@@ -245,7 +223,66 @@ impl CpuExecutor {
                 (Storage::F32(s), Storage::F32(d)) => d[..len].copy_from_slice(&s[..len]),
                 (Storage::F64(s), Storage::F64(d)) => d[..len].copy_from_slice(&s[..len]),
                 (Storage::I32(s), Storage::I32(d)) => d[..len].copy_from_slice(&s[..len]),
-                _ => return Err(RuntimeError::Binding(format!("result `{}` and its argument differ in type", from.name))),
+                _ => {
+                    return Err(RuntimeError::Binding(format!("result `{}` and its argument differ in type", from.name)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the (step, micro-batch) that pipeline sends and receives of the next instructions
+    /// belong to.
+    pub fn set_transfer_context(&mut self, step: u64, microbatch: u64) {
+        self.transfer_context = (step, microbatch);
+    }
+
+    /// Copies of the values of `buffers`.
+    pub fn save(&self, buffers: &[BufferId]) -> Vec<Storage> {
+        buffers
+            .iter()
+            .map(|&b| {
+                let buffer = &self.program.buffers[b];
+                match &self.slots[buffer.slot] {
+                    Storage::F32(v) => Storage::F32(v[..buffer.len()].to_vec()),
+                    Storage::F64(v) => Storage::F64(v[..buffer.len()].to_vec()),
+                    Storage::I32(v) => Storage::I32(v[..buffer.len()].to_vec()),
+                    Storage::Empty => Storage::Empty,
+                }
+            })
+            .collect()
+    }
+
+    /// Writes values [`CpuExecutor::save`]d from `buffers` back into them.
+    pub fn restore(&mut self, buffers: &[BufferId], values: &[Storage]) -> Result<(), RuntimeError> {
+        for (&b, value) in buffers.iter().zip(values) {
+            let slot = self.program.buffers[b].slot;
+            match (value, &mut self.slots[slot]) {
+                (Storage::F32(s), Storage::F32(d)) => d[..s.len()].copy_from_slice(s),
+                (Storage::F64(s), Storage::F64(d)) => d[..s.len()].copy_from_slice(s),
+                (Storage::I32(s), Storage::I32(d)) => d[..s.len()].copy_from_slice(s),
+                _ => {
+                    return Err(RuntimeError::Binding(format!("`{}`: restored value of another type", self.program.buffers[b].name)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds the values of `buffers` into `sums` (empty: starts them).
+    pub fn accumulate(&self, buffers: &[BufferId], sums: &mut Vec<Storage>) -> Result<(), RuntimeError> {
+        if sums.is_empty() {
+            *sums = self.save(buffers);
+            return Ok(());
+        }
+        for (&b, sum) in buffers.iter().zip(sums.iter_mut()) {
+            let buffer = &self.program.buffers[b];
+            match (sum, &self.slots[buffer.slot]) {
+                (Storage::F32(d), Storage::F32(s)) => d.iter_mut().zip(s.iter()).for_each(|(d, s)| *d += s),
+                (Storage::F64(d), Storage::F64(s)) => d.iter_mut().zip(s.iter()).for_each(|(d, s)| *d += s),
+                _ => {
+                    return Err(RuntimeError::Binding(format!("`{}`: only float values are summed over micro-batches", buffer.name)));
+                }
             }
         }
         Ok(())
@@ -253,12 +290,17 @@ impl CpuExecutor {
 
     /// Runs every instruction once.
     pub fn run(&mut self) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm } = self;
+        self.run_range(0..self.program.instrs.len())
+    }
+
+    /// Runs the instructions of `range` (one section of a pipeline stage) once.
+    pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
+        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
         let mut in_flight: std::collections::HashMap<i64, InFlight> = std::collections::HashMap::new();
-        for (index, instr) in program.instrs.iter().enumerate() {
+        for (index, instr) in program.instrs.iter().enumerate().skip(range.start).take(range.len()) {
             // A wait for a bucket on the wire: take its result back into its members' slots.
             if instr.op == "xf.wait" {
                 if let Some(flight) = instr.int("xf.bucket").ok().and_then(|b| in_flight.remove(&b)) {
@@ -276,15 +318,10 @@ impl CpuExecutor {
                 })
                 .collect();
             let result = {
-                let ins: Vec<In<'_>> =
-                    instr.inputs.iter().map(|&b| In { buffer: &program.buffers[b], storage: &slots[program.buffers[b].slot] }).collect();
-                let mut outs: Vec<Out<'_>> = taken
-                    .iter_mut()
-                    .zip(&instr.outputs)
-                    .map(|((_, storage), &b)| Out { buffer: &program.buffers[b], storage })
-                    .collect();
+                let ins: Vec<In<'_>> = instr.inputs.iter().map(|&b| In { buffer: &program.buffers[b], storage: &slots[program.buffers[b].slot] }).collect();
+                let mut outs: Vec<Out<'_>> = taken.iter_mut().zip(&instr.outputs).map(|((_, storage), &b)| Out { buffer: &program.buffers[b], storage }).collect();
                 if COLLECTIVES.contains(&instr.op.as_str()) {
-                    collective(instr, &ins, &mut outs, comm.as_mut(), mesh, rank, *algorithm)
+                    collective(instr, &ins, &mut outs, comm.as_mut(), mesh, rank, *algorithm, *transfer_context)
                 } else {
                     kernels::run(instr, &ins, &mut outs, &cx)
                 }
@@ -302,8 +339,12 @@ impl CpuExecutor {
                 staged.push(index);
                 if staged.len() as i64 == members {
                     let staged = waiting.remove(&bucket).unwrap_or_default();
-                    let flight = send_bucket(&staged, program, slots, comm.as_mut(), mesh, rank, *algorithm)
-                        .map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+                    let flight = send_bucket(&staged, program, slots, comm.as_mut(), mesh, rank, *algorithm).map_err(|message| RuntimeError::Kernel {
+                        index,
+                        op: instr.op.clone(),
+                        loc: instr.loc.clone(),
+                        message,
+                    })?;
                     in_flight.insert(bucket, flight);
                 }
             }
@@ -389,11 +430,64 @@ fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm
 }
 
 /// Runs a `shard` collective of this rank.
-fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], comm: Option<&mut AsyncComm>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<(), String> {
-    match ins[0].dtype() {
-        DType::F64 => collective_typed::<f64>(instr, ins, outs, comm, mesh, rank, algorithm),
-        DType::I32 => collective_typed::<i32>(instr, ins, outs, comm, mesh, rank, algorithm),
-        _ => collective_typed::<f32>(instr, ins, outs, comm, mesh, rank, algorithm),
+#[allow(clippy::too_many_arguments)]
+fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], comm: Option<&mut AsyncComm>, mesh: &MeshShape, rank: usize, algorithm: Algorithm, context: (u64, u64)) -> Result<(), String> {
+    let dtype = ins.first().map_or_else(|| outs[0].buffer.dtype, In::dtype);
+    match instr.op.as_str() {
+        "tensor.empty" => match dtype {
+            DType::F64 => Ok(outs[0].get::<f64>()?.fill(0.0)),
+            DType::I32 => Ok(outs[0].get::<i32>()?.fill(0)),
+            _ => Ok(outs[0].get::<f32>()?.fill(0.0)),
+        },
+        "shard.send" | "shard.recv" => match dtype {
+            DType::F64 => point_to_point::<f64>(instr, ins, outs, comm, mesh, rank, context),
+            DType::I32 => point_to_point::<i32>(instr, ins, outs, comm, mesh, rank, context),
+            _ => point_to_point::<f32>(instr, ins, outs, comm, mesh, rank, context),
+        },
+        _ => match dtype {
+            DType::F64 => collective_typed::<f64>(instr, ins, outs, comm, mesh, rank, algorithm),
+            DType::I32 => collective_typed::<i32>(instr, ins, outs, comm, mesh, rank, algorithm),
+            _ => collective_typed::<f32>(instr, ins, outs, comm, mesh, rank, algorithm),
+        },
+    }
+}
+
+/// A pipeline send or receive between stage ranks along the `pp` axis. The message tag is
+/// the transfer number with the (step, micro-batch) being run, so every send meets the one
+/// receive that expects it, whatever order the schedule runs them in.
+fn point_to_point<T: Element + crate::collectives::Elem + Default>(
+    instr: &Instr,
+    ins: &[In<'_>],
+    outs: &mut [Out<'_>],
+    comm: Option<&mut AsyncComm>,
+    mesh: &MeshShape,
+    rank: usize,
+    (step, microbatch): (u64, u64),
+) -> Result<(), String> {
+    let comm = comm.ok_or("a pipeline send or receive needs a communicator: run the program with one rank per mesh position")?;
+    let transfer = instr.int("xf.transfer")? as u64;
+    if transfer >= 1 << 20 || microbatch >= 1 << 16 || step >= 1 << 28 {
+        return Err(format!("transfer {transfer}, micro-batch {microbatch} or step {step} is too large to tag"));
+    }
+    let tag = (step << 36) | (transfer << 16) | microbatch;
+    let group = mesh.group(rank, &[PP_AXIS]);
+    let (peer_attr, peer_name) = if instr.op == "shard.send" { ("destination", "destination") } else { ("source", "source") };
+    let peer = instr.ints(peer_attr)?.first().copied().ok_or_else(|| format!("`{}` has no {peer_name}", instr.op))?;
+    let peer = *group.get(peer as usize).ok_or_else(|| format!("{peer_name} {peer} is outside the pp axis of {} ranks", group.len()))?;
+    if instr.op == "shard.send" {
+        let data = ins[0].get::<T>()?.to_vec();
+        comm.call(move |c| c.send(peer, tag, &data)).map_err(|e| e.to_string())
+    } else {
+        let out = outs[0].get::<T>()?;
+        let len = out.len();
+        let data: Vec<T> = comm
+            .call(move |c| {
+                let mut data = vec![T::default(); len];
+                c.recv(peer, tag, &mut data).map(|()| data)
+            })
+            .map_err(|e| e.to_string())?;
+        out.copy_from_slice(&data);
+        Ok(())
     }
 }
 

@@ -1,0 +1,556 @@
+//! `split-stages`: cuts the (partitioned) `@train_step` into pipeline stages.
+//!
+//! Input: `@train_step` from the optimizer pass (and, on a multi-rank mesh, the sharding
+//! passes), over a grid whose third axis is `pp`. Output: `@stage0 .. @stage{S-1}` (S = pp x
+//! virtual stages per rank) and no `@train_step`. Stage `k` runs on pipeline rank `k % pp`
+//! as its model chunk `k / pp` (round-robin, so interleaved 1F1B falls out).
+//!
+//! **Where ops go.** The model is cut into blocks: the embedding, each layer's attention
+//! block and MLP block, and the head (final norm, LM head, loss). Each block weighs what its
+//! ops cost (forward, backward and update ops together, priced by the registry's FLOP and
+//! byte facts on a roofline, see [`op_time`]), and consecutive blocks are dealt to stages to
+//! minimise the heaviest stage, so the embedding and the head weigh on the first and last
+//! stages. A manual split (`layers` ranges per stage) overrides the balance. Every op follows
+//! its block by location (`layers.3.mlp.up.grad` is layer 3's MLP block, `optimizer.<param>`
+//! is that parameter's block).
+//!
+//! **Phases.** Each op of a stage gets an `xf.phase`: `forward` (everything the loss needs),
+//! `backward`, `weight` (with `split_weight_grads`: backward ops no other stage waits for,
+//! the weight gradients that zero-bubble schedules defer) and `step` (updates, and the
+//! gradient collectives that only feed them: summation commutes with them, so they run once
+//! on the gradients accumulated over the micro-batches). Ops are ordered phase by phase, so
+//! each phase is one contiguous section of the stage. The runtime runs the forward, backward
+//! and weight sections once per micro-batch, keeps what a later section of the same
+//! micro-batch reads, sums what the step section reads over the micro-batches, and runs the
+//! step section once per global batch. The loss seed becomes `1/m`, so the summed gradients
+//! are those of the mean loss over the `m` micro-batches.
+//!
+//! **Boundaries.** A value made on one stage and read on another travels by an explicit
+//! `shard.send` on the sender and a `shard.recv` on the receiver, over the `pp` grid axis,
+//! paired by an `xf.transfer` number and sent once per micro-batch. The receive buffer is a
+//! `tensor.empty`. A parameter read on several stages (tied embeddings) lives on the stage
+//! that updates it; the others receive its value per micro-batch and send their gradient
+//! contribution back.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use shardc_ir::ops::lookup;
+use shardc_ir::{ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, Op, TensorTy, Value};
+
+use crate::{Changed, Pass, PassError};
+
+/// The `split-stages` pass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SplitStages {
+    /// Pipeline ranks (the `pp` axis).
+    pub ranks: usize,
+    /// Model chunks per rank (interleaved schedules); stages = ranks x chunks.
+    pub chunks: usize,
+    /// Micro-batches per optimizer step (scales the loss seed).
+    pub microbatches: usize,
+    /// Layer ranges per stage (`0..=5, 6..=11`), overriding the cost balance.
+    pub manual: Option<Vec<(usize, usize)>>,
+    /// Split the backward into input-gradient (`backward`) and weight-gradient (`weight`)
+    /// sections, for zero-bubble schedules.
+    pub split_weight_grads: bool,
+}
+
+/// A section of a stage, in execution order within a micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Phase {
+    /// What the loss needs.
+    Forward,
+    /// Input gradients (and, unless split off, weight gradients).
+    Backward,
+    /// Weight gradients, deferred by zero-bubble schedules.
+    Weight,
+    /// Once per global batch: optimizer updates on the accumulated gradients.
+    Step,
+}
+
+impl Phase {
+    /// The `xf.phase` attribute value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Weight => "weight",
+            Phase::Step => "step",
+        }
+    }
+
+    /// Parses an `xf.phase` value.
+    pub fn parse(text: &str) -> Option<Phase> {
+        Some(match text {
+            "forward" => Phase::Forward,
+            "backward" => Phase::Backward,
+            "weight" => Phase::Weight,
+            "step" => Phase::Step,
+            _ => return None,
+        })
+    }
+}
+
+/// Grid axis of pipeline parallelism.
+pub const PP_AXIS: usize = 2;
+
+/// Roofline time of one op on a reference accelerator (989 TFLOP/s dense, 3.35 TB/s of
+/// memory bandwidth: an H100 SXM), in seconds. Only ratios matter for balancing stages.
+pub fn op_time(func: &Func, op: &Op) -> f64 {
+    let Some(def) = lookup(&op.name) else {
+        return 0.0;
+    };
+    let inputs: Vec<&TensorTy> = op.operands.iter().filter_map(|v| func.tensor(*v)).collect();
+    let outputs: Vec<TensorTy> = op.results.iter().filter_map(|v| func.tensor(*v).cloned()).collect();
+    let cost = def.cost(&inputs, &outputs, &op.attrs);
+    (cost.flops / 989e12).max(cost.bytes / 3.35e12)
+}
+
+/// Block of a location: 0 the embedding, `1 + 2N` layer N's attention, `2 + 2N` its MLP,
+/// `2L + 1` the head (`head` stands for it until L is known).
+fn block_of(loc: &str, head: usize) -> Option<usize> {
+    let loc = loc.strip_prefix("optimizer.").unwrap_or(loc);
+    if loc.starts_with("embed.") || loc == "embed" {
+        return Some(0);
+    }
+    if let Some(rest) = loc.strip_prefix("layers.") {
+        let (n, part) = rest.split_once('.')?;
+        let n: usize = n.parse().ok()?;
+        return Some(if part.starts_with("mlp") { 2 + 2 * n } else { 1 + 2 * n });
+    }
+    if ["final_norm", "lm_head", "loss"].iter().any(|p| loc == *p || loc.starts_with(&format!("{p}."))) {
+        return Some(head);
+    }
+    None
+}
+
+/// Deals `costs` (consecutive blocks) to `stages` stages minimising the heaviest; returns
+/// each block's stage. Stages may stay empty only when there are fewer blocks than stages.
+pub fn balance(costs: &[f64], stages: usize) -> Vec<usize> {
+    let n = costs.len();
+    if n < stages {
+        // Fewer blocks than stages: spread them so the first and last stay at the ends (the
+        // loss must be on the last stage), leaving empty stages between.
+        let last = n.saturating_sub(1).max(1);
+        return (0..n).map(|i| (i * (stages - 1) + last / 2) / last).collect();
+    }
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(costs.iter().scan(0.0, |s, c| {
+            *s += c;
+            Some(*s)
+        }))
+        .collect();
+    let min_per_stage = 1;
+    // best[k][i]: heaviest stage when the first i blocks fill k stages; cut[k][i]: where the
+    // k-th stage starts.
+    let inf = f64::INFINITY;
+    let mut best = vec![vec![inf; n + 1]; stages + 1];
+    let mut cut = vec![vec![0usize; n + 1]; stages + 1];
+    best[0][0] = 0.0;
+    for k in 1..=stages {
+        for i in 0..=n {
+            for j in 0..=i {
+                if i - j < min_per_stage || best[k - 1][j] == inf {
+                    continue;
+                }
+                let heaviest = best[k - 1][j].max(prefix[i] - prefix[j]);
+                // Ties go to the later cut: earlier stages stay lighter (they hold more
+                // micro-batches' activations in 1F1B).
+                if heaviest <= best[k][i] {
+                    best[k][i] = heaviest;
+                    cut[k][i] = j;
+                }
+            }
+        }
+    }
+    let mut stage_of = vec![0; n];
+    let mut i = n;
+    for k in (1..=stages).rev() {
+        let j = cut[k][i];
+        for s in &mut stage_of[j..i] {
+            *s = k - 1;
+        }
+        i = j;
+    }
+    stage_of
+}
+
+impl Pass for SplitStages {
+    fn name(&self) -> &'static str {
+        "split-stages"
+    }
+
+    fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
+        let user = |message: String| PassError::User { pass: self.name().into(), message };
+        let index = module.funcs.iter().position(|f| f.name == "train_step").ok_or_else(|| user("the module has no @train_step to split".into()))?;
+        let grid = module.grids.first().ok_or_else(|| user("the module has no grid; the sharding passes make one".into()))?;
+        if grid.shape.get(PP_AXIS).copied() != Some(self.ranks as i64) {
+            return Err(user(format!("the grid {:?} has no pp axis of size {}", grid.shape, self.ranks)));
+        }
+        let stages = split(&module.funcs[index], self, &grid.name).map_err(user)?;
+        module.funcs.remove(index);
+        module.funcs.extend(stages);
+        Ok(Changed::Yes)
+    }
+}
+
+/// Per-op facts of the split.
+struct Plan {
+    phase: Vec<Phase>,
+    stage: Vec<usize>,
+}
+
+fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, String> {
+    let n_stages = options.ranks * options.chunks;
+    if n_stages == 0 || options.microbatches == 0 {
+        return Err("stages and micro-batches must be at least 1".into());
+    }
+    let loss = match (func.returns.first(), func.result_names.first()) {
+        (Some(v), Some(name)) if name == "loss" => *v,
+        _ => return Err("@train_step must return the loss first".into()),
+    };
+    let layers = func.ops.iter().filter_map(|op| op.loc.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
+    let head = 2 * layers + 1;
+    let n_blocks = head + 1;
+
+    // Producer of each value, consumers of each value.
+    let mut producer: HashMap<Value, usize> = HashMap::new();
+    let mut consumers: HashMap<Value, Vec<usize>> = HashMap::new();
+    for (i, op) in func.ops.iter().enumerate() {
+        for r in &op.results {
+            producer.insert(*r, i);
+        }
+        for v in &op.operands {
+            consumers.entry(*v).or_default().push(i);
+        }
+    }
+
+    // Phases: the loss's ancestors are the forward; updates and what follows them, plus the
+    // collectives that only feed them, are the step; the rest is the backward.
+    let n = func.ops.len();
+    let mut phase = vec![Phase::Backward; n];
+    let mut stack = vec![loss];
+    let mut seen = HashSet::new();
+    while let Some(v) = stack.pop() {
+        if let Some(&i) = producer.get(&v)
+            && seen.insert(i)
+        {
+            phase[i] = Phase::Forward;
+            stack.extend(func.ops[i].operands.iter().copied());
+        }
+    }
+    for (i, op) in func.ops.iter().enumerate() {
+        let after_update = op.operands.iter().any(|v| producer.get(v).is_some_and(|&p| phase[p] == Phase::Step));
+        if op.name == "xf.adamw" || op.name == "xf.sgd" || after_update {
+            if phase[i] == Phase::Forward {
+                return Err(format!("{}: the loss depends on an optimizer update", op.loc));
+            }
+            phase[i] = Phase::Step;
+        }
+    }
+    for i in (0..n).rev() {
+        let op = &func.ops[i];
+        let linear = op.name.starts_with("shard.") || op.name == "xf.wait";
+        let users: Vec<usize> = op.results.iter().flat_map(|r| consumers.get(r).cloned().unwrap_or_default()).collect();
+        if phase[i] == Phase::Backward && linear && !users.is_empty() && users.iter().all(|&u| phase[u] == Phase::Step) {
+            phase[i] = Phase::Step;
+        }
+    }
+
+    // Blocks and their costs.
+    let mut block: Vec<Option<usize>> = func.ops.iter().map(|op| block_of(&op.loc, head)).collect();
+    // Unlocated ops follow their first located consumer, else their producers.
+    for i in (0..n).rev() {
+        if block[i].is_none() {
+            block[i] = func.ops[i].results.iter().flat_map(|r| consumers.get(r).cloned().unwrap_or_default()).find_map(|u| block[u]);
+        }
+    }
+    for i in 0..n {
+        if block[i].is_none() {
+            block[i] = func.ops[i].operands.iter().filter_map(|v| producer.get(v).and_then(|&p| block[p])).max();
+        }
+        if block[i].is_none() {
+            return Err(format!("{}: cannot tell which layer `{}` belongs to", func.ops[i].loc, func.ops[i].name));
+        }
+    }
+    let block: Vec<usize> = block.into_iter().map(|b| b.unwrap_or(0)).collect();
+    let mut costs = vec![0.0; n_blocks];
+    for (i, op) in func.ops.iter().enumerate() {
+        costs[block[i]] += op_time(func, op);
+    }
+    let stage_of_block = match &options.manual {
+        Some(ranges) => manual_blocks(ranges, layers, n_stages)?,
+        None => balance(&costs, n_stages),
+    };
+    let stage: Vec<usize> = block.iter().map(|&b| stage_of_block[b]).collect();
+    let plan = Plan { phase, stage };
+
+    // Owner stage of every argument: parameters and their state live where they are updated
+    // (else where first read); inputs are fed to every stage that reads them.
+    let mut owner: HashMap<Value, usize> = HashMap::new();
+    for (i, op) in func.ops.iter().enumerate() {
+        for v in &op.operands {
+            owner.entry(*v).or_insert(plan.stage[i]);
+        }
+        if op.name == "xf.adamw" || op.name == "xf.sgd" {
+            for v in &op.operands {
+                owner.insert(*v, plan.stage[i]);
+            }
+        }
+    }
+    let arg_role: HashMap<Value, ArgRole> = func.args.iter().map(|a| (a.value, a.role)).collect();
+    // Where a value is made: (stage, phase); `None` for inputs, which every stage has.
+    let home = |v: Value| -> Option<(usize, Phase)> {
+        match producer.get(&v) {
+            Some(&p) => Some((plan.stage[p], plan.phase[p])),
+            None if arg_role.get(&v) == Some(&ArgRole::Input) => None,
+            None => Some((owner.get(&v).copied().unwrap_or(0), Phase::Forward)),
+        }
+    };
+
+    // Transfers: (value, from stage, to stage) -> (number, receiving phase).
+    let mut transfers: BTreeMap<(Value, usize, usize), (i64, Phase)> = BTreeMap::new();
+    let mut next_tag = 0i64;
+    for (i, op) in func.ops.iter().enumerate() {
+        let (to, consumer_phase) = (plan.stage[i], plan.phase[i]);
+        for v in &op.operands {
+            let Some((from, made)) = home(*v) else {
+                continue;
+            };
+            if from == to {
+                if made == Phase::Forward && consumer_phase == Phase::Step && producer.contains_key(v) {
+                    return Err(format!("{}: the update reads a forward value ({v}), which differs per micro-batch", op.loc));
+                }
+                continue;
+            }
+            if made == Phase::Step || consumer_phase == Phase::Step && made == Phase::Forward {
+                return Err(format!("{}: reads {v} from stage {from} in the {} section; only per-micro-batch values can cross stages", op.loc, consumer_phase.label()));
+            }
+            let receive = if consumer_phase == Phase::Step { Phase::Backward } else { consumer_phase };
+            // The receive must come after the send in every schedule: forward values flow
+            // to later stages, gradients to earlier ones.
+            let ordered = match (made, receive) {
+                (Phase::Forward, Phase::Forward) => from < to,
+                (Phase::Forward, _) => true,
+                (_, Phase::Backward | Phase::Weight) => from > to,
+                _ => false,
+            };
+            if !ordered {
+                return Err(format!("{}: reads {v}, made on stage {from} in the {} section, on stage {to} in the {} section: no schedule orders that", op.loc, made.label(), receive.label()));
+            }
+            let entry = transfers.entry((*v, from, to)).or_insert_with(|| {
+                next_tag += 1;
+                (next_tag - 1, receive)
+            });
+            entry.1 = entry.1.min(receive);
+        }
+    }
+
+    // Weight-gradient sections: backward ops no transfer to another stage waits for.
+    let mut sections = Plan { phase: plan.phase.clone(), stage: plan.stage.clone() };
+    if options.split_weight_grads {
+        let mut needed: HashSet<usize> = HashSet::new();
+        let mut stack: Vec<usize> = transfers.keys().filter_map(|(v, _, _)| producer.get(v).copied()).filter(|&p| plan.phase[p] == Phase::Backward).collect();
+        while let Some(i) = stack.pop() {
+            if plan.phase[i] != Phase::Backward || !needed.insert(i) {
+                continue;
+            }
+            for v in &func.ops[i].operands {
+                if let Some(&p) = producer.get(v)
+                    && plan.stage[p] == plan.stage[i]
+                {
+                    stack.push(p);
+                }
+            }
+        }
+        for i in 0..n {
+            if plan.phase[i] == Phase::Backward && !needed.contains(&i) {
+                sections.phase[i] = Phase::Weight;
+            }
+        }
+    }
+
+    (0..n_stages).map(|k| build_stage(func, &sections, k, options, grid, &transfers, &producer, &owner, &home)).collect()
+}
+
+/// Stage of each block for manual layer ranges.
+fn manual_blocks(ranges: &[(usize, usize)], layers: usize, stages: usize) -> Result<Vec<usize>, String> {
+    if ranges.len() != stages {
+        return Err(format!("--stages names {} stages, the pipeline has {stages} (pp x virtual stages)", ranges.len()));
+    }
+    let mut next = 0;
+    let mut stage_of = vec![0; 2 * layers + 2];
+    for (k, &(first, last)) in ranges.iter().enumerate() {
+        if first != next || last < first {
+            return Err(format!("--stages: stage {k} must start at layer {next} and not end before it starts, got {first}-{last}"));
+        }
+        for l in first..=last {
+            stage_of[1 + 2 * l] = k;
+            stage_of[2 + 2 * l] = k;
+        }
+        next = last + 1;
+    }
+    if next != layers {
+        return Err(format!("--stages covers layers 0-{} but the model has {layers}", next.saturating_sub(1)));
+    }
+    stage_of[2 * layers + 1] = stages - 1;
+    Ok(stage_of)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_stage(
+    func: &Func,
+    plan: &Plan,
+    k: usize,
+    options: &SplitStages,
+    grid: &str,
+    transfers: &BTreeMap<(Value, usize, usize), (i64, Phase)>,
+    producer: &HashMap<Value, usize>,
+    owner: &HashMap<Value, usize>,
+    home: &dyn Fn(Value) -> Option<(usize, Phase)>,
+) -> Result<Func, String> {
+    let p = options.ranks;
+    let mut fb = FuncBuilder::new(&format!("stage{k}"));
+    let mut map: HashMap<Value, Value> = HashMap::new();
+    let axes = AttrValue::Raw(format!("array<i16: {PP_AXIS}>"));
+    let with_phase = |attrs: Attrs, phase: Phase| attrs.with("xf.phase", AttrValue::Str(phase.label().into()));
+
+    // Arguments this stage reads or owns.
+    let mut ops: Vec<usize> = (0..func.ops.len()).filter(|&i| plan.stage[i] == k).collect();
+    ops.sort_by_key(|&i| (plan.phase[i], i));
+    let used: BTreeSet<Value> = ops.iter().flat_map(|&i| func.ops[i].operands.iter().copied()).collect();
+    for arg in &func.args {
+        let here = match arg.role {
+            ArgRole::Input => used.contains(&arg.value),
+            _ => owner.get(&arg.value) == Some(&k),
+        };
+        if here {
+            let v = fb.arg_typed(&arg.name, func.ty(arg.value).clone(), arg.role);
+            if let Some(layout) = &arg.layout {
+                fb.set_layout(v, layout.clone());
+            }
+            map.insert(arg.value, v);
+        }
+    }
+
+    let send = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>, v: Value, phase: Phase| {
+        for (&(value, from, to), &(tag, _)) in transfers.range((v, 0, 0)..=(v, usize::MAX, usize::MAX)) {
+            if value != v || from != k {
+                continue;
+            }
+            let attrs = Attrs::new()
+                .with("grid", AttrValue::Raw(format!("@{grid}")))
+                .with("grid_axes", axes.clone())
+                .with("destination", AttrValue::Raw(format!("array<i64: {}>", to % p)))
+                .with("xf.transfer", AttrValue::Int(tag))
+                .with("xf.to_stage", AttrValue::Int(to as i64));
+            fb.op_typed("shard.send", &[map[&v]], with_phase(attrs, phase), vec![func.ty(v).clone()], &format!("send.{tag}"));
+        }
+    };
+    let receive_all = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, phase: Phase| {
+        for (&(v, from, to), &(tag, receive)) in transfers {
+            if to != k || receive != phase {
+                continue;
+            }
+            let ty = func.ty(v).clone();
+            let empty = fb.op_typed("tensor.empty", &[], with_phase(Attrs::new(), phase), vec![ty.clone()], &format!("recv.{tag}.buffer"))[0];
+            let attrs = Attrs::new()
+                .with("grid", AttrValue::Raw(format!("@{grid}")))
+                .with("grid_axes", axes.clone())
+                .with("source", AttrValue::Raw(format!("array<i64: {}>", from % p)))
+                .with("xf.transfer", AttrValue::Int(tag))
+                .with("xf.from_stage", AttrValue::Int(from as i64));
+            let received = fb.op_typed("shard.recv", &[empty], with_phase(attrs, phase), vec![ty], &format!("recv.{tag}"))[0];
+            map.insert(v, received);
+        }
+    };
+
+    // Parameters other stages read go out at the start of each micro-batch's forward.
+    receive_all(&mut fb, &mut map, Phase::Forward);
+    for arg in &func.args {
+        if arg.role != ArgRole::Input && map.contains_key(&arg.value) {
+            send(&mut fb, &map, arg.value, Phase::Forward);
+        }
+    }
+    let mut current = Phase::Forward;
+    for &i in &ops {
+        let op = &func.ops[i];
+        let phase = plan.phase[i];
+        while current < phase {
+            current = match current {
+                Phase::Forward => Phase::Backward,
+                Phase::Backward => Phase::Weight,
+                _ => Phase::Step,
+            };
+            receive_all(&mut fb, &mut map, current);
+        }
+        let operands =
+            op.operands.iter().map(|v| map.get(v).copied().ok_or_else(|| format!("{}: stage {k} has no {v} (made on stage {:?})", op.loc, home(*v).map(|h| h.0)))).collect::<Result<Vec<_>, _>>()?;
+        let mut attrs = with_phase(op.attrs.clone(), phase);
+        if op.loc == "loss.seed" && op.name == "xf.fill_like" {
+            // Each micro-batch's loss is a mean over its tokens; the step's loss is the mean
+            // over micro-batches, so each micro-batch's gradient carries a factor 1/m.
+            let seed = match op.attrs.get("value") {
+                Some(AttrValue::Float(x)) => *x,
+                _ => 1.0,
+            };
+            attrs = attrs.with("value", AttrValue::Float(seed / options.microbatches as f64));
+        }
+        let results = fb.op_typed(&op.name, &operands, attrs, op.results.iter().map(|r| func.ty(*r).clone()).collect(), &op.loc);
+        for (old, new) in op.results.iter().zip(results) {
+            map.insert(*old, new);
+        }
+        for r in &op.results {
+            send(&mut fb, &map, *r, phase);
+        }
+    }
+    while current < Phase::Step {
+        current = match current {
+            Phase::Forward => Phase::Backward,
+            Phase::Backward => Phase::Weight,
+            _ => Phase::Step,
+        };
+        receive_all(&mut fb, &mut map, current);
+    }
+
+    // Results: the loss on the last stage, each owner's updated parameters and state.
+    let (mut values, mut names) = (Vec::new(), Vec::new());
+    for (v, name) in func.returns.iter().zip(&func.result_names) {
+        let made_here = match producer.get(v) {
+            Some(&p) => plan.stage[p] == k,
+            None => owner.get(v) == Some(&k),
+        };
+        if made_here {
+            values.push(map[v]);
+            names.push(name.clone());
+        }
+    }
+    Ok(fb.finish(&values, &names))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn balance_minimises_the_heaviest_stage() {
+        assert_eq!(balance(&[1.0, 1.0, 1.0, 1.0], 2), vec![0, 0, 1, 1]);
+        assert_eq!(balance(&[3.0, 1.0, 1.0, 1.0], 2), vec![0, 1, 1, 1]);
+        assert_eq!(balance(&[1.0, 1.0, 1.0, 4.0], 2), vec![0, 0, 0, 1]);
+        // Fewer blocks than stages: first and last at the ends, empty stages between.
+        assert_eq!(balance(&[1.0, 1.0], 4), vec![0, 3]);
+        assert_eq!(balance(&[1.0; 6], 8), vec![0, 1, 3, 4, 6, 7]);
+    }
+
+    #[test]
+    fn blocks_follow_locations() {
+        assert_eq!(block_of("embed.tokens.grad", 9), Some(0));
+        assert_eq!(block_of("layers.3.attn.q", 9), Some(7));
+        assert_eq!(block_of("layers.3.attn_norm", 9), Some(7));
+        assert_eq!(block_of("layers.3.mlp_norm.grad", 9), Some(8));
+        assert_eq!(block_of("optimizer.layers.0.mlp.up.weight", 9), Some(2));
+        assert_eq!(block_of("loss.seed", 9), Some(9));
+        assert_eq!(block_of("lm_head", 9), Some(9));
+        assert_eq!(block_of("send.3", 9), None);
+    }
+}

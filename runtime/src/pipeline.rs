@@ -1,0 +1,210 @@
+//! Pipeline-parallel training: every rank of a `dp x tp x pp` mesh runs its pipeline rank's
+//! program (one thread each), walking its list of the schedule's work items.
+//!
+//! Per step, the global batch is cut into `m` micro-batches. A forward item runs the chunk's
+//! forward section on one micro-batch and keeps the buffers its backward will read; a
+//! backward item puts them back, runs the backward section (and the weight section, unless
+//! the schedule defers it to a `W` item) and adds the gradients into the chunk's sums. Sends
+//! and receives inside the sections move activations and their gradients between stage
+//! ranks, tagged by transfer, step and micro-batch. After the last item, each chunk's step
+//! section runs once on the summed gradients (data-parallel syncs included), then the next
+//! step starts.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use crate::RuntimeError;
+use crate::collectives::{Algorithm, CollectiveKind, MeshShape};
+use crate::cpu::Storage;
+use crate::data::ByteCorpus;
+use crate::program::{Program, Role, Section};
+use crate::schedule::{Item, Schedule, Timeline, Work};
+use crate::train::{on_every_rank_of, read_f64};
+
+/// What a pipeline-parallel run produced.
+#[derive(Debug, Clone)]
+pub struct PipelineRun {
+    /// Loss of each step: the mean over its micro-batches.
+    pub losses: Vec<f64>,
+    /// Every parameter, reassembled from the ranks that hold it: (name, global shape, values).
+    pub parameters: Vec<(String, Vec<usize>, Vec<f64>)>,
+    /// Bytes each rank sent, per kind of transfer.
+    pub bytes_sent: Vec<BTreeMap<CollectiveKind, u64>>,
+    /// The last step as it ran on the ranks of data-parallel and tensor-parallel coordinate
+    /// 0, one row per pipeline rank, in milliseconds from the step's start.
+    pub timeline: Timeline,
+    /// Most bytes of kept activations (forward buffers awaiting their backward) each of
+    /// those pipeline ranks held at once.
+    pub peak_kept_bytes: Vec<usize>,
+}
+
+fn storage_bytes(values: &[Storage]) -> usize {
+    values
+        .iter()
+        .map(|s| match s {
+            Storage::F32(v) => v.len() * 4,
+            Storage::F64(v) => v.len() * 8,
+            Storage::I32(v) => v.len() * 4,
+            Storage::Empty => 0,
+        })
+        .sum()
+}
+
+/// Trains the pipeline `programs` (one per pipeline rank, from codegen) under `schedule` for
+/// `steps` steps. Parameters start from `seed` as global tensors, sharded per rank, and each
+/// step's global batch is `m` micro-batches of the programs' batch, so the run is comparable
+/// with a single device running the whole batch at once.
+#[allow(clippy::too_many_arguments)]
+pub fn train_pipeline(
+    programs: &[Program],
+    schedule: &Schedule,
+    seed: u64,
+    layers: usize,
+    corpus: &ByteCorpus,
+    steps: u64,
+    timeout: Duration,
+    algorithm: Algorithm,
+) -> Result<PipelineRun, RuntimeError> {
+    let first = programs.first().ok_or_else(|| RuntimeError::Program("no pipeline programs".into()))?;
+    if programs.len() != schedule.stages {
+        return Err(RuntimeError::Program(format!("{} pipeline programs for a schedule of {} ranks", programs.len(), schedule.stages)));
+    }
+    for (s, program) in programs.iter().enumerate() {
+        let plan = program.pipeline.as_ref().ok_or_else(|| RuntimeError::Program(format!("program {s} is not a pipeline rank")))?;
+        if plan.rank != s || plan.chunks.len() != schedule.chunks {
+            return Err(RuntimeError::Program(format!("program {s} is pipeline rank {} with {} chunks; the schedule wants rank {s} with {}", plan.rank, plan.chunks.len(), schedule.chunks)));
+        }
+    }
+    let tokens = programs.iter().find_map(|p| p.arg("tokens")).ok_or_else(|| RuntimeError::Binding("no pipeline stage reads `tokens`".into()))?;
+    let layout = tokens.layout.clone().ok_or_else(|| RuntimeError::Binding("`tokens` has no layout: the program is not partitioned".into()))?;
+    let (rows, seq) = (layout.global_shape[0], layout.global_shape[1]);
+    let m = schedule.microbatches;
+    let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
+
+    type RankResult = (Vec<f64>, HashMap<String, Vec<f64>>, BTreeMap<CollectiveKind, u64>, Vec<(Item, f64, f64)>, usize);
+    let results: Vec<RankResult> = on_every_rank_of(programs, seed, layers, timeout, algorithm, |exec, mesh, rank| {
+        let program = exec.program().clone();
+        let plan = program.pipeline.clone().ok_or_else(|| RuntimeError::Program("not a pipeline rank".into()))?;
+        let items = &schedule.ranks[plan.rank];
+        let tokens_layout = program.arg("tokens").and_then(|b| b.layout.clone());
+        let targets_layout = program.arg("targets").and_then(|b| b.layout.clone());
+        // The chunk whose forward makes the loss, if this rank has it.
+        let loss_chunk = program.result("loss").and_then(|loss| {
+            let maker = program.instrs.iter().position(|i| i.outputs.contains(&loss.buffer))?;
+            plan.chunks.iter().position(|c| c.range(Section::Forward).contains(&maker))
+        });
+        let mut losses = Vec::new();
+        let mut trace = Vec::new();
+        let mut peak_kept = 0usize;
+        for step in 1..=steps {
+            let (t, g) = corpus.batch(seed, step, rows * m, seq);
+            let micro = |data: &[i32], j: usize| data[j * rows * seq..(j + 1) * rows * seq].to_vec();
+            if program.arg("step").is_some() {
+                exec.write::<i32>("step", &[i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?])?;
+            }
+            let mut kept_forward: HashMap<(usize, usize), Vec<Storage>> = HashMap::new();
+            let mut kept_backward: HashMap<(usize, usize), Vec<Storage>> = HashMap::new();
+            let mut sums: Vec<Vec<Storage>> = vec![Vec::new(); plan.chunks.len()];
+            let mut sums_weight: Vec<Vec<Storage>> = vec![Vec::new(); plan.chunks.len()];
+            let mut loss_sum = 0.0;
+            let start = Instant::now();
+            trace.clear();
+            for item in items {
+                let (c, j) = (item.chunk, item.microbatch);
+                let chunk = &plan.chunks[c];
+                if let Some(l) = &tokens_layout {
+                    exec.write::<i32>("tokens", &crate::layout::local_shard(&micro(&t, j), l, mesh, rank))?;
+                }
+                if let Some(l) = &targets_layout {
+                    exec.write::<i32>("targets", &crate::layout::local_shard(&micro(&g, j), l, mesh, rank))?;
+                }
+                exec.set_transfer_context(step, j as u64);
+                let began = start.elapsed().as_secs_f64() * 1e3;
+                match item.work {
+                    Work::F => {
+                        exec.run_range(chunk.range(Section::Forward))?;
+                        kept_forward.insert((c, j), exec.save(&chunk.keep_forward));
+                        if loss_chunk == Some(c) {
+                            loss_sum += read_f64(exec, "loss")?[0];
+                        }
+                    }
+                    Work::B => {
+                        let kept = kept_forward.get(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("backward of micro-batch {j} before its forward")))?;
+                        exec.restore(&chunk.keep_forward, kept)?;
+                        exec.run_range(chunk.range(Section::Backward))?;
+                        exec.accumulate(&chunk.sum_backward, &mut sums[c])?;
+                        if splits_w {
+                            kept_backward.insert((c, j), exec.save(&chunk.keep_backward));
+                        } else {
+                            exec.run_range(chunk.range(Section::Weight))?;
+                            exec.accumulate(&chunk.sum_weight, &mut sums_weight[c])?;
+                            kept_forward.remove(&(c, j));
+                        }
+                    }
+                    Work::W => {
+                        let kept = kept_forward.remove(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("weight gradient of micro-batch {j} before its forward")))?;
+                        exec.restore(&chunk.keep_forward, &kept)?;
+                        let kept = kept_backward.remove(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("weight gradient of micro-batch {j} before its backward")))?;
+                        exec.restore(&chunk.keep_backward, &kept)?;
+                        exec.run_range(chunk.range(Section::Weight))?;
+                        exec.accumulate(&chunk.sum_weight, &mut sums_weight[c])?;
+                    }
+                }
+                let held: usize = kept_forward.values().chain(kept_backward.values()).map(|v| storage_bytes(v)).sum();
+                peak_kept = peak_kept.max(held);
+                trace.push((*item, began, start.elapsed().as_secs_f64() * 1e3));
+            }
+            for (c, chunk) in plan.chunks.iter().enumerate() {
+                exec.restore(&chunk.sum_backward, &sums[c])?;
+                exec.restore(&chunk.sum_weight, &sums_weight[c])?;
+                exec.run_range(chunk.range(Section::Step))?;
+            }
+            exec.carry_state()?;
+            losses.push(loss_sum / m as f64);
+        }
+        let params: HashMap<String, Vec<f64>> =
+            program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| Ok((a.name.clone(), read_f64(exec, &a.name)?))).collect::<Result<_, RuntimeError>>()?;
+        Ok((losses, params, exec.bytes_sent()?, trace, peak_kept))
+    })?;
+
+    let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
+    let pp_rank = |rank: usize| mesh.coords(rank).get(2).copied().unwrap_or(0);
+    let front = |rank: usize| mesh.coords(rank).iter().take(2).all(|&c| c == 0);
+    // The loss lives on the pipeline rank that holds the head.
+    let loss_rank = (0..mesh.ranks()).find(|&r| front(r) && programs[pp_rank(r)].result("loss").is_some()).ok_or_else(|| RuntimeError::Program("no pipeline stage returns the loss".into()))?;
+    let mut parameters = Vec::new();
+    for (s, program) in programs.iter().enumerate() {
+        for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+            let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
+            let shards: Vec<(usize, Vec<f64>)> = (0..mesh.ranks()).filter(|&r| pp_rank(r) == s).map(|r| (r, results[r].1[&p.name].clone())).collect();
+            parameters.push((p.name.clone(), layout.global_shape.clone(), crate::layout::assemble_some(&shards, layout, &mesh)));
+        }
+    }
+    let rows_of_timeline: Vec<usize> = (0..schedule.stages).map(|s| (0..mesh.ranks()).find(|&r| front(r) && pp_rank(r) == s).unwrap_or(0)).collect();
+    let ranks: Vec<Vec<(Item, f64, f64)>> = rows_of_timeline.iter().map(|&r| results[r].3.clone()).collect();
+    let makespan = ranks.iter().flatten().map(|x| x.2).fold(0.0, f64::max);
+    let busy: f64 = ranks.iter().flatten().map(|(_, s, e)| e - s).sum();
+    let bubble = if makespan > 0.0 { 1.0 - busy / (makespan * ranks.len() as f64) } else { 0.0 };
+    let peak_in_flight = ranks
+        .iter()
+        .map(|items| {
+            let (mut live, mut peak) = (0i64, 0i64);
+            for (item, _, _) in items {
+                live += match item.work {
+                    Work::F => 1,
+                    Work::B => -1,
+                    Work::W => 0,
+                };
+                peak = peak.max(live);
+            }
+            peak as usize
+        })
+        .collect();
+    Ok(PipelineRun {
+        losses: results[loss_rank].0.clone(),
+        parameters,
+        bytes_sent: results.iter().map(|r| r.2.clone()).collect(),
+        peak_kept_bytes: rows_of_timeline.iter().map(|&r| results[r].4).collect(),
+        timeline: Timeline { ranks, makespan, bubble, peak_in_flight },
+    })
+}
