@@ -320,3 +320,37 @@ fn schedule_command_reports_bubbles_and_writes_pictures() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("multiple of stages"), "{}", stderr(&out));
 }
+
+/// The 3D run: dp=2, tp=2, pp=2 with 4 micro-batches gives the single device's loss
+/// curve when the single device takes the same global batch (4 x 2 rows) per step.
+#[test]
+fn three_d_run_matches_the_single_device_curve() {
+    let dir = tempdir("pipeline");
+    let trace = dir.join("trace.json");
+    let steps = "20";
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2,tp=2,pp=2", "--microbatches", "4", "--steps", steps, "--log-every", "1", "--trace", trace.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("8 CPU threads") && text.contains("1F1B schedule") && text.contains("measured bubble"), "{text}");
+    let single = stdout(&shardc(&["run", "models/tiny.toml", "--micro-batch", "8", "--steps", steps, "--log-every", "1"]));
+    let curve = |t: &str| -> Vec<f64> { t.lines().filter(|l| l.starts_with("step ")).filter_map(|l| l.split_once(" loss ")).map(|(_, v)| v.trim().parse::<f64>().unwrap()).collect() };
+    let (a, b) = (curve(&text), curve(&single));
+    assert_eq!(a.len(), 20, "{text}");
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "step {}: {x} vs {y}", step + 1);
+    }
+    assert!(a[19] < a[0], "the loss falls: {a:?}");
+    // The measured trace: one track per pipeline rank, 2 x 4 items each.
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    assert_eq!(json["traceEvents"].as_array().unwrap().len(), 2 * 8);
+
+    // Other schedules, manual stages, and the errors that name the option to fix.
+    let out = shardc(&["run", "models/tiny-llama.toml", "--mesh", "pp=2", "--schedule", "zb-h1", "--stages", "0-0,1-1", "--steps", "1", "--log-every", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "pp=2", "--stages", "0-1", "--steps", "1"]);
+    assert!(stderr(&out).contains("--stages names 1 stages"), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "pp=2", "--schedule", "interleaved", "--microbatches", "3", "--steps", "1"]);
+    assert!(stderr(&out).contains("multiple of pp"), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "pp=2", "--schedule", "2f2b", "--steps", "1"]);
+    assert!(stderr(&out).contains("unknown schedule"), "{}", stderr(&out));
+}

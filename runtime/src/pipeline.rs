@@ -31,7 +31,8 @@ pub struct PipelineRun {
     /// Bytes each rank sent, per kind of transfer.
     pub bytes_sent: Vec<BTreeMap<CollectiveKind, u64>>,
     /// The last step as it ran on the ranks of data-parallel and tensor-parallel coordinate
-    /// 0, one row per pipeline rank, in milliseconds from the step's start.
+    /// 0, one row per pipeline rank, in milliseconds from the step's start; an item starts
+    /// when its receives have returned, so its bubble is the measured idle time.
     pub timeline: Timeline,
     /// Most bytes of kept activations (forward buffers awaiting their backward) each of
     /// those pipeline ranks held at once.
@@ -119,6 +120,7 @@ pub fn train_pipeline(
                     exec.write::<i32>("targets", &crate::layout::local_shard(&micro(&g, j), l, mesh, rank))?;
                 }
                 exec.set_transfer_context(step, j as u64);
+                exec.take_waited();
                 let began = start.elapsed().as_secs_f64() * 1e3;
                 match item.work {
                     Work::F => {
@@ -152,7 +154,11 @@ pub fn train_pipeline(
                 }
                 let held: usize = kept_forward.values().chain(kept_backward.values()).map(|v| storage_bytes(v)).sum();
                 peak_kept = peak_kept.max(held);
-                trace.push((*item, began, start.elapsed().as_secs_f64() * 1e3));
+                // Time blocked in receives is idle time, not work: the item starts when its
+                // inputs have arrived (receives open each section).
+                let waited = exec.take_waited().as_secs_f64() * 1e3;
+                let ended = start.elapsed().as_secs_f64() * 1e3;
+                trace.push((*item, (began + waited).min(ended), ended));
             }
             for (c, chunk) in plan.chunks.iter().enumerate() {
                 exec.restore(&chunk.sum_backward, &sums[c])?;

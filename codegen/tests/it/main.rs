@@ -3,5 +3,6 @@
 mod common;
 mod gradcheck;
 mod memory;
+mod pipeline;
 mod spmd;
 mod training;

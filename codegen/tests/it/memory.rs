@@ -80,7 +80,7 @@ fn running_a_program_never_clobbers_its_inputs() {
     let forward = model(&spec).funcs.remove(0);
     let mut exec = executor(&forward);
     init_params(&mut exec, 3, 2);
-    let tokens: Vec<i32> = (0..16).map(|i| (i * 7 % 256)).collect();
+    let tokens: Vec<i32> = (0..16).map(|i| i * 7 % 256).collect();
     exec.write::<i32>("tokens", &tokens).unwrap();
     exec.write::<i32>("targets", &tokens).unwrap();
     let before: Vec<Vec<f64>> = exec.args_with(shardc_runtime::program::Role::Param).iter().map(|(n, _)| exec.read::<f64>(n).unwrap().to_vec()).collect();

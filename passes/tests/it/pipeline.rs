@@ -236,3 +236,38 @@ fn partition_on_tiny_gpt_tp2() {
     }
     insta::assert_snapshot!(ir);
 }
+
+/// The training step of tiny GPT cut into two pipeline stages (2 micro-batches): sends and
+/// receives at the boundary, every op in its section.
+fn staged_ir(mesh: shardc_ir::mesh::Mesh, split_weight_grads: bool) -> String {
+    let options = shardc_passes::CompileOptions {
+        mesh,
+        vocab: 256,
+        kv_heads: 4,
+        pipeline: Some(shardc_passes::PipelineOptions { chunks: 1, microbatches: 2, manual: None, split_weight_grads }),
+        ..Default::default()
+    };
+    let mut module = tiny("tiny");
+    let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
+    let ir = seen.into_iter().find(|(name, _)| name == "split-stages").map(|(_, ir)| ir).unwrap();
+    assert_mlir_opt_accepts(&ir);
+    ir
+}
+
+#[test]
+fn split_stages_on_tiny_gpt_pp2() {
+    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2 }, false);
+    // The residual stream crosses the boundary forward, its gradient backward.
+    assert!(ir.contains("shard.send %layers.0.mlp.residual on @mesh grid_axes = [2] destination = [1]"), "{ir}");
+    assert!(ir.contains("source = [1] {xf.from_stage = 1 : i64, xf.phase = \"backward\""), "{ir}");
+    // The loss seed carries the 1/m of the mean over micro-batches.
+    assert!(ir.contains("value = 5.000000e-01 : f64"), "{ir}");
+    insta::assert_snapshot!(ir);
+}
+
+#[test]
+fn split_stages_with_tensor_parallelism_and_weight_sections_parses() {
+    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 2 }, true);
+    assert!(ir.contains("xf.phase = \"weight\""), "zero-bubble sections");
+    assert!(ir.contains("shard.all_reduce"), "tensor-parallel collectives stay inside the stages");
+}

@@ -116,6 +116,8 @@ pub struct CpuExecutor {
     /// (step, micro-batch) of the work running now: pipeline sends and receives are paired
     /// by it and their transfer number.
     transfer_context: (u64, u64),
+    /// Time spent waiting in pipeline receives since [`CpuExecutor::take_waited`].
+    waited: std::time::Duration,
 }
 
 /// The collectives the executor runs itself (everything else is a kernel).
@@ -145,7 +147,7 @@ impl CpuExecutor {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring, transfer_context: (0, 0) })
+        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring, transfer_context: (0, 0), waited: std::time::Duration::ZERO })
     }
 
     /// Sets up a partitioned program on the rank `comm` belongs to.
@@ -237,6 +239,11 @@ impl CpuExecutor {
         self.transfer_context = (step, microbatch);
     }
 
+    /// Time spent waiting in pipeline receives since the last call.
+    pub fn take_waited(&mut self) -> std::time::Duration {
+        std::mem::take(&mut self.waited)
+    }
+
     /// Copies of the values of `buffers`.
     pub fn save(&self, buffers: &[BufferId]) -> Vec<Storage> {
         buffers
@@ -295,7 +302,7 @@ impl CpuExecutor {
 
     /// Runs the instructions of `range` (one section of a pipeline stage) once.
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
@@ -321,7 +328,12 @@ impl CpuExecutor {
                 let ins: Vec<In<'_>> = instr.inputs.iter().map(|&b| In { buffer: &program.buffers[b], storage: &slots[program.buffers[b].slot] }).collect();
                 let mut outs: Vec<Out<'_>> = taken.iter_mut().zip(&instr.outputs).map(|((_, storage), &b)| Out { buffer: &program.buffers[b], storage }).collect();
                 if COLLECTIVES.contains(&instr.op.as_str()) {
-                    collective(instr, &ins, &mut outs, comm.as_mut(), mesh, rank, *algorithm, *transfer_context)
+                    let began = std::time::Instant::now();
+                    let result = collective(instr, &ins, &mut outs, comm.as_mut(), mesh, rank, *algorithm, *transfer_context);
+                    if instr.op == "shard.recv" {
+                        *waited += began.elapsed();
+                    }
+                    result
                 } else {
                     kernels::run(instr, &ins, &mut outs, &cx)
                 }
