@@ -265,12 +265,16 @@ fn compile(
         return Err(miette!("{e}"));
     }
     let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
-    let programs = ["train_step", "forward"]
+    let mut programs = ["train_step", "forward"]
         .iter()
         .filter_map(|name| module.func(name))
         .map(|f| if f.name == "train_step" { shardc_codegen::lower_func_on(f, &grid) } else { shardc_codegen::lower_func(f) })
         .collect::<Result<Vec<_>, _>>()
         .into_diagnostic()?;
+    if module.func("stage0").is_some() {
+        // One program per pipeline rank.
+        programs.extend(shardc_codegen::lower_pipeline(&module, &grid).into_diagnostic()?);
+    }
     let summary = Summary::of(&spec, &module, &programs);
     println!("shardc: compiled {} ({})", spec.name, spec_path.display());
     print!("{}", summary.render(&spec, &mesh, &report.passes.iter().map(|p| p.name).collect::<Vec<_>>()));

@@ -27,6 +27,55 @@ pub struct Summary {
     pub communication: Vec<CommSummary>,
     /// Ops of each kind in `@forward`.
     pub op_counts: std::collections::BTreeMap<String, usize>,
+    /// Pipeline stages, when the step is cut into them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageSummary>,
+}
+
+/// One pipeline stage.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StageSummary {
+    /// Stage number.
+    pub stage: usize,
+    /// Pipeline rank running it.
+    pub rank: usize,
+    /// What it holds: `embedding, layers 0-5`.
+    pub holds: String,
+    /// Parameters it owns (this rank's shards).
+    pub parameters: u64,
+    /// Its share of the step's estimated time (the balance the split aimed at).
+    pub time_share: f64,
+    /// Peak memory of its pipeline rank's program (all the rank's chunks).
+    pub rank_peak_bytes: u64,
+}
+
+/// What a stage function holds, from its op locations.
+fn stage_holds(func: &shardc_ir::Func) -> String {
+    let mut parts = Vec::new();
+    if func.ops.iter().any(|o| o.loc.starts_with("embed.")) {
+        parts.push("embedding".to_string());
+    }
+    let mut blocks: Vec<(usize, bool)> = func
+        .ops
+        .iter()
+        .filter_map(|o| {
+            let rest = o.loc.strip_prefix("layers.")?;
+            let (n, part) = rest.split_once('.')?;
+            Some((n.parse().ok()?, part.starts_with("mlp")))
+        })
+        .collect();
+    blocks.sort_unstable();
+    blocks.dedup();
+    if let (Some(first), Some(last)) = (blocks.first(), blocks.last()) {
+        let name = |(n, mlp): (usize, bool), whole: bool| if whole { format!("{n}") } else { format!("{n}.{}", if mlp { "mlp" } else { "attn" }) };
+        // A range starting at an MLP block or ending at an attention block cuts a layer.
+        let text = if first == last { format!("layer {}", name(*first, false)) } else { format!("layers {}-{}", name(*first, !first.1), name(*last, last.1)) };
+        parts.push(text);
+    }
+    if func.ops.iter().any(|o| o.loc == "lm_head" || o.loc == "loss") {
+        parts.push("head and loss".into());
+    }
+    if parts.is_empty() { "nothing (more stages than blocks)".into() } else { parts.join(", ") }
 }
 
 /// Collectives of one kind over one set of axes.
@@ -78,7 +127,44 @@ impl Summary {
                 temporary_bytes_without_reuse: p.memory.temporary_bytes_without_reuse as u64,
             }),
             op_counts: forward.map(|f| f.op_counts()).unwrap_or_default(),
+            stages: Vec::new(),
         }
+        .with_stages(module, programs)
+    }
+
+    /// Adds the pipeline stages of `module`, if it has any.
+    fn with_stages(mut self, module: &Module, programs: &[shardc_runtime::Program]) -> Summary {
+        let stages: Vec<&shardc_ir::Func> = (0..).map_while(|k| module.func(&format!("stage{k}"))).collect();
+        if stages.is_empty() {
+            return self;
+        }
+        let time = |f: &shardc_ir::Func| f.ops.iter().map(|op| shardc_passes::op_time(f, op)).sum::<f64>();
+        let total: f64 = stages.iter().map(|f| time(f)).sum::<f64>().max(f64::MIN_POSITIVE);
+        let ranks: Vec<&shardc_runtime::Program> = programs.iter().filter(|p| p.pipeline.is_some()).collect();
+        // Per rank: the heaviest pipeline rank's stages.
+        let pp = ranks.len().max(1);
+        self.train_step_flops_per_microbatch = (0..pp).map(|r| stages.iter().skip(r).step_by(pp).map(|f| f.cost().flops).sum::<f64>()).fold(0.0, f64::max);
+        self.stages = stages
+            .iter()
+            .enumerate()
+            .map(|(k, f)| StageSummary {
+                stage: k,
+                rank: k % ranks.len().max(1),
+                holds: stage_holds(f),
+                parameters: f.parameter_count(),
+                time_share: time(f) / total,
+                rank_peak_bytes: ranks.get(k % ranks.len().max(1)).map_or(0, |p| p.peak_bytes() as u64),
+            })
+            .collect();
+        if let Some(p) = ranks.iter().max_by_key(|p| p.peak_bytes()) {
+            self.memory = Some(MemorySummary {
+                argument_bytes: p.memory.argument_bytes as u64,
+                temporary_bytes: p.memory.temporary_bytes as u64,
+                temporary_bytes_without_reuse: p.memory.temporary_bytes_without_reuse as u64,
+            });
+            self.communication = communication(p);
+        }
+        self
     }
 
     /// The printed summary.
@@ -154,6 +240,20 @@ impl Summary {
             line("mesh", format!("{mesh} (1 rank)"));
         }
         line("passes", passes.join(" -> "));
+        for s in &self.stages {
+            line(
+                if s.stage == 0 { "stages" } else { "" },
+                format!(
+                    "stage {} on pipeline rank {}: {}; {} parameters, {:.0}% of the step's time; rank memory {}",
+                    s.stage,
+                    s.rank,
+                    s.holds,
+                    thousands(s.parameters),
+                    100.0 * s.time_share,
+                    bytes(s.rank_peak_bytes)
+                ),
+            );
+        }
         if !self.communication.is_empty() {
             let parts: Vec<String> = self
                 .communication

@@ -23,14 +23,18 @@
 //! and weight sections once per micro-batch, keeps what a later section of the same
 //! micro-batch reads, sums what the step section reads over the micro-batches, and runs the
 //! step section once per global batch. The loss seed becomes `1/m`, so the summed gradients
-//! are those of the mean loss over the `m` micro-batches.
+//! are those of the mean loss over the `m` micro-batches. Gradient collectives and gradient
+//! sums (`xf.add`) that only feed updates move into the step section too: they are linear, so
+//! a data-parallel all-reduce runs once per step on the summed gradient, not per micro-batch.
 //!
 //! **Boundaries.** A value made on one stage and read on another travels by an explicit
 //! `shard.send` on the sender and a `shard.recv` on the receiver, over the `pp` grid axis,
 //! paired by an `xf.transfer` number and sent once per micro-batch. The receive buffer is a
-//! `tensor.empty`. A parameter read on several stages (tied embeddings) lives on the stage
-//! that updates it; the others receive its value per micro-batch and send their gradient
-//! contribution back.
+//! `tensor.empty`. Step sections exchange once per step instead: a parameter read on several
+//! stages (tied embeddings) is mirrored on each; the readers send their gradient contribution,
+//! summed over the micro-batches, to the stage that updates it, which sends the updated value
+//! back (Megatron-LM's embedding group, as point-to-point transfers). A step section sends
+//! first and receives right before a value's first use, so no two stages wait on each other.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -250,9 +254,11 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     }
     for i in (0..n).rev() {
         let op = &func.ops[i];
-        let linear = op.name.starts_with("shard.") || op.name == "xf.wait";
+        // Linear in the gradients: summing over micro-batches first changes nothing.
+        let linear = op.name.starts_with("shard.") || op.name == "xf.wait" || op.name == "xf.add";
+        let of_gradients = op.operands.iter().all(|v| producer.get(v).is_some_and(|&p| phase[p] != Phase::Forward));
         let users: Vec<usize> = op.results.iter().flat_map(|r| consumers.get(r).cloned().unwrap_or_default()).collect();
-        if phase[i] == Phase::Backward && linear && !users.is_empty() && users.iter().all(|&u| phase[u] == Phase::Step) {
+        if phase[i] == Phase::Backward && linear && of_gradients && !users.is_empty() && users.iter().all(|&u| phase[u] == Phase::Step) {
             phase[i] = Phase::Step;
         }
     }
@@ -286,7 +292,9 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     let plan = Plan { phase, stage };
 
     // Owner stage of every argument: parameters and their state live where they are updated
-    // (else where first read); inputs are fed to every stage that reads them.
+    // (else where first read); inputs are fed to every stage that reads them. A parameter
+    // read on another stage too (tied embeddings) is mirrored there: the owner sends its
+    // updated value once per step, and the reader sends its summed gradient contribution.
     let mut owner: HashMap<Value, usize> = HashMap::new();
     for (i, op) in func.ops.iter().enumerate() {
         for v in &op.operands {
@@ -303,7 +311,7 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     let home = |v: Value| -> Option<(usize, Phase)> {
         match producer.get(&v) {
             Some(&p) => Some((plan.stage[p], plan.phase[p])),
-            None if arg_role.get(&v) == Some(&ArgRole::Input) => None,
+            None if matches!(arg_role.get(&v), Some(ArgRole::Input | ArgRole::Param)) => None,
             None => Some((owner.get(&v).copied().unwrap_or(0), Phase::Forward)),
         }
     };
@@ -323,16 +331,19 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
                 }
                 continue;
             }
-            if made == Phase::Step || consumer_phase == Phase::Step && made == Phase::Forward {
-                return Err(format!("{}: reads {v} from stage {from} in the {} section; only per-micro-batch values can cross stages", op.loc, consumer_phase.label()));
+            if consumer_phase == Phase::Step && made == Phase::Forward {
+                return Err(format!("{}: reads {v} from stage {from} in the step section; a forward value differs per micro-batch", op.loc));
             }
-            let receive = if consumer_phase == Phase::Step { Phase::Backward } else { consumer_phase };
+            let receive = consumer_phase;
             // The receive must come after the send in every schedule: forward values flow
             // to later stages, gradients to earlier ones.
             let ordered = match (made, receive) {
                 (Phase::Forward, Phase::Forward) => from < to,
                 (Phase::Forward, _) => true,
-                (_, Phase::Backward | Phase::Weight) => from > to,
+                (Phase::Backward | Phase::Weight, Phase::Backward | Phase::Weight) => from > to,
+                // Step sections run after every micro-batch: a gradient summed on one stage
+                // goes to another once per step.
+                (_, Phase::Step) => true,
                 _ => false,
             };
             if !ordered {
@@ -346,11 +357,30 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
         }
     }
 
+    // Mirrored parameters: the owner sends the updated value to each other stage reading it.
+    let new_value: HashMap<&str, Value> = func.returns.iter().zip(&func.result_names).map(|(v, n)| (n.as_str(), *v)).collect();
+    for arg in func.args.iter().filter(|a| a.role == ArgRole::Param) {
+        let Some(&home_stage) = owner.get(&arg.value) else { continue };
+        let readers: BTreeSet<usize> = func.ops.iter().enumerate().filter(|(_, op)| op.operands.contains(&arg.value)).map(|(i, _)| plan.stage[i]).collect();
+        let Some(&updated) = new_value.get(arg.name.as_str()) else { continue };
+        for reader in readers.into_iter().filter(|&r| r != home_stage) {
+            transfers.entry((updated, home_stage, reader)).or_insert_with(|| {
+                next_tag += 1;
+                (next_tag - 1, Phase::Step)
+            });
+        }
+    }
+
     // Weight-gradient sections: backward ops no transfer to another stage waits for.
     let mut sections = Plan { phase: plan.phase.clone(), stage: plan.stage.clone() };
     if options.split_weight_grads {
         let mut needed: HashSet<usize> = HashSet::new();
-        let mut stack: Vec<usize> = transfers.keys().filter_map(|(v, _, _)| producer.get(v).copied()).filter(|&p| plan.phase[p] == Phase::Backward).collect();
+        let mut stack: Vec<usize> = transfers
+            .iter()
+            .filter(|(_, (_, receive))| *receive != Phase::Step)
+            .filter_map(|((v, _, _), _)| producer.get(v).copied())
+            .filter(|&p| plan.phase[p] == Phase::Backward)
+            .collect();
         while let Some(i) = stack.pop() {
             if plan.phase[i] != Phase::Backward || !needed.insert(i) {
                 continue;
@@ -415,14 +445,15 @@ fn build_stage(
     let axes = AttrValue::Raw(format!("array<i16: {PP_AXIS}>"));
     let with_phase = |attrs: Attrs, phase: Phase| attrs.with("xf.phase", AttrValue::Str(phase.label().into()));
 
-    // Arguments this stage reads or owns.
+    // Arguments this stage reads or owns (a parameter read here is mirrored here).
     let mut ops: Vec<usize> = (0..func.ops.len()).filter(|&i| plan.stage[i] == k).collect();
     ops.sort_by_key(|&i| (plan.phase[i], i));
     let used: BTreeSet<Value> = ops.iter().flat_map(|&i| func.ops[i].operands.iter().copied()).collect();
     for arg in &func.args {
         let here = match arg.role {
             ArgRole::Input => used.contains(&arg.value),
-            _ => owner.get(&arg.value) == Some(&k),
+            ArgRole::Param => used.contains(&arg.value) || owner.get(&arg.value) == Some(&k),
+            ArgRole::OptState => owner.get(&arg.value) == Some(&k),
         };
         if here {
             let v = fb.arg_typed(&arg.name, func.ty(arg.value).clone(), arg.role);
@@ -432,10 +463,13 @@ fn build_stage(
             map.insert(arg.value, v);
         }
     }
+    let made_in = |v: Value| producer.get(&v).map(|&p| plan.phase[p]);
 
-    let send = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>, v: Value, phase: Phase| {
-        for (&(value, from, to), &(tag, _)) in transfers.range((v, 0, 0)..=(v, usize::MAX, usize::MAX)) {
-            if value != v || from != k {
+    // Sends of `v` from this stage whose receive is (`step`) or is not (`!step`) in a step
+    // section.
+    let send = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>, v: Value, phase: Phase, step: bool| {
+        for (&(value, from, to), &(tag, receive)) in transfers.range((v, 0, 0)..=(v, usize::MAX, usize::MAX)) {
+            if value != v || from != k || (receive == Phase::Step) != step {
                 continue;
             }
             let attrs = Attrs::new()
@@ -447,42 +481,67 @@ fn build_stage(
             fb.op_typed("shard.send", &[map[&v]], with_phase(attrs, phase), vec![func.ty(v).clone()], &format!("send.{tag}"));
         }
     };
+    let receive = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, v: Value, from: usize, tag: i64, phase: Phase| {
+        let ty = func.ty(v).clone();
+        let empty = fb.op_typed("tensor.empty", &[], with_phase(Attrs::new(), phase), vec![ty.clone()], &format!("recv.{tag}.buffer"))[0];
+        let attrs = Attrs::new()
+            .with("grid", AttrValue::Raw(format!("@{grid}")))
+            .with("grid_axes", axes.clone())
+            .with("source", AttrValue::Raw(format!("array<i64: {}>", from % p)))
+            .with("xf.transfer", AttrValue::Int(tag))
+            .with("xf.from_stage", AttrValue::Int(from as i64));
+        let received = fb.op_typed("shard.recv", &[empty], with_phase(attrs, phase), vec![ty], &format!("recv.{tag}"))[0];
+        map.insert(v, received);
+    };
+    // Per-micro-batch sections receive what they need at their start.
     let receive_all = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, phase: Phase| {
-        for (&(v, from, to), &(tag, receive)) in transfers {
-            if to != k || receive != phase {
-                continue;
+        for (&(v, from, to), &(tag, when)) in transfers {
+            if to == k && when == phase && phase != Phase::Step {
+                receive(fb, map, v, from, tag, phase);
             }
-            let ty = func.ty(v).clone();
-            let empty = fb.op_typed("tensor.empty", &[], with_phase(Attrs::new(), phase), vec![ty.clone()], &format!("recv.{tag}.buffer"))[0];
-            let attrs = Attrs::new()
-                .with("grid", AttrValue::Raw(format!("@{grid}")))
-                .with("grid_axes", axes.clone())
-                .with("source", AttrValue::Raw(format!("array<i64: {}>", from % p)))
-                .with("xf.transfer", AttrValue::Int(tag))
-                .with("xf.from_stage", AttrValue::Int(from as i64));
-            let received = fb.op_typed("shard.recv", &[empty], with_phase(attrs, phase), vec![ty], &format!("recv.{tag}"))[0];
-            map.insert(v, received);
+        }
+    };
+    // The step section first sends every summed gradient other stages wait for, and
+    // receives only right before a value's first use: a stage may wait for another's update
+    // only after giving it what that update needs.
+    let open_step = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>| {
+        let ready: BTreeSet<Value> = transfers
+            .iter()
+            .filter(|((v, from, _), (_, when))| *from == k && *when == Phase::Step && made_in(*v) != Some(Phase::Step))
+            .map(|((v, _, _), _)| *v)
+            .collect();
+        for v in ready {
+            send(fb, map, v, Phase::Step, true);
         }
     };
 
-    // Parameters other stages read go out at the start of each micro-batch's forward.
     receive_all(&mut fb, &mut map, Phase::Forward);
-    for arg in &func.args {
-        if arg.role != ArgRole::Input && map.contains_key(&arg.value) {
-            send(&mut fb, &map, arg.value, Phase::Forward);
-        }
-    }
     let mut current = Phase::Forward;
-    for &i in &ops {
-        let op = &func.ops[i];
-        let phase = plan.phase[i];
-        while current < phase {
-            current = match current {
+    let advance = |current: &mut Phase, to: Phase, fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>| {
+        while *current < to {
+            *current = match *current {
                 Phase::Forward => Phase::Backward,
                 Phase::Backward => Phase::Weight,
                 _ => Phase::Step,
             };
-            receive_all(&mut fb, &mut map, current);
+            receive_all(fb, map, *current);
+            if *current == Phase::Step {
+                open_step(fb, map);
+            }
+        }
+    };
+    for &i in &ops {
+        let op = &func.ops[i];
+        let phase = plan.phase[i];
+        advance(&mut current, phase, &mut fb, &mut map);
+        if phase == Phase::Step {
+            for v in &op.operands {
+                if !map.contains_key(v)
+                    && let Some((&(_, from, _), &(tag, _))) = transfers.iter().find(|((value, _, to), (_, when))| value == v && *to == k && *when == Phase::Step)
+                {
+                    receive(&mut fb, &mut map, *v, from, tag, Phase::Step);
+                }
+            }
         }
         let operands =
             op.operands.iter().map(|v| map.get(v).copied().ok_or_else(|| format!("{}: stage {k} has no {v} (made on stage {:?})", op.loc, home(*v).map(|h| h.0)))).collect::<Result<Vec<_>, _>>()?;
@@ -501,16 +560,15 @@ fn build_stage(
             map.insert(*old, new);
         }
         for r in &op.results {
-            send(&mut fb, &map, *r, phase);
+            send(&mut fb, &map, *r, phase, phase == Phase::Step);
         }
     }
-    while current < Phase::Step {
-        current = match current {
-            Phase::Forward => Phase::Backward,
-            Phase::Backward => Phase::Weight,
-            _ => Phase::Step,
-        };
-        receive_all(&mut fb, &mut map, current);
+    advance(&mut current, Phase::Step, &mut fb, &mut map);
+    // Mirrored parameters' new values arrive last.
+    for (&(v, from, to), &(tag, when)) in transfers {
+        if to == k && when == Phase::Step && !map.contains_key(&v) {
+            receive(&mut fb, &mut map, v, from, tag, Phase::Step);
+        }
     }
 
     // Results: the loss on the last stage, each owner's updated parameters and state.
@@ -520,7 +578,10 @@ fn build_stage(
             Some(&p) => plan.stage[p] == k,
             None => owner.get(v) == Some(&k),
         };
-        if made_here {
+        // A mirror returns the owner's update under the parameter's name.
+        let mirrored = transfers.iter().any(|((value, _, to), (_, when))| value == v && *to == k && *when == Phase::Step)
+            && func.args.iter().any(|a| a.role == ArgRole::Param && a.name == *name);
+        if made_here || mirrored {
             values.push(map[v]);
             names.push(name.clone());
         }

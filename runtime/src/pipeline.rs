@@ -160,6 +160,8 @@ pub fn train_pipeline(
                 let ended = start.elapsed().as_secs_f64() * 1e3;
                 trace.push((*item, (began + waited).min(ended), ended));
             }
+            // Step sections exchange once per step: their transfers carry micro-batch 0.
+            exec.set_transfer_context(step, 0);
             for (c, chunk) in plan.chunks.iter().enumerate() {
                 exec.restore(&chunk.sum_backward, &sums[c])?;
                 exec.restore(&chunk.sum_weight, &sums_weight[c])?;
@@ -180,7 +182,11 @@ pub fn train_pipeline(
     let loss_rank = (0..mesh.ranks()).find(|&r| front(r) && programs[pp_rank(r)].result("loss").is_some()).ok_or_else(|| RuntimeError::Program("no pipeline stage returns the loss".into()))?;
     let mut parameters = Vec::new();
     for (s, program) in programs.iter().enumerate() {
+        // A mirrored parameter (tied embeddings) is on several pipeline ranks, equal on all.
         for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+            if parameters.iter().any(|(n, _, _)| *n == p.name) {
+                continue;
+            }
             let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
             let shards: Vec<(usize, Vec<f64>)> = (0..mesh.ranks()).filter(|&r| pp_rank(r) == s).map(|r| (r, results[r].1[&p.name].clone())).collect();
             parameters.push((p.name.clone(), layout.global_shape.clone(), crate::layout::assemble_some(&shards, layout, &mesh)));

@@ -88,6 +88,7 @@ fn collective_records(program: &Program, rank: usize) -> Vec<CommRecord> {
                 "shard.all_gather" => (Some(CollectiveKind::AllGather), output.len(), (n - 1) * input.len()),
                 // Every chunk but this rank's own.
                 "shard.reduce_scatter" => (Some(CollectiveKind::ReduceScatter), input.len(), input.len() - chunk_len(input.len(), n, p)),
+                "shard.send" => (Some(CollectiveKind::Send), input.len(), input.len()),
                 _ => (None, output.len(), 0),
             };
             let cause = match instr.attrs.get("xf.cause") {
