@@ -151,7 +151,7 @@ fn invalid_meshes_are_refused_with_the_fix() {
         ("xp=2", "unknown axis `xp`"),
         ("dp=0", "must be an integer from 1"),
         ("dp=2,dp=2", "given twice"),
-        ("pp=9", "exceeds the 2 layers"),
+        ("pp=9", "exceeds the 6 blocks of the model"),
         ("dp=3", "not a multiple of dp x micro_batch"),
         ("tp", "not of the form axis=size"),
     ] {
