@@ -47,6 +47,24 @@ pub fn inspect(args: &InspectArgs) -> Result<()> {
             *counts.entry(i.op.as_str()).or_insert(0) += 1;
         }
         println!("  ops          {}", counts.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", "));
+        if let Some(pipeline) = &program.pipeline {
+            use shardc_runtime::program::Section;
+            for chunk in &pipeline.chunks {
+                let sizes: Vec<String> = [Section::Forward, Section::Backward, Section::Weight, Section::Step]
+                    .iter()
+                    .map(|&s| format!("{} {}", s.label(), chunk.range(s).len()))
+                    .collect();
+                println!(
+                    "  stage {:<6} instructions: {}; keeps {} buffers per micro-batch, sums {} over micro-batches",
+                    chunk.stage,
+                    sizes.join(", "),
+                    chunk.keep_forward.len() + chunk.keep_backward.len(),
+                    chunk.sum_backward.len() + chunk.sum_weight.len()
+                );
+            }
+            let items: Vec<String> = pipeline.items.iter().map(|i| format!("{:?}{}{}", i.work, i.microbatch, if pipeline.chunks.len() > 1 { format!(".{}", i.chunk) } else { String::new() })).collect();
+            println!("  schedule     {} on pipeline rank {} of {}: {}", pipeline.kind.label(), pipeline.rank, pipeline.ranks, items.join(" "));
+        }
         if args.instrs {
             for (index, instr) in program.instrs.iter().enumerate() {
                 let show = |ids: &[usize]| {

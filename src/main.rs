@@ -271,9 +271,9 @@ fn compile(
         .map(|f| if f.name == "train_step" { shardc_codegen::lower_func_on(f, &grid) } else { shardc_codegen::lower_func(f) })
         .collect::<Result<Vec<_>, _>>()
         .into_diagnostic()?;
-    if module.func("stage0").is_some() {
-        // One program per pipeline rank.
-        programs.extend(shardc_codegen::lower_pipeline(&module, &grid).into_diagnostic()?);
+    if let Some(schedule) = step.schedule(&spec, mesh)? {
+        // One program per pipeline rank, each with its items of the schedule.
+        programs.extend(shardc_codegen::lower_pipeline(&module, &grid, &schedule).into_diagnostic()?);
     }
     let summary = Summary::of(&spec, &module, &programs);
     println!("shardc: compiled {} ({})", spec.name, spec_path.display());

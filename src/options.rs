@@ -102,6 +102,15 @@ impl StepArgs {
         shardc_runtime::schedule::Kind::parse(&self.schedule).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{}`", self.schedule))
     }
 
+    /// The pipeline schedule these arguments ask for, when the step has stages or
+    /// micro-batches.
+    pub fn schedule(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<Option<shardc_runtime::schedule::Schedule>> {
+        let Some(stages) = self.pipeline_options(spec, mesh)? else { return Ok(None) };
+        shardc_runtime::schedule::generate(self.schedule_kind()?, mesh.pp as usize, stages.microbatches, stages.chunks)
+            .map(Some)
+            .map_err(|e| miette!(help = "check --mesh pp=, --microbatches and --virtual-stages", "{e}"))
+    }
+
     /// Micro-batches per step: `--microbatches`, else the spec's with pp > 1, else 1.
     pub fn microbatches(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> u64 {
         self.microbatches.unwrap_or(if mesh.pp > 1 { spec.micro_batches().max(1) } else { 1 })

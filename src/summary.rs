@@ -69,7 +69,14 @@ fn stage_holds(func: &shardc_ir::Func) -> String {
     if let (Some(first), Some(last)) = (blocks.first(), blocks.last()) {
         let name = |(n, mlp): (usize, bool), whole: bool| if whole { format!("{n}") } else { format!("{n}.{}", if mlp { "mlp" } else { "attn" }) };
         // A range starting at an MLP block or ending at an attention block cuts a layer.
-        let text = if first == last { format!("layer {}", name(*first, false)) } else { format!("layers {}-{}", name(*first, !first.1), name(*last, last.1)) };
+        let whole = !first.1 && last.1;
+        let text = if first == last {
+            format!("layer {}", name(*first, false))
+        } else if whole && first.0 == last.0 {
+            format!("layer {}", first.0)
+        } else {
+            format!("layers {}-{}", name(*first, !first.1), name(*last, last.1))
+        };
         parts.push(text);
     }
     if func.ops.iter().any(|o| o.loc == "lm_head" || o.loc == "loss") {

@@ -71,17 +71,14 @@ pub fn compile_train_step_on(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh
 
 /// Compiles the spec's training step into pipeline stages (when the options ask for stages
 /// or micro-batches): one rank program per pipeline rank, and the schedule to run them by.
-pub fn compile_pipeline_programs(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh) -> Result<(Vec<Program>, shardc_runtime::schedule::Schedule)> {
+pub fn compile_pipeline_programs(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh) -> Result<Vec<Program>> {
     let options = step.compile_options(spec, mesh)?;
-    let stages = options.pipeline.clone().ok_or_else(|| miette!("no pipeline stages or micro-batches were asked for"))?;
-    let schedule = shardc_runtime::schedule::generate(step.schedule_kind()?, mesh.pp as usize, stages.microbatches, stages.chunks)
-        .map_err(|e| miette!(help = "check --mesh pp=, --microbatches and --virtual-stages", "{e}"))?;
+    let schedule = step.schedule(spec, mesh)?.ok_or_else(|| miette!("no pipeline stages or micro-batches were asked for"))?;
     let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
     let cx = crate::ir_context()?;
     shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
     let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
-    let programs = shardc_codegen::lower_pipeline(&module, &grid).into_diagnostic()?;
-    Ok((programs, schedule))
+    shardc_codegen::lower_pipeline(&module, &grid, &schedule).into_diagnostic()
 }
 
 fn check_backend(backend: &str) -> Result<()> {
@@ -291,7 +288,8 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     if args.load.is_some() || args.save.is_some() {
         return Err(miette!(help = "run without --mesh and --microbatches to load or save parameters", "--load and --save work on one rank for now"));
     }
-    let (programs, schedule) = compile_pipeline_programs(spec, &args.step, mesh)?;
+    let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
+    let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
     let algorithm = collective_algorithm(&args.collectives)?;
     let data_path = args.data.clone().unwrap_or_else(default_corpus);
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
@@ -310,7 +308,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     );
     let start = Instant::now();
     let run =
-        shardc_runtime::pipeline::train_pipeline(&programs, &schedule, args.seed, spec.model.layers as usize, &corpus, args.steps, std::time::Duration::from_secs(60), algorithm).into_diagnostic()?;
+        shardc_runtime::pipeline::train_pipeline(&programs, args.seed, spec.model.layers as usize, &corpus, args.steps, std::time::Duration::from_secs(60), algorithm).into_diagnostic()?;
     if let Some(step) = run.losses.iter().position(|l| !l.is_finite()) {
         return Err(miette!(help = "lower --lr", "the loss became {} at step {}", run.losses[step], step + 1));
     }

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 
 use shardc_ir::ops::lookup;
 use shardc_ir::{ArgRole, AttrValue, Func, Value};
+use shardc_runtime::schedule::{simulate, Costs, Kind, Schedule, Work};
 use shardc_runtime::DType;
 use shardc_runtime::program::{Attr, Binding, Buffer, FORMAT_VERSION, Instr, Layout, MemoryPlan, PipelinePlan, Program, Role};
 
@@ -244,8 +245,11 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
 /// arguments shared by name (the inputs), so one memory plan covers them. The program's
 /// [`PipelinePlan`] says where each chunk's forward, backward, weight and step sections are,
 /// and which buffers a runtime must keep per micro-batch (read by a later section of the same
-/// micro-batch) or sum over micro-batches (gradients the step section reads).
-pub fn lower_pipeline(module: &shardc_ir::Module, grid: &[i64]) -> Result<Vec<Program>, CodegenError> {
+/// micro-batch) or sum over micro-batches (gradients the step section reads), and the
+/// rank's work items of `schedule`, which is checked first: its ranks and chunks must match
+/// the stages, it must split weight gradients exactly when the stages have weight sections,
+/// and simulating it must finish (no item waits forever).
+pub fn lower_pipeline(module: &shardc_ir::Module, grid: &[i64], schedule: &Schedule) -> Result<Vec<Program>, CodegenError> {
     let unsupported = |func: &str, reason: String| CodegenError::Unsupported { func: func.to_string(), loc: "module".into(), reason };
     let stages: Vec<&Func> = (0..).map_while(|k| module.func(&format!("stage{k}"))).collect();
     let pp = grid.get(2).copied().unwrap_or(1).max(1) as usize;
@@ -253,12 +257,31 @@ pub fn lower_pipeline(module: &shardc_ir::Module, grid: &[i64]) -> Result<Vec<Pr
         return Err(unsupported("stage0", format!("{} pipeline stages cannot be dealt to pp={pp} ranks", stages.len())));
     }
     let chunks = stages.len() / pp;
+    if schedule.stages != pp || schedule.chunks != chunks {
+        return Err(unsupported(
+            "stage0",
+            format!("the {} schedule is for {} ranks x {} chunks; the stages need {pp} x {chunks}", schedule.kind.label(), schedule.stages, schedule.chunks),
+        ));
+    }
+    let weight_sections = stages.iter().any(|f| f.ops.iter().any(|op| matches!(op.attrs.get("xf.phase"), Some(AttrValue::Str(p)) if p == "weight")));
+    let weight_items = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
+    if weight_sections != weight_items {
+        return Err(unsupported(
+            "stage0",
+            format!("the {} schedule {} weight-gradient items but the stages {} weight sections", schedule.kind.label(), if weight_items { "has" } else { "has no" }, if weight_sections { "have" } else { "have no" }),
+        ));
+    }
+    simulate(schedule, Costs { f: 1.0, b: 1.0, w: 1.0 }).map_err(|e| unsupported("stage0", format!("invalid {} schedule: {e}", schedule.kind.label())))?;
     (0..pp)
         .map(|rank| {
             let mine: Vec<&Func> = (0..chunks).map(|c| stages[c * pp + rank]).collect();
             let (combined, chunk_of) = concat_stages(&mine, rank);
             let mut program = lower_func_on(&combined, grid)?;
-            program.pipeline = Some(pipeline_plan(&program, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?);
+            let mut plan = pipeline_plan(&program, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?;
+            plan.kind = schedule.kind;
+            plan.microbatches = schedule.microbatches;
+            plan.items = schedule.ranks[rank].clone();
+            program.pipeline = Some(plan);
             Ok(program)
         })
         .collect()
@@ -367,5 +390,5 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
             }
         }
     }
-    Ok(PipelinePlan { rank, ranks: pp, chunks: plans })
+    Ok(PipelinePlan { rank, ranks: pp, chunks: plans, kind: Kind::OneFOneB, microbatches: 1, items: Vec::new() })
 }

@@ -51,14 +51,13 @@ fn storage_bytes(values: &[Storage]) -> usize {
         .sum()
 }
 
-/// Trains the pipeline `programs` (one per pipeline rank, from codegen) under `schedule` for
-/// `steps` steps. Parameters start from `seed` as global tensors, sharded per rank, and each
+/// Trains the pipeline `programs` (one per pipeline rank, from codegen, each carrying its
+/// items of the schedule) for `steps` steps. Parameters start from `seed` as global tensors, sharded per rank, and each
 /// step's global batch is `m` micro-batches of the programs' batch, so the run is comparable
 /// with a single device running the whole batch at once.
 #[allow(clippy::too_many_arguments)]
 pub fn train_pipeline(
     programs: &[Program],
-    schedule: &Schedule,
     seed: u64,
     layers: usize,
     corpus: &ByteCorpus,
@@ -67,6 +66,7 @@ pub fn train_pipeline(
     algorithm: Algorithm,
 ) -> Result<PipelineRun, RuntimeError> {
     let first = programs.first().ok_or_else(|| RuntimeError::Program("no pipeline programs".into()))?;
+    let schedule = &schedule_of(programs)?;
     if programs.len() != schedule.stages {
         return Err(RuntimeError::Program(format!("{} pipeline programs for a schedule of {} ranks", programs.len(), schedule.stages)));
     }
@@ -219,4 +219,27 @@ pub fn train_pipeline(
         peak_kept_bytes: rows_of_timeline.iter().map(|&r| results[r].4).collect(),
         timeline: Timeline { ranks, makespan, bubble, peak_in_flight },
     })
+}
+
+/// The schedule the programs carry, checked: every rank's items, one family, and a
+/// simulation that finishes.
+pub fn schedule_of(programs: &[Program]) -> Result<Schedule, RuntimeError> {
+    let plans = programs
+        .iter()
+        .enumerate()
+        .map(|(s, p)| p.pipeline.as_ref().ok_or_else(|| RuntimeError::Program(format!("program {s} is not a pipeline rank"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let first = plans.first().ok_or_else(|| RuntimeError::Program("no pipeline programs".into()))?;
+    if plans.iter().any(|p| p.kind != first.kind || p.microbatches != first.microbatches || p.chunks.len() != first.chunks.len()) {
+        return Err(RuntimeError::Program("the pipeline programs carry different schedules; compile them together".into()));
+    }
+    let schedule = Schedule {
+        kind: first.kind,
+        stages: plans.len(),
+        microbatches: first.microbatches,
+        chunks: first.chunks.len(),
+        ranks: plans.iter().map(|p| p.items.clone()).collect(),
+    };
+    crate::schedule::simulate(&schedule, crate::schedule::Costs { f: 1.0, b: 1.0, w: 1.0 }).map_err(|e| RuntimeError::Program(format!("invalid schedule: {e}")))?;
+    Ok(schedule)
 }

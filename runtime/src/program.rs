@@ -281,6 +281,12 @@ pub struct PipelinePlan {
     pub ranks: usize,
     /// Model chunks, in chunk order (stage `rank + chunk * ranks`).
     pub chunks: Vec<ChunkPlan>,
+    /// The schedule family the items come from.
+    pub kind: crate::schedule::Kind,
+    /// Micro-batches per optimizer step.
+    pub microbatches: usize,
+    /// This rank's work items of the schedule, in execution order.
+    pub items: Vec<crate::schedule::Item>,
 }
 
 impl Program {

@@ -12,7 +12,7 @@ use shardc_runtime::collectives::Algorithm;
 use shardc_runtime::data::ByteCorpus;
 use shardc_runtime::init::init_param;
 use shardc_runtime::pipeline::{train_pipeline, PipelineRun};
-use shardc_runtime::schedule::{generate, Kind, Schedule};
+use shardc_runtime::schedule::{generate, Kind};
 use shardc_runtime::train::Trainer;
 use shardc_runtime::Program;
 
@@ -35,7 +35,7 @@ fn corpus(spec: &shardc_ir::spec::Spec) -> ByteCorpus {
 }
 
 /// The pipeline programs and schedule of `name` on `mesh`.
-pub fn compile_stages(name: &str, mesh: Mesh, kind: Kind, microbatches: usize) -> (Vec<Program>, Schedule, shardc_ir::spec::Spec) {
+pub fn compile_stages(name: &str, mesh: Mesh, kind: Kind, microbatches: usize) -> (Vec<Program>, shardc_ir::spec::Spec) {
     let spec = spec_with_dtype(name, "f32");
     let chunks = if kind == Kind::Interleaved { 2 } else { 1 };
     let stages = PipelineOptions { chunks, microbatches, manual: None, split_weight_grads: kind == Kind::ZeroBubble };
@@ -43,8 +43,8 @@ pub fn compile_stages(name: &str, mesh: Mesh, kind: Kind, microbatches: usize) -
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options(&spec, mesh, Some(stages))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap_or_else(|e| panic!("{name} {mesh}: {e:?}"));
     let grid = module.grids[0].shape.clone();
-    let programs = shardc_codegen::lower_pipeline(&module, &grid).unwrap();
-    (programs, generate(kind, mesh.pp as usize, microbatches, chunks).unwrap(), spec)
+    let schedule = generate(kind, mesh.pp as usize, microbatches, chunks).unwrap();
+    (shardc_codegen::lower_pipeline(&module, &grid, &schedule).unwrap(), spec)
 }
 
 /// Single-device losses, first-step gradients and final parameters for `rows` rows a step.
@@ -93,10 +93,10 @@ fn check(name: &str) {
         for (dp, tp, pp) in [(1, 1, 2), (1, 1, 4), (2, 2, 2)] {
             for kind in KINDS {
                 let what = format!("{name} dp={dp} tp={tp} pp={pp} {} m={m}", kind.label());
-                let (programs, schedule, spec) = compile_stages(name, Mesh { dp, tp, pp }, kind, m);
+                let (programs, spec) = compile_stages(name, Mesh { dp, tp, pp }, kind, m);
                 let layers = spec.model.layers as usize;
                 let corpus = corpus(&spec);
-                let run = |steps| train_pipeline(&programs, &schedule, SEED, layers, &corpus, steps, Duration::from_secs(30), Algorithm::Ring).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let run = |steps| train_pipeline(&programs, SEED, layers, &corpus, steps, Duration::from_secs(30), Algorithm::Ring).unwrap_or_else(|e| panic!("{what}: {e}"));
                 let first = run(1);
                 assert_eq!(first.parameters.len(), want.gradients.len(), "{what}: every parameter is on one stage");
                 for (param, g) in &want.gradients {
@@ -133,15 +133,39 @@ fn tiny_llama_pipelined_equals_single_device() {
 #[test]
 fn kept_activations_follow_the_schedule() {
     for (kind, first_stage) in [(Kind::OneFOneB, 4), (Kind::Gpipe, 8)] {
-        let (programs, schedule, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4 }, kind, 8);
-        let run = train_pipeline(&programs, &schedule, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap();
+        let (programs, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4 }, kind, 8);
+        let run = train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap();
         assert_eq!(run.timeline.peak_in_flight[0], first_stage, "{}", kind.label());
         // Bytes kept grow with the micro-batches held.
         assert!(run.peak_kept_bytes[0] > 0);
     }
     let bytes = |kind| {
-        let (programs, schedule, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4 }, kind, 8);
-        train_pipeline(&programs, &schedule, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap().peak_kept_bytes[0]
+        let (programs, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4 }, kind, 8);
+        train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap().peak_kept_bytes[0]
     };
     assert!(bytes(Kind::OneFOneB) < bytes(Kind::Gpipe));
+}
+
+/// Codegen refuses a schedule that does not fit the stages, and one that deadlocks.
+#[test]
+fn schedules_are_checked_before_they_are_attached() {
+    let spec = spec_with_dtype("tiny", "f32");
+    let stages = |split_weight_grads| {
+        let pipeline = PipelineOptions { chunks: 1, microbatches: 4, manual: None, split_weight_grads };
+        let mut module = model(&spec);
+        let cx = shardc_ir::mlir::IrContext::new().unwrap();
+        compile_pipeline(&options(&spec, Mesh { dp: 1, tp: 1, pp: 2 }, Some(pipeline))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        module
+    };
+    let grid = [1, 1, 2];
+    let plain = stages(false);
+    let error = |module: &shardc_ir::Module, schedule: &shardc_runtime::schedule::Schedule| shardc_codegen::lower_pipeline(module, &grid, schedule).unwrap_err().to_string();
+    assert!(error(&plain, &generate(Kind::OneFOneB, 4, 4, 1).unwrap()).contains("for 4 ranks x 1 chunks; the stages need 2 x 1"));
+    assert!(error(&plain, &generate(Kind::ZeroBubble, 2, 4, 1).unwrap()).contains("has weight-gradient items but the stages have no weight sections"));
+    let mut backwards_first = generate(Kind::Gpipe, 2, 4, 1).unwrap();
+    backwards_first.ranks[1].reverse();
+    assert!(error(&plain, &backwards_first).contains("invalid GPipe schedule"));
+    // Each rank program carries its own items.
+    let programs = shardc_codegen::lower_pipeline(&stages(true), &grid, &generate(Kind::ZeroBubble, 2, 4, 1).unwrap()).unwrap();
+    assert_eq!(programs[1].pipeline.as_ref().unwrap().items.len(), 12);
 }
