@@ -38,6 +38,20 @@ pub struct StepArgs {
     /// Data-parallel gradient bucket size in MiB (0: one synchronous all-reduce per gradient).
     #[arg(long, default_value_t = 25)]
     pub grad_bucket_mb: u64,
+    /// Partition naively (gather every column-parallel matmul's result), to see what the
+    /// communication optimizer recovers.
+    #[arg(long)]
+    pub naive_partition: bool,
+    /// Skip the communication optimizer (`comm-opt`).
+    #[arg(long)]
+    pub no_comm_opt: bool,
+    /// GPU preset the cluster model prices with: a100-40g, a100-80g, h100-sxm or h200.
+    #[arg(long, default_value = "h100-sxm")]
+    pub gpu: String,
+    /// Cluster model overrides as TOML (preset, gpus_per_node, launch, placement, [gpu],
+    /// [intra_node], [inter_node]); see ir/src/cluster.rs.
+    #[arg(long, value_name = "FILE")]
+    pub cluster: Option<PathBuf>,
     /// Micro-batches per optimizer step (gradient accumulation; the pipeline's m). Default:
     /// the spec's global_batch / micro_batch with pp > 1, else 1.
     #[arg(long)]
@@ -94,7 +108,22 @@ impl StepArgs {
             sequence_parallel: self.sequence_parallel,
             grad_bucket_bytes: self.grad_bucket_mb << 20,
             pipeline,
+            naive_partition: self.naive_partition,
+            comm_opt: !self.no_comm_opt,
+            cluster: self.cluster_model()?,
         })
+    }
+
+    /// The cluster model: `--cluster FILE` if given, else the `--gpu` preset.
+    pub fn cluster_model(&self) -> Result<shardc_ir::cluster::Cluster> {
+        use shardc_ir::cluster::{Cluster, GPU_PRESETS};
+        match &self.cluster {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| miette!("--cluster: reading {}: {e}", path.display()))?;
+                Cluster::from_toml(&text).map_err(|e| miette!(help = "see the cluster fields in ir/src/cluster.rs", "--cluster {}: {e}", path.display()))
+            }
+            None => Cluster::preset(&self.gpu).ok_or_else(|| miette!(help = format!("use one of {}", GPU_PRESETS.join(", ")), "--gpu: unknown GPU `{}`", self.gpu)),
+        }
     }
 
     /// The schedule `--schedule` names.

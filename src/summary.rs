@@ -27,6 +27,9 @@ pub struct Summary {
     pub communication: Vec<CommSummary>,
     /// Ops of each kind in `@forward`.
     pub op_counts: std::collections::BTreeMap<String, usize>,
+    /// What the communication optimizer did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_opt: Option<shardc_passes::CommOptReport>,
     /// Pipeline stages, when the step is cut into them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stages: Vec<StageSummary>,
@@ -135,6 +138,7 @@ impl Summary {
             }),
             op_counts: forward.map(|f| f.op_counts()).unwrap_or_default(),
             stages: Vec::new(),
+            comm_opt: module.notes.get("comm-opt").and_then(|json| serde_json::from_str(json).ok()),
         }
         .with_stages(module, programs)
     }
@@ -247,6 +251,33 @@ impl Summary {
             line("mesh", format!("{mesh} (1 rank)"));
         }
         line("passes", passes.join(" -> "));
+        if let Some(r) = &self.comm_opt {
+            let rules: Vec<String> = r.rules.iter().map(|(name, n)| format!("{name} x{n}")).collect();
+            line(
+                "comm-opt",
+                format!(
+                    "{} collectives, {:.1} us, {} -> {} collectives, {:.1} us, {} (modelled per micro-batch step)",
+                    r.collectives_before,
+                    r.time_before * 1e6,
+                    bytes(r.bytes_before as u64),
+                    r.collectives_after,
+                    r.time_after * 1e6,
+                    bytes(r.bytes_after as u64)
+                ),
+            );
+            line(
+                "",
+                format!(
+                    "e-graph {} nodes, {} classes, {} iterations, stopped: {}, {:.0} ms; rules fired: {}",
+                    r.enodes,
+                    r.eclasses,
+                    r.iterations,
+                    r.stop,
+                    r.seconds * 1e3,
+                    if rules.is_empty() { "none".to_string() } else { rules.join(", ") }
+                ),
+            );
+        }
         for s in &self.stages {
             line(
                 if s.stage == 0 { "stages" } else { "" },

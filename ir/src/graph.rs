@@ -207,6 +207,10 @@ pub struct Module {
     pub grids: Vec<Grid>,
     /// Functions.
     pub funcs: Vec<Func>,
+    /// Reports passes leave for the user (pass name -> JSON), e.g. what `comm-opt` saved.
+    /// Not part of the IR: MLIR never sees them.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub notes: BTreeMap<String, String>,
 }
 
 impl Module {

@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod attrs;
+pub mod cluster;
 mod ffi;
 mod error;
 pub mod graph;

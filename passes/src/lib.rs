@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 mod autodiff;
+mod comm_opt;
 mod optimizer;
 mod pipeline;
 pub mod sharding;
@@ -20,6 +21,7 @@ mod stages;
 mod verify_pass;
 
 pub use autodiff::{Autodiff, Recompute, differentiate};
+pub use comm_opt::{optimize as optimize_communication, price as price_communication, CommOpt, CommOptReport};
 pub use optimizer::{Optimizer, OptimizerKind};
 pub use pipeline::{Changed, Pass, PassError, PassRecord, Pipeline, PipelineReport};
 pub use stages::{PP_AXIS, Phase, SplitStages, balance, op_time};
@@ -46,6 +48,13 @@ pub struct CompileOptions {
     pub grad_bucket_bytes: u64,
     /// Pipeline stages and micro-batches; `None`: one micro-batch per step, no stages.
     pub pipeline: Option<PipelineOptions>,
+    /// Start from a deliberately naive partitioning (every column-parallel matmul's result
+    /// gathered), to see what the communication optimizer recovers.
+    pub naive_partition: bool,
+    /// Rewrite the partitioned step's collectives to the cheapest equivalent (`comm-opt`).
+    pub comm_opt: bool,
+    /// The cluster that prices communication and compute.
+    pub cluster: shardc_ir::cluster::Cluster,
 }
 
 /// How the training step is cut into pipeline stages and micro-batches.
@@ -73,6 +82,9 @@ impl Default for CompileOptions {
             sequence_parallel: false,
             grad_bucket_bytes: 25 << 20,
             pipeline: None,
+            naive_partition: false,
+            comm_opt: true,
+            cluster: shardc_ir::cluster::Cluster::default(),
         }
     }
 }
@@ -90,9 +102,20 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
         return pipeline;
     }
     let pipeline = pipeline
-        .then(sharding::ShardMegatron { mesh: options.mesh, zero: options.zero, sequence_parallel: options.sequence_parallel, vocab: options.vocab, kv_heads: options.kv_heads })
+        .then(sharding::ShardMegatron {
+            mesh: options.mesh,
+            zero: options.zero,
+            sequence_parallel: options.sequence_parallel,
+            vocab: options.vocab,
+            kv_heads: options.kv_heads,
+            naive: options.naive_partition,
+        })
         .then(sharding::PropagateSharding)
         .then(sharding::Partition);
+    // With pipeline stages the optimizer stays out: merging equal values is common
+    // subexpression elimination, which would share values across stage boundaries.
+    let optimize_comm = options.comm_opt && options.pipeline.is_none();
+    let pipeline = if optimize_comm { pipeline.then(CommOpt { cluster: options.cluster.clone(), ..CommOpt::default() }) } else { pipeline };
     if let Some(stages) = &options.pipeline {
         // Gradient syncs run once per global batch on the accumulated gradients, in the
         // stages' step sections; buckets are for syncs inside a single backward pass.

@@ -161,7 +161,7 @@ fn single_op_module(case: &Case) -> (Module, HashMap<String, Vec<f64>>, HashMap<
         });
     }
     let func = fb.finish(&[loss.unwrap()], &["loss".to_string()]);
-    (Module { grids: Vec::new(), funcs: vec![func] }, floats, ints)
+    (Module { grids: Vec::new(), funcs: vec![func], notes: Default::default() }, floats, ints)
 }
 
 #[test]

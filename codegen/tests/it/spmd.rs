@@ -321,7 +321,7 @@ fn every_gradient_equals_single_device() {
             Autodiff::default().run(&mut module).unwrap();
             module.funcs.retain(|f| f.name == "gradients");
             if mesh.ranks() > 1 {
-                ShardMegatron { mesh, zero: 0, sequence_parallel, vocab: spec.model.vocab as i64, kv_heads }.run(&mut module).unwrap();
+                ShardMegatron { mesh, zero: 0, sequence_parallel, vocab: spec.model.vocab as i64, kv_heads, naive: false }.run(&mut module).unwrap();
                 PropagateSharding.run(&mut module).unwrap();
                 Partition.run(&mut module).unwrap();
             }

@@ -17,7 +17,7 @@ pub type LowerError = BuildError;
 
 /// Lowers a validated spec to a module holding `@forward`.
 pub fn lower(spec: &Spec) -> Result<Module, LowerError> {
-    Ok(Module { grids: Vec::new(), funcs: vec![forward(spec)?] })
+    Ok(Module { grids: Vec::new(), funcs: vec![forward(spec)?], notes: Default::default() })
 }
 
 /// Shorthand for attribute sets.

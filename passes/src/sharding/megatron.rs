@@ -42,6 +42,11 @@ pub struct ShardMegatron {
     pub vocab: i64,
     /// Key/value heads (their projections split only when tp divides them).
     pub kv_heads: i64,
+    /// A deliberately naive layout, for the communication optimizer to improve: the result
+    /// of every column-parallel matmul is gathered right away (and sliced again where a
+    /// row-parallel matmul needs it split), as a partitioner that inserts collectives
+    /// greedily would do.
+    pub naive: bool,
 }
 
 /// Sharding of a parameter called `name` of `rank` dimensions.
@@ -131,6 +136,15 @@ impl Pass for ShardMegatron {
             let produced = func.ops.iter().any(|o| o.results.contains(&grad));
             if let (true, Some(layout)) = (produced, func.shardings.get(&state).cloned()) {
                 func.constraints.insert(grad, Sharding { split: layout.split, partial: Vec::new() });
+            }
+        }
+        if self.naive && tp > 1 {
+            for op in func.ops.clone().iter().filter(|o| o.name == "xf.matmul") {
+                let column = func.shardings.get(&op.operands[1]).is_some_and(|s| s.split.last().is_some_and(|axes| axes.contains(&TP)));
+                let weight = func.args.iter().any(|a| a.value == op.operands[1] && a.role == ArgRole::Param);
+                if column && weight && let Some(t) = func.tensor(op.results[0]) {
+                    func.constraints.insert(op.results[0], Sharding::replicated(t.rank()));
+                }
             }
         }
         if self.sequence_parallel && tp > 1 {
