@@ -244,10 +244,11 @@ fn pinned_op(name: &str) -> bool {
     heavy_op(name) || name.starts_with("xf.cross_entropy") || name == "xf.row_max"
 }
 
-/// Ops whose cost dwarfs moving data: their e-classes hold one form, and extraction treats
-/// them as region boundaries.
+/// Ops whose cost dwarfs moving data and whose layout partitioning fixed (the matmuls next
+/// to the tensor-parallel collectives): their e-classes hold one form, and extraction treats
+/// them as region boundaries. Attention is not among them: it runs on any heads' shard.
 fn heavy_op(name: &str) -> bool {
-    name.starts_with("xf.matmul") || name.starts_with("xf.attention") || name.starts_with("xf.embedding") || name == "xf.adamw" || name == "xf.sgd"
+    name.starts_with("xf.matmul") || name.starts_with("xf.embedding") || name == "xf.adamw" || name == "xf.sgd"
 }
 
 /// Picks a node per e-class minimising the cost of the program as a DAG: each e-class a
@@ -829,7 +830,12 @@ fn search(egraph: &Graph) -> Vec<Match> {
                     // Split along one dimension: the longest one divisible by the group, other
                     // than the last (the sequence of an activation, where sequence
                     // parallelism cuts it; a vector's only dimension).
-                    if let (CollOp::Reduce { max: false }, Some(ty)) = (op, &ty) {
+                    // Only where a reader could run on the shards: a split all-reduce that
+                    // feeds only matmuls and updates would be gathered again at once.
+                    let movable_reader = class.parents().any(|p| {
+                        egraph[p].nodes.iter().any(|n| n.children.iter().any(|k| egraph.find(*k) == here) && matches!(kind(n), Some(Kind::Xf { name, .. }) if !pinned_op(name)))
+                    });
+                    if let (CollOp::Reduce { max: false }, Some(ty), true) = (op, &ty, movable_reader) {
                         let n = tables.group(axes);
                         let candidates = if ty.rank() > 1 { ty.rank() - 1 } else { ty.rank() };
                         let longest = (0..candidates).filter(|&d| ty.shape[d] % n == 0 && ty.shape[d] >= n).max_by_key(|&d| (ty.shape[d], std::cmp::Reverse(d)));

@@ -588,30 +588,3 @@ fn build_stage(
     }
     Ok(fb.finish(&values, &names))
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn balance_minimises_the_heaviest_stage() {
-        assert_eq!(balance(&[1.0, 1.0, 1.0, 1.0], 2), vec![0, 0, 1, 1]);
-        assert_eq!(balance(&[3.0, 1.0, 1.0, 1.0], 2), vec![0, 1, 1, 1]);
-        assert_eq!(balance(&[1.0, 1.0, 1.0, 4.0], 2), vec![0, 0, 0, 1]);
-        // Fewer blocks than stages: first and last at the ends, empty stages between.
-        assert_eq!(balance(&[1.0, 1.0], 4), vec![0, 3]);
-        assert_eq!(balance(&[1.0; 6], 8), vec![0, 1, 3, 4, 6, 7]);
-    }
-
-    #[test]
-    fn blocks_follow_locations() {
-        assert_eq!(block_of("embed.tokens.grad", 9), Some(0));
-        assert_eq!(block_of("layers.3.attn.q", 9), Some(7));
-        assert_eq!(block_of("layers.3.attn_norm", 9), Some(7));
-        assert_eq!(block_of("layers.3.mlp_norm.grad", 9), Some(8));
-        assert_eq!(block_of("optimizer.layers.0.mlp.up.weight", 9), Some(2));
-        assert_eq!(block_of("loss.seed", 9), Some(9));
-        assert_eq!(block_of("lm_head", 9), Some(9));
-        assert_eq!(block_of("send.3", 9), None);
-    }
-}

@@ -1,5 +1,6 @@
 //! Numeric tests: IR -> passes -> codegen -> CPU runtime, in one binary.
 
+mod comm_opt;
 mod common;
 mod gradcheck;
 mod memory;

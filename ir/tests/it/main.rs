@@ -1,6 +1,7 @@
 //! Integration tests of the `ir` crate, in one binary: every melior-linked test binary costs
 //! ~245 MB of disk and a long link.
 
+mod cluster;
 mod dialect;
 mod lowering;
 mod mlir_opt;

@@ -142,7 +142,9 @@ impl Pass for ShardMegatron {
             for op in func.ops.clone().iter().filter(|o| o.name == "xf.matmul") {
                 let column = func.shardings.get(&op.operands[1]).is_some_and(|s| s.split.last().is_some_and(|axes| axes.contains(&TP)));
                 let weight = func.args.iter().any(|a| a.value == op.operands[1] && a.role == ArgRole::Param);
-                if column && weight && let Some(t) = func.tensor(op.results[0]) {
+                // The LM head keeps its vocab-parallel loss: gathering the logits would make
+                // a different program, not a worse layout of the same one.
+                if column && weight && !op.loc.starts_with("lm_head") && let Some(t) = func.tensor(op.results[0]) {
                     func.constraints.insert(op.results[0], Sharding::replicated(t.rank()));
                 }
             }

@@ -271,3 +271,14 @@ fn split_stages_with_tensor_parallelism_and_weight_sections_parses() {
     assert!(ir.contains("xf.phase = \"weight\""), "zero-bubble sections");
     assert!(ir.contains("shard.all_reduce"), "tensor-parallel collectives stay inside the stages");
 }
+
+#[test]
+fn stages_balance_the_heaviest() {
+    use shardc_passes::balance;
+    assert_eq!(balance(&[1.0, 1.0, 1.0, 1.0], 2), vec![0, 0, 1, 1]);
+    assert_eq!(balance(&[3.0, 1.0, 1.0, 1.0], 2), vec![0, 1, 1, 1]);
+    assert_eq!(balance(&[1.0, 1.0, 1.0, 4.0], 2), vec![0, 0, 0, 1]);
+    // Fewer blocks than stages: first and last at the ends, empty stages between.
+    assert_eq!(balance(&[1.0, 1.0], 4), vec![0, 3]);
+    assert_eq!(balance(&[1.0; 6], 8), vec![0, 1, 3, 4, 6, 7]);
+}

@@ -1,0 +1,330 @@
+//! The communication optimizer: every rule is sound on concrete tensors (both sides give the
+//! same values on every rank of the CPU runtime), a naive partitioning comes back to
+//! Megatron's layout, and sequence parallelism is found where the cost model prefers it,
+//! with the same training numbers as one device.
+
+use std::time::Duration;
+
+use shardc_ir::cluster::Cluster;
+use shardc_ir::mesh::Mesh;
+use shardc_ir::{ArgRole, AttrValue, Attrs, DType, Func, FuncBuilder, TensorTy, Type, Value};
+use shardc_passes::{compile_pipeline, optimize_communication, CommOpt, CompileOptions, OptimizerKind};
+use shardc_runtime::collectives::{world, Algorithm};
+use shardc_runtime::cpu::CpuExecutor;
+use shardc_runtime::train::{train_spmd, Trainer};
+
+use crate::common::*;
+
+fn ty(shape: &[i64]) -> TensorTy {
+    TensorTy::new(shape.to_vec(), DType::F64)
+}
+
+/// A `shard` collective over grid `axes` (`dim`: the gather/slice/scatter axis).
+fn coll(fb: &mut FuncBuilder, name: &str, x: Value, axes: &[u16], dim: Option<usize>, result: &[i64]) -> Value {
+    let axes_attr = AttrValue::Raw(format!("array<i16: {}>", axes.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")));
+    let mut attrs = Attrs::new().with("grid", AttrValue::Raw("@mesh".into())).with("grid_axes", axes_attr);
+    let index = |d: usize| AttrValue::Raw(format!("{d} : index"));
+    attrs = match name {
+        "shard.all_gather" => attrs.with("gather_axis", index(dim.unwrap())),
+        "shard.all_slice" => attrs.with("slice_axis", index(dim.unwrap())),
+        "shard.reduce_scatter" => attrs.with("reduction", AttrValue::Raw("#shard<partial sum>".into())).with("scatter_axis", index(dim.unwrap())),
+        _ => attrs.with("reduction", AttrValue::Raw("#shard<partial sum>".into())),
+    };
+    fb.op_typed(name, &[x], attrs, vec![Type::Tensor(ty(result))], "test")[0]
+}
+
+fn op(fb: &mut FuncBuilder, name: &str, operands: &[Value], attrs: Attrs) -> Vec<Value> {
+    fb.op_multi(name, operands, attrs, "test").unwrap()
+}
+
+/// Runs `func` on every rank of `grid`; each argument gets values from `input(rank, name,
+/// len)`. Returns every rank's results, by result.
+fn run(func: &Func, grid: &[i64], input: &(dyn Fn(usize, &str, usize) -> Vec<f64> + Sync)) -> Vec<Vec<Vec<f64>>> {
+    let program = shardc_codegen::lower_func_on(func, grid).unwrap();
+    let ranks: usize = grid.iter().product::<i64>() as usize;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = world(ranks, Duration::from_secs(20))
+            .into_iter()
+            .map(|comm| {
+                let program = program.clone();
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, Algorithm::Ring).unwrap();
+                    for arg in &program.args {
+                        let len = program.buffers[arg.buffer].len();
+                        exec.write::<f64>(&arg.name, &input(rank, &arg.name, len)).unwrap();
+                    }
+                    exec.run().unwrap();
+                    program.results.iter().map(|r| exec.read::<f64>(&r.name).unwrap().to_vec()).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Values of the arguments: `x`, `y` and `dy` differ per rank when `per_rank` (shards, or
+/// partial sums), anything else (parameters) is the same on every rank.
+fn values(per_rank: bool) -> impl Fn(usize, &str, usize) -> Vec<f64> + Sync {
+    move |rank, name, len| randn(if per_rank && ["x", "y", "dy"].contains(&name) { rank as u64 + 1 } else { 0 }, name, len, 1.0)
+}
+
+/// Builds both sides with `build(side)`, runs them on `grid`, checks every rank's results
+/// agree, and that the optimizer's e-graph applies `rule` to the left side.
+fn check_rule(rule: &str, grid: &[i64], per_rank: bool, build: impl Fn(bool) -> Func) {
+    let (lhs, rhs) = (build(false), build(true));
+    let (a, b) = (run(&lhs, grid, &values(per_rank)), run(&rhs, grid, &values(per_rank)));
+    for (rank, (x, y)) in a.iter().zip(&b).enumerate() {
+        for (k, (x, y)) in x.iter().zip(y).enumerate() {
+            let err = x.iter().zip(y).fold(0f64, |m, (p, q)| m.max((p - q).abs()));
+            assert!(err < 1e-12, "{rule}: rank {rank} result {k} differs by {err:e}");
+        }
+    }
+    let (_, report) = optimize_communication(&lhs, grid, "mesh", &CommOpt::default()).unwrap();
+    assert!(report.rules.contains_key(rule), "{rule} did not fire: {:?}", report.rules);
+}
+
+fn input(fb: &mut FuncBuilder, name: &str, shape: &[i64]) -> Value {
+    fb.arg(name, ty(shape), ArgRole::Input)
+}
+
+fn finish(fb: FuncBuilder, values: &[Value]) -> Func {
+    let names: Vec<String> = (0..values.len()).map(|i| format!("out{i}")).collect();
+    fb.finish(values, &names)
+}
+
+#[test]
+fn slice_of_gather_and_gather_of_slice() {
+    check_rule("slice-of-gather", &[1, 4, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[2, 3]);
+        let out = if rhs {
+            x
+        } else {
+            let g = coll(&mut fb, "shard.all_gather", x, &[1], Some(1), &[2, 12]);
+            coll(&mut fb, "shard.all_slice", g, &[1], Some(1), &[2, 3])
+        };
+        let y = op(&mut fb, "xf.gelu", &[out], Attrs::new())[0];
+        finish(fb, &[y])
+    });
+    // The slice of a replicated value, gathered again, is that value.
+    check_rule("gather-of-slice", &[1, 4, 1], false, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[8, 3]);
+        let out = if rhs {
+            x
+        } else {
+            let s = coll(&mut fb, "shard.all_slice", x, &[1], Some(0), &[2, 3]);
+            coll(&mut fb, "shard.all_gather", s, &[1], Some(0), &[8, 3])
+        };
+        let y = op(&mut fb, "xf.gelu", &[out], Attrs::new())[0];
+        finish(fb, &[y])
+    });
+}
+
+#[test]
+fn all_reduce_splits_into_reduce_scatter_and_all_gather() {
+    check_rule("split-all-reduce", &[1, 2, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[2, 4, 3]);
+        let out = if rhs {
+            let r = coll(&mut fb, "shard.reduce_scatter", x, &[1], Some(1), &[2, 2, 3]);
+            coll(&mut fb, "shard.all_gather", r, &[1], Some(1), &[2, 4, 3])
+        } else {
+            coll(&mut fb, "shard.all_reduce", x, &[1], None, &[2, 4, 3])
+        };
+        // A reader that could run on the shards (the rule splits only for such readers).
+        let y = op(&mut fb, "xf.gelu", &[out], Attrs::new())[0];
+        finish(fb, &[y])
+    });
+    check_rule("join-all-reduce", &[1, 2, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[4, 3]);
+        let out = if rhs {
+            coll(&mut fb, "shard.all_reduce", x, &[1], None, &[4, 3])
+        } else {
+            let r = coll(&mut fb, "shard.reduce_scatter", x, &[1], Some(0), &[2, 3]);
+            coll(&mut fb, "shard.all_gather", r, &[1], Some(0), &[4, 3])
+        };
+        finish(fb, &[out])
+    });
+}
+
+#[test]
+fn gathers_commute_with_ops_that_run_on_shards() {
+    // Element-wise, with a replicated operand sliced locally.
+    check_rule("commute-gather", &[1, 2, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[2, 4, 3]);
+        let y = fb.arg("w", ty(&[2, 8, 3]), ArgRole::Param);
+        let out = if rhs {
+            let ys = coll(&mut fb, "shard.all_slice", y, &[1], Some(1), &[2, 4, 3]);
+            let sum = op(&mut fb, "xf.add", &[x, ys], Attrs::new())[0];
+            coll(&mut fb, "shard.all_gather", sum, &[1], Some(1), &[2, 8, 3])
+        } else {
+            let g = coll(&mut fb, "shard.all_gather", x, &[1], Some(1), &[2, 8, 3]);
+            op(&mut fb, "xf.add", &[g, y], Attrs::new())[0]
+        };
+        finish(fb, &[out])
+    });
+    // A norm over the hidden dimension runs on sequence shards.
+    let eps = || Attrs::new().with("epsilon", AttrValue::Float(1e-5));
+    check_rule("commute-gather", &[1, 2, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[2, 4, 8]);
+        let (g, b) = (fb.arg("gamma", ty(&[8]), ArgRole::Param), fb.arg("beta", ty(&[8]), ArgRole::Param));
+        let out = if rhs {
+            let n = op(&mut fb, "xf.layernorm", &[x, g, b], eps())[0];
+            coll(&mut fb, "shard.all_gather", n, &[1], Some(1), &[2, 8, 8])
+        } else {
+            let full = coll(&mut fb, "shard.all_gather", x, &[1], Some(1), &[2, 8, 8]);
+            op(&mut fb, "xf.layernorm", &[full, g, b], eps())[0]
+        };
+        finish(fb, &[out])
+    });
+    // A multi-result op: the norm's backward on shards; its parameter gradients, sums over
+    // the tokens, become all-reduces of the shards' partial sums.
+    check_rule("commute-gather", &[1, 2, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[2, 4, 8]);
+        let dy = input(&mut fb, "dy", &[2, 4, 8]);
+        let g = fb.arg("gamma", ty(&[8]), ArgRole::Param);
+        let outs = if rhs {
+            let r = op(&mut fb, "xf.layernorm_grad", &[x, g, dy], eps());
+            vec![
+                coll(&mut fb, "shard.all_gather", r[0], &[1], Some(1), &[2, 8, 8]),
+                coll(&mut fb, "shard.all_reduce", r[1], &[1], None, &[8]),
+                coll(&mut fb, "shard.all_reduce", r[2], &[1], None, &[8]),
+            ]
+        } else {
+            let xf = coll(&mut fb, "shard.all_gather", x, &[1], Some(1), &[2, 8, 8]);
+            let dyf = coll(&mut fb, "shard.all_gather", dy, &[1], Some(1), &[2, 8, 8]);
+            op(&mut fb, "xf.layernorm_grad", &[xf, g, dyf], eps())
+        };
+        finish(fb, &outs)
+    });
+}
+
+#[test]
+fn all_reduces_sum_merge_and_vanish() {
+    check_rule("sum-of-all-reduces", &[1, 2, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let (x, y) = (input(&mut fb, "x", &[4, 3]), input(&mut fb, "y", &[4, 3]));
+        let out = if rhs {
+            let s = op(&mut fb, "xf.add", &[x, y], Attrs::new())[0];
+            coll(&mut fb, "shard.all_reduce", s, &[1], None, &[4, 3])
+        } else {
+            let (a, b) = (coll(&mut fb, "shard.all_reduce", x, &[1], None, &[4, 3]), coll(&mut fb, "shard.all_reduce", y, &[1], None, &[4, 3]));
+            op(&mut fb, "xf.add", &[a, b], Attrs::new())[0]
+        };
+        finish(fb, &[out])
+    });
+    check_rule("merge-axes", &[2, 2, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[4, 3]);
+        let out = if rhs {
+            coll(&mut fb, "shard.all_reduce", x, &[0, 1], None, &[4, 3])
+        } else {
+            let a = coll(&mut fb, "shard.all_reduce", x, &[0], None, &[4, 3]);
+            coll(&mut fb, "shard.all_reduce", a, &[1], None, &[4, 3])
+        };
+        finish(fb, &[out])
+    });
+    check_rule("size-one-axis", &[2, 1, 1], true, |rhs| {
+        let mut fb = FuncBuilder::new("f");
+        let x = input(&mut fb, "x", &[4, 3]);
+        let out = if rhs { x } else { coll(&mut fb, "shard.all_reduce", x, &[1], None, &[4, 3]) };
+        let y = op(&mut fb, "xf.gelu", &[out], Attrs::new())[0];
+        finish(fb, &[y])
+    });
+}
+
+fn compiled(name: &str, mesh: Mesh, naive: bool, comm_opt: bool, cluster: Cluster) -> (shardc_ir::Module, shardc_ir::spec::Spec) {
+    let mut spec = spec_with_dtype(name, "f32");
+    spec.training.micro_batch = 4;
+    let mut module = model(&spec);
+    let options = CompileOptions {
+        optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
+        mesh,
+        vocab: spec.model.vocab as i64,
+        kv_heads: spec.model.kv_heads() as i64,
+        naive_partition: naive,
+        comm_opt,
+        cluster,
+        grad_bucket_bytes: 0,
+        ..Default::default()
+    };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    (module, spec)
+}
+
+fn program(module: &shardc_ir::Module) -> shardc_runtime::Program {
+    shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap()
+}
+
+/// (op, axes, bytes) of every collective rank 0 runs, sorted.
+fn report(program: &shardc_runtime::Program) -> Vec<(String, Vec<usize>, u64)> {
+    let mut r: Vec<_> = shardc_runtime::report::comm_records(program, 0).into_iter().map(|c| (c.op, c.axes, c.bytes)).collect();
+    r.sort();
+    r
+}
+
+#[test]
+fn a_naive_partitioning_comes_back_to_megatron() {
+    for (name, tp) in [("tiny", 2), ("tiny", 4), ("tiny-llama", 2)] {
+        let mesh = Mesh { dp: 1, tp, pp: 1 };
+        let (megatron, _) = compiled(name, mesh, false, false, Cluster::default());
+        let (naive, _) = compiled(name, mesh, true, false, Cluster::default());
+        let (recovered, _) = compiled(name, mesh, true, true, Cluster::default());
+        let (m, n, r) = (report(&program(&megatron)), report(&program(&naive)), report(&program(&recovered)));
+        assert!(n.len() > m.len(), "{name} tp={tp}: the naive layout communicates more");
+        assert_eq!(r, m, "{name} tp={tp}: the optimized naive layout communicates as Megatron's does");
+        if name == "tiny" && tp == 2 {
+            let ir = shardc_ir::mlir::print_module(&shardc_ir::mlir::IrContext::new().unwrap(), &recovered, shardc_ir::mlir::PrintStyle::Plain).unwrap();
+            insta::assert_snapshot!(ir);
+        }
+    }
+}
+
+/// A cluster whose GPU reads memory slowly: element-wise work and norms dominate, so running
+/// them on sequence shards pays for the extra collectives.
+fn slow_memory() -> Cluster {
+    Cluster::from_toml("[gpu]\nmemory_bandwidth = 1e6\n").unwrap()
+}
+
+#[test]
+fn sequence_parallelism_is_found_where_it_is_cheaper_and_trains_the_same() {
+    for name in ["tiny", "tiny-llama"] {
+        let mesh = Mesh { dp: 1, tp: 4, pp: 1 };
+        // With the default H100 model the small model's norms cost less than a collective:
+        // the Megatron layout stays.
+        let (megatron, _) = compiled(name, mesh, false, false, Cluster::default());
+        let (kept, _) = compiled(name, mesh, false, true, Cluster::default());
+        assert_eq!(report(&program(&kept)), report(&program(&megatron)), "{name}");
+
+        let (sp, spec) = compiled(name, mesh, false, true, slow_memory());
+        let train_step = sp.func("train_step").unwrap();
+        let norm = if name == "tiny" { "xf.layernorm" } else { "xf.rmsnorm" };
+        let on_shards = train_step.ops.iter().filter(|o| o.name == norm).any(|o| train_step.tensor(o.results[0]).unwrap().shape[1] == spec.seq_len() as i64 / 4);
+        assert!(on_shards, "{name}: a norm runs on sequence shards");
+        assert!(train_step.ops.iter().any(|o| o.name == "shard.reduce_scatter"), "{name}: partial sums are reduce-scattered");
+
+        // Same losses and parameters as one device after three steps.
+        let (single, _) = compiled(name, Mesh::default(), false, false, Cluster::default());
+        let single = shardc_codegen::lower_func(single.func("train_step").unwrap()).unwrap();
+        let corpus = shardc_runtime::data::ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap();
+        let layers = spec.model.layers as usize;
+        let mut trainer = Trainer::new(single, 7, layers).unwrap();
+        let losses: Vec<f64> = (0..3).map(|_| trainer.step(&corpus).unwrap()).collect();
+        let run = train_spmd(&program(&sp), 7, layers, &corpus, 3, Duration::from_secs(30)).unwrap();
+        for (a, b) in losses.iter().zip(&run.losses) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{name}: loss {a} vs {b}");
+        }
+        for ((n, _, a), (_, _, b)) in trainer.parameters().unwrap().iter().zip(&run.parameters) {
+            let scale = a.iter().fold(0f64, |m, x| m.max(x.abs() as f64)).max(1e-2);
+            let err = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs())) / scale;
+            assert!(err <= 1e-5, "{name}: parameter {n} differs by {err:e}");
+        }
+    }
+}
