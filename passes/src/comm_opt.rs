@@ -452,19 +452,28 @@ pub fn optimize(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt) -
     // Two policies: every node, and every node but those of split all-reduces (whole
     // all-reduces, where the first policy's greedy choices would mix both forms). The first
     // runs twice, the second time counting what the first keeps as already paid.
-    for (policy, rounds) in [(HashSet::default(), 2), (split_nodes, 1)] {
-        let mut paid: HashSet<Id> = HashSet::default();
-        for _ in 0..rounds {
-            let t0 = Instant::now();
-            let choice = extract(&egraph, &options.cluster, &order, &paid, &policy);
-            let t1 = t0.elapsed();
-            paid = boundary_operands(&egraph, &choice, &roots);
-            if std::env::var_os("SHARDC_DEBUG_COMM_OPT").is_some() {
-                eprintln!("  extract {t1:?}, paid {:?}", t0.elapsed() - t1);
-            }
-            candidates.push(choice);
-        }
-    }
+    let policies: [(HashSet<SymbolLang>, usize); 2] = [(HashSet::default(), 2), (split_nodes, 1)];
+    // The policies are independent: one thread each.
+    let per_policy: Vec<Vec<HashMap<Id, SymbolLang>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = policies
+            .iter()
+            .map(|(policy, rounds)| {
+                let (egraph, order, roots) = (&egraph, &order, &roots);
+                s.spawn(move || {
+                    let mut paid: HashSet<Id> = HashSet::default();
+                    let mut out = Vec::new();
+                    for _ in 0..*rounds {
+                        let choice = extract(egraph, &options.cluster, order, &paid, policy);
+                        paid = boundary_operands(egraph, &choice, roots);
+                        out.push(choice);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    candidates.extend(per_policy.into_iter().flatten());
     let mut cost = Cost { egraph: &egraph, cluster: &options.cluster };
     let baseline = func_cost(func, grid, &options.cluster);
     let priced: Vec<(f64, HashMap<Id, SymbolLang>)> = candidates.into_iter().filter_map(|choice| program_cost(&egraph, &mut cost, &choice, &roots).map(|c| (c, choice))).collect();
@@ -734,7 +743,7 @@ struct Cost<'a> {
 
 /// Sweeps of greedy DAG extraction: costs only fall, but by ever smaller steps where choices
 /// interact, so the sweeps stop here.
-const MAX_SWEEPS: usize = 6;
+const MAX_SWEEPS: usize = 4;
 
 /// Largest cost set extraction tracks per class.
 const SET_CAP: usize = 48;

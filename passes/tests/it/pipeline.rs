@@ -265,6 +265,21 @@ fn split_stages_on_tiny_gpt_pp2() {
     insta::assert_snapshot!(ir);
 }
 
+/// Every dump of a partitioned pipeline, the communication optimizer's included, parses with
+/// upstream MLIR; the naive layout too.
+#[test]
+fn partitioned_dumps_parse_with_mlir_opt() {
+    for naive_partition in [false, true] {
+        let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 1 }, vocab: 256, kv_heads: 4, naive_partition, ..Default::default() };
+        let mut module = tiny("tiny");
+        let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
+        assert!(seen.iter().any(|(pass, _)| pass == "comm-opt"));
+        for (_, ir) in &seen {
+            assert_mlir_opt_accepts(ir);
+        }
+    }
+}
+
 #[test]
 fn split_stages_with_tensor_parallelism_and_weight_sections_parses() {
     let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 2 }, true);
