@@ -58,6 +58,8 @@ pub enum Collective {
     AllGather,
     /// Sum over the group, each rank keeping one part.
     ReduceScatter,
+    /// From one rank to the group.
+    Broadcast,
     /// Point to point.
     Send,
     /// Each rank keeps its part of a replicated value: no communication.
@@ -209,6 +211,8 @@ impl Cluster {
                 ring.min(tree)
             }
             Collective::AllGather | Collective::ReduceScatter => (n - 1.0) * a + share * bytes * b,
+            // Pipelined over a ring: the bytes once, n - 1 latencies.
+            Collective::Broadcast => (n - 1.0) * a + bytes * b,
             Collective::Send => a + bytes * b,
             Collective::AllSlice => 0.0,
         }

@@ -22,7 +22,11 @@
 //!   their registry rule, so sequence parallelism falls out of rewriting;
 //! * `sum-of-all-reduces`: `add(all_reduce(x, a), all_reduce(y, a)) = all_reduce(add(x, y), a)`;
 //! * `merge-axes`: `all_reduce(all_reduce(x, a), b) = all_reduce(x, a + b)`;
-//! * `size-one-axis`: a collective over axes of total size 1 is its operand.
+//! * `size-one-axis`: a collective over axes of total size 1 is its operand;
+//! * `broadcast-of-replicated`: a broadcast over axes its operand is already replicated over
+//!   (an all-reduce's or all-gather's result, an argument not split over them) is the operand;
+//! * `bucket`: two all-reduces over the same axes whose operands do not depend on each other
+//!   share one launch (one message of both), as gradient buckets do.
 //!
 //! Extraction is egg's greedy tree-cost extraction: a value read twice is priced twice in its
 //! readers, so the choice is per e-class and not a global optimum over the DAG.
@@ -111,6 +115,10 @@ enum CollOp {
     Slice(usize),
     ReduceScatter(usize),
     Reduce { max: bool },
+    /// From the in-group position `root` (row-major over the axes) to the group.
+    Broadcast(usize),
+    /// Sum-all-reduces of both operands as one message: a tuple, read through projections.
+    Bucket,
 }
 
 /// Tables the e-nodes refer to, and each e-class's local type.
@@ -139,24 +147,74 @@ impl Tables {
     }
 }
 
+/// What the analysis knows of an e-class: its local type, and the grid axes over which every
+/// rank of a group holds the same value (bit `a` for axis `a`).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct ClassData {
+    ty: Option<TensorTy>,
+    same: u8,
+}
+
+fn axis_bits(axes: &[u16]) -> u8 {
+    axes.iter().filter(|&&a| a < 8).fold(0, |bits, &a| bits | 1 << a)
+}
+
 impl Analysis<SymbolLang> for Tables {
-    type Data = Option<TensorTy>;
+    type Data = ClassData;
 
     fn make(egraph: &mut EGraph<SymbolLang, Self>, enode: &SymbolLang, _id: Id) -> Self::Data {
+        let egraph: &Graph = egraph;
         let tables = &egraph.analysis;
-        let child = |i: usize| enode.children.get(i).and_then(|c| egraph[*c].data.clone());
+        let every: u8 = axis_bits(&(0..tables.grid.len() as u16).collect::<Vec<_>>());
+        // Equal on every rank of a group when every operand is (an op of equal inputs).
+        let children_same = enode.children.iter().fold(every, |bits, c| bits & egraph[*c].data.same);
+        let same = match tables.kinds.get(&enode.op) {
+            Some(Kind::Arg(i)) => match &tables.func.args[*i].layout {
+                Some(layout) => every & !axis_bits(&layout.sharding.axes()),
+                // No layout: the whole tensor on every rank.
+                None => every,
+            },
+            Some(Kind::Coll { op: CollOp::Reduce { .. } | CollOp::Gather(_) | CollOp::Broadcast(_) | CollOp::Bucket, axes }) => children_same | axis_bits(axes),
+            Some(Kind::Coll { op: CollOp::Slice(_) | CollOp::ReduceScatter(_), axes }) => children_same & !axis_bits(axes),
+            _ => children_same,
+        };
+        ClassData { ty: Self::make_type(egraph, enode), same }
+    }
+
+    fn merge(&mut self, to: &mut Self::Data, from: Self::Data) -> DidMerge {
+        let mut changed_to = false;
+        if to.ty.is_none() && from.ty.is_some() {
+            to.ty = from.ty.clone();
+            changed_to = true;
+        }
+        // Equal values: what holds for one holds for both.
+        let same = to.same | from.same;
+        let changed_from = same != from.same || (from.ty.is_none() && to.ty.is_some());
+        if same != to.same {
+            to.same = same;
+            changed_to = true;
+        }
+        DidMerge(changed_to, changed_from)
+    }
+}
+
+impl Tables {
+    fn make_type(egraph: &Graph, enode: &SymbolLang) -> Option<TensorTy> {
+        let tables = &egraph.analysis;
+        let child = |i: usize| enode.children.get(i).and_then(|c| egraph[*c].data.ty.clone());
         match tables.kinds.get(&enode.op)? {
             Kind::Proj(k) => {
                 let tuple = enode.children.first()?;
                 egraph[*tuple].nodes.iter().find_map(|n| result_types(egraph, n)).and_then(|types| types.into_iter().nth(*k))
             }
+            Kind::Coll { op: CollOp::Bucket, .. } => None,
             Kind::Coll { op, axes } => {
                 let mut t = child(0)?;
                 let n = tables.group(axes);
                 match op {
                     CollOp::Gather(d) => t.shape[*d] *= n,
                     CollOp::Slice(d) | CollOp::ReduceScatter(d) => t.shape[*d] /= n,
-                    CollOp::Reduce { .. } => {}
+                    CollOp::Reduce { .. } | CollOp::Broadcast(_) | CollOp::Bucket => {}
                 }
                 Some(t)
             }
@@ -165,14 +223,6 @@ impl Analysis<SymbolLang> for Tables {
                 _ => None,
             },
         }
-    }
-
-    fn merge(&mut self, to: &mut Self::Data, from: Self::Data) -> DidMerge {
-        if to.is_none() && from.is_some() {
-            *to = from;
-            return DidMerge(true, false);
-        }
-        DidMerge(false, to != &from)
     }
 }
 
@@ -185,10 +235,11 @@ fn result_types(egraph: &Graph, node: &SymbolLang) -> Option<Vec<TensorTy>> {
         Kind::Arg(i) => Some(vec![tables.func.tensor(tables.func.args[*i].value)?.clone()]),
         Kind::Opaque(i) => tables.func.ops[*i].results.iter().map(|r| tables.func.tensor(*r).cloned()).collect(),
         Kind::Xf { name, attrs, .. } => {
-            let inputs: Vec<TensorTy> = node.children.iter().map(|c| egraph[*c].data.clone()).collect::<Option<_>>()?;
+            let inputs: Vec<TensorTy> = node.children.iter().map(|c| egraph[*c].data.ty.clone()).collect::<Option<_>>()?;
             let refs: Vec<&TensorTy> = inputs.iter().collect();
             lookup(name)?.infer(&refs, &tables.attrs[*attrs]).ok()
         }
+        Kind::Coll { op: CollOp::Bucket, .. } => node.children.iter().map(|c| egraph[*c].data.ty.clone()).collect(),
         _ => None,
     }
 }
@@ -232,6 +283,53 @@ fn add_recording(egraph: &mut Graph, term: Term, made: &mut Vec<SymbolLang>) -> 
             egraph.add(node)
         }
     }
+}
+
+fn coll_pair(axes: &[u16], x: Id, y: Id) -> Term {
+    Term::Node(Kind::Coll { op: CollOp::Bucket, axes: axes.to_vec() }, vec![Term::Class(x), Term::Class(y)])
+}
+
+/// Smallest message, in bytes, worth bucketing with a neighbour: above it bandwidth, not
+/// launches, decides.
+const BUCKET_BYTES: u64 = 4 << 20;
+
+/// Pairs `(i, j)` of consecutive sum all-reduces (each op in at most one pair) over the same
+/// axes, small, where `j` does not depend on `i`'s result.
+fn bucket_pairs(func: &Func) -> Vec<(usize, usize)> {
+    // Gradient syncs that feed updates are left to the gradient buckets, which overlap them
+    // with the rest of the backward pass.
+    let feeds_update: HashSet<Value> = func.ops.iter().filter(|o| o.name == "xf.adamw" || o.name == "xf.sgd").flat_map(|o| o.operands.iter().copied()).collect();
+    let is_sum = |i: usize| matches!(collective_kind(&func.ops[i]), Some(Kind::Coll { op: CollOp::Reduce { max: false }, .. }))
+        && !feeds_update.contains(&func.ops[i].results[0])
+        && func.tensor(func.ops[i].results[0]).is_some_and(|t| t.bytes() <= BUCKET_BYTES && t.dtype.is_float());
+    let axes = |i: usize| match collective_kind(&func.ops[i]) {
+        Some(Kind::Coll { axes, .. }) => axes,
+        _ => Vec::new(),
+    };
+    let reduces: Vec<usize> = (0..func.ops.len()).filter(|&i| is_sum(i)).collect();
+    let mut pairs = Vec::new();
+    let mut k = 0;
+    while k + 1 < reduces.len() {
+        let (i, j) = (reduces[k], reduces[k + 1]);
+        if axes(i) == axes(j) && !depends_on(func, j, i) {
+            pairs.push((i, j));
+            k += 2;
+        } else {
+            k += 1;
+        }
+    }
+    pairs
+}
+
+/// Whether op `later` reads (through any chain of ops) a result of op `earlier`.
+fn depends_on(func: &Func, later: usize, earlier: usize) -> bool {
+    let mut tainted: HashSet<Value> = func.ops[earlier].results.iter().copied().collect();
+    for op in &func.ops[earlier + 1..=later] {
+        if op.operands.iter().any(|v| tainted.contains(v)) {
+            tainted.extend(op.results.iter().copied());
+        }
+    }
+    func.ops[later].results.iter().any(|r| tainted.contains(r))
 }
 
 fn coll(op: CollOp, axes: &[u16], child: Term) -> Term {
@@ -346,6 +444,33 @@ impl Pass for CommOpt {
 
 /// The rewritten function and the report.
 pub fn optimize(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt) -> Result<(Func, CommOptReport), String> {
+    // Layout first (which collectives, where), then packing (which of them share a message):
+    // bucket pairs are chosen among the collectives the layout keeps.
+    let start = Instant::now();
+    let (laid_out, layout) = optimize_phase(func, grid, grid_name, options, false)?;
+    if bucket_pairs(&laid_out).is_empty() {
+        return Ok((laid_out, CommOptReport { seconds: start.elapsed().as_secs_f64(), ..layout }));
+    }
+    let (packed, packing) = optimize_phase(&laid_out, grid, grid_name, options, true)?;
+    let mut rules = layout.rules;
+    for (rule, n) in packing.rules {
+        *rules.entry(rule).or_insert(0) += n;
+    }
+    let report = CommOptReport {
+        time_after: packing.time_after,
+        bytes_after: packing.bytes_after,
+        collectives_after: packing.collectives_after,
+        rules,
+        enodes: layout.enodes.max(packing.enodes),
+        eclasses: layout.eclasses.max(packing.eclasses),
+        seconds: start.elapsed().as_secs_f64(),
+        ..layout
+    };
+    Ok((packed, report))
+}
+
+/// One phase: the layout rules (`packing` false) or the bucket pairs (`packing` true).
+fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt, packing: bool) -> Result<(Func, CommOptReport), String> {
     let start = Instant::now();
     let tables = Tables { func: func.clone(), grid: grid.to_vec(), kinds: HashMap::default(), symbols: HashMap::default(), attrs: Vec::new(), locs: Vec::new() };
     let mut egraph: Graph = EGraph::new(tables);
@@ -387,14 +512,41 @@ pub fn optimize(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt) -
     }
     let roots: Vec<Id> = func.returns.iter().map(|v| class_of[v]).collect();
     let before = price(func, grid, &options.cluster);
+    let mut rules: BTreeMap<String, usize> = BTreeMap::new();
+    // Buckets: consecutive sum all-reduces over the same axes, neither of which depends on the
+    // other, may travel as one message.
+    let mut bucketed: Vec<SymbolLang> = Vec::new();
+    for (i, j) in if packing { bucket_pairs(func) } else { Vec::new() } {
+        let (a, b) = (class_of[&func.ops[i].results[0]], class_of[&func.ops[j].results[0]]);
+        let (x, y) = (class_of[&func.ops[i].operands[0]], class_of[&func.ops[j].operands[0]]);
+        let axes = match collective_kind(&func.ops[i]) {
+            Some(Kind::Coll { axes, .. }) => axes,
+            _ => continue,
+        };
+        let bucket = add(&mut egraph, coll_pair(&axes, x, y));
+        let (p0, p1) = (add(&mut egraph, Term::Node(Kind::Proj(0), vec![Term::Class(bucket)])), add(&mut egraph, Term::Node(Kind::Proj(1), vec![Term::Class(bucket)])));
+        position.push((bucket, j as f64));
+        for (class, proj) in [(a, p0), (b, p1)] {
+            if egraph.union(class, proj) {
+                *rules.entry("bucket".into()).or_insert(0) += 1;
+            }
+        }
+        for op in [i, j] {
+            let symbol = egraph.analysis.symbol(collective_kind(&func.ops[op]).expect("a collective"));
+            bucketed.push(SymbolLang::new(symbol, vec![class_of[&func.ops[op].operands[0]]]));
+        }
+    }
+    egraph.rebuild();
 
     // Equality saturation.
-    let mut rules: BTreeMap<String, usize> = BTreeMap::new();
     let mut iterations = 0;
     // Nodes that exist only because an all-reduce was split: one extraction policy leaves
     // them out, keeping every all-reduce whole.
     let mut split_nodes: Vec<SymbolLang> = Vec::new();
     let stop = loop {
+        if packing {
+            break "saturated";
+        }
         if iterations >= options.iteration_limit {
             break "iteration limit";
         }
@@ -452,7 +604,11 @@ pub fn optimize(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt) -
     // Two policies: every node, and every node but those of split all-reduces (whole
     // all-reduces, where the first policy's greedy choices would mix both forms). The first
     // runs twice, the second time counting what the first keeps as already paid.
-    let policies: [(HashSet<SymbolLang>, usize); 2] = [(HashSet::default(), 2), (split_nodes, 1)];
+    // A third policy takes the buckets: their whole benefit (one launch for two messages) is
+    // shared by two classes, which greedy extraction cannot see.
+    let mut whole_and_bucketed = split_nodes.clone();
+    whole_and_bucketed.extend(bucketed.iter().map(|n| n.clone().map_children(|c| egraph.find(c))));
+    let policies: Vec<(HashSet<SymbolLang>, usize)> = if packing { vec![(whole_and_bucketed, 1)] } else { vec![(HashSet::default(), 2), (split_nodes, 1)] };
     // The policies are independent: one thread each.
     let per_policy: Vec<Vec<HashMap<Id, SymbolLang>>> = std::thread::scope(|s| {
         let handles: Vec<_> = policies
@@ -613,10 +769,12 @@ fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>, roots: &[
     let mut tuple_of: HashMap<Id, Vec<Value>> = HashMap::default();
     // Location of what made each class, so a new collective is named after its operand.
     let mut loc_of: HashMap<Id, String> = HashMap::default();
+    // Bucket numbers of comm-opt's own buckets, apart from the gradient buckets' (from 0).
+    let mut next_bucket: i64 = 1 << 20;
     while let Some((_, c)) = ready.pop() {
         let node = chosen(c);
         let kids: Vec<Value> = node.children.iter().filter_map(|k| value_of.get(&egraph.find(*k)).copied()).collect();
-        let ty = || egraph[c].data.clone().map(Type::Tensor).ok_or_else(|| "an extracted value has no type".to_string());
+        let ty = || egraph[c].data.ty.clone().map(Type::Tensor).ok_or_else(|| "an extracted value has no type".to_string());
         let results: Vec<Value> = match &tables.kinds[&node.op] {
             Kind::Arg(i) => vec![arg_values[*i]],
             Kind::Opaque(i) => {
@@ -634,6 +792,24 @@ fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>, roots: &[
                     attrs = attrs.with("heads", AttrValue::Int(types[0].shape[1]));
                 }
                 fb.op_typed(name, &kids, attrs, types.into_iter().map(Type::Tensor).collect(), &tables.locs[*loc])
+            }
+            Kind::Coll { op: CollOp::Bucket, axes } => {
+                // Both members staged, sent as one message, then awaited (the runtime's
+                // gradient-bucket protocol).
+                next_bucket += 1;
+                let id = AttrValue::Int(next_bucket);
+                let (name, base) = collective_attrs(CollOp::Bucket, axes, grid_name);
+                let member = |loc: &str| {
+                    base.clone()
+                        .with("xf.async", AttrValue::Bool(true))
+                        .with("xf.bucket", id.clone())
+                        .with("xf.bucket_members", AttrValue::Int(2))
+                        .with("xf.cause", AttrValue::Str(format!("bucketed by comm-opt with the all-reduce of `{loc}`")))
+                };
+                let locs: Vec<String> = node.children.iter().map(|k| loc_of.get(&egraph.find(*k)).cloned().unwrap_or_default()).collect();
+                let types = result_types(egraph, node).ok_or("a bucket of untyped values")?;
+                let sent: Vec<Value> = (0..2).map(|k| fb.op_typed(&name, &[kids[k]], member(&locs[1 - k]), vec![Type::Tensor(types[k].clone())], &format!("{}.all_reduce", locs[k]))[0]).collect();
+                (0..2).map(|k| fb.op_typed("xf.wait", &[sent[k]], Attrs::new().with("xf.bucket", id.clone()), vec![Type::Tensor(types[k].clone())], &format!("{}.all_reduce.wait", locs[k]))[0]).collect()
             }
             Kind::Coll { op, axes } => {
                 let (name, attrs, loc) = match original_of.get(&(c, node.op)) {
@@ -691,6 +867,14 @@ fn collective_kind(op: &shardc_ir::Op) -> Option<Kind> {
         "shard.all_slice" => CollOp::Slice(int("slice_axis")?),
         "shard.reduce_scatter" => CollOp::ReduceScatter(int("scatter_axis")?),
         "shard.all_reduce" => CollOp::Reduce { max: matches!(op.attrs.get("reduction"), Some(AttrValue::Raw(r)) if r.contains("max")) },
+        "shard.broadcast" => match op.attrs.get("root") {
+            // A static root only; its position in the group is fixed by the grid.
+            Some(AttrValue::Raw(raw)) if raw.starts_with("array<i64:") && op.operands.len() == 1 => {
+                let index: Vec<usize> = raw.split_once(':')?.1.trim_end_matches('>').split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse().ok()).collect::<Option<_>>()?;
+                CollOp::Broadcast(index.first().copied().unwrap_or(0))
+            }
+            _ => return None,
+        },
         _ => return None,
     };
     Some(Kind::Coll { op: op_kind, axes })
@@ -706,12 +890,31 @@ fn collective_attrs(op: CollOp, axes: &[u16], grid: &str) -> (String, Attrs) {
         CollOp::Slice(d) => ("shard.all_slice".into(), base.with("slice_axis", AttrValue::Raw(format!("{d} : index")))),
         CollOp::ReduceScatter(d) => ("shard.reduce_scatter".into(), base.with("reduction", sum).with("scatter_axis", AttrValue::Raw(format!("{d} : index")))),
         CollOp::Reduce { max } => ("shard.all_reduce".into(), base.with("reduction", if max { AttrValue::Raw("#shard<partial max>".into()) } else { sum })),
+        CollOp::Broadcast(root) => ("shard.broadcast".into(), base.with("root", AttrValue::Raw(format!("array<i64: {root}>")))),
+        CollOp::Bucket => ("shard.all_reduce".into(), base.with("reduction", AttrValue::Raw("#shard<partial sum>".into()))),
     }
 }
 
 /// (seconds, bytes, count) of the collectives of `func`.
 pub fn price(func: &Func, grid: &[i64], cluster: &Cluster) -> (f64, f64, usize) {
     let mut total = (0.0, 0.0, 0);
+    // A bucket's members travel as one all-reduce.
+    let mut buckets: BTreeMap<i64, (Vec<usize>, f64)> = BTreeMap::new();
+    for op in func.ops.iter().filter(|o| o.name == "shard.all_reduce") {
+        if let (Some(AttrValue::Int(b)), Some(t)) = (op.attrs.get("xf.bucket"), func.tensor(op.results[0])) {
+            let axes = match op.attrs.get("grid_axes") {
+                Some(AttrValue::Raw(raw)) => raw.split_once(':').map_or(Vec::new(), |(_, l)| l.trim_end_matches('>').split(',').filter_map(|t| t.trim().parse().ok()).collect()),
+                _ => Vec::new(),
+            };
+            let e = buckets.entry(*b).or_insert((axes, 0.0));
+            e.1 += t.bytes() as f64;
+        }
+    }
+    for (axes, bytes) in buckets.values() {
+        total.0 += cluster.time(Collective::AllReduce, *bytes, grid, axes);
+        total.1 += bytes;
+        total.2 += 1;
+    }
     for op in &func.ops {
         let Some(Kind::Coll { op: c, axes }) = collective_kind(op) else { continue };
         let (Some(input), Some(output)) = (func.tensor(op.operands[0]), func.tensor(op.results[0])) else { continue };
@@ -732,6 +935,8 @@ fn collective_cost_shape(op: CollOp, input: &TensorTy, output: &TensorTy) -> (Co
         CollOp::Slice(_) => (Collective::AllSlice, input.bytes() as f64),
         CollOp::ReduceScatter(_) => (Collective::ReduceScatter, input.bytes() as f64),
         CollOp::Reduce { .. } => (Collective::AllReduce, input.bytes() as f64),
+        CollOp::Broadcast(_) => (Collective::Broadcast, input.bytes() as f64),
+        CollOp::Bucket => (Collective::AllReduce, input.bytes() as f64),
     }
 }
 
@@ -756,7 +961,7 @@ impl CostFunction<SymbolLang> for Cost<'_> {
 
     fn cost<C: FnMut(Id) -> f64>(&mut self, enode: &SymbolLang, mut costs: C) -> f64 {
         let tables = &self.egraph.analysis;
-        let child_ty = |i: usize| enode.children.get(i).and_then(|c| self.egraph[*c].data.clone());
+        let child_ty = |i: usize| enode.children.get(i).and_then(|c| self.egraph[*c].data.ty.clone());
         let own = match tables.kinds.get(&enode.op) {
             Some(Kind::Arg(_)) => 0.0,
             Some(Kind::Proj(_)) => EPSILON,
@@ -768,6 +973,11 @@ impl CostFunction<SymbolLang> for Cost<'_> {
                 let inputs: Vec<TensorTy> = (0..enode.children.len()).filter_map(child_ty).collect();
                 EPSILON + roofline(self.cluster, &tables.func, name, &inputs, &tables.attrs[*attrs])
             }
+            Some(Kind::Coll { op: CollOp::Bucket, axes }) => {
+                let bytes: Option<f64> = (0..enode.children.len()).map(|i| child_ty(i).map(|t| t.bytes() as f64)).sum();
+                let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
+                bytes.map_or(f64::INFINITY, |b| EPSILON + self.cluster.time(Collective::AllReduce, b, &tables.grid, &axes))
+            }
             Some(Kind::Coll { op, axes }) => match child_ty(0) {
                 Some(input) => {
                     let n = tables.group(axes);
@@ -775,7 +985,7 @@ impl CostFunction<SymbolLang> for Cost<'_> {
                     match op {
                         CollOp::Gather(d) => output.shape[*d] *= n,
                         CollOp::Slice(d) | CollOp::ReduceScatter(d) => output.shape[*d] /= n,
-                        CollOp::Reduce { .. } => {}
+                        CollOp::Reduce { .. } | CollOp::Broadcast(_) | CollOp::Bucket => {}
                     }
                     let (kind, bytes) = collective_cost_shape(*op, &input, &output);
                     let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
@@ -810,7 +1020,7 @@ fn search(egraph: &Graph) -> Vec<Match> {
     let mut out: Vec<Match> = Vec::new();
     for class in egraph.classes() {
         let here = class.id;
-        let ty = class.data.clone();
+        let ty = class.data.ty.clone();
         for node in &class.nodes {
             match kind(node) {
                 Some(Kind::Coll { op, axes }) => {
@@ -819,12 +1029,17 @@ fn search(egraph: &Graph) -> Vec<Match> {
                         out.push(("size-one-axis", Term::Class(here), Term::Class(child)));
                         continue;
                     }
+                    if matches!(op, CollOp::Broadcast(_)) && replicated_over(egraph, child, axes) {
+                        out.push(("broadcast-of-replicated", Term::Class(here), Term::Class(child)));
+                    }
                     for inner in nodes_of(child) {
                         let Some(Kind::Coll { op: inner_op, axes: inner_axes }) = kind(inner) else { continue };
                         let same_axes = inner_axes == axes;
                         match (op, inner_op) {
                             (CollOp::Slice(d), CollOp::Gather(e)) if d == e && same_axes => out.push(("slice-of-gather", Term::Class(here), Term::Class(inner.children[0]))),
-                            (CollOp::Gather(d), CollOp::Slice(e)) if d == e && same_axes => out.push(("gather-of-slice", Term::Class(here), Term::Class(inner.children[0]))),
+                            (CollOp::Gather(d), CollOp::Slice(e)) if d == e && same_axes && replicated_over(egraph, inner.children[0], axes) => {
+                                out.push(("gather-of-slice", Term::Class(here), Term::Class(inner.children[0])))
+                            }
                             (CollOp::Gather(d), CollOp::ReduceScatter(e)) if d == e && same_axes => {
                                 out.push(("join-all-reduce", Term::Class(here), coll(CollOp::Reduce { max: false }, axes, Term::Class(inner.children[0]))))
                             }
@@ -866,11 +1081,19 @@ fn search(egraph: &Graph) -> Vec<Match> {
     out
 }
 
+/// Whether every rank of a group over `axes` holds the same value of class `id`: the
+/// result of an all-reduce, all-gather or broadcast over those axes (or more), or an argument
+/// whose layout does not split over them.
+fn replicated_over(egraph: &Graph, id: Id, axes: &[u16]) -> bool {
+    let bits = axis_bits(axes);
+    egraph[egraph.find(id)].data.same & bits == bits
+}
+
 /// `add(all_reduce(x, a), all_reduce(y, a)) = all_reduce(add(x, y), a)` for same-shape operands.
 fn sum_of_all_reduces(egraph: &Graph, here: Id, node: &SymbolLang, attrs: usize, loc: usize, out: &mut Vec<Match>) {
     let tables = &egraph.analysis;
     let [a, b] = node.children[..] else { return };
-    if egraph[a].data != egraph[b].data {
+    if egraph[a].data.ty != egraph[b].data.ty {
         return;
     }
     let reduces = |id: Id| -> Vec<(Vec<u16>, Id)> {
@@ -901,7 +1124,7 @@ fn sum_of_all_reduces(egraph: &Graph, here: Id, node: &SymbolLang, attrs: usize,
 fn commute_gather(egraph: &Graph, here: Id, node: &SymbolLang, name: &str, attrs: usize, loc: usize, out: &mut Vec<Match>) {
     let tables = &egraph.analysis;
     let Some(def) = lookup(name) else { return };
-    let Some(inputs): Option<Vec<TensorTy>> = node.children.iter().map(|c| egraph[*c].data.clone()).collect() else { return };
+    let Some(inputs): Option<Vec<TensorTy>> = node.children.iter().map(|c| egraph[*c].data.ty.clone()).collect() else { return };
     let Some(result_tys) = result_types(egraph, node) else { return };
     let refs: Vec<&TensorTy> = inputs.iter().collect();
     let rule = def.sharding_rule(&refs, &tables.attrs[attrs]);
@@ -937,12 +1160,16 @@ fn commute_gather(egraph: &Graph, here: Id, node: &SymbolLang, name: &str, attrs
             for (j, &other) in node.children.iter().enumerate() {
                 if j == i {
                     children.push(Term::Class(inner.children[0]));
-                    types.push(egraph[inner.children[0]].data.clone().unwrap_or_else(|| inputs[j].clone()));
+                    types.push(egraph[inner.children[0]].data.ty.clone().unwrap_or_else(|| inputs[j].clone()));
                     continue;
                 }
                 let dims: Vec<usize> = rule.operands[j].iter().enumerate().filter(|(_, f)| **f == factor).map(|(k, _)| k).collect();
+                // Every rank of the group must read the same other operands: a value that
+                // differs per rank (a partial sum, a data-parallel shard) would be mixed
+                // across ranks by the gather.
+                let same_everywhere = || replicated_over(egraph, other, axes);
                 match dims[..] {
-                    [] => {
+                    [] if same_everywhere() => {
                         children.push(Term::Class(other));
                         types.push(inputs[j].clone());
                     }
@@ -950,7 +1177,11 @@ fn commute_gather(egraph: &Graph, here: Id, node: &SymbolLang, name: &str, attrs
                         let gathered = egraph[other].nodes.iter().find(|m| matches!(tables.kinds.get(&m.op), Some(Kind::Coll { op: CollOp::Gather(g), axes: ga }) if *g == e && ga == axes));
                         children.push(match gathered {
                             Some(m) => Term::Class(m.children[0]),
-                            None => coll(CollOp::Slice(e), axes, Term::Class(other)),
+                            None if same_everywhere() => coll(CollOp::Slice(e), axes, Term::Class(other)),
+                            None => {
+                                ok = false;
+                                continue;
+                            }
                         });
                         let mut t = inputs[j].clone();
                         t.shape[e] /= n;

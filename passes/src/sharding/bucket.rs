@@ -38,6 +38,7 @@ impl Pass for BucketGradients {
             .filter(|&i| {
                 let op = &func.ops[i];
                 op.name == "shard.all_reduce"
+                    && op.attrs.get("xf.async").is_none()
                     && matches!(op.attrs.get("grid_axes"), Some(AttrValue::Raw(a)) if a == "array<i16: 0>")
                     && grad_of_update.contains(&op.results[0])
             })

@@ -121,7 +121,7 @@ pub struct CpuExecutor {
 }
 
 /// The collectives the executor runs itself (everything else is a kernel).
-const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.send", "shard.recv", "tensor.empty"];
+const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "tensor.empty"];
 
 /// Grid axis of pipeline parallelism, along which sends and receives go.
 const PP_AXIS: usize = 2;
@@ -587,6 +587,18 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
                 })
                 .map_err(|e| e.to_string())?;
             out.copy_from_slice(&part);
+            Ok(())
+        }
+        "shard.broadcast" => {
+            // The root is an in-group multi-index; groups here are over the listed axes in
+            // row-major order, so it is the position of that index.
+            let root = instr.ints("root")?;
+            let extents: Vec<usize> = axes.iter().map(|&a| mesh.0[a]).collect();
+            let root = root.iter().zip(&extents).fold(0usize, |acc, (&r, &e)| acc * e + r as usize);
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            let mut data = input.to_vec();
+            let data = comm.call(move |c| c.broadcast(&group, &mut data, root).map(|()| data)).map_err(|e| e.to_string())?;
+            out.copy_from_slice(&data);
             Ok(())
         }
         "shard.all_slice" => {
