@@ -6,9 +6,11 @@
 //! backward item puts them back, runs the backward section (and the weight section, unless
 //! the schedule defers it to a `W` item) and adds the gradients into the chunk's sums. Sends
 //! and receives inside the sections move activations and their gradients between stage
-//! ranks, tagged by transfer, step and micro-batch. After the last item, each chunk's step
-//! section runs once on the summed gradients (data-parallel syncs included), then the next
-//! step starts.
+//! ranks, tagged by transfer, step and micro-batch. As soon as a chunk has done its last
+//! backward work of the step, the all-reduces of its summed gradients (the data-parallel sync)
+//! start on the communication thread, overlapping whatever work the rank still has. After the
+//! last item, each chunk's step section runs once (taking those results), then the next step
+//! starts.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -37,6 +39,9 @@ pub struct PipelineRun {
     /// Most bytes of kept activations (forward buffers awaiting their backward) each of
     /// those pipeline ranks held at once.
     pub peak_kept_bytes: Vec<usize>,
+    /// Gradient all-reduces each of those pipeline ranks started as soon as their chunk's
+    /// backward work was done, in the last step (overlapping the rest of its work).
+    pub early_syncs: Vec<usize>,
 }
 
 fn storage_bytes(values: &[Storage]) -> usize {
@@ -82,7 +87,7 @@ pub fn train_pipeline(
     let m = schedule.microbatches;
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
 
-    type RankResult = (Vec<f64>, HashMap<String, Vec<f64>>, BTreeMap<CollectiveKind, u64>, Vec<(Item, f64, f64)>, usize);
+    type RankResult = (Vec<f64>, HashMap<String, Vec<f64>>, BTreeMap<CollectiveKind, u64>, Vec<(Item, f64, f64)>, usize, usize);
     let results: Vec<RankResult> = on_every_rank_of(programs, seed, layers, timeout, algorithm, |exec, mesh, rank| {
         let program = exec.program().clone();
         let plan = program.pipeline.clone().ok_or_else(|| RuntimeError::Program("not a pipeline rank".into()))?;
@@ -94,8 +99,13 @@ pub fn train_pipeline(
             let maker = program.instrs.iter().position(|i| i.outputs.contains(&loss.buffer))?;
             plan.chunks.iter().position(|c| c.range(Section::Forward).contains(&maker))
         });
+        // The item after which a chunk has no backward work left this step: its gradients are
+        // final, and its data-parallel sync starts then, while other work goes on.
+        let last_backward: Vec<Option<usize>> =
+            (0..plan.chunks.len()).map(|c| items.iter().rposition(|i| i.chunk == c && i.work != Work::F)).collect();
         let mut losses = Vec::new();
         let mut trace = Vec::new();
+        let mut early_syncs = 0;
         let mut peak_kept = 0usize;
         for step in 1..=steps {
             let (t, g) = corpus.batch(seed, step, rows * m, seq);
@@ -110,7 +120,8 @@ pub fn train_pipeline(
             let mut loss_sum = 0.0;
             let start = Instant::now();
             trace.clear();
-            for item in items {
+            early_syncs = 0;
+            for (position, item) in items.iter().enumerate() {
                 let (c, j) = (item.chunk, item.microbatch);
                 let chunk = &plan.chunks[c];
                 if let Some(l) = &tokens_layout {
@@ -152,6 +163,12 @@ pub fn train_pipeline(
                         exec.accumulate(&chunk.sum_weight, &mut sums_weight[c])?;
                     }
                 }
+                if last_backward[c] == Some(position) {
+                    exec.restore(&chunk.sum_backward, &sums[c])?;
+                    exec.restore(&chunk.sum_weight, &sums_weight[c])?;
+                    let ready: Vec<usize> = chunk.sum_backward.iter().chain(&chunk.sum_weight).copied().collect();
+                    early_syncs += exec.start_early(chunk.range(Section::Step), &ready)?;
+                }
                 let held: usize = kept_forward.values().chain(kept_backward.values()).map(|v| storage_bytes(v)).sum();
                 peak_kept = peak_kept.max(held);
                 // Time blocked in receives is idle time, not work: the item starts when its
@@ -172,7 +189,7 @@ pub fn train_pipeline(
         }
         let params: HashMap<String, Vec<f64>> =
             program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| Ok((a.name.clone(), read_f64(exec, &a.name)?))).collect::<Result<_, RuntimeError>>()?;
-        Ok((losses, params, exec.bytes_sent()?, trace, peak_kept))
+        Ok((losses, params, exec.bytes_sent()?, trace, peak_kept, early_syncs))
     })?;
 
     let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
@@ -217,6 +234,7 @@ pub fn train_pipeline(
         parameters,
         bytes_sent: results.iter().map(|r| r.2.clone()).collect(),
         peak_kept_bytes: rows_of_timeline.iter().map(|&r| results[r].4).collect(),
+        early_syncs: rows_of_timeline.iter().map(|&r| results[r].5).collect(),
         timeline: Timeline { ranks, makespan, bubble, peak_in_flight },
     })
 }

@@ -169,3 +169,27 @@ fn schedules_are_checked_before_they_are_attached() {
     let programs = shardc_codegen::lower_pipeline(&stages(true), &grid, &generate(Kind::ZeroBubble, 2, 4, 1).unwrap()).unwrap();
     assert_eq!(programs[1].pipeline.as_ref().unwrap().items.len(), 12);
 }
+
+/// With data parallelism, each chunk's gradient all-reduces start as soon as its backward
+/// work is done (the comm thread runs them while the rank computes on): every dp gradient
+/// sync of the step section starts early.
+#[test]
+fn data_parallel_syncs_start_when_a_chunk_is_done() {
+    for kind in [Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble] {
+        let (programs, spec) = compile_stages("tiny", Mesh { dp: 2, tp: 1, pp: 2 }, kind, 4);
+        let run = train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap();
+        for (rank, program) in programs.iter().enumerate() {
+            let plan = program.pipeline.as_ref().unwrap();
+            let syncs = plan
+                .chunks
+                .iter()
+                .flat_map(|c| program.instrs[c.range(shardc_runtime::program::Section::Step)].iter().map(move |i| (c, i)))
+                // Syncs of a summed gradient (not of one computed in the step, such as the
+                // tied embedding's two contributions added together).
+                .filter(|(c, i)| i.op == "shard.all_reduce" && i.ints("grid_axes").unwrap() == vec![0] && c.sum_backward.iter().chain(&c.sum_weight).any(|b| *b == i.inputs[0]))
+                .count();
+            assert!(syncs > 0, "{}: rank {rank} has dp syncs", kind.label());
+            assert_eq!(run.early_syncs[rank], syncs, "{}: rank {rank}", kind.label());
+        }
+    }
+}

@@ -118,6 +118,9 @@ pub struct CpuExecutor {
     transfer_context: (u64, u64),
     /// Time spent waiting in pipeline receives since [`CpuExecutor::take_waited`].
     waited: std::time::Duration,
+    /// All-reduces started ahead of their instruction ([`CpuExecutor::start_early`]): the
+    /// instruction then only takes the result.
+    early: std::collections::HashMap<usize, (u64, DType)>,
 }
 
 /// The collectives the executor runs itself (everything else is a kernel).
@@ -147,7 +150,7 @@ impl CpuExecutor {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring, transfer_context: (0, 0), waited: std::time::Duration::ZERO })
+        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring, transfer_context: (0, 0), waited: std::time::Duration::ZERO, early: Default::default() })
     }
 
     /// Sets up a partitioned program on the rank `comm` belongs to.
@@ -295,6 +298,43 @@ impl CpuExecutor {
         Ok(())
     }
 
+    /// Starts the synchronous sum all-reduces among instructions `indices` whose inputs are
+    /// `ready` buffers on the communication thread now, with the inputs' current values; the
+    /// instructions, when run, wait for them instead. Returns how many started. This is how a
+    /// pipeline rank overlaps its data-parallel gradient sync with the backward work it still
+    /// has to do.
+    pub fn start_early(&mut self, indices: std::ops::Range<usize>, ready: &[BufferId]) -> Result<usize, RuntimeError> {
+        let CpuExecutor { program, slots, comm, mesh, algorithm, early, .. } = self;
+        let Some(comm) = comm.as_mut() else { return Ok(0) };
+        let rank = comm.rank();
+        let mut started = 0;
+        for index in indices {
+            let instr = &program.instrs[index];
+            let sum = !matches!(instr.attrs.get("reduction"), Some(crate::program::Attr::Str(k)) if k != "sum");
+            if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || !ready.contains(&instr.inputs[0]) || early.contains_key(&index) {
+                continue;
+            }
+            let axes: Vec<usize> = instr.ints("grid_axes").map_err(RuntimeError::Program)?.iter().map(|&a| a as usize).collect();
+            let group = mesh.group(rank, &axes);
+            let buffer = &program.buffers[instr.inputs[0]];
+            let algorithm = *algorithm;
+            let ticket = match (&slots[buffer.slot], buffer.dtype) {
+                (Storage::F64(v), DType::F64) => {
+                    let mut data = v[..buffer.len()].to_vec();
+                    comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+                }
+                (Storage::F32(v), DType::F32) => {
+                    let mut data = v[..buffer.len()].to_vec();
+                    comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+                }
+                _ => continue,
+            };
+            early.insert(index, (ticket, buffer.dtype));
+            started += 1;
+        }
+        Ok(started)
+    }
+
     /// Runs every instruction once.
     pub fn run(&mut self) -> Result<(), RuntimeError> {
         self.run_range(0..self.program.instrs.len())
@@ -302,12 +342,29 @@ impl CpuExecutor {
 
     /// Runs the instructions of `range` (one section of a pipeline stage) once.
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
         let mut in_flight: std::collections::HashMap<i64, InFlight> = std::collections::HashMap::new();
         for (index, instr) in program.instrs.iter().enumerate().skip(range.start).take(range.len()) {
+            // Started early: take the result.
+            if let Some((ticket, dtype)) = early.remove(&index) {
+                let comm = comm.as_mut().ok_or_else(|| RuntimeError::Program("an early all-reduce without a communicator".into()))?;
+                let out = &program.buffers[instr.outputs[0]];
+                let fail = |e: String| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message: e };
+                match dtype {
+                    DType::F64 => {
+                        let data: Vec<f64> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
+                        f64::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not f64".into()))?[..data.len()].copy_from_slice(&data);
+                    }
+                    _ => {
+                        let data: Vec<f32> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
+                        f32::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not f32".into()))?[..data.len()].copy_from_slice(&data);
+                    }
+                }
+                continue;
+            }
             // A wait for a bucket on the wire: take its result back into its members' slots.
             if instr.op == "xf.wait" {
                 if let Some(flight) = instr.int("xf.bucket").ok().and_then(|b| in_flight.remove(&b)) {
