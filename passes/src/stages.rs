@@ -467,30 +467,29 @@ fn build_stage(
 
     // Sends of `v` from this stage whose receive is (`step`) or is not (`!step`) in a step
     // section.
+    // Attributes of a send to stage `peer` (`to_stage`) or a receive from it (`from_stage`).
+    let point_to_point = |peer: usize, tag: i64, sending: bool, phase: Phase| {
+        let (peer_attr, stage_attr) = if sending { ("destination", "xf.to_stage") } else { ("source", "xf.from_stage") };
+        let attrs = Attrs::new()
+            .with("grid", AttrValue::Raw(format!("@{grid}")))
+            .with("grid_axes", axes.clone())
+            .with(peer_attr, AttrValue::Raw(format!("array<i64: {}>", peer % p)))
+            .with("xf.transfer", AttrValue::Int(tag))
+            .with(stage_attr, AttrValue::Int(peer as i64));
+        with_phase(attrs, phase)
+    };
     let send = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>, v: Value, phase: Phase, step: bool| {
         for (&(value, from, to), &(tag, receive)) in transfers.range((v, 0, 0)..=(v, usize::MAX, usize::MAX)) {
             if value != v || from != k || (receive == Phase::Step) != step {
                 continue;
             }
-            let attrs = Attrs::new()
-                .with("grid", AttrValue::Raw(format!("@{grid}")))
-                .with("grid_axes", axes.clone())
-                .with("destination", AttrValue::Raw(format!("array<i64: {}>", to % p)))
-                .with("xf.transfer", AttrValue::Int(tag))
-                .with("xf.to_stage", AttrValue::Int(to as i64));
-            fb.op_typed("shard.send", &[map[&v]], with_phase(attrs, phase), vec![func.ty(v).clone()], &format!("send.{tag}"));
+            fb.op_typed("shard.send", &[map[&v]], point_to_point(to, tag, true, phase), vec![func.ty(v).clone()], &format!("send.{tag}"));
         }
     };
     let receive = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, v: Value, from: usize, tag: i64, phase: Phase| {
         let ty = func.ty(v).clone();
         let empty = fb.op_typed("tensor.empty", &[], with_phase(Attrs::new(), phase), vec![ty.clone()], &format!("recv.{tag}.buffer"))[0];
-        let attrs = Attrs::new()
-            .with("grid", AttrValue::Raw(format!("@{grid}")))
-            .with("grid_axes", axes.clone())
-            .with("source", AttrValue::Raw(format!("array<i64: {}>", from % p)))
-            .with("xf.transfer", AttrValue::Int(tag))
-            .with("xf.from_stage", AttrValue::Int(from as i64));
-        let received = fb.op_typed("shard.recv", &[empty], with_phase(attrs, phase), vec![ty], &format!("recv.{tag}"))[0];
+        let received = fb.op_typed("shard.recv", &[empty], point_to_point(from, tag, false, phase), vec![ty], &format!("recv.{tag}"))[0];
         map.insert(v, received);
     };
     // Per-micro-batch sections receive what they need at their start.

@@ -116,23 +116,11 @@ fn batch_layout(program: &Program) -> Result<(usize, usize, crate::program::Layo
     Ok((layout.global_shape[0], layout.global_shape[1], layout))
 }
 
-/// Runs `body` on every rank of `program`'s mesh, one thread each (plus each rank's
-/// communication thread). Before `body`, every parameter is initialised as the global tensor
+/// Runs `body` on every rank of the programs' mesh, one thread each (plus each rank's
+/// communication thread): the rank at `pp` coordinate `s` runs `programs[s]` (one program:
+/// every rank runs it). Before `body`, every parameter is initialised as the global tensor
 /// from `seed` and the rank takes its shard, so runs are comparable with a single device.
 /// Returns the results by rank.
-fn on_every_rank<R: Send>(
-    program: &Program,
-    seed: u64,
-    layers: usize,
-    timeout: std::time::Duration,
-    algorithm: crate::collectives::Algorithm,
-    body: impl Fn(&mut CpuExecutor, &crate::collectives::MeshShape, usize) -> Result<R, RuntimeError> + Sync,
-) -> Result<Vec<R>, RuntimeError> {
-    on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, algorithm, body)
-}
-
-/// [`on_every_rank`] for pipeline-parallel programs: the rank at `pp` coordinate `s` runs
-/// `programs[s]` (one program: every rank runs it).
 pub(crate) fn on_every_rank_of<R: Send>(
     programs: &[Program],
     seed: u64,
@@ -197,7 +185,7 @@ pub fn train_spmd_with(
 ) -> Result<SpmdRun, RuntimeError> {
     let (rows, seq, tokens) = batch_layout(program)?;
     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).collect();
-    let results = on_every_rank(program, seed, layers, timeout, algorithm, |exec, mesh, rank| {
+    let results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, algorithm, |exec, mesh, rank| {
         let mut losses = Vec::new();
         for step in 1..=steps {
             let (t, g) = corpus.batch(seed, step, rows, seq);
@@ -237,7 +225,7 @@ pub(crate) fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, Runti
 pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, timeout: std::time::Duration) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
     let (rows, seq, tokens) = batch_layout(program)?;
     let (t, g) = corpus.batch(seed, 1, rows, seq);
-    let mut results = on_every_rank(program, seed, layers, timeout, crate::collectives::Algorithm::Ring, |exec, mesh, rank| {
+    let mut results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, crate::collectives::Algorithm::Ring, |exec, mesh, rank| {
         write_batch(exec, &tokens, mesh, rank, &t, &g)?;
         exec.run()?;
         program.results.iter().map(|r| Ok((r.name.clone(), read_f64(exec, &r.name)?))).collect()
