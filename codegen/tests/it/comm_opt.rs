@@ -388,3 +388,27 @@ fn sequence_parallelism_is_found_where_it_is_cheaper_and_trains_the_same() {
         }
     }
 }
+
+/// Saturation stops at its limits and says which; what it found by then is still sound.
+#[test]
+fn saturation_stops_at_its_limits_and_reports_them() {
+    let (module, spec) = compiled("tiny", Mesh { dp: 2, tp: 2, pp: 1 }, false, false, Cluster::default());
+    let func = module.func("train_step").unwrap();
+    let grid = &module.grids[0].shape;
+    for (limits, stop) in [
+        (CommOpt { node_limit: 50, ..CommOpt::default() }, "node limit"),
+        (CommOpt { iteration_limit: 1, ..CommOpt::default() }, "iteration limit"),
+        (CommOpt { time_limit: Duration::ZERO, ..CommOpt::default() }, "time limit"),
+        (CommOpt::default(), "saturated"),
+    ] {
+        let (optimized, report) = optimize_communication(func, grid, "mesh", &limits).unwrap();
+        assert_eq!(report.stop, stop);
+        assert!(shardc_ir::verify::verify_func(&optimized).is_empty(), "{stop}");
+        let mut module = module.clone();
+        *module.funcs.iter_mut().find(|f| f.name == "train_step").unwrap() = optimized;
+        let corpus = shardc_runtime::data::ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap();
+        let a = train_spmd(&program(&module), 3, 2, &corpus, 1, Duration::from_secs(30)).unwrap();
+        let b = train_spmd(&program(&compiled("tiny", Mesh { dp: 2, tp: 2, pp: 1 }, false, false, Cluster::default()).0), 3, 2, &corpus, 1, Duration::from_secs(30)).unwrap();
+        assert!((a.losses[0] - b.losses[0]).abs() <= 1e-6 * b.losses[0].abs(), "{stop}: {} vs {}", a.losses[0], b.losses[0]);
+    }
+}
