@@ -275,7 +275,27 @@ fn compile(
         // One program per pipeline rank, each with its items of the schedule.
         programs.extend(shardc_codegen::lower_pipeline(&module, &grid, &schedule).into_diagnostic()?);
     }
-    let summary = Summary::of(&spec, &module, &programs);
+    let mut summary = Summary::of(&spec, &module, &programs);
+    {
+        // The step the estimate prices: the pipeline ranks' programs, or the training step.
+        let priced: Vec<shardc_runtime::Program> = match programs.iter().filter(|p| p.pipeline.is_some()).cloned().collect::<Vec<_>>() {
+            ranks if !ranks.is_empty() => ranks,
+            _ => programs.iter().filter(|p| p.name == "train_step").cloned().collect(),
+        };
+        if !priced.is_empty() {
+            let microbatches = priced[0].pipeline.as_ref().map_or(1, |p| p.microbatches) as f64;
+            let shape = shardc_codegen::estimate::ModelShape {
+                parameters: summary.parameters as f64,
+                layers: spec.model.layers as f64,
+                hidden: spec.model.hidden as f64,
+                seq: spec.seq_len() as f64,
+                tokens_per_step: microbatches * (spec.training.micro_batch * spec.seq_len()) as f64,
+            };
+            let cluster = step.cluster_model()?;
+            summary.gpu = cluster.gpu.name.clone();
+            summary.estimate = Some(shardc_codegen::estimate::estimate(&priced, &cluster, shape));
+        }
+    }
     println!("shardc: compiled {} ({})", spec.name, spec_path.display());
     print!("{}", summary.render(&spec, &mesh, &report.passes.iter().map(|p| p.name).collect::<Vec<_>>()));
     if let Some(path) = output {

@@ -27,6 +27,12 @@ pub struct Summary {
     pub communication: Vec<CommSummary>,
     /// Ops of each kind in `@forward`.
     pub op_counts: std::collections::BTreeMap<String, usize>,
+    /// Modelled step time on the cluster (`--gpu`, `--cluster`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<shardc_codegen::estimate::Estimate>,
+    /// The GPU the estimate is for.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub gpu: String,
     /// What the communication optimizer did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_opt: Option<shardc_passes::CommOptReport>,
@@ -138,6 +144,8 @@ impl Summary {
             }),
             op_counts: forward.map(|f| f.op_counts()).unwrap_or_default(),
             stages: Vec::new(),
+            estimate: None,
+            gpu: String::new(),
             comm_opt: module.notes.get("comm-opt").and_then(|json| serde_json::from_str(json).ok()),
         }
         .with_stages(module, programs)
@@ -299,6 +307,31 @@ impl Summary {
                 .map(|c| format!("{} {} over {} ({})", c.count, c.op, c.axes, bytes(c.bytes)))
                 .collect();
             line("comm/rank", format!("{} per training step of one micro-batch (rank 0): {}", bytes(self.communication.iter().map(|c| c.bytes).sum()), parts.join(", ")));
+        }
+        if let Some(e) = &self.estimate {
+            let comm: Vec<String> = e.exposed_communication.iter().map(|(axes, t)| format!("{axes} {:.2} ms", t * 1e3)).collect();
+            line(
+                "estimate",
+                format!(
+                    "{:.2} ms per step on {} x {}: {:.0} tokens/s, MFU {:.1}% ({} model FLOPs: 6N + 12Lsh per token)",
+                    e.step_seconds * 1e3,
+                    mesh.ranks(),
+                    self.gpu,
+                    e.tokens_per_second,
+                    100.0 * e.mfu,
+                    flops(e.model_flops)
+                ),
+            );
+            line(
+                "",
+                format!(
+                    "compute {:.2} ms (busiest rank), exposed communication {}, pipeline bubble {:.2} ms: {}-bound",
+                    e.compute_seconds * 1e3,
+                    if comm.is_empty() { "none".to_string() } else { comm.join(", ") },
+                    e.bubble_seconds * 1e3,
+                    e.bound
+                ),
+            );
         }
         let ops: Vec<String> = self.op_counts.iter().map(|(name, n)| format!("{name} {n}")).collect();
         line("ops", ops.join(", "));

@@ -11,6 +11,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod estimate;
+
 use std::collections::BTreeMap;
 
 use shardc_ir::ops::lookup;

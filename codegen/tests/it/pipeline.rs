@@ -193,3 +193,24 @@ fn data_parallel_syncs_start_when_a_chunk_is_done() {
         }
     }
 }
+
+/// The step-time estimate over compiled programs: compute, the pipeline's sends, and the
+/// bubble of the schedule the programs carry, simulated with the stages' own costs.
+#[test]
+fn estimates_price_programs_and_their_schedule() {
+    use shardc_codegen::estimate::{estimate, ModelShape};
+    let cluster = shardc_ir::cluster::Cluster::default();
+    let shape = |m: f64| ModelShape { parameters: 15_040.0, layers: 2.0, hidden: 16.0, seq: 8.0, tokens_per_step: m * 16.0 };
+    let (gpipe, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4 }, Kind::Gpipe, 8);
+    let (one, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4 }, Kind::OneFOneB, 8);
+    let e = estimate(&gpipe, &cluster, shape(8.0));
+    assert!(e.step_seconds > 0.0 && e.bubble_seconds > 0.0 && e.compute_seconds > 0.0, "{e:?}");
+    assert!(e.exposed_communication.contains_key("pp"), "pipeline sends are priced: {e:?}");
+    assert!(e.mfu > 0.0 && e.mfu < 1.0 && e.tokens_per_second > 0.0);
+    // The step covers the busiest rank's work and the bubble the schedule leaves.
+    let f = estimate(&one, &cluster, shape(8.0));
+    for e in [&e, &f] {
+        assert!(e.step_seconds >= e.compute_seconds, "{e:?}");
+        assert!(e.bubble_seconds < e.step_seconds, "{e:?}");
+    }
+}

@@ -146,6 +146,15 @@ pub enum ScheduleError {
 
 /// Runs `schedule` with `costs`: every item starts when its rank is free and its inputs exist.
 pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, ScheduleError> {
+    simulate_with(schedule, |_, item| match item.work {
+        Work::F => costs.f,
+        Work::B => costs.b,
+        Work::W => costs.w,
+    })
+}
+
+/// [`simulate`] with each item's cost from `cost(rank, item)` (stages of different weight).
+pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) -> Result<Timeline, ScheduleError> {
     use std::collections::HashMap;
     let (p, m, v) = (schedule.stages, schedule.microbatches, schedule.chunks);
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
@@ -185,11 +194,7 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, ScheduleE
                 let Some(ready) = deps.iter().map(|d| done.get(d).copied()).try_fold(0f64, |acc, t| t.map(|t| acc.max(t))) else {
                     break;
                 };
-                let cost = match item.work {
-                    Work::F => costs.f,
-                    Work::B => costs.b,
-                    Work::W => costs.w,
-                };
+                let cost = cost(rank, &item);
                 let start = ready.max(free[rank]);
                 free[rank] = start + cost;
                 done.insert((item.work, item.microbatch, stage), start + cost);
