@@ -28,8 +28,11 @@
 //! * `bucket`: two all-reduces over the same axes whose operands do not depend on each other
 //!   share one launch (one message of both), as gradient buckets do.
 //!
-//! Extraction is egg's greedy tree-cost extraction: a value read twice is priced twice in its
-//! readers, so the choice is per e-class and not a global optimum over the DAG.
+//! Extraction is greedy and DAG-aware (a class used twice is paid once within a region; heavy
+//! ops bound the regions), under a few policies (every node; whole all-reduces only; the
+//! buckets), and the candidate program the model prices lowest wins, if it beats the input.
+//! The bucket pairs are proposed in a second phase, among the collectives the first keeps.
+//! `SHARDC_DEBUG_COMM_OPT=1` prints each iteration and the candidates' prices to stderr.
 
 use std::collections::{BTreeMap, BinaryHeap};
 
