@@ -32,7 +32,6 @@
 //! ops bound the regions), under a few policies (every node; whole all-reduces only; the
 //! buckets), and the candidate program the model prices lowest wins, if it beats the input.
 //! The bucket pairs are proposed in a second phase, among the collectives the first keeps.
-//! `SHARDC_DEBUG_COMM_OPT=1` prints each iteration and the candidates' prices to stderr.
 
 use std::collections::{BTreeMap, BinaryHeap};
 
@@ -415,9 +414,6 @@ fn extract(egraph: &Graph, cluster: &Cluster, order: &HashMap<Id, f64>, paid: &H
             }
         }
         if !changed {
-            if std::env::var_os("SHARDC_DEBUG_COMM_OPT").is_some() {
-                eprintln!("  extraction settled after {} sweeps", _sweep + 1);
-            }
             break;
         }
     }
@@ -560,10 +556,7 @@ fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt,
             break "time limit";
         }
         iterations += 1;
-        let t0 = Instant::now();
         let matches = search(&egraph);
-        let searched = t0.elapsed();
-        let n_matches = matches.len();
         let mut changed = false;
         // New classes take the position of the class they join.
         let mut at: HashMap<Id, f64> = HashMap::default();
@@ -584,9 +577,6 @@ fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt,
             }
         }
         egraph.rebuild();
-        if std::env::var_os("SHARDC_DEBUG_COMM_OPT").is_some() {
-            eprintln!("  iteration {iterations}: {n_matches} matches, search {searched:?}, total {:?}, {} nodes", t0.elapsed(), egraph.total_number_of_nodes());
-        }
         if !changed {
             break "saturated";
         }
@@ -601,7 +591,6 @@ fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt,
         *e = e.min(*at);
     }
     let roots: Vec<Id> = roots.iter().map(|r| egraph.find(*r)).collect();
-    let saturated_at = start.elapsed();
     let mut candidates = Vec::new();
     let split_nodes: HashSet<SymbolLang> = split_nodes.iter().map(|n| n.clone().map_children(|c| egraph.find(c))).collect();
     // Two policies: every node, and every node but those of split all-reduces (whole
@@ -636,9 +625,6 @@ fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt,
     let mut cost = Cost { egraph: &egraph, cluster: &options.cluster };
     let baseline = func_cost(func, grid, &options.cluster);
     let priced: Vec<(f64, HashMap<Id, SymbolLang>)> = candidates.into_iter().filter_map(|choice| program_cost(&egraph, &mut cost, &choice, &roots).map(|c| (c, choice))).collect();
-    if std::env::var_os("SHARDC_DEBUG_COMM_OPT").is_some() {
-        eprintln!("comm-opt: baseline {baseline:e}, candidates {:?}; saturation {saturated_at:?}, extraction {:?}", priced.iter().map(|p| p.0).collect::<Vec<_>>(), start.elapsed() - saturated_at);
-    }
     let best = priced.into_iter().min_by(|a, b| a.0.total_cmp(&b.0));
     let out = match best {
         Some((c, choice)) if c < baseline * (1.0 - 1e-9) => emit(func, &egraph, &choice, &roots, &order, &original, grid_name)?,
