@@ -294,6 +294,8 @@ fn compile(
             let cluster = step.cluster_model()?;
             summary.gpu = cluster.gpu.name.clone();
             summary.estimate = Some(shardc_codegen::estimate::estimate(&priced, &cluster, shape));
+            summary.memory_estimate = shardc_codegen::estimate::memory(&priced, step.zero).into_iter().max_by(|a, b| a.total.total_cmp(&b.total));
+            summary.gpu_memory = cluster.gpu.memory_bytes;
         }
     }
     println!("shardc: compiled {} ({})", spec.name, spec_path.display());

@@ -30,6 +30,12 @@ pub struct Summary {
     /// Modelled step time on the cluster (`--gpu`, `--cluster`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimate: Option<shardc_codegen::estimate::Estimate>,
+    /// Memory per GPU in mixed precision, the fullest rank's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_estimate: Option<shardc_codegen::estimate::MemoryEstimate>,
+    /// HBM bytes of the GPU.
+    #[serde(default)]
+    pub gpu_memory: f64,
     /// The GPU the estimate is for.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub gpu: String,
@@ -145,6 +151,8 @@ impl Summary {
             op_counts: forward.map(|f| f.op_counts()).unwrap_or_default(),
             stages: Vec::new(),
             estimate: None,
+            memory_estimate: None,
+            gpu_memory: 0.0,
             gpu: String::new(),
             comm_opt: module.notes.get("comm-opt").and_then(|json| serde_json::from_str(json).ok()),
         }
@@ -330,6 +338,26 @@ impl Summary {
                     if comm.is_empty() { "none".to_string() } else { comm.join(", ") },
                     e.bubble_seconds * 1e3,
                     e.bound
+                ),
+            );
+        }
+        if let Some(m) = &self.memory_estimate {
+            let gb = |b: f64| format!("{:.1} GB", b / 1e9);
+            line(
+                "memory/GPU",
+                format!(
+                    "{} in mixed precision: weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}; {} in {}'s {}",
+                    gb(m.total),
+                    gb(m.parameters),
+                    gb(m.gradients),
+                    gb(m.optimizer),
+                    gb(m.activations),
+                    m.in_flight,
+                    if m.in_flight == 1 { "" } else { "es" },
+                    gb(m.temporaries),
+                    if m.total <= self.gpu_memory { "fits" } else { "does NOT fit" },
+                    self.gpu,
+                    gb(self.gpu_memory)
                 ),
             );
         }

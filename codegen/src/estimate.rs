@@ -256,3 +256,91 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
     };
     out
 }
+
+/// Bytes one GPU holds for a training step in mixed precision (bf16 weights, gradients and
+/// activations; fp32 master weights and Adam moments), from the compiled rank program.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryEstimate {
+    /// bf16 weights this rank holds.
+    pub parameters: f64,
+    /// bf16 gradients (sharded over dp from ZeRO stage 2).
+    pub gradients: f64,
+    /// fp32 master weights, first and second moments (sharded over dp from stage 1).
+    pub optimizer: f64,
+    /// Forward values the backward pass reads, per micro-batch, times the micro-batches in
+    /// flight at once on the rank.
+    pub activations: f64,
+    /// Micro-batches whose activations the rank holds at once.
+    pub in_flight: usize,
+    /// The peak of everything else the memory plan holds at once, in 16-bit elements.
+    pub temporaries: f64,
+    /// The sum.
+    pub total: f64,
+}
+
+/// Parameters one model-parallel rank holds (the ZeRO paper's Psi): every parameter's global
+/// size over the tensor- and pipeline-parallel splits of its layout.
+fn model_parallel_parameters(program: &Program) -> f64 {
+    program
+        .args
+        .iter()
+        .filter(|a| a.role == Some(shardc_runtime::program::Role::Param))
+        .map(|a| match &a.layout {
+            Some(layout) => {
+                let global: f64 = layout.global_shape.iter().product::<usize>() as f64;
+                let parts: usize = layout.split.iter().flatten().filter(|&&axis| axis != 0).map(|&axis| program.mesh.get(axis).copied().unwrap_or(1)).product();
+                global / parts.max(1) as f64
+            }
+            None => program.buffers[a.buffer].len() as f64,
+        })
+        .sum()
+}
+
+/// Bytes of forward values read after the forward pass, per micro-batch (16-bit elements).
+fn kept_activations(program: &Program) -> f64 {
+    let elements = |buffers: &[usize]| buffers.iter().map(|&b| program.buffers[b].len() as f64).sum::<f64>();
+    if let Some(plan) = &program.pipeline {
+        return 2.0 * plan.chunks.iter().map(|c| elements(&c.keep_forward)).sum::<f64>() / plan.chunks.len().max(1) as f64;
+    }
+    // The forward pass ends where the loss seed starts the backward pass.
+    let Some(end) = program.instrs.iter().position(|i| i.loc == "loss.seed") else { return 0.0 };
+    let args: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
+    let defined: std::collections::HashSet<usize> = program.instrs[..end].iter().flat_map(|i| i.outputs.iter().copied()).filter(|b| !args.contains(b)).collect();
+    let kept: std::collections::BTreeSet<usize> = program.instrs[end..].iter().flat_map(|i| i.inputs.iter().copied()).filter(|b| defined.contains(b)).collect();
+    2.0 * elements(&kept.into_iter().collect::<Vec<_>>())
+}
+
+/// The memory of each rank program (one, or one per pipeline rank) under ZeRO stage `zero`.
+pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
+    let in_flight: Vec<usize> = match programs.iter().map(|p| p.pipeline.as_ref()).collect::<Option<Vec<_>>>() {
+        Some(plans) if !plans.is_empty() => {
+            let schedule = Schedule {
+                kind: plans[0].kind,
+                stages: plans.len(),
+                microbatches: plans[0].microbatches,
+                chunks: plans[0].chunks.len(),
+                ranks: plans.iter().map(|p| p.items.clone()).collect(),
+            };
+            // In-flight micro-batches per chunk-sized share of the rank's layers.
+            simulate_with(&schedule, |_, _| 1.0).map(|t| t.peak_in_flight).unwrap_or_else(|_| vec![1; plans.len()])
+        }
+        _ => vec![1; programs.len()],
+    };
+    programs
+        .iter()
+        .zip(in_flight)
+        .map(|(program, in_flight)| {
+            let dp = program.mesh.first().copied().unwrap_or(1).max(1) as f64;
+            let psi = model_parallel_parameters(program);
+            let shard = |from_stage: u8| if zero >= from_stage { psi / dp } else { psi };
+            let kept = kept_activations(program);
+            let activations = kept * in_flight as f64;
+            // The plan's peak holds one micro-batch's kept values too: the rest is temporaries.
+            let bytes_per_element = program.buffers.first().map_or(4, |b| b.dtype.bytes()) as f64;
+            let temporaries = (program.memory.temporary_bytes as f64 * 2.0 / bytes_per_element - kept).max(0.0);
+            let mut m = MemoryEstimate { parameters: 2.0 * shard(3), gradients: 2.0 * shard(2), optimizer: 12.0 * shard(1), activations, in_flight, temporaries, total: 0.0 };
+            m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries;
+            m
+        })
+        .collect()
+}

@@ -1,0 +1,57 @@
+//! The memory estimator against the published formulas (shared/refs/memory-formulas.md) on
+//! the shipped gpt3-175b- and llama-7b-shaped specs.
+
+use shardc_codegen::estimate::memory;
+use shardc_ir::mesh::Mesh;
+use shardc_passes::{compile_pipeline, CompileOptions};
+
+use crate::common::*;
+
+fn compile(name: &str, mesh: Mesh, micro_batch: u64, zero: u8) -> (shardc_runtime::Program, shardc_ir::spec::Spec, u64) {
+    let mut spec = spec_with_dtype(name, "bf16");
+    spec.training.micro_batch = micro_batch;
+    let mut module = model(&spec);
+    let params = module.func("forward").unwrap().parameter_count();
+    let options = CompileOptions { mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero, comm_opt: false, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    (shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap(), spec, params)
+}
+
+fn close(what: &str, ours: f64, formula: f64) {
+    let err = (ours - formula).abs() / formula;
+    assert!(err <= 0.05, "{what}: estimate {ours:.4e} vs formula {formula:.4e} ({:.1}% off)", 100.0 * err);
+}
+
+/// Model states: 16 Psi bytes per replica, sharded by ZeRO stage (Rajbhandari et al.), with
+/// Psi the parameters of one model-parallel rank.
+#[test]
+fn model_states_follow_the_zero_formulas() {
+    for (name, tp) in [("gpt3-175b", 8), ("llama-7b", 4)] {
+        let dp = 8u64;
+        let (program, _, params) = compile(name, Mesh { dp, tp, pp: 1 }, dp, 3);
+        let psi = params as f64 / tp as f64;
+        let d = dp as f64;
+        let formulas = [16.0 * psi, 4.0 * psi + 12.0 * psi / d, 2.0 * psi + 14.0 * psi / d, 16.0 * psi / d];
+        for (zero, formula) in formulas.iter().enumerate() {
+            let m = &memory(std::slice::from_ref(&program), zero as u8)[0];
+            close(&format!("{name} tp={tp} dp={dp} ZeRO-{zero}"), m.parameters + m.gradients + m.optimizer, *formula);
+        }
+    }
+}
+
+/// Activations of a GPT-style layer under tensor parallelism (Korthikanti et al. Table 2). Our
+/// attention is fused (scores are recomputed in the backward pass, as the selective
+/// recomputation row assumes) and the model has no dropout, so the row to meet is
+/// `s b h (10 + 24/t)` less the two `s b h` bytes of dropout masks.
+#[test]
+fn activations_follow_the_tensor_parallel_formula() {
+    let (tp, dp) = (8u64, 8u64);
+    let (program, spec, _) = compile("gpt3-175b", Mesh { dp, tp, pp: 1 }, dp, 0);
+    let m = &memory(std::slice::from_ref(&program), 0)[0];
+    let (s, b, h, layers) = (spec.seq_len() as f64, 1.0, spec.model.hidden as f64, spec.model.layers as f64);
+    let t = tp as f64;
+    let per_layer = s * b * h * (10.0 + 24.0 / t) - 2.0 * s * b * h;
+    close("gpt3-175b activations", m.activations, per_layer * layers);
+    assert_eq!(m.in_flight, 1);
+}
