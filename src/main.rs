@@ -8,6 +8,7 @@
 
 mod inspect;
 mod options;
+mod plan;
 mod report;
 mod summary;
 mod train;
@@ -101,6 +102,11 @@ enum Command {
     /// Generate a pipeline schedule, check it by simulation, and report its bubble and memory.
     ///
     /// Example: shardc schedule --pp 4 --microbatches 8 --schedule 1f1b --svg out.svg
+    /// Search every strategy for a model on a number of GPUs; list the fastest that fit, and
+    /// say what bounds each.
+    ///
+    /// Example: shardc plan models/gpt3-175b.toml --gpus 1024 --gpu a100-80g --global-batch 1536 --explain
+    Plan(plan::PlanArgs),
     Schedule {
         /// Pipeline stages (ranks).
         #[arg(long)]
@@ -160,6 +166,7 @@ fn main() -> Result<()> {
             pipeline_schedule(pp, microbatches, &schedule, virtual_stages, svg.as_deref(), trace.as_deref())
         }
         Command::Inspect(args) => inspect::inspect(&args),
+        Command::Plan(args) => plan::plan(&args),
         Command::Bench(args) => train::bench(&args),
         Command::Dialect { check } => {
             let generated = irdl_source();

@@ -370,3 +370,29 @@ fn three_d_run_matches_the_single_device_curve() {
     let out = shardc(&["run", "models/tiny.toml", "--mesh", "pp=2", "--schedule", "2f2b", "--steps", "1"]);
     assert!(stderr(&out).contains("unknown schedule"), "{}", stderr(&out));
 }
+
+/// The planner on the case: gpt3-175b on 1024 A100-80GB (8 per node), global batch
+/// 1536, sequence 2048. Its best plan keeps tensor parallelism inside a node and runs the
+/// pipeline across nodes; it prints per-GPU TFLOP/s, explains the winner, and writes a
+/// self-contained report.
+#[test]
+fn plan_picks_tensor_parallelism_in_a_node_and_pipelines_across_nodes() {
+    let dir = tempdir("plan");
+    let report = dir.join("plan.html");
+    let out = shardc(&["plan", "models/gpt3-175b.toml", "--gpus", "1024", "--gpu", "a100-80g", "--global-batch", "1536", "--seq", "2048", "--explain", "--report", report.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let best = text.lines().find(|l| l.trim_start().starts_with("1 ")).unwrap_or_else(|| panic!("{text}"));
+    let field = |name: &str| -> u64 { best.split_whitespace().find_map(|w| w.strip_prefix(&format!("{name}="))).unwrap().parse().unwrap() };
+    let (tp, pp, dp) = (field("tp"), field("pp"), field("dp"));
+    assert_eq!(tp * pp * dp, 1024, "{best}");
+    assert!((2..=8).contains(&tp), "tensor parallelism inside a node: {best}");
+    assert!(pp > 1 && tp * pp > 8, "the pipeline spans nodes: {best}");
+    assert!(text.contains("TFLOP/s") && text.contains("why #1 beats #2"), "{text}");
+    let html = std::fs::read_to_string(&report).unwrap();
+    assert!(html.starts_with("<!DOCTYPE html>") && html.matches("<svg").count() >= 3, "memory, time and timeline charts");
+    // Nothing fits on too few GPUs: a clear error.
+    let out = shardc(&["plan", "models/gpt3-175b.toml", "--gpus", "8", "--gpu", "a100-80g"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("no strategy fits"), "{}", stderr(&out));
+}

@@ -344,3 +344,82 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
         })
         .collect()
 }
+
+/// Per-layer and per-step costs measured on a compiled program of a model cut to one layer
+/// (the planner composes them for any depth, data and pipeline split).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UnitCosts {
+    /// Seconds of one layer's forward (compute and its tensor-parallel collectives).
+    pub layer_forward: f64,
+    /// Seconds of one layer's backward (with any recomputation).
+    pub layer_backward: f64,
+    /// Seconds of the embedding's forward and backward.
+    pub embed: (f64, f64),
+    /// Seconds of the head's (final norm, LM head, loss) forward and backward.
+    pub head: (f64, f64),
+    /// Bytes (16-bit) one layer keeps for its backward pass.
+    pub layer_kept: f64,
+    /// Bytes the embedding and head keep.
+    pub other_kept: f64,
+    /// Parameters of one layer on one tensor-parallel rank.
+    pub layer_params: f64,
+    /// Parameters of the embedding and head on one tensor-parallel rank.
+    pub other_params: f64,
+    /// Peak temporary bytes (16-bit) besides kept values.
+    pub temporaries: f64,
+}
+
+/// Measures [`UnitCosts`] on the training step of a one-layer model.
+pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
+    let mut u = UnitCosts::default();
+    let seed = program.instrs.iter().position(|i| i.loc == "loss.seed").unwrap_or(program.instrs.len());
+    for (index, instr) in program.instrs.iter().enumerate() {
+        if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || instr.bool("xf.async").unwrap_or(false) {
+            continue;
+        }
+        let t = match price(program, instr, cluster) {
+            Priced::Compute(t) | Priced::Communication(_, t) => t,
+        };
+        let backward = index >= seed;
+        let slot = if instr.loc.starts_with("layers.") {
+            if backward { &mut u.layer_backward } else { &mut u.layer_forward }
+        } else if instr.loc.starts_with("embed") {
+            if backward { &mut u.embed.1 } else { &mut u.embed.0 }
+        } else if backward {
+            &mut u.head.1
+        } else {
+            &mut u.head.0
+        };
+        *slot += t;
+    }
+    // Kept values, by where they were made.
+    let args: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
+    let mut made_at: std::collections::HashMap<usize, &str> = std::collections::HashMap::new();
+    for instr in &program.instrs[..seed] {
+        for &b in &instr.outputs {
+            if !args.contains(&b) {
+                made_at.insert(b, instr.loc.as_str());
+            }
+        }
+    }
+    let kept: std::collections::BTreeSet<usize> = program.instrs[seed..].iter().flat_map(|i| i.inputs.iter().copied()).filter(|b| made_at.contains_key(b)).collect();
+    for b in kept {
+        let bytes = 2.0 * program.buffers[b].len() as f64;
+        if made_at[&b].starts_with("layers.") {
+            u.layer_kept += bytes;
+        } else {
+            u.other_kept += bytes;
+        }
+    }
+    for a in program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)) {
+        let n = program.buffers[a.buffer].len() as f64;
+        if a.name.starts_with("layers.") {
+            u.layer_params += n;
+        } else {
+            u.other_params += n;
+        }
+    }
+    let bytes_per_element = program.buffers.first().map_or(4, |b| b.dtype.bytes()) as f64;
+    u.temporaries = (program.memory.temporary_bytes as f64 * 2.0 / bytes_per_element - u.layer_kept - u.other_kept).max(0.0);
+    u
+}

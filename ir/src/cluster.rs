@@ -84,6 +84,11 @@ pub struct Cluster {
     /// seconds, on top of its alpha-beta time: two collectives cost more than one moving
     /// the same bytes.
     pub launch: f64,
+    /// Share of the peak FLOP/s that real kernels reach (cuBLAS GEMMs at these sizes reach
+    /// 0.7 to 0.8 on A100/H100).
+    pub compute_efficiency: f64,
+    /// Share of the HBM bandwidth that memory-bound kernels reach (about 0.8 to 0.9).
+    pub memory_efficiency: f64,
 }
 
 /// A GPU preset.
@@ -121,6 +126,8 @@ impl Cluster {
             inter_node: Link { alpha: 10e-6, bandwidth: if hopper { 50e9 } else { 25e9 } },
             placement: vec![1, 0, 2],
             launch: 5e-6,
+            compute_efficiency: 0.75,
+            memory_efficiency: 0.85,
             gpu,
         })
     }
@@ -140,6 +147,13 @@ impl Cluster {
                 "preset" => {}
                 "gpus_per_node" => cluster.gpus_per_node = number(value, key)? as usize,
                 "launch" => cluster.launch = number(value, key)?,
+                "compute_efficiency" | "memory_efficiency" => {
+                    let x = number(value, key)?;
+                    if x > 1.0 {
+                        return Err(format!("{key}: a share of the peak, at most 1, got {x}"));
+                    }
+                    if key == "compute_efficiency" { cluster.compute_efficiency = x } else { cluster.memory_efficiency = x }
+                }
                 "placement" => {
                     let names = value.as_array().ok_or("placement: expected a list like [\"tp\", \"dp\", \"pp\"]")?;
                     cluster.placement = names
@@ -176,7 +190,7 @@ impl Cluster {
                         }
                     }
                 }
-                other => return Err(format!("{other}: unknown field; use preset, gpus_per_node, launch, placement, gpu, intra_node or inter_node")),
+                other => return Err(format!("{other}: unknown field; use preset, gpus_per_node, launch, compute_efficiency, memory_efficiency, placement, gpu, intra_node or inter_node")),
             }
         }
         Ok(cluster)
@@ -218,10 +232,11 @@ impl Cluster {
         }
     }
 
-    /// Roofline seconds of work of `flops` and `bytes` of memory traffic.
+    /// Roofline seconds of work of `flops` and `bytes` of memory traffic, at the achievable
+    /// shares of peak compute and bandwidth.
     pub fn compute_time(&self, flops: f64, bytes: f64, fp32: bool) -> f64 {
         let peak = if fp32 { self.gpu.fp32_flops } else { self.gpu.bf16_flops };
-        (flops / peak).max(bytes / self.gpu.memory_bandwidth)
+        (flops / (peak * self.compute_efficiency)).max(bytes / (self.gpu.memory_bandwidth * self.memory_efficiency))
     }
 }
 

@@ -1,0 +1,453 @@
+//! `shardc plan`: the fastest strategy that fits, and why.
+//!
+//! The model is compiled once per tensor-parallel variant (tp, sequence parallelism,
+//! recomputation), cut to one layer; the compiled rank program's instructions are priced on
+//! the cluster model ([`shardc_codegen::estimate::unit_costs`]). Every strategy (dp x tp x pp,
+//! micro-batch size and count, schedule and virtual stages, ZeRO stage) is then composed from
+//! those measured costs: a stage's forward and backward per micro-batch, the schedule's own
+//! bubble (simulated with unit costs; the closed forms, which the schedule tests check, for
+//! schedules too long to simulate here), the data-parallel sync over its link (overlapping the
+//! last backward), the update, and the memory of the fullest stage in mixed precision. The
+//! search is exhaustive over the space below; a strategy that does not fit memory is dropped.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use miette::{miette, IntoDiagnostic, Result};
+use shardc_codegen::estimate::{unit_costs, UnitCosts};
+use shardc_ir::cluster::{Cluster, Collective};
+use shardc_ir::mesh::Mesh;
+use shardc_ir::spec::Spec;
+use shardc_passes::{compile_pipeline, CompileOptions, OptimizerKind, Recompute};
+use shardc_runtime::schedule::{generate, simulate, Costs, Kind};
+
+use crate::options::StepArgs;
+
+/// Arguments of `shardc plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Model spec (.toml or .json).
+    pub spec: PathBuf,
+    /// GPUs to use.
+    #[arg(long)]
+    pub gpus: u64,
+    /// GPUs per node (default: the cluster's, 8).
+    #[arg(long)]
+    pub gpus_per_node: Option<usize>,
+    /// Sequences per optimizer step (default: the spec's training.global_batch).
+    #[arg(long)]
+    pub global_batch: Option<u64>,
+    /// How many plans to list.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Say why the best plan beats the runner-up.
+    #[arg(long)]
+    pub explain: bool,
+    /// Write a self-contained HTML report (SVG charts: memory per stage, time breakdown,
+    /// the pipeline timeline of the best plan, and the table).
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
+    #[command(flatten)]
+    pub step: StepArgs,
+}
+
+/// One strategy and what it costs.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub tp: u64,
+    pub pp: u64,
+    pub dp: u64,
+    pub micro_batch: u64,
+    pub microbatches: u64,
+    pub schedule: &'static str,
+    pub virtual_stages: u64,
+    pub sequence_parallel: bool,
+    pub recompute: &'static str,
+    pub zero: u8,
+    pub step_seconds: f64,
+    pub compute: f64,
+    pub bubble: f64,
+    pub communication: f64,
+    pub memory: f64,
+    pub mfu: f64,
+    pub tflops_per_gpu: f64,
+    /// Memory of each pipeline stage: (weights, gradients, optimizer, activations, temporaries).
+    pub stage_memory: Vec<[f64; 5]>,
+}
+
+impl Plan {
+    /// What bounds the step, in words.
+    pub fn bottleneck(&self, hbm: f64) -> String {
+        let parts = [("compute-bound", self.compute), ("communication-bound", self.communication), ("pipeline-bubble-bound", self.bubble)];
+        let (word, _) = parts.iter().fold(("compute-bound", f64::MIN), |best, (w, t)| if *t > best.1 { (*w, *t) } else { best });
+        if self.memory > 0.9 * hbm { format!("{word}, memory-tight ({:.0}% of HBM)", 100.0 * self.memory / hbm) } else { word.to_string() }
+    }
+
+    fn label(&self) -> String {
+        let schedule = if self.pp == 1 { "-".to_string() } else if self.virtual_stages > 1 { format!("{} v={}", self.schedule, self.virtual_stages) } else { self.schedule.to_string() };
+        format!(
+            "dp={} tp={} pp={} b={} m={} {} {}{} z{}",
+            self.dp,
+            self.tp,
+            self.pp,
+            self.micro_batch,
+            self.microbatches,
+            schedule,
+            if self.sequence_parallel { "sp " } else { "" },
+            self.recompute,
+            self.zero
+        )
+    }
+}
+
+/// Bubble fraction and peak micro-batches in flight on the first stage of a schedule.
+fn schedule_facts(kind: Kind, p: u64, m: u64, v: u64, cache: &mut HashMap<(u8, u64, u64, u64), (f64, f64)>) -> Option<(f64, f64)> {
+    let key = (kind as u8, p, m, v);
+    if let Some(f) = cache.get(&key) {
+        return Some(*f);
+    }
+    let (pf, mf, vf) = (p as f64, m as f64, v as f64);
+    let facts = if p * m * v <= 2048 {
+        let schedule = generate(kind, p as usize, m as usize, v as usize).ok()?;
+        let costs = if kind == Kind::ZeroBubble { Costs { f: 1.0, b: 1.0, w: 1.0 } } else { Costs { f: 1.0 / vf, b: 1.0 / vf, w: 0.0 } };
+        let t = simulate(&schedule, costs).ok()?;
+        (t.bubble, t.peak_in_flight.first().copied().unwrap_or(1) as f64 / vf)
+    } else {
+        // The closed forms the schedule tests check against the simulation.
+        match kind {
+            Kind::Gpipe => ((pf - 1.0) / (mf + pf - 1.0), mf),
+            Kind::OneFOneB => ((pf - 1.0) / (mf + pf - 1.0), pf.min(mf)),
+            Kind::Interleaved => ((pf - 1.0) / (vf * mf + pf - 1.0), (2.0 * (pf - 1.0) + (vf - 1.0) * pf + 1.0).min(mf * vf) / vf),
+            // ZB-H1 fills most of 1F1B's bubble with weight gradients: a third of it remains.
+            Kind::ZeroBubble => ((pf - 1.0) / (3.0 * mf + pf - 1.0), pf.min(mf)),
+        }
+    };
+    cache.insert(key, facts);
+    Some(facts)
+}
+
+fn compile_unit(spec: &Spec, tp: u64, sequence_parallel: bool, recompute: Recompute) -> Result<shardc_runtime::Program> {
+    let mut one = spec.clone();
+    one.model.layers = 1;
+    one.training.micro_batch = 1;
+    one.training.global_batch = 1;
+    let options = CompileOptions {
+        recompute,
+        optimizer: OptimizerKind::adamw(1e-4),
+        mesh: Mesh { dp: 1, tp, pp: 1 },
+        vocab: spec.model.vocab as i64,
+        kv_heads: spec.model.kv_heads() as i64,
+        sequence_parallel,
+        comm_opt: false,
+        grad_bucket_bytes: 0,
+        ..Default::default()
+    };
+    let mut module = shardc_ir::spec::lower(&one).into_diagnostic()?;
+    let cx = crate::ir_context()?;
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
+    let f = module.func("train_step").ok_or_else(|| miette!("no @train_step"))?;
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    shardc_codegen::lower_func_on(f, &grid).into_diagnostic()
+}
+
+/// Every strategy for `gpus` GPUs that fits, fastest first.
+pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> Result<(Vec<Plan>, usize)> {
+    let m = &spec.model;
+    let (layers, seq, hidden) = (m.layers, spec.seq_len(), m.hidden as f64);
+    let tps: Vec<u64> = [1u64, 2, 4, 8, 16].into_iter().filter(|&t| t <= gpus && t as usize <= cluster.gpus_per_node && m.heads % t == 0 && m.ffn_hidden % t == 0 && m.kv_heads() % t == 0 && gpus % t == 0).collect();
+    let recomputes = [("none", Recompute::None), ("selective", Recompute::SelectiveAttention), ("full", Recompute::Full)];
+    // Unit costs of each tensor-parallel variant, compiled on both cores.
+    let mut variants: Vec<(u64, bool, &'static str, Recompute)> = Vec::new();
+    for &t in &tps {
+        for sp in [false, true].into_iter().filter(|&sp| !sp || (t > 1 && seq % t == 0)) {
+            for (n, r) in recomputes {
+                variants.push((t, sp, n, r));
+            }
+        }
+    }
+    let units: Vec<Result<UnitCosts>> = std::thread::scope(|s| {
+        let chunks: Vec<_> = variants.chunks(variants.len().div_ceil(2).max(1)).collect();
+        let handles: Vec<_> = chunks.into_iter().map(|chunk| s.spawn(move || chunk.iter().map(|&(t, sp, _, r)| compile_unit(spec, t, sp, r).map(|p| unit_costs(&p, cluster))).collect::<Vec<_>>())).collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|_| vec![Err(miette!("compiling a one-layer variant panicked"))])).collect()
+    });
+    let peak = if matches!(spec.model.dtype, shardc_ir::spec::SpecDType::F32) { cluster.gpu.fp32_flops } else { cluster.gpu.bf16_flops };
+    let params_total = {
+        let module = shardc_ir::spec::lower(spec).into_diagnostic()?;
+        module.func("forward").map_or(0, |f| f.parameter_count()) as f64
+    };
+    let tokens = (global_batch * seq) as f64;
+    let model_flops = tokens * (6.0 * params_total + 12.0 * layers as f64 * seq as f64 * hidden);
+    let hbm = cluster.gpu.memory_bytes;
+    let mut cache = HashMap::new();
+    let mut plans = Vec::new();
+    let mut considered = 0usize;
+    for (&(tp, sp, rname, _), unit) in variants.iter().zip(&units) {
+        let u = unit.as_ref().map_err(|e| miette!("{e}"))?;
+        for pp in (1..=layers.min(gpus / tp)).filter(|&p| layers % p == 0 && gpus % (tp * p) == 0) {
+            let dp = gpus / (tp * pp);
+            if global_batch % dp != 0 {
+                continue;
+            }
+            let per_replica = global_batch / dp;
+            for b in [1u64, 2, 4, 8, 16].into_iter().filter(|b| per_replica % b == 0) {
+                let mbs = per_replica / b;
+                let kinds: Vec<(Kind, &'static str, u64)> = if pp == 1 {
+                    vec![(Kind::OneFOneB, "-", 1)]
+                } else {
+                    let mut k = vec![(Kind::Gpipe, "gpipe", 1), (Kind::OneFOneB, "1f1b", 1), (Kind::ZeroBubble, "zb-h1", 1)];
+                    for v in [2u64, 4] {
+                        if mbs % pp == 0 && layers % (pp * v) == 0 {
+                            k.push((Kind::Interleaved, "interleaved", v));
+                        }
+                    }
+                    k
+                };
+                let lps = (layers / pp) as f64;
+                let bf = b as f64;
+                // The fuller of the first and last stages.
+                let first = bf * (lps * (u.layer_forward + u.layer_backward) + u.embed.0 + u.embed.1);
+                let last = bf * (lps * (u.layer_forward + u.layer_backward) + u.head.0 + u.head.1);
+                let grid = [dp as i64, tp as i64, pp as i64];
+                let send = if pp > 1 { 2.0 * cluster.time(Collective::Send, 2.0 * bf * seq as f64 * hidden / if sp { tp as f64 } else { 1.0 }, &grid, &[2]) } else { 0.0 };
+                let stage = first.max(last) + send;
+                let psi = lps * u.layer_params + u.other_params;
+                for &(kind, sname, v) in &kinds {
+                    let Some((bubble_fraction, in_flight)) = schedule_facts(kind, pp, mbs, v, &mut cache) else { continue };
+                    for zero in 0..=if dp > 1 { 3u8 } else { 0 } {
+                        considered += 1;
+                        let d = dp as f64;
+                        let shard = |from: u8| if zero >= from { psi / d } else { psi };
+                        // Per stage: its layers, the embedding on the first, the head on the
+                        // last (each half of the measured rest); 1F1B-like schedules hold fewer
+                        // micro-batches on later stages.
+                        let stage_memory: Vec<[f64; 5]> = (0..pp)
+                            .map(|s| {
+                                let ends = (s == 0) as u8 as f64 + (s == pp - 1) as u8 as f64;
+                                let psi_s = lps * u.layer_params + ends * u.other_params / 2.0;
+                                let shard_s = |from: u8| if zero >= from { psi_s / d } else { psi_s };
+                                let flight = if kind == Kind::Gpipe || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
+                                let kept = bf * (lps * u.layer_kept * flight.max(1.0) + ends * u.other_kept / 2.0);
+                                [2.0 * shard_s(3), 2.0 * shard_s(2), 12.0 * shard_s(1), kept, bf * u.temporaries]
+                            })
+                            .collect();
+                        let memory = stage_memory.iter().map(|m| m.iter().sum::<f64>()).fold(0.0, f64::max);
+                        if memory > hbm {
+                            continue;
+                        }
+                        let busy = mbs as f64 * stage;
+                        let pipeline = busy / (1.0 - bubble_fraction);
+                        let sync = if dp > 1 { cluster.time(Collective::AllReduce, 2.0 * psi, &grid, &[0]) * if zero >= 3 { 1.5 } else { 1.0 } } else { 0.0 };
+                        let exposed = (sync - bf * lps * u.layer_backward).max(0.0);
+                        let update = 16.0 * shard(1) / cluster.gpu.memory_bandwidth;
+                        let step = pipeline + exposed + update;
+                        plans.push(Plan {
+                            tp,
+                            pp,
+                            dp,
+                            micro_batch: b,
+                            microbatches: mbs,
+                            schedule: sname,
+                            virtual_stages: v,
+                            sequence_parallel: sp,
+                            recompute: rname,
+                            zero,
+                            step_seconds: step,
+                            compute: busy,
+                            bubble: pipeline - busy,
+                            communication: exposed + mbs as f64 * send,
+                            memory,
+                            mfu: model_flops / step / (peak * gpus as f64),
+                            tflops_per_gpu: model_flops / step / gpus as f64 / 1e12,
+                            stage_memory,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    // Fastest first; among equals, the one that leaves more memory free.
+    plans.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds).then(a.memory.total_cmp(&b.memory)));
+    Ok((plans, considered))
+}
+
+/// `shardc plan`.
+pub fn plan(args: &PlanArgs) -> Result<()> {
+    let spec = args.step.load_spec(&args.spec)?;
+    let mut cluster = args.step.cluster_model()?;
+    if let Some(n) = args.gpus_per_node {
+        cluster.gpus_per_node = n;
+    }
+    if args.gpus == 0 {
+        return Err(miette!(help = "ask for at least one GPU", "--gpus must be positive"));
+    }
+    let global_batch = args.global_batch.unwrap_or(spec.training.global_batch);
+    let start = Instant::now();
+    let (plans, considered) = search(&spec, &cluster, args.gpus, global_batch)?;
+    let elapsed = start.elapsed().as_secs_f64();
+    println!(
+        "shardc plan: {} on {} x {} ({} per node), global batch {} x {} tokens: {} strategies considered, {} fit, {:.2} s",
+        spec.name,
+        args.gpus,
+        cluster.gpu.name,
+        cluster.gpus_per_node,
+        global_batch,
+        spec.seq_len(),
+        considered,
+        plans.len(),
+        elapsed
+    );
+    if plans.is_empty() {
+        return Err(miette!(help = "add GPUs, or lower --global-batch / --seq", "no strategy fits in {:.0} GB per GPU", cluster.gpu.memory_bytes / 1e9));
+    }
+    println!("  {:<3} {:<58} {:>10} {:>7} {:>10} {:>10}  {}", "#", "strategy", "step", "MFU", "TFLOP/s", "memory", "bottleneck");
+    for (i, p) in plans.iter().take(args.top).enumerate() {
+        println!(
+            "  {:<3} {:<58} {:>8.2} s {:>6.1}% {:>10.1} {:>7.1} GB  {}",
+            i + 1,
+            p.label(),
+            p.step_seconds,
+            100.0 * p.mfu,
+            p.tflops_per_gpu,
+            p.memory / 1e9,
+            p.bottleneck(cluster.gpu.memory_bytes)
+        );
+    }
+    if args.explain && plans.len() > 1 {
+        let (a, b) = (&plans[0], &plans[1]);
+        println!("why #1 beats #2 ({:.1}% faster):", 100.0 * (b.step_seconds / a.step_seconds - 1.0));
+        for (what, x, y) in [("compute", a.compute, b.compute), ("pipeline bubble", a.bubble, b.bubble), ("exposed communication", a.communication, b.communication)] {
+            if (x - y).abs() > 1e-9 {
+                println!("  {what:<22} {:>9.3} s vs {:>9.3} s", x, y);
+            }
+        }
+        println!("  memory                 {:>7.1} GB vs {:>7.1} GB", a.memory / 1e9, b.memory / 1e9);
+        let differs: Vec<String> = [
+            ("tp", a.tp.to_string(), b.tp.to_string()),
+            ("pp", a.pp.to_string(), b.pp.to_string()),
+            ("dp", a.dp.to_string(), b.dp.to_string()),
+            ("micro-batch", a.micro_batch.to_string(), b.micro_batch.to_string()),
+            ("schedule", format!("{} v={}", a.schedule, a.virtual_stages), format!("{} v={}", b.schedule, b.virtual_stages)),
+            ("sequence parallel", a.sequence_parallel.to_string(), b.sequence_parallel.to_string()),
+            ("recompute", a.recompute.to_string(), b.recompute.to_string()),
+            ("ZeRO", a.zero.to_string(), b.zero.to_string()),
+        ]
+        .into_iter()
+        .filter(|(_, x, y)| x != y)
+        .map(|(what, x, y)| format!("{what} {x} instead of {y}"))
+        .collect();
+        println!("  they differ in: {}", differs.join(", "));
+    }
+    if let Some(path) = &args.report {
+        std::fs::write(path, report_html(&spec, &cluster, args.gpus, global_batch, &plans[..plans.len().min(args.top)])).into_diagnostic()?;
+        println!("  report      {}", path.display());
+    }
+    Ok(())
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// Stacked horizontal bars, one per row, of (label, parts); parts share `colors` and `names`.
+fn bars(title: &str, rows: &[(String, Vec<f64>)], names: &[&str], colors: &[&str], unit: &str, scale: f64) -> String {
+    let (left, width, row) = (120.0, 560.0, 26.0);
+    let max = rows.iter().map(|(_, p)| p.iter().sum::<f64>()).fold(0.0, f64::max).max(f64::MIN_POSITIVE);
+    let height = 50.0 + rows.len() as f64 * row + 30.0;
+    let mut svg = format!(r#"<svg xmlns="http://www.w3.org/2000/svg" width="{:.0}" height="{height:.0}" font-family="sans-serif" font-size="12"><text x="4" y="18" font-size="14">{}</text>"#, left + width + 120.0, escape(title));
+    for (i, (label, parts)) in rows.iter().enumerate() {
+        let y = 34.0 + i as f64 * row;
+        svg.push_str(&format!(r#"<text x="4" y="{:.0}">{}</text>"#, y + 15.0, escape(label)));
+        let mut x = left;
+        for (k, part) in parts.iter().enumerate() {
+            let w = part / max * width;
+            svg.push_str(&format!(r#"<rect x="{x:.1}" y="{y:.0}" width="{w:.1}" height="20" fill="{}"><title>{}: {:.2} {unit}</title></rect>"#, colors[k % colors.len()], names[k], part / scale));
+            x += w;
+        }
+        svg.push_str(&format!(r#"<text x="{:.1}" y="{:.0}">{:.1} {unit}</text>"#, x + 4.0, y + 15.0, parts.iter().sum::<f64>() / scale));
+    }
+    let y = 34.0 + rows.len() as f64 * row + 14.0;
+    for (k, name) in names.iter().enumerate() {
+        let x = left + k as f64 * 110.0;
+        svg.push_str(&format!(r#"<rect x="{x:.0}" y="{:.0}" width="10" height="10" fill="{}"/><text x="{:.0}" y="{:.0}">{name}</text>"#, y - 9.0, colors[k % colors.len()], x + 14.0, y));
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+/// The HTML report of the best plans.
+fn report_html(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64, plans: &[Plan]) -> String {
+    let best = &plans[0];
+    let colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f"];
+    let memory = bars(
+        &format!("Memory per GPU by pipeline stage (best plan), {} GB of HBM", (cluster.gpu.memory_bytes / 1e9).round()),
+        &best.stage_memory.iter().enumerate().map(|(s, m)| (format!("stage {s}"), m.to_vec())).collect::<Vec<_>>(),
+        &["weights", "gradients", "optimizer", "activations", "temporaries"],
+        &colors,
+        "GB",
+        1e9,
+    );
+    let time = bars(
+        "Step time of the best plans",
+        &plans.iter().enumerate().map(|(i, p)| (format!("#{}", i + 1), vec![p.compute, p.bubble, p.communication])).collect::<Vec<_>>(),
+        &["compute", "bubble", "communication"],
+        &colors,
+        "s",
+        1.0,
+    );
+    // The best plan's schedule, with unit costs, capped to a readable number of micro-batches.
+    let timeline = if best.pp > 1 {
+        let kind = Kind::parse(best.schedule).unwrap_or(Kind::OneFOneB);
+        let m = if kind == Kind::Interleaved { (best.microbatches.min(2 * best.pp) / best.pp).max(1) * best.pp } else { best.microbatches.min(2 * best.pp) };
+        generate(kind, best.pp as usize, m as usize, best.virtual_stages as usize)
+            .ok()
+            .and_then(|s| {
+                let v = s.chunks as f64;
+                let costs = if kind == Kind::ZeroBubble { Costs { f: 1.0, b: 1.0, w: 1.0 } } else { Costs { f: 1.0 / v, b: 1.0 / v, w: 0.0 } };
+                simulate(&s, costs).ok().map(|t| (m, shardc_runtime::schedule::svg(&s, &t)))
+            })
+            .map(|(m, svg)| format!("<h2>Pipeline timeline</h2><p>{} micro-batches shown of {} (unit costs).</p>{svg}", m, best.microbatches))
+            .unwrap_or_default()
+    } else {
+        String::new()
+    };
+    let rows: String = plans
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            format!(
+                "<tr><td>{}</td><td>{}</td><td>{:.2} s</td><td>{:.1}%</td><td>{:.1}</td><td>{:.1} GB</td><td>{}</td></tr>",
+                i + 1,
+                escape(&p.label()),
+                p.step_seconds,
+                100.0 * p.mfu,
+                p.tflops_per_gpu,
+                p.memory / 1e9,
+                escape(&p.bottleneck(cluster.gpu.memory_bytes))
+            )
+        })
+        .collect();
+    format!(
+        r#"<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>shardc plan: {name}</title>
+<style>body {{ font-family: sans-serif; margin: 24px; }} table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }} td:nth-child(2) {{ text-align: left; }}</style></head>
+<body><h1>shardc plan: {name} on {gpus} x {gpu}</h1>
+<p>Global batch {global_batch} x {seq} tokens, {per_node} GPUs per node. Best: <b>{label}</b>, {step:.2} s per step, MFU {mfu:.1}%, {tflops:.1} TFLOP/s per GPU, {bound}.</p>
+<h2>Top plans</h2><table><tr><th>#</th><th>strategy</th><th>step</th><th>MFU</th><th>TFLOP/s per GPU</th><th>memory per GPU</th><th>bottleneck</th></tr>{rows}</table>
+<h2>Memory</h2>{memory}
+<h2>Time</h2>{time}
+{timeline}
+</body></html>
+"#,
+        name = escape(&spec.name),
+        gpu = escape(&cluster.gpu.name),
+        seq = spec.seq_len(),
+        per_node = cluster.gpus_per_node,
+        label = escape(&best.label()),
+        step = best.step_seconds,
+        mfu = 100.0 * best.mfu,
+        tflops = best.tflops_per_gpu,
+        bound = escape(&best.bottleneck(cluster.gpu.memory_bytes)),
+    )
+}
