@@ -284,7 +284,13 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     }
     let global_batch = args.global_batch.unwrap_or(spec.training.global_batch);
     let start = Instant::now();
-    let (plans, considered) = search(&spec, &cluster, args.gpus, global_batch)?;
+    // Progress on a terminal (compiling the variants is most of the time); hidden otherwise.
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.set_message("compiling one-layer variants and composing strategies");
+    spinner.enable_steady_tick(std::time::Duration::from_millis(100));
+    let searched = search(&spec, &cluster, args.gpus, global_batch);
+    spinner.finish_and_clear();
+    let (plans, considered) = searched?;
     let elapsed = start.elapsed().as_secs_f64();
     println!(
         "shardc plan: {} on {} x {} ({} per node), global batch {} x {} tokens: {} strategies considered, {} fit, {:.2} s",
