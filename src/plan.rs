@@ -36,6 +36,9 @@ pub struct PlanArgs {
     /// GPUs per node (default: the cluster's, 8).
     #[arg(long)]
     pub gpus_per_node: Option<usize>,
+    /// Nodes: with --gpus, sets the GPUs per node (GPUs / nodes).
+    #[arg(long)]
+    pub nodes: Option<u64>,
     /// Sequences per optimizer step (default: the spec's training.global_batch).
     #[arg(long)]
     pub global_batch: Option<u64>,
@@ -281,6 +284,12 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     }
     if args.gpus == 0 {
         return Err(miette!(help = "ask for at least one GPU", "--gpus must be positive"));
+    }
+    if let Some(nodes) = args.nodes {
+        if nodes == 0 || args.gpus % nodes != 0 {
+            return Err(miette!(help = "use a number of nodes that divides --gpus", "--nodes {nodes} does not divide --gpus {}", args.gpus));
+        }
+        cluster.gpus_per_node = (args.gpus / nodes) as usize;
     }
     let global_batch = args.global_batch.unwrap_or(spec.training.global_batch);
     let start = Instant::now();

@@ -55,3 +55,18 @@ fn activations_follow_the_tensor_parallel_formula() {
     close("gpt3-175b activations", m.activations, per_layer * layers);
     assert_eq!(m.in_flight, 1);
 }
+
+/// The same accounting for the Llama layer (RMSNorm, SwiGLU, no dropout, fused attention):
+/// norm inputs and outputs whole (8 s b h), q, k, v and the attention output split (8 s b h /
+/// t with as many kv heads as heads), the gate and up projections and their product split
+/// (6 s b f / t).
+#[test]
+fn llama_activations_follow_the_same_accounting() {
+    let (tp, dp) = (4u64, 8u64);
+    let (program, spec, _) = compile("llama-7b", Mesh { dp, tp, pp: 1 }, dp, 0);
+    let m = &memory(std::slice::from_ref(&program), 0)[0];
+    let (s, h, f, layers, t) = (spec.seq_len() as f64, spec.model.hidden as f64, spec.model.ffn_hidden as f64, spec.model.layers as f64, tp as f64);
+    assert_eq!(spec.model.kv_heads(), spec.model.heads, "the formula below assumes as many kv heads as heads");
+    let per_layer = s * h * (8.0 + 8.0 / t) + 6.0 * s * f / t;
+    close("llama-7b activations", m.activations, per_layer * layers);
+}
