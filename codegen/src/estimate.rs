@@ -18,7 +18,8 @@ use shardc_ir::cluster::{Cluster, Collective};
 use shardc_ir::ops::lookup;
 use shardc_ir::{AttrValue, Attrs, TensorTy};
 use shardc_runtime::program::{Attr, Instr, Program, Section};
-use shardc_runtime::schedule::{simulate_with, Schedule, Work};
+use shardc_runtime::pipeline::schedule_of;
+use shardc_runtime::schedule::{simulate_with, Work};
 use shardc_runtime::DType;
 
 /// The estimate of one training step.
@@ -178,15 +179,8 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
     let gpus: f64 = programs.first().map_or(1, |p| p.mesh.iter().product::<usize>().max(1)) as f64;
     let mut out = Estimate::default();
     let pipelined = programs.iter().all(|p| p.pipeline.is_some()) && !programs.is_empty();
-    if pipelined {
-        let plans: Vec<_> = programs.iter().map(|p| p.pipeline.as_ref().expect("checked")).collect();
-        let schedule = Schedule {
-            kind: plans[0].kind,
-            stages: plans.len(),
-            microbatches: plans[0].microbatches,
-            chunks: plans[0].chunks.len(),
-            ranks: plans.iter().map(|p| p.items.clone()).collect(),
-        };
+    if let (true, Ok(schedule)) = (pipelined, schedule_of(programs)) {
+        let plans: Vec<_> = programs.iter().filter_map(|p| p.pipeline.as_ref()).collect();
         // Each (rank, chunk, section) walked once.
         let section = |rank: usize, chunk: usize, s: Section| walk(&programs[rank], plans[rank].chunks[chunk].range(s), cluster);
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
@@ -312,18 +306,10 @@ fn kept_activations(program: &Program) -> f64 {
 
 /// The memory of each rank program (one, or one per pipeline rank) under ZeRO stage `zero`.
 pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
-    let in_flight: Vec<usize> = match programs.iter().map(|p| p.pipeline.as_ref()).collect::<Option<Vec<_>>>() {
-        Some(plans) if !plans.is_empty() => {
-            let schedule = Schedule {
-                kind: plans[0].kind,
-                stages: plans.len(),
-                microbatches: plans[0].microbatches,
-                chunks: plans[0].chunks.len(),
-                ranks: plans.iter().map(|p| p.items.clone()).collect(),
-            };
-            // In-flight micro-batches per chunk-sized share of the rank's layers.
-            simulate_with(&schedule, |_, _| 1.0).map(|t| t.peak_in_flight).unwrap_or_else(|_| vec![1; plans.len()])
-        }
+    let pipelined = programs.iter().all(|p| p.pipeline.is_some()) && !programs.is_empty();
+    let in_flight: Vec<usize> = match schedule_of(programs) {
+        // In-flight micro-batches per chunk-sized share of the rank's layers.
+        Ok(schedule) if pipelined => simulate_with(&schedule, |_, _| 1.0).map(|t| t.peak_in_flight).unwrap_or_else(|_| vec![1; programs.len()]),
         _ => vec![1; programs.len()],
     };
     programs
