@@ -319,16 +319,43 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     println!("  {:<3} {:<58} {:>10} {:>7} {:>10} {:>10}  {}", "#", "strategy", "step", "MFU", "TFLOP/s", "memory", "bottleneck");
     for (i, p) in plans.iter().take(args.top).enumerate() {
         println!(
-            "  {:<3} {:<58} {:>8.2} s {:>6.1}% {:>10.1} {:>7.1} GB  {}",
+            "  {:<3} {:<58} {:>10} {:>6.1}% {:>10.1} {:>7.1} GB  {}",
             i + 1,
             p.label(),
-            p.step_seconds,
+            if p.step_seconds >= 1.0 { format!("{:.2} s", p.step_seconds) } else { format!("{:.3} ms", p.step_seconds * 1e3) },
             100.0 * p.mfu,
             p.tflops_per_gpu,
             p.memory / 1e9,
             p.bottleneck(cluster.gpu.memory_bytes)
         );
     }
+    // The best plan as a command line (`--micro-batch` is the rows of a micro-batch over all
+    // replicas).
+    let best = &plans[0];
+    let mut command = format!(
+        "shardc run {} --mesh dp={},tp={},pp={} --micro-batch {} --microbatches {} --recompute {} --zero {}",
+        args.spec.display(),
+        best.dp,
+        best.tp,
+        best.pp,
+        best.micro_batch * best.dp,
+        best.microbatches,
+        best.recompute,
+        best.zero
+    );
+    if best.pp > 1 {
+        command.push_str(&format!(" --schedule {}", best.schedule));
+        if best.virtual_stages > 1 {
+            command.push_str(&format!(" --virtual-stages {}", best.virtual_stages));
+        }
+    }
+    if best.sequence_parallel {
+        command.push_str(" --sequence-parallel");
+    }
+    if args.step.seq.is_some() {
+        command.push_str(&format!(" --seq {}", spec.seq_len()));
+    }
+    println!("  best as a command: {command}");
     if args.explain && plans.len() > 1 {
         let (a, b) = (&plans[0], &plans[1]);
         println!("why #1 beats #2 ({:.1}% faster):", 100.0 * (b.step_seconds / a.step_seconds - 1.0));

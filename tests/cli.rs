@@ -168,7 +168,7 @@ fn invalid_meshes_are_refused_with_the_fix() {
         ("dp=0", "must be an integer from 1"),
         ("dp=2,dp=2", "given twice"),
         ("pp=9", "exceeds the 6 blocks of the model"),
-        ("dp=3", "not a multiple of dp x micro_batch"),
+        ("dp=3", "is not a multiple of dp=3"),
         ("tp", "not of the form axis=size"),
     ] {
         let out = shardc(&["compile", "models/tiny.toml", "--mesh", mesh]);
@@ -395,4 +395,25 @@ fn plan_picks_tensor_parallelism_in_a_node_and_pipelines_across_nodes() {
     let out = shardc(&["plan", "models/gpt3-175b.toml", "--gpus", "8", "--gpu", "a100-80g"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("no strategy fits"), "{}", stderr(&out));
+}
+
+/// The plan's best configuration, as the command it prints, compiles and trains: the tiny
+/// model on 8 ranks of the CPU runtime.
+#[test]
+fn the_planned_configuration_compiles_and_runs() {
+    let out = shardc(&["plan", "models/tiny.toml", "--gpus", "8", "--top", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let command = text.lines().find_map(|l| l.trim().strip_prefix("best as a command: shardc ")).unwrap_or_else(|| panic!("{text}"));
+    let args: Vec<&str> = command.split_whitespace().collect();
+    assert_eq!(args[0], "run");
+    let mut compile = args.clone();
+    compile[0] = "compile";
+    let out = shardc(&compile);
+    assert!(out.status.success(), "{command}: {}", stderr(&out));
+    let mut run = args.clone();
+    run.extend(["--steps", "2", "--log-every", "1"]);
+    let out = shardc(&run);
+    assert!(out.status.success(), "{command}: {}", stderr(&out));
+    assert!(stdout(&out).contains("step 2 loss"), "{}", stdout(&out));
 }

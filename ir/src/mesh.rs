@@ -88,14 +88,11 @@ impl Mesh {
         if self.pp > 2 * m.layers + 2 {
             error(format!("pp={} exceeds the {} blocks of the model (embedding, attention and MLP of each layer, head)", self.pp, 2 * m.layers + 2), format!("use pp <= {}", 2 * m.layers + 2));
         }
-        let replicas_batch = self.dp.saturating_mul(spec.training.micro_batch);
-        if !spec.training.global_batch.is_multiple_of(replicas_batch) {
+        // A step's micro-batch (training.micro_batch rows) is split over the dp replicas.
+        if !spec.training.micro_batch.is_multiple_of(self.dp) {
             error(
-                format!(
-                    "global_batch={} is not a multiple of dp x micro_batch = {} x {}",
-                    spec.training.global_batch, self.dp, spec.training.micro_batch
-                ),
-                "change dp, or training.global_batch / training.micro_batch in the spec".into(),
+                format!("training.micro_batch={} (the rows of one micro-batch, split over the replicas) is not a multiple of dp={}", spec.training.micro_batch, self.dp),
+                format!("use a micro-batch that dp divides (--micro-batch {}), or change dp", spec.training.micro_batch.div_ceil(self.dp) * self.dp),
             );
         }
         errors
