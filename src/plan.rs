@@ -292,6 +292,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         cluster.gpus_per_node = (args.gpus / nodes) as usize;
     }
     let global_batch = args.global_batch.unwrap_or(spec.training.global_batch);
+    if global_batch == 0 {
+        return Err(miette!(help = "a global batch is at least one sequence", "--global-batch must be at least 1"));
+    }
     let start = Instant::now();
     // Progress on a terminal (compiling the variants is most of the time); hidden otherwise.
     let spinner = indicatif::ProgressBar::new_spinner();
@@ -313,6 +316,14 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         plans.len(),
         elapsed
     );
+    if considered == 0 {
+        return Err(miette!(
+            help = format!("use a GPU count whose data-parallel part divides the global batch of {global_batch} sequences (tensor parallelism stays within a node of {})", cluster.gpus_per_node),
+            "no valid strategy splits {} on {} GPUs",
+            spec.name,
+            args.gpus
+        ));
+    }
     if plans.is_empty() {
         return Err(miette!(help = "add GPUs, or lower --global-batch / --seq", "no strategy fits in {:.0} GB per GPU", cluster.gpu.memory_bytes / 1e9));
     }
