@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod device;
 pub mod estimate;
 
 use std::collections::BTreeMap;
@@ -173,7 +174,7 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
         .map(|(i, v)| Binding { name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")), buffer: buffer_of[v.0 as usize].unwrap(), role: None, layout: None })
         .collect();
     let mesh = grid.iter().map(|&e| e as usize).collect();
-    Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), mesh, buffers, args, results, instrs, memory, pipeline: None })
+    Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), mesh, buffers, args, results, instrs, memory, pipeline: None, device: None })
 }
 
 /// Assigns every buffer a slot: arguments their own, temporaries by liveness.

@@ -17,6 +17,7 @@ pub mod cluster;
 mod ffi;
 mod error;
 pub mod graph;
+pub mod kernel;
 pub mod mesh;
 pub mod mlir;
 pub mod ops;

@@ -21,4 +21,7 @@ pub enum RuntimeError {
     /// A named argument or result does not exist or has the wrong size.
     #[error("{0}")]
     Binding(String),
+    /// The GPU backend cannot run here or a device call failed.
+    #[error("{0}")]
+    Device(String),
 }

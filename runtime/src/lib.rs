@@ -15,6 +15,8 @@
 pub mod checkpoint;
 pub mod collectives;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 mod error;
 pub mod init;

@@ -207,6 +207,112 @@ pub struct Program {
     /// For a pipeline rank: its model chunks and their sections.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<PipelinePlan>,
+    /// For an accelerator backend: the CUDA module and each instruction's device calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<DevicePlan>,
+}
+
+/// How a program runs on a CUDA device: one generated module (CUDA C, compiled by NVRTC when
+/// the program is loaded) and, per instruction, the kernel launches or cuBLAS calls it takes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DevicePlan {
+    /// Floating-point element type the module was generated for.
+    pub dtype: DType,
+    /// The CUDA C module.
+    pub source: String,
+    /// Bytes of scratch memory the launches need (shared by all instructions).
+    pub workspace_bytes: usize,
+    /// The calls of each instruction, parallel to [`Program::instrs`].
+    pub calls: Vec<Vec<DeviceCall>>,
+}
+
+/// One device call of an instruction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DeviceCall {
+    /// A kernel of the module.
+    Launch {
+        /// `__global__` function name.
+        kernel: String,
+        /// Grid size.
+        grid: [u32; 3],
+        /// Threads per block.
+        block: u32,
+        /// Dynamic shared memory in bytes.
+        shared_bytes: u32,
+        /// Arguments in order.
+        args: Vec<KernelArg>,
+    },
+    /// `C[b] = op(A[b]) op(B[b])`, row-major, through cuBLAS (fp32 accumulation).
+    Gemm(GemmCall),
+    /// The output takes the input's value (a device copy unless they share storage).
+    Copy {
+        /// Source buffer.
+        from: BufferId,
+        /// Destination buffer.
+        to: BufferId,
+    },
+    /// Computed by the fused kernel of an earlier instruction.
+    Fused {
+        /// That instruction.
+        into: usize,
+    },
+    /// Run by the runtime itself: collectives, sends and receives, `tensor.empty`.
+    Runtime,
+}
+
+/// A row-major (batched) matrix product.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GemmCall {
+    /// A, B, C buffers.
+    pub a: BufferId,
+    /// B.
+    pub b: BufferId,
+    /// C.
+    pub c: BufferId,
+    /// Rows of C, columns of C, contracted dimension.
+    pub m: usize,
+    /// Columns of C.
+    pub n: usize,
+    /// Contracted dimension.
+    pub k: usize,
+    /// A stored `[k, m]`.
+    pub transpose_a: bool,
+    /// B stored `[n, k]`.
+    pub transpose_b: bool,
+    /// Row strides as stored.
+    pub lda: usize,
+    /// Row stride of B.
+    pub ldb: usize,
+    /// Row stride of C.
+    pub ldc: usize,
+    /// Batch strides in elements (0: shared).
+    pub stride_a: usize,
+    /// Batch stride of B.
+    pub stride_b: usize,
+    /// Batch stride of C.
+    pub stride_c: usize,
+    /// Batch items.
+    pub batch: usize,
+}
+
+/// A kernel argument.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelArg {
+    /// Device pointer of a buffer.
+    Buffer(BufferId),
+    /// A null pointer.
+    Null,
+    /// Device pointer of the scratch memory.
+    Workspace,
+    /// `long long`.
+    Int(i64),
+    /// `double`.
+    Float(f64),
+    /// `long long`: the first row this rank holds of a table split over the instruction's
+    /// `xf.row_split_axes` / `xf.vocab_split_axes` (0 when not split).
+    RankOffset,
 }
 
 /// A section of a pipeline stage: what runs per micro-batch (forward, backward, weight) and

@@ -1,6 +1,7 @@
 //! Numeric tests: IR -> passes -> codegen -> CPU runtime, in one binary.
 
 mod comm_opt;
+mod device;
 mod estimate;
 mod common;
 mod gradcheck;

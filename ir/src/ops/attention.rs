@@ -1,6 +1,8 @@
 //! `xf.attention`: scaled dot-product attention with grouped key/value heads, and its
 //! backward op `xf.attention_grad`.
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
@@ -26,6 +28,13 @@ pub struct Attention;
 impl OpDef for Attention {
     fn mnemonic(&self) -> &'static str {
         "attention"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
+        let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
+        let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
+        args.extend(attention_args(&q, hk, cx.attrs)?);
+        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid: [s as u32, (b * hq) as u32, 1], block: 128, shared: s, workspace: 0, args }]))
     }
     fn summary(&self) -> &'static str {
         "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads"
@@ -104,6 +113,20 @@ impl OpDef for AttentionGrad {
     fn mnemonic(&self) -> &'static str {
         "attention_grad"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
+        let (b, hq, s, d, hk) = (q[0], q[1], q[2], q[3], k[1]);
+        let shape_args = attention_args(&q, hk, cx.attrs)?;
+        let workspace = b * hq * s * 3;
+        let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
+        q_args.extend(shape_args.iter().cloned());
+        let mut kv_args = vec![Arg::Out(1), Arg::Out(2), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
+        kv_args.extend(shape_args);
+        Ok(DeviceKernel::Launches(vec![
+            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: [s as u32, (b * hq) as u32, 1], block: 128, shared: 2 * s, workspace, args: q_args },
+            Launch { kernel: "attention_grad_kv", source: ATTENTION_CUDA, grid: [s as u32, (b * hk) as u32, 1], block: 128, shared: 2 * d, workspace, args: kv_args },
+        ]))
+    }
     fn summary(&self) -> &'static str {
         "attention backward: (dq, dk, dv) from q, k, v, dout; recomputes the probabilities"
     }
@@ -140,4 +163,100 @@ impl OpDef for AttentionGrad {
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         ShardingRule::elementwise(4, 4, 3, Linearity::None).block(2).block(3)
     }
+}
+
+/// CUDA C of this file's ops (see [`crate::kernel`]).
+const ATTENTION_CUDA: &str = r#"// One block per (query row, batch x head): scores in shared memory, softmax, weighted values.
+extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
+  extern __shared__ unsigned char shared_raw[];
+  acc_t* p = (acc_t*)shared_raw;
+  i64 i = blockIdx.x, bh = blockIdx.y, b = bh / hq, h = bh % hq;
+  i64 kv = (b * hk + h / (hq / hk)) * s * d;
+  const T* qi = q + (bh * s + i) * d;
+  i64 visible = causal ? i + 1 : s;
+  acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0;
+  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
+    acc_t dot = 0;
+    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[kv + j * d + c]);
+    p[j] = dot * scale;
+    mx = fmax(mx, p[j]);
+  }
+  mx = block_max(mx);
+  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) { p[j] = exp(p[j] - mx); sum += p[j]; }
+  sum = block_sum(sum);
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+    acc_t o = 0;
+    for (i64 j = 0; j < visible; j++) o += p[j] * load(v[kv + j * d + c]);
+    out[(bh * s + i) * d + c] = store(o / sum);
+  }
+}
+// Backward, per query row: dq, and the row's (max, sum, rowdot) into `stats` for the keys.
+extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
+  extern __shared__ unsigned char shared_raw[];
+  acc_t* p = (acc_t*)shared_raw;
+  acc_t* dp = p + s;
+  i64 i = blockIdx.x, bh = blockIdx.y, b = bh / hq, h = bh % hq;
+  i64 kv = (b * hk + h / (hq / hk)) * s * d;
+  const T* qi = q + (bh * s + i) * d;
+  const T* doi = dout + (bh * s + i) * d;
+  i64 visible = causal ? i + 1 : s;
+  acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0, rowdot = 0;
+  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
+    acc_t dot = 0;
+    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[kv + j * d + c]);
+    p[j] = dot * scale;
+    mx = fmax(mx, p[j]);
+  }
+  mx = block_max(mx);
+  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) { p[j] = exp(p[j] - mx); sum += p[j]; }
+  sum = block_sum(sum);
+  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
+    acc_t dot = 0;
+    for (i64 c = 0; c < d; c++) dot += load(doi[c]) * load(v[kv + j * d + c]);
+    p[j] /= sum;
+    dp[j] = dot;
+    rowdot += p[j] * dot;
+  }
+  rowdot = block_sum(rowdot);
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+    acc_t acc = 0;
+    for (i64 j = 0; j < visible; j++) acc += p[j] * (dp[j] - rowdot) * load(k[kv + j * d + c]);
+    dq[(bh * s + i) * d + c] = store(acc * scale);
+  }
+  if (threadIdx.x == 0) { acc_t* st = stats + (bh * s + i) * 3; st[0] = mx; st[1] = sum; st[2] = rowdot; }
+}
+// Backward, per key row of a kv head: dk and dv summed over the heads sharing it and the
+// query rows that see it, in order.
+extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
+  extern __shared__ unsigned char shared_raw[];
+  acc_t* dk_acc = (acc_t*)shared_raw;
+  acc_t* dv_acc = dk_acc + d;
+  i64 j = blockIdx.x, bg = blockIdx.y, b = bg / hk, g = bg % hk, group = hq / hk;
+  const T* kj = k + (bg * s + j) * d;
+  const T* vj = v + (bg * s + j) * d;
+  acc_t scale = (acc_t)scale_;
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) { dk_acc[c] = 0; dv_acc[c] = 0; }
+  for (i64 gh = 0; gh < group; gh++) {
+    i64 bh = b * hq + g * group + gh;
+    for (i64 i = causal ? j : 0; i < s; i++) {
+      const T* qi = q + (bh * s + i) * d;
+      const T* doi = dout + (bh * s + i) * d;
+      acc_t score = 0, dpij = 0;
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) { score += load(qi[c]) * load(kj[c]); dpij += load(doi[c]) * load(vj[c]); }
+      score = block_sum(score);
+      dpij = block_sum(dpij);
+      const acc_t* st = stats + (bh * s + i) * 3;
+      acc_t pij = exp(score * scale - st[0]) / st[1];
+      acc_t ds = pij * (dpij - st[2]) * scale;
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) { dk_acc[c] += ds * load(qi[c]); dv_acc[c] += pij * load(doi[c]); }
+    }
+  }
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) { dk[(bg * s + j) * d + c] = store(dk_acc[c]); dv[(bg * s + j) * d + c] = store(dv_acc[c]); }
+}
+"#;
+
+/// The shape and attribute arguments the attention kernels share.
+fn attention_args(q: &[usize], hk: usize, attrs: &Attrs) -> Result<Vec<Arg>, String> {
+    let (hq, s, d) = (q[1], q[2], q[3]);
+    Ok(vec![Arg::Int(hq as i64), Arg::Int(hk as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(attrs.float("scale")?), Arg::Int(attrs.bool("causal")? as i64)])
 }

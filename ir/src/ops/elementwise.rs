@@ -1,6 +1,7 @@
 //! Element-wise ops: `add`, `mul` (with right-aligned broadcasting of the second operand),
 //! `scale`, the activations `gelu`, `silu`, `swiglu`, and their backward ops.
 
+use crate::kernel::{DeviceKernel, KernelCx};
 use super::{arity, float, same_dtype, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::graph::Value;
 use crate::sharding::{Linearity, ShardingRule};
@@ -32,6 +33,9 @@ pub struct Add;
 impl OpDef for Add {
     fn mnemonic(&self) -> &'static str {
         "add"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in0} + {in1};" })
     }
     fn summary(&self) -> &'static str {
         "lhs + rhs; rhs equals the trailing dims of lhs and is broadcast over the rest"
@@ -72,6 +76,9 @@ impl OpDef for Mul {
     fn mnemonic(&self) -> &'static str {
         "mul"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in0} * {in1};" })
+    }
     fn summary(&self) -> &'static str {
         "lhs * rhs; rhs equals the trailing dims of lhs and is broadcast over the rest"
     }
@@ -109,6 +116,9 @@ impl OpDef for Scale {
     fn mnemonic(&self) -> &'static str {
         "scale"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in0} * {factor};" })
+    }
     fn summary(&self) -> &'static str {
         "factor * x"
     }
@@ -145,6 +155,9 @@ impl OpDef for Gelu {
     fn mnemonic(&self) -> &'static str {
         "gelu"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = gelu_f({in0});" })
+    }
     fn summary(&self) -> &'static str {
         "GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"
     }
@@ -180,6 +193,9 @@ impl OpDef for Silu {
     fn mnemonic(&self) -> &'static str {
         "silu"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in0} * sigmoid_f({in0});" })
+    }
     fn summary(&self) -> &'static str {
         "SiLU: x * sigmoid(x)"
     }
@@ -213,6 +229,9 @@ pub struct Swiglu;
 impl OpDef for Swiglu {
     fn mnemonic(&self) -> &'static str {
         "swiglu"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in0} * sigmoid_f({in0}) * {in1};" })
     }
     fn summary(&self) -> &'static str {
         "SwiGLU gating: silu(gate) * up"
@@ -268,6 +287,9 @@ impl OpDef for GeluGrad {
     fn mnemonic(&self) -> &'static str {
         "gelu_grad"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in1} * gelu_df({in0});" })
+    }
     fn summary(&self) -> &'static str {
         "dy * gelu'(x) (tanh approximation)"
     }
@@ -297,6 +319,9 @@ impl OpDef for SiluGrad {
     fn mnemonic(&self) -> &'static str {
         "silu_grad"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in1} * silu_df({in0});" })
+    }
     fn summary(&self) -> &'static str {
         "dy * silu'(x)"
     }
@@ -325,6 +350,9 @@ pub struct SwigluGrad;
 impl OpDef for SwigluGrad {
     fn mnemonic(&self) -> &'static str {
         "swiglu_grad"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in2} * {in1} * silu_df({in0}); {out1} = {in2} * {in0} * sigmoid_f({in0});" })
     }
     fn summary(&self) -> &'static str {
         "(dy * up * silu'(gate), dy * silu(gate))"

@@ -1,5 +1,7 @@
 //! `xf.embedding`: row lookup in a table, and its gradient `xf.embedding_grad`.
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, ids, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
@@ -14,6 +16,12 @@ pub struct Embedding;
 impl OpDef for Embedding {
     fn mnemonic(&self) -> &'static str {
         "embedding"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (rows, hidden) = (cx.inputs[0].shape[0], cx.inputs[0].shape[1]);
+        let tokens = elements(cx.inputs[1]);
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::Int(tokens as i64), Arg::Int(hidden), Arg::Int(rows), Arg::RankOffset];
+        Ok(DeviceKernel::Launches(vec![flat("embedding", EMBEDDING_CUDA, tokens * hidden as usize, args)]))
     }
     fn summary(&self) -> &'static str {
         "row lookup: out[..., :] = table[ids[...], :]"
@@ -70,6 +78,13 @@ impl OpDef for EmbeddingGrad {
     fn mnemonic(&self) -> &'static str {
         "embedding_grad"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (rows, hidden) = (cx.outputs[0].shape[0], cx.outputs[0].shape[1]);
+        let tokens = elements(cx.inputs[0]) as i64;
+        let zero = flat("shardc_fill_zero", "", elements(&cx.outputs[0]), vec![Arg::Out(0), Arg::Int(rows * hidden)]);
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::Int(tokens), Arg::Int(hidden), Arg::Int(rows)];
+        Ok(DeviceKernel::Launches(vec![zero, flat("embedding_grad", EMBEDDING_CUDA, hidden as usize, args)]))
+    }
     fn summary(&self) -> &'static str {
         "scatter-add: out[ids[...], :] += dy[..., :] into [vocab, hidden]"
     }
@@ -106,3 +121,21 @@ impl OpDef for EmbeddingGrad {
         ShardingRule { operands: vec![ids, dy], results: vec![vec![r + 1, r]], factors, linearity: Linearity::Product }
     }
 }
+
+/// CUDA C of this file's ops (see [`crate::kernel`]).
+const EMBEDDING_CUDA: &str = r#"extern "C" __global__ void embedding(T* out, const T* table, const int* ids, i64 tokens, i64 hidden, i64 rows, i64 first) {
+  GRID_STRIDE(i, tokens * hidden) {
+    i64 t = i / hidden, c = i % hidden, r = (i64)ids[t] - first;
+    out[i] = (r >= 0 && r < rows) ? table[r * hidden + c] : store((acc_t)0);
+  }
+}
+// One thread per column walks the tokens in order: repeated ids add up deterministically.
+extern "C" __global__ void embedding_grad(T* out, const int* ids, const T* dy, i64 tokens, i64 hidden, i64 rows) {
+  GRID_STRIDE(c, hidden) {
+    for (i64 t = 0; t < tokens; t++) {
+      i64 r = ids[t];
+      if (r >= 0 && r < rows) out[r * hidden + c] = store(load(out[r * hidden + c]) + load(dy[t * hidden + c]));
+    }
+  }
+}
+"#;

@@ -5,6 +5,8 @@
 //! transpose) makes their sharding rule trivial: a split of the feature dimension into whole
 //! heads becomes a split of the head dimension.
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
@@ -18,6 +20,9 @@ pub struct SplitHeads;
 impl OpDef for SplitHeads {
     fn mnemonic(&self) -> &'static str {
         "split_heads"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        heads_launch(&cx.outputs[0], &cx.outputs[0], true)
     }
     fn summary(&self) -> &'static str {
         "[b, s, n*d] -> [b, n, s, d] (reshape, then transpose 0,2,1,3)"
@@ -65,6 +70,9 @@ impl OpDef for MergeHeads {
     fn mnemonic(&self) -> &'static str {
         "merge_heads"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        heads_launch(cx.inputs[0], &cx.outputs[0], false)
+    }
     fn summary(&self) -> &'static str {
         "[b, n, s, d] -> [b, s, n*d] (transpose 0,2,1,3, then reshape)"
     }
@@ -107,6 +115,9 @@ pub struct Slice;
 impl OpDef for Slice {
     fn mnemonic(&self) -> &'static str {
         "slice"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        slice_pad_launch(cx.inputs[0], &cx.outputs[0], cx.attrs, false)
     }
     fn summary(&self) -> &'static str {
         "contiguous slice x[start:start+size] along one axis"
@@ -165,6 +176,9 @@ impl OpDef for Pad {
     fn mnemonic(&self) -> &'static str {
         "pad"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        slice_pad_launch(&cx.outputs[0], cx.inputs[0], cx.attrs, true)
+    }
     fn summary(&self) -> &'static str {
         "zero-pad x to extent size along axis, x at offset start (slice's transpose)"
     }
@@ -219,6 +233,9 @@ impl OpDef for RepeatHeads {
     fn mnemonic(&self) -> &'static str {
         "repeat_heads"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        repeat_launch(cx.inputs[0], &cx.outputs[0], cx.attrs, false)
+    }
     fn summary(&self) -> &'static str {
         "[b, h, s, d] -> [b, h*times, s, d], head j reads head j / times"
     }
@@ -260,6 +277,9 @@ impl OpDef for SumHeads {
     fn mnemonic(&self) -> &'static str {
         "sum_heads"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        repeat_launch(&cx.outputs[0], cx.inputs[0], cx.attrs, true)
+    }
     fn summary(&self) -> &'static str {
         "[b, h*times, s, d] -> [b, h, s, d], summing each group of times heads"
     }
@@ -291,4 +311,66 @@ impl OpDef for SumHeads {
         let attrs = cx.attrs.clone();
         Ok(vec![Some(cx.emit("xf.repeat_heads", &[grads[0]], attrs)?)])
     }
+}
+
+/// CUDA C of this file's ops (see [`crate::kernel`]).
+const HEADS_CUDA: &str = r#"// [b, s, h*d] -> [b, h, s, d] (split) or back.
+extern "C" __global__ void split_heads(T* y, const T* x, i64 b, i64 h, i64 s, i64 d, i64 split) {
+  GRID_STRIDE(i, b * h * s * d) {
+    i64 row = i / d, c = i % d, src;
+    if (split) { i64 bi = row / (h * s), hi = (row / s) % h, si = row % s; src = ((bi * s + si) * h + hi) * d; }
+    else { i64 bi = row / (s * h), si = (row / h) % s, hi = row % h; src = ((bi * h + hi) * s + si) * d; }
+    y[i] = x[src + c];
+  }
+}
+// [outer, full, inner] -> [outer, part, inner] from `start` (slice), or back with zeros (pad).
+extern "C" __global__ void slice_pad(T* y, const T* x, i64 outer, i64 full, i64 part, i64 inner, i64 start, i64 pad) {
+  i64 extent = pad ? full : part;
+  GRID_STRIDE(i, outer * extent * inner) {
+    i64 e = i % inner, a = (i / inner) % extent, o = i / (inner * extent);
+    if (pad) { i64 p = a - start; y[i] = (p >= 0 && p < part) ? x[(o * part + p) * inner + e] : store((acc_t)0); }
+    else y[i] = x[(o * full + start + a) * inner + e];
+  }
+}
+// Each of `heads` heads copied `times` times, or (sum) each group of `times` heads summed in order.
+extern "C" __global__ void repeat_heads(T* y, const T* x, i64 b, i64 heads, i64 times, i64 block, i64 sum) {
+  if (sum) {
+    GRID_STRIDE(i, b * heads * block) {
+      i64 e = i % block, h = (i / block) % heads, bi = i / (block * heads);
+      acc_t acc = 0;
+      for (i64 k = 0; k < times; k++) acc += load(x[(bi * heads * times + h * times + k) * block + e]);
+      y[i] = store(acc);
+    }
+  } else {
+    GRID_STRIDE(i, b * heads * times * block) {
+      i64 e = i % block, hh = (i / block) % (heads * times), bi = i / (block * heads * times);
+      y[i] = x[(bi * heads + hh / times) * block + e];
+    }
+  }
+}
+"#;
+
+/// `split_heads`/`merge_heads` as one permutation kernel; `heads` is the `[b, h, s, d]` side.
+fn heads_launch(heads: &TensorTy, out: &TensorTy, split: bool) -> Result<DeviceKernel, String> {
+    let h = dims(heads);
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(h[0] as i64), Arg::Int(h[1] as i64), Arg::Int(h[2] as i64), Arg::Int(h[3] as i64), Arg::Int(split as i64)];
+    Ok(DeviceKernel::Launches(vec![flat("split_heads", HEADS_CUDA, elements(out), args)]))
+}
+
+/// `slice` (`full` is the operand) or `pad` (`full` is the result) along `axis`.
+fn slice_pad_launch(full: &TensorTy, part: &TensorTy, attrs: &Attrs, pad: bool) -> Result<DeviceKernel, String> {
+    let axis = attrs.int("axis")? as usize;
+    let (f, p) = (dims(full), dims(part));
+    let outer: usize = f[..axis].iter().product();
+    let inner: usize = f[axis + 1..].iter().product();
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(outer as i64), Arg::Int(f[axis] as i64), Arg::Int(p[axis] as i64), Arg::Int(inner as i64), Arg::Int(attrs.int("start")?), Arg::Int(pad as i64)];
+    Ok(DeviceKernel::Launches(vec![flat("slice_pad", HEADS_CUDA, elements(if pad { full } else { part }), args)]))
+}
+
+/// `repeat_heads` (`small` is the operand) or `sum_heads` (`small` is the result).
+fn repeat_launch(small: &TensorTy, large: &TensorTy, attrs: &Attrs, sum: bool) -> Result<DeviceKernel, String> {
+    let times = attrs.int("times")?.max(1);
+    let s = dims(small);
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(s[0] as i64), Arg::Int(s[1] as i64), Arg::Int(times), Arg::Int((s[2] * s[3]) as i64), Arg::Int(sum as i64)];
+    Ok(DeviceKernel::Launches(vec![flat("repeat_heads", HEADS_CUDA, elements(if sum { small } else { large }), args)]))
 }

@@ -1,5 +1,7 @@
 //! `xf.cross_entropy`: mean token cross-entropy of logits against targets, and its gradient.
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, ids, io_bytes, rank_at_least, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
@@ -14,6 +16,14 @@ pub struct CrossEntropy;
 impl OpDef for CrossEntropy {
     fn mnemonic(&self) -> &'static str {
         "cross_entropy"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let v = last(cx.inputs[0]);
+        let rows = elements(cx.inputs[0]) / v.max(1);
+        let tokens = tokens(cx.attrs, rows);
+        let row = Launch { workspace: rows, ..per_row("cross_entropy_rows", LOSS_CUDA, rows, vec![Arg::Workspace, Arg::In(0), Arg::In(1), Arg::Int(rows as i64), Arg::Int(v as i64)]) };
+        let mean = Launch { grid: [1, 1, 1], block: 32, workspace: rows, ..per_row("cross_entropy_mean", LOSS_CUDA, 1, vec![Arg::Out(0), Arg::Workspace, Arg::Int(rows as i64), Arg::Int(tokens)]) };
+        Ok(DeviceKernel::Launches(vec![row, mean]))
     }
     fn summary(&self) -> &'static str {
         "mean over tokens of logsumexp(logits) - logits[target]; scalar result"
@@ -71,6 +81,9 @@ impl OpDef for CrossEntropyGrad {
     fn mnemonic(&self) -> &'static str {
         "cross_entropy_grad"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        ce_grad_launch(cx, false)
+    }
     fn summary(&self) -> &'static str {
         "dloss * (softmax(logits) - onehot(targets)) / tokens"
     }
@@ -125,6 +138,11 @@ impl OpDef for RowMax {
     fn mnemonic(&self) -> &'static str {
         "row_max"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let v = last(cx.inputs[0]);
+        let rows = elements(cx.inputs[0]) / v.max(1);
+        Ok(DeviceKernel::Launches(vec![per_row("row_max", LOSS_CUDA, rows, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows as i64), Arg::Int(v as i64)])]))
+    }
     fn summary(&self) -> &'static str {
         "maximum over the last dim (vocab-parallel cross-entropy)"
     }
@@ -151,6 +169,12 @@ pub struct CrossEntropyStats;
 impl OpDef for CrossEntropyStats {
     fn mnemonic(&self) -> &'static str {
         "cross_entropy_stats"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let v = last(cx.inputs[0]);
+        let rows = elements(cx.inputs[0]) / v.max(1);
+        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(rows as i64), Arg::Int(v as i64), Arg::RankOffset];
+        Ok(DeviceKernel::Launches(vec![per_row("cross_entropy_stats", LOSS_CUDA, rows, args)]))
     }
     fn summary(&self) -> &'static str {
         "local sum of exp(logits - max) and the owned target logit (vocab-parallel cross-entropy)"
@@ -185,6 +209,11 @@ pub struct CrossEntropyFinish;
 impl OpDef for CrossEntropyFinish {
     fn mnemonic(&self) -> &'static str {
         "cross_entropy_finish"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let rows = elements(cx.inputs[0]);
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(rows as i64), Arg::Int(tokens(cx.attrs, rows))];
+        Ok(DeviceKernel::Launches(vec![Launch { grid: [1, 1, 1], block: 32, ..per_row("cross_entropy_finish", LOSS_CUDA, 1, args) }]))
     }
     fn summary(&self) -> &'static str {
         "mean of max + ln(sumexp) - target (vocab-parallel cross-entropy)"
@@ -222,6 +251,9 @@ impl OpDef for CrossEntropyGradShard {
     fn mnemonic(&self) -> &'static str {
         "cross_entropy_grad_shard"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        ce_grad_launch(cx, true)
+    }
     fn summary(&self) -> &'static str {
         "cross-entropy gradient on a vocab shard from the global max and sumexp"
     }
@@ -248,4 +280,91 @@ impl OpDef for CrossEntropyGradShard {
     fn flops_per_element(&self) -> f64 {
         4.0
     }
+}
+
+/// CUDA C of this file's ops (see [`crate::kernel`]).
+const LOSS_CUDA: &str = r#"#define LOSS_NAN ((acc_t)__int_as_float(0x7fc00000))
+// Per row: its loss (logsumexp - target logit) into `row_loss`.
+extern "C" __global__ void cross_entropy_rows(acc_t* row_loss, const T* logits, const int* targets, i64 rows, i64 v) {
+  i64 r = ROW_INDEX;
+  if (r >= rows) return;
+  const T* x = logits + r * v;
+  acc_t mx = NEG_INF, sum = 0;
+  for (i64 j = threadIdx.x; j < v; j += blockDim.x) mx = fmax(mx, load(x[j]));
+  mx = block_max(mx);
+  for (i64 j = threadIdx.x; j < v; j += blockDim.x) sum += exp(load(x[j]) - mx);
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) { i64 t = targets[r]; row_loss[r] = (t >= 0 && t < v) ? mx + log(sum) - load(x[t]) : LOSS_NAN; }
+}
+// The mean over `tokens` of per-row values, summed in row order by one thread.
+extern "C" __global__ void cross_entropy_mean(T* loss, const acc_t* row_loss, i64 rows, i64 tokens) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  double total = 0;
+  for (i64 r = 0; r < rows; r++) total += (double)row_loss[r];
+  loss[0] = store((acc_t)(total / (double)tokens));
+}
+// dlogits = softmax * dloss / tokens, minus that factor at the target. With `max_in` and
+// `sumexp_in` (vocab-parallel), the row statistics come from the whole vocabulary and this
+// rank's columns start at `first`.
+extern "C" __global__ void cross_entropy_grad(T* g, const T* logits, const int* targets, const T* dloss, const T* max_in, const T* sumexp_in, i64 rows, i64 v, i64 tokens, i64 first) {
+  i64 r = ROW_INDEX;
+  if (r >= rows) return;
+  const T* x = logits + r * v;
+  acc_t mx, sum;
+  if (max_in) { mx = load(max_in[r]); sum = load(sumexp_in[r]); }
+  else {
+    mx = NEG_INF; sum = 0;
+    for (i64 j = threadIdx.x; j < v; j += blockDim.x) mx = fmax(mx, load(x[j]));
+    mx = block_max(mx);
+    for (i64 j = threadIdx.x; j < v; j += blockDim.x) sum += exp(load(x[j]) - mx);
+    sum = block_sum(sum);
+  }
+  acc_t factor = load(dloss[0]) / (acc_t)tokens;
+  i64 t = (i64)targets[r] - first;
+  for (i64 j = threadIdx.x; j < v; j += blockDim.x) g[r * v + j] = store(exp(load(x[j]) - mx) / sum * factor - (j == t ? factor : (acc_t)0));
+}
+extern "C" __global__ void row_max(T* out, const T* x, i64 rows, i64 v) {
+  i64 r = ROW_INDEX;
+  if (r >= rows) return;
+  acc_t mx = NEG_INF;
+  for (i64 j = threadIdx.x; j < v; j += blockDim.x) mx = fmax(mx, load(x[r * v + j]));
+  mx = block_max(mx);
+  if (threadIdx.x == 0) out[r] = store(mx);
+}
+// This rank's share of the row statistics: sum of exp(x - max) and the target's logit (0 if
+// another rank holds it).
+extern "C" __global__ void cross_entropy_stats(T* sumexp, T* target, const T* logits, const int* targets, const T* max_in, i64 rows, i64 v, i64 first) {
+  i64 r = ROW_INDEX;
+  if (r >= rows) return;
+  const T* x = logits + r * v;
+  acc_t mx = load(max_in[r]), sum = 0;
+  for (i64 j = threadIdx.x; j < v; j += blockDim.x) sum += exp(load(x[j]) - mx);
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) {
+    i64 t = (i64)targets[r] - first;
+    sumexp[r] = store(sum);
+    target[r] = (t >= 0 && t < v) ? x[t] : store((acc_t)0);
+  }
+}
+extern "C" __global__ void cross_entropy_finish(T* loss, const T* mx, const T* sumexp, const T* target, i64 rows, i64 tokens) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  double total = 0;
+  for (i64 r = 0; r < rows; r++) total += (double)(load(mx[r]) + log(load(sumexp[r])) - load(target[r]));
+  loss[0] = store((acc_t)(total / (double)tokens));
+}
+"#;
+
+/// Tokens the mean loss divides by: the global count when the batch is split over ranks.
+fn tokens(attrs: &Attrs, local: usize) -> i64 {
+    attrs.int("xf.tokens").unwrap_or(local as i64).max(1)
+}
+
+/// `cross_entropy_grad`, or with `shard` its vocab-parallel form reading the global row
+/// statistics (operands 3 and 4).
+fn ce_grad_launch(cx: &KernelCx<'_>, shard: bool) -> Result<DeviceKernel, String> {
+    let v = last(cx.inputs[0]);
+    let rows = elements(cx.inputs[0]) / v.max(1);
+    let (max, sumexp, first) = if shard { (Arg::In(3), Arg::In(4), Arg::RankOffset) } else { (Arg::Null, Arg::Null, Arg::Int(0)) };
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), max, sumexp, Arg::Int(rows as i64), Arg::Int(v as i64), Arg::Int(tokens(cx.attrs, rows)), first];
+    Ok(DeviceKernel::Launches(vec![per_row("cross_entropy_grad", LOSS_CUDA, rows, args)]))
 }

@@ -1,6 +1,7 @@
 //! `xf.matmul`: batched matrix product with optional transposes, and `xf.matmul_wgrad`, the
 //! weight gradient of a matrix shared across a batch.
 
+use crate::kernel::{dims, DeviceKernel, Gemm, KernelCx};
 use super::{arity, float, io_bytes, rank_at_least, same_dtype, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
@@ -58,6 +59,24 @@ impl MatMul {
 impl OpDef for MatMul {
     fn mnemonic(&self) -> &'static str {
         "matmul"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (transpose_a, transpose_b) = (cx.attrs.bool("transpose_lhs")?, cx.attrs.bool("transpose_rhs")?);
+        let (sa, sb) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
+        let (ra, ca) = (sa[sa.len() - 2], sa[sa.len() - 1]);
+        let (rb, cb) = (sb[sb.len() - 2], sb[sb.len() - 1]);
+        let (m, k) = if transpose_a { (ca, ra) } else { (ra, ca) };
+        let n = if transpose_b { rb } else { cb };
+        let batch: usize = sa[..sa.len() - 2].iter().product();
+        let shared_rhs = sb.len() == 2;
+        let gemm = if shared_rhs && !transpose_a {
+            // The batch folds into the rows: one (batch * m) x k by k x n product.
+            Gemm { a: 0, b: 1, c: 0, m: batch * m, n, k, transpose_a, transpose_b, lda: ca, ldb: cb, ldc: n, stride_a: 0, stride_b: 0, stride_c: 0, batch: 1 }
+        } else {
+            let stride_b = if shared_rhs { 0 } else { rb * cb };
+            Gemm { a: 0, b: 1, c: 0, m, n, k, transpose_a, transpose_b, lda: ca, ldb: cb, ldc: n, stride_a: ra * ca, stride_b, stride_c: m * n, batch }
+        };
+        Ok(DeviceKernel::Gemm(gemm))
     }
     fn summary(&self) -> &'static str {
         "batched matrix product lhs[..., m, k] x rhs[(...), k, n], optional transposes"
@@ -138,6 +157,13 @@ pub struct MatMulWeightGrad;
 impl OpDef for MatMulWeightGrad {
     fn mnemonic(&self) -> &'static str {
         "matmul_wgrad"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        // out[k, n] = a^T b, with a viewed as [rows, k] and b as [rows, n].
+        let (a, b) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
+        let (k, n) = (*a.last().unwrap_or(&1), *b.last().unwrap_or(&1));
+        let rows = a.iter().product::<usize>() / k.max(1);
+        Ok(DeviceKernel::Gemm(Gemm { a: 0, b: 1, c: 0, m: k, n, k: rows, transpose_a: true, transpose_b: false, lda: k, ldb: n, ldc: n, stride_a: 0, stride_b: 0, stride_c: 0, batch: 1 }))
     }
     fn summary(&self) -> &'static str {
         "sum over batch of a[..., m, k]^T b[..., m, n] -> [k, n] (weight gradient)"

@@ -34,6 +34,7 @@ pub use reduce::{FillLike, SumLeading, Wait};
 pub use rope::{Rope, RopeGrad};
 
 use crate::graph::{FuncBuilder, Value};
+use crate::kernel::{DeviceKernel, KernelCx};
 use crate::sharding::ShardingRule;
 
 /// Every `xf` op, in the order the dialect file lists them.
@@ -195,6 +196,11 @@ pub trait OpDef: Sync {
     /// after the op; kernels of such ops read the old value from the result buffer.
     fn in_place(&self) -> &'static [(usize, usize)] {
         &[]
+    }
+
+    /// How the op runs on a device (CUDA C and its launches, or a GEMM); see [`crate::kernel`].
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Err(format!("{} has no device kernel", self.name()))
     }
 }
 

@@ -1,6 +1,8 @@
 //! Normalisations over the last dimension, `xf.layernorm` and `xf.rmsnorm`, and their
 //! backward ops (which recompute the row statistics instead of storing them).
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, rank_at_least, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
@@ -31,6 +33,9 @@ pub struct LayerNorm;
 impl OpDef for LayerNorm {
     fn mnemonic(&self) -> &'static str {
         "layernorm"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        norm_launch(cx, true)
     }
     fn summary(&self) -> &'static str {
         "(x - mean) / sqrt(var + epsilon) * gamma + beta over the last dim"
@@ -80,6 +85,9 @@ pub struct RmsNorm;
 impl OpDef for RmsNorm {
     fn mnemonic(&self) -> &'static str {
         "rmsnorm"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        norm_launch(cx, false)
     }
     fn summary(&self) -> &'static str {
         "x / sqrt(mean(x^2) + epsilon) * gamma over the last dim"
@@ -138,6 +146,9 @@ impl OpDef for LayerNormGrad {
     fn mnemonic(&self) -> &'static str {
         "layernorm_grad"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        norm_grad_launches(cx, true)
+    }
     fn summary(&self) -> &'static str {
         "layernorm backward: (dx, dgamma, dbeta) from x, gamma, dy"
     }
@@ -178,6 +189,9 @@ pub struct RmsNormGrad;
 impl OpDef for RmsNormGrad {
     fn mnemonic(&self) -> &'static str {
         "rmsnorm_grad"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        norm_grad_launches(cx, false)
     }
     fn summary(&self) -> &'static str {
         "rmsnorm backward: (dx, dgamma) from x, gamma, dy"
@@ -222,4 +236,96 @@ fn norm_rule(x: &TensorTy, params: usize, with_dy: bool, x_results: usize, param
     let mut factors = vec![FactorKind::Free; r];
     factors[r - 1] = FactorKind::Blocked;
     ShardingRule { operands, results, factors, linearity: Linearity::None }
+}
+
+/// CUDA C of this file's ops (see [`crate::kernel`]).
+const NORM_CUDA: &str = r#"// One block per row: layernorm (centered, with beta) or rmsnorm (beta null).
+extern "C" __global__ void norm_rows(T* y, const T* x, const T* gamma, const T* beta, i64 rows, i64 n, double eps, i64 centered) {
+  i64 r = ROW_INDEX;
+  if (r >= rows) return;
+  const T* xr = x + r * n;
+  acc_t mean = 0, q = 0;
+  if (centered) {
+    acc_t s = 0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += load(xr[j]);
+    mean = block_sum(s) / (acc_t)n;
+  }
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) { acc_t v = load(xr[j]) - mean; q += v * v; }
+  acc_t rstd = (acc_t)1 / sqrt(block_sum(q) / (acc_t)n + (acc_t)eps);
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+    acc_t v = (load(xr[j]) - mean) * rstd * load(gamma[j]);
+    if (beta) v += load(beta[j]);
+    y[r * n + j] = store(v);
+  }
+}
+// Backward, per row: dx, and each row's (mean, rstd) into `stats` for norm_grad_params.
+extern "C" __global__ void norm_grad_rows(T* dx, acc_t* stats, const T* x, const T* gamma, const T* dy, i64 rows, i64 n, double eps, i64 centered) {
+  i64 r = ROW_INDEX;
+  if (r >= rows) return;
+  const T* xr = x + r * n;
+  const T* dyr = dy + r * n;
+  acc_t mean = 0, q = 0;
+  if (centered) {
+    acc_t s = 0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += load(xr[j]);
+    mean = block_sum(s) / (acc_t)n;
+  }
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) { acc_t v = load(xr[j]) - mean; q += v * v; }
+  acc_t rstd = (acc_t)1 / sqrt(block_sum(q) / (acc_t)n + (acc_t)eps);
+  acc_t g_sum = 0, gx_sum = 0;
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+    acc_t g = load(dyr[j]) * load(gamma[j]);
+    g_sum += g;
+    gx_sum += g * (load(xr[j]) - mean) * rstd;
+  }
+  g_sum = block_sum(g_sum);
+  gx_sum = block_sum(gx_sum);
+  acc_t mean_g = centered ? g_sum / (acc_t)n : (acc_t)0, mean_gx = gx_sum / (acc_t)n;
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+    acc_t xhat = (load(xr[j]) - mean) * rstd;
+    dx[r * n + j] = store(rstd * (load(dyr[j]) * load(gamma[j]) - mean_g - xhat * mean_gx));
+  }
+  if (threadIdx.x == 0) { stats[2 * r] = mean; stats[2 * r + 1] = rstd; }
+}
+// One thread per feature sums its column over the rows in order: dgamma and dbeta (if any).
+extern "C" __global__ void norm_grad_params(T* dgamma, T* dbeta, const acc_t* stats, const T* x, const T* dy, i64 rows, i64 n) {
+  GRID_STRIDE(j, n) {
+    acc_t dg = 0, db = 0;
+    for (i64 r = 0; r < rows; r++) {
+      acc_t d = load(dy[r * n + j]);
+      dg += d * (load(x[r * n + j]) - stats[2 * r]) * stats[2 * r + 1];
+      db += d;
+    }
+    dgamma[j] = store(dg);
+    if (dbeta) dbeta[j] = store(db);
+  }
+}
+"#;
+
+/// Rows and features of a norm's `x`.
+fn norm_rows(x: &TensorTy) -> (usize, usize) {
+    let n = last(x).max(1);
+    (elements(x) / n, n)
+}
+
+/// `layernorm` (`centered`: with mean and beta) or `rmsnorm`, one block per row.
+fn norm_launch(cx: &KernelCx<'_>, centered: bool) -> Result<DeviceKernel, String> {
+    let (rows, n) = norm_rows(cx.inputs[0]);
+    let beta = if centered { Arg::In(2) } else { Arg::Null };
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), beta, Arg::Int(rows as i64), Arg::Int(n as i64), Arg::Float(cx.attrs.float("epsilon")?), Arg::Int(centered as i64)];
+    Ok(DeviceKernel::Launches(vec![per_row("norm_rows", NORM_CUDA, rows, args)]))
+}
+
+/// Backward of a norm: `dx` per row (saving the row statistics), then `dgamma` (and `dbeta`)
+/// per feature.
+fn norm_grad_launches(cx: &KernelCx<'_>, centered: bool) -> Result<DeviceKernel, String> {
+    let (rows, n) = norm_rows(cx.inputs[0]);
+    let (r, f) = (Arg::Int(rows as i64), Arg::Int(n as i64));
+    let row_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), r.clone(), f.clone(), Arg::Float(cx.attrs.float("epsilon")?), Arg::Int(centered as i64)];
+    let dbeta = if centered { Arg::Out(2) } else { Arg::Null };
+    let param_args = vec![Arg::Out(1), dbeta, Arg::Workspace, Arg::In(0), Arg::In(2), r, f];
+    Ok(DeviceKernel::Launches(vec![
+        Launch { workspace: 2 * rows, ..per_row("norm_grad_rows", NORM_CUDA, rows, row_args) },
+        Launch { workspace: 2 * rows, ..flat("norm_grad_params", NORM_CUDA, n, param_args) },
+    ]))
 }

@@ -1,6 +1,8 @@
 //! Optimizer updates as ops: `xf.adamw` and `xf.sgd`. They update their state in place (see
 //! [`OpDef::in_place`]), so a training step does not hold two copies of the parameters.
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, AttrKind, Cost, OpDef, Signature, Slot};
 use crate::attrs::Attrs;
 use crate::sharding::{Linearity, ShardingRule};
@@ -16,6 +18,15 @@ pub struct AdamW;
 impl OpDef for AdamW {
     fn mnemonic(&self) -> &'static str {
         "adamw"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise {
+            body: "acc_t m = {beta1} * {in2} + ((acc_t)1 - {beta1}) * {in1}; \
+                   acc_t v = {beta2} * {in3} + ((acc_t)1 - {beta2}) * {in1} * {in1}; \
+                   acc_t bc1 = (acc_t)1 - pow({beta1}, {in4}), bc2 = (acc_t)1 - pow({beta2}, {in4}); \
+                   {out0} = {in0} - {lr} * ((m / bc1) / (sqrt(v / bc2) + {epsilon}) + {weight_decay} * {in0}); \
+                   {out1} = m; {out2} = v;",
+        })
     }
     fn summary(&self) -> &'static str {
         "AdamW update with bias correction: (param, m, v) -> (param', m', v')"
@@ -83,6 +94,9 @@ pub struct Sgd;
 impl OpDef for Sgd {
     fn mnemonic(&self) -> &'static str {
         "sgd"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {in0} - {lr} * ({in1} + {weight_decay} * {in0});" })
     }
     fn summary(&self) -> &'static str {
         "SGD update: param - lr (grad + weight_decay param)"

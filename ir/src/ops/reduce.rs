@@ -1,6 +1,8 @@
 //! Reductions and fills that gradients need: `xf.sum_leading` (the transpose of a
 //! broadcast) and `xf.fill_like` (the seed of reverse mode, and zero gradients).
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
@@ -15,6 +17,15 @@ pub struct SumLeading;
 impl OpDef for SumLeading {
     fn mnemonic(&self) -> &'static str {
         "sum_leading"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let n = elements(&cx.outputs[0]).max(1);
+        let rows = (elements(cx.inputs[0]) / n) as i64;
+        Ok(DeviceKernel::Launches(vec![if n == 1 {
+            Launch { grid: [1, 1, 1], ..flat("sum_leading_all", SUM_CUDA, 1, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows)]) }
+        } else {
+            flat("sum_leading_columns", SUM_CUDA, n, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows), Arg::Int(n as i64)])
+        }]))
     }
     fn summary(&self) -> &'static str {
         "sum over the leading dims, keeping the trailing `keep` dims"
@@ -66,6 +77,9 @@ impl OpDef for FillLike {
     fn mnemonic(&self) -> &'static str {
         "fill_like"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {value};" })
+    }
     fn summary(&self) -> &'static str {
         "a tensor of x's type filled with value"
     }
@@ -100,6 +114,9 @@ impl OpDef for Wait {
     fn mnemonic(&self) -> &'static str {
         "wait"
     }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::PassThrough)
+    }
     fn summary(&self) -> &'static str {
         "x, once the asynchronous collective that produced it has completed"
     }
@@ -117,3 +134,19 @@ impl OpDef for Wait {
         &[(0, 0)]
     }
 }
+
+/// CUDA C of this file's ops (see [`crate::kernel`]).
+const SUM_CUDA: &str = r#"extern "C" __global__ void sum_leading_columns(T* y, const T* x, i64 rows, i64 n) {
+  GRID_STRIDE(j, n) {
+    acc_t acc = 0;
+    for (i64 r = 0; r < rows; r++) acc += load(x[r * n + j]);
+    y[j] = store(acc);
+  }
+}
+extern "C" __global__ void sum_leading_all(T* y, const T* x, i64 n) {
+  acc_t acc = 0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) acc += load(x[i]);
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) y[0] = store(acc);
+}
+"#;

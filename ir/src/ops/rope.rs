@@ -1,5 +1,7 @@
 //! `xf.rope`: rotary position embedding, and `xf.rope_grad`, its transpose.
 
+#[allow(unused_imports)]
+use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
@@ -18,6 +20,9 @@ pub struct Rope;
 impl OpDef for Rope {
     fn mnemonic(&self) -> &'static str {
         "rope"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        rope_launch(cx, 1.0)
     }
     fn summary(&self) -> &'static str {
         "rotary position embedding (rotate-half) on [batch, heads, seq, head_dim]"
@@ -59,6 +64,9 @@ impl OpDef for RopeGrad {
     fn mnemonic(&self) -> &'static str {
         "rope_grad"
     }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        rope_launch(cx, -1.0)
+    }
     fn summary(&self) -> &'static str {
         "rotary embedding backward: rotate by -angle"
     }
@@ -98,4 +106,27 @@ fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, Stri
         }
         Ok(vec![x.clone()])
     }
+}
+
+/// CUDA C of this file's ops (see [`crate::kernel`]).
+const ROPE_CUDA: &str = r#"// Rotary embedding on [planes, s, d] (rotate-half pairs (i, i + d/2)); sign -1 rotates back.
+extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, double theta, double sign) {
+  i64 half = d / 2;
+  GRID_STRIDE(p, planes * s * half) {
+    i64 i = p % half, pos = (p / half) % s, base = (p / half) * d;
+    double angle = (double)pos * pow(theta, -2.0 * (double)i / (double)d);
+    acc_t c = (acc_t)cos(angle), sn = (acc_t)(sign * sin(angle));
+    acc_t a = load(x[base + i]), b = load(x[base + i + half]);
+    y[base + i] = store(a * c - b * sn);
+    y[base + i + half] = store(b * c + a * sn);
+  }
+}
+"#;
+
+/// Rotary embedding (`sign` 1) or its inverse (-1) over `[b, h, s, d]`.
+fn rope_launch(cx: &KernelCx<'_>, sign: f64) -> Result<DeviceKernel, String> {
+    let x = dims(cx.inputs[0]);
+    let (planes, s, d) = (x[0] * x[1], x[2], x[3]);
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(planes as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(cx.attrs.float("theta")?), Arg::Float(sign)];
+    Ok(DeviceKernel::Launches(vec![flat("rope", ROPE_CUDA, planes * s * (d / 2), args)]))
 }

@@ -1,0 +1,324 @@
+//! Device code: a rank program's CUDA module and the calls of each instruction.
+//!
+//! Every op's device fact comes from the registry ([`shardc_ir::ops::OpDef::device`]). Runs
+//! of element-wise instructions become one generated kernel: values that only the run reads
+//! stay in registers, so `matmul -> add bias -> gelu` reads and writes memory once for the
+//! add and the gelu together. Matrix products become cuBLAS calls; collectives are left to
+//! the runtime.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+
+use shardc_ir::kernel::{Arg, DeviceKernel, KernelCx, PRELUDE};
+use shardc_ir::ops::lookup;
+use shardc_ir::{AttrValue, Attrs, TensorTy};
+use shardc_runtime::DType;
+use shardc_runtime::program::{Attr, BufferId, DeviceCall, DevicePlan, GemmCall, KernelArg, Program};
+
+use crate::CodegenError;
+
+fn ir_dtype(d: DType) -> shardc_ir::DType {
+    match d {
+        DType::F32 => shardc_ir::DType::F32,
+        DType::Bf16 => shardc_ir::DType::Bf16,
+        DType::F64 => shardc_ir::DType::F64,
+        DType::I32 => shardc_ir::DType::I32,
+    }
+}
+
+fn ir_attrs(attrs: &BTreeMap<String, Attr>) -> Attrs {
+    let mut out = Attrs::new();
+    for (name, value) in attrs {
+        let value = match value {
+            Attr::Bool(v) => AttrValue::Bool(*v),
+            Attr::Int(v) => AttrValue::Int(*v),
+            Attr::Float(v) => AttrValue::Float(*v),
+            Attr::Str(v) => AttrValue::Str(v.clone()),
+            Attr::Ints(_) => continue,
+        };
+        out = out.with(name, value);
+    }
+    out
+}
+
+/// The floating-point type of a program's tensors (one per program).
+fn float_dtype(program: &Program) -> Result<DType, String> {
+    let mut found: Option<DType> = None;
+    for b in program.buffers.iter().filter(|b| b.dtype != DType::I32) {
+        match found {
+            None => found = Some(b.dtype),
+            Some(d) if d != b.dtype => return Err(format!("mixes {d:?} and {:?} tensors (`{}`); device code takes one float type per program", b.dtype, b.name)),
+            _ => {}
+        }
+    }
+    Ok(found.unwrap_or(DType::F32))
+}
+
+/// Bytes of `acc_t` for a storage type.
+fn acc_bytes(dtype: DType) -> usize {
+    if dtype == DType::F64 { 8 } else { 4 }
+}
+
+/// The instruction's device fact, from the registry.
+fn device_kernel(program: &Program, index: usize) -> Result<Option<DeviceKernel>, String> {
+    let instr = &program.instrs[index];
+    let Some(def) = lookup(&instr.op) else {
+        return if instr.op.starts_with("shard.") || instr.op == "tensor.empty" { Ok(None) } else { Err(format!("`{}` has no device form", instr.op)) };
+    };
+    let ty = |b: BufferId| {
+        let buffer = &program.buffers[b];
+        TensorTy::new(buffer.shape.iter().map(|&d| d as i64).collect::<Vec<_>>(), ir_dtype(buffer.dtype))
+    };
+    let inputs: Vec<TensorTy> = instr.inputs.iter().map(|&b| ty(b)).collect();
+    let input_refs: Vec<&TensorTy> = inputs.iter().collect();
+    let outputs: Vec<TensorTy> = instr.outputs.iter().map(|&b| ty(b)).collect();
+    let attrs = ir_attrs(&instr.attrs);
+    def.device(&KernelCx { inputs: &input_refs, outputs: &outputs, attrs: &attrs }).map(Some)
+}
+
+/// Generates the device plan of `program`: its CUDA module and every instruction's calls.
+pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
+    let fail = |index: usize, reason: String| {
+        let loc = program.instrs.get(index).map_or_else(String::new, |i| i.loc.clone());
+        CodegenError::Unsupported { func: program.name.clone(), loc, reason }
+    };
+    let dtype = float_dtype(program).map_err(|e| fail(0, e))?;
+    let acc = acc_bytes(dtype);
+    let kernels: Vec<Option<DeviceKernel>> = (0..program.instrs.len()).map(|i| device_kernel(program, i).map_err(|e| fail(i, e))).collect::<Result<_, _>>()?;
+    let groups = elementwise_groups(program, &kernels);
+
+    let mut sources: Vec<&'static str> = Vec::new();
+    let mut generated = String::new();
+    let mut calls: Vec<Vec<DeviceCall>> = vec![Vec::new(); program.instrs.len()];
+    let mut workspace = 0usize;
+    let mut index = 0;
+    while index < program.instrs.len() {
+        let instr = &program.instrs[index];
+        if let Some(group) = groups.get(&index) {
+            let (name, text, args, n) = fuse(program, group, &kernels).map_err(|e| fail(index, e))?;
+            generated.push_str(&text);
+            calls[index] = vec![DeviceCall::Launch { kernel: name, grid: [shardc_ir::kernel::blocks_for(n), 1, 1], block: shardc_ir::kernel::ROW_BLOCK, shared_bytes: 0, args }];
+            for &member in &group[1..] {
+                calls[member] = vec![DeviceCall::Fused { into: index }];
+            }
+            index = group.last().copied().unwrap_or(index) + 1;
+            continue;
+        }
+        calls[index] = match &kernels[index] {
+            None => vec![DeviceCall::Runtime],
+            Some(DeviceKernel::PassThrough) => vec![DeviceCall::Copy { from: instr.inputs[0], to: instr.outputs[0] }],
+            Some(DeviceKernel::Elementwise { .. }) => return Err(fail(index, "an element-wise op outside a kernel group".into())),
+            Some(DeviceKernel::Gemm(g)) => vec![DeviceCall::Gemm(GemmCall {
+                a: instr.inputs[g.a],
+                b: instr.inputs[g.b],
+                c: instr.outputs[g.c],
+                m: g.m,
+                n: g.n,
+                k: g.k,
+                transpose_a: g.transpose_a,
+                transpose_b: g.transpose_b,
+                lda: g.lda,
+                ldb: g.ldb,
+                ldc: g.ldc,
+                stride_a: g.stride_a,
+                stride_b: g.stride_b,
+                stride_c: g.stride_c,
+                batch: g.batch,
+            })],
+            Some(DeviceKernel::Launches(launches)) => launches
+                .iter()
+                .map(|l| {
+                    if !l.source.is_empty() && !sources.contains(&l.source) {
+                        sources.push(l.source);
+                    }
+                    workspace = workspace.max(l.workspace * acc);
+                    let shared = l.shared * acc;
+                    if shared > 48 * 1024 {
+                        return Err(fail(index, format!("`{}` needs {shared} bytes of shared memory (at most 49152): the sequence is too long for this kernel", l.kernel)));
+                    }
+                    let args = l
+                        .args
+                        .iter()
+                        .map(|a| {
+                            Ok(match a {
+                                Arg::In(i) => KernelArg::Buffer(*instr.inputs.get(*i).ok_or_else(|| fail(index, format!("`{}` names operand {i}", l.kernel)))?),
+                                Arg::Out(i) => KernelArg::Buffer(*instr.outputs.get(*i).ok_or_else(|| fail(index, format!("`{}` names result {i}", l.kernel)))?),
+                                Arg::Null => KernelArg::Null,
+                                Arg::Workspace => KernelArg::Workspace,
+                                Arg::Int(v) => KernelArg::Int(*v),
+                                Arg::Float(v) => KernelArg::Float(*v),
+                                Arg::RankOffset => KernelArg::RankOffset,
+                            })
+                        })
+                        .collect::<Result<Vec<_>, CodegenError>>()?;
+                    Ok(DeviceCall::Launch { kernel: l.kernel.to_string(), grid: l.grid, block: l.block, shared_bytes: shared as u32, args })
+                })
+                .collect::<Result<Vec<_>, CodegenError>>()?,
+        };
+        index += 1;
+    }
+
+    let mut source = String::new();
+    let _ = writeln!(source, "// shardc device module for `{}` ({:?} storage).", program.name, dtype);
+    match dtype {
+        DType::Bf16 => source.push_str("#define BF16\n"),
+        DType::F64 => source.push_str("#define F64\n"),
+        _ => {}
+    }
+    source.push_str(PRELUDE);
+    for text in sources {
+        source.push_str(text);
+    }
+    source.push_str(&generated);
+    Ok(DevicePlan { dtype, source, workspace_bytes: workspace, calls })
+}
+
+/// Runs of consecutive element-wise instructions that one kernel computes, keyed by their
+/// first instruction. An instruction joins the run before it when its results have the run's
+/// length and every operand it reads at a broadcast index comes from outside the run and
+/// shares no storage with what the run writes.
+fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> HashMap<usize, Vec<usize>> {
+    let len = |b: BufferId| program.buffers[b].len();
+    let slot = |b: BufferId| program.buffers[b].slot;
+    let mut groups: HashMap<usize, Vec<usize>> = HashMap::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut n = 0;
+    let mut written: HashSet<BufferId> = HashSet::new();
+    let close = |current: &mut Vec<usize>, groups: &mut HashMap<usize, Vec<usize>>| {
+        if let Some(&first) = current.first() {
+            groups.insert(first, std::mem::take(current));
+        }
+    };
+    for (i, kernel) in kernels.iter().enumerate() {
+        if !matches!(kernel, Some(DeviceKernel::Elementwise { .. })) {
+            close(&mut current, &mut groups);
+            written.clear();
+            continue;
+        }
+        let instr = &program.instrs[i];
+        let out_len = instr.outputs.first().map_or(0, |&b| len(b));
+        let fits = |written: &HashSet<BufferId>, n: usize| {
+            out_len == n
+                && instr.outputs.iter().all(|&b| len(b) == n)
+                && instr.inputs.iter().all(|&b| len(b) == n || (!written.contains(&b) && !written.iter().any(|&w| slot(w) == slot(b))))
+        };
+        if current.is_empty() || !fits(&written, n) {
+            close(&mut current, &mut groups);
+            written.clear();
+            n = out_len;
+        }
+        current.push(i);
+        written.extend(instr.outputs.iter().copied());
+    }
+    close(&mut current, &mut groups);
+    groups
+}
+
+/// A fused element-wise kernel: its name, CUDA C, arguments and element count.
+fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>]) -> Result<(String, String, Vec<KernelArg>, usize), String> {
+    let first = group[0];
+    let n = program.buffers[program.instrs[first].outputs[0]].len();
+    let in_group: HashSet<usize> = group.iter().copied().collect();
+    // Buffers something outside the run reads (or the caller sees) must be stored.
+    let mut read_outside: HashSet<BufferId> = HashSet::new();
+    for (i, instr) in program.instrs.iter().enumerate() {
+        if !in_group.contains(&i) {
+            read_outside.extend(instr.inputs.iter().copied());
+        }
+    }
+    read_outside.extend(program.args.iter().chain(&program.results).map(|b| b.buffer));
+    if let Some(pipeline) = &program.pipeline {
+        for chunk in &pipeline.chunks {
+            read_outside.extend(chunk.keep_forward.iter().chain(&chunk.keep_backward).chain(&chunk.sum_backward).chain(&chunk.sum_weight).copied());
+        }
+    }
+    let written: HashSet<BufferId> = group.iter().flat_map(|&i| program.instrs[i].outputs.iter().copied()).collect();
+
+    // Pointer parameters, one per buffer, in first-use order.
+    let mut params: Vec<BufferId> = Vec::new();
+    let param_of = |b: BufferId, params: &mut Vec<BufferId>| match params.iter().position(|&p| p == b) {
+        Some(p) => p,
+        None => {
+            params.push(b);
+            params.len() - 1
+        }
+    };
+    let mut register: HashMap<BufferId, String> = HashMap::new();
+    let mut body = String::new();
+    let mut stores: Vec<(BufferId, String)> = Vec::new();
+    let mut next = 0;
+    for &i in group {
+        let instr = &program.instrs[i];
+        let Some(DeviceKernel::Elementwise { body: template }) = &kernels[i] else {
+            return Err(format!("instruction {i} is not element-wise"));
+        };
+        let mut text = template.to_string();
+        for (k, &b) in instr.inputs.iter().enumerate() {
+            let value = match register.get(&b) {
+                Some(r) => r.clone(),
+                None => {
+                    let p = param_of(b, &mut params);
+                    let name = format!("v{next}");
+                    next += 1;
+                    let index = if program.buffers[b].len() == n { "i".to_string() } else { format!("i % {}", program.buffers[b].len().max(1)) };
+                    let _ = writeln!(body, "    acc_t {name} = load(p{p}[{index}]);");
+                    register.insert(b, name.clone());
+                    name
+                }
+            };
+            text = text.replace(&format!("{{in{k}}}"), &value);
+        }
+        let mut outs = Vec::new();
+        for (k, &b) in instr.outputs.iter().enumerate() {
+            let name = format!("v{next}");
+            next += 1;
+            text = text.replace(&format!("{{out{k}}}"), &name);
+            outs.push((b, name));
+        }
+        for (name, value) in &instr.attrs {
+            let literal = match value {
+                Attr::Float(v) => format!("((acc_t){v:e})"),
+                Attr::Int(v) => format!("((acc_t){v})"),
+                _ => continue,
+            };
+            text = text.replace(&format!("{{{name}}}"), &literal);
+        }
+        if let Some(open) = text.find('{').filter(|&at| text[at..].find('}').is_some_and(|end| text[at + 1..at + end].chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))) {
+            return Err(format!("`{}`: its kernel names `{}` which the instruction does not provide", instr.op, &text[open..open + text[open..].find('}').unwrap_or(0) + 1]));
+        }
+        let declared: Vec<&str> = outs.iter().map(|(_, name)| name.as_str()).collect();
+        let _ = writeln!(body, "    acc_t {};", declared.join(", "));
+        let _ = writeln!(body, "    {{ {text} }}  // {} {}", instr.op, instr.loc);
+        for (b, name) in outs {
+            register.insert(b, name.clone());
+            stores.retain(|(s, _)| *s != b);
+            if read_outside.contains(&b) {
+                stores.push((b, name));
+            }
+        }
+    }
+    for (b, name) in &stores {
+        let p = param_of(*b, &mut params);
+        let _ = writeln!(body, "    p{p}[i] = store({name});");
+    }
+    let kernel = format!("fused_{first}");
+    let signature: Vec<String> = params
+        .iter()
+        .enumerate()
+        .map(|(p, &b)| {
+            let base = if program.buffers[b].dtype == DType::I32 { "int" } else { "T" };
+            if written.contains(&b) { format!("{base}* p{p}") } else { format!("const {base}* p{p}") }
+        })
+        .collect();
+    let ops: Vec<&str> = group.iter().map(|&i| program.instrs[i].op.as_str()).collect();
+    let text = format!("// {}\nextern \"C\" __global__ void {kernel}(i64 n, {}) {{\n  GRID_STRIDE(i, n) {{\n{body}  }}\n}}\n", ops.join(" -> "), signature.join(", "));
+    let mut args = vec![KernelArg::Int(n as i64)];
+    args.extend(params.iter().map(|&b| KernelArg::Buffer(b)));
+    Ok((kernel, text, args, n))
+}
+
+/// Attaches the device plan to `program` (for `--target cuda` and the CUDA backend).
+pub fn with_device_plan(mut program: Program) -> Result<Program, CodegenError> {
+    program.device = Some(device_plan(&program)?);
+    Ok(program)
+}

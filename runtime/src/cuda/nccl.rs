@@ -1,0 +1,224 @@
+//! NCCL collectives, one process per GPU, bootstrapped the torchrun way: `RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. Rank 0 creates the NCCL unique
+//! id and serves it over TCP; the others fetch it. One communicator spans the world and one
+//! more is split off for every set of grid axes the program's collectives run over.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+use cudarc::nccl::{result as nr, sys as ns};
+
+use crate::collectives::MeshShape;
+use crate::program::{Attr, Buffer, Instr, Program};
+use crate::{DType, RuntimeError};
+
+fn err(message: impl Into<String>) -> RuntimeError {
+    RuntimeError::Device(message.into())
+}
+
+/// This process's place in the world, from the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bootstrap {
+    /// Global rank.
+    pub rank: usize,
+    /// Ranks in all.
+    pub world: usize,
+    /// GPU of this process on its node.
+    pub local_rank: usize,
+    /// Address rank 0 serves the unique id on.
+    pub master: String,
+}
+
+impl Bootstrap {
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default: `RANK`), `MASTER_ADDR` (default
+    /// 127.0.0.1) and `MASTER_PORT` (default 29500).
+    pub fn from_env() -> Result<Bootstrap, RuntimeError> {
+        let var = |name: &str| std::env::var(name).ok();
+        let number = |name: &str, value: Option<String>| -> Result<Option<usize>, RuntimeError> {
+            value.map(|v| v.trim().parse::<usize>().map_err(|_| err(format!("{name}={v} is not a non-negative integer")))).transpose()
+        };
+        let rank = number("RANK", var("RANK"))?.ok_or_else(|| err("RANK is not set (torchrun convention: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)"))?;
+        let world = number("WORLD_SIZE", var("WORLD_SIZE"))?.ok_or_else(|| err("WORLD_SIZE is not set"))?;
+        if rank >= world {
+            return Err(err(format!("RANK={rank} must be below WORLD_SIZE={world}")));
+        }
+        let local_rank = number("LOCAL_RANK", var("LOCAL_RANK"))?.unwrap_or(rank);
+        let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let port = number("MASTER_PORT", var("MASTER_PORT"))?.unwrap_or(29500);
+        Ok(Bootstrap { rank, world, local_rank, master: format!("{addr}:{port}") })
+    }
+
+    /// The NCCL unique id: made by rank 0 and sent to every other rank over TCP.
+    fn unique_id(&self) -> Result<ns::ncclUniqueId, RuntimeError> {
+        let timeout = Duration::from_secs(120);
+        if self.rank == 0 {
+            let id = nr::get_uniqueid().map_err(|e| err(format!("ncclGetUniqueId: {e:?}")))?;
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+            let listener = std::net::TcpListener::bind(&self.master).map_err(|e| err(format!("rank 0 cannot listen on MASTER_ADDR:MASTER_PORT {}: {e}", self.master)))?;
+            listener.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
+            let began = Instant::now();
+            let mut served = 0;
+            while served + 1 < self.world {
+                match listener.accept() {
+                    Ok((mut stream, _)) => {
+                        stream.set_nonblocking(false).map_err(|e| err(e.to_string()))?;
+                        stream.write_all(&bytes).map_err(|e| err(format!("sending the NCCL id: {e}")))?;
+                        served += 1;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if began.elapsed() > timeout {
+                            return Err(err(format!("only {served} of {} ranks connected to {} within {timeout:?}", self.world - 1, self.master)));
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => return Err(err(format!("accepting on {}: {e}", self.master))),
+                }
+            }
+            Ok(id)
+        } else {
+            let began = Instant::now();
+            loop {
+                match std::net::TcpStream::connect(&self.master) {
+                    Ok(mut stream) => {
+                        let mut bytes = [0u8; 128];
+                        stream.read_exact(&mut bytes).map_err(|e| err(format!("reading the NCCL id from {}: {e}", self.master)))?;
+                        let mut internal = [0 as std::ffi::c_char; 128];
+                        for (d, s) in internal.iter_mut().zip(bytes) {
+                            *d = s as std::ffi::c_char;
+                        }
+                        return Ok(ns::ncclUniqueId { internal });
+                    }
+                    Err(_) if began.elapsed() < timeout => std::thread::sleep(Duration::from_millis(100)),
+                    Err(e) => return Err(err(format!("rank {} cannot reach rank 0 at {} within {timeout:?}: {e}", self.rank, self.master))),
+                }
+            }
+        }
+    }
+}
+
+/// NCCL communicators: the world and one per set of grid axes.
+pub struct Comms {
+    world: ns::ncclComm_t,
+    groups: HashMap<Vec<usize>, ns::ncclComm_t>,
+}
+
+impl Comms {
+    /// Joins the world and splits a communicator off for every axis set `program` uses.
+    pub fn new(bootstrap: &Bootstrap, program: &Program, mesh: &MeshShape) -> Result<Comms, RuntimeError> {
+        // SAFETY: only dlopens the library.
+        if !unsafe { ns::is_culib_present() } {
+            return Err(err("NCCL (libnccl.so) was not found: put pip's nvidia-nccl on LD_LIBRARY_PATH with a libnccl.so symlink to libnccl.so.2"));
+        }
+        let id = bootstrap.unique_id()?;
+        let mut world = std::ptr::null_mut();
+        // SAFETY: a fresh communicator handle; every rank calls this with the same id.
+        unsafe { nr::comm_init_rank(&mut world, bootstrap.world as i32, id, bootstrap.rank as i32) }.map_err(|e| err(format!("ncclCommInitRank: {e:?}")))?;
+        let mut comms = Comms { world, groups: HashMap::new() };
+        let mut axis_sets: Vec<Vec<usize>> = program.instrs.iter().filter_map(|i| i.ints("grid_axes").ok()).map(|a| a.iter().map(|&x| x as usize).collect()).collect();
+        axis_sets.sort();
+        axis_sets.dedup();
+        for axes in axis_sets {
+            let group = mesh.group(bootstrap.rank, &axes);
+            let color = group.iter().copied().min().unwrap_or(0) as i32;
+            let key = group.iter().position(|&r| r == bootstrap.rank).unwrap_or(0) as i32;
+            let mut comm = std::ptr::null_mut();
+            // SAFETY: collective over the world communicator; every rank splits the same sets
+            // in the same (sorted) order.
+            unsafe { ns::ncclCommSplit(comms.world, color, key, &mut comm, std::ptr::null_mut()) }.result().map_err(|e| err(format!("ncclCommSplit: {e:?}")))?;
+            comms.groups.insert(axes, comm);
+        }
+        Ok(comms)
+    }
+
+    /// Nothing is queued outside the stream; present for symmetry with other backends.
+    pub fn synchronize(&self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
+    /// Runs one collective of this rank on `stream`. `staging` holds at least the group's
+    /// whole tensor; `copy_blocks` rearranges blocks on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        instr: &Instr,
+        rank: usize,
+        mesh: &MeshShape,
+        input: &Buffer,
+        output: &Buffer,
+        in_ptr: u64,
+        out_ptr: u64,
+        staging: u64,
+        stream: &CudaStream,
+        copy_blocks: impl Fn(u64, usize, u64, usize, usize, usize) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+        let comm = *self.groups.get(&axes).ok_or_else(|| err(format!("no communicator for axes {axes:?}")))?;
+        let group = mesh.group(rank, &axes);
+        let n = group.len();
+        let position = group.iter().position(|&r| r == rank).unwrap_or(0);
+        let ty = match input.dtype {
+            DType::F32 => ns::ncclDataType_t::ncclFloat32,
+            DType::F64 => ns::ncclDataType_t::ncclFloat64,
+            DType::I32 => ns::ncclDataType_t::ncclInt32,
+            DType::Bf16 => ns::ncclDataType_t::ncclBfloat16,
+        };
+        let es = input.dtype.bytes();
+        let s = stream.cu_stream() as ns::cudaStream_t;
+        let check = |r: Result<nr::NcclStatus, nr::NcclError>, what: &str| r.map(|_| ()).map_err(|e| err(format!("{what} on rank {rank}: {e:?}")));
+        let split = |axis: usize| -> (usize, usize) { (input.shape[..axis].iter().product(), input.shape[axis + 1..].iter().product::<usize>() * es) };
+        // SAFETY (all calls below): pointers into this rank's slots or the staging buffer,
+        // sized by the buffers' shapes; every rank of the group issues the same call.
+        match instr.op.as_str() {
+            "shard.all_reduce" => {
+                let op = if matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k == "max") { ns::ncclRedOp_t::ncclMax } else { ns::ncclRedOp_t::ncclSum };
+                check(unsafe { nr::all_reduce(in_ptr as *const _, out_ptr as *mut _, input.len(), ty, op, comm, s) }, "ncclAllReduce")
+            }
+            "shard.all_gather" => {
+                let axis = instr.int("gather_axis").map_err(err)? as usize;
+                let (outer, inner) = split(axis);
+                let block = input.shape[axis] * inner;
+                check(unsafe { nr::all_gather(in_ptr as *const _, staging as *mut _, input.len(), ty, comm, s) }, "ncclAllGather")?;
+                // staging is [n][local]; interleave along the axis.
+                for r in 0..n {
+                    copy_blocks(out_ptr + (r * block) as u64, output.shape[axis] * inner, staging + (r * input.len() * es) as u64, block, outer, block)?;
+                }
+                Ok(())
+            }
+            "shard.reduce_scatter" => {
+                let axis = instr.int("scatter_axis").map_err(err)? as usize;
+                let (outer, inner) = split(axis);
+                let block = output.shape[axis] * inner;
+                for r in 0..n {
+                    copy_blocks(staging + (r * output.len() * es) as u64, block, in_ptr + (r * block) as u64, input.shape[axis] * inner, outer, block)?;
+                }
+                check(unsafe { nr::reduce_scatter(staging as *const _, out_ptr as *mut _, output.len(), ty, ns::ncclRedOp_t::ncclSum, comm, s) }, "ncclReduceScatter")
+            }
+            "shard.all_slice" => {
+                let axis = instr.int("slice_axis").map_err(err)? as usize;
+                let (outer, inner) = split(axis);
+                let block = output.shape[axis] * inner;
+                copy_blocks(out_ptr, block, in_ptr + (position * block) as u64, input.shape[axis] * inner, outer, block)
+            }
+            "shard.broadcast" => {
+                let root = instr.ints("root").map_err(err)?;
+                let extents: Vec<usize> = axes.iter().map(|&a| mesh.0[a]).collect();
+                let root = root.iter().zip(&extents).fold(0usize, |acc, (&r, &e)| acc * e + r as usize);
+                check(unsafe { nr::broadcast(in_ptr as *const _, out_ptr as *mut _, input.len(), ty, root as i32, comm, s) }, "ncclBroadcast")
+            }
+            other => Err(err(format!("`{other}` is not supported over NCCL"))),
+        }
+    }
+}
+
+impl Drop for Comms {
+    fn drop(&mut self) {
+        for comm in self.groups.values() {
+            // SAFETY: communicators this struct created.
+            let _ = unsafe { nr::comm_destroy(*comm) };
+        }
+        // SAFETY: as above.
+        let _ = unsafe { nr::comm_destroy(self.world) };
+    }
+}
