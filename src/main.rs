@@ -71,6 +71,10 @@ enum Command {
         /// Write the compiled plan (rank programs with their memory plans) as JSON.
         #[arg(short, long, value_name = "FILE")]
         output: Option<PathBuf>,
+        /// Code for: cpu (rank programs only) or cuda (plus each training step's CUDA
+        /// module and device calls, for `--backend cuda` and the runtime-only binary).
+        #[arg(long, default_value = "cpu")]
+        target: String,
         #[command(flatten)]
         step: StepArgs,
     },
@@ -157,8 +161,8 @@ fn main() -> Result<()> {
             print!("{}", print_module(&cx, &module, style).into_diagnostic()?);
             Ok(())
         }
-        Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output, step } => {
-            compile(&spec, &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref(), &step)
+        Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output, target, step } => {
+            compile(&spec, &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref(), &target, &step)
         }
         Command::Explain { spec, mesh, step } => explain(&spec, &mesh, &step),
         Command::Run(args) => train::run(&args),
@@ -231,8 +235,12 @@ fn compile(
     print_after: &[String],
     dump_dir: Option<&Path>,
     output: Option<&Path>,
+    target: &str,
     step: &StepArgs,
 ) -> Result<()> {
+    if !matches!(target, "cpu" | "cuda") {
+        return Err(miette!(help = "use --target cpu or --target cuda", "unknown target `{target}`"));
+    }
     let spec = step.load_spec(spec_path)?;
     let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);
@@ -282,6 +290,12 @@ fn compile(
         // One program per pipeline rank, each with its items of the schedule.
         programs.extend(shardc_codegen::lower_pipeline(&module, &grid, &schedule).into_diagnostic()?);
     }
+    if target == "cuda" {
+        // Device code for the training step (pipeline ranks run on the CPU backend only).
+        for program in programs.iter_mut().filter(|p| p.name == "train_step") {
+            *program = shardc_codegen::device::with_device_plan(program.clone()).into_diagnostic()?;
+        }
+    }
     let mut summary = Summary::of(&spec, &module, &programs);
     {
         // The step the estimate prices: the pipeline ranks' programs, or the training step.
@@ -307,6 +321,9 @@ fn compile(
     }
     println!("shardc: compiled {} ({})", spec.name, spec_path.display());
     print!("{}", summary.render(&spec, &mesh, &report.passes.iter().map(|p| p.name).collect::<Vec<_>>()));
+    for plan in programs.iter().filter_map(|p| p.device.as_ref()) {
+        println!("  device      {}", summary::device_line(plan));
+    }
     if let Some(path) = output {
         let plan = PlanFile { format_version: 1, spec, mesh, passes: names.iter().map(|n| n.to_string()).collect(), summary, programs };
         let json = serde_json::to_string(&plan).into_diagnostic()?;

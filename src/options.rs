@@ -19,6 +19,9 @@ pub struct StepArgs {
     /// Override the spec's training.micro_batch.
     #[arg(long)]
     pub micro_batch: Option<u64>,
+    /// Override the spec's model.dtype: f32, bf16 (accelerators only) or f64.
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Activation recomputation: none, full or selective-attention.
     #[arg(long, default_value = "none")]
     pub recompute: String,
@@ -178,6 +181,14 @@ impl StepArgs {
         }
         if let Some(mb) = self.micro_batch {
             spec.training.micro_batch = mb;
+        }
+        if let Some(dtype) = &self.dtype {
+            spec.model.dtype = match dtype.as_str() {
+                "f32" => spec::SpecDType::F32,
+                "bf16" => spec::SpecDType::Bf16,
+                "f64" => spec::SpecDType::F64,
+                other => return Err(miette!(help = "use f32, bf16 or f64", "--dtype: unknown element type `{other}`")),
+            };
         }
         let errors = spec::check(&spec);
         if let Some(e) = errors.first() {

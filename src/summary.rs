@@ -414,3 +414,19 @@ fn communication(program: &shardc_runtime::Program) -> Vec<CommSummary> {
     }
     groups.into_iter().map(|((op, axes), (count, bytes))| CommSummary { op, axes, count, bytes }).collect()
 }
+
+/// One line about a program's device code: launches, fusion, GEMMs, module size.
+pub fn device_line(plan: &shardc_runtime::program::DevicePlan) -> String {
+    use shardc_runtime::program::DeviceCall;
+    let calls = plan.calls.iter().flatten();
+    let launches = calls.clone().filter(|c| matches!(c, DeviceCall::Launch { .. })).count();
+    let fused = calls.clone().filter(|c| matches!(c, DeviceCall::Fused { .. })).count();
+    let gemms = calls.clone().filter(|c| matches!(c, DeviceCall::Gemm(_))).count();
+    let collectives = calls.filter(|c| matches!(c, DeviceCall::Runtime)).count();
+    format!(
+        "cuda ({:?}): {launches} kernel launches ({fused} element-wise ops fused into others), {gemms} cuBLAS GEMMs, {collectives} collectives; module {}, scratch {}",
+        plan.dtype,
+        bytes(plan.source.len() as u64),
+        bytes(plan.workspace_bytes as u64)
+    )
+}

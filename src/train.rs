@@ -84,8 +84,12 @@ pub fn compile_pipeline_programs(spec: &Spec, step: &StepArgs, mesh: shardc_ir::
 fn check_backend(backend: &str) -> Result<()> {
     match backend {
         "cpu" => Ok(()),
-        "cuda" => Err(miette!(help = "run on the CPU backend (the default), or see issue 8 for the CUDA backend", "the CUDA backend is not built into this shardc")),
-        other => Err(miette!(help = "use --backend cpu", "unknown backend `{other}`")),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err(miette!("the CUDA backend is not built into this shardc: rebuild with `--features cuda` (no CUDA toolkit is needed to build)")),
+        // Fails before any compiling when there is no GPU, driver or CUDA library.
+        #[cfg(feature = "cuda")]
+        "cuda" => shardc_runtime::cuda::check_available().map_err(|e| miette!("{e}")),
+        other => Err(miette!(help = "use --backend cpu or --backend cuda", "unknown backend `{other}`")),
     }
 }
 
@@ -96,6 +100,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let problems = mesh.check(&spec);
     if !problems.is_empty() {
         return Err(crate::report::mesh_report(problems));
+    }
+    #[cfg(feature = "cuda")]
+    if args.backend == "cuda" {
+        return run_cuda(args, &spec, mesh);
     }
     if args.step.compile_options(&spec, mesh)?.pipeline.is_some() {
         return run_pipelined(args, &spec, mesh);
@@ -335,6 +343,37 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     if let Some(path) = &args.trace {
         std::fs::write(path, shardc_runtime::schedule::trace_json(&run.timeline)).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
         println!("  trace       {} (open in Perfetto or chrome://tracing)", path.display());
+    }
+    Ok(())
+}
+
+/// `shardc run --backend cuda`: the training step's device plan on one GPU (every rank of the
+/// mesh on it), or one rank per process over NCCL when `RANK`/`WORLD_SIZE` are set.
+#[cfg(feature = "cuda")]
+fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+    use shardc_runtime::cuda::{self, Placement};
+    if args.step.compile_options(spec, mesh)?.pipeline.is_some() {
+        return Err(miette!(help = "use dp and tp with --backend cuda, or run the pipeline on the CPU backend", "pipeline stages run on the CPU backend only"));
+    }
+    let program = shardc_codegen::device::with_device_plan(compile_train_step_on(spec, &args.step, mesh)?).into_diagnostic()?;
+    let placement = if std::env::var_os("RANK").is_some() { Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?) } else { Placement::SingleDevice { device: 0 } };
+    let data_path = args.data.clone().unwrap_or_else(default_corpus);
+    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
+    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+    println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps", spec.name, args.steps);
+    let run = cuda::train(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, &placement).into_diagnostic()?;
+    let tokens = spec.training.micro_batch * spec.seq_len();
+    for (step, loss) in run.losses.iter().enumerate() {
+        if args.log_every > 0 && (step as u64 + 1) % args.log_every == 0 {
+            println!("step {} loss {loss:.6}", step + 1);
+        }
+    }
+    if let (Some(first), Some(last)) = (run.losses.first(), run.losses.last()) {
+        let timed = &run.step_seconds[run.step_seconds.len().min(1)..];
+        let per_step = if timed.is_empty() { run.step_seconds[0] } else { timed.iter().sum::<f64>() / timed.len() as f64 };
+        println!("  device      {}", run.device);
+        println!("  loss        {first:.4} at step 1 -> {last:.4} at step {}", run.losses.len());
+        println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
     }
     Ok(())
 }

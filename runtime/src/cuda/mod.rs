@@ -35,7 +35,7 @@ fn err(message: impl Into<String>) -> RuntimeError {
 pub fn check_available() -> Result<(), RuntimeError> {
     // SAFETY: only tries to dlopen the libraries.
     if !unsafe { dsys::is_culib_present() } {
-        return Err(err("no CUDA driver: libcuda.so could not be loaded (is this a machine with an NVIDIA GPU and driver?)"));
+        return Err(err("no CUDA driver (libcuda.so) on this machine"));
     }
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(err("NVRTC (libnvrtc.so.13) was not found: put the CUDA 13 libraries on LD_LIBRARY_PATH (pip's nvidia-cuda-nvrtc has them under nvidia/cu13/lib)"));
@@ -360,53 +360,9 @@ impl CudaExecutor {
         }
     }
 
-    /// A row-major GEMM as cuBLAS's column-major one: `C^T = op(B)^T op(A)^T`.
+    /// A row-major GEMM of this rank's buffers.
     fn gemm(&self, local: usize, g: &GemmCall) -> Result<(), RuntimeError> {
-        use cudarc::cublas::sys::{cublasComputeType_t as Compute, cublasOperation_t as Op, cudaDataType as Ty};
-        let (a, b, c) = (self.buffer_ptr(local, g.a), self.buffer_ptr(local, g.b), self.buffer_ptr(local, g.c));
-        let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
-        let (ty, compute) = match self.plan.dtype {
-            DType::Bf16 => (Ty::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F),
-            DType::F64 => (Ty::CUDA_R_64F, Compute::CUBLAS_COMPUTE_64F),
-            _ => (Ty::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F),
-        };
-        let (alpha32, beta32, alpha64, beta64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
-        let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = if self.plan.dtype == DType::F64 {
-            (&alpha64 as *const f64 as *const _, &beta64 as *const f64 as *const _)
-        } else {
-            (&alpha32 as *const f32 as *const _, &beta32 as *const f32 as *const _)
-        };
-        let int = |v: usize| i32::try_from(v).map_err(|_| err(format!("GEMM dimension {v} exceeds cuBLAS's 32-bit range")));
-        // SAFETY: pointers into this rank's slots, which hold the operands with the strides
-        // the plan states; alpha/beta outlive the (stream-ordered, host-scalar) call.
-        unsafe {
-            cudarc::cublas::result::gemm_strided_batched_ex(
-                *self.blas.handle(),
-                op(g.transpose_b),
-                op(g.transpose_a),
-                int(g.n)?,
-                int(g.m)?,
-                int(g.k)?,
-                alpha,
-                b as *const _,
-                ty,
-                int(g.ldb)?,
-                g.stride_b as i64,
-                a as *const _,
-                ty,
-                int(g.lda)?,
-                g.stride_a as i64,
-                beta,
-                c as *mut _,
-                ty,
-                int(g.ldc)?,
-                g.stride_c as i64,
-                int(g.batch)?,
-                compute,
-                cudarc::cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| err(format!("cuBLAS GEMM {}x{}x{}: {e:?}", g.m, g.n, g.k)))
+        gemm_raw(&self.blas, self.plan.dtype, g, self.buffer_ptr(local, g.a), self.buffer_ptr(local, g.b), self.buffer_ptr(local, g.c))
     }
 
     /// `dst[o * dst_stride + j] = src[o * src_stride + j]` over bytes.
@@ -679,4 +635,88 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
         }
     }
     Ok(CudaRun { losses, parameters, step_seconds, device: exec.device_name() })
+}
+
+/// Measures cuBLAS on one square GEMM (`size`^3, `dtype` operands, fp32 accumulation):
+/// TFLOP/s over `iterations` calls after a warm-up. The reference the GPU check compares
+/// achieved throughput with.
+pub fn gemm_peak(device: usize, size: usize, dtype: DType, iterations: usize) -> Result<f64, RuntimeError> {
+    check_available()?;
+    let ctx = CudaContext::new(device).map_err(|e| err(format!("{e:?}")))?;
+    // SAFETY: raw pointers only.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.default_stream();
+    let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(|e| err(format!("cuBLAS: {e:?}")))?;
+    let bytes = size * size * dtype.bytes();
+    let (a, b, c) = (DeviceMemory::new(bytes)?, DeviceMemory::new(bytes)?, DeviceMemory::new(bytes)?);
+    for m in [&a, &b, &c] {
+        // SAFETY: whole allocations.
+        unsafe { drv::memset_d8_async(m.ptr, 0, m.bytes, stream.cu_stream()) }.map_err(|e| err(format!("{e:?}")))?;
+    }
+    let call = GemmCall { a: 0, b: 1, c: 2, m: size, n: size, k: size, transpose_a: false, transpose_b: false, lda: size, ldb: size, ldc: size, stride_a: 0, stride_b: 0, stride_c: 0, batch: 1 };
+    let run = |times: usize| -> Result<(), RuntimeError> {
+        for _ in 0..times {
+            gemm_raw(&blas, dtype, &call, a.ptr, b.ptr, c.ptr)?;
+        }
+        stream.synchronize().map_err(|e| err(format!("{e:?}")))
+    };
+    run(3)?;
+    let began = std::time::Instant::now();
+    run(iterations.max(1))?;
+    let seconds = began.elapsed().as_secs_f64();
+    Ok(2.0 * (size as f64).powi(3) * iterations.max(1) as f64 / seconds / 1e12)
+}
+
+/// One row-major GEMM on raw pointers: `C^T = op(B)^T op(A)^T` in cuBLAS's column-major terms.
+fn gemm_raw(blas: &cudarc::cublas::CudaBlas, dtype: DType, g: &GemmCall, a: u64, b: u64, c: u64) -> Result<(), RuntimeError> {
+    use cudarc::cublas::sys::{cublasComputeType_t as Compute, cublasOperation_t as Op, cudaDataType as Ty};
+    let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+    let (ty, compute) = match dtype {
+        DType::Bf16 => (Ty::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F),
+        DType::F64 => (Ty::CUDA_R_64F, Compute::CUBLAS_COMPUTE_64F),
+        _ => (Ty::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F),
+    };
+    let (alpha32, beta32, alpha64, beta64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
+    let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = if dtype == DType::F64 {
+        (&alpha64 as *const f64 as *const _, &beta64 as *const f64 as *const _)
+    } else {
+        (&alpha32 as *const f32 as *const _, &beta32 as *const f32 as *const _)
+    };
+    let int = |v: usize| i32::try_from(v).map_err(|_| err(format!("GEMM dimension {v} exceeds cuBLAS's 32-bit range")));
+    // SAFETY: pointers to device memory holding the operands with the strides `g` states;
+    // alpha/beta are host scalars that outlive the call.
+    unsafe {
+        cudarc::cublas::result::gemm_strided_batched_ex(
+            *blas.handle(),
+            op(g.transpose_b),
+            op(g.transpose_a),
+            int(g.n)?,
+            int(g.m)?,
+            int(g.k)?,
+            alpha,
+            b as *const _,
+            ty,
+            int(g.ldb)?,
+            g.stride_b as i64,
+            a as *const _,
+            ty,
+            int(g.lda)?,
+            g.stride_a as i64,
+            beta,
+            c as *mut _,
+            ty,
+            int(g.ldc)?,
+            g.stride_c as i64,
+            int(g.batch)?,
+            compute,
+            cudarc::cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| err(format!("cuBLAS GEMM {}x{}x{}: {e:?}", g.m, g.n, g.k)))
+}
+
+/// FLOPs of a device plan's GEMMs (2 m n k per batch item): what the step's matrix products
+/// execute.
+pub fn gemm_flops(plan: &DevicePlan) -> f64 {
+    plan.calls.iter().flatten().map(|c| if let DeviceCall::Gemm(g) = c { 2.0 * (g.m * g.n * g.k * g.batch) as f64 } else { 0.0 }).sum()
 }
