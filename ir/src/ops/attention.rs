@@ -166,7 +166,22 @@ impl OpDef for AttentionGrad {
 }
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
-const ATTENTION_CUDA: &str = r#"// One block per (query row, batch x head): scores in shared memory, softmax, weighted values.
+const ATTENTION_CUDA: &str = r#"// p[j] = exp(q_i . k_j * scale - max) for the visible keys, by the whole block; the row's max
+// and sum of p come back (p is not normalised).
+__device__ void softmax_row(acc_t* p, const T* qi, const T* k, i64 visible, i64 d, acc_t scale, acc_t* mx_out, acc_t* sum_out) {
+  acc_t mx = NEG_INF, sum = 0;
+  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
+    acc_t dot = 0;
+    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[j * d + c]);
+    p[j] = dot * scale;
+    mx = fmax(mx, p[j]);
+  }
+  mx = block_max(mx);
+  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) { p[j] = exp(p[j] - mx); sum += p[j]; }
+  *mx_out = mx;
+  *sum_out = block_sum(sum);
+}
+// One block per (query row, batch x head): scores in shared memory, softmax, weighted values.
 extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
   extern __shared__ unsigned char shared_raw[];
   acc_t* p = (acc_t*)shared_raw;
@@ -174,16 +189,8 @@ extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T
   i64 kv = (b * hk + h / (hq / hk)) * s * d;
   const T* qi = q + (bh * s + i) * d;
   i64 visible = causal ? i + 1 : s;
-  acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0;
-  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
-    acc_t dot = 0;
-    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[kv + j * d + c]);
-    p[j] = dot * scale;
-    mx = fmax(mx, p[j]);
-  }
-  mx = block_max(mx);
-  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) { p[j] = exp(p[j] - mx); sum += p[j]; }
-  sum = block_sum(sum);
+  acc_t mx, sum;
+  softmax_row(p, qi, k + kv, visible, d, (acc_t)scale_, &mx, &sum);
   for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
     acc_t o = 0;
     for (i64 j = 0; j < visible; j++) o += p[j] * load(v[kv + j * d + c]);
@@ -200,16 +207,8 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
   const T* qi = q + (bh * s + i) * d;
   const T* doi = dout + (bh * s + i) * d;
   i64 visible = causal ? i + 1 : s;
-  acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0, rowdot = 0;
-  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
-    acc_t dot = 0;
-    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[kv + j * d + c]);
-    p[j] = dot * scale;
-    mx = fmax(mx, p[j]);
-  }
-  mx = block_max(mx);
-  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) { p[j] = exp(p[j] - mx); sum += p[j]; }
-  sum = block_sum(sum);
+  acc_t scale = (acc_t)scale_, mx, sum, rowdot = 0;
+  softmax_row(p, qi, k + kv, visible, d, scale, &mx, &sum);
   for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
     acc_t dot = 0;
     for (i64 c = 0; c < d; c++) dot += load(doi[c]) * load(v[kv + j * d + c]);

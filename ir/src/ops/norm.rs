@@ -239,11 +239,8 @@ fn norm_rule(x: &TensorTy, params: usize, with_dy: bool, x_results: usize, param
 }
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
-const NORM_CUDA: &str = r#"// One block per row: layernorm (centered, with beta) or rmsnorm (beta null).
-extern "C" __global__ void norm_rows(T* y, const T* x, const T* gamma, const T* beta, i64 rows, i64 n, double eps, i64 centered) {
-  i64 r = ROW_INDEX;
-  if (r >= rows) return;
-  const T* xr = x + r * n;
+const NORM_CUDA: &str = r#"// A row's mean (0 unless centered) and 1 / sqrt(variance + eps), by the whole block.
+__device__ void row_stats(const T* xr, i64 n, double eps, i64 centered, acc_t* mean_out, acc_t* rstd_out) {
   acc_t mean = 0, q = 0;
   if (centered) {
     acc_t s = 0;
@@ -251,7 +248,16 @@ extern "C" __global__ void norm_rows(T* y, const T* x, const T* gamma, const T* 
     mean = block_sum(s) / (acc_t)n;
   }
   for (i64 j = threadIdx.x; j < n; j += blockDim.x) { acc_t v = load(xr[j]) - mean; q += v * v; }
-  acc_t rstd = (acc_t)1 / sqrt(block_sum(q) / (acc_t)n + (acc_t)eps);
+  *mean_out = mean;
+  *rstd_out = (acc_t)1 / sqrt(block_sum(q) / (acc_t)n + (acc_t)eps);
+}
+// One block per row: layernorm (centered, with beta) or rmsnorm (beta null).
+extern "C" __global__ void norm_rows(T* y, const T* x, const T* gamma, const T* beta, i64 rows, i64 n, double eps, i64 centered) {
+  i64 r = ROW_INDEX;
+  if (r >= rows) return;
+  const T* xr = x + r * n;
+  acc_t mean, rstd;
+  row_stats(xr, n, eps, centered, &mean, &rstd);
   for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
     acc_t v = (load(xr[j]) - mean) * rstd * load(gamma[j]);
     if (beta) v += load(beta[j]);
@@ -264,14 +270,8 @@ extern "C" __global__ void norm_grad_rows(T* dx, acc_t* stats, const T* x, const
   if (r >= rows) return;
   const T* xr = x + r * n;
   const T* dyr = dy + r * n;
-  acc_t mean = 0, q = 0;
-  if (centered) {
-    acc_t s = 0;
-    for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += load(xr[j]);
-    mean = block_sum(s) / (acc_t)n;
-  }
-  for (i64 j = threadIdx.x; j < n; j += blockDim.x) { acc_t v = load(xr[j]) - mean; q += v * v; }
-  acc_t rstd = (acc_t)1 / sqrt(block_sum(q) / (acc_t)n + (acc_t)eps);
+  acc_t mean, rstd;
+  row_stats(xr, n, eps, centered, &mean, &rstd);
   acc_t g_sum = 0, gx_sum = 0;
   for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
     acc_t g = load(dyr[j]) * load(gamma[j]);

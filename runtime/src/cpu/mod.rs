@@ -427,9 +427,14 @@ impl CpuExecutor {
 
 /// The rank facts an instruction's kernel needs.
 fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<RankCx, String> {
-    let mut cx = RankCx::default();
-    // A table split along its rows (embedding) or logits along their last dim (vocab-parallel
-    // cross-entropy): this rank's first index and the whole extent.
+    Ok(RankCx { rows: split_rows(instr, program, mesh, rank) })
+}
+
+/// For a table split along its rows (embedding) or logits along their last dimension
+/// (vocab-parallel cross-entropy): this rank's first index and the whole extent. Every
+/// backend reads it the same way.
+pub fn split_rows(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Option<(usize, usize)> {
+    let mut found = None;
     for (attr, last_dim) in [("xf.row_split_axes", false), ("xf.vocab_split_axes", true)] {
         if let Ok(axes) = instr.ints(attr) {
             let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
@@ -437,10 +442,10 @@ fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> R
             let position = group.iter().position(|&r| r == rank).unwrap_or(0);
             let shape = &program.buffers[instr.inputs[0]].shape;
             let rows = if last_dim { *shape.last().unwrap_or(&1) } else { shape[0] };
-            cx.rows = Some((position * rows, rows * group.len()));
+            found = Some((position * rows, rows * group.len()));
         }
     }
-    Ok(cx)
+    found
 }
 
 /// A gradient bucket on the wire: its ticket and where its members' values go back.

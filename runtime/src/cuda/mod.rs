@@ -15,12 +15,15 @@
 
 #![allow(unsafe_code)]
 
+pub mod device;
+pub mod emulate;
 pub mod nccl;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use cudarc::driver::{result as drv, sys as dsys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys as dsys, CudaContext};
+
+use device::{ColumnMajorGemm, Device, KernelValue};
 
 use crate::collectives::MeshShape;
 use crate::program::{Attr, DeviceCall, DevicePlan, GemmCall, Instr, KernelArg, Program, Role};
@@ -64,32 +67,11 @@ pub fn compile_ptx(source: &str) -> Result<String, RuntimeError> {
     }
 }
 
-/// Device memory: one allocation, freed on drop.
-struct DeviceMemory {
-    ptr: dsys::CUdeviceptr,
-    bytes: usize,
-}
-
-impl DeviceMemory {
-    fn new(bytes: usize) -> Result<DeviceMemory, RuntimeError> {
-        // SAFETY: a fresh allocation of at least one byte on the current context.
-        let ptr = unsafe { drv::malloc_sync(bytes.max(1)) }.map_err(|e| err(format!("out of device memory allocating {bytes} bytes: {e:?}")))?;
-        Ok(DeviceMemory { ptr, bytes })
-    }
-}
-
-impl Drop for DeviceMemory {
-    fn drop(&mut self) {
-        // SAFETY: allocated by malloc_sync and not freed elsewhere.
-        let _ = unsafe { drv::free_sync(self.ptr) };
-    }
-}
-
-/// One rank's memory: its slots and scratch.
+/// One rank's memory on the device: (pointer, bytes) of each slot and of its scratch.
 struct RankMemory {
     rank: usize,
-    slots: Vec<DeviceMemory>,
-    workspace: DeviceMemory,
+    slots: Vec<(u64, usize)>,
+    workspace: (u64, usize),
 }
 
 /// Where the ranks of a program run.
@@ -102,6 +84,8 @@ pub enum Placement {
     },
     /// This process is one rank, on its own GPU, with NCCL (see [`nccl::Bootstrap`]).
     Nccl(nccl::Bootstrap),
+    /// Every rank on the CPU emulation of a device ([`emulate`]): tests without a GPU.
+    Emulated,
 }
 
 /// Runs a program on a GPU, keeping its arguments between runs.
@@ -109,15 +93,24 @@ pub struct CudaExecutor {
     program: Program,
     plan: DevicePlan,
     mesh: MeshShape,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    _module: Arc<CudaModule>,
-    functions: HashMap<String, CudaFunction>,
-    blas: cudarc::cublas::CudaBlas,
+    device: Box<dyn Device>,
     ranks: Vec<RankMemory>,
-    /// Scratch for collectives among ranks on this device.
-    staging: Option<DeviceMemory>,
+    /// Scratch for collectives among ranks on this device: (pointer, bytes).
+    staging: Option<(u64, usize)>,
     nccl: Option<nccl::Comms>,
+    /// Gradient buckets on the communication stream (NCCL): the event each `xf.wait` of the
+    /// bucket makes the compute stream wait for.
+    buckets: HashMap<i64, Vec<cudarc::driver::CudaEvent>>,
+}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        let mut pointers: Vec<u64> = self.ranks.iter().flat_map(|r| r.slots.iter().map(|s| s.0).chain([r.workspace.0])).collect();
+        pointers.extend(self.staging.map(|s| s.0));
+        for ptr in pointers {
+            self.device.free(ptr);
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaExecutor {
@@ -125,6 +118,9 @@ impl std::fmt::Debug for CudaExecutor {
         f.debug_struct("CudaExecutor").field("program", &self.program.name).field("ranks", &self.ranks.len()).finish()
     }
 }
+
+/// The prelude's kernels the executor itself launches.
+const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate"];
 
 /// Ops the device plan leaves to the runtime.
 const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "tensor.empty"];
@@ -145,54 +141,36 @@ impl CudaExecutor {
                 return Err(err(format!("`{}` (at {}) has no CUDA implementation", instr.op, instr.loc)));
             }
         }
-        check_available()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-        let (device, local_ranks, bootstrap) = match placement {
-            Placement::SingleDevice { device } => (*device, (0..mesh.ranks()).collect::<Vec<_>>(), None),
+        let mut kernels: Vec<String> = plan.calls.iter().flatten().filter_map(|c| if let DeviceCall::Launch { kernel, .. } = c { Some(kernel.clone()) } else { None }).collect();
+        kernels.extend(HELPERS.iter().map(|h| h.to_string()));
+        kernels.sort();
+        kernels.dedup();
+        let (mut device, local_ranks, bootstrap): (Box<dyn Device>, Vec<usize>, Option<nccl::Bootstrap>) = match placement {
+            Placement::SingleDevice { device } => (Box::new(device::Gpu::new(*device, &plan.source, &kernels)?), (0..mesh.ranks()).collect(), None),
+            Placement::Emulated => (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), (0..mesh.ranks()).collect(), None),
             Placement::Nccl(b) => {
                 if b.world != mesh.ranks() {
                     return Err(err(format!("WORLD_SIZE is {} but the program's mesh {:?} has {} ranks", b.world, mesh.0, mesh.ranks())));
                 }
-                (b.local_rank, vec![b.rank], Some(b.clone()))
+                (Box::new(device::Gpu::new(b.local_rank, &plan.source, &kernels)?), vec![b.rank], Some(b.clone()))
             }
         };
-        let count = CudaContext::device_count().map_err(|e| err(format!("{e:?}")))? as usize;
-        if device >= count {
-            return Err(err(format!("GPU {device} does not exist (this machine has {count})")));
-        }
-        let ctx = CudaContext::new(device).map_err(|e| err(format!("creating a context on GPU {device}: {e:?}")))?;
-        // SAFETY: this executor passes raw pointers only, so cudarc's per-slice events are unused.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
-        let ptx = compile_ptx(&plan.source)?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| err(format!("loading the module: {e:?}")))?;
-        let mut functions = HashMap::new();
-        for call in plan.calls.iter().flatten() {
-            if let DeviceCall::Launch { kernel, .. } = call {
-                if !functions.contains_key(kernel) {
-                    functions.insert(kernel.clone(), module.load_function(kernel).map_err(|e| err(format!("kernel `{kernel}`: {e:?}")))?);
-                }
-            }
-        }
-        for helper in ["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate"] {
-            functions.insert(helper.to_string(), module.load_function(helper).map_err(|e| err(format!("kernel `{helper}`: {e:?}")))?);
-        }
-        let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(|e| err(format!("cuBLAS: {e:?}")))?;
         let mut ranks = Vec::new();
         for rank in local_ranks {
-            let slots = program.memory.slots.iter().map(|&(len, dtype)| DeviceMemory::new(len * dtype.bytes())).collect::<Result<Vec<_>, _>>()?;
-            let memory = RankMemory { rank, slots, workspace: DeviceMemory::new(plan.workspace_bytes)? };
-            for slot in &memory.slots {
-                // SAFETY: the whole allocation, on this context.
-                unsafe { drv::memset_d8_async(slot.ptr, 0, slot.bytes, stream.cu_stream()) }.map_err(|e| err(format!("{e:?}")))?;
+            let mut slots = Vec::new();
+            for &(len, dtype) in &program.memory.slots {
+                let bytes = len * dtype.bytes();
+                slots.push((device.alloc(bytes)?, bytes));
             }
-            ranks.push(memory);
+            let workspace = (device.alloc(plan.workspace_bytes)?, plan.workspace_bytes);
+            ranks.push(RankMemory { rank, slots, workspace });
         }
         let nccl = match bootstrap {
             Some(b) => Some(nccl::Comms::new(&b, &program, &mesh)?),
             None => None,
         };
-        Ok(CudaExecutor { program, plan, mesh, ctx, stream, _module: module, functions, blas, ranks, staging: None, nccl })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new() })
     }
 
     /// The program.
@@ -205,17 +183,13 @@ impl CudaExecutor {
         self.ranks.iter().map(|r| r.rank).collect()
     }
 
-    /// The GPU's name and compute capability.
+    /// The device's name.
     pub fn device_name(&self) -> String {
-        let name = self.ctx.name().unwrap_or_else(|_| "GPU".into());
-        match self.ctx.compute_capability() {
-            Ok((major, minor)) => format!("{name} (sm_{major}{minor})"),
-            Err(_) => name,
-        }
+        self.device.name()
     }
 
-    fn buffer_ptr(&self, local: usize, buffer: usize) -> dsys::CUdeviceptr {
-        self.ranks[local].slots[self.program.buffers[buffer].slot].ptr
+    fn buffer_ptr(&self, local: usize, buffer: usize) -> u64 {
+        self.ranks[local].slots[self.program.buffers[buffer].slot].0
     }
 
     fn binding(&self, name: &str) -> Result<usize, RuntimeError> {
@@ -230,10 +204,7 @@ impl CudaExecutor {
         if b.len() != values.len() {
             return Err(RuntimeError::Binding(format!("`{name}` takes {} elements (shape {:?}), got {}", b.len(), b.shape, values.len())));
         }
-        let bytes = encode(values, b.dtype);
-        let ptr = self.buffer_ptr(local, buffer);
-        // SAFETY: the slot holds at least len elements of the buffer's type; synchronous copy.
-        unsafe { drv::memcpy_htod_sync(ptr, &bytes) }.map_err(|e| err(format!("{e:?}")))
+        self.device.upload(self.buffer_ptr(local, buffer), &encode(values, b.dtype))
     }
 
     /// Reads a named buffer of local rank `local` as f64.
@@ -241,9 +212,7 @@ impl CudaExecutor {
         let buffer = self.binding(name)?;
         let b = &self.program.buffers[buffer];
         let mut bytes = vec![0u8; b.len() * b.dtype.bytes()];
-        self.stream.synchronize().map_err(|e| err(format!("{e:?}")))?;
-        // SAFETY: reads the buffer's bytes from its slot.
-        unsafe { drv::memcpy_dtoh_sync(&mut bytes, self.buffer_ptr(local, buffer)) }.map_err(|e| err(format!("{e:?}")))?;
+        self.device.download(&mut bytes, self.buffer_ptr(local, buffer))?;
         Ok(decode(&bytes, b.dtype))
     }
 
@@ -259,22 +228,20 @@ impl CudaExecutor {
     }
 
     fn copy(&self, local: usize, from: usize, to: usize) -> Result<(), RuntimeError> {
-        let (src, dst) = (self.buffer_ptr(local, from), self.buffer_ptr(local, to));
-        if src == dst {
-            return Ok(());
-        }
         let b = &self.program.buffers[from];
-        // SAFETY: both slots hold the buffer; stream-ordered.
-        unsafe { drv::memcpy_dtod_async(dst, src, b.len() * b.dtype.bytes(), self.stream.cu_stream()) }.map_err(|e| err(format!("{e:?}")))
+        self.copy_raw(self.buffer_ptr(local, to), self.buffer_ptr(local, from), b.len() * b.dtype.bytes())
     }
 
-    /// Waits for the GPU.
-    pub fn synchronize(&self) -> Result<(), RuntimeError> {
-        self.stream.synchronize().map_err(|e| err(format!("{e:?}")))?;
-        if let Some(comms) = &self.nccl {
-            comms.synchronize()?;
+    fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<(), RuntimeError> {
+        if dst == src || bytes == 0 {
+            return Ok(());
         }
-        Ok(())
+        self.device.copy(dst, src, bytes)
+    }
+
+    /// Waits for the device.
+    pub fn synchronize(&self) -> Result<(), RuntimeError> {
+        self.device.synchronize()
     }
 
     /// Runs every instruction once on every local rank (in lockstep, so that collectives
@@ -282,6 +249,7 @@ impl CudaExecutor {
     pub fn run(&mut self) -> Result<(), RuntimeError> {
         for index in 0..self.program.instrs.len() {
             let calls = self.plan.calls[index].clone();
+            self.wait_for_bucket(index)?;
             for call in &calls {
                 let result = match call {
                     DeviceCall::Fused { .. } => Ok(()),
@@ -300,105 +268,64 @@ impl CudaExecutor {
     fn call(&self, index: usize, local: usize, call: &DeviceCall) -> Result<(), RuntimeError> {
         match call {
             DeviceCall::Launch { kernel, grid, block, shared_bytes, args } => {
-                let function = self.functions.get(kernel).ok_or_else(|| err(format!("kernel `{kernel}` is not in the module")))?;
                 let instr = &self.program.instrs[index];
-                let offset = rank_offset(instr, &self.program, &self.mesh, self.ranks[local].rank);
-                // Argument values live in these vectors while the launch reads them.
-                let mut pointers: Vec<u64> = Vec::new();
-                let mut ints: Vec<i64> = Vec::new();
-                let mut floats: Vec<f64> = Vec::new();
-                enum Slot {
-                    P(usize),
-                    I(usize),
-                    F(usize),
-                }
-                let mut order = Vec::with_capacity(args.len());
-                for arg in args {
-                    order.push(match arg {
-                        KernelArg::Buffer(b) => {
-                            pointers.push(self.buffer_ptr(local, *b));
-                            Slot::P(pointers.len() - 1)
-                        }
-                        KernelArg::Null => {
-                            pointers.push(0);
-                            Slot::P(pointers.len() - 1)
-                        }
-                        KernelArg::Workspace => {
-                            pointers.push(self.ranks[local].workspace.ptr);
-                            Slot::P(pointers.len() - 1)
-                        }
-                        KernelArg::Int(v) => {
-                            ints.push(*v);
-                            Slot::I(ints.len() - 1)
-                        }
-                        KernelArg::Float(v) => {
-                            floats.push(*v);
-                            Slot::F(floats.len() - 1)
-                        }
-                        KernelArg::RankOffset => {
-                            ints.push(offset as i64);
-                            Slot::I(ints.len() - 1)
-                        }
-                    });
-                }
-                let mut builder = self.stream.launch_builder(function);
-                for slot in &order {
-                    match slot {
-                        Slot::P(i) => builder.arg(&pointers[*i]),
-                        Slot::I(i) => builder.arg(&ints[*i]),
-                        Slot::F(i) => builder.arg(&floats[*i]),
-                    };
-                }
-                let config = LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (*block, 1, 1), shared_mem_bytes: *shared_bytes };
-                // SAFETY: the argument list was generated with the kernel's signature
-                // (pointers into this rank's slots, i64, f64), checked by codegen's tests.
-                unsafe { builder.launch(config) }.map(|_| ()).map_err(|e| err(format!("launching `{kernel}`: {e:?}")))
+                let offset = crate::cpu::split_rows(instr, &self.program, &self.mesh, self.ranks[local].rank).map_or(0, |(first, _)| first);
+                let values: Vec<KernelValue> = args
+                    .iter()
+                    .map(|arg| match arg {
+                        KernelArg::Buffer(b) => KernelValue::Ptr(self.buffer_ptr(local, *b)),
+                        KernelArg::Null => KernelValue::Ptr(0),
+                        KernelArg::Workspace => KernelValue::Ptr(self.ranks[local].workspace.0),
+                        KernelArg::Int(v) => KernelValue::I64(*v),
+                        KernelArg::Float(v) => KernelValue::F64(*v),
+                        KernelArg::RankOffset => KernelValue::I64(offset as i64),
+                    })
+                    .collect();
+                self.device.launch(kernel, *grid, *block, *shared_bytes, &values)
             }
-            DeviceCall::Gemm(g) => self.gemm(local, g),
+            DeviceCall::Gemm(g) => {
+                let (a, b, c) = (self.buffer_ptr(local, g.a), self.buffer_ptr(local, g.b), self.buffer_ptr(local, g.c));
+                self.device.gemm(self.plan.dtype, &ColumnMajorGemm::of(g, a, b, c))
+            }
             DeviceCall::Copy { from, to } => self.copy(local, *from, *to),
             DeviceCall::Fused { .. } | DeviceCall::Runtime => Ok(()),
         }
     }
 
-    /// A row-major GEMM of this rank's buffers.
-    fn gemm(&self, local: usize, g: &GemmCall) -> Result<(), RuntimeError> {
-        gemm_raw(&self.blas, self.plan.dtype, g, self.buffer_ptr(local, g.a), self.buffer_ptr(local, g.b), self.buffer_ptr(local, g.c))
-    }
-
     /// `dst[o * dst_stride + j] = src[o * src_stride + j]` over bytes.
     fn copy_blocks(&self, dst: u64, dst_stride: usize, src: u64, src_stride: usize, outer: usize, block: usize) -> Result<(), RuntimeError> {
         if outer == 1 || (dst_stride == block && src_stride == block) {
-            // SAFETY: contiguous ranges inside the caller's buffers.
-            return unsafe { drv::memcpy_dtod_async(dst, src, outer * block, self.stream.cu_stream()) }.map_err(|e| err(format!("{e:?}")));
+            return self.copy_raw(dst, src, outer * block);
         }
         let grid = (outer * block).div_ceil(256).clamp(1, 65_535) as u32;
-        // The helper takes (dst, dst_stride, src, src_stride, outer, block): pointers and
-        // integers interleave, so it is launched through its own argument order.
-        let function = self.functions.get("shardc_copy_blocks").ok_or_else(|| err("helper missing"))?;
-        let (ds, ss, o, b) = (dst_stride as i64, src_stride as i64, outer as i64, block as i64);
-        let mut builder = self.stream.launch_builder(function);
-        builder.arg(&dst).arg(&ds).arg(&src).arg(&ss).arg(&o).arg(&b);
-        let config = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the prelude's signature (u8*, i64, const u8*, i64, i64, i64).
-        unsafe { builder.launch(config) }.map(|_| ()).map_err(|e| err(format!("shardc_copy_blocks: {e:?}")))
+        let args = [KernelValue::Ptr(dst), KernelValue::I64(dst_stride as i64), KernelValue::Ptr(src), KernelValue::I64(src_stride as i64), KernelValue::I64(outer as i64), KernelValue::I64(block as i64)];
+        self.device.launch("shardc_copy_blocks", [grid, 1, 1], 256, 0, &args)
+    }
+
+    /// `dst += src` (or `max`) over `n` elements of the program's float type.
+    fn accumulate(&self, dst: u64, src: u64, n: usize, max: bool) -> Result<(), RuntimeError> {
+        let grid = n.div_ceil(256).clamp(1, 65_535) as u32;
+        let args = [KernelValue::Ptr(dst), KernelValue::Ptr(src), KernelValue::I64(n as i64), KernelValue::I32(max as i32)];
+        self.device.launch("shardc_accumulate", [grid, 1, 1], 256, 0, &args)
     }
 
     fn staging(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
-        if self.staging.as_ref().is_none_or(|s| s.bytes < bytes) {
-            self.stream.synchronize().map_err(|e| err(format!("{e:?}")))?;
-            self.staging = Some(DeviceMemory::new(bytes)?);
+        if self.staging.is_none_or(|s| s.1 < bytes) {
+            if let Some((ptr, _)) = self.staging.take() {
+                self.device.free(ptr);
+            }
+            self.staging = Some((self.device.alloc(bytes)?, bytes));
         }
-        Ok(self.staging.as_ref().map_or(0, |s| s.ptr))
+        Ok(self.staging.map_or(0, |s| s.0))
     }
 
     /// Runs a collective (or `tensor.empty`) of every local rank.
     fn collective(&mut self, index: usize) -> Result<(), RuntimeError> {
         let instr = self.program.instrs[index].clone();
         if instr.op == "tensor.empty" {
+            let b = &self.program.buffers[instr.outputs[0]];
             for local in 0..self.ranks.len() {
-                let b = &self.program.buffers[instr.outputs[0]];
-                // SAFETY: the output's bytes.
-                unsafe { drv::memset_d8_async(self.buffer_ptr(local, instr.outputs[0]), 0, b.len() * b.dtype.bytes(), self.stream.cu_stream()) }.map_err(|e| err(format!("{e:?}")))?;
+                self.device.zero(self.buffer_ptr(local, instr.outputs[0]), b.len() * b.dtype.bytes())?;
             }
             return Ok(());
         }
@@ -407,6 +334,9 @@ impl CudaExecutor {
         }
         let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
         let (input, output) = (self.program.buffers[instr.inputs[0]].clone(), self.program.buffers[instr.outputs[0]].clone());
+        if input.dtype == DType::I32 && matches!(instr.op.as_str(), "shard.all_reduce" | "shard.reduce_scatter") {
+            return Err(err("reductions of integer tensors are not supported on the GPU"));
+        }
         let es = input.dtype.bytes();
         let (in_shape, out_shape) = (input.shape.clone(), output.shape.clone());
         let (in_bytes, out_bytes) = (input.len() * es, output.len() * es);
@@ -421,20 +351,14 @@ impl CudaExecutor {
         }
         match instr.op.as_str() {
             "shard.all_reduce" | "shard.reduce_scatter" => {
-                let max = matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k == "max") as i32;
+                let max = matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k == "max");
                 let staging = self.staging(in_bytes)?;
                 for group in &groups {
-                    // Sum (or max) in rank order into the staging buffer, then hand out.
+                    // Sum (or max) in rank order into the staging buffer, then hand out:
+                    // every rank gets the same bits.
                     self.copy_raw(staging, self.buffer_ptr(group[0], instr.inputs[0]), in_bytes)?;
                     for &r in &group[1..] {
-                        let grid = input.len().div_ceil(256).clamp(1, 65_535) as u32;
-                        let function = self.functions.get("shardc_accumulate").ok_or_else(|| err("helper missing"))?;
-                        let (src, n) = (self.buffer_ptr(r, instr.inputs[0]), input.len() as i64);
-                        let mut builder = self.stream.launch_builder(function);
-                        builder.arg(&staging).arg(&src).arg(&n).arg(&max);
-                        let config = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-                        // SAFETY: the prelude's (T*, const T*, i64, int).
-                        unsafe { builder.launch(config) }.map(|_| ()).map_err(|e| err(format!("shardc_accumulate: {e:?}")))?;
+                        self.accumulate(staging, self.buffer_ptr(r, instr.inputs[0]), input.len(), max)?;
                     }
                     for (position, &r) in group.iter().enumerate() {
                         if instr.op == "shard.all_reduce" {
@@ -490,43 +414,49 @@ impl CudaExecutor {
         }
     }
 
-    fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<(), RuntimeError> {
-        if dst == src || bytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: callers pass ranges inside live allocations.
-        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(|e| err(format!("{e:?}")))
-    }
-
     fn collective_nccl(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
         let rank = self.ranks[0].rank;
         let (input, output) = (self.buffer_ptr(0, instr.inputs[0]), self.buffer_ptr(0, instr.outputs[0]));
         let in_buffer = self.program.buffers[instr.inputs[0]].clone();
         let out_buffer = self.program.buffers[instr.outputs[0]].clone();
         let staging = self.staging(in_buffer.len().max(out_buffer.len()) * in_buffer.dtype.bytes() * self.mesh.ranks())?;
+        let stream = self.device.stream().cloned().ok_or_else(|| err("NCCL needs a GPU stream"))?;
         let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
-        comms.run(instr, rank, &self.mesh, &in_buffer, &out_buffer, input, output, staging, &self.stream, |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))
+        let bucket = instr.int("xf.bucket").ok().filter(|_| instr.bool("xf.async").unwrap_or(false) && instr.op == "shard.all_reduce");
+        if let (Some(bucket), Some(comm_stream)) = (bucket, self.device.comm_stream().cloned()) {
+            // A gradient bucket member: its value moves to the output now (the input's slot
+            // may be reused at once), and the all-reduce runs in place on the communication
+            // stream while the compute stream goes on; the bucket's `xf.wait` joins them.
+            let bytes = in_buffer.len() * in_buffer.dtype.bytes();
+            self.copy_raw(output, input, bytes)?;
+            let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+            comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
+            comms.run(instr, rank, &self.mesh, &out_buffer, &out_buffer, output, output, staging, &comm_stream, |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))?;
+            let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+            self.buckets.entry(bucket).or_default().push(done);
+            return Ok(());
+        }
+        comms.run(instr, rank, &self.mesh, &in_buffer, &out_buffer, input, output, staging, &stream, |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))
+    }
+
+    /// Before an `xf.wait`: the compute stream waits for its bucket's all-reduces.
+    fn wait_for_bucket(&mut self, index: usize) -> Result<(), RuntimeError> {
+        let instr = &self.program.instrs[index];
+        if instr.op != "xf.wait" {
+            return Ok(());
+        }
+        let Some(events) = instr.int("xf.bucket").ok().and_then(|b| self.buckets.remove(&b)) else { return Ok(()) };
+        let stream = self.device.stream().cloned().ok_or_else(|| err("no GPU stream"))?;
+        for event in &events {
+            stream.wait(event).map_err(|e| err(format!("{e:?}")))?;
+        }
+        Ok(())
     }
 
     /// Bytes of device memory this executor holds (all local ranks).
     pub fn device_bytes(&self) -> usize {
-        self.ranks.iter().map(|r| r.slots.iter().map(|s| s.bytes).sum::<usize>() + r.workspace.bytes).sum()
+        self.ranks.iter().map(|r| r.slots.iter().map(|s| s.1).sum::<usize>() + r.workspace.1).sum()
     }
-}
-
-/// The first row of a split table this rank holds, as the CPU backend computes it.
-fn rank_offset(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> usize {
-    for (attr, last_dim) in [("xf.row_split_axes", false), ("xf.vocab_split_axes", true)] {
-        if let Ok(axes) = instr.ints(attr) {
-            let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
-            let group = mesh.group(rank, &axes);
-            let position = group.iter().position(|&r| r == rank).unwrap_or(0);
-            let shape = &program.buffers[instr.inputs[0]].shape;
-            let rows = if last_dim { *shape.last().unwrap_or(&1) } else { shape[0] };
-            return position * rows;
-        }
-    }
-    0
 }
 
 /// f64 values as the bytes of `dtype` (bf16 rounded to nearest even).
@@ -641,79 +571,29 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
 /// TFLOP/s over `iterations` calls after a warm-up. The reference the GPU check compares
 /// achieved throughput with.
 pub fn gemm_peak(device: usize, size: usize, dtype: DType, iterations: usize) -> Result<f64, RuntimeError> {
-    check_available()?;
-    let ctx = CudaContext::new(device).map_err(|e| err(format!("{e:?}")))?;
-    // SAFETY: raw pointers only.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.default_stream();
-    let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(|e| err(format!("cuBLAS: {e:?}")))?;
+    let mut gpu = device::Gpu::new(device, PRELUDE_ONLY, &[])?;
     let bytes = size * size * dtype.bytes();
-    let (a, b, c) = (DeviceMemory::new(bytes)?, DeviceMemory::new(bytes)?, DeviceMemory::new(bytes)?);
-    for m in [&a, &b, &c] {
-        // SAFETY: whole allocations.
-        unsafe { drv::memset_d8_async(m.ptr, 0, m.bytes, stream.cu_stream()) }.map_err(|e| err(format!("{e:?}")))?;
-    }
+    let (a, b, c) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?, gpu.alloc(bytes)?);
     let call = GemmCall { a: 0, b: 1, c: 2, m: size, n: size, k: size, transpose_a: false, transpose_b: false, lda: size, ldb: size, ldc: size, stride_a: 0, stride_b: 0, stride_c: 0, batch: 1 };
+    let gemm = ColumnMajorGemm::of(&call, a, b, c);
     let run = |times: usize| -> Result<(), RuntimeError> {
         for _ in 0..times {
-            gemm_raw(&blas, dtype, &call, a.ptr, b.ptr, c.ptr)?;
+            gpu.gemm(dtype, &gemm)?;
         }
-        stream.synchronize().map_err(|e| err(format!("{e:?}")))
+        gpu.synchronize()
     };
     run(3)?;
     let began = std::time::Instant::now();
     run(iterations.max(1))?;
     let seconds = began.elapsed().as_secs_f64();
+    for ptr in [a, b, c] {
+        gpu.free(ptr);
+    }
     Ok(2.0 * (size as f64).powi(3) * iterations.max(1) as f64 / seconds / 1e12)
 }
 
-/// One row-major GEMM on raw pointers: `C^T = op(B)^T op(A)^T` in cuBLAS's column-major terms.
-fn gemm_raw(blas: &cudarc::cublas::CudaBlas, dtype: DType, g: &GemmCall, a: u64, b: u64, c: u64) -> Result<(), RuntimeError> {
-    use cudarc::cublas::sys::{cublasComputeType_t as Compute, cublasOperation_t as Op, cudaDataType as Ty};
-    let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
-    let (ty, compute) = match dtype {
-        DType::Bf16 => (Ty::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F),
-        DType::F64 => (Ty::CUDA_R_64F, Compute::CUBLAS_COMPUTE_64F),
-        _ => (Ty::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F),
-    };
-    let (alpha32, beta32, alpha64, beta64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
-    let (alpha, beta): (*const std::ffi::c_void, *const std::ffi::c_void) = if dtype == DType::F64 {
-        (&alpha64 as *const f64 as *const _, &beta64 as *const f64 as *const _)
-    } else {
-        (&alpha32 as *const f32 as *const _, &beta32 as *const f32 as *const _)
-    };
-    let int = |v: usize| i32::try_from(v).map_err(|_| err(format!("GEMM dimension {v} exceeds cuBLAS's 32-bit range")));
-    // SAFETY: pointers to device memory holding the operands with the strides `g` states;
-    // alpha/beta are host scalars that outlive the call.
-    unsafe {
-        cudarc::cublas::result::gemm_strided_batched_ex(
-            *blas.handle(),
-            op(g.transpose_b),
-            op(g.transpose_a),
-            int(g.n)?,
-            int(g.m)?,
-            int(g.k)?,
-            alpha,
-            b as *const _,
-            ty,
-            int(g.ldb)?,
-            g.stride_b as i64,
-            a as *const _,
-            ty,
-            int(g.lda)?,
-            g.stride_a as i64,
-            beta,
-            c as *mut _,
-            ty,
-            int(g.ldc)?,
-            g.stride_c as i64,
-            int(g.batch)?,
-            compute,
-            cudarc::cublas::sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|e| err(format!("cuBLAS GEMM {}x{}x{}: {e:?}", g.m, g.n, g.k)))
-}
+/// A module with no kernels, for a device used only for cuBLAS.
+const PRELUDE_ONLY: &str = "extern \"C\" __global__ void shardc_nothing() {}\n";
 
 /// FLOPs of a device plan's GEMMs (2 m n k per batch item): what the step's matrix products
 /// execute.
