@@ -7,7 +7,9 @@
 //! * `bench MANIFEST`: times each workload's training step and cuBLAS on a large GEMM, and
 //!   prints achieved TFLOP/s against that measured peak.
 //!
-//! Exit status 1 when a case does not match (or anything fails).
+//! Exit status 1 when a case does not match (or anything fails). With
+//! `SHARDC_GPU_EMULATE=1` the device is the CPU emulation (for trying the check without a
+//! GPU; slow beyond tiny models).
 
 use std::path::{Path, PathBuf};
 
@@ -56,7 +58,10 @@ fn main() {
     let result = match args.as_slice() {
         [command, manifest] if command == "check" => load(manifest).and_then(|(m, dir)| check(&m, &dir)),
         [command, manifest] if command == "bench" => load(manifest).and_then(|(m, dir)| bench(&m, &dir)),
-        [command] if command == "available" => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
+        [command] if command == "available" => match placement() {
+            Placement::Emulated => Ok(true),
+            _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
+        },
         _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | available".into()),
     };
     match result {
@@ -67,6 +72,11 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// The GPU, or its CPU emulation when `SHARDC_GPU_EMULATE=1`.
+fn placement() -> Placement {
+    if std::env::var("SHARDC_GPU_EMULATE").is_ok_and(|v| v == "1") { Placement::Emulated } else { Placement::SingleDevice { device: 0 } }
 }
 
 fn load(path: &str) -> Result<(Manifest, PathBuf), String> {
@@ -124,14 +134,14 @@ fn check(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
         let (program, reference) = (train_step(&dir.join(&case.program))?, train_step(&dir.join(&case.reference))?);
         let corpus = corpus(manifest, dir, &program)?;
         let layers = layers(&program);
-        let gpu = cuda::train(&program, 0, layers, &corpus, case.steps, &Placement::SingleDevice { device: 0 }).map_err(|e| format!("{}: {e}", case.name))?;
+        let gpu = cuda::train(&program, 0, layers, &corpus, case.steps, &placement()).map_err(|e| format!("{}: {e}", case.name))?;
         let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps)?;
         let loss_rel = cpu_losses.iter().zip(&gpu.losses).map(|(c, g)| (c - g).abs() / c.abs().max(1e-12)).fold(0.0, f64::max);
         let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.iter().all(|l| l.is_finite());
         let mut grad_text = "n/a".to_string();
         if let Some(tolerance) = case.gradient_tolerance {
             // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
-            let gpu_one = cuda::train(&program, 0, layers, &corpus, 1, &Placement::SingleDevice { device: 0 }).map_err(|e| format!("{}: {e}", case.name))?;
+            let gpu_one = cuda::train(&program, 0, layers, &corpus, 1, &placement()).map_err(|e| format!("{}: {e}", case.name))?;
             let (_, cpu_one) = cpu_run(&reference, &corpus, 1)?;
             let mut worst = (0.0f64, String::new());
             for (name, shape, after_gpu) in &gpu_one.parameters {
@@ -172,7 +182,7 @@ fn bench(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
         let program = train_step(&dir.join(&w.program))?;
         let plan = program.device.clone().ok_or("the plan has no device code")?;
         let corpus = corpus(manifest, dir, &program)?;
-        let run = cuda::train(&program, 0, layers(&program), &corpus, w.steps.max(2), &Placement::SingleDevice { device: 0 }).map_err(|e| format!("{}: {e}", w.name))?;
+        let run = cuda::train(&program, 0, layers(&program), &corpus, w.steps.max(2), &placement()).map_err(|e| format!("{}: {e}", w.name))?;
         // The first step compiles nothing but warms caches and cuBLAS heuristics.
         let timed = &run.step_seconds[1..];
         let mut sorted = timed.to_vec();

@@ -35,7 +35,11 @@ impl Bootstrap {
     /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default: `RANK`), `MASTER_ADDR` (default
     /// 127.0.0.1) and `MASTER_PORT` (default 29500).
     pub fn from_env() -> Result<Bootstrap, RuntimeError> {
-        let var = |name: &str| std::env::var(name).ok();
+        Bootstrap::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`Bootstrap::from_env`] over any source of variables.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Bootstrap, RuntimeError> {
         let number = |name: &str, value: Option<String>| -> Result<Option<usize>, RuntimeError> {
             value.map(|v| v.trim().parse::<usize>().map_err(|_| err(format!("{name}={v} is not a non-negative integer")))).transpose()
         };
