@@ -49,6 +49,17 @@ pub struct RunArgs {
     /// trace JSON (one track per pipeline rank).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
+    /// Save sharded checkpoints in DIR: one safetensors file per rank with its shards of the
+    /// parameters and optimizer state, and a manifest (spec, mesh, step, seed), atomically.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
+    /// Steps between checkpoints (default: one at the end of the run).
+    #[arg(long, value_name = "N")]
+    pub checkpoint_every: Option<u64>,
+    /// Continue from the latest checkpoint in DIR, under this run's mesh (any dp, tp, pp,
+    /// ZeRO stage): the shards are reassembled and cut again; `--steps` more steps run.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
 }
@@ -113,7 +124,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let program = compile_train_step(&spec, &args.step)?;
     let peak = program.peak_bytes();
-    let mut trainer = Trainer::new(program, args.seed, spec.model.layers as usize).into_diagnostic()?;
+    let mut checkpoints = Checkpoints::new(args, &spec)?;
+    let (resumed, seed) = checkpoints.resume(args)?;
+    let mut trainer = Trainer::new(program.clone(), seed, spec.model.layers as usize).into_diagnostic()?;
+    if let Some(state) = &resumed {
+        trainer.restore(state).into_diagnostic()?;
+    }
+    let first_step = resumed.as_ref().map_or(0, |s| s.step);
     if let Some(path) = &args.load {
         let bytes = std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
         let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
@@ -144,11 +161,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
             return Err(miette!(help = "lower --lr", "the loss became {loss} at step {step}"));
         }
         losses.push(loss);
+        if checkpoints.dir.is_some() && (step % checkpoints.every == 0 || step == args.steps) {
+            let state = trainer.state().into_diagnostic()?;
+            bar.suspend(|| checkpoints.save(&state, std::slice::from_ref(&program), seed))?;
+        }
         let tokens_per_s = (step as usize * trainer.tokens_per_step()) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {loss:.4}  {tokens_per_s:.0} tokens/s"));
         bar.inc(1);
         if args.log_every > 0 && step % args.log_every == 0 {
-            bar.suspend(|| println!("step {step} loss {loss:.6}"));
+            bar.suspend(|| println!("step {} loss {loss:.6}", first_step + step));
         }
     }
     bar.finish_and_clear();
@@ -246,6 +267,82 @@ fn torch_step(python: &Path, spec_path: &Path, spec: &Spec, steps: u64) -> Resul
 }
 
 /// `shardc run --mesh ...` with several ranks: one thread per rank.
+/// Prints `step N loss X` lines (with `--log-every`) and the loss summary.
+fn report_losses(args: &RunArgs, first_step: u64, losses: &[f64]) {
+    if args.log_every > 0 {
+        for (i, loss) in losses.iter().enumerate() {
+            let step = first_step + i as u64 + 1;
+            if step % args.log_every == 0 {
+                println!("step {step} loss {loss:.6}");
+            }
+        }
+    }
+    if let Some(first) = losses.first() {
+        let tail = &losses[losses.len().saturating_sub(10)..];
+        let last = tail.iter().sum::<f64>() / tail.len() as f64;
+        println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {:.1}% lower", first_step + 1, tail.len(), 100.0 * (1.0 - last / first));
+    }
+}
+
+/// Checkpoint and resume settings of a run.
+struct Checkpoints {
+    dir: Option<PathBuf>,
+    every: u64,
+    spec: serde_json::Value,
+    /// Fault injection (`SHARDC_FAULT_CHECKPOINT=N:R`): the N-th checkpoint of this run kills
+    /// the process after writing rank R's file.
+    fault: Option<(usize, usize)>,
+    saved: usize,
+}
+
+impl Checkpoints {
+    fn new(args: &RunArgs, spec: &Spec) -> Result<Checkpoints> {
+        let fault = match std::env::var("SHARDC_FAULT_CHECKPOINT") {
+            Ok(text) => {
+                let parsed = text.split_once(':').and_then(|(n, r)| Some((n.parse::<usize>().ok()?, r.parse::<usize>().ok()?)));
+                Some(parsed.ok_or_else(|| miette!("SHARDC_FAULT_CHECKPOINT={text}: expected CHECKPOINT:RANK, e.g. 2:1"))?)
+            }
+            Err(_) => None,
+        };
+        if args.checkpoint_every == Some(0) {
+            return Err(miette!(help = "give a positive number of steps", "--checkpoint-every 0"));
+        }
+        Ok(Checkpoints { dir: args.checkpoint.clone(), every: args.checkpoint_every.unwrap_or(args.steps.max(1)), spec: serde_json::to_value(&spec.model).into_diagnostic()?, fault, saved: 0 })
+    }
+
+    /// The run's starting state from `--resume`, checked against this spec; and its seed.
+    fn resume(&self, args: &RunArgs) -> Result<(Option<shardc_runtime::train::TrainState>, u64)> {
+        let Some(dir) = &args.resume else { return Ok((None, args.seed)) };
+        let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
+        if manifest.spec != self.spec {
+            return Err(miette!(help = "resume with the spec the checkpoint was trained with", "{}: the checkpoint was saved from another model", dir.display()));
+        }
+        println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
+        Ok((Some(state), manifest.seed))
+    }
+
+    /// Step counts of the segments between checkpoints.
+    fn segments(&self, steps: u64) -> Vec<u64> {
+        let every = if self.dir.is_some() { self.every } else { steps.max(1) };
+        let mut out = Vec::new();
+        let mut left = steps;
+        while left > 0 {
+            out.push(left.min(every));
+            left -= left.min(every);
+        }
+        out
+    }
+
+    fn save(&mut self, state: &shardc_runtime::train::TrainState, programs: &[Program], seed: u64) -> Result<()> {
+        let Some(dir) = &self.dir else { return Ok(()) };
+        self.saved += 1;
+        let abort = self.fault.filter(|(n, _)| *n == self.saved).map(|(_, rank)| rank);
+        let path = shardc_runtime::checkpoint::save_sharded(dir, state, programs, self.spec.clone(), seed, abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        println!("  checkpoint  step {} in {}", state.step, path.display());
+        Ok(())
+    }
+}
+
 fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     if args.load.is_some() || args.save.is_some() {
         return Err(miette!(help = "run without --mesh to load or save parameters", "--load and --save work on one rank for now"));
@@ -265,20 +362,18 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     let algorithm = collective_algorithm(&args.collectives)?;
     let start = Instant::now();
     let timeout = std::time::Duration::from_secs(60);
-    let run = shardc_runtime::train::train_spmd_with(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, timeout, algorithm).into_diagnostic()?;
-    if args.log_every > 0 {
-        for (i, loss) in run.losses.iter().enumerate() {
-            if (i as u64 + 1) % args.log_every == 0 {
-                println!("step {} loss {loss:.6}", i + 1);
-            }
-        }
+    let mut checkpoints = Checkpoints::new(args, spec)?;
+    let (mut state, seed) = checkpoints.resume(args)?;
+    let first_step = state.as_ref().map_or(0, |s| s.step);
+    let (mut losses, mut sent) = (Vec::new(), 0u64);
+    for segment in checkpoints.segments(args.steps) {
+        let run = shardc_runtime::train::train_spmd_from(&program, seed, spec.model.layers as usize, &corpus, segment, timeout, algorithm, state.as_ref()).into_diagnostic()?;
+        losses.extend(run.losses);
+        sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();
+        checkpoints.save(&run.state, std::slice::from_ref(&program), seed)?;
+        state = Some(run.state);
     }
-    if let (Some(first), Some(_)) = (run.losses.first(), run.losses.last()) {
-        let tail = &run.losses[run.losses.len().saturating_sub(10)..];
-        let last = tail.iter().sum::<f64>() / tail.len() as f64;
-        println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
-    }
-    let sent: u64 = run.bytes_sent.iter().flat_map(|m| m.values()).sum();
+    report_losses(args, first_step, &losses);
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     Ok(())
 }
@@ -315,24 +410,24 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
         crate::summary::bytes(peak as u64)
     );
     let start = Instant::now();
-    let run =
-        shardc_runtime::pipeline::train_pipeline(&programs, args.seed, spec.model.layers as usize, &corpus, args.steps, std::time::Duration::from_secs(60), algorithm).into_diagnostic()?;
-    if let Some(step) = run.losses.iter().position(|l| !l.is_finite()) {
-        return Err(miette!(help = "lower --lr", "the loss became {} at step {}", run.losses[step], step + 1));
+    let mut checkpoints = Checkpoints::new(args, spec)?;
+    let (mut state, seed) = checkpoints.resume(args)?;
+    let first_step = state.as_ref().map_or(0, |s| s.step);
+    let (mut losses, mut sent, mut last_run) = (Vec::new(), 0u64, None);
+    for segment in checkpoints.segments(args.steps) {
+        let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(60), algorithm, state.as_ref())
+            .into_diagnostic()?;
+        losses.extend(run.losses.iter().copied());
+        sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();
+        checkpoints.save(&run.state, &programs, seed)?;
+        state = Some(run.state.clone());
+        last_run = Some(run);
     }
-    if args.log_every > 0 {
-        for (i, loss) in run.losses.iter().enumerate() {
-            if (i as u64 + 1) % args.log_every == 0 {
-                println!("step {} loss {loss:.6}", i + 1);
-            }
-        }
+    if let Some(step) = losses.iter().position(|l| !l.is_finite()) {
+        return Err(miette!(help = "lower --lr", "the loss became {} at step {}", losses[step], first_step + step as u64 + 1));
     }
-    if let Some(first) = run.losses.first() {
-        let tail = &run.losses[run.losses.len().saturating_sub(10)..];
-        let last = tail.iter().sum::<f64>() / tail.len() as f64;
-        println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
-    }
-    let sent: u64 = run.bytes_sent.iter().flat_map(|m| m.values()).sum();
+    report_losses(args, first_step, &losses);
+    let Some(run) = last_run else { return Ok(()) };
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     println!(
         "  pipeline    measured bubble {:.1}% of the last step; activations held at most {:?} micro-batches, {} per pipeline rank",

@@ -454,3 +454,78 @@ fn compile_for_cuda_writes_device_code() {
     let bad = shardc(&["compile", "models/tiny.toml", "--target", "tpu"]);
     assert!(!bad.status.success() && stderr(&bad).contains("unknown target"), "{}", stderr(&bad));
 }
+
+/// `step N loss X` lines of a run, by step.
+fn losses_by_step(out: &Output) -> std::collections::BTreeMap<u64, f64> {
+    assert!(out.status.success(), "{}{}", stdout(out), stderr(out));
+    stdout(out)
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("step ")?;
+            let (step, loss) = rest.split_once(" loss ")?;
+            Some((step.parse().ok()?, loss.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+fn assert_same_losses(expected: &std::collections::BTreeMap<u64, f64>, got: &std::collections::BTreeMap<u64, f64>, what: &str) {
+    assert!(!got.is_empty(), "{what}: no losses");
+    for (step, loss) in got {
+        let want = expected[step];
+        assert!((loss - want).abs() <= 1e-5 * want.abs(), "{what}: step {step} loss {loss}, uninterrupted {want}");
+    }
+}
+
+/// Train 20 steps at dp=2,tp=2, checkpoint, resume at pp=2 and at dp=4: the next 20 steps'
+/// losses equal an uninterrupted 40-step run's.
+#[test]
+fn checkpoints_resume_under_another_mesh() {
+    let dir = std::env::temp_dir().join(format!("shardc-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ckpt = dir.join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let base = ["run", "models/tiny.toml", "--log-every", "1", "--seed", "3"];
+    let with = |extra: &[&str]| shardc(&[&base[..], extra].concat());
+    let uninterrupted = losses_by_step(&with(&["--mesh", "dp=2,tp=2", "--micro-batch", "4", "--steps", "40"]));
+    assert_eq!(uninterrupted.len(), 40);
+    let first = losses_by_step(&with(&["--mesh", "dp=2,tp=2", "--micro-batch", "4", "--steps", "20", "--checkpoint", ckpt]));
+    assert_same_losses(&uninterrupted, &first, "first 20 steps");
+    assert!(dir.join("ckpt/LATEST").exists() && dir.join("ckpt/step-00000020/rank-00003.safetensors").exists());
+    let pipelined = losses_by_step(&with(&["--mesh", "pp=2", "--micro-batch", "2", "--microbatches", "2", "--steps", "20", "--resume", ckpt]));
+    assert_eq!(pipelined.keys().copied().collect::<Vec<_>>(), (21..=40).collect::<Vec<u64>>());
+    assert_same_losses(&uninterrupted, &pipelined, "resumed at pp=2");
+    let data_parallel = losses_by_step(&with(&["--mesh", "dp=4", "--micro-batch", "4", "--steps", "20", "--resume", ckpt]));
+    assert_same_losses(&uninterrupted, &data_parallel, "resumed at dp=4");
+    // Optimizer state sharded by ZeRO on resume.
+    let zero = losses_by_step(&with(&["--mesh", "dp=4", "--zero", "1", "--micro-batch", "4", "--steps", "10", "--resume", ckpt]));
+    assert_same_losses(&uninterrupted, &zero, "resumed at dp=4 with ZeRO-1");
+    let single = losses_by_step(&with(&["--micro-batch", "4", "--steps", "5", "--resume", ckpt]));
+    assert_same_losses(&uninterrupted, &single, "resumed on one device");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A process killed in the middle of writing a checkpoint leaves the previous one loadable,
+/// and resuming from it continues the run exactly.
+#[test]
+fn a_crash_while_checkpointing_keeps_the_last_good_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("shardc-ckpt-crash-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ckpt = dir.join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let base = ["run", "models/tiny.toml", "--log-every", "1", "--mesh", "dp=2,tp=2", "--micro-batch", "4"];
+    let uninterrupted = losses_by_step(&shardc(&[&base[..], &["--steps", "20"]].concat()));
+    // The second checkpoint (step 20) dies after rank 1's file.
+    let crashed = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args([&base[..], &["--steps", "20", "--checkpoint-every", "10", "--checkpoint", ckpt_arg]].concat())
+        .current_dir(root())
+        .env("SHARDC_FAULT_CHECKPOINT", "2:1")
+        .output()
+        .unwrap();
+    assert!(!crashed.status.success(), "the injected fault did not stop the run");
+    assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000010");
+    assert!(!ckpt.join("step-00000020").exists());
+    let resumed = losses_by_step(&shardc(&[&base[..], &["--steps", "10", "--resume", ckpt_arg]].concat()));
+    assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (11..=20).collect::<Vec<u64>>());
+    assert_same_losses(&uninterrupted, &resumed, "resumed after the crash");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -73,3 +73,8 @@ fn assemble_from<T: Copy + Default>(shards: &[(usize, &[T])], layout: &Layout, m
     }
     out
 }
+
+/// The shape of every rank's shard.
+pub fn local_shape(layout: &Layout, mesh: &MeshShape) -> Vec<usize> {
+    layout.global_shape.iter().zip(parts(layout, mesh, 0)).map(|(&g, (n, _))| g / n.max(1)).collect()
+}

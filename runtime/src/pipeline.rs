@@ -42,6 +42,8 @@ pub struct PipelineRun {
     /// Gradient all-reduces each of those pipeline ranks started as soon as their chunk's
     /// backward work was done, in the last step (overlapping the rest of its work).
     pub early_syncs: Vec<usize>,
+    /// Where the run ended: every parameter and optimizer state, global.
+    pub state: crate::train::TrainState,
 }
 
 fn storage_bytes(values: &[Storage]) -> usize {
@@ -70,6 +72,23 @@ pub fn train_pipeline(
     timeout: Duration,
     algorithm: Algorithm,
 ) -> Result<PipelineRun, RuntimeError> {
+    train_pipeline_from(programs, seed, layers, corpus, steps, timeout, algorithm, None)
+}
+
+/// [`train_pipeline`] from a saved state (`None`: from the seed's initial parameters): runs
+/// steps `state.step + 1 ..= state.step + steps`.
+#[allow(clippy::too_many_arguments)]
+pub fn train_pipeline_from(
+    programs: &[Program],
+    seed: u64,
+    layers: usize,
+    corpus: &ByteCorpus,
+    steps: u64,
+    timeout: Duration,
+    algorithm: Algorithm,
+    start: Option<&crate::train::TrainState>,
+) -> Result<PipelineRun, RuntimeError> {
+    let first_step = start.map_or(0, |s| s.step);
     let first = programs.first().ok_or_else(|| RuntimeError::Program("no pipeline programs".into()))?;
     let schedule = &schedule_of(programs)?;
     if programs.len() != schedule.stages {
@@ -87,8 +106,8 @@ pub fn train_pipeline(
     let m = schedule.microbatches;
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
 
-    type RankResult = (Vec<f64>, HashMap<String, Vec<f64>>, BTreeMap<CollectiveKind, u64>, Vec<(Item, f64, f64)>, usize, usize);
-    let results: Vec<RankResult> = on_every_rank_of(programs, seed, layers, timeout, algorithm, |exec, mesh, rank| {
+    type RankResult = (Vec<f64>, HashMap<String, Vec<f64>>, BTreeMap<CollectiveKind, u64>, Vec<(Item, f64, f64)>, usize, usize, HashMap<String, Vec<f64>>);
+    let results: Vec<RankResult> = on_every_rank_of(programs, seed, layers, timeout, algorithm, start, |exec, mesh, rank| {
         let program = exec.program().clone();
         let plan = program.pipeline.clone().ok_or_else(|| RuntimeError::Program("not a pipeline rank".into()))?;
         let items = &schedule.ranks[plan.rank];
@@ -107,7 +126,7 @@ pub fn train_pipeline(
         let mut trace = Vec::new();
         let mut early_syncs = 0;
         let mut peak_kept = 0usize;
-        for step in 1..=steps {
+        for step in first_step + 1..=first_step + steps {
             let (t, g) = corpus.batch(seed, step, rows * m, seq);
             let micro = |data: &[i32], j: usize| data[j * rows * seq..(j + 1) * rows * seq].to_vec();
             if program.arg("step").is_some() {
@@ -189,7 +208,7 @@ pub fn train_pipeline(
         }
         let params: HashMap<String, Vec<f64>> =
             program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| Ok((a.name.clone(), read_f64(exec, &a.name)?))).collect::<Result<_, RuntimeError>>()?;
-        Ok((losses, params, exec.bytes_sent()?, trace, peak_kept, early_syncs))
+        Ok((losses, params, exec.bytes_sent()?, trace, peak_kept, early_syncs, crate::train::read_state(exec)?))
     })?;
 
     let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
@@ -229,7 +248,10 @@ pub fn train_pipeline(
             peak as usize
         })
         .collect();
+    let values: Vec<HashMap<String, Vec<f64>>> = results.iter().map(|r| r.6.clone()).collect();
+    let state = crate::train::TrainState::collect(programs, &mesh, &values, first_step + steps)?;
     Ok(PipelineRun {
+        state,
         losses: results[loss_rank].0.clone(),
         parameters,
         bytes_sent: results.iter().map(|r| r.2.clone()).collect(),

@@ -1,6 +1,8 @@
 //! A training loop over a compiled `train_step` program: parameters initialised (or loaded),
 //! optimizer state zeroed, one step per call on a batch from the corpus.
 
+use std::collections::HashMap;
+
 use crate::RuntimeError;
 use crate::cpu::CpuExecutor;
 use crate::data::ByteCorpus;
@@ -62,6 +64,24 @@ impl Trainer {
             .collect()
     }
 
+    /// Continues from a saved state: parameters and optimizer state replaced, the step
+    /// counter set (the next step is `state.step + 1`).
+    pub fn restore(&mut self, state: &TrainState) -> Result<(), RuntimeError> {
+        let args: Vec<(String, Vec<usize>)> = self.exec.program().args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))).map(|a| (a.name.clone(), self.exec.program().buffers[a.buffer].shape.clone())).collect();
+        for (name, shape) in args {
+            write_f64(&mut self.exec, &name, &state.global(&name, &shape)?)?;
+        }
+        self.step = state.step;
+        Ok(())
+    }
+
+    /// Where this run stands: steps taken, parameters and optimizer state.
+    pub fn state(&self) -> Result<TrainState, RuntimeError> {
+        let values = read_state(&self.exec)?;
+        let mesh = crate::collectives::MeshShape(vec![1]);
+        TrainState::collect(std::slice::from_ref(self.exec.program()), &mesh, &[values], self.step)
+    }
+
     /// Tokens per step.
     pub fn tokens_per_step(&self) -> usize {
         self.rows * self.seq
@@ -97,6 +117,60 @@ pub(crate) fn write_f64(exec: &mut CpuExecutor, name: &str, values: &[f64]) -> R
     }
 }
 
+/// Where a run stands: optimizer steps taken, and the global value of every parameter and
+/// optimizer-state tensor (whatever mesh produced them). A run started from it continues as
+/// if it had never stopped: batches are a function of (seed, step).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TrainState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// `name -> (global shape, values)`.
+    pub tensors: std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>,
+}
+
+impl TrainState {
+    /// The global value of `name`, which must have `shape`.
+    pub fn global(&self, name: &str, shape: &[usize]) -> Result<Vec<f64>, RuntimeError> {
+        let (have, values) = self.tensors.get(name).ok_or_else(|| {
+            RuntimeError::Binding(format!("the checkpoint has no `{name}`: it was saved from another model or with another optimizer"))
+        })?;
+        if have != shape {
+            return Err(RuntimeError::Binding(format!("checkpoint tensor `{name}` has shape {have:?}, the model needs {shape:?}")));
+        }
+        Ok(values.clone())
+    }
+
+    /// Collects the state of every rank's program: each tensor assembled from the ranks that
+    /// hold it (a mirrored tensor is taken from its first holder). `values[rank]` maps the
+    /// rank's argument names to its local values; `programs[pp]` is the program of pipeline
+    /// coordinate `pp` (one program: every rank's).
+    pub fn collect(programs: &[Program], mesh: &crate::collectives::MeshShape, values: &[HashMap<String, Vec<f64>>], step: u64) -> Result<TrainState, RuntimeError> {
+        let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
+        let mut tensors = std::collections::BTreeMap::new();
+        for (s, program) in programs.iter().enumerate() {
+            for a in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
+                if tensors.contains_key(&a.name) {
+                    continue;
+                }
+                let (global_shape, global) = match &a.layout {
+                    Some(layout) => {
+                        let shards: Vec<(usize, Vec<f64>)> = (0..mesh.ranks()).filter(|&r| program_of(r) == s).filter_map(|r| values[r].get(&a.name).map(|v| (r, v.clone()))).collect();
+                        (layout.global_shape.clone(), crate::layout::assemble_some(&shards, layout, mesh))
+                    }
+                    None => (program.buffers[a.buffer].shape.clone(), values[0].get(&a.name).cloned().unwrap_or_default()),
+                };
+                tensors.insert(a.name.clone(), (global_shape, global));
+            }
+        }
+        Ok(TrainState { step, tensors })
+    }
+}
+
+/// Every parameter and optimizer-state argument of a rank, as f64.
+pub(crate) fn read_state(exec: &CpuExecutor) -> Result<HashMap<String, Vec<f64>>, RuntimeError> {
+    exec.program().args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))).map(|a| Ok((a.name.clone(), read_f64(exec, &a.name)?))).collect()
+}
+
 /// What a multi-rank training run produced.
 #[derive(Debug, Clone)]
 pub struct SpmdRun {
@@ -106,6 +180,8 @@ pub struct SpmdRun {
     pub parameters: Vec<(String, Vec<usize>, Vec<f64>)>,
     /// Bytes each rank sent, per kind of collective.
     pub bytes_sent: Vec<std::collections::BTreeMap<crate::collectives::CollectiveKind, u64>>,
+    /// Where the run ended: every parameter and optimizer state, global.
+    pub state: TrainState,
 }
 
 /// The global batch shape `(rows, seq)` of a partitioned program's `tokens` input, and its
@@ -127,6 +203,7 @@ pub(crate) fn on_every_rank_of<R: Send>(
     layers: usize,
     timeout: std::time::Duration,
     algorithm: crate::collectives::Algorithm,
+    start: Option<&TrainState>,
     body: impl Fn(&mut CpuExecutor, &crate::collectives::MeshShape, usize) -> Result<R, RuntimeError> + Sync,
 ) -> Result<Vec<R>, RuntimeError> {
     use crate::collectives::{MeshShape, world};
@@ -145,9 +222,13 @@ pub(crate) fn on_every_rank_of<R: Send>(
                         _ => programs.get(mesh.coords(rank).get(2).copied().unwrap_or(0)).ok_or_else(|| RuntimeError::Program(format!("no program for rank {rank}")))?,
                     };
                     let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
-                    for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+                    for p in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
                         let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
-                        let global = init_param(&p.name, layout.global_shape.iter().product(), seed, layers);
+                        let global = match start {
+                            Some(state) => state.global(&p.name, &layout.global_shape)?,
+                            None if p.role == Some(Role::Param) => init_param(&p.name, layout.global_shape.iter().product(), seed, layers),
+                            None => continue,
+                        };
                         write_f64(&mut exec, &p.name, &crate::layout::local_shard(&global, layout, mesh, rank))?;
                     }
                     body(&mut exec, mesh, rank)
@@ -183,20 +264,37 @@ pub fn train_spmd_with(
     timeout: std::time::Duration,
     algorithm: crate::collectives::Algorithm,
 ) -> Result<SpmdRun, RuntimeError> {
+    train_spmd_from(program, seed, layers, corpus, steps, timeout, algorithm, None)
+}
+
+/// [`train_spmd_with`] from a saved state (`None`: from the seed's initial parameters):
+/// runs steps `state.step + 1 ..= state.step + steps`.
+#[allow(clippy::too_many_arguments)]
+pub fn train_spmd_from(
+    program: &Program,
+    seed: u64,
+    layers: usize,
+    corpus: &ByteCorpus,
+    steps: u64,
+    timeout: std::time::Duration,
+    algorithm: crate::collectives::Algorithm,
+    start: Option<&TrainState>,
+) -> Result<SpmdRun, RuntimeError> {
     let (rows, seq, tokens) = batch_layout(program)?;
     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).collect();
-    let results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, algorithm, |exec, mesh, rank| {
+    let first = start.map_or(0, |s| s.step);
+    let results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, algorithm, start, |exec, mesh, rank| {
         let mut losses = Vec::new();
-        for step in 1..=steps {
+        for step in first + 1..=first + steps {
             let (t, g) = corpus.batch(seed, step, rows, seq);
             write_batch(exec, &tokens, mesh, rank, &t, &g)?;
-            exec.write::<i32>("step", &[step as i32])?;
+            exec.write::<i32>("step", &[i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?])?;
             exec.run()?;
             exec.carry_state()?;
             losses.push(read_f64(exec, "loss")?[0]);
         }
         let shards = params.iter().map(|p| read_f64(exec, &p.name)).collect::<Result<Vec<_>, _>>()?;
-        Ok((losses, shards, exec.bytes_sent()?))
+        Ok((losses, shards, exec.bytes_sent()?, read_state(exec)?))
     })?;
     let mesh = crate::collectives::MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
     let parameters = params
@@ -208,7 +306,9 @@ pub fn train_spmd_with(
             (p.name.clone(), layout.global_shape.clone(), crate::layout::assemble(&shards, layout, &mesh))
         })
         .collect();
-    Ok(SpmdRun { losses: results[0].0.clone(), parameters, bytes_sent: results.iter().map(|r| r.2.clone()).collect() })
+    let values: Vec<HashMap<String, Vec<f64>>> = results.iter().map(|r| r.3.clone()).collect();
+    let state = TrainState::collect(std::slice::from_ref(program), &mesh, &values, first + steps)?;
+    Ok(SpmdRun { losses: results[0].0.clone(), parameters, bytes_sent: results.iter().map(|r| r.2.clone()).collect(), state })
 }
 
 /// Reads an f32 or f64 buffer as f64.
@@ -225,7 +325,7 @@ pub(crate) fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, Runti
 pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, timeout: std::time::Duration) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
     let (rows, seq, tokens) = batch_layout(program)?;
     let (t, g) = corpus.batch(seed, 1, rows, seq);
-    let mut results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, crate::collectives::Algorithm::Ring, |exec, mesh, rank| {
+    let mut results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, crate::collectives::Algorithm::Ring, None, |exec, mesh, rank| {
         write_batch(exec, &tokens, mesh, rank, &t, &g)?;
         exec.run()?;
         program.results.iter().map(|r| Ok((r.name.clone(), read_f64(exec, &r.name)?))).collect()
