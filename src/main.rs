@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+mod hf;
 mod inspect;
 mod options;
 mod plan;
@@ -54,8 +55,9 @@ enum Command {
     ///
     /// Example: shardc compile models/gpt2-small.toml --mesh dp=2,tp=4,pp=1 -o plan.json
     Compile {
-        /// Model spec (.toml or .json).
-        spec: PathBuf,
+        /// Model spec (.toml or .json), or a Hugging Face model folder.
+        #[arg(required_unless_present = "hf")]
+        spec: Option<PathBuf>,
         /// Device mesh as axis=size pairs; omitted axes are 1.
         #[arg(long, default_value = "dp=1,tp=1,pp=1")]
         mesh: String,
@@ -82,6 +84,11 @@ enum Command {
     ///
     /// Example: shardc run models/tiny.toml --steps 200 --save tiny.safetensors
     Run(train::RunArgs),
+    /// The logits of a Hugging Face model (GPT-2 or Llama) on a batch of token ids, computed
+    /// on a mesh (partitioned, then gathered); for comparing with `transformers`.
+    ///
+    /// Example: shardc logits --hf out/hf-gpt2 --tokens '1,2,3;4,5,6' --mesh tp=2 -o logits.json
+    Logits(hf::LogitsArgs),
     /// Print a compiled plan (or a single rank program) readably: instructions, buffers,
     /// memory.
     ///
@@ -162,10 +169,11 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output, target, step } => {
-            compile(&spec, &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref(), &target, &step)
+            compile(spec.as_deref(), &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref(), &target, &step)
         }
         Command::Explain { spec, mesh, step } => explain(&spec, &mesh, &step),
         Command::Run(args) => train::run(&args),
+        Command::Logits(args) => hf::logits(&args),
         Command::Schedule { pp, microbatches, schedule, virtual_stages, svg, trace } => {
             pipeline_schedule(pp, microbatches, &schedule, virtual_stages, svg.as_deref(), trace.as_deref())
         }
@@ -229,7 +237,7 @@ pub(crate) struct PlanFile {
 }
 
 fn compile(
-    spec_path: &Path,
+    spec_path: Option<&Path>,
     mesh: &str,
     print_all: bool,
     print_after: &[String],
@@ -242,6 +250,7 @@ fn compile(
         return Err(miette!(help = "use --target cpu or --target cuda", "unknown target `{target}`"));
     }
     let spec = step.load_spec(spec_path)?;
+    let source = step.hf_dir(spec_path).or_else(|| spec_path.map(Path::to_path_buf)).unwrap_or_default();
     let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);
     if !problems.is_empty() {
@@ -319,7 +328,7 @@ fn compile(
             summary.gpu_memory = cluster.gpu.memory_bytes;
         }
     }
-    println!("shardc: compiled {} ({})", spec.name, spec_path.display());
+    println!("shardc: compiled {} ({})", spec.name, source.display());
     print!("{}", summary.render(&spec, &mesh, &report.passes.iter().map(|p| p.name).collect::<Vec<_>>()));
     for plan in programs.iter().filter_map(|p| p.device.as_ref()) {
         println!("  device      {}", summary::device_line(plan));
@@ -338,7 +347,7 @@ fn compile(
 
 /// `shardc explain`: each collective of the partitioned training step with its cause.
 fn explain(spec_path: &Path, mesh: &str, step: &StepArgs) -> Result<()> {
-    let spec = step.load_spec(spec_path)?;
+    let spec = step.load_spec(Some(spec_path))?;
     let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);
     if !problems.is_empty() {

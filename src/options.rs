@@ -13,6 +13,11 @@ use crate::report;
 /// How to build the training step.
 #[derive(Args, Debug, Clone)]
 pub struct StepArgs {
+    /// A Hugging Face model folder (config.json and model.safetensors, or sharded files with
+    /// their index) of the GPT-2 or Llama family, in place of a spec: the config becomes the
+    /// spec, and `run` starts from its weights.
+    #[arg(long, value_name = "DIR")]
+    pub hf: Option<PathBuf>,
     /// Override the spec's training.seq_len.
     #[arg(long)]
     pub seq: Option<u64>,
@@ -173,9 +178,27 @@ impl StepArgs {
         Ok(Some(shardc_passes::PipelineOptions { chunks: chunks as usize, microbatches: m as usize, manual, split_weight_grads: kind == Kind::ZeroBubble }))
     }
 
-    /// Loads a spec and applies `--seq` / `--micro-batch`.
-    pub fn load_spec(&self, path: &Path) -> Result<Spec> {
-        let mut spec = spec::parse_file(path).map_err(report::spec_report)?;
+    /// The Hugging Face folder the model comes from: `--hf`, or a spec path that is such a
+    /// folder.
+    pub fn hf_dir(&self, path: Option<&Path>) -> Option<PathBuf> {
+        self.hf.clone().or_else(|| path.filter(|p| p.join("config.json").is_file()).map(Path::to_path_buf))
+    }
+
+    /// Loads a spec (or a Hugging Face config) and applies `--seq` / `--micro-batch` /
+    /// `--dtype`.
+    pub fn load_spec(&self, path: Option<&Path>) -> Result<Spec> {
+        let mut spec = match (self.hf_dir(path), path) {
+            (Some(dir), _) => {
+                let config = dir.join("config.json");
+                let text = std::fs::read_to_string(&config).map_err(|e| miette!("reading {}: {e}", config.display()))?;
+                let name = dir.file_name().map_or_else(|| "hf-model".into(), |n| n.to_string_lossy().to_string());
+                let (spec, _) = spec::hf::from_hf_config(&text, &name, self.seq.unwrap_or(128), self.micro_batch.unwrap_or(1))
+                    .map_err(|e| miette!(help = "shardc reads GPT-2 and Llama configurations", "{}: {e}", dir.display()))?;
+                spec
+            }
+            (None, Some(path)) => spec::parse_file(path).map_err(report::spec_report)?,
+            (None, None) => return Err(miette!(help = "give a spec file (models/tiny.toml) or --hf DIR", "no model given")),
+        };
         if let Some(seq) = self.seq {
             spec.training.seq_len = Some(seq);
         }

@@ -28,8 +28,9 @@ use crate::options::StepArgs;
 /// Arguments of `shardc plan`.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// Model spec (.toml or .json).
-    pub spec: PathBuf,
+    /// Model spec (.toml or .json), or a Hugging Face model folder.
+    #[arg(required_unless_present = "hf")]
+    pub spec: Option<PathBuf>,
     /// GPUs to use.
     #[arg(long)]
     pub gpus: u64,
@@ -277,7 +278,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
 
 /// `shardc plan`.
 pub fn plan(args: &PlanArgs) -> Result<()> {
-    let spec = args.step.load_spec(&args.spec)?;
+    let spec = args.step.load_spec(args.spec.as_deref())?;
     let mut cluster = args.step.cluster_model()?;
     if let Some(n) = args.gpus_per_node {
         cluster.gpus_per_node = n;
@@ -345,7 +346,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let best = &plans[0];
     let mut command = format!(
         "shardc run {} --mesh dp={},tp={},pp={} --micro-batch {} --microbatches {} --recompute {} --zero {}",
-        args.spec.display(),
+        args.step.hf_dir(args.spec.as_deref()).or_else(|| args.spec.clone()).unwrap_or_default().display(),
         best.dp,
         best.tp,
         best.pp,

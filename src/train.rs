@@ -16,8 +16,10 @@ use crate::options::{StepArgs, default_corpus};
 /// Arguments of `shardc run`.
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Model spec (.toml or .json).
-    pub spec: PathBuf,
+    /// Model spec (.toml or .json), or a Hugging Face model folder (its weights are the
+    /// starting point).
+    #[arg(required_unless_present = "hf")]
+    pub spec: Option<PathBuf>,
     /// Optimizer steps to run.
     #[arg(long, default_value_t = 200)]
     pub steps: u64,
@@ -60,6 +62,10 @@ pub struct RunArgs {
     /// ZeRO stage): the shards are reassembled and cut again; `--steps` more steps run.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Write the trained model as a Hugging Face folder (config.json, model.safetensors) of
+    /// its family (GPT-2 or Llama), loadable by `transformers`.
+    #[arg(long, value_name = "DIR")]
+    pub save_hf: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
 }
@@ -106,7 +112,7 @@ fn check_backend(backend: &str) -> Result<()> {
 
 pub fn run(args: &RunArgs) -> Result<()> {
     check_backend(&args.backend)?;
-    let spec = args.step.load_spec(&args.spec)?;
+    let spec = args.step.load_spec(args.spec.as_deref())?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);
     if !problems.is_empty() {
@@ -125,7 +131,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let program = compile_train_step(&spec, &args.step)?;
     let peak = program.peak_bytes();
     let mut checkpoints = Checkpoints::new(args, &spec)?;
-    let (resumed, seed) = checkpoints.resume(args)?;
+    let (resumed, seed) = checkpoints.resume(args, std::slice::from_ref(&program))?;
     let mut trainer = Trainer::new(program.clone(), seed, spec.model.layers as usize).into_diagnostic()?;
     if let Some(state) = &resumed {
         trainer.restore(state).into_diagnostic()?;
@@ -181,6 +187,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
         println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
         println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.len() as f64, (losses.len() * trainer.tokens_per_step()) as f64 / elapsed);
     }
+    if let Some(dir) = &args.save_hf {
+        crate::hf::save(dir, &spec, &trainer.state().into_diagnostic()?)?;
+    }
     if let Some(path) = &args.save {
         let bytes = shardc_runtime::checkpoint::to_bytes(&trainer.parameters().into_diagnostic()?).into_diagnostic()?;
         std::fs::write(path, bytes).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
@@ -213,7 +222,7 @@ fn peak_rss() -> Option<u64> {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    let spec = args.step.load_spec(&args.spec)?;
+    let spec = args.step.load_spec(Some(&args.spec))?;
     let compile_start = Instant::now();
     let program = compile_train_step(&spec, &args.step)?;
     let compile_s = compile_start.elapsed().as_secs_f64();
@@ -311,8 +320,16 @@ impl Checkpoints {
     }
 
     /// The run's starting state from `--resume`, checked against this spec; and its seed.
-    fn resume(&self, args: &RunArgs) -> Result<(Option<shardc_runtime::train::TrainState>, u64)> {
-        let Some(dir) = &args.resume else { return Ok((None, args.seed)) };
+    fn resume(&self, args: &RunArgs, programs: &[Program]) -> Result<(Option<shardc_runtime::train::TrainState>, u64)> {
+        let Some(dir) = &args.resume else {
+            // A Hugging Face model starts from its weights.
+            if let Some(hf) = args.step.hf_dir(args.spec.as_deref()) {
+                let params = crate::hf::load_weights(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
+                println!("  weights     {} tensors from {}", params.len(), hf.display());
+                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed));
+            }
+            return Ok((None, args.seed));
+        };
         let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
         if manifest.spec != self.spec {
             return Err(miette!(help = "resume with the spec the checkpoint was trained with", "{}: the checkpoint was saved from another model", dir.display()));
@@ -363,7 +380,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     let start = Instant::now();
     let timeout = std::time::Duration::from_secs(60);
     let mut checkpoints = Checkpoints::new(args, spec)?;
-    let (mut state, seed) = checkpoints.resume(args)?;
+    let (mut state, seed) = checkpoints.resume(args, std::slice::from_ref(&program))?;
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let (mut losses, mut sent) = (Vec::new(), 0u64);
     for segment in checkpoints.segments(args.steps) {
@@ -374,6 +391,9 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
         state = Some(run.state);
     }
     report_losses(args, first_step, &losses);
+    if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
+        crate::hf::save(dir, spec, state)?;
+    }
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     Ok(())
 }
@@ -411,7 +431,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     );
     let start = Instant::now();
     let mut checkpoints = Checkpoints::new(args, spec)?;
-    let (mut state, seed) = checkpoints.resume(args)?;
+    let (mut state, seed) = checkpoints.resume(args, &programs)?;
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let (mut losses, mut sent, mut last_run) = (Vec::new(), 0u64, None);
     for segment in checkpoints.segments(args.steps) {
@@ -427,6 +447,9 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
         return Err(miette!(help = "lower --lr", "the loss became {} at step {}", losses[step], first_step + step as u64 + 1));
     }
     report_losses(args, first_step, &losses);
+    if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
+        crate::hf::save(dir, spec, state)?;
+    }
     let Some(run) = last_run else { return Ok(()) };
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     println!(

@@ -529,3 +529,82 @@ fn a_crash_while_checkpointing_keeps_the_last_good_checkpoint() {
     assert_same_losses(&uninterrupted, &resumed, "resumed after the crash");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Logits of a Hugging Face folder at a mesh, as (shape, values).
+fn hf_logits(dir: &str, tokens: &str, mesh: &str, out: &std::path::Path) -> (Vec<usize>, Vec<f64>) {
+    let run = shardc(&["logits", "--hf", dir, "--tokens", tokens, "--mesh", mesh, "-o", out.to_str().unwrap()]);
+    assert!(run.status.success(), "{dir} {mesh}: {}", stderr(&run));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap();
+    let shape = json["shape"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+    (shape, json["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect())
+}
+
+fn max_relative(ours: &[f64], theirs: &[f64]) -> f64 {
+    let scale = theirs.iter().map(|v| v.abs()).fold(0.0, f64::max);
+    ours.iter().zip(theirs).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max) / scale
+}
+
+/// Small GPT-2 and Llama models made by `transformers` (tests/data, from
+/// scripts/check-hf --fixtures): shardc's logits equal transformers' within 1e-4 at meshes
+/// (1,1,1), (1,2,1) and (2,2,2).
+#[test]
+fn hugging_face_models_give_transformers_logits_on_every_mesh() {
+    let out = std::env::temp_dir().join(format!("shardc-hf-logits-{}.json", std::process::id()));
+    for family in ["gpt2", "llama"] {
+        let dir = format!("tests/data/hf-tiny-{family}");
+        let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root().join(&dir).join("expected_logits.json")).unwrap()).unwrap();
+        let tokens: Vec<String> = expected["tokens"].as_array().unwrap().iter().map(|row| row.as_array().unwrap().iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")).collect();
+        let want: Vec<f64> = expected["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        for mesh in ["dp=1,tp=1,pp=1", "dp=1,tp=2,pp=1", "dp=2,tp=2,pp=2"] {
+            let (shape, got) = hf_logits(&dir, &tokens.join(";"), mesh, &out);
+            assert_eq!(shape.iter().map(|&d| d as u64).collect::<Vec<_>>(), expected["shape"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect::<Vec<_>>());
+            let error = max_relative(&got, &want);
+            assert!(error <= 1e-4, "{family} at {mesh}: logits differ from transformers by {error:.2e}");
+        }
+    }
+    let _ = std::fs::remove_file(out);
+}
+
+/// `--save-hf` writes the model back in the Hugging Face layout: a run that does not move the
+/// weights (learning rate 0) exports a folder with the same logits as the one it read.
+#[test]
+fn save_hf_round_trips() {
+    let tmp = std::env::temp_dir().join(format!("shardc-save-hf-{}", std::process::id()));
+    let out = tmp.join("logits.json");
+    // The tiny models' vocabulary is 64 ids: a corpus of bytes below 64.
+    std::fs::create_dir_all(&tmp).unwrap();
+    let data = tmp.join("data.bin");
+    std::fs::write(&data, (0..4096u32).map(|i| ((i * 7 + i / 13) % 64) as u8).collect::<Vec<u8>>()).unwrap();
+    for family in ["gpt2", "llama"] {
+        let source = format!("tests/data/hf-tiny-{family}");
+        let saved = tmp.join(family);
+        let run = shardc(&["run", "--hf", &source, "--data", data.to_str().unwrap(), "--steps", "1", "--lr", "1e-30", "--seq", "8", "--micro-batch", "2", "--mesh", "tp=2", "--save-hf", saved.to_str().unwrap()]);
+        assert!(run.status.success(), "{}", stderr(&run));
+        assert!(saved.join("config.json").exists() && saved.join("model.safetensors").exists());
+        let (_, before) = hf_logits(&source, "1,2,3,4;5,6,7,8", "dp=1,tp=1,pp=1", &out);
+        let (_, after) = hf_logits(saved.to_str().unwrap(), "1,2,3,4;5,6,7,8", "dp=1,tp=1,pp=1", &out);
+        assert!(max_relative(&after, &before) < 1e-6, "{family}: the exported model computes other logits");
+    }
+    let _ = std::fs::remove_dir_all(tmp);
+}
+
+/// Architectures and fields shardc does not model are refused by name.
+#[test]
+fn unsupported_hugging_face_configs_are_named() {
+    let tmp = std::env::temp_dir().join(format!("shardc-hf-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let dir = tmp.to_str().unwrap();
+    for (config, needle) in [
+        (r#"{"model_type": "mistral"}"#, "model_type `mistral`"),
+        (r#"{"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_embd": 16, "n_layer": 1, "n_head": 2, "activation_function": "gelu"}"#, "`activation_function`"),
+        (r#"{"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 16, "rope_scaling": {"type": "linear", "factor": 2.0}}"#, "`rope_scaling`"),
+        (r#"{"model_type": "llama", "hidden_size": 16}"#, "is missing"),
+    ] {
+        std::fs::write(tmp.join("config.json"), config).unwrap();
+        let out = shardc(&["compile", "--hf", dir]);
+        assert!(!out.status.success(), "{config}");
+        assert!(stderr(&out).contains(needle), "{config}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"));
+    }
+    let _ = std::fs::remove_dir_all(tmp);
+}

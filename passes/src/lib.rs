@@ -132,3 +132,28 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
     }
     pipeline
 }
+
+/// The passes for inference (`@logits` from [`shardc_ir::spec::lower_logits`]): checked, then
+/// with a mesh of several ranks split like the training step (tensor parallelism as Megatron,
+/// the batch over dp) with the logits gathered whole on every rank. A `pp` axis runs replicas.
+pub fn inference_pipeline(options: &CompileOptions) -> Pipeline {
+    let tp = options.mesh.tp as i64;
+    let mut pipeline = Pipeline::new().then(VerifyShapes);
+    if tp > 1 && options.kv_heads % tp != 0 {
+        pipeline = pipeline.then(sharding::ExpandKvHeads { tp });
+    }
+    if options.mesh.ranks() <= 1 {
+        return pipeline;
+    }
+    pipeline
+        .then(sharding::ShardMegatron {
+            mesh: options.mesh,
+            zero: 0,
+            sequence_parallel: options.sequence_parallel,
+            vocab: options.vocab,
+            kv_heads: options.kv_heads,
+            naive: false,
+        })
+        .then(sharding::PropagateSharding)
+        .then(sharding::Partition)
+}

@@ -18,6 +18,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
+pub mod hf;
 mod error;
 pub mod init;
 pub mod layout;

@@ -140,6 +140,19 @@ impl TrainState {
         Ok(values.clone())
     }
 
+    /// A fresh run from given parameters (global, by name): step 0, optimizer state zero.
+    pub fn from_parameters(params: std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, programs: &[Program]) -> TrainState {
+        let mut tensors = params;
+        for program in programs {
+            for a in program.args.iter().filter(|a| a.role == Some(Role::OptState)) {
+                let shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
+                let len = shape.iter().product();
+                tensors.entry(a.name.clone()).or_insert((shape, vec![0.0; len]));
+            }
+        }
+        TrainState { step: 0, tensors }
+    }
+
     /// Collects the state of every rank's program: each tensor assembled from the ranks that
     /// hold it (a mirrored tensor is taken from its first holder). `values[rank]` maps the
     /// rank's argument names to its local values; `programs[pp]` is the program of pipeline
@@ -333,5 +346,29 @@ pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &Byte
     if results.is_empty() {
         return Err(RuntimeError::Program("the program's mesh has no ranks".into()));
     }
+    Ok(results.swap_remove(0))
+}
+
+/// Runs a `logits` program (from `lower_logits`) with `params` (global tensors by name) on
+/// `tokens` (the whole batch, row-major), on every rank of its mesh; returns the logits,
+/// which every rank holds whole.
+pub fn logits(program: &Program, params: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, tokens: &[i32]) -> Result<Vec<f64>, RuntimeError> {
+    let ranks: usize = program.mesh.iter().product::<usize>().max(1);
+    let state = TrainState { step: 0, tensors: params.clone() };
+    if ranks == 1 {
+        let mut exec = CpuExecutor::new(program.clone())?;
+        for (name, shape) in exec.args_with(Role::Param) {
+            write_f64(&mut exec, &name, &state.global(&name, &shape)?)?;
+        }
+        exec.write::<i32>("tokens", tokens)?;
+        exec.run()?;
+        return read_f64(&exec, "logits");
+    }
+    let layout = program.arg("tokens").and_then(|t| t.layout.clone()).ok_or_else(|| RuntimeError::Binding("`tokens` has no layout".into()))?;
+    let mut results = on_every_rank_of(std::slice::from_ref(program), 0, 1, std::time::Duration::from_secs(60), crate::collectives::Algorithm::Ring, Some(&state), |exec, mesh, rank| {
+        exec.write::<i32>("tokens", &crate::layout::local_shard(tokens, &layout, mesh, rank))?;
+        exec.run()?;
+        read_f64(exec, "logits")
+    })?;
     Ok(results.swap_remove(0))
 }

@@ -17,7 +17,15 @@ pub type LowerError = BuildError;
 
 /// Lowers a validated spec to a module holding `@forward`.
 pub fn lower(spec: &Spec) -> Result<Module, LowerError> {
-    Ok(Module { grids: Vec::new(), funcs: vec![forward(spec)?], notes: Default::default() })
+    Ok(Module { grids: Vec::new(), funcs: vec![forward(spec, true)?], notes: Default::default() })
+}
+
+/// Lowers a spec to `func.func @logits(params..., tokens) -> logits`: the forward pass
+/// without the loss, for inference and for comparing with other implementations.
+pub fn lower_logits(spec: &Spec) -> Result<Module, LowerError> {
+    let mut func = forward(spec, false)?;
+    func.name = "logits".into();
+    Ok(Module { grids: Vec::new(), funcs: vec![func], notes: Default::default() })
 }
 
 /// Shorthand for attribute sets.
@@ -27,7 +35,7 @@ fn attrs(items: &[(&str, AttrValue)]) -> Attrs {
 
 /// Builds `@forward`. Parameters are declared as they are first used, so argument order
 /// follows the model from embedding to head.
-fn forward(spec: &Spec) -> Result<Func, LowerError> {
+fn forward(spec: &Spec, with_loss: bool) -> Result<Func, LowerError> {
     let m = &spec.model;
     let dtype: DType = m.dtype.into();
     let (b, s) = (spec.training.micro_batch as i64, spec.seq_len() as i64);
@@ -41,7 +49,7 @@ fn forward(spec: &Spec) -> Result<Func, LowerError> {
     let wte = param(&mut fb, "embed.tokens.weight", &[v, h]);
     let wpe = (m.positions == Positions::Learned).then(|| param(&mut fb, "embed.positions.weight", &[m.max_seq as i64, h]));
     let tokens = fb.arg("tokens", TensorTy::new([b, s], DType::I32), ArgRole::Input);
-    let targets = fb.arg("targets", TensorTy::new([b, s], DType::I32), ArgRole::Input);
+    let targets = with_loss.then(|| fb.arg("targets", TensorTy::new([b, s], DType::I32), ArgRole::Input));
 
     let mut x = fb.op("xf.embedding", &[wte, tokens], Attrs::new(), "embed.tokens")?;
     if let Some(wpe) = wpe {
@@ -105,6 +113,9 @@ fn forward(spec: &Spec) -> Result<Func, LowerError> {
     } else {
         let w = param(&mut cx.fb, "lm_head.weight", &[h, v]);
         cx.fb.op("xf.matmul", &[x, w], matmul_attrs(false, false), "lm_head")?
+    };
+    let Some(targets) = targets else {
+        return Ok(cx.fb.finish(&[logits], &["logits".to_string()]));
     };
     let loss = cx.fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "loss")?;
     Ok(cx.fb.finish(&[loss], &["loss".to_string()]))

@@ -6,6 +6,7 @@
 //! byte span of the field in the source and saying how to fix it. The CLI renders them with
 //! miette; this crate stays free of rendering.
 
+pub mod hf;
 mod locate;
 mod lower;
 
@@ -16,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::types::DType;
 
-pub use lower::{lower, LowerError};
+pub use lower::{lower, lower_logits, LowerError};
 
 /// Most layers a spec may have: the frontend builds every layer's ops, and the deepest
 /// published models have around a hundred and fifty.

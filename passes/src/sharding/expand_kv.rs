@@ -25,7 +25,7 @@ impl Pass for ExpandKvHeads {
     }
 
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
-        let Some(func) = module.funcs.iter_mut().find(|f| f.name == "forward") else {
+        let Some(func) = module.funcs.iter_mut().find(|f| f.name == "forward" || f.name == "logits") else {
             return Ok(Changed::No);
         };
         let mut changed = Changed::No;

@@ -85,8 +85,8 @@ impl Pass for ShardMegatron {
         let func = module
             .funcs
             .iter_mut()
-            .find(|f| f.name == "train_step" || f.name == "gradients")
-            .ok_or_else(|| user("the module has no @train_step or @gradients to shard".into()))?;
+            .find(|f| f.name == "train_step" || f.name == "gradients" || f.name == "logits")
+            .ok_or_else(|| user("the module has no @train_step, @gradients or @logits to shard".into()))?;
         if self.zero > 3 {
             return Err(user(format!("ZeRO stage {} does not exist; use 0, 1, 2 or 3", self.zero)));
         }

@@ -1,0 +1,180 @@
+//! Hugging Face model configurations (`config.json`) as shardc specs, and back, for the GPT-2
+//! and Llama families. Fields shardc cannot honour are refused by name rather than ignored.
+
+use serde_json::{json, Map, Value};
+
+use super::{Activation, ModelSpec, Norm, Positions, Spec, SpecDType, TrainingSpec};
+
+/// The model families shardc reads from Hugging Face.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HfFamily {
+    /// `GPT2LMHeadModel`: learned positions, LayerNorm, GELU (tanh), biases, Conv1D weights.
+    Gpt2,
+    /// `LlamaForCausalLM`: RoPE (rotate-half), RMSNorm, SwiGLU, no biases, GQA.
+    Llama,
+}
+
+impl HfFamily {
+    /// The family of a spec, when it matches one.
+    pub fn of(spec: &Spec) -> Option<HfFamily> {
+        let m = &spec.model;
+        match (m.norm, m.activation, m.positions) {
+            (Norm::LayerNorm, Activation::Gelu, Positions::Learned) if m.linear_bias => Some(HfFamily::Gpt2),
+            (Norm::RmsNorm, Activation::Swiglu, Positions::Rope) if !m.linear_bias => Some(HfFamily::Llama),
+            _ => None,
+        }
+    }
+}
+
+fn field<'a>(config: &'a Map<String, Value>, name: &str) -> Result<&'a Value, String> {
+    config.get(name).filter(|v| !v.is_null()).ok_or_else(|| format!("config.json: `{name}` is missing"))
+}
+
+fn uint(config: &Map<String, Value>, name: &str) -> Result<u64, String> {
+    field(config, name)?.as_u64().filter(|&v| v > 0).ok_or_else(|| format!("config.json: `{name}` must be a positive integer"))
+}
+
+fn float(config: &Map<String, Value>, name: &str, default: f64) -> Result<f64, String> {
+    match config.get(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v.as_f64().ok_or_else(|| format!("config.json: `{name}` must be a number")),
+    }
+}
+
+fn boolean(config: &Map<String, Value>, name: &str, default: bool) -> Result<bool, String> {
+    match config.get(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v.as_bool().ok_or_else(|| format!("config.json: `{name}` must be true or false")),
+    }
+}
+
+/// Refuses a field whose value shardc would silently compute differently.
+fn require(config: &Map<String, Value>, name: &str, ok: impl Fn(&Value) -> bool, why: &str) -> Result<(), String> {
+    match config.get(name) {
+        Some(v) if !v.is_null() && !ok(v) => Err(format!("config.json: `{name}` = {v} is not supported: {why}")),
+        _ => Ok(()),
+    }
+}
+
+/// The spec of a Hugging Face `config.json`; `seq_len` and `micro_batch` shape the step.
+pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) -> Result<(Spec, HfFamily), String> {
+    let value: Value = serde_json::from_str(text).map_err(|e| format!("config.json: {e}"))?;
+    let config = value.as_object().ok_or("config.json: not a JSON object")?;
+    let model_type = field(config, "model_type")?.as_str().unwrap_or_default().to_string();
+    let (model, family) = match model_type.as_str() {
+        "gpt2" => {
+            let hidden = uint(config, "n_embd")?;
+            require(config, "activation_function", |v| matches!(v.as_str(), Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast")), "shardc's GELU is the tanh approximation (gelu_new)")?;
+            require(config, "scale_attn_weights", |v| v.as_bool() == Some(true), "attention is scaled by 1/sqrt(head_dim)")?;
+            require(config, "scale_attn_by_inverse_layer_idx", |v| v.as_bool() == Some(false), "no per-layer attention scaling")?;
+            require(config, "reorder_and_upcast_attn", |v| v.as_bool() == Some(false), "no attention reordering")?;
+            let ffn = match config.get("n_inner") {
+                None | Some(Value::Null) => 4 * hidden,
+                Some(_) => uint(config, "n_inner")?,
+            };
+            let heads = uint(config, "n_head")?;
+            (
+                ModelSpec {
+                    vocab: uint(config, "vocab_size")?,
+                    max_seq: uint(config, "n_positions")?,
+                    hidden,
+                    layers: uint(config, "n_layer")?,
+                    heads,
+                    kv_heads: Some(heads),
+                    ffn_hidden: ffn,
+                    norm: Norm::LayerNorm,
+                    activation: Activation::Gelu,
+                    positions: Positions::Learned,
+                    linear_bias: true,
+                    tied_embeddings: boolean(config, "tie_word_embeddings", true)?,
+                    norm_eps: float(config, "layer_norm_epsilon", 1e-5)?,
+                    rope_theta: 10000.0,
+                    dtype: SpecDType::F32,
+                },
+                HfFamily::Gpt2,
+            )
+        }
+        "llama" => {
+            require(config, "hidden_act", |v| v.as_str() == Some("silu"), "the Llama MLP is SwiGLU with SiLU")?;
+            require(config, "attention_bias", |v| v.as_bool() == Some(false), "Llama layers have no biases in shardc")?;
+            require(config, "mlp_bias", |v| v.as_bool() == Some(false), "Llama layers have no biases in shardc")?;
+            require(config, "rope_scaling", |v| v.is_null(), "RoPE scaling (long-context variants) is not implemented")?;
+            require(config, "pretraining_tp", |v| v.as_u64() == Some(1), "sliced pretraining-tp projections are not implemented")?;
+            let heads = uint(config, "num_attention_heads")?;
+            if let Some(head_dim) = config.get("head_dim").and_then(Value::as_u64) {
+                if head_dim * heads != uint(config, "hidden_size")? {
+                    return Err(format!("config.json: `head_dim` = {head_dim} is not hidden_size / num_attention_heads; shardc derives it"));
+                }
+            }
+            (
+                ModelSpec {
+                    vocab: uint(config, "vocab_size")?,
+                    max_seq: uint(config, "max_position_embeddings")?,
+                    hidden: uint(config, "hidden_size")?,
+                    layers: uint(config, "num_hidden_layers")?,
+                    heads,
+                    kv_heads: Some(match config.get("num_key_value_heads") {
+                        None | Some(Value::Null) => heads,
+                        Some(_) => uint(config, "num_key_value_heads")?,
+                    }),
+                    ffn_hidden: uint(config, "intermediate_size")?,
+                    norm: Norm::RmsNorm,
+                    activation: Activation::Swiglu,
+                    positions: Positions::Rope,
+                    linear_bias: false,
+                    tied_embeddings: boolean(config, "tie_word_embeddings", false)?,
+                    norm_eps: float(config, "rms_norm_eps", 1e-6)?,
+                    rope_theta: float(config, "rope_theta", 10000.0)?,
+                    dtype: SpecDType::F32,
+                },
+                HfFamily::Llama,
+            )
+        }
+        other => return Err(format!("config.json: model_type `{other}` is not supported (shardc reads gpt2 and llama)")),
+    };
+    let seq_len = seq_len.min(model.max_seq);
+    let spec = Spec { name: name.to_string(), model, training: TrainingSpec { seq_len: Some(seq_len), micro_batch, global_batch: micro_batch } };
+    Ok((spec, family))
+}
+
+/// The Hugging Face `config.json` of a spec of one of the families.
+pub fn to_hf_config(spec: &Spec) -> Result<Value, String> {
+    let m = &spec.model;
+    match HfFamily::of(spec) {
+        Some(HfFamily::Gpt2) => Ok(json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": m.vocab,
+            "n_positions": m.max_seq,
+            "n_ctx": m.max_seq,
+            "n_embd": m.hidden,
+            "n_layer": m.layers,
+            "n_head": m.heads,
+            "n_inner": m.ffn_hidden,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": m.norm_eps,
+            "tie_word_embeddings": m.tied_embeddings,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "torch_dtype": "float32",
+        })),
+        Some(HfFamily::Llama) => Ok(json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": m.vocab,
+            "max_position_embeddings": m.max_seq,
+            "hidden_size": m.hidden,
+            "intermediate_size": m.ffn_hidden,
+            "num_hidden_layers": m.layers,
+            "num_attention_heads": m.heads,
+            "num_key_value_heads": m.kv_heads(),
+            "hidden_act": "silu",
+            "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta,
+            "tie_word_embeddings": m.tied_embeddings,
+            "attention_bias": false,
+            "mlp_bias": false,
+            "torch_dtype": "float32",
+        })),
+        None => Err(format!("`{}` is neither GPT-2-shaped (layernorm, gelu, learned positions, biases) nor Llama-shaped (rmsnorm, swiglu, rope, no biases)", spec.name)),
+    }
+}

@@ -1,0 +1,280 @@
+//! Hugging Face checkpoints: read a model folder's safetensors (one file or an index of
+//! shards; f32, f16 or bf16) with its tensors renamed and laid out as shardc's parameters,
+//! and write shardc's parameters back in the Hugging Face layout.
+//!
+//! Layouts: shardc stores linear weights `[in, out]`. GPT-2's Conv1D weights are already
+//! `[in, out]` (the transpose of `nn.Linear`), and its fused `c_attn` splits into q, k, v
+//! along the output dimension. Llama's `nn.Linear` weights are `[out, in]` and are
+//! transposed; its q/k projections are in the rotate-half order that shardc's RoPE uses
+//! (pairs `(i, i + d/2)`), as `transformers` stores them, so no permutation is needed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+use crate::RuntimeError;
+
+/// Which family's names and layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// GPT-2 (`transformer.h.N.attn.c_attn`, Conv1D).
+    Gpt2,
+    /// Llama (`model.layers.N.self_attn.q_proj`, Linear).
+    Llama,
+}
+
+/// Named tensors: `name -> (shape, values)`.
+pub type Tensors = BTreeMap<String, (Vec<usize>, Vec<f64>)>;
+
+fn bad(message: String) -> RuntimeError {
+    RuntimeError::Binding(message)
+}
+
+/// Every tensor of a Hugging Face model folder (`model.safetensors`, or the files
+/// `model.safetensors.index.json` lists), as f64.
+pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<std::path::PathBuf> = if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| bad(format!("{}: {e}", index.display())))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
+        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad(format!("{}: no weight_map", index.display())))?;
+        let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+        files.sort();
+        files.dedup();
+        files.into_iter().map(|f| dir.join(f)).collect()
+    } else {
+        vec![dir.join("model.safetensors")]
+    };
+    let mut out = Tensors::new();
+    for file in files {
+        let bytes = std::fs::read(&file).map_err(|e| bad(format!("{}: {e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)", file.display())))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("{}: {e}", file.display())))?;
+        for (name, view) in st.tensors() {
+            let data = view.data();
+            let values: Vec<f64> = match view.dtype() {
+                Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
+                Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
+                Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
+                Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
+                // Integer buffers (GPT-2's causal mask as bool) are not parameters.
+                _ => continue,
+            };
+            out.insert(name, (view.shape().to_vec(), values));
+        }
+    }
+    Ok(out)
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exponent = ((h >> 10) & 0x1f) as u32;
+    let mantissa = (h & 0x3ff) as u32;
+    let bits = match exponent {
+        0 if mantissa == 0 => sign,
+        0 => {
+            // Subnormal: normalise.
+            let shift = mantissa.leading_zeros() - 21;
+            sign | ((127 - 15 - shift + 1) << 23) | (((mantissa << shift) & 0x3ff) << 13)
+        }
+        0x1f => sign | 0x7f80_0000 | (mantissa << 13),
+        e => sign | ((e + 127 - 15) << 23) | (mantissa << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// `[rows, cols]` transposed.
+fn transpose(shape: &[usize], values: &[f64]) -> (Vec<usize>, Vec<f64>) {
+    let (r, c) = (shape[0], shape[1]);
+    let mut out = vec![0.0; values.len()];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = values[i * c + j];
+        }
+    }
+    (vec![c, r], out)
+}
+
+/// Columns `[start, start + width)` of a `[rows, cols]` matrix (or elements of a vector).
+fn columns(shape: &[usize], values: &[f64], start: usize, width: usize) -> (Vec<usize>, Vec<f64>) {
+    if shape.len() == 1 {
+        return (vec![width], values[start..start + width].to_vec());
+    }
+    let (r, c) = (shape[0], shape[1]);
+    let out = (0..r).flat_map(|i| values[i * c + start..i * c + start + width].iter().copied()).collect();
+    (vec![r, width], out)
+}
+
+/// The shardc name and layout of every Hugging Face tensor of `family`; tensors shardc does
+/// not model (GPT-2's attention mask buffers, a tied head's copy) are skipped. Every name
+/// left unmapped is an error naming it.
+pub fn import(family: Family, hf: &Tensors, tied: bool) -> Result<Tensors, RuntimeError> {
+    let mut out = Tensors::new();
+    for (name, (shape, values)) in hf {
+        let bare = name.strip_prefix("transformer.").or_else(|| name.strip_prefix("model.")).unwrap_or(name);
+        let matrix = shape.len() == 2;
+        match family {
+            Family::Gpt2 => {
+                if bare.ends_with(".attn.bias") || bare.ends_with(".attn.masked_bias") || (bare == "lm_head.weight" && tied) {
+                    continue;
+                }
+                let mapped = match bare {
+                    "wte.weight" => Some("embed.tokens.weight".to_string()),
+                    "wpe.weight" => Some("embed.positions.weight".to_string()),
+                    "ln_f.weight" => Some("final_norm.weight".into()),
+                    "ln_f.bias" => Some("final_norm.bias".into()),
+                    "lm_head.weight" => {
+                        let (s, v) = transpose(shape, values);
+                        out.insert("lm_head.weight".into(), (s, v));
+                        continue;
+                    }
+                    _ => None,
+                };
+                if let Some(mapped) = mapped {
+                    out.insert(mapped, (shape.clone(), values.clone()));
+                    continue;
+                }
+                let Some(rest) = bare.strip_prefix("h.") else { return Err(bad(format!("Hugging Face tensor `{name}` has no place in a GPT-2 model"))) };
+                let (layer, part) = rest.split_once('.').ok_or_else(|| bad(format!("tensor `{name}`")))?;
+                let p = format!("layers.{layer}");
+                let kind = if part.ends_with(".weight") { "weight" } else { "bias" };
+                match part {
+                    "ln_1.weight" | "ln_1.bias" => {
+                        out.insert(format!("{p}.attn_norm.{kind}"), (shape.clone(), values.clone()));
+                    }
+                    "ln_2.weight" | "ln_2.bias" => {
+                        out.insert(format!("{p}.mlp_norm.{kind}"), (shape.clone(), values.clone()));
+                    }
+                    "attn.c_attn.weight" | "attn.c_attn.bias" => {
+                        // [hidden, 3 hidden] (Conv1D: [in, out]): q, k, v side by side.
+                        let width = shape[shape.len() - 1] / 3;
+                        for (i, which) in ["q", "k", "v"].iter().enumerate() {
+                            out.insert(format!("{p}.attn.{which}.{kind}"), columns(shape, values, i * width, width));
+                        }
+                    }
+                    "attn.c_proj.weight" | "attn.c_proj.bias" => {
+                        out.insert(format!("{p}.attn.out.{kind}"), (shape.clone(), values.clone()));
+                    }
+                    "mlp.c_fc.weight" | "mlp.c_fc.bias" => {
+                        out.insert(format!("{p}.mlp.up.{kind}"), (shape.clone(), values.clone()));
+                    }
+                    "mlp.c_proj.weight" | "mlp.c_proj.bias" => {
+                        out.insert(format!("{p}.mlp.down.{kind}"), (shape.clone(), values.clone()));
+                    }
+                    _ => return Err(bad(format!("Hugging Face tensor `{name}` has no place in a GPT-2 model"))),
+                }
+            }
+            Family::Llama => {
+                if bare == "lm_head.weight" || name == "lm_head.weight" {
+                    if !tied {
+                        out.insert("lm_head.weight".into(), transpose(shape, values));
+                    }
+                    continue;
+                }
+                if bare.ends_with("rotary_emb.inv_freq") {
+                    continue;
+                }
+                let simple = match bare {
+                    "embed_tokens.weight" => Some("embed.tokens.weight".to_string()),
+                    "norm.weight" => Some("final_norm.weight".to_string()),
+                    _ => None,
+                };
+                if let Some(mapped) = simple {
+                    out.insert(mapped, (shape.clone(), values.clone()));
+                    continue;
+                }
+                let Some(rest) = bare.strip_prefix("layers.") else { return Err(bad(format!("Hugging Face tensor `{name}` has no place in a Llama model"))) };
+                let (layer, part) = rest.split_once('.').ok_or_else(|| bad(format!("tensor `{name}`")))?;
+                let p = format!("layers.{layer}");
+                let target = match part {
+                    "input_layernorm.weight" => format!("{p}.attn_norm.weight"),
+                    "post_attention_layernorm.weight" => format!("{p}.mlp_norm.weight"),
+                    "self_attn.q_proj.weight" => format!("{p}.attn.q.weight"),
+                    "self_attn.k_proj.weight" => format!("{p}.attn.k.weight"),
+                    "self_attn.v_proj.weight" => format!("{p}.attn.v.weight"),
+                    "self_attn.o_proj.weight" => format!("{p}.attn.out.weight"),
+                    "mlp.gate_proj.weight" => format!("{p}.mlp.gate.weight"),
+                    "mlp.up_proj.weight" => format!("{p}.mlp.up.weight"),
+                    "mlp.down_proj.weight" => format!("{p}.mlp.down.weight"),
+                    _ => return Err(bad(format!("Hugging Face tensor `{name}` has no place in a Llama model (biases and other extras are not supported)"))),
+                };
+                // nn.Linear stores [out, in]; shardc [in, out].
+                let value = if matrix { transpose(shape, values) } else { (shape.clone(), values.clone()) };
+                out.insert(target, value);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// shardc parameters in the Hugging Face layout and names of `family` (f32), the inverse
+/// of [`import`].
+pub fn export(family: Family, params: &Tensors, tied: bool) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, RuntimeError> {
+    let mut out: Vec<(String, (Vec<usize>, Vec<f64>))> = Vec::new();
+    let get = |name: &str| params.get(name).ok_or_else(|| bad(format!("the model has no parameter `{name}`")));
+    let layers = params.keys().filter_map(|k| k.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
+    match family {
+        Family::Gpt2 => {
+            out.push(("transformer.wte.weight".into(), get("embed.tokens.weight")?.clone()));
+            out.push(("transformer.wpe.weight".into(), get("embed.positions.weight")?.clone()));
+            for l in 0..layers {
+                let (p, h) = (format!("layers.{l}"), format!("transformer.h.{l}"));
+                for kind in ["weight", "bias"] {
+                    out.push((format!("{h}.ln_1.{kind}"), get(&format!("{p}.attn_norm.{kind}"))?.clone()));
+                    // q, k, v side by side along the output dimension.
+                    let parts: Vec<&(Vec<usize>, Vec<f64>)> = ["q", "k", "v"].iter().map(|w| get(&format!("{p}.attn.{w}.{kind}"))).collect::<Result<_, _>>()?;
+                    let fused = if kind == "bias" {
+                        (vec![parts.iter().map(|t| t.0[0]).sum()], parts.iter().flat_map(|t| t.1.iter().copied()).collect())
+                    } else {
+                        let (rows, width) = (parts[0].0[0], parts[0].0[1]);
+                        let values = (0..rows).flat_map(|r| parts.iter().flat_map(move |t| t.1[r * width..(r + 1) * width].iter().copied())).collect();
+                        (vec![rows, 3 * width], values)
+                    };
+                    out.push((format!("{h}.attn.c_attn.{kind}"), fused));
+                    out.push((format!("{h}.attn.c_proj.{kind}"), get(&format!("{p}.attn.out.{kind}"))?.clone()));
+                    out.push((format!("{h}.ln_2.{kind}"), get(&format!("{p}.mlp_norm.{kind}"))?.clone()));
+                    out.push((format!("{h}.mlp.c_fc.{kind}"), get(&format!("{p}.mlp.up.{kind}"))?.clone()));
+                    out.push((format!("{h}.mlp.c_proj.{kind}"), get(&format!("{p}.mlp.down.{kind}"))?.clone()));
+                }
+            }
+            out.push(("transformer.ln_f.weight".into(), get("final_norm.weight")?.clone()));
+            out.push(("transformer.ln_f.bias".into(), get("final_norm.bias")?.clone()));
+            if !tied {
+                let (s, v) = get("lm_head.weight")?;
+                out.push(("lm_head.weight".into(), transpose(s, v)));
+            }
+        }
+        Family::Llama => {
+            out.push(("model.embed_tokens.weight".into(), get("embed.tokens.weight")?.clone()));
+            for l in 0..layers {
+                let (p, h) = (format!("layers.{l}"), format!("model.layers.{l}"));
+                out.push((format!("{h}.input_layernorm.weight"), get(&format!("{p}.attn_norm.weight"))?.clone()));
+                out.push((format!("{h}.post_attention_layernorm.weight"), get(&format!("{p}.mlp_norm.weight"))?.clone()));
+                for (ours, theirs) in [("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"), ("attn.out", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")] {
+                    let (s, v) = get(&format!("{p}.{ours}.weight"))?;
+                    out.push((format!("{h}.{theirs}.weight"), transpose(s, v)));
+                }
+            }
+            out.push(("model.norm.weight".into(), get("final_norm.weight")?.clone()));
+            if !tied {
+                let (s, v) = get("lm_head.weight")?;
+                out.push(("lm_head.weight".into(), transpose(s, v)));
+            }
+        }
+    }
+    Ok(out.into_iter().map(|(n, (s, v))| (n, s, v.into_iter().map(|x| x as f32).collect())).collect())
+}
+
+/// Writes `model.safetensors` (f32, with the `pt` format metadata `transformers` expects).
+pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<(), RuntimeError> {
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| TensorView::new(Dtype::F32, shape.clone(), b).map(|view| (name.clone(), view)).map_err(|e| bad(format!("tensor {name}: {e}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata: Option<HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
+    let data = safetensors::serialize(views, metadata).map_err(|e| bad(format!("serializing: {e}")))?;
+    std::fs::write(path, data).map_err(|e| bad(format!("{}: {e}", path.display())))
+}

@@ -1,0 +1,96 @@
+//! `--hf` and `--save-hf`: Hugging Face model folders in and out, and `shardc logits`.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use miette::{IntoDiagnostic, Result, WrapErr, miette};
+use shardc_ir::spec::hf::{to_hf_config, HfFamily};
+use shardc_ir::spec::Spec;
+use shardc_runtime::hf::{self as rhf, Family, Tensors};
+
+use crate::options::StepArgs;
+
+fn family(spec: &Spec) -> Result<Family> {
+    match HfFamily::of(spec) {
+        Some(HfFamily::Gpt2) => Ok(Family::Gpt2),
+        Some(HfFamily::Llama) => Ok(Family::Llama),
+        None => Err(miette!("{}", to_hf_config(spec).err().unwrap_or_default())),
+    }
+}
+
+/// The weights of a Hugging Face folder as shardc parameters, checked against the spec.
+pub fn load_weights(dir: &Path, spec: &Spec) -> Result<Tensors> {
+    let raw = rhf::read_dir(dir).into_diagnostic()?;
+    let params = rhf::import(family(spec)?, &raw, spec.model.tied_embeddings).into_diagnostic().wrap_err_with(|| format!("reading the weights of {}", dir.display()))?;
+    Ok(params)
+}
+
+/// Writes `config.json` and `model.safetensors` for the parameters of `state`.
+pub fn save(dir: &Path, spec: &Spec, state: &shardc_runtime::train::TrainState) -> Result<()> {
+    let config = to_hf_config(spec).map_err(|e| miette!(help = "--save-hf writes GPT-2 and Llama models", "{e}"))?;
+    let params: Tensors = state.tensors.iter().filter(|(n, _)| !n.starts_with("opt.")).map(|(n, v)| (n.clone(), v.clone())).collect();
+    let tensors = rhf::export(family(spec)?, &params, spec.model.tied_embeddings).into_diagnostic()?;
+    std::fs::create_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).into_diagnostic()?).into_diagnostic()?;
+    rhf::write_safetensors(&dir.join("model.safetensors"), &tensors).into_diagnostic()?;
+    println!("  saved       {} (Hugging Face {}: config.json, model.safetensors)", dir.display(), config["model_type"].as_str().unwrap_or(""));
+    Ok(())
+}
+
+/// Arguments of `shardc logits`.
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    /// Token ids: rows separated by `;`, ids by `,` (every row the same length).
+    #[arg(long)]
+    pub tokens: String,
+    /// Device mesh as axis=size pairs (the logits are computed partitioned and gathered).
+    #[arg(long, default_value = "dp=1,tp=1,pp=1")]
+    pub mesh: String,
+    /// Write the logits as JSON (`{"shape": [b, s, vocab], "values": [...]}`).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub step: StepArgs,
+}
+
+/// `shardc logits --hf DIR --tokens ..`: the model's logits on a batch, on a mesh.
+pub fn logits(args: &LogitsArgs) -> Result<()> {
+    let rows: Vec<Vec<i32>> = args
+        .tokens
+        .split(';')
+        .map(|row| row.split(',').map(|t| t.trim().parse::<i32>().map_err(|e| miette!("--tokens: `{t}`: {e}"))).collect::<Result<Vec<_>>>())
+        .collect::<Result<_>>()?;
+    let seq = rows.first().map_or(0, Vec::len);
+    if seq == 0 || rows.iter().any(|r| r.len() != seq) {
+        return Err(miette!(help = "e.g. --tokens '1,2,3;4,5,6'", "--tokens: every row needs the same, non-zero number of ids"));
+    }
+    let mut step = args.step.clone();
+    step.seq = Some(seq as u64);
+    step.micro_batch = Some(rows.len() as u64);
+    let spec = step.load_spec(None)?;
+    let hf = step.hf_dir(None).ok_or_else(|| miette!("shardc logits needs --hf DIR"))?;
+    let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
+    let problems = mesh.check(&spec);
+    if !problems.is_empty() {
+        return Err(crate::report::mesh_report(problems));
+    }
+    let params = load_weights(&hf, &spec)?;
+    let mut module = shardc_ir::spec::lower_logits(&spec).into_diagnostic()?;
+    let options = step.compile_options(&spec, mesh)?;
+    let cx = crate::ir_context()?;
+    shardc_passes::inference_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    let func = module.func("logits").ok_or_else(|| miette!("the pipeline produced no @logits"))?;
+    let program = shardc_codegen::lower_func_on(func, &grid).into_diagnostic()?;
+    let tokens: Vec<i32> = rows.concat();
+    let values = shardc_runtime::train::logits(&program, &params, &tokens).into_diagnostic()?;
+    let shape = [rows.len(), seq, spec.model.vocab as usize];
+    let collectives = program.instrs.iter().filter(|i| i.op.starts_with("shard.")).count();
+    println!("shardc: logits of {} on mesh {mesh} ({} ranks, {collectives} collectives each): shape {shape:?}, first {:?}", spec.name, mesh.ranks(), &values[..values.len().min(4)]);
+    if let Some(path) = &args.output {
+        let json = serde_json::json!({ "shape": shape, "values": values });
+        std::fs::write(path, serde_json::to_string(&json).into_diagnostic()?).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+        println!("  written     {}", path.display());
+    }
+    Ok(())
+}
