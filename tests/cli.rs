@@ -608,3 +608,28 @@ fn unsupported_hugging_face_configs_are_named() {
     }
     let _ = std::fs::remove_dir_all(tmp);
 }
+
+/// A model saved in shards (`model-0000X-of-0000N.safetensors` with its index) reads the same.
+#[test]
+fn sharded_hugging_face_weights_read_the_same() {
+    let tmp = std::env::temp_dir().join(format!("shardc-hf-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let source = root().join("tests/data/hf-tiny-llama");
+    std::fs::copy(source.join("config.json"), tmp.join("config.json")).unwrap();
+    let tensors = shardc_runtime::hf::read_dir(&source).unwrap();
+    let all: Vec<(String, Vec<usize>, Vec<f32>)> = tensors.iter().map(|(n, (s, v))| (n.clone(), s.clone(), v.iter().map(|&x| x as f32).collect())).collect();
+    let (first, second) = all.split_at(all.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [("model-00001-of-00002.safetensors", first), ("model-00002-of-00002.safetensors", second)] {
+        shardc_runtime::hf::write_safetensors(&tmp.join(file), part).unwrap();
+        for (name, _, _) in part {
+            map.insert(name.clone(), serde_json::Value::String(file.into()));
+        }
+    }
+    std::fs::write(tmp.join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    let out = tmp.join("logits.json");
+    let (_, whole) = hf_logits("tests/data/hf-tiny-llama", "1,2,3,4", "dp=1,tp=1,pp=1", &out);
+    let (_, sharded) = hf_logits(tmp.to_str().unwrap(), "1,2,3,4", "dp=1,tp=1,pp=1", &out);
+    assert_eq!(whole, sharded);
+    let _ = std::fs::remove_dir_all(tmp);
+}
