@@ -62,6 +62,10 @@ pub struct RunArgs {
     /// ZeRO stage): the shards are reassembled and cut again; `--steps` more steps run.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Seconds a rank waits for another before the run stops with an error that names the
+    /// rank that stopped answering and the collective that waited.
+    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
+    pub timeout: u64,
     /// Write the trained model as a Hugging Face folder (config.json, model.safetensors) of
     /// its family (GPT-2 or Llama), loadable by `transformers`.
     #[arg(long, value_name = "DIR")]
@@ -378,7 +382,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     );
     let algorithm = collective_algorithm(&args.collectives)?;
     let start = Instant::now();
-    let timeout = std::time::Duration::from_secs(60);
+    let timeout = std::time::Duration::from_secs(args.timeout.max(1));
     let mut checkpoints = Checkpoints::new(args, spec)?;
     let (mut state, seed) = checkpoints.resume(args, std::slice::from_ref(&program))?;
     let first_step = state.as_ref().map_or(0, |s| s.step);
@@ -435,7 +439,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let (mut losses, mut sent, mut last_run) = (Vec::new(), 0u64, None);
     for segment in checkpoints.segments(args.steps) {
-        let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(60), algorithm, state.as_ref())
+        let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(args.timeout.max(1)), algorithm, state.as_ref())
             .into_diagnostic()?;
         losses.extend(run.losses.iter().copied());
         sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();

@@ -633,3 +633,32 @@ fn sharded_hugging_face_weights_read_the_same() {
     assert_eq!(whole, sharded);
     let _ = std::fs::remove_dir_all(tmp);
 }
+
+/// A rank that panics, fails a kernel or stops answering ends the whole run (tp=2, pp=2)
+/// within the timeout plus 5 s, with an error naming the failed rank, its instruction and
+/// the collective that was waiting; the process exits non-zero and never hangs.
+#[test]
+fn rank_faults_end_the_run_with_the_cause_named() {
+    for kind in ["panic", "kernel", "hang"] {
+        let began = std::time::Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["run", "models/tiny.toml", "--mesh", "tp=2,pp=2", "--microbatches", "2", "--steps", "3", "--timeout", "3"])
+            .current_dir(root())
+            .env("NO_COLOR", "1")
+            .env("RUST_BACKTRACE", "0")
+            .env("SHARDC_FAULT", format!("1:30:{kind}"))
+            .output()
+            .unwrap();
+        let elapsed = began.elapsed().as_secs_f64();
+        let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(!out.status.success(), "{kind}: the run succeeded");
+        assert!(elapsed < 3.0 + 5.0, "{kind}: took {elapsed:.1} s");
+        assert!(err.contains("rank 1") && err.contains("instruction 30"), "{kind}: {err}");
+        assert!(err.contains("recv") || err.contains("reduce-scatter") || err.contains("all-reduce"), "{kind}: no waiting collective named: {err}");
+        match kind {
+            "panic" => assert!(err.contains("rank 1 failed: panicked: injected fault"), "{err}"),
+            "kernel" => assert!(err.contains("rank 1 failed: instruction 30") && err.contains("injected kernel failure"), "{err}"),
+            _ => assert!(err.contains("no message from rank 1 within 3s") && err.contains("hung (injected)"), "{err}"),
+        }
+    }
+}

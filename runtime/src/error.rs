@@ -21,6 +21,9 @@ pub enum RuntimeError {
     /// A named argument or result does not exist or has the wrong size.
     #[error("{0}")]
     Binding(String),
+    /// A rank of a multi-rank run failed: the cause first, then what the others were doing.
+    #[error("{0}")]
+    Ranks(String),
     /// The GPU backend cannot run here or a device call failed.
     #[error("{0}")]
     Device(String),

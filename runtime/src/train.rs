@@ -230,27 +230,73 @@ pub(crate) fn on_every_rank_of<R: Send>(
                 let (mesh, body) = (&mesh, &body);
                 s.spawn(move || {
                     let rank = comm.rank();
-                    let program = match programs {
-                        [only] => only,
-                        _ => programs.get(mesh.coords(rank).get(2).copied().unwrap_or(0)).ok_or_else(|| RuntimeError::Program(format!("no program for rank {rank}")))?,
-                    };
-                    let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
-                    for p in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
-                        let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
-                        let global = match start {
-                            Some(state) => state.global(&p.name, &layout.global_shape)?,
-                            None if p.role == Some(Role::Param) => init_param(&p.name, layout.global_shape.iter().product(), seed, layers),
-                            None => continue,
+                    let abort = comm.abort_flag();
+                    let run = || -> Result<R, RuntimeError> {
+                        let program = match programs {
+                            [only] => only,
+                            _ => programs.get(mesh.coords(rank).get(2).copied().unwrap_or(0)).ok_or_else(|| RuntimeError::Program(format!("no program for rank {rank}")))?,
                         };
-                        write_f64(&mut exec, &p.name, &crate::layout::local_shard(&global, layout, mesh, rank))?;
+                        let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
+                        for p in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
+                            let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
+                            let global = match start {
+                                Some(state) => state.global(&p.name, &layout.global_shape)?,
+                                None if p.role == Some(Role::Param) => init_param(&p.name, layout.global_shape.iter().product(), seed, layers),
+                                None => continue,
+                            };
+                            write_f64(&mut exec, &p.name, &crate::layout::local_shard(&global, layout, mesh, rank))?;
+                        }
+                        body(&mut exec, mesh, rank)
+                    };
+                    // A failing or panicking rank stops the others at once (their waits see
+                    // the abort flag) instead of after the timeout.
+                    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+                        Ok(result) => result,
+                        Err(panic) => {
+                            let what = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "a panic".into());
+                            Err(RuntimeError::Ranks(format!("panicked: {what}")))
+                        }
+                    };
+                    if result.is_err() {
+                        abort.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
-                    body(&mut exec, mesh, rank)
+                    result
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Program("a rank panicked".into())))).collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Program("a rank's thread failed".into())))).collect()
     });
-    results.into_iter().collect()
+    root_cause(results)
+}
+
+/// The results of every rank, or one error that puts the cause first: the rank that failed
+/// (its instruction and why), then what the other ranks were waiting for when they stopped.
+fn root_cause<R>(results: Vec<Result<R, RuntimeError>>) -> Result<Vec<R>, RuntimeError> {
+    if results.iter().all(Result::is_ok) {
+        return Ok(results.into_iter().filter_map(Result::ok).collect());
+    }
+    // Failures in order of how close they are to the cause: a rank's own error, then a rank
+    // that waited in vain (a peer stopped answering), then ranks stopped because of others.
+    let rank_of = |i: usize, e: &RuntimeError| {
+        let text = e.to_string();
+        let class = if text.contains("because another rank failed") || text.contains("was stopped") {
+            2
+        } else if text.contains("no message from rank") || text.contains(" left during ") {
+            1
+        } else {
+            0
+        };
+        (class, i, text)
+    };
+    let mut failures: Vec<(u8, usize, String)> = results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| rank_of(i, e))).collect();
+    failures.sort();
+    let (_, rank, cause) = &failures[0];
+    let others: Vec<String> = failures[1..].iter().map(|(_, r, t)| format!("rank {r}: {t}")).collect();
+    let mut message = format!("rank {rank} failed: {cause}");
+    if !others.is_empty() {
+        message.push_str(&format!("; then {}", others.join("; ")));
+    }
+    Err(RuntimeError::Ranks(message))
 }
 
 /// Writes this rank's shard of a global batch into `tokens` and `targets`.

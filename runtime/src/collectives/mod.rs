@@ -92,6 +92,16 @@ pub enum CommError {
         /// Which collective was waiting.
         what: String,
     },
+    /// Another rank failed, and the run is stopping.
+    #[error("rank {rank}: stopped while waiting for rank {peer} in {what}, because another rank failed")]
+    Aborted {
+        /// This rank.
+        rank: usize,
+        /// The rank that was waited for.
+        peer: usize,
+        /// Which collective was waiting.
+        what: String,
+    },
     /// Buffers do not fit the collective.
     #[error("rank {rank}: {what}")]
     Shape {
@@ -121,6 +131,8 @@ pub struct Communicator {
     timeout: Duration,
     /// Bytes sent, per kind of collective.
     sent: BTreeMap<CollectiveKind, u64>,
+    /// Set when any rank of the world fails: waits end at once instead of at the timeout.
+    abort: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -132,6 +144,7 @@ impl std::fmt::Debug for Communicator {
 /// Creates the communicators of `size` ranks; each receive waits at most `timeout`.
 pub fn world(size: usize, timeout: Duration) -> Vec<Communicator> {
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..size).map(|_| channel()).unzip();
+    let abort = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     receivers
         .into_iter()
         .enumerate()
@@ -143,6 +156,7 @@ pub fn world(size: usize, timeout: Duration) -> Vec<Communicator> {
             calls: HashMap::new(),
             timeout,
             sent: BTreeMap::new(),
+            abort: abort.clone(),
         })
         .collect()
 }
@@ -166,6 +180,11 @@ impl Communicator {
     /// Bytes this rank has sent, per kind of collective.
     pub fn bytes_sent(&self) -> &BTreeMap<CollectiveKind, u64> {
         &self.sent
+    }
+
+    /// The world's abort flag: set it when a rank fails, and every wait ends.
+    pub fn abort_flag(&self) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+        self.abort.clone()
     }
 
     /// Position of this rank in `group`, checking that it is a member.
@@ -200,14 +219,19 @@ impl Communicator {
                     what: format!("{what}: rank {from} sent another element type"),
                 });
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            if self.abort.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(CommError::Aborted { rank: self.rank, peer: from, what: what.to_string() });
+            }
+            // Wake up now and then to see whether the run is stopping.
+            let left = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
+            if left.is_zero() {
+                return Err(CommError::Timeout { rank: self.rank, peer: from, timeout: self.timeout, what: what.to_string() });
+            }
             match self.inbox.recv_timeout(left) {
                 Ok(m) => {
                     self.early.insert((m.from, m.key), m.payload);
                 }
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(CommError::Timeout { rank: self.rank, peer: from, timeout: self.timeout, what: what.to_string() });
-                }
+                Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
                     return Err(CommError::PeerGone { rank: self.rank, peer: from, what: what.to_string() });
                 }

@@ -121,6 +121,50 @@ pub struct CpuExecutor {
     /// All-reduces started ahead of their instruction ([`CpuExecutor::start_early`]): the
     /// instruction then only takes the result.
     early: std::collections::HashMap<usize, (u64, DType)>,
+    /// An injected fault (`SHARDC_FAULT`), for testing how a run ends when a rank fails.
+    fault: Option<Fault>,
+    /// The world's abort flag (set when any rank fails).
+    abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+}
+
+/// A fault to inject: rank `rank` fails at instruction `instruction` (of any run range that
+/// contains it) in the way `kind` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// Global rank.
+    pub rank: usize,
+    /// Instruction index.
+    pub instruction: usize,
+    /// How it fails.
+    pub kind: FaultKind,
+}
+
+/// How an injected fault fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The rank's thread panics.
+    Panic,
+    /// The kernel returns an error.
+    Kernel,
+    /// The rank stops answering (until the others give up).
+    Hang,
+}
+
+impl Fault {
+    /// Reads `SHARDC_FAULT=RANK:INSTRUCTION:panic|kernel|hang` (tests set it).
+    pub fn from_env() -> Option<Fault> {
+        let text = std::env::var("SHARDC_FAULT").ok()?;
+        let mut parts = text.split(':');
+        let rank = parts.next()?.trim().parse().ok()?;
+        let instruction = parts.next()?.trim().parse().ok()?;
+        let kind = match parts.next()?.trim() {
+            "panic" => FaultKind::Panic,
+            "kernel" => FaultKind::Kernel,
+            "hang" => FaultKind::Hang,
+            _ => return None,
+        };
+        Some(Fault { rank, instruction, kind })
+    }
 }
 
 /// The collectives the executor runs itself (everything else is a kernel).
@@ -150,7 +194,18 @@ impl CpuExecutor {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-        Ok(CpuExecutor { program, slots, comm: None, mesh, algorithm: Algorithm::Ring, transfer_context: (0, 0), waited: std::time::Duration::ZERO, early: Default::default() })
+        Ok(CpuExecutor {
+            program,
+            slots,
+            comm: None,
+            mesh,
+            algorithm: Algorithm::Ring,
+            transfer_context: (0, 0),
+            waited: std::time::Duration::ZERO,
+            early: Default::default(),
+            fault: None,
+            abort: None,
+        })
     }
 
     /// Sets up a partitioned program on the rank `comm` belongs to.
@@ -159,6 +214,8 @@ impl CpuExecutor {
         if exec.mesh.ranks() != comm.size() {
             return Err(RuntimeError::Program(format!("the program's mesh {:?} has {} ranks, the world {}", exec.mesh.0, exec.mesh.ranks(), comm.size())));
         }
+        exec.abort = Some(comm.abort_flag());
+        exec.fault = Fault::from_env().filter(|f| f.rank == comm.rank());
         // Collectives run on the rank's communication thread, so a gradient bucket can be
         // on the wire while this thread computes.
         exec.comm = Some(AsyncComm::start(comm));
@@ -342,12 +399,28 @@ impl CpuExecutor {
 
     /// Runs the instructions of `range` (one section of a pipeline stage) once.
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, fault, abort } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
         let mut in_flight: std::collections::HashMap<i64, InFlight> = std::collections::HashMap::new();
         for (index, instr) in program.instrs.iter().enumerate().skip(range.start).take(range.len()) {
+            if let Some(f) = fault.filter(|f| f.instruction == index) {
+                let instr = &program.instrs[f.instruction];
+                let at = format!("instruction {} (`{}` at {})", f.instruction, instr.op, instr.loc);
+                let fail = |message: String| RuntimeError::Kernel { index: f.instruction, op: instr.op.clone(), loc: instr.loc.clone(), message };
+                match f.kind {
+                    FaultKind::Panic => panic!("injected fault: rank {rank} panics at {at}"),
+                    FaultKind::Kernel => return Err(fail("injected kernel failure (SHARDC_FAULT)".into())),
+                    FaultKind::Hang => {
+                        // Silent until the others give up on this rank and set the abort flag.
+                        while !abort.as_ref().is_some_and(|a| a.load(std::sync::atomic::Ordering::SeqCst)) {
+                            std::thread::sleep(std::time::Duration::from_millis(10));
+                        }
+                        return Err(fail("hung (injected) and was stopped once the other ranks gave up on it".into()));
+                    }
+                }
+            }
             // Started early: take the result.
             if let Some((ticket, dtype)) = early.remove(&index) {
                 let comm = comm.as_mut().ok_or_else(|| RuntimeError::Program("an early all-reduce without a communicator".into()))?;
