@@ -62,6 +62,10 @@ pub struct RunArgs {
     /// ZeRO stage): the shards are reassembled and cut again; `--steps` more steps run.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Check every op's results for NaN and infinity, and stop at the first op that makes
+    /// one, naming it and its layer.
+    #[arg(long)]
+    pub check_numerics: bool,
     /// Seconds a rank waits for another before the run stops with an error that names the
     /// rank that stopped answering and the collective that waited.
     #[arg(long, default_value_t = 60, value_name = "SECONDS")]
@@ -116,6 +120,7 @@ fn check_backend(backend: &str) -> Result<()> {
 
 pub fn run(args: &RunArgs) -> Result<()> {
     check_backend(&args.backend)?;
+    shardc_runtime::cpu::check_numerics(args.check_numerics);
     let spec = args.step.load_spec(args.spec.as_deref())?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);

@@ -662,3 +662,19 @@ fn rank_faults_end_the_run_with_the_cause_named() {
         }
     }
 }
+
+/// `--check-numerics` stops at the first op that makes a NaN or an infinity and names it
+/// with its layer; without it a diverging run is caught only at the loss.
+#[test]
+fn check_numerics_names_the_first_op_that_overflows() {
+    let base = ["run", "models/tiny.toml", "--lr", "1e4", "--optimizer", "sgd", "--steps", "20"];
+    let out = shardc(&[&base[..], &["--check-numerics"]].concat());
+    let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(!out.status.success());
+    assert!(err.contains("produced") && (err.contains("inf") || err.contains("NaN")) && err.contains("at lm_head"), "{err}");
+    let out = shardc(&[&base[..], &["--mesh", "tp=2", "--check-numerics"]].concat());
+    let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(err.contains("rank ") && err.contains("produced"), "{err}");
+    let plain = shardc(&base);
+    assert!(stderr(&plain).contains("the loss became"), "{}", stderr(&plain));
+}

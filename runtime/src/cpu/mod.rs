@@ -125,6 +125,28 @@ pub struct CpuExecutor {
     fault: Option<Fault>,
     /// The world's abort flag (set when any rank fails).
     abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Check every result for NaN/infinity ([`check_numerics`]).
+    numerics: bool,
+}
+
+/// Whether executors made from now on check every result for NaN and infinity
+/// ([`check_numerics`]).
+static CHECK_NUMERICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every executor created afterwards check each instruction's float results for NaN
+/// and infinity and fail at the first instruction that makes one, naming it and its model
+/// location (`--check-numerics`). Costs a pass over every result.
+pub fn check_numerics(on: bool) {
+    CHECK_NUMERICS.store(on, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// The first non-finite value of a float slot's first `len` elements: (index, value).
+fn first_non_finite(storage: &Storage, len: usize) -> Option<(usize, f64)> {
+    match storage {
+        Storage::F32(v) => v[..len.min(v.len())].iter().position(|x| !x.is_finite()).map(|i| (i, v[i] as f64)),
+        Storage::F64(v) => v[..len.min(v.len())].iter().position(|x| !x.is_finite()).map(|i| (i, v[i])),
+        _ => None,
+    }
 }
 
 /// A fault to inject: rank `rank` fails at instruction `instruction` (of any run range that
@@ -205,6 +227,7 @@ impl CpuExecutor {
             early: Default::default(),
             fault: None,
             abort: None,
+            numerics: CHECK_NUMERICS.load(std::sync::atomic::Ordering::SeqCst),
         })
     }
 
@@ -399,7 +422,7 @@ impl CpuExecutor {
 
     /// Runs the instructions of `range` (one section of a pipeline stage) once.
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, fault, abort } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, fault, abort, numerics } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
@@ -474,6 +497,19 @@ impl CpuExecutor {
                 slots[slot] = storage;
             }
             result.map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+            if *numerics {
+                for &out in &instr.outputs {
+                    let buffer = &program.buffers[out];
+                    if let Some((at, value)) = first_non_finite(&slots[buffer.slot], buffer.len()) {
+                        return Err(RuntimeError::Kernel {
+                            index,
+                            op: instr.op.clone(),
+                            loc: instr.loc.clone(),
+                            message: format!("produced {value} at element {at} of `{}` (shape {:?}): the first non-finite value of the step", buffer.name, buffer.shape),
+                        });
+                    }
+                }
+            }
             // An async member of a gradient bucket was only staged; the bucket goes out as
             // one all-reduce as soon as its last member is ready.
             if let (Ok(bucket), Ok(members)) = (instr.int("xf.bucket"), instr.int("xf.bucket_members")) {
