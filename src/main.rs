@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+mod fit;
 mod hf;
 mod inspect;
 mod options;
@@ -326,6 +327,9 @@ fn compile(
             summary.estimate = Some(shardc_codegen::estimate::estimate(&priced, &cluster, shape));
             summary.memory_estimate = shardc_codegen::estimate::memory(&priced, step.zero).into_iter().max_by(|a, b| a.total.total_cmp(&b.total));
             summary.gpu_memory = cluster.gpu.memory_bytes;
+            if let Some(m) = &summary.memory_estimate {
+                fit::refuse_if_too_big(&spec, step, mesh, m, &cluster.gpu.name, cluster.gpu.memory_bytes)?;
+            }
         }
     }
     println!("shardc: compiled {} ({})", spec.name, source.display());

@@ -53,9 +53,11 @@ pub struct StepArgs {
     /// Skip the communication optimizer (`comm-opt`).
     #[arg(long)]
     pub no_comm_opt: bool,
-    /// GPU preset the cluster model prices with: a100-40g, a100-80g, h100-sxm or h200.
-    #[arg(long, default_value = "h100-sxm")]
-    pub gpu: String,
+    /// GPU preset the cluster model prices with: a100-40g, a100-80g, h100-sxm (the default)
+    /// or h200. Given (or with --cluster), `compile` refuses a plan that does not fit its
+    /// memory, and says which change would.
+    #[arg(long)]
+    pub gpu: Option<String>,
     /// Cluster model overrides as TOML (preset, gpus_per_node, launch, placement, [gpu],
     /// [intra_node], [inter_node]); see ir/src/cluster.rs.
     #[arg(long, value_name = "FILE")]
@@ -130,8 +132,16 @@ impl StepArgs {
                 let text = std::fs::read_to_string(path).map_err(|e| miette!("--cluster: reading {}: {e}", path.display()))?;
                 Cluster::from_toml(&text).map_err(|e| miette!(help = "see the cluster fields in ir/src/cluster.rs", "--cluster {}: {e}", path.display()))
             }
-            None => Cluster::preset(&self.gpu).ok_or_else(|| miette!(help = format!("use one of {}", GPU_PRESETS.join(", ")), "--gpu: unknown GPU `{}`", self.gpu)),
+            None => {
+                let gpu = self.gpu.as_deref().unwrap_or("h100-sxm");
+                Cluster::preset(gpu).ok_or_else(|| miette!(help = format!("use one of {}", GPU_PRESETS.join(", ")), "--gpu: unknown GPU `{gpu}`"))
+            }
         }
+    }
+
+    /// Whether the user named the hardware (`--gpu` or `--cluster`): plans must then fit it.
+    pub fn hardware_given(&self) -> bool {
+        self.gpu.is_some() || self.cluster.is_some()
     }
 
     /// The schedule `--schedule` names.

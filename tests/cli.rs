@@ -678,3 +678,20 @@ fn check_numerics_names_the_first_op_that_overflows() {
     let plain = shardc(&base);
     assert!(stderr(&plain).contains("the loss became"), "{}", stderr(&plain));
 }
+
+/// With the GPU named, a plan that does not fit its memory is refused with the estimate per
+/// component and the cheapest change that fits; without `--gpu` the summary only says so.
+#[test]
+fn over_memory_plans_are_refused_with_a_fix() {
+    let args = ["compile", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "128"];
+    let out = shardc(&[&args[..], &["--gpu", "a100-40g"]].concat());
+    let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(!out.status.success(), "{err}");
+    for part in ["per GPU but a100-40g has 42.9 GB", "weights", "gradients", "optimizer", "activations", "temporaries", "cheapest change that fits: --zero 1"] {
+        assert!(err.contains(part), "missing `{part}`: {err}");
+    }
+    let ok = shardc(&args);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    let fits = shardc(&[&args[..], &["--gpu", "a100-40g", "--zero", "1"]].concat());
+    assert!(fits.status.success(), "{}", stderr(&fits));
+}

@@ -1,6 +1,19 @@
 //! Errors of the `ir` crate.
 
-use crate::mlir::Diag;
+/// One MLIR diagnostic, copied out of MLIR.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Diag {
+    /// Where MLIR located it (`loc("layers.0.attn.q")`, or a file position).
+    pub loc: String,
+    /// The message.
+    pub message: String,
+}
+
+impl std::fmt::Display for Diag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.loc, self.message)
+    }
+}
 
 /// An error from MLIR or from our IR's structural checks.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

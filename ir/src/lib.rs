@@ -14,11 +14,13 @@
 
 pub mod attrs;
 pub mod cluster;
+#[cfg(feature = "mlir")]
 mod ffi;
 mod error;
 pub mod graph;
 pub mod kernel;
 pub mod mesh;
+#[cfg(feature = "mlir")]
 pub mod mlir;
 pub mod ops;
 pub mod sharding;

@@ -14,23 +14,11 @@ use melior::Context;
 use super::irdl::XF_IRDL;
 use crate::IrError;
 
-/// One MLIR diagnostic, copied out of MLIR.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Diag {
-    /// Where MLIR located it (`loc("layers.0.attn.q")`, or a file position).
-    pub loc: String,
-    /// The message.
-    pub message: String,
-}
+pub use crate::error::Diag;
 
-impl std::fmt::Display for Diag {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.loc, self.message)
-    }
-}
-
-impl Diag {
-    fn from_mlir(d: &Diagnostic) -> Diag {
+/// A copy of an MLIR diagnostic.
+fn diag_from_mlir(d: &Diagnostic) -> Diag {
+    {
         let mut message = d.to_string();
         for i in 0..d.note_count() {
             if let Ok(note) = d.note(i) {
@@ -85,7 +73,7 @@ impl IrContext {
         let diags = Rc::new(RefCell::new(Vec::new()));
         let sink = diags.clone();
         let id = self.context.attach_diagnostic_handler(move |d| {
-            sink.borrow_mut().push(Diag::from_mlir(&d));
+            sink.borrow_mut().push(diag_from_mlir(&d));
             true
         });
         let result = f();
