@@ -18,15 +18,13 @@ pub use crate::error::Diag;
 
 /// A copy of an MLIR diagnostic.
 fn diag_from_mlir(d: &Diagnostic) -> Diag {
-    {
-        let mut message = d.to_string();
-        for i in 0..d.note_count() {
-            if let Ok(note) = d.note(i) {
-                message.push_str(&format!("\n  note: {note}"));
-            }
+    let mut message = d.to_string();
+    for i in 0..d.note_count() {
+        if let Ok(note) = d.note(i) {
+            message.push_str(&format!("\n  note: {note}"));
         }
-        Diag { loc: d.location().to_string(), message }
     }
+    Diag { loc: d.location().to_string(), message }
 }
 
 /// An MLIR context ready for shardc's IR. Owns the context; modules borrow it.
