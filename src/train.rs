@@ -127,6 +127,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if !problems.is_empty() {
         return Err(crate::report::mesh_report(problems));
     }
+    // With the GPU named, a run that would not fit its memory is refused before any work.
+    if args.step.hardware_given() {
+        let cluster = args.step.cluster_model()?;
+        if let Some(estimate) = crate::fit::memory_estimate(&spec, &args.step, mesh)? {
+            crate::fit::refuse_if_too_big(&spec, &args.step, mesh, &estimate, &cluster.gpu.name, cluster.gpu.memory_bytes)?;
+        }
+    }
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
         return run_cuda(args, &spec, mesh);

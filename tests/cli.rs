@@ -694,4 +694,7 @@ fn over_memory_plans_are_refused_with_a_fix() {
     assert!(ok.status.success(), "{}", stderr(&ok));
     let fits = shardc(&[&args[..], &["--gpu", "a100-40g", "--zero", "1"]].concat());
     assert!(fits.status.success(), "{}", stderr(&fits));
+    // `run` refuses the same plan before training.
+    let run = shardc(&["run", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "128", "--gpu", "a100-40g", "--steps", "1"]);
+    assert!(!run.status.success() && stderr(&run).contains("cheapest change that fits"), "{}", stderr(&run));
 }
