@@ -1,8 +1,7 @@
 //! `xf.attention`: scaled dot-product attention with grouped key/value heads, and its
 //! backward op `xf.attention_grad`.
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{dims, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;

@@ -1,7 +1,6 @@
 //! `xf.embedding`: row lookup in a table, and its gradient `xf.embedding_grad`.
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{elements, flat, Arg, DeviceKernel, KernelCx};
 use super::{arity, float, ids, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;

@@ -5,8 +5,7 @@
 //! transpose) makes their sharding rule trivial: a split of the feature dimension into whole
 //! heads becomes a split of the head dimension.
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{dims, elements, flat, Arg, DeviceKernel, KernelCx};
 use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;

@@ -1,7 +1,6 @@
 //! `xf.cross_entropy`: mean token cross-entropy of logits against targets, and its gradient.
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{elements, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, ids, io_bytes, rank_at_least, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;

@@ -1,8 +1,7 @@
 //! Normalisations over the last dimension, `xf.layernorm` and `xf.rmsnorm`, and their
 //! backward ops (which recompute the row statistics instead of storing them).
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, rank_at_least, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;

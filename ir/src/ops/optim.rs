@@ -1,8 +1,7 @@
 //! Optimizer updates as ops: `xf.adamw` and `xf.sgd`. They update their state in place (see
 //! [`OpDef::in_place`]), so a training step does not hold two copies of the parameters.
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{DeviceKernel, KernelCx};
 use super::{arity, float, AttrKind, Cost, OpDef, Signature, Slot};
 use crate::attrs::Attrs;
 use crate::sharding::{Linearity, ShardingRule};

@@ -1,8 +1,7 @@
 //! Reductions and fills that gradients need: `xf.sum_leading` (the transpose of a
 //! broadcast) and `xf.fill_like` (the seed of reverse mode, and zero gradients).
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{elements, flat, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;

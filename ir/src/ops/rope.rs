@@ -1,7 +1,6 @@
 //! `xf.rope`: rotary position embedding, and `xf.rope_grad`, its transpose.
 
-#[allow(unused_imports)]
-use crate::kernel::{dims, elements, flat, last, per_row, Arg, DeviceKernel, KernelCx, Launch};
+use crate::kernel::{dims, flat, Arg, DeviceKernel, KernelCx};
 use super::{arity, float, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
