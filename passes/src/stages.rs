@@ -252,14 +252,30 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
             phase[i] = Phase::Step;
         }
     }
+    // Values that differ between micro-batches: the forward's, and what depends on them.
+    // A backward op that depends on none of them (a ZeRO slice of a parameter for its
+    // update, say) computes the same value for every micro-batch; the step must read it
+    // once, not summed over the micro-batches.
+    let mut varies = vec![false; n];
+    for (i, op) in func.ops.iter().enumerate() {
+        varies[i] = phase[i] == Phase::Forward || op.operands.iter().any(|v| producer.get(v).is_some_and(|&p| varies[p]));
+    }
     for i in (0..n).rev() {
         let op = &func.ops[i];
         // Linear in the gradients: summing over micro-batches first changes nothing.
         let linear = op.name.starts_with("shard.") || op.name == "xf.wait" || op.name == "xf.add";
         let of_gradients = op.operands.iter().all(|v| producer.get(v).is_some_and(|&p| phase[p] != Phase::Forward));
         let users: Vec<usize> = op.results.iter().flat_map(|r| consumers.get(r).cloned().unwrap_or_default()).collect();
-        if phase[i] == Phase::Backward && linear && of_gradients && !users.is_empty() && users.iter().all(|&u| phase[u] == Phase::Step) {
+        let moves = (linear && of_gradients) || !varies[i];
+        if phase[i] == Phase::Backward && moves && !users.is_empty() && users.iter().all(|&u| phase[u] == Phase::Step) {
             phase[i] = Phase::Step;
+        }
+    }
+    // What the step reads from the backward is summed over the micro-batches: it must be a
+    // per-micro-batch value, or the sum would count it m times.
+    for (i, op) in func.ops.iter().enumerate().filter(|(i, _)| phase[*i] == Phase::Step) {
+        if let Some(p) = op.operands.iter().filter_map(|v| producer.get(v)).find(|&&p| phase[p] == Phase::Backward && !varies[p]) {
+            return Err(format!("{}: the step reads `{}` from the backward, but it is the same for every micro-batch and would be summed over them", op.loc, func.ops[*p].loc));
         }
     }
 

@@ -186,7 +186,7 @@ pub fn train_pipeline_from(
                     exec.restore(&chunk.sum_backward, &sums[c])?;
                     exec.restore(&chunk.sum_weight, &sums_weight[c])?;
                     let ready: Vec<usize> = chunk.sum_backward.iter().chain(&chunk.sum_weight).copied().collect();
-                    early_syncs += exec.start_early(chunk.range(Section::Step), &ready)?;
+                    early_syncs += exec.start_early(&chunk.early_syncs, &ready)?;
                 }
                 let held: usize = kept_forward.values().chain(kept_backward.values()).map(|v| storage_bytes(v)).sum();
                 peak_kept = peak_kept.max(held);

@@ -368,6 +368,12 @@ pub struct ChunkPlan {
     pub sum_backward: Vec<BufferId>,
     /// Buffers the weight section makes and the step reads: summed over micro-batches.
     pub sum_weight: Vec<BufferId>,
+    /// Step-section all-reduces that may start as soon as the chunk's last backward (and
+    /// weight) work of the step is done, before the step section runs: each reads a summed
+    /// gradient that no earlier instruction of the step section writes. Checked by
+    /// [`Program::validate`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub early_syncs: Vec<usize>,
 }
 
 impl ChunkPlan {
@@ -396,6 +402,37 @@ pub struct PipelinePlan {
 }
 
 impl Program {
+    /// The invariant that makes starting a collective early sound: an early sync is a sum
+    /// all-reduce of the chunk's step section whose input is a summed gradient
+    /// (`sum_backward` / `sum_weight`), and no instruction of the step section before it
+    /// writes the input's storage. Otherwise the early collective would send a value that
+    /// the step section has not finished (an in-place accumulation, say).
+    pub fn check_early_syncs(&self, chunk: &ChunkPlan) -> Result<(), String> {
+        let step = chunk.range(Section::Step);
+        for &index in &chunk.early_syncs {
+            let Some(instr) = self.instrs.get(index).filter(|_| step.contains(&index)) else {
+                return Err(format!("early sync {index} is not an instruction of the step section {step:?}"));
+            };
+            let sum = !matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum");
+            if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || instr.inputs.len() != 1 {
+                return Err(format!("early sync {index} ({} at {}) is not a synchronous sum all-reduce", instr.op, instr.loc));
+            }
+            let input = instr.inputs[0];
+            if !chunk.sum_backward.contains(&input) && !chunk.sum_weight.contains(&input) {
+                return Err(format!("early sync {index} ({}) reads `{}`, which is not a gradient summed over micro-batches", instr.loc, self.buffers[input].name));
+            }
+            let slot = self.buffers[input].slot;
+            if let Some(writer) = (step.start..index).find(|&w| self.instrs[w].outputs.iter().any(|&o| self.buffers[o].slot == slot)) {
+                let w = &self.instrs[writer];
+                return Err(format!(
+                    "early sync {index} ({}) would send `{}` before instruction {writer} ({} at {}) of the same step section writes it",
+                    instr.loc, self.buffers[input].name, w.op, w.loc
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Peak bytes of the program: arguments plus temporaries.
     pub fn peak_bytes(&self) -> usize {
         self.memory.argument_bytes + self.memory.temporary_bytes
@@ -454,6 +491,9 @@ impl Program {
                 let lists = [&chunk.keep_forward, &chunk.keep_backward, &chunk.sum_backward, &chunk.sum_weight];
                 if !lists.iter().all(|l| l.iter().all(in_range)) || chunk.sections.iter().any(|&(s, e)| s > e || e > self.instrs.len()) {
                     return bad(format!("pipeline chunk {} names a buffer or instruction out of range", chunk.stage));
+                }
+                if let Err(m) = self.check_early_syncs(chunk) {
+                    return bad(format!("pipeline chunk {}: {m}", chunk.stage));
                 }
             }
         }

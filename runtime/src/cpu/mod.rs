@@ -378,18 +378,19 @@ impl CpuExecutor {
         Ok(())
     }
 
-    /// Starts the synchronous sum all-reduces among instructions `indices` whose inputs are
-    /// `ready` buffers on the communication thread now, with the inputs' current values; the
+    /// Starts the all-reduces `indices` (a chunk's `early_syncs`, which codegen chose and
+    /// [`Program::validate`] checked: no earlier instruction of their section writes their
+    /// input) on the communication thread now, with the inputs' current values; the
     /// instructions, when run, wait for them instead. Returns how many started. This is how a
     /// pipeline rank overlaps its data-parallel gradient sync with the backward work it still
     /// has to do.
-    pub fn start_early(&mut self, indices: std::ops::Range<usize>, ready: &[BufferId]) -> Result<usize, RuntimeError> {
+    pub fn start_early(&mut self, indices: &[usize], ready: &[BufferId]) -> Result<usize, RuntimeError> {
         let CpuExecutor { program, slots, comm, mesh, algorithm, early, .. } = self;
         let Some(comm) = comm.as_mut() else { return Ok(0) };
         let rank = comm.rank();
         let mut started = 0;
-        for index in indices {
-            let instr = &program.instrs[index];
+        for &index in indices {
+            let instr = program.instrs.get(index).ok_or_else(|| RuntimeError::Program(format!("early sync {index} is out of range")))?;
             let sum = !matches!(instr.attrs.get("reduction"), Some(crate::program::Attr::Str(k)) if k != "sum");
             if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || !ready.contains(&instr.inputs[0]) || early.contains_key(&index) {
                 continue;
