@@ -36,7 +36,8 @@ prepare() {
   cp scripts/gpu-check.sh "$dir/"
   local shardc=./target/debug/shardc
   # Checked cases train with SGD so that first-step gradients can be read off the update.
-  local check=(--target cuda --optimizer sgd --lr 0.1)
+  # One micro-batch per step: the CUDA backend runs no gradient accumulation yet.
+  local check=(--target cuda --optimizer sgd --lr 0.1 --microbatches 1)
   plan() { local out="$1"; shift; "$shardc" compile "$@" -o "$dir/plans/$out.json" >/dev/null; echo "  plans/$out.json"; }
   plan tiny-f32-tp1 models/tiny.toml "${check[@]}" --dtype f32
   plan tiny-f32-tp2 models/tiny.toml "${check[@]}" --dtype f32 --mesh tp=2
@@ -47,9 +48,9 @@ prepare() {
   plan gpt2-f32-tp2 "${gpt[@]}" "${check[@]}" --dtype f32 --mesh tp=2
   plan gpt2-bf16-tp1 "${gpt[@]}" "${check[@]}" --dtype bf16
   # Timed workloads: AdamW, as in training.
-  plan bench-gpt2-bf16 models/gpt2-small.toml --seq 1024 --micro-batch 8 --target cuda --dtype bf16
-  plan bench-gpt2-f32 models/gpt2-small.toml --seq 1024 --micro-batch 8 --target cuda --dtype f32
-  plan bench-wide-bf16 models/wide-layer.toml --target cuda
+  plan bench-gpt2-bf16 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype bf16
+  plan bench-gpt2-f32 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype f32
+  plan bench-wide-bf16 models/wide-layer.toml --microbatches 1 --target cuda
   cat > "$dir/manifest.json" <<'JSON'
 {
   "data": "corpus.txt",

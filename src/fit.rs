@@ -13,7 +13,7 @@ use crate::options::StepArgs;
 pub fn memory_estimate(spec: &Spec, step: &StepArgs, mesh: Mesh) -> Result<Option<MemoryEstimate>> {
     // Rewriting collectives hardly moves memory; skipping it keeps the search quick.
     let options = StepArgs { no_comm_opt: true, ..step.clone() }.compile_options(spec, mesh)?;
-    let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
+    let mut module = shardc_ir::spec::lower(spec, spec.step_shape(&mesh)).into_diagnostic()?;
     let cx = crate::ir_context()?;
     shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
     let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();

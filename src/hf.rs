@@ -75,7 +75,9 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
         return Err(crate::report::mesh_report(problems));
     }
     let params = load_weights(&hf, &spec)?;
-    let mut module = shardc_ir::spec::lower_logits(&spec).into_diagnostic()?;
+    // The rows are the whole batch, split over the data-parallel replicas.
+    let shape = shardc_ir::spec::StepShape { rows: rows.len() as u64, ..spec.step_shape(&mesh) };
+    let mut module = shardc_ir::spec::lower_logits(&spec, shape).into_diagnostic()?;
     let options = step.compile_options(&spec, mesh)?;
     let cx = crate::ir_context()?;
     shardc_passes::inference_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;

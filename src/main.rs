@@ -159,7 +159,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Ir { spec, generic, no_locations } => {
             let spec = load_spec(&spec)?;
-            let module = spec::lower(&spec).into_diagnostic()?;
+            let module = spec::lower(&spec, spec.step_shape(&Mesh::default())).into_diagnostic()?;
             let cx = ir_context()?;
             let style = match (generic, no_locations) {
                 (true, _) => PrintStyle::Generic,
@@ -267,7 +267,7 @@ fn compile(
     if let Some(dir) = dump_dir {
         std::fs::create_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("creating {}", dir.display()))?;
     }
-    let mut module = spec::lower(&spec).into_diagnostic()?;
+    let mut module = spec::lower(&spec, spec.step_shape(&mesh)).into_diagnostic()?;
     let cx = ir_context()?;
     let wants = |pass: &str| print_all || dump_dir.is_some() || print_after.iter().any(|p| p == pass);
     let mut dump_index = 0;
@@ -306,7 +306,8 @@ fn compile(
             *program = shardc_codegen::device::with_device_plan(program.clone()).into_diagnostic()?;
         }
     }
-    let mut summary = Summary::of(&spec, &module, &programs);
+    let batch = step.batch(&spec, mesh)?;
+    let mut summary = Summary::of(&spec, batch, &module, &programs);
     {
         // The step the estimate prices: the pipeline ranks' programs, or the training step.
         let priced: Vec<shardc_runtime::Program> = match programs.iter().filter(|p| p.pipeline.is_some()).cloned().collect::<Vec<_>>() {
@@ -314,13 +315,12 @@ fn compile(
             _ => programs.iter().filter(|p| p.name == "train_step").cloned().collect(),
         };
         if !priced.is_empty() {
-            let microbatches = priced[0].pipeline.as_ref().map_or(1, |p| p.microbatches) as f64;
             let shape = shardc_codegen::estimate::ModelShape {
                 parameters: summary.parameters as f64,
                 layers: spec.model.layers as f64,
                 hidden: spec.model.hidden as f64,
                 seq: spec.seq_len() as f64,
-                tokens_per_step: microbatches * (spec.training.micro_batch * spec.seq_len()) as f64,
+                tokens_per_step: (batch.global_batch * spec.seq_len()) as f64,
             };
             let cluster = step.cluster_model()?;
             summary.gpu = cluster.gpu.name.clone();
@@ -357,7 +357,9 @@ fn explain(spec_path: &Path, mesh: &str, step: &StepArgs) -> Result<()> {
     if !problems.is_empty() {
         return Err(report::mesh_report(problems));
     }
-    let program = train::compile_train_step_on(&spec, step, mesh)?;
+    // The collectives of one micro-batch's training step, whatever the global batch.
+    let one = StepArgs { microbatches: Some(1), global_batch: None, ..step.clone() };
+    let program = train::compile_train_step_on(&spec, &one, mesh)?;
     let records = shardc_runtime::report::comm_records(&program, 0);
     println!("{} on {mesh}: {} collectives in the training step of one micro-batch (bytes sent by rank 0)", spec.name, records.len());
     for r in &records {

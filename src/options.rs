@@ -21,9 +21,14 @@ pub struct StepArgs {
     /// Override the spec's training.seq_len.
     #[arg(long)]
     pub seq: Option<u64>,
-    /// Override the spec's training.micro_batch.
+    /// Sequences per micro-batch on each data-parallel replica (overrides the spec's
+    /// training.micro_batch), as Megatron-LM's --micro-batch-size.
     #[arg(long)]
     pub micro_batch: Option<u64>,
+    /// Sequences per optimizer step over all replicas and micro-batches: micro-batch x dp x
+    /// micro-batches (overrides the spec's training.global_batch).
+    #[arg(long)]
+    pub global_batch: Option<u64>,
     /// Override the spec's model.dtype: f32, bf16 (accelerators only) or f64.
     #[arg(long)]
     pub dtype: Option<String>,
@@ -63,7 +68,7 @@ pub struct StepArgs {
     #[arg(long, value_name = "FILE")]
     pub cluster: Option<PathBuf>,
     /// Micro-batches per optimizer step (gradient accumulation; the pipeline's m). Default:
-    /// the spec's global_batch / micro_batch with pp > 1, else 1.
+    /// global batch / (micro-batch x dp); given alone, it sets the global batch.
     #[arg(long)]
     pub microbatches: Option<u64>,
     /// Pipeline schedule with pp > 1: gpipe, 1f1b, interleaved or zb-h1.
@@ -158,19 +163,35 @@ impl StepArgs {
             .map_err(|e| miette!(help = "check --mesh pp=, --microbatches and --virtual-stages", "{e}"))
     }
 
-    /// Micro-batches per step: `--microbatches`, else the spec's with pp > 1, else 1.
-    pub fn microbatches(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> u64 {
-        self.microbatches.unwrap_or(if mesh.pp > 1 { spec.micro_batches().max(1) } else { 1 })
+    /// The step's batch on `mesh`: micro-batch per replica, dp, micro-batches and global
+    /// batch, from the spec and `--micro-batch`, `--microbatches`, `--global-batch`.
+    pub fn batch(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<spec::Batch> {
+        if let Some(m) = self.microbatches
+            && (m == 0 || m > 4096)
+        {
+            return Err(miette!(help = "use 1 to 4096 micro-batches", "--microbatches must be between 1 and 4096, got {m}"));
+        }
+        let batch = spec.batch(mesh.dp, self.microbatches, self.global_batch).map_err(|e| miette!(help = e.help.clone().unwrap_or_default(), "{}", e.message))?;
+        if batch.microbatches > 4096 {
+            return Err(miette!(
+                help = format!("use a larger --micro-batch or a smaller --global-batch (global {} / (micro-batch {} x dp {}))", batch.global_batch, batch.micro_batch, batch.dp),
+                "{} micro-batches per step is more than the 4096 supported",
+                batch.microbatches
+            ));
+        }
+        Ok(batch)
+    }
+
+    /// Micro-batches per step on `mesh` (see [`StepArgs::batch`]).
+    pub fn microbatches(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<u64> {
+        Ok(self.batch(spec, mesh)?.microbatches)
     }
 
     /// Stages and micro-batches, when the step is pipelined or accumulates gradients.
     fn pipeline_options(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<Option<shardc_passes::PipelineOptions>> {
         use shardc_runtime::schedule::Kind;
         let kind = self.schedule_kind()?;
-        let m = self.microbatches(spec, mesh);
-        if m == 0 || m > 4096 {
-            return Err(miette!(help = "use 1 to 4096 micro-batches", "--microbatches must be between 1 and 4096, got {m}"));
-        }
+        let m = self.microbatches(spec, mesh)?;
         if mesh.pp == 1 && m == 1 && self.stages.is_none() {
             return Ok(None);
         }
@@ -214,6 +235,12 @@ impl StepArgs {
         }
         if let Some(mb) = self.micro_batch {
             spec.training.micro_batch = mb;
+        }
+        match (self.global_batch, self.microbatches) {
+            (Some(global), _) => spec.training.global_batch = Some(global),
+            // `--microbatches` alone sets the global batch (micro-batch x dp x micro-batches).
+            (None, Some(_)) => spec.training.global_batch = None,
+            (None, None) => {}
         }
         if let Some(dtype) = &self.dtype {
             spec.model.dtype = match dtype.as_str() {

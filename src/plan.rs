@@ -40,9 +40,6 @@ pub struct PlanArgs {
     /// Nodes: with --gpus, sets the GPUs per node (GPUs / nodes).
     #[arg(long)]
     pub nodes: Option<u64>,
-    /// Sequences per optimizer step (default: the spec's training.global_batch).
-    #[arg(long)]
-    pub global_batch: Option<u64>,
     /// How many plans to list.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -136,7 +133,7 @@ fn compile_unit(spec: &Spec, tp: u64, sequence_parallel: bool, recompute: Recomp
     let mut one = spec.clone();
     one.model.layers = 1;
     one.training.micro_batch = 1;
-    one.training.global_batch = 1;
+    one.training.global_batch = None;
     let options = CompileOptions {
         recompute,
         optimizer: OptimizerKind::adamw(1e-4),
@@ -148,7 +145,7 @@ fn compile_unit(spec: &Spec, tp: u64, sequence_parallel: bool, recompute: Recomp
         grad_bucket_bytes: 0,
         ..Default::default()
     };
-    let mut module = shardc_ir::spec::lower(&one).into_diagnostic()?;
+    let mut module = shardc_ir::spec::lower(&one, one.step_shape(&options.mesh)).into_diagnostic()?;
     let cx = crate::ir_context()?;
     compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
     let f = module.func("train_step").ok_or_else(|| miette!("no @train_step"))?;
@@ -178,7 +175,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     });
     let peak = if matches!(spec.model.dtype, shardc_ir::spec::SpecDType::F32) { cluster.gpu.fp32_flops } else { cluster.gpu.bf16_flops };
     let params_total = {
-        let module = shardc_ir::spec::lower(spec).into_diagnostic()?;
+        let module = shardc_ir::spec::lower(spec, spec.step_shape(&Mesh::default())).into_diagnostic()?;
         module.func("forward").map_or(0, |f| f.parameter_count()) as f64
     };
     let tokens = (global_batch * seq) as f64;
@@ -292,7 +289,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         }
         cluster.gpus_per_node = (args.gpus / nodes) as usize;
     }
-    let global_batch = args.global_batch.unwrap_or(spec.training.global_batch);
+    let global_batch = args.step.global_batch.or(spec.training.global_batch).unwrap_or(spec.training.micro_batch);
     if global_batch == 0 {
         return Err(miette!(help = "a global batch is at least one sequence", "--global-batch must be at least 1"));
     }
@@ -341,8 +338,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
             p.bottleneck(cluster.gpu.memory_bytes)
         );
     }
-    // The best plan as a command line (`--micro-batch` is the rows of a micro-batch over all
-    // replicas).
+    // The best plan as a command line (`--micro-batch` is per data-parallel replica, as `b`).
     let best = &plans[0];
     let mut command = format!(
         "shardc run {} --mesh dp={},tp={},pp={} --micro-batch {} --microbatches {} --recompute {} --zero {}",
@@ -350,7 +346,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         best.dp,
         best.tp,
         best.pp,
-        best.micro_batch * best.dp,
+        best.micro_batch,
         best.microbatches,
         best.recompute,
         best.zero

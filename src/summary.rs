@@ -17,8 +17,8 @@ pub struct Summary {
     /// FLOPs of one `train_step` (one micro-batch: forward, backward, optimizer), summed
     /// from the op registry's costs over the real training-step IR.
     pub train_step_flops_per_microbatch: f64,
-    /// Micro-batches per optimizer step over all replicas.
-    pub microbatches_per_step: u64,
+    /// The step's batch: micro-batch per replica, dp, micro-batches per step, global batch.
+    pub batch: shardc_ir::spec::Batch,
     /// Memory of the training step's rank program: arguments (parameters, optimizer
     /// state, inputs) and the peak of temporaries with and without slot reuse.
     pub memory: Option<MemorySummary>,
@@ -132,7 +132,7 @@ pub struct MemorySummary {
 
 impl Summary {
     /// Collects the figures of `@forward` and `@train_step`.
-    pub fn of(spec: &Spec, module: &Module, programs: &[shardc_runtime::Program]) -> Summary {
+    pub fn of(spec: &Spec, batch: shardc_ir::spec::Batch, module: &Module, programs: &[shardc_runtime::Program]) -> Summary {
         let forward = module.func("forward");
         let parameters = forward.map_or(0, |f| f.parameter_count());
         let dtype: shardc_ir::DType = spec.model.dtype.into();
@@ -141,7 +141,7 @@ impl Summary {
             parameter_bytes: parameters.saturating_mul(dtype.bytes()),
             forward_flops_per_microbatch: forward.map_or(0.0, |f| f.cost().flops),
             train_step_flops_per_microbatch: module.func("train_step").map_or(0.0, |f| f.cost().flops),
-            microbatches_per_step: spec.micro_batches(),
+            batch,
             communication: programs.iter().find(|p| p.name == "train_step").map(communication).unwrap_or_default(),
             memory: programs.iter().find(|p| p.name == "train_step").map(|p| MemorySummary {
                 argument_bytes: p.memory.argument_bytes as u64,
@@ -220,14 +220,16 @@ impl Summary {
         line(
             "step",
             format!(
-                "seq {} x micro-batch {}, {} micro-batches per step (global batch {})",
+                "seq {} x micro-batch {} per replica x dp {}, {} micro-batch{} per step (global batch {} sequences)",
                 spec.seq_len(),
-                spec.training.micro_batch,
-                self.microbatches_per_step,
-                spec.training.global_batch
+                self.batch.micro_batch,
+                self.batch.dp,
+                self.batch.microbatches,
+                if self.batch.microbatches == 1 { "" } else { "es" },
+                self.batch.global_batch
             ),
         );
-        let step_flops = self.train_step_flops_per_microbatch * self.microbatches_per_step as f64;
+        let step_flops = self.train_step_flops_per_microbatch * self.batch.microbatches as f64;
         if mesh.ranks() > 1 {
             // The training step is a rank's program; the forward figure is the whole model's.
             line(

@@ -86,7 +86,7 @@ pub fn compile_train_step(spec: &Spec, step: &StepArgs) -> Result<Program> {
 /// Compiles the spec's training step for `mesh` (partitioned when it has several ranks).
 pub fn compile_train_step_on(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh) -> Result<Program> {
     let options = step.compile_options(spec, mesh)?;
-    let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
+    let mut module = shardc_ir::spec::lower(spec, spec.step_shape(&mesh)).into_diagnostic()?;
     let cx = crate::ir_context()?;
     shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
     let train_step = module.func("train_step").ok_or_else(|| miette!("the pipeline produced no @train_step"))?;
@@ -99,7 +99,7 @@ pub fn compile_train_step_on(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh
 pub fn compile_pipeline_programs(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh) -> Result<Vec<Program>> {
     let options = step.compile_options(spec, mesh)?;
     let schedule = step.schedule(spec, mesh)?.ok_or_else(|| miette!("no pipeline stages or micro-batches were asked for"))?;
-    let mut module = shardc_ir::spec::lower(spec).into_diagnostic()?;
+    let mut module = shardc_ir::spec::lower(spec, spec.step_shape(&mesh)).into_diagnostic()?;
     let cx = crate::ir_context()?;
     shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
     let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
@@ -144,6 +144,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if mesh.ranks() > 1 {
         return run_partitioned(args, &spec, mesh);
     }
+    refuse_load_with_resume(args)?;
     let program = compile_train_step(&spec, &args.step)?;
     let peak = program.peak_bytes();
     let mut checkpoints = Checkpoints::new(args, &spec)?;
@@ -153,11 +154,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         trainer.restore(state).into_diagnostic()?;
     }
     let first_step = resumed.as_ref().map_or(0, |s| s.step);
-    if let Some(path) = &args.load {
-        let bytes = std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
-        let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
-        trainer.load(&tensors).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
-    }
     let data_path = args.data.clone().unwrap_or_else(default_corpus);
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
@@ -240,7 +236,9 @@ fn peak_rss() -> Option<u64> {
 pub fn bench(args: &BenchArgs) -> Result<()> {
     let spec = args.step.load_spec(Some(&args.spec))?;
     let compile_start = Instant::now();
-    let program = compile_train_step(&spec, &args.step)?;
+    // A benchmark times one micro-batch's training step, whatever the global batch.
+    let step = StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() };
+    let program = compile_train_step(&spec, &step)?;
     let compile_s = compile_start.elapsed().as_secs_f64();
     let planned = program.peak_bytes();
     let mut trainer = Trainer::new(program, 0, spec.model.layers as usize).into_diagnostic()?;
@@ -338,6 +336,13 @@ impl Checkpoints {
     /// The run's starting state from `--resume`, checked against this spec; and its seed.
     fn resume(&self, args: &RunArgs, programs: &[Program]) -> Result<(Option<shardc_runtime::train::TrainState>, u64)> {
         let Some(dir) = &args.resume else {
+            // `--load FILE` starts from its parameters (global tensors by name).
+            if let Some(path) = &args.load {
+                let bytes = std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
+                let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
+                let params = tensors.into_iter().map(|(name, (shape, values))| (name, (shape, values.into_iter().map(f64::from).collect()))).collect();
+                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed));
+            }
             // A Hugging Face model starts from its weights.
             if let Some(hf) = args.step.hf_dir(args.spec.as_deref()) {
                 let params = crate::hf::load_weights(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
@@ -377,9 +382,7 @@ impl Checkpoints {
 }
 
 fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
-    if args.load.is_some() || args.save.is_some() {
-        return Err(miette!(help = "run without --mesh to load or save parameters", "--load and --save work on one rank for now"));
-    }
+    refuse_load_with_resume(args)?;
     let program = compile_train_step_on(spec, &args.step, mesh)?;
     let data_path = args.data.clone().unwrap_or_else(default_corpus);
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
@@ -410,7 +413,35 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
         crate::hf::save(dir, spec, state)?;
     }
+    save_parameters(args, state.as_ref(), std::slice::from_ref(&program))?;
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
+    Ok(())
+}
+
+/// `--load` starts a fresh run from given parameters; `--resume` continues a saved one.
+fn refuse_load_with_resume(args: &RunArgs) -> Result<()> {
+    if args.load.is_some() && args.resume.is_some() {
+        return Err(miette!(help = "give one of them: --resume continues a checkpoint with its optimizer state, --load starts fresh from parameters", "--load and --resume both say where to start"));
+    }
+    Ok(())
+}
+
+/// `--save FILE`: the trained parameters as global tensors, whatever the mesh.
+fn save_parameters(args: &RunArgs, state: Option<&shardc_runtime::train::TrainState>, programs: &[Program]) -> Result<()> {
+    let (Some(path), Some(state)) = (&args.save, state) else { return Ok(()) };
+    let mut names: Vec<&str> = programs.iter().flat_map(|p| p.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).map(|a| a.name.as_str())).collect();
+    names.sort_unstable();
+    names.dedup();
+    let tensors: shardc_runtime::checkpoint::NamedTensors = names
+        .into_iter()
+        .map(|name| {
+            let (shape, values) = state.tensors.get(name).ok_or_else(|| miette!("the run's state has no parameter `{name}`"))?;
+            Ok((name.to_string(), shape.clone(), values.iter().map(|&v| v as f32).collect()))
+        })
+        .collect::<Result<_>>()?;
+    let bytes = shardc_runtime::checkpoint::to_bytes(&tensors).into_diagnostic()?;
+    std::fs::write(path, bytes).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+    println!("  saved       {}", path.display());
     Ok(())
 }
 
@@ -424,9 +455,7 @@ fn collective_algorithm(name: &str) -> Result<shardc_runtime::collectives::Algor
 
 /// `shardc run` with pipeline stages or several micro-batches per step.
 fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
-    if args.load.is_some() || args.save.is_some() {
-        return Err(miette!(help = "run without --mesh and --microbatches to load or save parameters", "--load and --save work on one rank for now"));
-    }
+    refuse_load_with_resume(args)?;
     let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
     let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
     let algorithm = collective_algorithm(&args.collectives)?;
@@ -435,12 +464,13 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
     let peak = programs.iter().map(Program::peak_bytes).max().unwrap_or(0);
     println!(
-        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} schedule, {} micro-batches of {} rows per step, {} steps, seed {}, peak planned memory per rank {}",
+        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} schedule, {} micro-batches of {} sequences per replica per step (global batch {}), {} steps, seed {}, peak planned memory per rank {}",
         spec.name,
         mesh.ranks(),
         schedule.kind.label(),
         schedule.microbatches,
         spec.training.micro_batch,
+        schedule.microbatches as u64 * spec.training.micro_batch * mesh.dp,
         args.steps,
         args.seed,
         crate::summary::bytes(peak as u64)
@@ -466,6 +496,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
         crate::hf::save(dir, spec, state)?;
     }
+    save_parameters(args, state.as_ref(), &programs)?;
     let Some(run) = last_run else { return Ok(()) };
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     println!(
@@ -487,7 +518,12 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
 fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     use shardc_runtime::cuda::{self, Placement};
     if args.step.compile_options(spec, mesh)?.pipeline.is_some() {
-        return Err(miette!(help = "use dp and tp with --backend cuda, or run the pipeline on the CPU backend", "pipeline stages run on the CPU backend only"));
+        let batch = args.step.batch(spec, mesh)?;
+        return Err(miette!(
+            help = format!("use dp and tp with --backend cuda and one micro-batch per step (--microbatches 1, or --global-batch {}), or run on the CPU backend", batch.rows()),
+            "pipeline stages and gradient accumulation ({} micro-batches per step) run on the CPU backend only",
+            batch.microbatches
+        ));
     }
     let program = shardc_codegen::device::with_device_plan(compile_train_step_on(spec, &args.step, mesh)?).into_diagnostic()?;
     let placement = if std::env::var_os("RANK").is_some() { Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?) } else { Placement::SingleDevice { device: 0 } };
@@ -496,7 +532,7 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
     println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps", spec.name, args.steps);
     let run = cuda::train(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, &placement).into_diagnostic()?;
-    let tokens = spec.training.micro_batch * spec.seq_len();
+    let tokens = spec.training.micro_batch * mesh.dp * spec.seq_len();
     for (step, loss) in run.losses.iter().enumerate() {
         if args.log_every > 0 && (step as u64 + 1) % args.log_every == 0 {
             println!("step {} loss {loss:.6}", step + 1);

@@ -89,7 +89,7 @@ fn llama_7b_parameter_count_is_printed() {
 #[test]
 fn dump_dir_holds_ir_before_and_after_every_pass() {
     let dir = tempdir("dump");
-    let out = shardc(&["compile", "models/tiny.toml", "--dump-dir", dir.to_str().unwrap()]);
+    let out = shardc(&["compile", "models/tiny.toml", "--microbatches", "1", "--dump-dir", dir.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let mut files: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
     files.sort();
@@ -123,7 +123,7 @@ fn unknown_pass_name_lists_the_passes() {
 fn plan_file_is_written() {
     let dir = tempdir("plan");
     let plan = dir.join("plan.json");
-    let out = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "tp=2", "-o", plan.to_str().unwrap()]);
+    let out = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "tp=2", "--microbatches", "1", "-o", plan.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
     assert_eq!(json["format_version"], 1);
@@ -168,7 +168,7 @@ fn invalid_meshes_are_refused_with_the_fix() {
         ("dp=0", "must be an integer from 1"),
         ("dp=2,dp=2", "given twice"),
         ("pp=9", "exceeds the 6 blocks of the model"),
-        ("dp=3", "is not a multiple of dp=3"),
+        ("dp=3", "global batch 8 is not a multiple of micro-batch 2 x dp 3"),
         ("tp", "not of the form axis=size"),
     ] {
         let out = shardc(&["compile", "models/tiny.toml", "--mesh", mesh]);
@@ -262,7 +262,7 @@ fn run_errors_are_clear() {
 fn inspect_shows_programs_and_memory() {
     let dir = tempdir("inspect");
     let plan = dir.join("plan.json");
-    let out = shardc(&["compile", "models/tiny.toml", "-o", plan.to_str().unwrap()]);
+    let out = shardc(&["compile", "models/tiny.toml", "--microbatches", "1", "-o", plan.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let out = shardc(&["inspect", plan.to_str().unwrap(), "--instrs"]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -337,18 +337,19 @@ fn schedule_command_reports_bubbles_and_writes_pictures() {
     assert!(stderr(&out).contains("multiple of stages"), "{}", stderr(&out));
 }
 
-/// The 3D run: dp=2, tp=2, pp=2 with 4 micro-batches gives the single device's loss
-/// curve when the single device takes the same global batch (4 x 2 rows) per step.
+/// The 3D run: dp=2, tp=2, pp=2 with 4 micro-batches of 1 sequence per replica gives
+/// the single device's loss curve: both take the spec's global batch of 8 sequences per step
+/// (the single device as 4 micro-batches of 2).
 #[test]
 fn three_d_run_matches_the_single_device_curve() {
     let dir = tempdir("pipeline");
     let trace = dir.join("trace.json");
     let steps = "20";
-    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2,tp=2,pp=2", "--microbatches", "4", "--steps", steps, "--log-every", "1", "--trace", trace.to_str().unwrap()]);
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=2,tp=2,pp=2", "--micro-batch", "1", "--microbatches", "4", "--steps", steps, "--log-every", "1", "--trace", trace.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("8 CPU threads") && text.contains("1F1B schedule") && text.contains("measured bubble"), "{text}");
-    let single = stdout(&shardc(&["run", "models/tiny.toml", "--micro-batch", "8", "--steps", steps, "--log-every", "1"]));
+    let single = stdout(&shardc(&["run", "models/tiny.toml", "--steps", steps, "--log-every", "1"]));
     let curve = |t: &str| -> Vec<f64> { t.lines().filter(|l| l.starts_with("step ")).filter_map(|l| l.split_once(" loss ")).map(|(_, v)| v.trim().parse::<f64>().unwrap()).collect() };
     let (a, b) = (curve(&text), curve(&single));
     assert_eq!(a.len(), 20, "{text}");
@@ -441,7 +442,7 @@ fn cuda_backend_without_a_gpu_fails_with_one_line() {
 fn compile_for_cuda_writes_device_code() {
     let dir = std::env::temp_dir().join(format!("shardc-cuda-plan-{}", std::process::id()));
     let path = dir.join("plan.json");
-    let out = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "tp=2", "--dtype", "bf16", "--target", "cuda", "-o", path.to_str().unwrap()]);
+    let out = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "tp=2", "--microbatches", "1", "--dtype", "bf16", "--target", "cuda", "-o", path.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("device      cuda (Bf16):"), "{text}");
@@ -491,13 +492,14 @@ fn checkpoints_resume_under_another_mesh() {
     let first = losses_by_step(&with(&["--mesh", "dp=2,tp=2", "--micro-batch", "4", "--steps", "20", "--checkpoint", ckpt]));
     assert_same_losses(&uninterrupted, &first, "first 20 steps");
     assert!(dir.join("ckpt/LATEST").exists() && dir.join("ckpt/step-00000020/rank-00003.safetensors").exists());
-    let pipelined = losses_by_step(&with(&["--mesh", "pp=2", "--micro-batch", "2", "--microbatches", "2", "--steps", "20", "--resume", ckpt]));
+    // The spec's global batch of 8 sequences on every mesh: 2 micro-batches of 4 here.
+    let pipelined = losses_by_step(&with(&["--mesh", "pp=2", "--micro-batch", "4", "--steps", "20", "--resume", ckpt]));
     assert_eq!(pipelined.keys().copied().collect::<Vec<_>>(), (21..=40).collect::<Vec<u64>>());
     assert_same_losses(&uninterrupted, &pipelined, "resumed at pp=2");
-    let data_parallel = losses_by_step(&with(&["--mesh", "dp=4", "--micro-batch", "4", "--steps", "20", "--resume", ckpt]));
+    let data_parallel = losses_by_step(&with(&["--mesh", "dp=4", "--micro-batch", "2", "--steps", "20", "--resume", ckpt]));
     assert_same_losses(&uninterrupted, &data_parallel, "resumed at dp=4");
     // Optimizer state sharded by ZeRO on resume.
-    let zero = losses_by_step(&with(&["--mesh", "dp=4", "--zero", "1", "--micro-batch", "4", "--steps", "10", "--resume", ckpt]));
+    let zero = losses_by_step(&with(&["--mesh", "dp=4", "--zero", "1", "--micro-batch", "2", "--steps", "10", "--resume", ckpt]));
     assert_same_losses(&uninterrupted, &zero, "resumed at dp=4 with ZeRO-1");
     let single = losses_by_step(&with(&["--micro-batch", "4", "--steps", "5", "--resume", ckpt]));
     assert_same_losses(&uninterrupted, &single, "resumed on one device");
@@ -683,7 +685,7 @@ fn check_numerics_names_the_first_op_that_overflows() {
 /// component and the cheapest change that fits; without `--gpu` the summary only says so.
 #[test]
 fn over_memory_plans_are_refused_with_a_fix() {
-    let args = ["compile", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "128"];
+    let args = ["compile", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "64", "--microbatches", "1"];
     let out = shardc(&[&args[..], &["--gpu", "a100-40g"]].concat());
     let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(!out.status.success(), "{err}");
@@ -695,6 +697,51 @@ fn over_memory_plans_are_refused_with_a_fix() {
     let fits = shardc(&[&args[..], &["--gpu", "a100-40g", "--zero", "1"]].concat());
     assert!(fits.status.success(), "{}", stderr(&fits));
     // `run` refuses the same plan before training.
-    let run = shardc(&["run", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "128", "--gpu", "a100-40g", "--steps", "1"]);
+    let run = shardc(&["run", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "64", "--microbatches", "1", "--gpu", "a100-40g", "--steps", "1"]);
     assert!(!run.status.success() && stderr(&run).contains("cheapest change that fits"), "{}", stderr(&run));
+}
+
+/// Megatron-LM's batch conventions: `--micro-batch` is per data-parallel replica, the global
+/// batch is micro-batch x dp x micro-batches, and the micro-batches are derived from the
+/// global batch when not given, at any pp; what the summary says is what the programs run.
+#[test]
+fn batch_sizes_follow_megatron() {
+    // GPT-3 175B at dp=8, tp=8, pp=16 with micro-batch 1 per replica: 1536 / 8 = 192.
+    let out = shardc(&["compile", "models/gpt3-175b.toml", "--mesh", "dp=8,tp=8,pp=16"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("micro-batch 1 per replica x dp 8, 192 micro-batches per step (global batch 1536 sequences)"), "{}", stdout(&out));
+    // tiny's global batch of 8 at dp=2, tp=2 with 2 per replica: 2 micro-batches, and the
+    // compiled programs carry 2, with 2 x 2 rows each.
+    let dir = tempdir("batch");
+    let plan = dir.join("plan.json");
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=2,tp=2", "-o", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("micro-batch 2 per replica x dp 2, 2 micro-batches per step (global batch 8 sequences)"), "{}", stdout(&out));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let rank = json["programs"].as_array().unwrap().iter().find(|p| p["pipeline"].is_object()).unwrap();
+    assert_eq!(rank["pipeline"]["microbatches"], 2);
+    let tokens = rank["args"].as_array().unwrap().iter().find(|a| a["name"] == "tokens").unwrap();
+    assert_eq!(tokens["layout"]["global_shape"], serde_json::json!([4, 8]));
+    // An inconsistent triple names all three numbers and a fix.
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=2", "--microbatches", "3", "--global-batch", "8"]);
+    let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    for part in ["global batch 8", "micro-batch 2", "dp 2", "3 micro-batches", "--global-batch 12"] {
+        assert!(err.contains(part), "missing `{part}`: {err}");
+    }
+    let out = shardc(&["run", "models/tiny.toml", "--mesh", "dp=3"]);
+    assert!(stderr(&out).contains("global batch 8 is not a multiple of micro-batch 2 x dp 3 = 6"), "{}", stderr(&out));
+}
+
+/// The tied embedding's gradient with dp = 2 and 2 micro-batches (pp = 1): the same losses
+/// as one device on the same 16 sequences a step (its lookup part was once lost).
+#[test]
+fn tied_embeddings_with_data_parallel_accumulation_match_one_device() {
+    for spec in ["models/tiny.toml", "models/tiny-llama.toml"] {
+        let run = |extra: &[&str]| losses_by_step(&shardc(&[&["run", spec, "--steps", "3", "--log-every", "1"][..], extra].concat()));
+        let one = run(&["--micro-batch", "16", "--microbatches", "1"]);
+        for extra in [&["--mesh", "dp=2", "--micro-batch", "4", "--microbatches", "2"][..], &["--mesh", "dp=2", "--micro-batch", "4", "--microbatches", "2", "--zero", "1"], &["--mesh", "dp=2,pp=2", "--micro-batch", "4", "--microbatches", "2"]] {
+            assert_same_losses(&one, &run(extra), &format!("{spec} {extra:?}"));
+        }
+    }
 }

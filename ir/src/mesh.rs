@@ -88,13 +88,6 @@ impl Mesh {
         if self.pp > 2 * m.layers + 2 {
             error(format!("pp={} exceeds the {} blocks of the model (embedding, attention and MLP of each layer, head)", self.pp, 2 * m.layers + 2), format!("use pp <= {}", 2 * m.layers + 2));
         }
-        // A step's micro-batch (training.micro_batch rows) is split over the dp replicas.
-        if !spec.training.micro_batch.is_multiple_of(self.dp) {
-            error(
-                format!("training.micro_batch={} (the rows of one micro-batch, split over the replicas) is not a multiple of dp={}", spec.training.micro_batch, self.dp),
-                format!("use a micro-batch that dp divides (--micro-batch {}), or change dp", spec.training.micro_batch.div_ceil(self.dp) * self.dp),
-            );
-        }
         errors
     }
 }

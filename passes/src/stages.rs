@@ -273,7 +273,7 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     }
     // What the step reads from the backward is summed over the micro-batches: it must be a
     // per-micro-batch value, or the sum would count it m times.
-    for (i, op) in func.ops.iter().enumerate().filter(|(i, _)| phase[*i] == Phase::Step) {
+    for (_, op) in func.ops.iter().enumerate().filter(|(i, _)| phase[*i] == Phase::Step) {
         if let Some(p) = op.operands.iter().filter_map(|v| producer.get(v)).find(|&&p| phase[p] == Phase::Backward && !varies[p]) {
             return Err(format!("{}: the step reads `{}` from the backward, but it is the same for every micro-batch and would be summed over them", op.loc, func.ops[*p].loc));
         }

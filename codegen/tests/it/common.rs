@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use shardc_codegen::lower_func;
-use shardc_ir::spec::{lower, parse, Format, Spec};
+use shardc_ir::spec::{lower, parse, Format, Spec, StepShape};
 use shardc_ir::{Func, Module};
 use shardc_passes::{Autodiff, Pass, Recompute};
 use shardc_runtime::cpu::CpuExecutor;
@@ -45,7 +45,8 @@ pub fn init_params(exec: &mut CpuExecutor, seed: u64, layers: usize) {
     }
 }
 
-/// The spec's model lowered to a module.
+/// The spec's model lowered to a module: `training.micro_batch` rows per step in all (these
+/// tests compare meshes on the same rows), the vocabulary as the spec gives it.
 pub fn model(spec: &Spec) -> Module {
-    lower(spec).unwrap()
+    lower(spec, StepShape { rows: spec.training.micro_batch, padded_vocab: spec.model.vocab }).unwrap()
 }

@@ -133,7 +133,7 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
         other => return Err(format!("config.json: model_type `{other}` is not supported (shardc reads gpt2 and llama)")),
     };
     let seq_len = seq_len.min(model.max_seq);
-    let spec = Spec { name: name.to_string(), model, training: TrainingSpec { seq_len: Some(seq_len), micro_batch, global_batch: micro_batch } };
+    let spec = Spec { name: name.to_string(), model, training: TrainingSpec { seq_len: Some(seq_len), micro_batch, global_batch: None } };
     Ok((spec, family))
 }
 

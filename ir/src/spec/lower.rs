@@ -6,7 +6,7 @@
 //! and a row-parallel split one of dimension 0. Attention uses separate q, k and v projections
 //! so that each splits by whole heads, grouped-query attention included.
 
-use super::{Activation, Norm, Positions, Spec};
+use super::{Activation, Norm, Positions, Spec, StepShape};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::{ArgRole, BuildError, Func, FuncBuilder, Module, Value};
 use crate::types::{DType, TensorTy};
@@ -15,15 +15,16 @@ use crate::types::{DType, TensorTy};
 /// validation but is still inconsistent (a bug in validation or the frontend).
 pub type LowerError = BuildError;
 
-/// Lowers a validated spec to a module holding `@forward`.
-pub fn lower(spec: &Spec) -> Result<Module, LowerError> {
-    Ok(Module { grids: Vec::new(), funcs: vec![forward(spec, true)?], notes: Default::default() })
+/// Lowers a validated spec to a module holding `@forward`, for a step of `shape` (rows of a
+/// micro-batch over all replicas, padded vocabulary; see [`Spec::step_shape`]).
+pub fn lower(spec: &Spec, shape: StepShape) -> Result<Module, LowerError> {
+    Ok(Module { grids: Vec::new(), funcs: vec![forward(spec, shape, true)?], notes: Default::default() })
 }
 
 /// Lowers a spec to `func.func @logits(params..., tokens) -> logits`: the forward pass
 /// without the loss, for inference and for comparing with other implementations.
-pub fn lower_logits(spec: &Spec) -> Result<Module, LowerError> {
-    let mut func = forward(spec, false)?;
+pub fn lower_logits(spec: &Spec, shape: StepShape) -> Result<Module, LowerError> {
+    let mut func = forward(spec, shape, false)?;
     func.name = "logits".into();
     Ok(Module { grids: Vec::new(), funcs: vec![func], notes: Default::default() })
 }
@@ -35,11 +36,11 @@ fn attrs(items: &[(&str, AttrValue)]) -> Attrs {
 
 /// Builds `@forward`. Parameters are declared as they are first used, so argument order
 /// follows the model from embedding to head.
-fn forward(spec: &Spec, with_loss: bool) -> Result<Func, LowerError> {
+fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, LowerError> {
     let m = &spec.model;
     let dtype: DType = m.dtype.into();
-    let (b, s) = (spec.training.micro_batch as i64, spec.seq_len() as i64);
-    let (h, v, f) = (m.hidden as i64, m.vocab as i64, m.ffn_hidden as i64);
+    let (b, s) = (shape.rows as i64, spec.seq_len() as i64);
+    let (h, v, f) = (m.hidden as i64, shape.padded_vocab as i64, m.ffn_hidden as i64);
     let (heads, kv_heads) = (m.heads as i64, m.kv_heads() as i64);
     let head_dim = h / heads;
     let mut fb = FuncBuilder::new("forward");

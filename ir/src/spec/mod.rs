@@ -155,17 +155,53 @@ impl ModelSpec {
     }
 }
 
-/// Shape of one training step.
+/// Shape of one training step, in Megatron-LM's terms: `micro_batch` sequences per
+/// data-parallel replica in each forward pass, `global_batch = micro_batch x dp x
+/// micro-batches` sequences per optimizer step (see [`Spec::batch`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainingSpec {
     /// Tokens per sequence; defaults to the model's `max_seq`.
     #[serde(default)]
     pub seq_len: Option<u64>,
-    /// Sequences per micro-batch (what one forward pass sees).
+    /// Sequences per micro-batch on each data-parallel replica (what one replica's forward
+    /// pass sees).
     pub micro_batch: u64,
-    /// Sequences per optimizer step, over all data-parallel replicas and micro-batches.
+    /// Sequences per optimizer step over all data-parallel replicas and micro-batches;
+    /// defaults to one micro-batch per replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch: Option<u64>,
+}
+
+/// The batch of one optimizer step on a mesh: `global_batch = micro_batch x dp x
+/// microbatches`, the same meaning as Megatron-LM's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// Sequences per micro-batch on each data-parallel replica.
+    pub micro_batch: u64,
+    /// Data-parallel replicas.
+    pub dp: u64,
+    /// Micro-batches per optimizer step (gradient accumulation, the pipeline's m).
+    pub microbatches: u64,
+    /// Sequences per optimizer step.
     pub global_batch: u64,
+}
+
+impl Batch {
+    /// Rows of one micro-batch over all replicas: the batch dimension of the lowered step.
+    pub fn rows(&self) -> u64 {
+        self.micro_batch * self.dp
+    }
+}
+
+/// How a step is lowered for a mesh: the rows of a micro-batch and the vocabulary as padded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    /// Rows of one micro-batch over all data-parallel replicas (`micro_batch x dp`).
+    pub rows: u64,
+    /// Rows of the embedding table and columns of the LM head: the vocabulary padded to a
+    /// multiple of `vocab_multiple x tp` (Megatron's `make-vocab-size-divisible-by`).
+    pub padded_vocab: u64,
 }
 
 impl Spec {
@@ -174,9 +210,49 @@ impl Spec {
         self.training.seq_len.unwrap_or(self.model.max_seq)
     }
 
-    /// Micro-batches per optimizer step on a single replica.
-    pub fn micro_batches(&self) -> u64 {
-        self.training.global_batch / self.training.micro_batch.max(1)
+    /// The step's batch on `dp` replicas. `microbatches` (a command line's
+    /// `--microbatches`), when given, sets the global batch unless `global_batch` (a
+    /// command line's `--global-batch`) is given too, and then they must agree; otherwise the
+    /// micro-batches are derived from the global batch (`global_batch` or the spec's),
+    /// which must then be a multiple of `micro_batch x dp`. The error names all three numbers
+    /// and a fix.
+    pub fn batch(&self, dp: u64, microbatches: Option<u64>, global_batch: Option<u64>) -> Result<Batch, SpecError> {
+        let mb = self.training.micro_batch;
+        let dp = dp.max(1);
+        let per_micro = mb.checked_mul(dp).filter(|&r| r > 0 && r <= MAX_DIM);
+        let fail = |message: String, help: String| SpecError { field: "training.global_batch".into(), message, help: Some(help), span: None };
+        let Some(per_micro) = per_micro else {
+            return Err(fail(format!("micro_batch ({mb}) x dp ({dp}) is out of range"), "use a micro-batch of at least 1 and a smaller dp".into()));
+        };
+        match (microbatches, global_batch.or(self.training.global_batch)) {
+            (Some(m), _) => {
+                let global = per_micro.checked_mul(m).filter(|&g| g <= MAX_DIM && m > 0).ok_or_else(|| fail(format!("{m} micro-batches of micro_batch ({mb}) x dp ({dp}) sequences is out of range"), "use fewer micro-batches".into()))?;
+                match global_batch {
+                    Some(g) if g != global => Err(fail(
+                        format!("global batch {g} is not micro-batch {mb} x dp {dp} x {m} micro-batches = {global}"),
+                        format!("give --global-batch {global}, or leave out --microbatches to derive it ({g} / ({mb} x {dp}))"),
+                    )),
+                    _ => Ok(Batch { micro_batch: mb, dp, microbatches: m, global_batch: global }),
+                }
+            }
+            (None, None) => Ok(Batch { micro_batch: mb, dp, microbatches: 1, global_batch: per_micro }),
+            (None, Some(g)) => {
+                if g == 0 || !g.is_multiple_of(per_micro) {
+                    let lower = (g / per_micro).max(1) * per_micro;
+                    return Err(fail(
+                        format!("global batch {g} is not a multiple of micro-batch {mb} x dp {dp} = {per_micro} sequences"),
+                        format!("use a global batch of {lower} or {} (--global-batch), a micro-batch that divides {g} / {dp}, or give --microbatches", lower + per_micro),
+                    ));
+                }
+                Ok(Batch { micro_batch: mb, dp, microbatches: g / per_micro, global_batch: g })
+            }
+        }
+    }
+
+    /// How the step is lowered for `mesh`: `micro_batch x dp` rows, and the vocabulary padded
+    /// for its tensor parallelism.
+    pub fn step_shape(&self, mesh: &crate::mesh::Mesh) -> StepShape {
+        StepShape { rows: self.training.micro_batch * mesh.dp.max(1), padded_vocab: self.model.vocab }
     }
 }
 
@@ -375,7 +451,7 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
         ("model.ffn_hidden", m.ffn_hidden),
         ("training.seq_len", spec.seq_len()),
         ("training.micro_batch", t.micro_batch),
-        ("training.global_batch", t.global_batch),
+        ("training.global_batch", t.global_batch.unwrap_or(t.micro_batch)),
     ];
     let mut sizes_ok = true;
     for (field, value) in sizes {
@@ -423,11 +499,13 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
             "lower seq_len or raise model.max_seq".into(),
         );
     }
-    if !t.global_batch.is_multiple_of(t.micro_batch) {
+    if let Some(global) = t.global_batch
+        && !global.is_multiple_of(t.micro_batch)
+    {
         error(
             "training.global_batch",
-            format!("global_batch ({}) is not a multiple of micro_batch ({})", t.global_batch, t.micro_batch),
-            "make global_batch a multiple of micro_batch".into(),
+            format!("global_batch ({global}) is not a multiple of micro_batch ({}): it is micro_batch x dp x micro-batches", t.micro_batch),
+            format!("make global_batch a multiple of micro_batch, e.g. {}", global.div_ceil(t.micro_batch) * t.micro_batch),
         );
     }
     if !(m.norm_eps > 0.0 && m.norm_eps < 1.0) {

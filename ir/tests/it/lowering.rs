@@ -2,13 +2,13 @@
 //! and FLOP counts against the published formula.
 
 use shardc_ir::mlir::{print_module, IrContext, PrintStyle};
-use shardc_ir::spec::lower;
+use crate::lower_one;
 use shardc_ir::{verify, ArgRole};
 
 use crate::shipped_spec;
 
 fn lowered_text(name: &str) -> String {
-    let module = lower(&shipped_spec(name)).unwrap();
+    let module = lower_one(&shipped_spec(name)).unwrap();
     assert!(verify::verify_module(&module).is_empty());
     let cx = IrContext::new().unwrap();
     print_module(&cx, &module, PrintStyle::Plain).unwrap()
@@ -26,7 +26,7 @@ fn tiny_llama_forward() {
 
 #[test]
 fn parameter_counts_of_shipped_specs() {
-    let count = |name: &str| lower(&shipped_spec(name)).unwrap().funcs[0].parameter_count();
+    let count = |name: &str| lower_one(&shipped_spec(name)).unwrap().funcs[0].parameter_count();
     // GPT-2 small with tied embeddings, 1024 positions, vocab 50257.
     assert_eq!(count("gpt2-small"), 124_439_808);
     // Llama-7B: untied head, no biases, RMSNorm.
@@ -40,7 +40,7 @@ fn parameter_counts_of_shipped_specs() {
 
 #[test]
 fn layer_structure_is_named() {
-    let module = lower(&shipped_spec("tiny-llama")).unwrap();
+    let module = lower_one(&shipped_spec("tiny-llama")).unwrap();
     let forward = &module.funcs[0];
     let names: Vec<&str> = forward.args_with(ArgRole::Param).map(|a| a.name.as_str()).collect();
     assert_eq!(names[0], "embed.tokens.weight");
@@ -60,7 +60,7 @@ fn forward_flops_match_the_published_formula() {
     // with a 4h MLP, counting matmuls only. Our total adds element-wise work on top, which
     // must stay a small fraction.
     let spec = shipped_spec("gpt2-small");
-    let forward = &lower(&spec).unwrap().funcs[0];
+    let forward = &lower_one(&spec).unwrap().funcs[0];
     let (b, s, h, l, v) = (8.0, 1024.0, 768.0, 12.0, 50257.0);
     let matmuls = 24.0 * b * s * h * h * l + 4.0 * b * s * s * h * l + 2.0 * b * s * h * v;
     let ours = forward.cost().flops;
@@ -82,7 +82,7 @@ fn bf16_and_f64_specs_lower_and_verify() {
         let text = std::fs::read_to_string(crate::workspace_root().join("models/tiny-llama.toml")).unwrap();
         let text = text.replace("dtype = \"f32\"", &format!("dtype = \"{dtype}\""));
         let spec = shardc_ir::spec::parse(&text, shardc_ir::spec::Format::Toml, "x.toml").unwrap();
-        let module = lower(&spec).unwrap();
+        let module = lower_one(&spec).unwrap();
         let cx = IrContext::new().unwrap();
         let text = print_module(&cx, &module, PrintStyle::Plain).unwrap();
         assert!(text.contains(&format!("x{dtype}>")), "{dtype} missing from the dump");

@@ -21,3 +21,8 @@ pub fn shipped_spec(name: &str) -> shardc_ir::spec::Spec {
     let path = workspace_root().join("models").join(format!("{name}.toml"));
     shardc_ir::spec::parse_file(&path).unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// Lowers a spec for one device (its micro-batch rows, its vocabulary padded for tp = 1).
+pub fn lower_one(spec: &shardc_ir::spec::Spec) -> Result<shardc_ir::Module, shardc_ir::spec::LowerError> {
+    shardc_ir::spec::lower(spec, spec.step_shape(&shardc_ir::mesh::Mesh::default()))
+}

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 use shardc_ir::mlir::{print_module, IrContext, PrintStyle};
-use shardc_ir::spec::lower;
+use crate::lower_one;
 
 use crate::{shipped_spec, workspace_root};
 
@@ -30,7 +30,7 @@ pub fn mlir_opt(text: &str) -> String {
 fn every_shipped_spec_parses_with_mlir_opt_in_every_style() {
     let cx = IrContext::new().unwrap();
     for name in ["tiny", "tiny-llama", "gpt2-small", "llama-7b"] {
-        let module = lower(&shipped_spec(name)).unwrap();
+        let module = lower_one(&shipped_spec(name)).unwrap();
         for style in [PrintStyle::WithLocations, PrintStyle::Plain, PrintStyle::Generic] {
             mlir_opt(&print_module(&cx, &module, style).unwrap());
         }
@@ -42,7 +42,7 @@ fn mlir_opt_round_trip_is_stable() {
     // mlir-opt's output, fed back to mlir-opt, prints identically: nothing shardc prints
     // depends on shardc to be read back.
     let cx = IrContext::new().unwrap();
-    let text = print_module(&cx, &lower(&shipped_spec("tiny-llama")).unwrap(), PrintStyle::WithLocations).unwrap();
+    let text = print_module(&cx, &lower_one(&shipped_spec("tiny-llama")).unwrap(), PrintStyle::WithLocations).unwrap();
     let once = mlir_opt(&text);
     assert_eq!(once, mlir_opt(&once));
 }

@@ -4,7 +4,8 @@
 //! a spec the frontend cannot build.
 
 use shardc_ir::mlir::{emit, IrContext};
-use shardc_ir::spec::{lower, parse, Format};
+use shardc_ir::spec::{parse, Format};
+use crate::lower_one;
 use shardc_ir::verify;
 
 const VALUES: &[&str] = &[
@@ -30,7 +31,7 @@ fn no_field_value_panics_and_accepted_specs_lower() {
                 }
                 Ok(spec) => {
                     accepted += 1;
-                    let module = lower(&spec).unwrap_or_else(|e| panic!("{key} = {value}: accepted but does not lower: {e}"));
+                    let module = lower_one(&spec).unwrap_or_else(|e| panic!("{key} = {value}: accepted but does not lower: {e}"));
                     assert!(verify::verify_module(&module).is_empty(), "{key} = {value}");
                     let mlir = emit(&cx, &module).unwrap();
                     mlir.verify(&cx).unwrap_or_else(|e| panic!("{key} = {value}: {e}"));
@@ -68,7 +69,7 @@ fn arbitrary_bytes_do_not_panic() {
             }
             let mangled = String::from_utf8_lossy(&bytes);
             if let Ok(spec) = parse(&mangled, format, "mangled") {
-                let module = lower(&spec).expect("accepted specs lower");
+                let module = lower_one(&spec).expect("accepted specs lower");
                 assert!(verify::verify_module(&module).is_empty());
             }
         }

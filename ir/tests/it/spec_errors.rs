@@ -31,3 +31,33 @@ fn several_errors_are_all_reported_in_source_order() {
     let fields: Vec<&str> = errors.errors.iter().map(|e| e.field.as_str()).collect();
     assert_eq!(fields, ["model.heads", "model.kv_heads", "training.global_batch"]);
 }
+
+/// `Spec::batch`: Megatron's meaning (micro-batch per replica; global = micro-batch x dp x
+/// micro-batches), micro-batches derived from the global batch, and every inconsistency an
+/// error that names the numbers and a fix.
+#[test]
+fn batches_follow_megatron() {
+    let spec = crate::shipped_spec("gpt3-175b");
+    let b = spec.batch(8, None, None).unwrap();
+    assert_eq!((b.micro_batch, b.dp, b.microbatches, b.global_batch, b.rows()), (1, 8, 192, 1536, 8));
+    let tiny = crate::shipped_spec("tiny");
+    assert_eq!(tiny.batch(1, None, None).unwrap().microbatches, 4);
+    assert_eq!(tiny.batch(4, None, None).unwrap().microbatches, 1);
+    // `--microbatches` alone sets the global batch; with a global batch they must agree.
+    let mut free = tiny.clone();
+    free.training.global_batch = None;
+    assert_eq!(free.batch(2, Some(3), None).unwrap().global_batch, 12);
+    assert_eq!(free.batch(2, None, None).unwrap().global_batch, 4);
+    assert_eq!(tiny.batch(2, Some(2), Some(8)).unwrap().microbatches, 2);
+    let e = tiny.batch(2, Some(3), Some(8)).unwrap_err();
+    assert!(e.message.contains("global batch 8") && e.message.contains("micro-batch 2") && e.message.contains("dp 2") && e.message.contains("3 micro-batches"), "{e}");
+    assert!(e.help.unwrap().contains("--global-batch 12"));
+    let e = tiny.batch(3, None, None).unwrap_err();
+    assert!(e.message.contains("not a multiple of micro-batch 2 x dp 3 = 6"), "{e}");
+    assert!(e.help.unwrap().contains("6 or 12"));
+    // A global batch smaller than one micro-batch step.
+    assert!(tiny.batch(8, None, None).is_err());
+    // Hostile sizes are errors, not overflows.
+    assert!(tiny.batch(u64::MAX, None, None).is_err());
+    assert!(tiny.batch(2, Some(u64::MAX), None).is_err());
+}

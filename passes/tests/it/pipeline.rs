@@ -10,7 +10,8 @@ use shardc_passes::{compile_pipeline, Changed, Pass, PassError, Pipeline, Verify
 
 fn tiny(name: &str) -> Module {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
-    lower(&parse_file(&root.join(format!("models/{name}.toml"))).unwrap()).unwrap()
+    let spec = parse_file(&root.join(format!("models/{name}.toml"))).unwrap();
+    lower(&spec, spec.step_shape(&shardc_ir::mesh::Mesh::default())).unwrap()
 }
 
 /// Runs `pipeline` and returns every IR text it observed, with the pass names.
