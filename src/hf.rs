@@ -85,7 +85,7 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
     let func = module.func("logits").ok_or_else(|| miette!("the pipeline produced no @logits"))?;
     let program = shardc_codegen::lower_func_on(func, &grid).into_diagnostic()?;
     let tokens: Vec<i32> = rows.concat();
-    let values = shardc_runtime::train::logits(&program, &params, &tokens).into_diagnostic()?;
+    let values = shardc_runtime::train::logits(&program, &params, &tokens, spec.model.vocab as usize).into_diagnostic()?;
     let shape = [rows.len(), seq, spec.model.vocab as usize];
     let collectives = program.instrs.iter().filter(|i| i.op.starts_with("shard.")).count();
     println!("shardc: logits of {} on mesh {mesh} ({} ranks, {collectives} collectives each): shape {shape:?}, first {:?}", spec.name, mesh.ranks(), &values[..values.len().min(4)]);

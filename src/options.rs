@@ -117,7 +117,7 @@ impl StepArgs {
             recompute,
             optimizer,
             mesh,
-            vocab: spec.model.vocab as i64,
+            vocab: spec.model.padded_vocab(mesh.tp) as i64,
             kv_heads: spec.model.kv_heads() as i64,
             zero: self.zero,
             sequence_parallel: self.sequence_parallel,

@@ -138,7 +138,7 @@ fn compile_unit(spec: &Spec, tp: u64, sequence_parallel: bool, recompute: Recomp
         recompute,
         optimizer: OptimizerKind::adamw(1e-4),
         mesh: Mesh { dp: 1, tp, pp: 1 },
-        vocab: spec.model.vocab as i64,
+        vocab: spec.model.padded_vocab(tp) as i64,
         kv_heads: spec.model.kv_heads() as i64,
         sequence_parallel,
         comm_opt: false,

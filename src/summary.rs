@@ -208,7 +208,11 @@ impl Summary {
                 m.heads,
                 m.kv_heads(),
                 m.ffn_hidden,
-                m.vocab,
+                if m.padded_vocab(mesh.tp) == m.vocab {
+                    m.vocab.to_string()
+                } else {
+                    format!("{} (padded to {}, a multiple of {} x tp {})", m.vocab, m.padded_vocab(mesh.tp), m.vocab_multiple, mesh.tp)
+                },
                 m.norm,
                 m.activation,
                 m.positions,

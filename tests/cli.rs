@@ -583,6 +583,9 @@ fn save_hf_round_trips() {
         let run = shardc(&["run", "--hf", &source, "--data", data.to_str().unwrap(), "--steps", "1", "--lr", "1e-30", "--seq", "8", "--micro-batch", "2", "--mesh", "tp=2", "--save-hf", saved.to_str().unwrap()]);
         assert!(run.status.success(), "{}", stderr(&run));
         assert!(saved.join("config.json").exists() && saved.join("model.safetensors").exists());
+        // The vocabulary was padded to 256 rows for tp=2 and is exported unpadded.
+        let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["vocab_size"], 64, "{family}");
         let (_, before) = hf_logits(&source, "1,2,3,4;5,6,7,8", "dp=1,tp=1,pp=1", &out);
         let (_, after) = hf_logits(saved.to_str().unwrap(), "1,2,3,4;5,6,7,8", "dp=1,tp=1,pp=1", &out);
         assert!(max_relative(&after, &before) < 1e-6, "{family}: the exported model computes other logits");

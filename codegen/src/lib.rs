@@ -165,13 +165,14 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
                 global_shape: l.global_shape.iter().map(|&d| d as usize).collect(),
                 split: l.sharding.split.iter().map(|axes| axes.iter().map(|&a| a as usize).collect()).collect(),
             }),
+            unpadded: a.unpadded.as_ref().map(|u| u.iter().map(|&d| d as usize).collect()),
         })
         .collect();
     let results = func
         .returns
         .iter()
         .enumerate()
-        .map(|(i, v)| Binding { name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")), buffer: buffer_of[v.0 as usize].unwrap(), role: None, layout: None })
+        .map(|(i, v)| Binding { name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")), buffer: buffer_of[v.0 as usize].unwrap(), role: None, layout: None, unpadded: None })
         .collect();
     let mesh = grid.iter().map(|&e| e as usize).collect();
     Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), mesh, buffers, args, results, instrs, memory, pipeline: None, device: None })

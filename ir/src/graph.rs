@@ -90,6 +90,11 @@ pub struct FuncArg {
     /// In a partitioned function: the global tensor this argument is this rank's shard of.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<ArgLayout>,
+    /// For a tensor padded beyond the model's own size (a vocabulary padded for tensor
+    /// parallelism): the real tensor's extent in each dimension of the global shape, at its
+    /// start. The rest is padding: zero in parameters and never read as data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpadded: Option<Vec<i64>>,
 }
 
 /// The global shape and sharding of a partitioned argument.
@@ -158,11 +163,14 @@ impl Func {
         self.args.iter().filter(move |a| a.role == role)
     }
 
-    /// Number of scalar parameters (elements of every `Param` argument).
+    /// Number of scalar parameters of the model (elements of every `Param` argument; of a
+    /// padded one, its real elements).
     pub fn parameter_count(&self) -> u64 {
         self.args_with(ArgRole::Param)
-            .filter_map(|a| self.tensor(a.value))
-            .map(TensorTy::num_elements)
+            .filter_map(|a| match &a.unpadded {
+                Some(u) => Some(u.iter().map(|&d| d.max(0) as u64).product()),
+                None => self.tensor(a.value).map(TensorTy::num_elements),
+            })
             .fold(0u64, u64::saturating_add)
     }
 
@@ -263,7 +271,7 @@ impl FuncBuilder {
     /// Adds an argument.
     pub fn arg(&mut self, name: &str, ty: TensorTy, role: ArgRole) -> Value {
         let value = self.fresh(Type::Tensor(ty));
-        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None });
+        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None, unpadded: None });
         value
     }
 
@@ -300,8 +308,23 @@ impl FuncBuilder {
     /// Adds an argument of any type and role.
     pub fn arg_typed(&mut self, name: &str, ty: Type, role: ArgRole) -> Value {
         let value = self.fresh(ty);
-        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None });
+        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None, unpadded: None });
         value
+    }
+
+    /// Adds an argument like `arg` (its name, role and padding; not its layout) of type `ty`:
+    /// how a pass that rebuilds a function carries its arguments over.
+    pub fn arg_like(&mut self, arg: &FuncArg, ty: Type) -> Value {
+        let value = self.arg_typed(&arg.name, ty, arg.role);
+        self.set_unpadded(value, arg.unpadded.clone());
+        value
+    }
+
+    /// Marks the argument `value` as padded beyond `unpadded` (see [`FuncArg::unpadded`]).
+    pub fn set_unpadded(&mut self, value: Value, unpadded: Option<Vec<i64>>) {
+        if let Some(arg) = self.func.args.iter_mut().find(|a| a.value == value) {
+            arg.unpadded = unpadded;
+        }
     }
 
     /// Sets the layout of the argument `value`.

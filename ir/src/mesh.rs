@@ -85,6 +85,9 @@ impl Mesh {
         if !m.ffn_hidden.is_multiple_of(self.tp) {
             error(format!("tp={} does not divide ffn_hidden={}", self.tp, m.ffn_hidden), divisors_help("tp", m.ffn_hidden));
         }
+        if m.padded_vocab(self.tp) > crate::spec::MAX_DIM {
+            error(format!("the vocabulary padded for tp={} ({} rows) exceeds the largest supported size", self.tp, m.padded_vocab(self.tp)), "use a smaller tp or model.vocab_multiple".into());
+        }
         if self.pp > 2 * m.layers + 2 {
             error(format!("pp={} exceeds the {} blocks of the model (embedding, attention and MLP of each layer, head)", self.pp, 2 * m.layers + 2), format!("use pp <= {}", 2 * m.layers + 2));
         }

@@ -94,7 +94,7 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
     // Forward value -> value in @gradients.
     let mut map: HashMap<Value, Value> = HashMap::new();
     for arg in &forward.args {
-        map.insert(arg.value, fb.arg_typed(&arg.name, forward.ty(arg.value).clone(), arg.role));
+        map.insert(arg.value, fb.arg_like(arg, forward.ty(arg.value).clone()));
     }
     for op in &forward.ops {
         let operands: Vec<Value> = op.operands.iter().map(|v| map[v]).collect();

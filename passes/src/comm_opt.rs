@@ -747,7 +747,7 @@ fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>, roots: &[
 
     let mut fb = FuncBuilder::new(&func.name);
     for arg in &func.args {
-        let v = fb.arg_typed(&arg.name, func.ty(arg.value).clone(), arg.role);
+        let v = fb.arg_like(arg, func.ty(arg.value).clone());
         if let Some(layout) = &arg.layout {
             fb.set_layout(v, layout.clone());
         }

@@ -68,7 +68,7 @@ impl Pass for Optimizer {
         let mut fb = FuncBuilder::new("train_step");
         let mut map: HashMap<Value, Value> = HashMap::new();
         for arg in &gradients.args {
-            map.insert(arg.value, fb.arg_typed(&arg.name, gradients.ty(arg.value).clone(), arg.role));
+            map.insert(arg.value, fb.arg_like(arg, gradients.ty(arg.value).clone()));
         }
         let params: Vec<_> = gradients.args_with(ArgRole::Param).cloned().collect();
         let state_names: &[&str] = match self.kind {
@@ -78,7 +78,17 @@ impl Pass for Optimizer {
         // state[k][i]: state k of parameter i.
         let state: Vec<Vec<Value>> = state_names
             .iter()
-            .map(|s| params.iter().map(|p| fb.arg_typed(&format!("opt.{s}.{}", p.name), gradients.ty(p.value).clone(), ArgRole::OptState)).collect())
+            .map(|s| {
+                params
+                    .iter()
+                    .map(|p| {
+                        // State follows its parameter, padding included.
+                        let v = fb.arg_typed(&format!("opt.{s}.{}", p.name), gradients.ty(p.value).clone(), ArgRole::OptState);
+                        fb.set_unpadded(v, p.unpadded.clone());
+                        v
+                    })
+                    .collect()
+            })
             .collect();
         let step = fb.arg_typed("step", Type::Tensor(TensorTy::scalar(DType::I32)), ArgRole::Input);
         for op in &gradients.ops {

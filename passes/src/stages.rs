@@ -472,7 +472,7 @@ fn build_stage(
             ArgRole::OptState => owner.get(&arg.value) == Some(&k),
         };
         if here {
-            let v = fb.arg_typed(&arg.name, func.ty(arg.value).clone(), arg.role);
+            let v = fb.arg_like(arg, func.ty(arg.value).clone());
             if let Some(layout) = &arg.layout {
                 fb.set_layout(v, layout.clone());
             }

@@ -74,6 +74,10 @@ pub struct ManifestTensor {
     pub global_shape: Vec<usize>,
     /// Grid axes splitting each dimension.
     pub split: Vec<Vec<usize>>,
+    /// A padded tensor's real shape (a vocabulary padded for tensor parallelism): what it is
+    /// when read back, whatever the next run pads it to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpadded: Option<Vec<usize>>,
 }
 
 /// The checkpoint format version.
@@ -108,18 +112,18 @@ fn f64_bytes(tensors: &[(String, Vec<usize>, Vec<f64>)]) -> Result<Vec<u8>, Runt
 
 /// Where a tensor lives: its layout (replicated when the program has none) and which
 /// program (pipeline coordinate) holds it.
-fn layouts(programs: &[Program]) -> Vec<(String, crate::program::Layout, usize)> {
-    let mut out: Vec<(String, crate::program::Layout, usize)> = Vec::new();
+fn layouts(programs: &[Program]) -> Vec<(crate::program::Binding, crate::program::Layout, usize)> {
+    let mut out: Vec<(crate::program::Binding, crate::program::Layout, usize)> = Vec::new();
     for (s, program) in programs.iter().enumerate() {
         for a in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
-            if out.iter().any(|(n, _, _)| *n == a.name) {
+            if out.iter().any(|(b, _, _)| b.name == a.name) {
                 continue;
             }
             let layout = a.layout.clone().unwrap_or_else(|| {
                 let shape = program.buffers[a.buffer].shape.clone();
                 crate::program::Layout { split: vec![Vec::new(); shape.len()], global_shape: shape }
             });
-            out.push((a.name.clone(), layout, s));
+            out.push((a.clone(), layout, s));
         }
     }
     out
@@ -149,10 +153,10 @@ pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Progr
                 // Mirrored tensors are saved by their first holder only.
                 continue;
             }
-            let global = state.global(tensor, &layout.global_shape)?;
+            let global = state.for_program(tensor, &layout.global_shape)?;
             let local = crate::layout::local_shard(&global, layout, &mesh, rank);
             let shape = crate::layout::local_shape(layout, &mesh);
-            shards.push((tensor.clone(), shape, local));
+            shards.push((tensor.name.clone(), shape, local));
         }
         let file = format!("rank-{rank:05}.safetensors");
         write_synced(&partial.join(&file), &f64_bytes(&shards)?)?;
@@ -167,7 +171,7 @@ pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Progr
         seed,
         mesh: mesh.0.clone(),
         spec,
-        tensors: tensors.iter().map(|(n, l, _)| ManifestTensor { name: n.clone(), global_shape: l.global_shape.clone(), split: l.split.clone() }).collect(),
+        tensors: tensors.iter().map(|(b, l, _)| ManifestTensor { name: b.name.clone(), global_shape: l.global_shape.clone(), split: l.split.clone(), unpadded: b.unpadded.clone() }).collect(),
         files,
     };
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| RuntimeError::Program(e.to_string()))?;
@@ -229,7 +233,13 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
     for t in &manifest.tensors {
         let parts = shards.remove(&t.name).ok_or_else(|| RuntimeError::Binding(format!("{}: no rank holds `{}`", folder.display(), t.name)))?;
         let layout = crate::program::Layout { global_shape: t.global_shape.clone(), split: t.split.clone() };
-        tensors.insert(t.name.clone(), (t.global_shape.clone(), crate::layout::assemble_some(&parts, &layout, &mesh)));
+        let global = crate::layout::assemble_some(&parts, &layout, &mesh);
+        let tensor = match &t.unpadded {
+            Some(unpadded) if unpadded.len() == t.global_shape.len() && unpadded.iter().zip(&t.global_shape).all(|(u, g)| u <= g) => (unpadded.clone(), crate::layout::unpad(&global, &t.global_shape, unpadded)),
+            Some(unpadded) => return Err(RuntimeError::Binding(format!("{}: `{}` has unpadded shape {unpadded:?} outside its shape {:?}", folder.display(), t.name, t.global_shape))),
+            None => (t.global_shape.clone(), global),
+        };
+        tensors.insert(t.name.clone(), tensor);
     }
     Ok((manifest.clone(), TrainState { step: manifest.step, tensors }))
 }

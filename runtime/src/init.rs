@@ -49,3 +49,11 @@ pub fn init_param(name: &str, len: usize, seed: u64, layers: usize) -> Vec<f64> 
     let k = key(seed, name);
     (0..len as u64).map(|i| std * normal(k, i)).collect()
 }
+
+/// The initial global value of the program argument `binding` (global shape `shape`): the
+/// parameter's values at its unpadded shape, so that a padded vocabulary starts with the
+/// same real rows as an unpadded one, and zeros in the padding.
+pub fn init_binding(binding: &crate::program::Binding, shape: &[usize], seed: u64, layers: usize) -> Vec<f64> {
+    let logical = binding.logical_shape(shape);
+    binding.to_program(&init_param(&binding.name, logical.iter().product(), seed, layers), shape)
+}

@@ -78,3 +78,36 @@ fn assemble_from<T: Copy + Default>(shards: &[(usize, &[T])], layout: &Layout, m
 pub fn local_shape(layout: &Layout, mesh: &MeshShape) -> Vec<usize> {
     layout.global_shape.iter().zip(parts(layout, mesh, 0)).map(|(&g, (n, _))| g / n.max(1)).collect()
 }
+
+/// Calls `f(padded_index, unpadded_index)` for each element of a tensor of `unpadded` shape
+/// placed at the start of one of `shape` (every dimension at least as large).
+fn for_each_unpadded<F: FnMut(usize, usize)>(shape: &[usize], unpadded: &[usize], mut f: F) {
+    let total: usize = unpadded.iter().product();
+    let mut index = vec![0usize; unpadded.len()];
+    for u in 0..total {
+        let p = index.iter().zip(shape).fold(0, |acc, (&i, &n)| acc * n + i);
+        f(p, u);
+        for d in (0..unpadded.len()).rev() {
+            index[d] += 1;
+            if index[d] < unpadded[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// `values` of a tensor of `unpadded` shape, padded with zeros to `shape` (a vocabulary
+/// padded for tensor parallelism).
+pub fn pad<T: Copy + Default>(values: &[T], unpadded: &[usize], shape: &[usize]) -> Vec<T> {
+    let mut out = vec![T::default(); shape.iter().product()];
+    for_each_unpadded(shape, unpadded, |p, u| out[p] = values[u]);
+    out
+}
+
+/// The `unpadded` start of `values`, a tensor of `shape`.
+pub fn unpad<T: Copy + Default>(values: &[T], shape: &[usize], unpadded: &[usize]) -> Vec<T> {
+    let mut out = vec![T::default(); unpadded.iter().product()];
+    for_each_unpadded(shape, unpadded, |p, u| out[u] = values[p]);
+    out
+}

@@ -225,7 +225,8 @@ pub fn train_pipeline_from(
             }
             let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
             let shards: Vec<(usize, Vec<f64>)> = (0..mesh.ranks()).filter(|&r| pp_rank(r) == s).map(|r| (r, results[r].1[&p.name].clone())).collect();
-            parameters.push((p.name.clone(), layout.global_shape.clone(), crate::layout::assemble_some(&shards, layout, &mesh)));
+            let global = crate::layout::assemble_some(&shards, layout, &mesh);
+            parameters.push((p.name.clone(), p.logical_shape(&layout.global_shape), p.from_program(&global, &layout.global_shape)));
         }
     }
     let rows_of_timeline: Vec<usize> = (0..schedule.stages).map(|s| (0..mesh.ranks()).find(|&r| front(r) && pp_rank(r) == s).unwrap_or(0)).collect();

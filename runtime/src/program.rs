@@ -93,6 +93,36 @@ pub struct Binding {
     /// rank's shard.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<Layout>,
+    /// For a tensor padded beyond the model's size (a vocabulary padded for tensor
+    /// parallelism): the real tensor's shape, at the start of the global one. Outside the
+    /// program (initial values, checkpoints, saved files) the tensor has this shape; the
+    /// padding is zero.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpadded: Option<Vec<usize>>,
+}
+
+impl Binding {
+    /// The shape of the tensor outside the program: its unpadded shape, or `global`.
+    pub fn logical_shape(&self, global: &[usize]) -> Vec<usize> {
+        self.unpadded.clone().unwrap_or_else(|| global.to_vec())
+    }
+
+    /// `values` of the tensor outside the program (its logical shape) as the program holds
+    /// it globally (`global` shape): padded with zeros.
+    pub fn to_program<T: Copy + Default>(&self, values: &[T], global: &[usize]) -> Vec<T> {
+        match &self.unpadded {
+            Some(unpadded) => crate::layout::pad(values, unpadded, global),
+            None => values.to_vec(),
+        }
+    }
+
+    /// The global value the program holds (`global` shape) as the tensor outside it.
+    pub fn from_program<T: Copy + Default>(&self, values: &[T], global: &[usize]) -> Vec<T> {
+        match &self.unpadded {
+            Some(unpadded) => crate::layout::unpad(values, global, unpadded),
+            None => values.to_vec(),
+        }
+    }
 }
 
 /// The global shape and split of a partitioned argument.
@@ -485,6 +515,14 @@ impl Program {
         }
         if !self.args.iter().chain(&self.results).all(|b| in_range(&b.buffer)) {
             return bad("an argument or result names a buffer out of range".into());
+        }
+        for b in &self.args {
+            let global = b.layout.as_ref().map_or(&self.buffers[b.buffer].shape, |l| &l.global_shape);
+            if let Some(u) = &b.unpadded
+                && (u.len() != global.len() || u.iter().zip(global).any(|(u, g)| u > g))
+            {
+                return bad(format!("`{}`: unpadded shape {u:?} does not fit in {global:?}", b.name));
+            }
         }
         if let Some(pipeline) = &self.pipeline {
             for chunk in &pipeline.chunks {

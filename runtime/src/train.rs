@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use crate::RuntimeError;
 use crate::cpu::CpuExecutor;
 use crate::data::ByteCorpus;
-use crate::init::init_param;
+use crate::init::init_binding;
 use crate::program::{Program, Role};
 
 /// Drives `train_step` on the CPU.
@@ -27,10 +27,10 @@ impl Trainer {
         if shape.len() != 2 || program.arg("step").is_none() {
             return Err(RuntimeError::Binding("not a training step: expected tokens [batch, seq] and a step input".into()));
         }
+        let params: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
         let mut exec = CpuExecutor::new(program)?;
-        for (name, shape) in exec.args_with(Role::Param) {
-            let values = init_param(&name, shape.iter().product(), seed, layers);
-            write_f64(&mut exec, &name, &values)?;
+        for (binding, shape) in params {
+            write_f64(&mut exec, &binding.name, &init_binding(&binding, &shape, seed, layers))?;
         }
         Ok(Trainer { exec, step: 0, seed, rows: shape[0], seq: shape[1] })
     }
@@ -38,28 +38,38 @@ impl Trainer {
     /// Replaces parameters with `tensors` (`name -> (shape, values)`); every parameter must be
     /// present with its shape.
     pub fn load(&mut self, tensors: &std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>) -> Result<(), RuntimeError> {
-        for (name, shape) in self.exec.args_with(Role::Param) {
-            let (file_shape, values) = tensors.get(&name).ok_or_else(|| RuntimeError::Binding(format!("the checkpoint has no tensor `{name}`")))?;
-            if *file_shape != shape {
-                return Err(RuntimeError::Binding(format!("checkpoint tensor `{name}` has shape {file_shape:?}, the model needs {shape:?}")));
+        let params: Vec<(crate::program::Binding, Vec<usize>)> = self.param_bindings();
+        for (binding, shape) in params {
+            let name = &binding.name;
+            let logical = binding.logical_shape(&shape);
+            let (file_shape, values) = tensors.get(name).ok_or_else(|| RuntimeError::Binding(format!("the checkpoint has no tensor `{name}`")))?;
+            if *file_shape != logical {
+                return Err(RuntimeError::Binding(format!("checkpoint tensor `{name}` has shape {file_shape:?}, the model needs {logical:?}")));
             }
             let values: Vec<f64> = values.iter().map(|&v| v as f64).collect();
-            write_f64(&mut self.exec, &name, &values)?;
+            write_f64(&mut self.exec, name, &binding.to_program(&values, &shape))?;
         }
         Ok(())
     }
 
+    /// The parameter arguments with their shapes.
+    fn param_bindings(&self) -> Vec<(crate::program::Binding, Vec<usize>)> {
+        let program = self.exec.program();
+        program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect()
+    }
+
     /// Every parameter as `(name, shape, f32 values)`.
     pub fn parameters(&self) -> Result<crate::checkpoint::NamedTensors, RuntimeError> {
-        self.exec
-            .args_with(Role::Param)
+        self.param_bindings()
             .into_iter()
-            .map(|(name, shape)| {
-                let values = match self.exec.read::<f32>(&name) {
+            .map(|(binding, shape)| {
+                let name = binding.name.clone();
+                let values: Vec<f32> = match self.exec.read::<f32>(&name) {
                     Ok(v) => v.to_vec(),
                     Err(_) => self.exec.read::<f64>(&name)?.iter().map(|&v| v as f32).collect(),
                 };
-                Ok((name, shape, values))
+                // As the model has it: a padded vocabulary's real rows.
+                Ok((name, binding.logical_shape(&shape), binding.from_program(&values, &shape)))
             })
             .collect()
     }
@@ -67,9 +77,10 @@ impl Trainer {
     /// Continues from a saved state: parameters and optimizer state replaced, the step
     /// counter set (the next step is `state.step + 1`).
     pub fn restore(&mut self, state: &TrainState) -> Result<(), RuntimeError> {
-        let args: Vec<(String, Vec<usize>)> = self.exec.program().args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))).map(|a| (a.name.clone(), self.exec.program().buffers[a.buffer].shape.clone())).collect();
-        for (name, shape) in args {
-            write_f64(&mut self.exec, &name, &state.global(&name, &shape)?)?;
+        let program = self.exec.program();
+        let args: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
+        for (binding, shape) in args {
+            write_f64(&mut self.exec, &binding.name, &state.for_program(&binding, &shape)?)?;
         }
         self.step = state.step;
         Ok(())
@@ -140,12 +151,18 @@ impl TrainState {
         Ok(values.clone())
     }
 
+    /// The global value `binding` (global shape `shape`) takes in a program: the state's
+    /// tensor, padded as the program pads it.
+    pub fn for_program(&self, binding: &crate::program::Binding, shape: &[usize]) -> Result<Vec<f64>, RuntimeError> {
+        Ok(binding.to_program(&self.global(&binding.name, &binding.logical_shape(shape))?, shape))
+    }
+
     /// A fresh run from given parameters (global, by name): step 0, optimizer state zero.
     pub fn from_parameters(params: std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, programs: &[Program]) -> TrainState {
         let mut tensors = params;
         for program in programs {
             for a in program.args.iter().filter(|a| a.role == Some(Role::OptState)) {
-                let shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
+                let shape = a.logical_shape(&a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone()));
                 let len = shape.iter().product();
                 tensors.entry(a.name.clone()).or_insert((shape, vec![0.0; len]));
             }
@@ -172,7 +189,8 @@ impl TrainState {
                     }
                     None => (program.buffers[a.buffer].shape.clone(), values[0].get(&a.name).cloned().unwrap_or_default()),
                 };
-                tensors.insert(a.name.clone(), (global_shape, global));
+                // Outside programs a tensor has its unpadded shape.
+                tensors.insert(a.name.clone(), (a.logical_shape(&global_shape), a.from_program(&global, &global_shape)));
             }
         }
         Ok(TrainState { step, tensors })
@@ -240,8 +258,8 @@ pub(crate) fn on_every_rank_of<R: Send>(
                         for p in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
                             let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
                             let global = match start {
-                                Some(state) => state.global(&p.name, &layout.global_shape)?,
-                                None if p.role == Some(Role::Param) => init_param(&p.name, layout.global_shape.iter().product(), seed, layers),
+                                Some(state) => state.for_program(p, &layout.global_shape)?,
+                                None if p.role == Some(Role::Param) => init_binding(p, &layout.global_shape, seed, layers),
                                 None => continue,
                             };
                             write_f64(&mut exec, &p.name, &crate::layout::local_shard(&global, layout, mesh, rank))?;
@@ -362,7 +380,8 @@ pub fn train_spmd_from(
         .map(|(i, p)| {
             let layout = p.layout.as_ref().expect("every parameter was initialised from its layout");
             let shards: Vec<Vec<f64>> = results.iter().map(|r| r.1[i].clone()).collect();
-            (p.name.clone(), layout.global_shape.clone(), crate::layout::assemble(&shards, layout, &mesh))
+            let global = crate::layout::assemble(&shards, layout, &mesh);
+            (p.name.clone(), p.logical_shape(&layout.global_shape), p.from_program(&global, &layout.global_shape))
         })
         .collect();
     let values: Vec<HashMap<String, Vec<f64>>> = results.iter().map(|r| r.3.clone()).collect();
@@ -397,18 +416,22 @@ pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &Byte
 
 /// Runs a `logits` program (from `lower_logits`) with `params` (global tensors by name) on
 /// `tokens` (the whole batch, row-major), on every rank of its mesh; returns the logits,
-/// which every rank holds whole.
-pub fn logits(program: &Program, params: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, tokens: &[i32]) -> Result<Vec<f64>, RuntimeError> {
+/// which every rank holds whole, of the real classes only (`classes` of each row: a padded
+/// vocabulary's padded logits are dropped).
+pub fn logits(program: &Program, params: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, tokens: &[i32], classes: usize) -> Result<Vec<f64>, RuntimeError> {
     let ranks: usize = program.mesh.iter().product::<usize>().max(1);
     let state = TrainState { step: 0, tensors: params.clone() };
+    let row = program.result("logits").and_then(|r| program.buffers[r.buffer].shape.last().copied()).ok_or_else(|| RuntimeError::Binding("the program returns no `logits`".into()))?;
+    let real = |values: Vec<f64>| -> Vec<f64> { values.chunks(row.max(1)).flat_map(|r| r[..classes.min(row)].to_vec()).collect() };
     if ranks == 1 {
+        let params: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
         let mut exec = CpuExecutor::new(program.clone())?;
-        for (name, shape) in exec.args_with(Role::Param) {
-            write_f64(&mut exec, &name, &state.global(&name, &shape)?)?;
+        for (binding, shape) in params {
+            write_f64(&mut exec, &binding.name, &state.for_program(&binding, &shape)?)?;
         }
         exec.write::<i32>("tokens", tokens)?;
         exec.run()?;
-        return read_f64(&exec, "logits");
+        return Ok(real(read_f64(&exec, "logits")?));
     }
     let layout = program.arg("tokens").and_then(|t| t.layout.clone()).ok_or_else(|| RuntimeError::Binding("`tokens` has no layout".into()))?;
     let mut results = on_every_rank_of(std::slice::from_ref(program), 0, 1, std::time::Duration::from_secs(60), crate::collectives::Algorithm::Ring, Some(&state), |exec, mesh, rank| {
@@ -416,5 +439,5 @@ pub fn logits(program: &Program, params: &std::collections::BTreeMap<String, (Ve
         exec.run()?;
         read_f64(exec, "logits")
     })?;
-    Ok(results.swap_remove(0))
+    Ok(real(results.swap_remove(0)))
 }

@@ -157,10 +157,22 @@ mod emulated {
     use shardc_runtime::data::ByteCorpus;
 
     fn sgd_step(name: &str, dtype: &str, mesh: Mesh) -> (Program, shardc_ir::spec::Spec) {
+        sgd_step_padded(name, dtype, mesh, None)
+    }
+
+    /// With `vocab_multiple`, the vocabulary padded for the mesh's tp, as `shardc` pads it.
+    fn sgd_step_padded(name: &str, dtype: &str, mesh: Mesh, vocab_multiple: Option<u64>) -> (Program, shardc_ir::spec::Spec) {
         let mut spec = spec_with_dtype(name, dtype);
         spec.training.micro_batch = 4;
-        let mut module = model(&spec);
-        let options = CompileOptions { optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 }, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
+        let padded_vocab = match vocab_multiple {
+            Some(multiple) => {
+                spec.model.vocab_multiple = multiple;
+                spec.model.padded_vocab(mesh.tp)
+            }
+            None => spec.model.vocab,
+        };
+        let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab }).unwrap();
+        let options = CompileOptions { optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 }, mesh, vocab: padded_vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
         let cx = shardc_ir::mlir::IrContext::new().unwrap();
         compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
         let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
@@ -220,6 +232,27 @@ mod emulated {
     #[test]
     fn tiny_llama_f32_tensor_parallel_on_one_device() {
         check("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1 }, 1e-5, 1e-4);
+    }
+
+    /// A padded vocabulary, vocab-parallel over tp=2 (256 classes in 258 rows, and in 400
+    /// rows, where most of the second rank's are padding), equals the CPU backend's unpadded
+    /// single-device run: the device kernels leave the padded classes out of the loss.
+    #[test]
+    fn tiny_llama_f32_padded_vocabulary_on_one_device() {
+        for multiple in [3, 100] {
+            let (program, spec) = sgd_step_padded("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1 }, Some(multiple));
+            let run = cuda::train(&program, 0, spec.model.layers as usize, &corpus(&spec), 3, &Placement::Emulated).unwrap();
+            let (losses, params) = cpu("tiny-llama", Mesh::default(), 3);
+            for (c, g) in losses.iter().zip(&run.losses) {
+                assert!((c - g).abs() <= 1e-5 * c.abs(), "multiple {multiple}: CPU loss {c}, device {g}");
+            }
+            for (name_p, shape, values) in &run.parameters {
+                let (_, expected) = params.iter().find(|(n, _)| n == name_p).unwrap();
+                assert_eq!(shape.iter().product::<usize>(), expected.len(), "{name_p} comes back unpadded");
+                let rel = relative(expected, values);
+                assert!(rel <= 1e-4, "multiple {multiple}: `{name_p}` differs by {rel:.2e}");
+            }
+        }
     }
 
     #[test]

@@ -231,16 +231,20 @@ fn emit_func<'c>(cx: &'c IrContext, func: &Func, grid: Option<&str>) -> Result<m
     let arg_attrs: Vec<String> = func
         .args
         .iter()
-        .map(|a| match &a.layout {
-            // A shard of a global tensor: say which, and how it is split.
-            Some(l) => format!(
-                "{{{} = {:?}, xf.global_shape = {}, xf.split_axes = {:?}}}",
-                a.role.attr_name(),
-                a.name,
-                i64_array(&l.global_shape),
-                l.sharding.to_string()
-            ),
-            None => format!("{{{} = {:?}}}", a.role.attr_name(), a.name),
+        .map(|a| {
+            // A padded tensor: the real extent inside it.
+            let padded = a.unpadded.as_ref().map_or(String::new(), |u| format!(", xf.unpadded_shape = {}", i64_array(u)));
+            match &a.layout {
+                // A shard of a global tensor: say which, and how it is split.
+                Some(l) => format!(
+                    "{{{} = {:?}, xf.global_shape = {}, xf.split_axes = {:?}{padded}}}",
+                    a.role.attr_name(),
+                    a.name,
+                    i64_array(&l.global_shape),
+                    l.sharding.to_string()
+                ),
+                None => format!("{{{} = {:?}{padded}}}", a.role.attr_name(), a.name),
+            }
         })
         .collect();
     let res_attrs: Vec<String> = (0..func.returns.len())

@@ -20,7 +20,7 @@ impl OpDef for CrossEntropy {
         let v = last(cx.inputs[0]);
         let rows = elements(cx.inputs[0]) / v.max(1);
         let tokens = tokens(cx.attrs, rows);
-        let row = Launch { workspace: rows, ..per_row("cross_entropy_rows", LOSS_CUDA, rows, vec![Arg::Workspace, Arg::In(0), Arg::In(1), Arg::Int(rows as i64), Arg::Int(v as i64)]) };
+        let row = Launch { workspace: rows, ..per_row("cross_entropy_rows", LOSS_CUDA, rows, vec![Arg::Workspace, Arg::In(0), Arg::In(1), Arg::Int(rows as i64), Arg::Int(v as i64), Arg::Int(classes(cx.attrs))]) };
         let mean = Launch { grid: [1, 1, 1], block: 32, workspace: rows, ..per_row("cross_entropy_mean", LOSS_CUDA, 1, vec![Arg::Out(0), Arg::Workspace, Arg::Int(rows as i64), Arg::Int(tokens)]) };
         Ok(DeviceKernel::Launches(vec![row, mean]))
     }
@@ -48,7 +48,12 @@ impl OpDef for CrossEntropy {
     }
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         let operands = [cx.operands[0], cx.operands[1], grads[0]];
-        Ok(vec![Some(cx.emit("xf.cross_entropy_grad", &operands, Attrs::new())?), None])
+        // A padded vocabulary's real class count goes with the gradient.
+        let attrs = match cx.attrs.get("xf.classes") {
+            Some(classes) => Attrs::new().with("xf.classes", classes.clone()),
+            None => Attrs::new(),
+        };
+        Ok(vec![Some(cx.emit("xf.cross_entropy_grad", &operands, attrs)?), None])
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // Token dims are reductions (a split batch leaves the mean partial; partitioning
@@ -140,7 +145,8 @@ impl OpDef for RowMax {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let v = last(cx.inputs[0]);
         let rows = elements(cx.inputs[0]) / v.max(1);
-        Ok(DeviceKernel::Launches(vec![per_row("row_max", LOSS_CUDA, rows, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows as i64), Arg::Int(v as i64)])]))
+        let first = if cx.attrs.get("xf.vocab_split_axes").is_some() { Arg::RankOffset } else { Arg::Int(0) };
+        Ok(DeviceKernel::Launches(vec![per_row("row_max", LOSS_CUDA, rows, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows as i64), Arg::Int(v as i64), first, Arg::Int(classes(cx.attrs))])]))
     }
     fn summary(&self) -> &'static str {
         "maximum over the last dim (vocab-parallel cross-entropy)"
@@ -172,7 +178,7 @@ impl OpDef for CrossEntropyStats {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let v = last(cx.inputs[0]);
         let rows = elements(cx.inputs[0]) / v.max(1);
-        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(rows as i64), Arg::Int(v as i64), Arg::RankOffset];
+        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(rows as i64), Arg::Int(v as i64), Arg::RankOffset, Arg::Int(classes(cx.attrs))];
         Ok(DeviceKernel::Launches(vec![per_row("cross_entropy_stats", LOSS_CUDA, rows, args)]))
     }
     fn summary(&self) -> &'static str {
@@ -283,17 +289,24 @@ impl OpDef for CrossEntropyGradShard {
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
 const LOSS_CUDA: &str = r#"#define LOSS_NAN ((acc_t)__int_as_float(0x7fc00000))
+// Of a row of `v` logits starting at class `first`: how many are real classes (`classes`
+// of a padded vocabulary; padded classes never enter the loss).
+__device__ i64 real_classes(i64 classes, i64 first, i64 v) {
+  i64 n = classes - first;
+  return n < 0 ? 0 : (n < v ? n : v);
+}
 // Per row: its loss (logsumexp - target logit) into `row_loss`.
-extern "C" __global__ void cross_entropy_rows(acc_t* row_loss, const T* logits, const int* targets, i64 rows, i64 v) {
+extern "C" __global__ void cross_entropy_rows(acc_t* row_loss, const T* logits, const int* targets, i64 rows, i64 v, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
   const T* x = logits + r * v;
+  i64 n = real_classes(classes, 0, v);
   acc_t mx = NEG_INF, sum = 0;
-  for (i64 j = threadIdx.x; j < v; j += blockDim.x) mx = fmax(mx, load(x[j]));
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) mx = fmax(mx, load(x[j]));
   mx = block_max(mx);
-  for (i64 j = threadIdx.x; j < v; j += blockDim.x) sum += exp(load(x[j]) - mx);
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) sum += exp(load(x[j]) - mx);
   sum = block_sum(sum);
-  if (threadIdx.x == 0) { i64 t = targets[r]; row_loss[r] = (t >= 0 && t < v) ? mx + log(sum) - load(x[t]) : LOSS_NAN; }
+  if (threadIdx.x == 0) { i64 t = targets[r]; row_loss[r] = (t >= 0 && t < n) ? mx + log(sum) - load(x[t]) : LOSS_NAN; }
 }
 // The mean over `tokens` of per-row values, summed in row order by one thread.
 extern "C" __global__ void cross_entropy_mean(T* loss, const acc_t* row_loss, i64 rows, i64 tokens) {
@@ -305,39 +318,42 @@ extern "C" __global__ void cross_entropy_mean(T* loss, const acc_t* row_loss, i6
 // dlogits = softmax * dloss / tokens, minus that factor at the target. With `max_in` and
 // `sumexp_in` (vocab-parallel), the row statistics come from the whole vocabulary and this
 // rank's columns start at `first`.
-extern "C" __global__ void cross_entropy_grad(T* g, const T* logits, const int* targets, const T* dloss, const T* max_in, const T* sumexp_in, i64 rows, i64 v, i64 tokens, i64 first) {
+extern "C" __global__ void cross_entropy_grad(T* g, const T* logits, const int* targets, const T* dloss, const T* max_in, const T* sumexp_in, i64 rows, i64 v, i64 tokens, i64 first, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
   const T* x = logits + r * v;
+  i64 n = real_classes(classes, first, v);
   acc_t mx, sum;
   if (max_in) { mx = load(max_in[r]); sum = load(sumexp_in[r]); }
   else {
     mx = NEG_INF; sum = 0;
-    for (i64 j = threadIdx.x; j < v; j += blockDim.x) mx = fmax(mx, load(x[j]));
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) mx = fmax(mx, load(x[j]));
     mx = block_max(mx);
-    for (i64 j = threadIdx.x; j < v; j += blockDim.x) sum += exp(load(x[j]) - mx);
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) sum += exp(load(x[j]) - mx);
     sum = block_sum(sum);
   }
   acc_t factor = load(dloss[0]) / (acc_t)tokens;
   i64 t = (i64)targets[r] - first;
-  for (i64 j = threadIdx.x; j < v; j += blockDim.x) g[r * v + j] = store(exp(load(x[j]) - mx) / sum * factor - (j == t ? factor : (acc_t)0));
+  for (i64 j = threadIdx.x; j < v; j += blockDim.x) g[r * v + j] = store(j < n ? exp(load(x[j]) - mx) / sum * factor - (j == t ? factor : (acc_t)0) : (acc_t)0);
 }
-extern "C" __global__ void row_max(T* out, const T* x, i64 rows, i64 v) {
+extern "C" __global__ void row_max(T* out, const T* x, i64 rows, i64 v, i64 first, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
+  i64 n = real_classes(classes, first, v);
   acc_t mx = NEG_INF;
-  for (i64 j = threadIdx.x; j < v; j += blockDim.x) mx = fmax(mx, load(x[r * v + j]));
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) mx = fmax(mx, load(x[r * v + j]));
   mx = block_max(mx);
   if (threadIdx.x == 0) out[r] = store(mx);
 }
 // This rank's share of the row statistics: sum of exp(x - max) and the target's logit (0 if
 // another rank holds it).
-extern "C" __global__ void cross_entropy_stats(T* sumexp, T* target, const T* logits, const int* targets, const T* max_in, i64 rows, i64 v, i64 first) {
+extern "C" __global__ void cross_entropy_stats(T* sumexp, T* target, const T* logits, const int* targets, const T* max_in, i64 rows, i64 v, i64 first, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
   const T* x = logits + r * v;
+  i64 n = real_classes(classes, first, v);
   acc_t mx = load(max_in[r]), sum = 0;
-  for (i64 j = threadIdx.x; j < v; j += blockDim.x) sum += exp(load(x[j]) - mx);
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) sum += exp(load(x[j]) - mx);
   sum = block_sum(sum);
   if (threadIdx.x == 0) {
     i64 t = (i64)targets[r] - first;
@@ -353,6 +369,11 @@ extern "C" __global__ void cross_entropy_finish(T* loss, const T* mx, const T* s
 }
 "#;
 
+/// Real classes of a padded vocabulary (`xf.classes`); without it, every class is.
+fn classes(attrs: &Attrs) -> i64 {
+    attrs.int("xf.classes").unwrap_or(i64::MAX)
+}
+
 /// Tokens the mean loss divides by: the global count when the batch is split over ranks.
 fn tokens(attrs: &Attrs, local: usize) -> i64 {
     attrs.int("xf.tokens").unwrap_or(local as i64).max(1)
@@ -364,6 +385,6 @@ fn ce_grad_launch(cx: &KernelCx<'_>, shard: bool) -> Result<DeviceKernel, String
     let v = last(cx.inputs[0]);
     let rows = elements(cx.inputs[0]) / v.max(1);
     let (max, sumexp, first) = if shard { (Arg::In(3), Arg::In(4), Arg::RankOffset) } else { (Arg::Null, Arg::Null, Arg::Int(0)) };
-    let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), max, sumexp, Arg::Int(rows as i64), Arg::Int(v as i64), Arg::Int(tokens(cx.attrs, rows)), first];
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), max, sumexp, Arg::Int(rows as i64), Arg::Int(v as i64), Arg::Int(tokens(cx.attrs, rows)), first, Arg::Int(classes(cx.attrs))];
     Ok(DeviceKernel::Launches(vec![per_row("cross_entropy_grad", LOSS_CUDA, rows, args)]))
 }

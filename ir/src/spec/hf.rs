@@ -90,6 +90,7 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
                     norm_eps: float(config, "layer_norm_epsilon", 1e-5)?,
                     rope_theta: 10000.0,
                     dtype: SpecDType::F32,
+                    vocab_multiple: super::DEFAULT_VOCAB_MULTIPLE,
                 },
                 HfFamily::Gpt2,
             )
@@ -126,6 +127,7 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
                     norm_eps: float(config, "rms_norm_eps", 1e-6)?,
                     rope_theta: float(config, "rope_theta", 10000.0)?,
                     dtype: SpecDType::F32,
+                    vocab_multiple: super::DEFAULT_VOCAB_MULTIPLE,
                 },
                 HfFamily::Llama,
             )

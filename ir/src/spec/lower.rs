@@ -48,6 +48,11 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
 
     // Parameters that the whole model shares are declared up front; per-layer ones as used.
     let wte = param(&mut fb, "embed.tokens.weight", &[v, h]);
+    // A padded vocabulary: the table's real rows, and the loss's real classes.
+    let padded = shape.padded_vocab != m.vocab;
+    if padded {
+        fb.set_unpadded(wte, Some(vec![m.vocab as i64, h]));
+    }
     let wpe = (m.positions == Positions::Learned).then(|| param(&mut fb, "embed.positions.weight", &[m.max_seq as i64, h]));
     let tokens = fb.arg("tokens", TensorTy::new([b, s], DType::I32), ArgRole::Input);
     let targets = with_loss.then(|| fb.arg("targets", TensorTy::new([b, s], DType::I32), ArgRole::Input));
@@ -113,12 +118,16 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         cx.fb.op("xf.matmul", &[x, wte], matmul_attrs(false, true), "lm_head")?
     } else {
         let w = param(&mut cx.fb, "lm_head.weight", &[h, v]);
+        if padded {
+            cx.fb.set_unpadded(w, Some(vec![h, m.vocab as i64]));
+        }
         cx.fb.op("xf.matmul", &[x, w], matmul_attrs(false, false), "lm_head")?
     };
     let Some(targets) = targets else {
         return Ok(cx.fb.finish(&[logits], &["logits".to_string()]));
     };
-    let loss = cx.fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "loss")?;
+    let classes = if padded { attrs(&[("xf.classes", AttrValue::Int(m.vocab as i64))]) } else { Attrs::new() };
+    let loss = cx.fb.op("xf.cross_entropy", &[logits, targets], classes, "loss")?;
     Ok(cx.fb.finish(&[loss], &["loss".to_string()]))
 }
 

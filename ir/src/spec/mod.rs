@@ -101,6 +101,13 @@ fn default_dtype() -> SpecDType {
     SpecDType::F32
 }
 
+/// Megatron-LM's default `make-vocab-size-divisible-by`.
+pub const DEFAULT_VOCAB_MULTIPLE: u64 = 128;
+
+fn default_vocab_multiple() -> u64 {
+    DEFAULT_VOCAB_MULTIPLE
+}
+
 /// The architecture of a GPT- or Llama-style decoder-only transformer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -141,6 +148,12 @@ pub struct ModelSpec {
     /// Parameter and activation type.
     #[serde(default = "default_dtype")]
     pub dtype: SpecDType,
+    /// The embedding table and LM head are padded to a multiple of `vocab_multiple x tp`
+    /// rows (Megatron-LM's `make-vocab-size-divisible-by`, default 128), so that tensor
+    /// parallelism splits the vocabulary whatever its size. Padded logits never enter the
+    /// softmax or the loss, and padded rows stay zero.
+    #[serde(default = "default_vocab_multiple")]
+    pub vocab_multiple: u64,
 }
 
 impl ModelSpec {
@@ -152,6 +165,13 @@ impl ModelSpec {
     /// Dimension of one attention head.
     pub fn head_dim(&self) -> u64 {
         self.hidden / self.heads.max(1)
+    }
+
+    /// The vocabulary padded for `tp`-way tensor parallelism: the next multiple of
+    /// `vocab_multiple x tp`.
+    pub fn padded_vocab(&self, tp: u64) -> u64 {
+        let multiple = self.vocab_multiple.max(1).saturating_mul(tp.max(1));
+        self.vocab.div_ceil(multiple).saturating_mul(multiple)
     }
 }
 
@@ -252,7 +272,7 @@ impl Spec {
     /// How the step is lowered for `mesh`: `micro_batch x dp` rows, and the vocabulary padded
     /// for its tensor parallelism.
     pub fn step_shape(&self, mesh: &crate::mesh::Mesh) -> StepShape {
-        StepShape { rows: self.training.micro_batch * mesh.dp.max(1), padded_vocab: self.model.vocab }
+        StepShape { rows: self.training.micro_batch * mesh.dp.max(1), padded_vocab: self.model.padded_vocab(mesh.tp) }
     }
 }
 
@@ -449,6 +469,7 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
         ("model.heads", m.heads),
         ("model.kv_heads", m.kv_heads()),
         ("model.ffn_hidden", m.ffn_hidden),
+        ("model.vocab_multiple", m.vocab_multiple),
         ("training.seq_len", spec.seq_len()),
         ("training.micro_batch", t.micro_batch),
         ("training.global_batch", t.global_batch.unwrap_or(t.micro_batch)),
@@ -507,6 +528,9 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
             format!("global_batch ({global}) is not a multiple of micro_batch ({}): it is micro_batch x dp x micro-batches", t.micro_batch),
             format!("make global_batch a multiple of micro_batch, e.g. {}", global.div_ceil(t.micro_batch) * t.micro_batch),
         );
+    }
+    if m.vocab_multiple > 1 << 16 {
+        error("model.vocab_multiple", format!("{} is larger than the supported 65536", m.vocab_multiple), "Megatron's default is 128; use 1 for no padding".into());
     }
     if !(m.norm_eps > 0.0 && m.norm_eps < 1.0) {
         error("model.norm_eps", format!("must be in (0, 1), got {}", m.norm_eps), "typical values are 1e-5 or 1e-6".into());

@@ -153,12 +153,17 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
         let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("reduction", AttrValue::Raw(format!("#shard<partial {kind}>")));
         p.collective("shard.all_reduce", v, attrs, per_token_ty.clone(), &format!("{}.{what}", op.loc), &format!("vocab-parallel cross-entropy of `{}`: {what} over the vocabulary shards", op.loc))
     };
-    let local_max = p.fb.op_typed("xf.row_max", &operands[..1], Attrs::new(), vec![per_token.clone()], &format!("{}.row_max", op.loc))[0];
+    // A padded vocabulary: every piece leaves out the classes past the real ones.
+    let with_classes = |attrs: Attrs| match op.attrs.get("xf.classes") {
+        Some(classes) => attrs.with("xf.classes", classes.clone()).with("xf.vocab_split_axes", split.clone()),
+        None => attrs,
+    };
+    let local_max = p.fb.op_typed("xf.row_max", &operands[..1], with_classes(Attrs::new()), vec![per_token.clone()], &format!("{}.row_max", op.loc))[0];
     let max = reduce(p, local_max, "max", "max");
     let stats = p.fb.op_typed(
         "xf.cross_entropy_stats",
         &[operands[0], operands[1], max],
-        Attrs::new().with("xf.vocab_split_axes", split.clone()),
+        with_classes(Attrs::new().with("xf.vocab_split_axes", split.clone())),
         vec![per_token.clone(), per_token.clone()],
         &format!("{}.stats", op.loc),
     );
@@ -168,7 +173,7 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
         let scalar = Type::Tensor(TensorTy::scalar(local_logits.dtype));
         p.fb.op_typed("xf.cross_entropy_finish", &[max, sumexp, target], Attrs::new().with("xf.tokens", AttrValue::Int(tokens)), vec![scalar], &op.loc)[0]
     } else {
-        let attrs = Attrs::new().with("xf.tokens", AttrValue::Int(tokens)).with("xf.vocab_split_axes", split);
+        let attrs = with_classes(Attrs::new().with("xf.tokens", AttrValue::Int(tokens)).with("xf.vocab_split_axes", split.clone()));
         p.fb.op_typed("xf.cross_entropy_grad_shard", &[operands[0], operands[1], operands[2], max, sumexp], attrs, vec![Type::Tensor(local_logits)], &op.loc)[0]
     };
     Ok(Some(result))
@@ -187,7 +192,7 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         let global = func.tensor(arg.value).ok_or("non-tensor argument")?.clone();
         let sharding = sharding_of(func, arg.value);
         let ty = p.local_type(&global, &sharding).map_err(|e| format!("argument `{}`: {e}", arg.name))?;
-        let v = p.fb.arg_typed(&arg.name, Type::Tensor(ty), arg.role);
+        let v = p.fb.arg_like(arg, Type::Tensor(ty));
         p.fb.set_layout(v, ArgLayout { global_shape: global.shape.clone(), sharding: sharding.clone() });
         p.local.insert(arg.value, (v, sharding));
     }

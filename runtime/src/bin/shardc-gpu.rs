@@ -103,7 +103,13 @@ fn layers(program: &Program) -> usize {
 fn corpus(manifest: &Manifest, dir: &Path, program: &Program) -> Result<ByteCorpus, String> {
     let tokens = program.arg("tokens").ok_or("no tokens input")?;
     let seq = tokens.layout.as_ref().map_or(program.buffers[tokens.buffer].shape[1], |l| l.global_shape[1]);
-    let vocab = program.args.iter().find(|a| a.name == "embed.tokens.weight").map(|a| a.layout.as_ref().map_or(program.buffers[a.buffer].shape[0], |l| l.global_shape[0])).ok_or("no embedding table")?;
+    // The model's vocabulary: the embedding table's rows before padding.
+    let vocab = program
+        .args
+        .iter()
+        .find(|a| a.name == "embed.tokens.weight")
+        .map(|a| a.logical_shape(&a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone()))[0])
+        .ok_or("no embedding table")?;
     let bytes = std::fs::read(dir.join(&manifest.data)).map_err(|e| format!("reading the corpus: {e}"))?;
     ByteCorpus::new(bytes, seq, vocab).map_err(|e| e.to_string())
 }

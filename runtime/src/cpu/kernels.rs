@@ -91,10 +91,10 @@ fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &
         "xf.attention_grad" => attention_grad::<T>(instr, ins, outs),
         "xf.cross_entropy" => cross_entropy::<T>(instr, ins, outs),
         "xf.cross_entropy_grad" => cross_entropy_grad::<T>(instr, ins, outs),
-        "xf.row_max" => row_max::<T>(ins, outs),
+        "xf.row_max" => row_max::<T>(instr, ins, outs, cx),
         // The bucket was sent when its last member was ready: nothing to wait for here.
         "xf.wait" => seed_in_place::<T>(ins, outs, &[(0, 0)]),
-        "xf.cross_entropy_stats" => cross_entropy_stats::<T>(ins, outs, cx),
+        "xf.cross_entropy_stats" => cross_entropy_stats::<T>(instr, ins, outs, cx),
         "xf.cross_entropy_finish" => cross_entropy_finish::<T>(instr, ins, outs),
         "xf.cross_entropy_grad_shard" => cross_entropy_grad_shard::<T>(instr, ins, outs, cx),
         "xf.adamw" => adamw::<T>(instr, ins, outs),
@@ -539,16 +539,27 @@ fn token_count(instr: &Instr, local: usize) -> usize {
     instr.int("xf.tokens").map_or(local, |n| n.max(1) as usize)
 }
 
+/// Of a row of `v` logits whose first class is `first`: how many are real classes, given
+/// a padded vocabulary's class count (`xf.classes`); the rest never enter the loss.
+fn real_classes(instr: &Instr, first: usize, v: usize) -> usize {
+    match instr.int("xf.classes") {
+        Ok(classes) => (classes.max(0) as usize).saturating_sub(first).min(v),
+        Err(_) => v,
+    }
+}
+
 fn cross_entropy<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
     let logits = ins[0].get::<T>()?;
     let targets = ins[1].get::<i32>()?;
     let vocab = *ins[0].shape().last().unwrap_or(&1);
-    check_targets(targets, vocab)?;
+    let real = real_classes(instr, 0, vocab);
+    check_targets(targets, real)?;
     // Per-row losses in f64, summed in row order.
     let losses: Vec<f64> = logits
         .par_chunks(vocab)
         .zip(targets.par_iter())
         .map(|(row, &t)| {
+            let row = &row[..real];
             let max = row.iter().copied().fold(T::neg_infinity(), T::max);
             let sum: T = row.iter().map(|&x| (x - max).exp()).sum();
             (max + sum.ln() - row[t as usize]).to_f64().unwrap_or(f64::NAN)
@@ -571,14 +582,18 @@ fn cross_entropy_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_
     let targets = ins[1].get::<i32>()?;
     let dloss = ins[2].get::<T>()?[0];
     let vocab = *ins[0].shape().last().unwrap_or(&1);
-    check_targets(targets, vocab)?;
+    let real = real_classes(instr, 0, vocab);
+    check_targets(targets, real)?;
     let factor = dloss / T::of(token_count(instr, targets.len().max(1)) as f64);
     outs[0].get::<T>()?.par_chunks_mut(vocab).zip(logits.par_chunks(vocab).zip(targets.par_iter())).for_each(|(g, (row, &t))| {
+        let row = &row[..real];
         let max = row.iter().copied().fold(T::neg_infinity(), T::max);
         let sum: T = row.iter().map(|&x| (x - max).exp()).sum();
         for (g, &x) in g.iter_mut().zip(row) {
             *g = (x - max).exp() / sum * factor;
         }
+        // Padded classes have no probability, so no gradient.
+        g[real..].iter_mut().for_each(|g| *g = T::zero());
         g[t as usize] -= factor;
     });
     Ok(())
@@ -667,10 +682,11 @@ fn repeat_heads<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], su
     Ok(())
 }
 
-fn row_max<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+fn row_max<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let x = ins[0].get::<T>()?;
     let v = *ins[0].shape().last().unwrap_or(&1);
-    outs[0].get::<T>()?.par_iter_mut().zip(x.par_chunks(v)).for_each(|(m, row)| *m = row.iter().copied().fold(T::neg_infinity(), T::max));
+    let real = real_classes(instr, vocab_range(cx, v).0, v);
+    outs[0].get::<T>()?.par_iter_mut().zip(x.par_chunks(v)).for_each(|(m, row)| *m = row[..real].iter().copied().fold(T::neg_infinity(), T::max));
     Ok(())
 }
 
@@ -679,17 +695,18 @@ fn vocab_range(cx: &RankCx, local: usize) -> (usize, usize) {
     cx.rows.unwrap_or((0, local))
 }
 
-fn cross_entropy_stats<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+fn cross_entropy_stats<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let logits = ins[0].get::<T>()?;
     let targets = ins[1].get::<i32>()?;
     let max = ins[2].get::<T>()?;
     let v = *ins[0].shape().last().unwrap_or(&1);
     let (first, vocab) = vocab_range(cx, v);
-    check_targets(targets, vocab)?;
+    let real = real_classes(instr, first, v);
+    check_targets(targets, instr.int("xf.classes").map_or(vocab, |c| c.max(0) as usize))?;
     let (head, tail) = outs.split_at_mut(1);
     let (sumexp, target) = (head[0].get::<T>()?, tail[0].get::<T>()?);
     for (t, row) in logits.chunks(v).enumerate() {
-        sumexp[t] = row.iter().map(|&x| (x - max[t]).exp()).sum();
+        sumexp[t] = row[..real].iter().map(|&x| (x - max[t]).exp()).sum();
         target[t] = match (targets[t] as usize).checked_sub(first).filter(|&i| i < v) {
             Some(i) => row[i],
             None => T::zero(),
@@ -714,12 +731,14 @@ fn cross_entropy_grad_shard<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [
     let (max, sumexp) = (ins[3].get::<T>()?, ins[4].get::<T>()?);
     let v = *ins[0].shape().last().unwrap_or(&1);
     let (first, _) = vocab_range(cx, v);
+    let real = real_classes(instr, first, v);
     let factor = dloss / T::of(token_count(instr, targets.len().max(1)) as f64);
     let g = outs[0].get::<T>()?;
     for (t, (g, row)) in g.chunks_mut(v).zip(logits.chunks(v)).enumerate() {
-        for (g, &x) in g.iter_mut().zip(row) {
+        for (g, &x) in g.iter_mut().zip(&row[..real]) {
             *g = (x - max[t]).exp() / sumexp[t] * factor;
         }
+        g[real..].iter_mut().for_each(|g| *g = T::zero());
         if let Some(i) = (targets[t] as usize).checked_sub(first).filter(|&i| i < v) {
             g[i] -= factor;
         }

@@ -525,7 +525,7 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
     let local_ranks = exec.ranks();
     for p in &params {
         let global_shape = p.layout.as_ref().map_or_else(|| program.buffers[p.buffer].shape.clone(), |l| l.global_shape.clone());
-        let global = crate::init::init_param(&p.name, global_shape.iter().product(), seed, layers);
+        let global = crate::init::init_binding(p, &global_shape, seed, layers);
         for (local, &rank) in local_ranks.iter().enumerate() {
             let shard = match &p.layout {
                 Some(layout) => crate::layout::local_shard(&global, layout, &mesh, rank),
@@ -559,9 +559,16 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
     for p in &params {
         let shards = (0..local_ranks.len()).map(|local| exec.read(local, &p.name)).collect::<Result<Vec<_>, _>>()?;
         match &p.layout {
-            Some(layout) if shards.len() == mesh.ranks() => parameters.push((p.name.clone(), layout.global_shape.clone(), crate::layout::assemble(&shards, layout, &mesh))),
+            // As the model has them: a padded vocabulary's real rows.
+            Some(layout) if shards.len() == mesh.ranks() => {
+                let global = crate::layout::assemble(&shards, layout, &mesh);
+                parameters.push((p.name.clone(), p.logical_shape(&layout.global_shape), p.from_program(&global, &layout.global_shape)));
+            }
             Some(_) => {}
-            None => parameters.push((p.name.clone(), program.buffers[p.buffer].shape.clone(), shards[0].clone())),
+            None => {
+                let shape = &program.buffers[p.buffer].shape;
+                parameters.push((p.name.clone(), p.logical_shape(shape), p.from_program(&shards[0], shape)));
+            }
         }
     }
     Ok(CudaRun { losses, parameters, step_seconds, device: exec.device_name() })
