@@ -18,14 +18,16 @@
 //!   dimensions must never split two of them at once.
 //!
 //! Every collective carries `xf.cause`, naming the op and operand that needed it; the same
-//! reshard of one value is made once and shared by its consumers. Returned values take
-//! their argument's sharding when they update it in place (parameters, optimizer state),
-//! and are otherwise replicated (the loss, reduced over the data-parallel axis).
+//! reshard of one value is made once and shared by its consumers, except a gather of a
+//! parameter (ZeRO-3), made for each op that reads it and marked `xf.per_reader`, so that
+//! no whole parameter lives from its forward reader to its backward one. Returned values
+//! take their argument's sharding when they update it in place (parameters, optimizer
+//! state), and are otherwise replicated (the loss, reduced over the data-parallel axis).
 
 use std::collections::HashMap;
 
 use shardc_ir::sharding::{Axis, Sharding};
-use shardc_ir::{ArgLayout, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
+use shardc_ir::{ArgLayout, ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
 
 use super::{plan_op, sharding_of};
 use crate::{Changed, Pass, PassError};
@@ -65,6 +67,8 @@ struct Partitioner<'f> {
     local: HashMap<Value, (Value, Sharding)>,
     /// Reshards already made: (global value, target sharding) -> per-rank value.
     reshards: HashMap<(Value, Sharding), Value>,
+    /// Reshards that gather a parameter: forgotten after the op that made them.
+    per_reader: Vec<(Value, Sharding)>,
 }
 
 impl Partitioner<'_> {
@@ -134,13 +138,24 @@ impl Partitioner<'_> {
                 v = self.collective("shard.all_reduce", v, attrs, ty, &format!("{loc}.all_reduce"), &format!("partial sum reduced for {cause}"));
             }
         }
+        // A parameter kept sharded (ZeRO-3) is gathered for each op that reads it and dies
+        // with that op: sharing one gather between readers would hold the whole parameter
+        // from its first reader (forward) to its last (backward), the memory ZeRO-3 spends
+        // communication to save. Such gathers are marked `xf.per_reader` (comm-opt keeps them
+        // apart) and are shared only within one op.
+        let parameter = self.global.args.iter().any(|a| a.value == value && a.role == ArgRole::Param);
+        let mut gathered = false;
         for d in 0..rank {
             let keep = common(&s.split[d], &target.split[d]);
             if s.split[d].len() > keep {
                 let axes = s.split[d].split_off(keep);
                 let ty = self.local_type(&global, &s)?;
-                let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Raw(format!("{d} : index")));
+                let mut attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Raw(format!("{d} : index")));
+                if parameter {
+                    attrs = attrs.with("xf.per_reader", AttrValue::Bool(true));
+                }
                 v = self.collective("shard.all_gather", v, attrs, ty, &format!("{loc}.all_gather"), &format!("dimension {d} gathered for {cause}"));
+                gathered = true;
             }
         }
         for d in 0..rank {
@@ -148,6 +163,9 @@ impl Partitioner<'_> {
                 let axes = target.split[d][s.split[d].len()..].to_vec();
                 v = self.slice(v, &mut s, &global, d, &axes, loc, cause)?;
             }
+        }
+        if gathered && parameter {
+            self.per_reader.push((value, target.clone()));
         }
         self.reshards.insert((value, target.clone()), v);
         Ok(v)
@@ -214,6 +232,7 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         fb: FuncBuilder::new(&func.name),
         local: HashMap::new(),
         reshards: HashMap::new(),
+        per_reader: Vec::new(),
     };
     for arg in &func.args {
         let global = func.tensor(arg.value).ok_or("non-tensor argument")?.clone();
@@ -224,6 +243,9 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         p.local.insert(arg.value, (v, sharding));
     }
     for op in &func.ops {
+        for key in std::mem::take(&mut p.per_reader) {
+            p.reshards.remove(&key);
+        }
         let plan = plan_op(func, op).map_err(|e| format!("{}: {e}", op.loc))?;
         let mut operands = Vec::with_capacity(op.operands.len());
         for (i, (value, target)) in op.operands.iter().zip(&plan.operands).enumerate() {
