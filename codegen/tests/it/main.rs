@@ -9,3 +9,4 @@ mod memory;
 mod pipeline;
 mod spmd;
 mod training;
+mod zero;
