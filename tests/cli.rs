@@ -63,6 +63,46 @@ fn compile_prints_a_summary_for_gpt2_small() {
     insta::assert_snapshot!(without_timings(&text));
 }
 
+/// ZeRO on a dp x tp mesh shards each tensor-parallel shard over dp: at stages 1 and 2 each
+/// rank sends what plain data parallelism sends (gradients reduce-scattered, parameters
+/// all-gathered, over dp only), ZeRO-3 adds the gathers of each parameter's readers, nothing
+/// crosses tp, and the optimizer state per rank halves.
+#[test]
+fn zero_on_dp_and_tp_sends_what_data_parallelism_sends() {
+    let summary = |zero: &str| {
+        let out = shardc(&["compile", "models/gpt2-small.toml", "--mesh", "dp=2,tp=2", "--seq", "128", "--micro-batch", "2", "--zero", zero]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let field = |text: &str, key: &str| text.lines().find_map(|l| l.trim_start().strip_prefix(key)).unwrap_or_else(|| panic!("no `{key}` in {text}")).trim().to_string();
+    // "330.6 MiB per training step ..." -> MiB.
+    let sent = |text: &str| {
+        let line = field(text, "comm/rank");
+        let mut words = line.split_whitespace();
+        let (n, unit): (f64, &str) = (words.next().unwrap().parse().unwrap(), words.next().unwrap());
+        n * match unit {
+            "KiB" => 1.0 / 1024.0,
+            "MiB" => 1.0,
+            "GiB" => 1024.0,
+            _ => panic!("unit in {line}"),
+        }
+    };
+    let optimizer = |text: &str| field(text, "memory/GPU").split(", ").find_map(|p| p.strip_prefix("optimizer ")).unwrap().to_string();
+    let plain = summary("0");
+    for zero in ["1", "2", "3"] {
+        let text = summary(zero);
+        assert!(!field(&text, "comm/rank").contains("tp+dp"), "ZeRO-{zero} communicates across tp: {text}");
+        if zero == "3" {
+            // Each weight gathered for its forward and backward reader: 1.5x, and the tied
+            // embedding table, read three times, 2x.
+            assert!(sent(&text) > 1.5 * sent(&plain) && sent(&text) < 2.0 * sent(&plain), "ZeRO-3: {} MiB vs {} MiB", sent(&text), sent(&plain));
+        } else {
+            assert_eq!(sent(&text), sent(&plain), "ZeRO-{zero}: {text}");
+        }
+        assert_eq!((optimizer(&plain).as_str(), optimizer(&text).as_str()), ("1.0 GB", "0.5 GB"), "ZeRO-{zero}");
+    }
+}
+
 /// `text` with the wall time of a pass (`saturated, 604 ms;`) replaced by `<ms>`: snapshots
 /// hold what is deterministic.
 fn without_timings(text: &str) -> String {

@@ -255,11 +255,13 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
 /// activations; fp32 master weights and Adam moments), from the compiled rank program.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryEstimate {
-    /// bf16 weights this rank holds.
+    /// bf16 weights this rank holds (its shards, as the program lays them out).
     pub parameters: f64,
-    /// bf16 gradients (sharded over dp from ZeRO stage 2).
+    /// bf16 gradients (from ZeRO stage 2, only the shard the optimizer state's layout gives
+    /// this rank).
     pub gradients: f64,
-    /// fp32 master weights, first and second moments (sharded over dp from stage 1).
+    /// fp32 master weights, first and second moments, in the layout of the program's
+    /// optimizer state (sharded over dp within each tensor-parallel shard from stage 1).
     pub optimizer: f64,
     /// Forward values the backward pass reads, per micro-batch, times the micro-batches in
     /// flight at once on the rank.
@@ -272,22 +274,36 @@ pub struct MemoryEstimate {
     pub total: f64,
 }
 
-/// Parameters one model-parallel rank holds (the ZeRO paper's Psi): every parameter's global
-/// size over the tensor- and pipeline-parallel splits of its layout.
-fn model_parallel_parameters(program: &Program) -> f64 {
+/// Per-rank element counts of each parameter of a program: (the parameter's model-parallel
+/// size, the ZeRO paper's Psi share: its global size over the tensor- and pipeline-parallel
+/// splits of its layout; what this rank holds of it; what this rank holds of its optimizer
+/// state, from the layout of its first moment, or of the parameter itself where the
+/// optimizer keeps none).
+fn parameter_shards(program: &Program) -> Vec<(f64, f64, f64)> {
+    use shardc_runtime::program::Role;
+    let local = |b: &shardc_runtime::program::Binding| program.buffers[b.buffer].len() as f64;
+    let state: std::collections::HashMap<&str, f64> = program
+        .args
+        .iter()
+        .filter(|a| a.role == Some(Role::OptState))
+        .filter_map(|a| a.name.strip_prefix("opt.m.").map(|param| (param, local(a))))
+        .collect();
     program
         .args
         .iter()
-        .filter(|a| a.role == Some(shardc_runtime::program::Role::Param))
-        .map(|a| match &a.layout {
-            Some(layout) => {
-                let global: f64 = layout.global_shape.iter().product::<usize>() as f64;
-                let parts: usize = layout.split.iter().flatten().filter(|&&axis| axis != 0).map(|&axis| program.mesh.get(axis).copied().unwrap_or(1)).product();
-                global / parts.max(1) as f64
-            }
-            None => program.buffers[a.buffer].len() as f64,
+        .filter(|a| a.role == Some(Role::Param))
+        .map(|a| {
+            let psi = match &a.layout {
+                Some(layout) => {
+                    let global: f64 = layout.global_shape.iter().product::<usize>() as f64;
+                    let parts: usize = layout.split.iter().flatten().filter(|&&axis| axis != 0).map(|&axis| program.mesh.get(axis).copied().unwrap_or(1)).product();
+                    global / parts.max(1) as f64
+                }
+                None => local(a),
+            };
+            (psi, local(a), state.get(a.name.as_str()).copied().unwrap_or(local(a)))
         })
-        .sum()
+        .collect()
 }
 
 /// Bytes of forward values read after the forward pass, per micro-batch (16-bit elements).
@@ -304,7 +320,9 @@ fn kept_activations(program: &Program) -> f64 {
     2.0 * elements(&kept.into_iter().collect::<Vec<_>>())
 }
 
-/// The memory of each rank program (one, or one per pipeline rank) under ZeRO stage `zero`.
+/// The memory of each rank program (one, or one per pipeline rank) compiled under ZeRO stage
+/// `zero`: parameters and optimizer state are counted in the program's own layouts, so the
+/// estimate says what the program shards.
 pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
     let pipelined = programs.iter().all(|p| p.pipeline.is_some()) && !programs.is_empty();
     let in_flight: Vec<usize> = match schedule_of(programs) {
@@ -316,15 +334,19 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
         .iter()
         .zip(in_flight)
         .map(|(program, in_flight)| {
-            let dp = program.mesh.first().copied().unwrap_or(1).max(1) as f64;
-            let psi = model_parallel_parameters(program);
-            let shard = |from_stage: u8| if zero >= from_stage { psi / dp } else { psi };
+            // Parameters and optimizer state as the program lays them out (ZeRO shards them
+            // over dp within each tensor-parallel shard); gradients as the optimizer state
+            // from stage 2, which keeps only the reduce-scattered shard.
+            let shards = parameter_shards(program);
+            let sum = |f: &dyn Fn(&(f64, f64, f64)) -> f64| shards.iter().map(f).sum::<f64>();
+            let (parameters, state) = (sum(&|s| s.1), sum(&|s| s.2));
+            let gradients = if zero >= 2 { state } else { sum(&|s| s.0) };
             let kept = kept_activations(program);
             let activations = kept * in_flight as f64;
             // The plan's peak holds one micro-batch's kept values too: the rest is temporaries.
             let bytes_per_element = program.buffers.first().map_or(4, |b| b.dtype.bytes()) as f64;
             let temporaries = (program.memory.temporary_bytes as f64 * 2.0 / bytes_per_element - kept).max(0.0);
-            let mut m = MemoryEstimate { parameters: 2.0 * shard(3), gradients: 2.0 * shard(2), optimizer: 12.0 * shard(1), activations, in_flight, temporaries, total: 0.0 };
+            let mut m = MemoryEstimate { parameters: 2.0 * parameters, gradients: 2.0 * gradients, optimizer: 12.0 * state, activations, in_flight, temporaries, total: 0.0 };
             m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries;
             m
         })

@@ -3,7 +3,10 @@
 //!
 //! Every op of `@train_step` becomes an e-node: collectives (`all_gather`, `all_slice`,
 //! `all_reduce`, `reduce_scatter`) and single-result `xf` ops as rewritable nodes, everything
-//! else as opaque nodes whose operands may still change. The rules below grow the e-graph
+//! else as opaque nodes whose operands may still change. Gradient buckets and the gathers
+//! of a parameter made for one reader (`xf.per_reader`, ZeRO-3) are opaque too, and priced
+//! as the collectives they are: as e-nodes two equal gathers would be one, holding the
+//! whole parameter between its readers. The rules below grow the e-graph
 //! until it saturates or hits a limit (nodes, iterations, wall time; the report says which).
 //! Extraction picks, per e-class, the node of least cost: collectives by the alpha-beta model
 //! of their axes ([`shardc_ir::cluster`]), ops by their roofline time on the cluster's GPU,
@@ -839,14 +842,21 @@ fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>, roots: &[
 
 /// The collective an op is, if the pass rewrites it.
 fn collective_kind(op: &shardc_ir::Op) -> Option<Kind> {
+    // Gradient buckets, and gathers of a parameter made for one reader (ZeRO-3: merging two
+    // would hold the whole parameter between its readers), stay as they are.
+    if op.attrs.get("xf.async").is_some() || op.attrs.get("xf.bucket").is_some() || op.attrs.get("xf.per_reader").is_some() {
+        return None;
+    }
+    any_collective(op)
+}
+
+/// The collective an op is, whether or not the pass may rewrite it.
+fn any_collective(op: &shardc_ir::Op) -> Option<Kind> {
     let int = |name: &str| match op.attrs.get(name)? {
         AttrValue::Raw(raw) => raw.trim_end_matches(" : index").trim().parse::<usize>().ok(),
         AttrValue::Int(i) => usize::try_from(*i).ok(),
         _ => None,
     };
-    if op.attrs.get("xf.async").is_some() || op.attrs.get("xf.bucket").is_some() {
-        return None;
-    }
     let axes: Vec<u16> = match op.attrs.get("grid_axes")? {
         AttrValue::Raw(raw) => raw.split_once(':')?.1.trim_end_matches('>').split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse().ok()).collect::<Option<_>>()?,
         _ => return None,
@@ -904,8 +914,9 @@ pub fn price(func: &Func, grid: &[i64], cluster: &Cluster) -> (f64, f64, usize) 
         total.1 += bytes;
         total.2 += 1;
     }
-    for op in &func.ops {
-        let Some(Kind::Coll { op: c, axes }) = collective_kind(op) else { continue };
+    // Every other collective, rewritable or kept as it is (a gather for one reader).
+    for op in func.ops.iter().filter(|o| o.attrs.get("xf.bucket").is_none()) {
+        let Some(Kind::Coll { op: c, axes }) = any_collective(op) else { continue };
         let (Some(input), Some(output)) = (func.tensor(op.operands[0]), func.tensor(op.results[0])) else { continue };
         let (kind, bytes) = collective_cost_shape(c, input, output);
         let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
@@ -956,7 +967,16 @@ impl CostFunction<SymbolLang> for Cost<'_> {
             Some(Kind::Proj(_)) => EPSILON,
             Some(Kind::Opaque(i)) => {
                 let op = &tables.func.ops[*i];
-                EPSILON + roofline(self.cluster, &tables.func, op.name.as_str(), &op.operands.iter().filter_map(|v| tables.func.tensor(*v).cloned()).collect::<Vec<_>>(), &op.attrs)
+                let first = |values: &[Value]| values.first().and_then(|v| tables.func.tensor(*v));
+                match (any_collective(op), op.attrs.get("xf.bucket"), first(&op.operands), first(&op.results)) {
+                    // A collective kept as it is (a gather for one reader) costs what it sends.
+                    (Some(Kind::Coll { op: c, axes }), None, Some(input), Some(output)) => {
+                        let (kind, bytes) = collective_cost_shape(c, input, output);
+                        let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
+                        EPSILON + self.cluster.time(kind, bytes, &tables.grid, &axes)
+                    }
+                    _ => EPSILON + roofline(self.cluster, &tables.func, op.name.as_str(), &op.operands.iter().filter_map(|v| tables.func.tensor(*v).cloned()).collect::<Vec<_>>(), &op.attrs),
+                }
             }
             Some(Kind::Xf { name, attrs, .. }) => {
                 let inputs: Vec<TensorTy> = (0..enode.children.len()).filter_map(child_ty).collect();

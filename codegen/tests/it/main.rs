@@ -10,3 +10,4 @@ mod padding;
 mod pipeline;
 mod spmd;
 mod training;
+mod zero;

@@ -155,13 +155,14 @@ fn gpt2_small_at_tp4_has_two_forward_and_two_backward_all_reduces_per_layer() {
 
 #[test]
 fn zero_stages_equal_single_device() {
+    // Data parallelism alone, and with tensor parallelism (ZeRO shards each tp shard).
     for name in ["tiny", "tiny-llama"] {
-        for zero in [1, 2, 3] {
-            check_zero(name, 2, 1, zero);
+        for (dp, tp) in [(2, 1), (2, 2)] {
+            for zero in [1, 2, 3] {
+                check_zero(name, dp, tp, zero);
+            }
         }
     }
-    // ZeRO-3 with tensor parallelism as well.
-    check_zero("tiny", 2, 2, 3);
 }
 
 #[test]

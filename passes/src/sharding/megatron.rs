@@ -16,10 +16,13 @@
 //! layer all-gathers its input along the sequence (Korthikanti et al. 2022).
 //!
 //! ZeRO adds `dp` to one dimension of each tensor it shards (the first whose extent the
-//! extra split divides): optimizer state from stage 1, parameters at stage 3. Propagation
-//! then makes the update run on the shard, the gradient arrive reduce-scattered, the new
-//! parameter be all-gathered (stages 1-2) and, at stage 3, every use of a parameter gather
-//! it first.
+//! extra split divides): optimizer state from stage 1, parameters at stage 3. On a dimension
+//! already split over `tp`, `dp` comes after it (`[tp, dp]`, outermost first): each rank's
+//! tensor-parallel shard stays whole and is split over `dp`, as in Megatron's distributed
+//! optimizer, so per rank the state is 1/(dp x tp) of the tensor. Propagation then makes the
+//! update run on the shard, the gradient arrive reduce-scattered over `dp` on the rank's tp
+//! shard, the new parameter be all-gathered over `dp` (stages 1-2) and, at stage 3, every
+//! reader of a parameter gather it over `dp` first; nothing of ZeRO crosses `tp`.
 
 use shardc_ir::mesh::Mesh;
 use shardc_ir::sharding::Sharding;

@@ -49,11 +49,11 @@ pub fn sharding_of(func: &Func, value: shardc_ir::Value) -> Sharding {
 ///
 /// Each factor takes the axes of a pinned result first, then of the first operand dimension
 /// that carries it (tensor-parallel parameters, then activations and inputs, then other
-/// parameter splits), skipping axes
-/// another factor already took and axes that operand is partial over; blocked factors take
-/// none. An operand's required sharding follows its factors; a result is split by its
-/// factors and partial over the axes of every split factor some operand has but the result
-/// lacks (a reduction). Partial operands are reduced first unless the op's linearity lets
+/// parameter splits), up to the first axis another factor already took or that operand is
+/// partial over; a later operand may extend a factor's axes with further ones of its own
+/// (a dimension split `[tp, dp]` after `[tp]`); blocked factors take none. An operand's
+/// required sharding follows its factors; a result is split by its factors and partial
+/// over the axes of every split factor some operand has but the result lacks (a reduction). Partial operands are reduced first unless the op's linearity lets
 /// the partial sum pass through to the results.
 pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
     let current: Vec<Sharding> = op.operands.iter().map(|v| sharding_of(func, *v)).collect();
@@ -80,14 +80,19 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
 
     let mut factor_axes: Vec<Vec<Axis>> = vec![Vec::new(); rule.factors.len()];
     let mut taken: Vec<Axis> = pass_through.clone();
+    // A factor takes the longest prefix of `axes` it can: the axes beyond what it already
+    // holds, up to the first one another factor took or the operand is partial over. A
+    // dimension split over several axes lists them outermost first, so a factor holding
+    // `[tp]` that extends to `[tp, dp]` splits each tensor-parallel shard over `dp` (a ZeRO
+    // shard of a tensor-parallel parameter), and one that stops at `[tp]` leaves an operand
+    // split `[tp, dp]` to be gathered over `dp` alone.
     let assign = |f: usize, axes: &[Axis], partial: &[Axis], taken: &mut Vec<Axis>, factor_axes: &mut Vec<Vec<Axis>>| {
-        if rule.factors[f] == FactorKind::Blocked || !factor_axes[f].is_empty() || axes.is_empty() {
+        if rule.factors[f] == FactorKind::Blocked || !axes.starts_with(&factor_axes[f]) {
             return;
         }
-        if axes.iter().all(|a| !taken.contains(a) && !partial.contains(a)) {
-            taken.extend(axes);
-            factor_axes[f] = axes.to_vec();
-        }
+        let more: Vec<Axis> = axes[factor_axes[f].len()..].iter().take_while(|a| !taken.contains(a) && !partial.contains(a)).copied().collect();
+        taken.extend(&more);
+        factor_axes[f].extend(more);
     };
     // Round 0: the tensor-parallel axis of results a strategy pinned (sequence
     // parallelism's residual stream, gradients in their optimizer state's layout). Only tp:
@@ -96,7 +101,7 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
     for (j, dims) in rule.results.iter().enumerate() {
         if let Some(pin) = func.constraints.get(&op.results[j]) {
             for (d, &f) in dims.iter().enumerate() {
-                if pin.split.get(d).is_some_and(|axes| axes == &[TP]) {
+                if pin.split.get(d).is_some_and(|axes| axes.first() == Some(&TP)) {
                     assign(f, &[TP], &[], &mut taken, &mut factor_axes);
                 }
             }
@@ -106,7 +111,8 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
     // weight keeps its split and the activation is gathered, not the weight), then every
     // axis from activations and inputs, then from parameters and optimizer state (a
     // ZeRO-sharded parameter is gathered where it is used rather than taking dp from the
-    // batch).
+    // batch). The first round takes a dimension's outermost axis when it is tp (a ZeRO shard
+    // of a tensor-parallel weight is split `[tp, dp]`: the matmul keeps tp, gathers dp).
     let is_param = |v: &shardc_ir::Value| func.args.iter().any(|a| a.value == *v && a.role != shardc_ir::ArgRole::Input);
     let params: Vec<usize> = (0..op.operands.len()).filter(|&i| is_param(&op.operands[i])).collect();
     let activations: Vec<usize> = (0..op.operands.len()).filter(|&i| !is_param(&op.operands[i])).collect();
@@ -115,10 +121,12 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
         for &i in operands {
             for (d, &f) in rule.operands[i].iter().enumerate() {
                 let axes: Vec<Axis> = current[i].split.get(d).cloned().unwrap_or_default();
-                if only.is_some_and(|a| axes != [a]) {
-                    continue;
-                }
-                assign(f, &axes, &current[i].partial, &mut taken, &mut factor_axes);
+                let axes: &[Axis] = match only {
+                    Some(a) if axes.first() == Some(&a) => &axes[..1],
+                    Some(_) => continue,
+                    None => &axes,
+                };
+                assign(f, axes, &current[i].partial, &mut taken, &mut factor_axes);
             }
         }
     }

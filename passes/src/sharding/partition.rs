@@ -3,25 +3,31 @@
 //! Input: a function annotated by propagation. Output: the same function over per-rank
 //! tensor types, every argument recording the global tensor it is a shard of, and an
 //! explicit `shard` collective wherever a value's sharding differs from what its consumer
-//! needs, in this order:
+//! needs. Per dimension only the axes past the common prefix of the two splits move (a
+//! dimension split `[tp, dp]`, a ZeRO shard of a tensor-parallel shard, is gathered over
+//! `dp` alone where `[tp]` is wanted), in this order:
+//! - `shard.all_slice` of each dimension that should be split further, over axes that are
+//!   not reduced and do not move from another dimension (a local slice, no communication:
+//!   the reduction that follows then moves only this rank's part);
 //! - `shard.all_reduce` over the axes a value is partial over and its consumer cannot take
 //!   partial (the sum of a row-parallel matmul before its bias, a gradient before a norm),
-//!   or `shard.reduce_scatter` when the consumer wants it split over those same axes (a
-//!   gradient arriving at its ZeRO optimizer shard);
-//! - `shard.all_gather` of every dimension split over axes it should not be, then
-//!   `shard.all_slice` of every dimension that should be split but is not (a local slice,
-//!   no communication). All gathers come first: an axis that moves between dimensions must
-//!   never split two of them at once.
+//!   or `shard.reduce_scatter` when the consumer wants it split further over those same
+//!   axes (a gradient arriving at its ZeRO optimizer shard, on its tensor-parallel shard);
+//! - `shard.all_gather` of every dimension split over axes it should not be, then the
+//!   remaining `shard.all_slice`s. Gathers come first: an axis that moves between
+//!   dimensions must never split two of them at once.
 //!
 //! Every collective carries `xf.cause`, naming the op and operand that needed it; the same
-//! reshard of one value is made once and shared by its consumers. Returned values take
-//! their argument's sharding when they update it in place (parameters, optimizer state),
-//! and are otherwise replicated (the loss, reduced over the data-parallel axis).
+//! reshard of one value is made once and shared by its consumers, except a gather of a
+//! parameter (ZeRO-3), made for each op that reads it and marked `xf.per_reader`, so that
+//! no whole parameter lives from its forward reader to its backward one. Returned values
+//! take their argument's sharding when they update it in place (parameters, optimizer
+//! state), and are otherwise replicated (the loss, reduced over the data-parallel axis).
 
 use std::collections::HashMap;
 
 use shardc_ir::sharding::{Axis, Sharding};
-use shardc_ir::{ArgLayout, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
+use shardc_ir::{ArgLayout, ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
 
 use super::{plan_op, sharding_of};
 use crate::{Changed, Pass, PassError};
@@ -61,6 +67,8 @@ struct Partitioner<'f> {
     local: HashMap<Value, (Value, Sharding)>,
     /// Reshards already made: (global value, target sharding) -> per-rank value.
     reshards: HashMap<(Value, Sharding), Value>,
+    /// Reshards that gather a parameter: forgotten after the op that made them.
+    per_reader: Vec<(Value, Sharding)>,
 }
 
 impl Partitioner<'_> {
@@ -75,6 +83,17 @@ impl Partitioner<'_> {
     }
 
     /// The per-rank value of `value` laid out as `target`, emitting collectives as needed.
+    ///
+    /// Per dimension, the axes past the longest common prefix of the current and the target
+    /// split move: a `[tp, dp]` shard wanted `[tp]` is gathered over `dp` within its
+    /// tensor-parallel shard, and one wanted `[tp, dp]` from `[tp]` is sliced over `dp`. In
+    /// order: local slices over axes that neither move from another dimension nor are
+    /// reduced (a partial sum sliced is the partial sum of the slice, so the reduction moves
+    /// only this rank's part); the reduction, as one reduce-scatter when the dimension's
+    /// remaining slice is over exactly the reduced axes, else an all-reduce; every gather;
+    /// then the remaining slices. Gathers precede those slices because an axis may move from
+    /// one dimension to another (dp from the vocabulary to the batch), and it must never
+    /// split two at once.
     fn reshard(&mut self, value: Value, target: &Sharding, loc: &str, cause: &str) -> Result<Value, String> {
         let (mut v, mut s) = self.local[&value].clone();
         if s == *target {
@@ -87,47 +106,78 @@ impl Partitioner<'_> {
         if target.partial.iter().any(|a| !s.partial.contains(a)) {
             return Err(format!("{loc}: cannot make a complete value partial ({cause})"));
         }
-        let mut reduce: Vec<Axis> = s.partial.iter().copied().filter(|a| !target.partial.contains(a)).collect();
-        // A partial sum that is then sliced over the same axes along one dimension is one
-        // reduce-scatter: each rank receives only the reduced part it keeps.
-        let scatter = (0..global.rank()).find(|&d| !reduce.is_empty() && s.split[d].is_empty() && target.split[d] == reduce);
-        if let Some(d) = scatter {
-            s.partial.retain(|a| target.partial.contains(a));
-            s.split[d] = target.split[d].clone();
-            let ty = self.local_type(&global, &s)?;
-            let attrs = Attrs::new()
-                .with("grid_axes", axes_attr(&reduce))
-                .with("reduction", AttrValue::Raw("#shard<partial sum>".into()))
-                .with("scatter_axis", AttrValue::Raw(format!("{d} : index")));
-            v = self.collective("shard.reduce_scatter", v, attrs, ty, &format!("{loc}.reduce_scatter"), &format!("partial sum reduce-scattered along dimension {d} for {cause}"));
-            reduce.clear();
+        let rank = global.rank();
+        let reduce: Vec<Axis> = s.partial.iter().copied().filter(|a| !target.partial.contains(a)).collect();
+        let common = |a: &[Axis], b: &[Axis]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        let gathered_axes: Vec<Axis> = (0..rank).flat_map(|d| s.split[d][common(&s.split[d], &target.split[d])..].to_vec()).collect();
+        // Local slices first, on dimensions that gather nothing.
+        for d in 0..rank {
+            if s.split[d].len() != common(&s.split[d], &target.split[d]) {
+                continue;
+            }
+            let axes: Vec<Axis> = target.split[d][s.split[d].len()..].iter().take_while(|a| !reduce.contains(a) && !gathered_axes.contains(a)).copied().collect();
+            if !axes.is_empty() {
+                v = self.slice(v, &mut s, &global, d, &axes, loc, cause)?;
+            }
         }
         if !reduce.is_empty() {
             s.partial.retain(|a| target.partial.contains(a));
-            let ty = self.local_type(&global, &s)?;
-            let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", AttrValue::Raw("#shard<partial sum>".into()));
-            v = self.collective("shard.all_reduce", v, attrs, ty, &format!("{loc}.all_reduce"), &format!("partial sum reduced for {cause}"));
-        }
-        // Every gather before any slice: an axis may move from one dimension to another
-        // (dp from the vocabulary to the batch), and it must never split two at once.
-        for d in 0..global.rank() {
-            if s.split[d] != target.split[d] && !s.split[d].is_empty() {
-                let axes = std::mem::take(&mut s.split[d]);
-                let ty = self.local_type(&global, &s)?;
-                let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Raw(format!("{d} : index")));
-                v = self.collective("shard.all_gather", v, attrs, ty, &format!("{loc}.all_gather"), &format!("dimension {d} gathered for {cause}"));
-            }
-        }
-        for d in 0..global.rank() {
-            if s.split[d] != target.split[d] && !target.split[d].is_empty() {
+            // A partial sum that is then sliced over the same axes along one dimension is one
+            // reduce-scatter: each rank receives only the reduced part it keeps, of the shard
+            // it holds (the tensor-parallel shard of a ZeRO gradient split `[tp, dp]`).
+            let scatter = (0..rank).find(|&d| target.split[d].len() == s.split[d].len() + reduce.len() && target.split[d].starts_with(&s.split[d]) && target.split[d].ends_with(&reduce));
+            let reduction = AttrValue::Raw("#shard<partial sum>".into());
+            if let Some(d) = scatter {
                 s.split[d] = target.split[d].clone();
                 let ty = self.local_type(&global, &s)?;
-                let attrs = Attrs::new().with("grid_axes", axes_attr(&target.split[d])).with("slice_axis", AttrValue::Raw(format!("{d} : index")));
-                v = self.collective("shard.all_slice", v, attrs, ty, &format!("{loc}.all_slice"), &format!("dimension {d} sliced for {cause}"));
+                let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", reduction).with("scatter_axis", AttrValue::Raw(format!("{d} : index")));
+                v = self.collective("shard.reduce_scatter", v, attrs, ty, &format!("{loc}.reduce_scatter"), &format!("partial sum reduce-scattered along dimension {d} for {cause}"));
+            } else {
+                let ty = self.local_type(&global, &s)?;
+                let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", reduction);
+                v = self.collective("shard.all_reduce", v, attrs, ty, &format!("{loc}.all_reduce"), &format!("partial sum reduced for {cause}"));
             }
+        }
+        // A parameter kept sharded (ZeRO-3) is gathered for each op that reads it and dies
+        // with that op: sharing one gather between readers would hold the whole parameter
+        // from its first reader (forward) to its last (backward), the memory ZeRO-3 spends
+        // communication to save. Such gathers are marked `xf.per_reader` (comm-opt keeps them
+        // apart) and are shared only within one op.
+        let parameter = self.global.args.iter().any(|a| a.value == value && a.role == ArgRole::Param);
+        let mut gathered = false;
+        for d in 0..rank {
+            let keep = common(&s.split[d], &target.split[d]);
+            if s.split[d].len() > keep {
+                let axes = s.split[d].split_off(keep);
+                let ty = self.local_type(&global, &s)?;
+                let mut attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Raw(format!("{d} : index")));
+                if parameter {
+                    attrs = attrs.with("xf.per_reader", AttrValue::Bool(true));
+                }
+                v = self.collective("shard.all_gather", v, attrs, ty, &format!("{loc}.all_gather"), &format!("dimension {d} gathered for {cause}"));
+                gathered = true;
+            }
+        }
+        for d in 0..rank {
+            if s.split[d] != target.split[d] {
+                let axes = target.split[d][s.split[d].len()..].to_vec();
+                v = self.slice(v, &mut s, &global, d, &axes, loc, cause)?;
+            }
+        }
+        if gathered && parameter {
+            self.per_reader.push((value, target.clone()));
         }
         self.reshards.insert((value, target.clone()), v);
         Ok(v)
+    }
+
+    /// Slices dimension `d` of `v` (laid out as `s`) further over `axes`: a local copy.
+    #[allow(clippy::too_many_arguments)]
+    fn slice(&mut self, v: Value, s: &mut Sharding, global: &TensorTy, d: usize, axes: &[Axis], loc: &str, cause: &str) -> Result<Value, String> {
+        s.split[d].extend_from_slice(axes);
+        let ty = self.local_type(global, s)?;
+        let attrs = Attrs::new().with("grid_axes", axes_attr(axes)).with("slice_axis", AttrValue::Raw(format!("{d} : index")));
+        Ok(self.collective("shard.all_slice", v, attrs, ty, &format!("{loc}.all_slice"), &format!("dimension {d} sliced for {cause}")))
     }
 }
 
@@ -187,6 +237,7 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         fb: FuncBuilder::new(&func.name),
         local: HashMap::new(),
         reshards: HashMap::new(),
+        per_reader: Vec::new(),
     };
     for arg in &func.args {
         let global = func.tensor(arg.value).ok_or("non-tensor argument")?.clone();
@@ -197,6 +248,9 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         p.local.insert(arg.value, (v, sharding));
     }
     for op in &func.ops {
+        for key in std::mem::take(&mut p.per_reader) {
+            p.reshards.remove(&key);
+        }
         let plan = plan_op(func, op).map_err(|e| format!("{}: {e}", op.loc))?;
         let mut operands = Vec::with_capacity(op.operands.len());
         for (i, (value, target)) in op.operands.iter().zip(&plan.operands).enumerate() {
