@@ -70,7 +70,7 @@ fn compile_prints_a_summary_for_gpt2_small() {
 #[test]
 fn zero_on_dp_and_tp_sends_what_data_parallelism_sends() {
     let summary = |zero: &str| {
-        let out = shardc(&["compile", "models/gpt2-small.toml", "--mesh", "dp=2,tp=2", "--seq", "128", "--micro-batch", "2", "--zero", zero]);
+        let out = shardc(&["compile", "models/gpt2-small.toml", "--mesh", "dp=2,tp=2", "--seq", "128", "--micro-batch", "2", "--microbatches", "1", "--zero", zero]);
         assert!(out.status.success(), "{}", stderr(&out));
         stdout(&out)
     };
@@ -87,7 +87,7 @@ fn zero_on_dp_and_tp_sends_what_data_parallelism_sends() {
             _ => panic!("unit in {line}"),
         }
     };
-    let optimizer = |text: &str| field(text, "memory/GPU").split(", ").find_map(|p| p.strip_prefix("optimizer ")).unwrap().to_string();
+    let optimizer = |text: &str| -> f64 { field(text, "memory/GPU").split(", ").find_map(|p| p.strip_prefix("optimizer ")).unwrap().trim_end_matches(" GB").parse().unwrap() };
     let plain = summary("0");
     for zero in ["1", "2", "3"] {
         let text = summary(zero);
@@ -99,7 +99,9 @@ fn zero_on_dp_and_tp_sends_what_data_parallelism_sends() {
         } else {
             assert_eq!(sent(&text), sent(&plain), "ZeRO-{zero}: {text}");
         }
-        assert_eq!((optimizer(&plain).as_str(), optimizer(&text).as_str()), ("1.0 GB", "0.5 GB"), "ZeRO-{zero}");
+        // 124M parameters' fp32 Adam state (12 bytes each with the master copy) over tp=2,
+        // then over dp=2 as well.
+        assert!((optimizer(&plain) - 0.8).abs() < 0.05 && (optimizer(&text) - optimizer(&plain) / 2.0).abs() < 0.05, "ZeRO-{zero}: {} vs {} GB", optimizer(&text), optimizer(&plain));
     }
 }
 
