@@ -29,7 +29,8 @@ pub struct StepArgs {
     /// micro-batches (overrides the spec's training.global_batch).
     #[arg(long)]
     pub global_batch: Option<u64>,
-    /// Override the spec's model.dtype: f32, bf16 (accelerators only) or f64.
+    /// Override the spec's model.dtype: f32, bf16 (mixed precision: bf16 weights and compute,
+    /// fp32 master weights, Adam moments, gradient reduction and accumulation, and loss) or f64.
     #[arg(long)]
     pub dtype: Option<String>,
     /// Activation recomputation: none, full or selective-attention.

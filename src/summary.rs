@@ -30,7 +30,7 @@ pub struct Summary {
     /// Modelled step time on the cluster (`--gpu`, `--cluster`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimate: Option<shardc_codegen::estimate::Estimate>,
-    /// Memory per GPU in mixed precision, the fullest rank's.
+    /// Memory per GPU as the program stores it (types and layouts), the fullest rank's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_estimate: Option<shardc_codegen::estimate::MemoryEstimate>,
     /// HBM bytes of the GPU.
@@ -352,8 +352,13 @@ impl Summary {
             line(
                 "memory/GPU",
                 format!(
-                    "{} in mixed precision: weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}; {} in {}'s {}",
+                    "{} {}: weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}; {} in {}'s {}",
                     gb(m.total),
+                    match spec.model.dtype {
+                        shardc_ir::spec::SpecDType::Bf16 => "in mixed precision (bf16 weights; fp32 gradients, master weights and moments)",
+                        shardc_ir::spec::SpecDType::F32 => "in f32",
+                        shardc_ir::spec::SpecDType::F64 => "in f64",
+                    },
                     gb(m.parameters),
                     gb(m.gradients),
                     gb(m.optimizer),

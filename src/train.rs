@@ -435,7 +435,9 @@ fn save_parameters(args: &RunArgs, state: Option<&shardc_runtime::train::TrainSt
     let tensors: shardc_runtime::checkpoint::NamedTensors = names
         .into_iter()
         .map(|name| {
-            let (shape, values) = state.tensors.get(name).ok_or_else(|| miette!("the run's state has no parameter `{name}`"))?;
+            // In mixed precision the fp32 master copy is the parameter's full value.
+            let master = format!("opt.master.{name}");
+            let (shape, values) = state.tensors.get(&master).or_else(|| state.tensors.get(name)).ok_or_else(|| miette!("the run's state has no parameter `{name}`"))?;
             Ok((name.to_string(), shape.clone(), values.iter().map(|&v| v as f32).collect()))
         })
         .collect::<Result<_>>()?;

@@ -99,9 +99,9 @@ fn zero_on_dp_and_tp_sends_what_data_parallelism_sends() {
         } else {
             assert_eq!(sent(&text), sent(&plain), "ZeRO-{zero}: {text}");
         }
-        // 124M parameters' fp32 Adam state (12 bytes each with the master copy) over tp=2,
-        // then over dp=2 as well.
-        assert!((optimizer(&plain) - 0.8).abs() < 0.05 && (optimizer(&text) - optimizer(&plain) / 2.0).abs() < 0.05, "ZeRO-{zero}: {} vs {} GB", optimizer(&text), optimizer(&plain));
+        // 124M parameters' two f32 Adam moments (8 bytes each) over tp=2, then over dp=2 as
+        // well.
+        assert!((optimizer(&plain) - 0.5).abs() < 0.05 && (optimizer(&text) - optimizer(&plain) / 2.0).abs() < 0.06, "ZeRO-{zero}: {} vs {} GB", optimizer(&text), optimizer(&plain));
     }
 }
 
@@ -730,19 +730,20 @@ fn check_numerics_names_the_first_op_that_overflows() {
 /// component and the cheapest change that fits; without `--gpu` the summary only says so.
 #[test]
 fn over_memory_plans_are_refused_with_a_fix() {
-    let args = ["compile", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "64", "--microbatches", "1"];
+    // GPT-2 small in mixed precision, 64 sequences of 1024 per replica.
+    let args = ["compile", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "64", "--microbatches", "1", "--dtype", "bf16"];
     let out = shardc(&[&args[..], &["--gpu", "a100-40g"]].concat());
     let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(!out.status.success(), "{err}");
-    for part in ["per GPU but a100-40g has 42.9 GB", "weights", "gradients", "optimizer", "activations", "temporaries", "cheapest change that fits: --zero 1"] {
+    for part in ["per GPU but a100-40g has 42.9 GB", "weights", "gradients", "optimizer", "activations", "temporaries", "cheapest change that fits: --recompute full"] {
         assert!(err.contains(part), "missing `{part}`: {err}");
     }
     let ok = shardc(&args);
     assert!(ok.status.success(), "{}", stderr(&ok));
-    let fits = shardc(&[&args[..], &["--gpu", "a100-40g", "--zero", "1"]].concat());
+    let fits = shardc(&[&args[..], &["--gpu", "a100-40g", "--recompute", "full"]].concat());
     assert!(fits.status.success(), "{}", stderr(&fits));
     // `run` refuses the same plan before training.
-    let run = shardc(&["run", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "64", "--microbatches", "1", "--gpu", "a100-40g", "--steps", "1"]);
+    let run = shardc(&["run", "models/gpt2-small.toml", "--mesh", "dp=2", "--seq", "1024", "--micro-batch", "64", "--microbatches", "1", "--dtype", "bf16", "--gpu", "a100-40g", "--steps", "1"]);
     assert!(!run.status.success() && stderr(&run).contains("cheapest change that fits"), "{}", stderr(&run));
 }
 
@@ -788,5 +789,30 @@ fn tied_embeddings_with_data_parallel_accumulation_match_one_device() {
         for extra in [&["--mesh", "dp=2", "--micro-batch", "4", "--microbatches", "2"][..], &["--mesh", "dp=2", "--micro-batch", "4", "--microbatches", "2", "--zero", "1"], &["--mesh", "dp=2,pp=2", "--micro-batch", "4", "--microbatches", "2"]] {
             assert_same_losses(&one, &run(extra), &format!("{spec} {extra:?}"));
         }
+    }
+}
+
+/// `--dtype bf16` trains in mixed precision on the CPU (bf16 storage, f32 arithmetic, fp32
+/// master weights, moments and gradients): over 50 steps of tiny its loss curve (the mean of
+/// each 5 steps) stays within 2% of the f32 run's and falls as far, on one device and on
+/// dp=2,tp=2 with ZeRO-1. Single steps stay within 5%: the two models drift apart slowly (AdamW
+/// turns bf16 rounding into full-size steps on small gradients), so a rare token can cost one
+/// model a few nats more than the other (step 42 here: 3% of the step's mean loss).
+#[test]
+fn bf16_mixed_precision_follows_the_f32_loss_curve() {
+    for mesh in ["dp=1", "dp=2,tp=2"] {
+        let run = |dtype: &str| losses_by_step(&shardc(&["run", "models/tiny.toml", "--mesh", mesh, "--zero", if mesh == "dp=1" { "0" } else { "1" }, "--dtype", dtype, "--steps", "50", "--log-every", "1"]));
+        let (f32, bf16) = (run("f32"), run("bf16"));
+        assert_eq!(bf16.len(), 50);
+        for (step, want) in &f32 {
+            let got = bf16[step];
+            assert!((got - want).abs() <= 0.05 * want, "{mesh} step {step}: bf16 {got} vs f32 {want}");
+        }
+        let means = |c: &std::collections::BTreeMap<u64, f64>| c.values().copied().collect::<Vec<f64>>().chunks(5).map(|w| w.iter().sum::<f64>() / 5.0).collect::<Vec<f64>>();
+        for (window, (want, got)) in means(&f32).iter().zip(means(&bf16)).enumerate() {
+            assert!((got - want).abs() <= 0.02 * want, "{mesh} steps {}-{}: bf16 mean {got} vs f32 {want}", 5 * window + 1, 5 * window + 5);
+        }
+        let fall = |c: &std::collections::BTreeMap<u64, f64>| c[&1] - c[&50];
+        assert!(fall(&f32) > 0.3 && (fall(&bf16) - fall(&f32)).abs() <= 0.1 * fall(&f32), "{mesh}: f32 falls {}, bf16 {}", fall(&f32), fall(&bf16));
     }
 }

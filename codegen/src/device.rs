@@ -41,17 +41,53 @@ fn ir_attrs(attrs: &BTreeMap<String, Attr>) -> Attrs {
     out
 }
 
-/// The floating-point type of a program's tensors (one per program).
+/// The floating-point storage type of a program's module: its tensors' one float type, or
+/// bf16 for a mixed-precision program (bf16 compute, fp32 master weights, state, gradient
+/// accumulation and loss).
 fn float_dtype(program: &Program) -> Result<DType, String> {
-    let mut found: Option<DType> = None;
+    let mut kinds: Vec<DType> = Vec::new();
     for b in program.buffers.iter().filter(|b| b.dtype != DType::I32) {
-        match found {
-            None => found = Some(b.dtype),
-            Some(d) if d != b.dtype => return Err(format!("mixes {d:?} and {:?} tensors (`{}`); device code takes one float type per program", b.dtype, b.name)),
-            _ => {}
+        if !kinds.contains(&b.dtype) {
+            kinds.push(b.dtype);
         }
     }
-    Ok(found.unwrap_or(DType::F32))
+    match kinds[..] {
+        [] => Ok(DType::F32),
+        [one] => Ok(one),
+        _ if kinds.iter().all(|d| matches!(d, DType::F32 | DType::Bf16)) => Ok(DType::Bf16),
+        _ => Err(format!("mixes {kinds:?} tensors; device code takes one float type per program, or bf16 with fp32 (mixed precision)")),
+    }
+}
+
+/// The element type an instruction's kernel is instantiated for in a module of storage type
+/// `module`: the module's, or fp32 for an instruction of a bf16 module that reads and writes
+/// only fp32 floats (mixed precision).
+fn instance_dtype(program: &Program, index: usize, module: DType) -> Result<DType, String> {
+    let instr = &program.instrs[index];
+    let floats: Vec<DType> = instr.inputs.iter().chain(&instr.outputs).map(|&b| program.buffers[b].dtype).filter(|&d| d != DType::I32).collect();
+    if module != DType::Bf16 || floats.iter().all(|&d| d == DType::Bf16) {
+        return Ok(module);
+    }
+    if floats.iter().all(|&d| d == DType::F32) {
+        return Ok(DType::F32);
+    }
+    Err(format!("`{}` reads and writes both bf16 and fp32 tensors; only element-wise ops (casts) may", instr.op))
+}
+
+/// `source` with every kernel renamed `NAME` + `suffix`.
+fn suffix_kernels(source: &str, suffix: &str) -> String {
+    const MARK: &str = "__global__ void ";
+    let mut out = String::with_capacity(source.len() + 64);
+    let mut rest = source;
+    while let Some(at) = rest.find(MARK) {
+        let name_start = at + MARK.len();
+        let name_end = rest[name_start..].find('(').map_or(rest.len(), |p| name_start + p);
+        out.push_str(&rest[..name_end]);
+        out.push_str(suffix);
+        rest = &rest[name_end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Bytes of `acc_t` for a storage type.
@@ -88,6 +124,8 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     let groups = elementwise_groups(program, &kernels);
 
     let mut sources: Vec<&'static str> = Vec::new();
+    // Sources instantiated for fp32 buffers in a bf16 module (mixed precision).
+    let mut f32_sources: Vec<&'static str> = Vec::new();
     let mut generated = String::new();
     let mut calls: Vec<Vec<DeviceCall>> = vec![Vec::new(); program.instrs.len()];
     let mut workspace = 0usize;
@@ -95,7 +133,7 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     while index < program.instrs.len() {
         let instr = &program.instrs[index];
         if let Some(group) = groups.get(&index) {
-            let (name, text, args, n) = fuse(program, group, &kernels).map_err(|e| fail(index, e))?;
+            let (name, text, args, n) = fuse(program, group, &kernels, dtype).map_err(|e| fail(index, e))?;
             generated.push_str(&text);
             calls[index] = vec![DeviceCall::Launch { kernel: name, grid: [shardc_ir::kernel::blocks_for(n), 1, 1], block: shardc_ir::kernel::ROW_BLOCK, shared_bytes: 0, args }];
             for &member in &group[1..] {
@@ -108,6 +146,9 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
             None => vec![DeviceCall::Runtime],
             Some(DeviceKernel::PassThrough) => vec![DeviceCall::Copy { from: instr.inputs[0], to: instr.outputs[0] }],
             Some(DeviceKernel::Elementwise { .. }) => return Err(fail(index, "an element-wise op outside a kernel group".into())),
+            Some(DeviceKernel::Gemm(_)) if instance_dtype(program, index, dtype).map_err(|e| fail(index, e))? != dtype => {
+                return Err(fail(index, "a matrix product of fp32 tensors in a bf16 program: mixed precision multiplies in bf16".into()));
+            }
             Some(DeviceKernel::Gemm(g)) => vec![DeviceCall::Gemm(GemmCall {
                 a: instr.inputs[g.a],
                 b: instr.inputs[g.b],
@@ -125,11 +166,14 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
                 stride_c: g.stride_c,
                 batch: g.batch,
             })],
-            Some(DeviceKernel::Launches(launches)) => launches
+            Some(DeviceKernel::Launches(launches)) => {
+                let fp32 = instance_dtype(program, index, dtype).map_err(|e| fail(index, e))? != dtype;
+                launches
                 .iter()
                 .map(|l| {
-                    if !l.source.is_empty() && !sources.contains(&l.source) {
-                        sources.push(l.source);
+                    let list = if fp32 { &mut f32_sources } else { &mut sources };
+                    if !l.source.is_empty() && !list.contains(&l.source) {
+                        list.push(l.source);
                     }
                     workspace = workspace.max(l.workspace * acc);
                     let shared = l.shared * acc;
@@ -151,9 +195,11 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
                             })
                         })
                         .collect::<Result<Vec<_>, CodegenError>>()?;
-                    Ok(DeviceCall::Launch { kernel: l.kernel.to_string(), grid: l.grid, block: l.block, shared_bytes: shared as u32, args })
+                    let kernel = if fp32 { format!("{}{}", l.kernel, shardc_ir::kernel::F32_SUFFIX) } else { l.kernel.to_string() };
+                    Ok(DeviceCall::Launch { kernel, grid: l.grid, block: l.block, shared_bytes: shared as u32, args })
                 })
-                .collect::<Result<Vec<_>, CodegenError>>()?,
+                .collect::<Result<Vec<_>, CodegenError>>()?
+            }
         };
         index += 1;
     }
@@ -168,6 +214,13 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     source.push_str(PRELUDE);
     for text in sources {
         source.push_str(text);
+    }
+    if !f32_sources.is_empty() {
+        source.push_str(shardc_ir::kernel::F32_SCOPE_OPEN);
+        for text in f32_sources {
+            source.push_str(&suffix_kernels(text, shardc_ir::kernel::F32_SUFFIX));
+        }
+        source.push_str(shardc_ir::kernel::F32_SCOPE_CLOSE);
     }
     source.push_str(&generated);
     Ok(DevicePlan { dtype, source, workspace_bytes: workspace, calls })
@@ -215,7 +268,9 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
 }
 
 /// A fused element-wise kernel: its name, CUDA C, arguments and element count.
-fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>]) -> Result<(String, String, Vec<KernelArg>, usize), String> {
+fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], module: DType) -> Result<(String, String, Vec<KernelArg>, usize), String> {
+    // fp32 buffers of a bf16 module (mixed precision) are `float`: loaded and stored as is.
+    let fp32 = |b: BufferId| module == DType::Bf16 && program.buffers[b].dtype == DType::F32;
     let first = group[0];
     let n = program.buffers[program.instrs[first].outputs[0]].len();
     let in_group: HashSet<usize> = group.iter().copied().collect();
@@ -299,14 +354,24 @@ fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>]) ->
     }
     for (b, name) in &stores {
         let p = param_of(*b, &mut params);
-        let _ = writeln!(body, "    p{p}[i] = store({name});");
+        if fp32(*b) {
+            let _ = writeln!(body, "    p{p}[i] = {name};");
+        } else {
+            let _ = writeln!(body, "    p{p}[i] = store({name});");
+        }
     }
     let kernel = format!("fused_{first}");
     let signature: Vec<String> = params
         .iter()
         .enumerate()
         .map(|(p, &b)| {
-            let base = if program.buffers[b].dtype == DType::I32 { "int" } else { "T" };
+            let base = if program.buffers[b].dtype == DType::I32 {
+                "int"
+            } else if fp32(b) {
+                "float"
+            } else {
+                "T"
+            };
             if written.contains(&b) { format!("{base}* p{p}") } else { format!("const {base}* p{p}") }
         })
         .collect();

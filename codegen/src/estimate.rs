@@ -251,37 +251,62 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
     out
 }
 
-/// Bytes one GPU holds for a training step in mixed precision (bf16 weights, gradients and
-/// activations; fp32 master weights and Adam moments), from the compiled rank program.
+/// Bytes one GPU holds for a training step, in the program's own types (in mixed precision:
+/// bf16 weights and activations; fp32 gradients, master weights and Adam moments), from the
+/// compiled rank program.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryEstimate {
-    /// bf16 weights this rank holds (its shards, as the program lays them out).
+    /// Bytes of the weights this rank holds (its shards, in the program's layout and type:
+    /// bf16 in mixed precision).
     pub parameters: f64,
-    /// bf16 gradients (from ZeRO stage 2, only the shard the optimizer state's layout gives
-    /// this rank).
+    /// Bytes of gradients (fp32 in mixed precision, where the program casts them up before
+    /// reducing and accumulating; from ZeRO stage 2, only the shard the optimizer state's
+    /// layout gives this rank).
     pub gradients: f64,
-    /// fp32 master weights, first and second moments, in the layout of the program's
-    /// optimizer state (sharded over dp within each tensor-parallel shard from stage 1).
+    /// Bytes of fp32 master weights, first and second moments, as the program's optimizer
+    /// state arguments lay them out (sharded over dp within each tensor-parallel shard from
+    /// stage 1).
     pub optimizer: f64,
     /// Forward values the backward pass reads, per micro-batch, times the micro-batches in
     /// flight at once on the rank.
     pub activations: f64,
     /// Micro-batches whose activations the rank holds at once.
     pub in_flight: usize,
-    /// The peak of everything else the memory plan holds at once, in 16-bit elements.
+    /// Bytes of the peak of everything else the memory plan holds at once.
     pub temporaries: f64,
     /// The sum.
     pub total: f64,
 }
 
-/// Per-rank element counts of each parameter of a program: (the parameter's model-parallel
-/// size, the ZeRO paper's Psi share: its global size over the tensor- and pipeline-parallel
-/// splits of its layout; what this rank holds of it; what this rank holds of its optimizer
-/// state, from the layout of its first moment, or of the parameter itself where the
-/// optimizer keeps none).
-fn parameter_shards(program: &Program) -> Vec<(f64, f64, f64)> {
+/// What one parameter takes on a rank, read from the program's own buffers.
+struct ParameterBytes {
+    /// Its model-parallel share (elements).
+    psi: f64,
+    /// Elements this rank holds of one of its optimizer-state tensors.
+    state_elements: f64,
+    /// Bytes of the parameter as the program stores it (bf16 in mixed precision).
+    param_bytes: f64,
+    /// Bytes of its optimizer state on this rank: moments and the fp32 master copy, each in
+    /// its own type and layout.
+    state_bytes: f64,
+    /// Bytes per element its gradient is reduced and accumulated in: fp32 when a master copy
+    /// exists (the program casts the gradient up), else the parameter's own type.
+    gradient_element_bytes: f64,
+}
+
+fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
     use shardc_runtime::program::Role;
     let local = |b: &shardc_runtime::program::Binding| program.buffers[b.buffer].len() as f64;
+    let bytes = |b: &shardc_runtime::program::Binding| local(b) * program.buffers[b.buffer].dtype.bytes() as f64;
+    // opt.<kind>.<param> -> (bytes of every such tensor, whether a master copy is among them).
+    let mut held: std::collections::HashMap<&str, (f64, bool)> = std::collections::HashMap::new();
+    for a in program.args.iter().filter(|a| matches!(a.role, Some(Role::OptState | Role::Master))) {
+        if let Some(param) = a.name.strip_prefix("opt.").and_then(|rest| rest.split_once('.')).map(|(_, p)| p) {
+            let entry = held.entry(param).or_insert((0.0, false));
+            entry.0 += bytes(a);
+            entry.1 |= a.role == Some(Role::Master);
+        }
+    }
     let state: std::collections::HashMap<&str, f64> = program
         .args
         .iter()
@@ -301,23 +326,32 @@ fn parameter_shards(program: &Program) -> Vec<(f64, f64, f64)> {
                 }
                 None => local(a),
             };
-            (psi, local(a), state.get(a.name.as_str()).copied().unwrap_or(local(a)))
+            let own = program.buffers[a.buffer].dtype.bytes() as f64;
+            let (state_bytes, master) = held.get(a.name.as_str()).copied().unwrap_or((0.0, false));
+            ParameterBytes {
+                psi,
+                state_elements: state.get(a.name.as_str()).copied().unwrap_or(local(a)),
+                param_bytes: bytes(a),
+                state_bytes,
+                gradient_element_bytes: if master { 4.0 } else { own },
+            }
         })
         .collect()
 }
 
-/// Bytes of forward values read after the forward pass, per micro-batch (16-bit elements).
+/// Bytes of forward values read after the forward pass, per micro-batch, in the program's
+/// types.
 fn kept_activations(program: &Program) -> f64 {
-    let elements = |buffers: &[usize]| buffers.iter().map(|&b| program.buffers[b].len() as f64).sum::<f64>();
+    let elements = |buffers: &[usize]| buffers.iter().map(|&b| (program.buffers[b].len() * program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
     if let Some(plan) = &program.pipeline {
-        return 2.0 * plan.chunks.iter().map(|c| elements(&c.keep_forward)).sum::<f64>() / plan.chunks.len().max(1) as f64;
+        return plan.chunks.iter().map(|c| elements(&c.keep_forward)).sum::<f64>() / plan.chunks.len().max(1) as f64;
     }
     // The forward pass ends where the loss seed starts the backward pass.
     let Some(end) = program.instrs.iter().position(|i| i.loc == "loss.seed") else { return 0.0 };
     let args: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
     let defined: std::collections::HashSet<usize> = program.instrs[..end].iter().flat_map(|i| i.outputs.iter().copied()).filter(|b| !args.contains(b)).collect();
     let kept: std::collections::BTreeSet<usize> = program.instrs[end..].iter().flat_map(|i| i.inputs.iter().copied()).filter(|b| defined.contains(b)).collect();
-    2.0 * elements(&kept.into_iter().collect::<Vec<_>>())
+    elements(&kept.into_iter().collect::<Vec<_>>())
 }
 
 /// The memory of each rank program (one, or one per pipeline rank) compiled under ZeRO stage
@@ -337,16 +371,17 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
             // Parameters and optimizer state as the program lays them out (ZeRO shards them
             // over dp within each tensor-parallel shard); gradients as the optimizer state
             // from stage 2, which keeps only the reduce-scattered shard.
-            let shards = parameter_shards(program);
-            let sum = |f: &dyn Fn(&(f64, f64, f64)) -> f64| shards.iter().map(f).sum::<f64>();
-            let (parameters, state) = (sum(&|s| s.1), sum(&|s| s.2));
-            let gradients = if zero >= 2 { state } else { sum(&|s| s.0) };
+            let shards = parameter_bytes(program);
+            let sum = |f: &dyn Fn(&ParameterBytes) -> f64| shards.iter().map(f).sum::<f64>();
+            // Bytes as the program stores them: bf16 parameters, fp32 master weights and
+            // moments, fp32 gradients in mixed precision; f32 throughout in an f32 program.
+            let (parameters, optimizer) = (sum(&|s| s.param_bytes), sum(&|s| s.state_bytes));
+            let gradients = if zero >= 2 { sum(&|s| s.state_elements * s.gradient_element_bytes) } else { sum(&|s| s.psi * s.gradient_element_bytes) };
             let kept = kept_activations(program);
             let activations = kept * in_flight as f64;
             // The plan's peak holds one micro-batch's kept values too: the rest is temporaries.
-            let bytes_per_element = program.buffers.first().map_or(4, |b| b.dtype.bytes()) as f64;
-            let temporaries = (program.memory.temporary_bytes as f64 * 2.0 / bytes_per_element - kept).max(0.0);
-            let mut m = MemoryEstimate { parameters: 2.0 * parameters, gradients: 2.0 * gradients, optimizer: 12.0 * state, activations, in_flight, temporaries, total: 0.0 };
+            let temporaries = (program.memory.temporary_bytes as f64 - kept).max(0.0);
+            let mut m = MemoryEstimate { parameters, gradients, optimizer, activations, in_flight, temporaries, total: 0.0 };
             m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries;
             m
         })

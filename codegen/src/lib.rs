@@ -62,6 +62,9 @@ fn convert_attr(value: &AttrValue) -> Result<Option<Attr>, String> {
                 Attr::Ints(items.split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse::<i64>().map_err(|e| format!("`{raw}`: {e}"))).collect::<Result<_, _>>()?)
             } else if let Some(kind) = raw.strip_prefix("#shard<partial ").and_then(|r| r.strip_suffix('>')) {
                 Attr::Str(kind.trim().to_string())
+            } else if shardc_ir::DType::from_mlir(raw).is_some() {
+                // A type attribute (the target of `xf.cast`).
+                Attr::Str(raw.clone())
             } else if let Some(n) = raw.strip_suffix(" : index") {
                 Attr::Int(n.trim().parse::<i64>().map_err(|e| format!("`{raw}`: {e}"))?)
             } else {
@@ -152,6 +155,7 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
     let role = |r: ArgRole| match r {
         ArgRole::Param => Role::Param,
         ArgRole::OptState => Role::OptState,
+        ArgRole::Master => Role::Master,
         ArgRole::Input => Role::Input,
     };
     let args = func

@@ -317,4 +317,13 @@ irdl.dialect @xf {
     irdl.operands(param: %P, grad: %P)
     irdl.results(new_param: %P)
   }
+  // xf.cast: x converted to the float element type `to` (mixed precision)
+  irdl.operation @cast {
+    %X = irdl.base "!builtin.tensor"
+    %Y = irdl.base "!builtin.tensor"
+    %to = irdl.base "#builtin.type"
+    irdl.attributes {"to" = %to}
+    irdl.operands(x: %X)
+    irdl.results(y: %Y)
+  }
 }

@@ -65,6 +65,10 @@ pub enum ArgRole {
     Input,
     /// Optimizer state (Adam moments), updated in place by the training step.
     OptState,
+    /// The fp32 master copy of a bf16 parameter (mixed precision), named
+    /// `opt.master.<parameter>`: it starts as the parameter's value, the optimizer updates it,
+    /// and the parameter is its rounded copy.
+    Master,
 }
 
 impl ArgRole {
@@ -74,6 +78,7 @@ impl ArgRole {
             ArgRole::Param => "xf.param",
             ArgRole::Input => "xf.input",
             ArgRole::OptState => "xf.opt_state",
+            ArgRole::Master => "xf.master",
         }
     }
 }
@@ -355,7 +360,7 @@ impl FuncBuilder {
         // whatever order they were declared in; value numbers do not depend on it.
         self.func.args.sort_by_key(|a| match a.role {
             ArgRole::Param => 0,
-            ArgRole::OptState => 1,
+            ArgRole::Master | ArgRole::OptState => 1,
             ArgRole::Input => 2,
         });
         self.func

@@ -171,6 +171,9 @@ __device__ __forceinline__ T store(acc_t f) {
   r.bits = (unsigned short)(u >> 16);
   return r;
 }
+// Mixed precision: fp32 buffers (master weights, moments, fp32 gradients and losses) beside
+// the bf16 ones; acc_t is float, so they load and store as themselves.
+__device__ __forceinline__ acc_t load(float v) { return v; }
 #elif defined(F64)
 typedef double T;
 typedef double acc_t;
@@ -237,4 +240,19 @@ extern "C" __global__ void shardc_copy_blocks(unsigned char* dst, i64 dst_stride
 extern "C" __global__ void shardc_accumulate(T* dst, const T* src, i64 n, int max) {
   GRID_STRIDE(i, n) { acc_t a = load(dst[i]), b = load(src[i]); dst[i] = store(max ? fmax(a, b) : a + b); }
 }
+// The same on fp32 buffers whatever the module's storage type (mixed precision).
+extern "C" __global__ void shardc_accumulate_f32(float* dst, const float* src, i64 n, int max) {
+  GRID_STRIDE(i, n) { float a = dst[i], b = src[i]; dst[i] = max ? fmax(a, b) : a + b; }
+}
 "#;
+
+/// Opens the scope in which a bf16 module's kernels are instantiated for fp32 buffers (mixed
+/// precision: the fp32 loss, for one): `T` is `float` there and `store` returns it. Kernels
+/// defined inside carry the suffix [`F32_SUFFIX`].
+pub const F32_SCOPE_OPEN: &str = "namespace fp32_instance {\ntypedef float T;\n__device__ __forceinline__ float store(float v) { return v; }\n";
+
+/// Closes [`F32_SCOPE_OPEN`].
+pub const F32_SCOPE_CLOSE: &str = "}  // namespace fp32_instance\n";
+
+/// Suffix of a kernel's fp32 instance in a bf16 module.
+pub const F32_SUFFIX: &str = "_f32";

@@ -469,7 +469,7 @@ fn build_stage(
         let here = match arg.role {
             ArgRole::Input => used.contains(&arg.value),
             ArgRole::Param => used.contains(&arg.value) || owner.get(&arg.value) == Some(&k),
-            ArgRole::OptState => owner.get(&arg.value) == Some(&k),
+            ArgRole::OptState | ArgRole::Master => owner.get(&arg.value) == Some(&k),
         };
         if here {
             let v = fb.arg_like(arg, func.ty(arg.value).clone());

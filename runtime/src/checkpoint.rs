@@ -115,7 +115,7 @@ fn f64_bytes(tensors: &[(String, Vec<usize>, Vec<f64>)]) -> Result<Vec<u8>, Runt
 fn layouts(programs: &[Program]) -> Vec<(crate::program::Binding, crate::program::Layout, usize)> {
     let mut out: Vec<(crate::program::Binding, crate::program::Layout, usize)> = Vec::new();
     for (s, program) in programs.iter().enumerate() {
-        for a in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
+        for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
             if out.iter().any(|(b, _, _)| b.name == a.name) {
                 continue;
             }

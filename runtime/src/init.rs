@@ -53,7 +53,9 @@ pub fn init_param(name: &str, len: usize, seed: u64, layers: usize) -> Vec<f64> 
 /// The initial global value of the program argument `binding` (global shape `shape`): the
 /// parameter's values at its unpadded shape, so that a padded vocabulary starts with the
 /// same real rows as an unpadded one, and zeros in the padding.
+/// A master copy (`opt.master.<parameter>`) starts as its parameter.
 pub fn init_binding(binding: &crate::program::Binding, shape: &[usize], seed: u64, layers: usize) -> Vec<f64> {
     let logical = binding.logical_shape(shape);
-    binding.to_program(&init_param(&binding.name, logical.iter().product(), seed, layers), shape)
+    let name = crate::program::master_of(&binding.name).unwrap_or(&binding.name);
+    binding.to_program(&init_param(name, logical.iter().product(), seed, layers), shape)
 }

@@ -5,7 +5,8 @@
 //! writes it, this crate runs it. This crate does not depend on MLIR, so a small runtime
 //! binary can run a program on a machine with no compiler toolchain.
 //!
-//! The CPU backend ([`cpu`]) is the default and the test oracle: f32 and f64 kernels with a
+//! The CPU backend ([`cpu`]) is the default and the test oracle: f32 and f64 kernels (bf16
+//! tensors are stored as bf16 and computed on in f32, rounded once per result) with a
 //! real GEMM (the `gemm` crate) and rayon, deterministic (every reduction has a fixed order,
 //! whatever the thread schedule), so that the same seed gives bit-identical runs.
 

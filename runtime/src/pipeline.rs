@@ -53,6 +53,7 @@ fn storage_bytes(values: &[Storage]) -> usize {
             Storage::F32(v) => v.len() * 4,
             Storage::F64(v) => v.len() * 8,
             Storage::I32(v) => v.len() * 4,
+            Storage::Bf16(v) => v.len() * 2,
             Storage::Empty => 0,
         })
         .sum()

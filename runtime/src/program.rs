@@ -19,7 +19,7 @@ pub const FORMAT_VERSION: u32 = 1;
 pub enum DType {
     /// 32-bit float.
     F32,
-    /// bfloat16 (accelerator backends only).
+    /// bfloat16 (the CPU backend stores it and computes in f32).
     Bf16,
     /// 64-bit float.
     F64,
@@ -74,6 +74,9 @@ pub enum Role {
     Param,
     /// Optimizer state.
     OptState,
+    /// The fp32 master copy of a bf16 parameter (`opt.master.<parameter>`): starts as the
+    /// parameter's value.
+    Master,
     /// Per-step input.
     Input,
 }
@@ -99,6 +102,19 @@ pub struct Binding {
     /// padding is zero.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unpadded: Option<Vec<usize>>,
+}
+
+impl Role {
+    /// Whether the argument is state a run carries from step to step (and checkpoints
+    /// keep): parameters, their master copies, optimizer state.
+    pub fn is_state(self) -> bool {
+        matches!(self, Role::Param | Role::OptState | Role::Master)
+    }
+}
+
+/// The parameter a master copy (`opt.master.<parameter>`) belongs to.
+pub fn master_of(name: &str) -> Option<&str> {
+    name.strip_prefix("opt.master.")
 }
 
 impl Binding {

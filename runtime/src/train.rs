@@ -27,7 +27,7 @@ impl Trainer {
         if shape.len() != 2 || program.arg("step").is_none() {
             return Err(RuntimeError::Binding("not a training step: expected tokens [batch, seq] and a step input".into()));
         }
-        let params: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
+        let params: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::Master))).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
         let mut exec = CpuExecutor::new(program)?;
         for (binding, shape) in params {
             write_f64(&mut exec, &binding.name, &init_binding(&binding, &shape, seed, layers))?;
@@ -64,10 +64,7 @@ impl Trainer {
             .into_iter()
             .map(|(binding, shape)| {
                 let name = binding.name.clone();
-                let values: Vec<f32> = match self.exec.read::<f32>(&name) {
-                    Ok(v) => v.to_vec(),
-                    Err(_) => self.exec.read::<f64>(&name)?.iter().map(|&v| v as f32).collect(),
-                };
+                let values: Vec<f32> = self.exec.read_f64(&name)?.iter().map(|&v| v as f32).collect();
                 // As the model has it: a padded vocabulary's real rows.
                 Ok((name, binding.logical_shape(&shape), binding.from_program(&values, &shape)))
             })
@@ -78,7 +75,7 @@ impl Trainer {
     /// counter set (the next step is `state.step + 1`).
     pub fn restore(&mut self, state: &TrainState) -> Result<(), RuntimeError> {
         let program = self.exec.program();
-        let args: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
+        let args: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
         for (binding, shape) in args {
             write_f64(&mut self.exec, &binding.name, &state.for_program(&binding, &shape)?)?;
         }
@@ -108,10 +105,7 @@ impl Trainer {
         self.exec.write::<i32>("step", &[step])?;
         self.exec.run()?;
         self.exec.carry_state()?;
-        match self.exec.read::<f32>("loss") {
-            Ok(v) => Ok(v[0] as f64),
-            Err(_) => Ok(self.exec.read::<f64>("loss")?[0]),
-        }
+        Ok(self.exec.read_f64("loss")?[0])
     }
 
     /// The executor (program, memory, buffers).
@@ -122,10 +116,7 @@ impl Trainer {
 
 /// Writes f64 values into an f32 or f64 argument.
 pub(crate) fn write_f64(exec: &mut CpuExecutor, name: &str, values: &[f64]) -> Result<(), RuntimeError> {
-    match exec.write::<f64>(name, values) {
-        Ok(()) => Ok(()),
-        Err(_) => exec.write::<f32>(name, &values.iter().map(|&v| v as f32).collect::<Vec<_>>()),
-    }
+    exec.write_f64(name, values)
 }
 
 /// Where a run stands: optimizer steps taken, and the global value of every parameter and
@@ -154,17 +145,26 @@ impl TrainState {
     /// The global value `binding` (global shape `shape`) takes in a program: the state's
     /// tensor, padded as the program pads it.
     pub fn for_program(&self, binding: &crate::program::Binding, shape: &[usize]) -> Result<Vec<f64>, RuntimeError> {
-        Ok(binding.to_program(&self.global(&binding.name, &binding.logical_shape(shape))?, shape))
+        let logical = binding.logical_shape(shape);
+        // A run in mixed precision resumed from one without: the master starts as the
+        // parameter.
+        let name = match crate::program::master_of(&binding.name) {
+            Some(param) if !self.tensors.contains_key(&binding.name) => param,
+            _ => &binding.name,
+        };
+        Ok(binding.to_program(&self.global(name, &logical)?, shape))
     }
 
     /// A fresh run from given parameters (global, by name): step 0, optimizer state zero.
     pub fn from_parameters(params: std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, programs: &[Program]) -> TrainState {
         let mut tensors = params;
         for program in programs {
-            for a in program.args.iter().filter(|a| a.role == Some(Role::OptState)) {
+            for a in program.args.iter().filter(|a| matches!(a.role, Some(Role::OptState | Role::Master))) {
                 let shape = a.logical_shape(&a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone()));
                 let len = shape.iter().product();
-                tensors.entry(a.name.clone()).or_insert((shape, vec![0.0; len]));
+                // A master copy starts as its parameter; moments start at zero.
+                let initial = crate::program::master_of(&a.name).and_then(|p| tensors.get(p)).map(|(_, v)| v.clone()).unwrap_or_else(|| vec![0.0; len]);
+                tensors.entry(a.name.clone()).or_insert((shape, initial));
             }
         }
         TrainState { step: 0, tensors }
@@ -178,7 +178,7 @@ impl TrainState {
         let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
         let mut tensors = std::collections::BTreeMap::new();
         for (s, program) in programs.iter().enumerate() {
-            for a in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
+            for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
                 if tensors.contains_key(&a.name) {
                     continue;
                 }
@@ -199,7 +199,7 @@ impl TrainState {
 
 /// Every parameter and optimizer-state argument of a rank, as f64.
 pub(crate) fn read_state(exec: &CpuExecutor) -> Result<HashMap<String, Vec<f64>>, RuntimeError> {
-    exec.program().args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))).map(|a| Ok((a.name.clone(), read_f64(exec, &a.name)?))).collect()
+    exec.program().args.iter().filter(|a| a.role.is_some_and(Role::is_state)).map(|a| Ok((a.name.clone(), read_f64(exec, &a.name)?))).collect()
 }
 
 /// What a multi-rank training run produced.
@@ -255,11 +255,11 @@ pub(crate) fn on_every_rank_of<R: Send>(
                             _ => programs.get(mesh.coords(rank).get(2).copied().unwrap_or(0)).ok_or_else(|| RuntimeError::Program(format!("no program for rank {rank}")))?,
                         };
                         let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
-                        for p in program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::OptState))) {
+                        for p in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
                             let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
                             let global = match start {
                                 Some(state) => state.for_program(p, &layout.global_shape)?,
-                                None if p.role == Some(Role::Param) => init_binding(p, &layout.global_shape, seed, layers),
+                                None if matches!(p.role, Some(Role::Param | Role::Master)) => init_binding(p, &layout.global_shape, seed, layers),
                                 None => continue,
                             };
                             write_f64(&mut exec, &p.name, &crate::layout::local_shard(&global, layout, mesh, rank))?;
@@ -391,10 +391,7 @@ pub fn train_spmd_from(
 
 /// Reads an f32 or f64 buffer as f64.
 pub(crate) fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, RuntimeError> {
-    match exec.read::<f64>(name) {
-        Ok(v) => Ok(v.to_vec()),
-        Err(_) => Ok(exec.read::<f32>(name)?.iter().map(|&v| v as f64).collect()),
-    }
+    exec.read_f64(name)
 }
 
 /// Runs a partitioned `gradients` function once on every rank of its mesh (parameters from

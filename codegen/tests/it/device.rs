@@ -261,4 +261,11 @@ mod emulated {
         // within bf16's resolution of their scale.
         check("tiny", "bf16", Mesh::default(), 2e-2, 2e-2);
     }
+
+    /// Mixed precision partitioned on the device: fp32 gradient reductions among the ranks
+    /// sharing it, and the vocab-parallel loss in fp32 kernels of the bf16 module.
+    #[test]
+    fn tiny_llama_bf16_mixed_precision_tensor_and_data_parallel() {
+        check("tiny-llama", "bf16", Mesh { dp: 2, tp: 2, pp: 1 }, 2e-2, 2e-2);
+    }
 }

@@ -101,6 +101,8 @@ fn cases() -> Vec<Case> {
         Case { op: "xf.add", operands: vec![f(&[2, 3, 4]), f(&[2, 3, 4])], attrs: Attrs::new() },
         Case { op: "xf.mul", operands: vec![f(&[2, 3, 4]), f(&[3, 4])], attrs: Attrs::new() },
         Case { op: "xf.scale", operands: vec![f(&[3, 4])], attrs: a(&[("factor", Float(-1.5))]) },
+        // In f64 the cast is the identity; its VJP casts the gradient back.
+        Case { op: "xf.cast", operands: vec![f(&[3, 4])], attrs: shardc_ir::ops::cast::cast_attrs(shardc_ir::DType::F64) },
         Case { op: "xf.gelu", operands: vec![f(&[3, 5])], attrs: Attrs::new() },
         Case { op: "xf.silu", operands: vec![f(&[3, 5])], attrs: Attrs::new() },
         Case { op: "xf.swiglu", operands: vec![f(&[3, 5]), f(&[3, 5])], attrs: Attrs::new() },

@@ -6,6 +6,7 @@ mod estimate;
 mod common;
 mod gradcheck;
 mod memory;
+mod mixed;
 mod padding;
 mod pipeline;
 mod spmd;

@@ -34,7 +34,11 @@ pub fn irdl_source() -> String {
         // Each attribute gets its own variable: IRDL binds a variable to one value, so a
         // shared one would force all attributes of a kind to be equal.
         for (name, kind) in sig.attrs {
-            let base = if *kind == AttrKind::Float { "#builtin.float" } else { "#builtin.integer" };
+            let base = match kind {
+                AttrKind::Float => "#builtin.float",
+                AttrKind::Type => "#builtin.type",
+                AttrKind::Int | AttrKind::Bool => "#builtin.integer",
+            };
             let _ = writeln!(out, "    %{name} = irdl.base \"{base}\"");
         }
         if !sig.attrs.is_empty() {

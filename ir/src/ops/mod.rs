@@ -9,6 +9,7 @@
 //! equal types; everything shape-related is checked here by [`OpDef::infer`].
 
 mod attention;
+pub mod cast;
 mod elementwise;
 mod embedding;
 mod heads;
@@ -23,6 +24,7 @@ use crate::attrs::Attrs;
 use crate::types::{DType, TensorTy};
 
 pub use attention::{Attention, AttentionGrad};
+pub use cast::Cast;
 pub use elementwise::{Add, Gelu, GeluGrad, Mul, Scale, Silu, SiluGrad, Swiglu, SwigluGrad};
 pub use embedding::{Embedding, EmbeddingGrad};
 pub use heads::{MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads};
@@ -78,9 +80,10 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &CrossEntropyStats,
     &CrossEntropyFinish,
     &CrossEntropyGradShard,
-    // Optimizers.
+    // Optimizers, and the casts of mixed precision around them.
     &AdamW,
     &Sgd,
+    &Cast,
 ];
 
 /// Name of our dialect.
@@ -101,6 +104,8 @@ pub enum AttrKind {
     Float,
     /// An `i1` integer attribute (`true`/`false`).
     Bool,
+    /// A type attribute (an element type such as `f32`).
+    Type,
 }
 
 /// One operand or result slot. Slots of one op that name the same `constraint` must have

@@ -126,6 +126,9 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
     let Some(targets) = targets else {
         return Ok(cx.fb.finish(&[logits], &["logits".to_string()]));
     };
+    // Mixed precision computes the loss in fp32, as Megatron-LM does: bf16 logits are cast
+    // up first (and their gradient cast back down by the cast's VJP).
+    let logits = if dtype == DType::Bf16 { cx.fb.op("xf.cast", &[logits], crate::ops::cast::cast_attrs(DType::F32), "lm_head.to_f32")? } else { logits };
     let classes = if padded { attrs(&[("xf.classes", AttrValue::Int(m.vocab as i64))]) } else { Attrs::new() };
     let loss = cx.fb.op("xf.cross_entropy", &[logits, targets], classes, "loss")?;
     Ok(cx.fb.finish(&[loss], &["loss".to_string()]))

@@ -115,8 +115,10 @@ impl Pass for ShardMegatron {
                     let s = param_sharding(&arg.name, t.rank(), tp, self.vocab, self.kv_heads);
                     if self.zero >= 3 { add_dp(s, &t.shape) } else { s }
                 }
-                // opt.m.<param> / opt.v.<param> follow their parameter.
-                ArgRole::OptState => {
+                // opt.m.<param> / opt.v.<param> / opt.master.<param> follow their parameter;
+                // ZeRO shards them from stage 1 (the fp32 master weights are optimizer state,
+                // as in Megatron's distributed optimizer).
+                ArgRole::OptState | ArgRole::Master => {
                     let param = arg.name.splitn(3, '.').nth(2).unwrap_or("");
                     let s = param_sharding(param, t.rank(), tp, self.vocab, self.kv_heads);
                     if self.zero >= 1 { add_dp(s, &t.shape) } else { s }

@@ -157,7 +157,7 @@ fn train_step_signature_orders_params_state_inputs() {
     let roles: Vec<shardc_ir::ArgRole> = step.args.iter().map(|a| a.role).collect();
     let rank = |r: &shardc_ir::ArgRole| match r {
         shardc_ir::ArgRole::Param => 0,
-        shardc_ir::ArgRole::OptState => 1,
+        shardc_ir::ArgRole::OptState | shardc_ir::ArgRole::Master => 1,
         shardc_ir::ArgRole::Input => 2,
     };
     let mut sorted = roles.clone();

@@ -27,6 +27,8 @@ pub trait Elem: Copy + Send + Sync + PartialOrd + std::ops::Add<Output = Self> +
 impl Elem for f32 {}
 impl Elem for f64 {}
 impl Elem for i32 {}
+/// Sums of bf16 values are computed in f32 and rounded, pairwise, as NCCL does.
+impl Elem for half::bf16 {}
 
 /// How partial values combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -32,7 +32,7 @@ const SUPPORTED: &[&str] = &[
     "xf.sum_leading", "xf.gelu", "xf.gelu_grad", "xf.silu", "xf.silu_grad", "xf.swiglu", "xf.swiglu_grad", "xf.layernorm",
     "xf.layernorm_grad", "xf.rmsnorm", "xf.rmsnorm_grad", "xf.rope", "xf.rope_grad", "xf.split_heads", "xf.merge_heads",
     "xf.slice", "xf.pad", "xf.repeat_heads", "xf.sum_heads", "xf.attention", "xf.attention_grad", "xf.cross_entropy", "xf.cross_entropy_grad", "xf.adamw",
-    "xf.sgd", "xf.row_max", "xf.wait", "xf.cross_entropy_stats", "xf.cross_entropy_finish", "xf.cross_entropy_grad_shard",
+    "xf.sgd", "xf.row_max", "xf.wait", "xf.cross_entropy_stats", "xf.cross_entropy_finish", "xf.cross_entropy_grad_shard", "xf.cast",
 ];
 
 /// Whether `op` has a CPU kernel.
@@ -45,11 +45,27 @@ const ROW_CHUNK: usize = 16;
 
 /// Runs one instruction.
 pub(crate) fn run(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    if instr.op == "xf.cast" {
+        return cast(ins, outs);
+    }
     let float = ins.iter().map(|i| i.dtype()).chain(outs.iter().map(|o| o.buffer.dtype)).find(|d| *d != DType::I32);
     match float {
         Some(DType::F64) => run_typed::<f64>(instr, ins, outs, cx),
         _ => run_typed::<f32>(instr, ins, outs, cx),
     }
+}
+
+/// `xf.cast`: the value in the result's type (bf16 operands and results arrive widened to
+/// f32; the executor rounds a bf16 result).
+fn cast(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+    match (ins[0].dtype(), outs[0].buffer.dtype) {
+        (DType::F32, DType::F32) => outs[0].get::<f32>()?.copy_from_slice(ins[0].get::<f32>()?),
+        (DType::F64, DType::F64) => outs[0].get::<f64>()?.copy_from_slice(ins[0].get::<f64>()?),
+        (DType::F32, DType::F64) => outs[0].get::<f64>()?.iter_mut().zip(ins[0].get::<f32>()?).for_each(|(d, &s)| *d = s as f64),
+        (DType::F64, DType::F32) => outs[0].get::<f32>()?.iter_mut().zip(ins[0].get::<f64>()?).for_each(|(d, &s)| *d = s as f32),
+        (from, to) => return Err(format!("no cast from {from:?} to {to:?}")),
+    }
+    Ok(())
 }
 
 fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {

@@ -24,6 +24,40 @@ pub enum Storage {
     F64(Vec<f64>),
     /// i32 elements.
     I32(Vec<i32>),
+    /// bfloat16 elements (kernels compute on them in f32 and round the results).
+    Bf16(Vec<half::bf16>),
+}
+
+impl Storage {
+    /// The first `len` elements as f64 (`None` for an empty or integer slot).
+    fn to_f64(&self, len: usize) -> Option<Vec<f64>> {
+        match self {
+            Storage::F32(v) => Some(v[..len].iter().map(|&x| x as f64).collect()),
+            Storage::F64(v) => Some(v[..len].to_vec()),
+            Storage::Bf16(v) => Some(v[..len].iter().map(|&x| x.to_f64()).collect()),
+            _ => None,
+        }
+    }
+
+    /// Overwrites the first elements with `values` (rounded to the slot's type).
+    fn set_f64(&mut self, values: &[f64]) -> bool {
+        match self {
+            Storage::F32(v) => v.iter_mut().zip(values).for_each(|(d, &s)| *d = s as f32),
+            Storage::F64(v) => v[..values.len()].copy_from_slice(values),
+            Storage::Bf16(v) => v.iter_mut().zip(values).for_each(|(d, &s)| *d = half::bf16::from_f64(s)),
+            _ => return false,
+        }
+        true
+    }
+
+    /// A bf16 slot widened to f32 (the contents kept, so in-place kernels see them); other
+    /// slots as they are.
+    fn widened(&self) -> Option<Storage> {
+        match self {
+            Storage::Bf16(v) => Some(Storage::F32(v.iter().map(|x| x.to_f32()).collect())),
+            _ => None,
+        }
+    }
 }
 
 /// An element type the CPU backend stores.
@@ -58,6 +92,7 @@ macro_rules! element {
 element!(f32, F32, F32);
 element!(f64, F64, F64);
 element!(i32, I32, I32);
+element!(half::bf16, Bf16, Bf16);
 
 /// An input of a kernel: a buffer's descriptor and the slot holding it.
 pub(crate) struct In<'a> {
@@ -145,6 +180,7 @@ fn first_non_finite(storage: &Storage, len: usize) -> Option<(usize, f64)> {
     match storage {
         Storage::F32(v) => v[..len.min(v.len())].iter().position(|x| !x.is_finite()).map(|i| (i, v[i] as f64)),
         Storage::F64(v) => v[..len.min(v.len())].iter().position(|x| !x.is_finite()).map(|i| (i, v[i])),
+        Storage::Bf16(v) => v[..len.min(v.len())].iter().position(|x| !x.is_finite()).map(|i| (i, v[i].to_f64())),
         _ => None,
     }
 }
@@ -212,7 +248,7 @@ impl CpuExecutor {
                 DType::F32 => Ok(Storage::F32(vec![0.0; len])),
                 DType::F64 => Ok(Storage::F64(vec![0.0; len])),
                 DType::I32 => Ok(Storage::I32(vec![0; len])),
-                DType::Bf16 => Err(RuntimeError::Program("bf16 programs need an accelerator backend; set dtype = \"f32\" in the spec to run on the CPU".into())),
+                DType::Bf16 => Ok(Storage::Bf16(vec![half::bf16::ZERO; len])),
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
@@ -280,6 +316,21 @@ impl CpuExecutor {
         Ok(())
     }
 
+    /// Writes an argument of any float type from f64 values (rounded to its type).
+    pub fn write_f64(&mut self, name: &str, data: &[f64]) -> Result<(), RuntimeError> {
+        let buffer = self.binding(name)?.clone();
+        if buffer.len() != data.len() {
+            return Err(RuntimeError::Binding(format!("`{name}` takes {} elements (shape {:?}), got {}", buffer.len(), buffer.shape, data.len())));
+        }
+        if self.slots[buffer.slot].set_f64(data) { Ok(()) } else { Err(RuntimeError::Binding(format!("`{name}` is {:?}, not a float", buffer.dtype))) }
+    }
+
+    /// Reads a float result or argument of any float type as f64.
+    pub fn read_f64(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        let buffer = self.binding(name)?;
+        self.slots[buffer.slot].to_f64(buffer.len()).ok_or_else(|| RuntimeError::Binding(format!("`{name}` is {:?}, not a float", buffer.dtype)))
+    }
+
     /// Reads a result or argument.
     pub fn read<T: Element>(&self, name: &str) -> Result<&[T], RuntimeError> {
         let buffer = self.binding(name)?;
@@ -308,6 +359,7 @@ impl CpuExecutor {
                 (Storage::F32(s), Storage::F32(d)) => d[..len].copy_from_slice(&s[..len]),
                 (Storage::F64(s), Storage::F64(d)) => d[..len].copy_from_slice(&s[..len]),
                 (Storage::I32(s), Storage::I32(d)) => d[..len].copy_from_slice(&s[..len]),
+                (Storage::Bf16(s), Storage::Bf16(d)) => d[..len].copy_from_slice(&s[..len]),
                 _ => {
                     return Err(RuntimeError::Binding(format!("result `{}` and its argument differ in type", from.name)));
                 }
@@ -337,6 +389,7 @@ impl CpuExecutor {
                     Storage::F32(v) => Storage::F32(v[..buffer.len()].to_vec()),
                     Storage::F64(v) => Storage::F64(v[..buffer.len()].to_vec()),
                     Storage::I32(v) => Storage::I32(v[..buffer.len()].to_vec()),
+                    Storage::Bf16(v) => Storage::Bf16(v[..buffer.len()].to_vec()),
                     Storage::Empty => Storage::Empty,
                 }
             })
@@ -351,6 +404,7 @@ impl CpuExecutor {
                 (Storage::F32(s), Storage::F32(d)) => d[..s.len()].copy_from_slice(s),
                 (Storage::F64(s), Storage::F64(d)) => d[..s.len()].copy_from_slice(s),
                 (Storage::I32(s), Storage::I32(d)) => d[..s.len()].copy_from_slice(s),
+                (Storage::Bf16(s), Storage::Bf16(d)) => d[..s.len()].copy_from_slice(s),
                 _ => {
                     return Err(RuntimeError::Binding(format!("`{}`: restored value of another type", self.program.buffers[b].name)));
                 }
@@ -370,6 +424,9 @@ impl CpuExecutor {
             match (sum, &self.slots[buffer.slot]) {
                 (Storage::F32(d), Storage::F32(s)) => d.iter_mut().zip(s.iter()).for_each(|(d, s)| *d += s),
                 (Storage::F64(d), Storage::F64(s)) => d.iter_mut().zip(s.iter()).for_each(|(d, s)| *d += s),
+                // Summed in f32, rounded once per addition (mixed precision sums gradients in
+                // f32 buffers; this serves a bf16 value read across micro-batches).
+                (Storage::Bf16(d), Storage::Bf16(s)) => d.iter_mut().zip(s.iter()).for_each(|(d, s)| *d = half::bf16::from_f32(d.to_f32() + s.to_f32())),
                 _ => {
                     return Err(RuntimeError::Binding(format!("`{}`: only float values are summed over micro-batches", buffer.name)));
                 }
@@ -405,6 +462,10 @@ impl CpuExecutor {
                     comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
                 }
                 (Storage::F32(v), DType::F32) => {
+                    let mut data = v[..buffer.len()].to_vec();
+                    comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+                }
+                (Storage::Bf16(v), DType::Bf16) => {
                     let mut data = v[..buffer.len()].to_vec();
                     comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
                 }
@@ -455,6 +516,10 @@ impl CpuExecutor {
                         let data: Vec<f64> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
                         f64::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not f64".into()))?[..data.len()].copy_from_slice(&data);
                     }
+                    DType::Bf16 => {
+                        let data: Vec<half::bf16> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
+                        half::bf16::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not bf16".into()))?[..data.len()].copy_from_slice(&data);
+                    }
                     _ => {
                         let data: Vec<f32> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
                         f32::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not f32".into()))?[..data.len()].copy_from_slice(&data);
@@ -488,6 +553,8 @@ impl CpuExecutor {
                         *waited += began.elapsed();
                     }
                     result
+                } else if ins.iter().map(|i| i.buffer).chain(outs.iter().map(|o| &*o.buffer)).any(|b| b.dtype == DType::Bf16) {
+                    run_widened(instr, &ins, &mut outs, &cx)
                 } else {
                     kernels::run(instr, &ins, &mut outs, &cx)
                 }
@@ -535,6 +602,36 @@ impl CpuExecutor {
     }
 }
 
+/// Runs a kernel that reads or writes bf16 buffers as the f32 kernel: bf16 operands are
+/// widened to f32 (exactly), the kernel computes in f32, and bf16 results are rounded to the
+/// nearest even bf16 once, as an accelerator with bf16 storage and f32 arithmetic does.
+fn run_widened(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    let wide = |b: &Buffer| if b.dtype == DType::Bf16 { Buffer { dtype: DType::F32, ..b.clone() } } else { b.clone() };
+    let in_buffers: Vec<Buffer> = ins.iter().map(|i| wide(i.buffer)).collect();
+    let in_storage: Vec<Option<Storage>> = ins.iter().map(|i| i.storage.widened()).collect();
+    let out_buffers: Vec<Buffer> = outs.iter().map(|o| wide(o.buffer)).collect();
+    let mut out_storage: Vec<Option<Storage>> = outs.iter().map(|o| o.storage.widened()).collect();
+    {
+        let wide_ins: Vec<In<'_>> = ins.iter().enumerate().map(|(k, i)| In { buffer: &in_buffers[k], storage: in_storage[k].as_ref().unwrap_or(i.storage) }).collect();
+        let mut narrow_slots: Vec<&mut Storage> = outs.iter_mut().map(|o| &mut *o.storage).collect();
+        let mut wide_outs: Vec<Out<'_>> = Vec::with_capacity(out_buffers.len());
+        for ((buffer, widened), slot) in out_buffers.iter().zip(out_storage.iter_mut()).zip(narrow_slots.iter_mut()) {
+            let storage: &mut Storage = match widened {
+                Some(s) => s,
+                None => slot,
+            };
+            wide_outs.push(Out { buffer, storage });
+        }
+        kernels::run(instr, &wide_ins, &mut wide_outs, cx)?;
+    }
+    for (out, widened) in outs.iter_mut().zip(out_storage) {
+        if let (Some(Storage::F32(values)), Storage::Bf16(slot)) = (widened, &mut *out.storage) {
+            slot.iter_mut().zip(values).for_each(|(d, s)| *d = half::bf16::from_f32(s));
+        }
+    }
+    Ok(())
+}
+
 /// The rank facts an instruction's kernel needs.
 fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<RankCx, String> {
     Ok(RankCx { rows: split_rows(instr, program, mesh, rank) })
@@ -579,6 +676,7 @@ impl InFlight {
         }
         match self.dtype {
             DType::F64 => back(comm.wait::<Vec<f64>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
+            DType::Bf16 => back(comm.wait::<Vec<half::bf16>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
             _ => back(comm.wait::<Vec<f32>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
         }
     }
@@ -605,6 +703,10 @@ fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm
             let mut data = join::<f64>(&buffers, slots)?;
             comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
         }
+        DType::Bf16 => {
+            let mut data = join::<half::bf16>(&buffers, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
         _ => {
             let mut data = join::<f32>(&buffers, slots)?;
             comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
@@ -621,16 +723,19 @@ fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], comm: Option<
         "tensor.empty" => match dtype {
             DType::F64 => Ok(outs[0].get::<f64>()?.fill(0.0)),
             DType::I32 => Ok(outs[0].get::<i32>()?.fill(0)),
+            DType::Bf16 => Ok(outs[0].get::<half::bf16>()?.fill(half::bf16::ZERO)),
             _ => Ok(outs[0].get::<f32>()?.fill(0.0)),
         },
         "shard.send" | "shard.recv" => match dtype {
             DType::F64 => point_to_point::<f64>(instr, ins, outs, comm, mesh, rank, context),
             DType::I32 => point_to_point::<i32>(instr, ins, outs, comm, mesh, rank, context),
+            DType::Bf16 => point_to_point::<half::bf16>(instr, ins, outs, comm, mesh, rank, context),
             _ => point_to_point::<f32>(instr, ins, outs, comm, mesh, rank, context),
         },
         _ => match dtype {
             DType::F64 => collective_typed::<f64>(instr, ins, outs, comm, mesh, rank, algorithm),
             DType::I32 => collective_typed::<i32>(instr, ins, outs, comm, mesh, rank, algorithm),
+            DType::Bf16 => collective_typed::<half::bf16>(instr, ins, outs, comm, mesh, rank, algorithm),
             _ => collective_typed::<f32>(instr, ins, outs, comm, mesh, rank, algorithm),
         },
     }

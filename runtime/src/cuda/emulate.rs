@@ -133,8 +133,18 @@ fn parameter_reader(param: &str, index: usize) -> Result<String, String> {
 /// `launch_NAME(args, gx, gy, gz, threads)` for every kernel.
 pub fn cpp_source(source: &str) -> Result<String, String> {
     let mut launchers = String::new();
+    // Kernels a bf16 module instantiates for fp32 buffers live in a namespace where `T` is
+    // float: their launchers go there too, so names and pointer types resolve the same way.
+    let mut scoped = String::new();
+    let scope = match (source.find("namespace fp32_instance {"), source.find("}  // namespace fp32_instance")) {
+        (Some(open), Some(close)) => open..close,
+        _ => 0..0,
+    };
     let marker = "extern \"C\" __global__ void ";
+    let mut at = 0;
     for piece in source.split(marker).skip(1) {
+        at = source[at..].find(marker).map_or(at, |p| at + p + marker.len());
+        let launchers = if scope.contains(&at) { &mut scoped } else { &mut launchers };
         let open = piece.find('(').ok_or("a kernel without parameters")?;
         let name = piece[..open].trim();
         let close = piece.find(')').ok_or("a kernel without a closing parenthesis")?;
@@ -144,6 +154,9 @@ pub fn cpp_source(source: &str) -> Result<String, String> {
             "extern \"C\" void launch_{name}(const ShimArg* a, unsigned gx, unsigned gy, unsigned gz, unsigned threads) {{ shim_run(gx, gy, gz, threads, [&] {{ {name}({}); }}); }}\n",
             reads.join(", ")
         ));
+    }
+    if !scoped.is_empty() {
+        launchers.push_str(&format!("namespace fp32_instance {{\n{scoped}}}\n"));
     }
     let body = source.replace("extern __shared__ unsigned char shared_raw[];", "unsigned char* shared_raw = shim_dynamic_shared;");
     Ok(format!("{SHIM}{body}\n{launchers}"))

@@ -120,7 +120,7 @@ impl std::fmt::Debug for CudaExecutor {
 }
 
 /// The prelude's kernels the executor itself launches.
-const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate"];
+const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate", "shardc_accumulate_f32"];
 
 /// Ops the device plan leaves to the runtime.
 const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "tensor.empty"];
@@ -302,11 +302,13 @@ impl CudaExecutor {
         self.device.launch("shardc_copy_blocks", [grid, 1, 1], 256, 0, &args)
     }
 
-    /// `dst += src` (or `max`) over `n` elements of the program's float type.
-    fn accumulate(&self, dst: u64, src: u64, n: usize, max: bool) -> Result<(), RuntimeError> {
+    /// `dst += src` (or `max`) over `n` elements of `dtype` (the module's float type, or fp32
+    /// in a mixed-precision module).
+    fn accumulate(&self, dst: u64, src: u64, n: usize, max: bool, dtype: DType) -> Result<(), RuntimeError> {
         let grid = n.div_ceil(256).clamp(1, 65_535) as u32;
         let args = [KernelValue::Ptr(dst), KernelValue::Ptr(src), KernelValue::I64(n as i64), KernelValue::I32(max as i32)];
-        self.device.launch("shardc_accumulate", [grid, 1, 1], 256, 0, &args)
+        let kernel = if dtype == DType::F32 { "shardc_accumulate_f32" } else { "shardc_accumulate" };
+        self.device.launch(kernel, [grid, 1, 1], 256, 0, &args)
     }
 
     fn staging(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
@@ -358,7 +360,7 @@ impl CudaExecutor {
                     // every rank gets the same bits.
                     self.copy_raw(staging, self.buffer_ptr(group[0], instr.inputs[0]), in_bytes)?;
                     for &r in &group[1..] {
-                        self.accumulate(staging, self.buffer_ptr(r, instr.inputs[0]), input.len(), max)?;
+                        self.accumulate(staging, self.buffer_ptr(r, instr.inputs[0]), input.len(), max, input.dtype)?;
                     }
                     for (position, &r) in group.iter().enumerate() {
                         if instr.op == "shard.all_reduce" {
@@ -523,7 +525,9 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
     };
     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).cloned().collect();
     let local_ranks = exec.ranks();
-    for p in &params {
+    // Parameters and their fp32 master copies (mixed precision) start from the seed.
+    let initialised: Vec<_> = program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::Master))).cloned().collect();
+    for p in &initialised {
         let global_shape = p.layout.as_ref().map_or_else(|| program.buffers[p.buffer].shape.clone(), |l| l.global_shape.clone());
         let global = crate::init::init_binding(p, &global_shape, seed, layers);
         for (local, &rank) in local_ranks.iter().enumerate() {

@@ -1,0 +1,122 @@
+//! Mixed precision as Megatron-LM trains: bf16 parameters and compute, fp32 master weights and
+//! Adam moments, gradients cast to fp32 before they are reduced and accumulated, the update in
+//! fp32, and the loss in fp32. The CPU runtime stores bf16 and computes in f32, so every mesh
+//! is checked against the f32 program.
+
+use std::time::Duration;
+
+use shardc_ir::mesh::Mesh;
+use shardc_ir::{ArgRole, DType};
+use shardc_passes::{compile_pipeline, CompileOptions, OptimizerKind, PipelineOptions};
+use shardc_runtime::collectives::Algorithm;
+use shardc_runtime::data::ByteCorpus;
+use shardc_runtime::pipeline::train_pipeline;
+use shardc_runtime::schedule::{generate, Kind};
+use shardc_runtime::train::{train_spmd, Trainer};
+
+use crate::common::*;
+
+const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
+
+fn module(name: &str, dtype: &str, mesh: Mesh, zero: u8, microbatches: usize) -> (shardc_ir::Module, shardc_ir::spec::Spec) {
+    let mut spec = spec_with_dtype(name, dtype);
+    spec.training.micro_batch = 4;
+    let mut module = model(&spec);
+    let pipeline = (mesh.pp > 1 || microbatches > 1).then_some(PipelineOptions { chunks: 1, microbatches, manual: None, split_weight_grads: false });
+    let options = CompileOptions { optimizer: ADAMW, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero, pipeline, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap_or_else(|e| panic!("{name} {dtype} {mesh}: {e:?}"));
+    (module, spec)
+}
+
+/// Losses of `steps` steps of `name` in `dtype` on `mesh`.
+fn losses(name: &str, dtype: &str, mesh: Mesh, zero: u8, microbatches: usize, steps: u64) -> Vec<f64> {
+    let (module, spec) = module(name, dtype, mesh, zero, microbatches);
+    let layers = spec.model.layers as usize;
+    let corpus = ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap();
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    if mesh.pp > 1 || microbatches > 1 {
+        let programs = shardc_codegen::lower_pipeline(&module, &grid, &generate(Kind::OneFOneB, mesh.pp as usize, microbatches, 1).unwrap()).unwrap();
+        return train_pipeline(&programs, 3, layers, &corpus, steps, Duration::from_secs(60), Algorithm::Ring).unwrap().losses;
+    }
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &grid).unwrap();
+    if mesh.ranks() > 1 {
+        return train_spmd(&program, 3, layers, &corpus, steps, Duration::from_secs(60)).unwrap().losses;
+    }
+    let mut trainer = Trainer::new(program, 3, layers).unwrap();
+    (0..steps).map(|_| trainer.step(&corpus).unwrap()).collect()
+}
+
+/// The training step shows mixed precision in its IR: every bf16 parameter has an fp32
+/// master copy and fp32 moments, its gradient is cast to fp32 before the update and the
+/// updated master cast back to bf16, and the loss is computed on fp32 logits. ZeRO shards the
+/// fp32 state over dp.
+#[test]
+fn the_training_step_keeps_fp32_masters_and_moments() {
+    for (mesh, zero) in [(Mesh::default(), 0u8), (Mesh { dp: 2, tp: 2, pp: 1 }, 1)] {
+        let (module, _) = module("tiny-llama", "bf16", mesh, zero, 1);
+        let step = module.func("train_step").unwrap();
+        let params: Vec<_> = step.args_with(ArgRole::Param).collect();
+        assert!(!params.is_empty());
+        for p in &params {
+            assert_eq!(step.tensor(p.value).unwrap().dtype, DType::Bf16, "{}", p.name);
+            for (name, role) in [(format!("opt.master.{}", p.name), ArgRole::Master), (format!("opt.m.{}", p.name), ArgRole::OptState), (format!("opt.v.{}", p.name), ArgRole::OptState)] {
+                let arg = step.args.iter().find(|a| a.name == name).unwrap_or_else(|| panic!("no `{name}`"));
+                assert_eq!((arg.role, step.tensor(arg.value).unwrap().dtype), (role, DType::F32), "{name}");
+                if zero >= 1 && p.name.ends_with(".weight") && !p.name.contains("norm") {
+                    let layout = arg.layout.as_ref().unwrap();
+                    assert!(layout.sharding.split.iter().flatten().any(|&a| a == 0), "{name} is not sharded over dp: {:?}", layout.sharding.split);
+                }
+            }
+        }
+        let casts: Vec<_> = step.ops.iter().filter(|op| op.name == "xf.cast").collect();
+        let to = |dtype: DType| casts.iter().filter(|op| step.tensor(op.results[0]).unwrap().dtype == dtype).count();
+        // Per parameter: gradient up and master down; plus the logits up for the loss.
+        assert_eq!(to(DType::F32), params.len() + 1, "{mesh}");
+        assert_eq!(to(DType::Bf16), params.len() + 1, "{mesh}: the master weights down and the logits' gradient");
+        for update in step.ops.iter().filter(|op| op.name == "xf.adamw") {
+            assert!(update.operands[..4].iter().all(|v| step.tensor(*v).unwrap().dtype == DType::F32), "{}: the update runs in fp32", update.loc);
+        }
+    }
+}
+
+/// Gradients accumulate over micro-batches in fp32: every value a pipeline rank sums over
+/// micro-batches for its step is fp32.
+#[test]
+fn gradients_accumulate_in_fp32() {
+    let (module, _) = module("tiny", "bf16", Mesh { dp: 2, tp: 1, pp: 2 }, 0, 2);
+    let programs = shardc_codegen::lower_pipeline(&module, &module.grids[0].shape, &generate(Kind::OneFOneB, 2, 2, 1).unwrap()).unwrap();
+    for program in &programs {
+        for chunk in &program.pipeline.as_ref().unwrap().chunks {
+            assert!(!chunk.sum_backward.is_empty());
+            for &b in chunk.sum_backward.iter().chain(&chunk.sum_weight) {
+                assert_eq!(program.buffers[b].dtype, shardc_runtime::DType::F32, "`{}` is summed in {:?}", program.buffers[b].name, program.buffers[b].dtype);
+            }
+        }
+    }
+}
+
+/// On every mesh, the bf16 mixed-precision run tracks the f32 run within 2% step by step,
+/// and the bf16 runs of different meshes agree with each other more closely still.
+#[test]
+fn mixed_precision_tracks_f32_on_every_mesh() {
+    const STEPS: u64 = 6;
+    for name in ["tiny", "tiny-llama"] {
+        let single_bf16 = losses(name, "bf16", Mesh::default(), 0, 1, STEPS);
+        for (mesh, zero, m) in [(Mesh::default(), 0u8, 1usize), (Mesh { dp: 2, tp: 1, pp: 1 }, 0, 1), (Mesh { dp: 1, tp: 2, pp: 1 }, 0, 1), (Mesh { dp: 2, tp: 2, pp: 1 }, 1, 1), (Mesh { dp: 1, tp: 1, pp: 2 }, 0, 2), (Mesh { dp: 2, tp: 1, pp: 1 }, 1, 2)] {
+            let what = format!("{name} {mesh} ZeRO-{zero} m={m}");
+            // The same global batch of 4 rows: m micro-batches of 4 / m.
+            let f32 = losses(name, "f32", mesh, zero, m, STEPS);
+            let bf16 = losses(name, "bf16", mesh, zero, m, STEPS);
+            for (step, (a, b)) in f32.iter().zip(&bf16).enumerate() {
+                assert!((a - b).abs() <= 0.02 * a.abs(), "{what} step {}: f32 {a} vs bf16 {b}", step + 1);
+            }
+            if m == 1 {
+                for (step, (a, b)) in single_bf16.iter().zip(&bf16).enumerate() {
+                    assert!((a - b).abs() <= 0.01 * a.abs(), "{what} step {}: bf16 on one device {a} vs {b}", step + 1);
+                }
+            }
+            assert!(bf16[STEPS as usize - 1] < bf16[0], "{what}: the bf16 loss falls: {bf16:?}");
+        }
+    }
+}
