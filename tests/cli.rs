@@ -816,3 +816,31 @@ fn bf16_mixed_precision_follows_the_f32_loss_curve() {
         assert!(fall(&f32) > 0.3 && (fall(&bf16) - fall(&f32)).abs() <= 0.1 * fall(&f32), "{mesh}: f32 falls {}, bf16 {}", fall(&f32), fall(&bf16));
     }
 }
+
+/// A padded vocabulary moves between meshes: tiny with `vocab_multiple = 100` is padded to
+/// 400 rows at tp=2 and to 300 at tp=1; a checkpoint of the tp=2 run resumes at tp=1 (and in
+/// `--save` files the table has its 256 real rows) with the losses of an uninterrupted run.
+#[test]
+fn padded_vocabularies_checkpoint_across_tensor_parallel_degrees() {
+    let dir = tempdir("padded");
+    let spec = dir.join("tiny-padded.toml");
+    let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("dtype = \"f32\"", "dtype = \"f32\"\nvocab_multiple = 100");
+    std::fs::write(&spec, text).unwrap();
+    let spec = spec.to_str().unwrap();
+    let ckpt = dir.join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let out = shardc(&["compile", spec, "--mesh", "tp=2"]);
+    assert!(stdout(&out).contains("vocab 256 (padded to 400, a multiple of 100 x tp 2)"), "{}", stdout(&out));
+    let base = ["run", spec, "--log-every", "1"];
+    let with = |extra: &[&str]| shardc(&[&base[..], extra].concat());
+    let uninterrupted = losses_by_step(&with(&["--steps", "20"]));
+    let first = losses_by_step(&with(&["--mesh", "tp=2", "--steps", "10", "--checkpoint", ckpt]));
+    assert_same_losses(&uninterrupted, &first, "tp=2, padded to 400");
+    let saved = dir.join("params.safetensors");
+    let resumed = losses_by_step(&with(&["--steps", "10", "--resume", ckpt, "--save", saved.to_str().unwrap()]));
+    assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (11..=20).collect::<Vec<u64>>());
+    assert_same_losses(&uninterrupted, &resumed, "resumed at tp=1, padded to 300");
+    let tensors = shardc_runtime::checkpoint::from_bytes(&std::fs::read(&saved).unwrap()).unwrap();
+    assert_eq!(tensors["embed.tokens.weight"].0, vec![256, 16]);
+    let _ = std::fs::remove_dir_all(dir);
+}
