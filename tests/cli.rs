@@ -844,3 +844,22 @@ fn padded_vocabularies_checkpoint_across_tensor_parallel_degrees() {
     assert_eq!(tensors["embed.tokens.weight"].0, vec![256, 16]);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// GPT-2's and GPT-3's vocabulary of 50257 is padded for tensor parallelism, so tp=4 and tp=8
+/// split the embedding, the LM head and the loss over the vocabulary: `explain` shows the
+/// vocab-parallel cross-entropy's collectives and the lookup's partial sum, and no collective
+/// gathers the logits.
+#[test]
+fn gpt_vocabularies_are_vocab_parallel_at_tp_4_and_8() {
+    for (spec, mesh, padded) in [("models/gpt2-small.toml", "tp=4", "50688"), ("models/gpt3-175b.toml", "tp=8", "51200")] {
+        let out = shardc(&["explain", spec, "--mesh", mesh, "--seq", "128", "--micro-batch", "1", "--no-comm-opt"]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stdout(&out);
+        for part in ["vocab-parallel cross-entropy of `loss`: max over the vocabulary shards", "partial sum reduced for operand 0 of xf.add `embed.positions`"] {
+            assert!(text.contains(part), "{spec} {mesh}: missing `{part}`");
+        }
+        assert!(!text.lines().any(|l| l.contains("all_gather") && l.contains("lm_head")), "{spec} {mesh}: logits gathered");
+        let summary = stdout(&shardc(&["compile", spec, "--mesh", mesh, "--seq", "128", "--micro-batch", "1", "--microbatches", "1", "--no-comm-opt"]));
+        assert!(summary.contains(&format!("vocab 50257 (padded to {padded}")), "{summary}");
+    }
+}
