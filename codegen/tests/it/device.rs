@@ -118,9 +118,6 @@ fn fused_kernels_never_overwrite_an_operand_read_at_a_broadcast_index() {
                 continue;
             }
             let group: Vec<usize> = std::iter::once(first).chain((first + 1..plan.calls.len()).filter(|&i| matches!(plan.calls[i].first(), Some(DeviceCall::Fused { into }) if *into == first))).collect();
-            if group.len() < 2 {
-                continue;
-            }
             let n = program.buffers[program.instrs[first].outputs[0]].len();
             for &i in &group {
                 for &b in program.instrs[i].inputs.iter().filter(|&&b| program.buffers[b].len() != n) {
