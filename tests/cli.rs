@@ -844,3 +844,21 @@ fn padded_vocabularies_checkpoint_across_tensor_parallel_degrees() {
     assert_eq!(tensors["embed.tokens.weight"].0, vec![256, 16]);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `logits` refuses token ids outside the model's vocabulary, naming the real size: the tiny
+/// models have 64 ids, padded to 128 rows (tp=1) or 512 (tp=4); an id in the padding once
+/// read a zero row and gave logits for a token the model does not have.
+#[test]
+fn logits_refuse_token_ids_outside_the_real_vocabulary() {
+    let out = std::env::temp_dir().join(format!("shardc-logits-range-{}.json", std::process::id()));
+    for mesh in ["dp=1,tp=1,pp=1", "dp=1,tp=4,pp=1"] {
+        for tokens in ["1,2,64", "1,2,100", "1,2,-1"] {
+            let run = shardc(&["logits", "--hf", "tests/data/hf-tiny-gpt2", "--tokens", tokens, "--mesh", mesh, "-o", out.to_str().unwrap()]);
+            let err = stderr(&run).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+            assert_eq!(run.status.code(), Some(1), "{mesh} {tokens}: {}", stdout(&run));
+            assert!(err.contains("vocabulary of 64"), "{mesh} {tokens}: {err}");
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+    let _ = std::fs::remove_file(out);
+}
