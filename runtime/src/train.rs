@@ -416,6 +416,11 @@ pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &Byte
 /// which every rank holds whole, of the real classes only (`classes` of each row: a padded
 /// vocabulary's padded logits are dropped).
 pub fn logits(program: &Program, params: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, tokens: &[i32], classes: usize) -> Result<Vec<f64>, RuntimeError> {
+    // A padded vocabulary has rows beyond `classes`: an id there would read a zero row of
+    // padding rather than fail, so ids are checked against the real vocabulary here.
+    if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t as usize >= classes) {
+        return Err(RuntimeError::Binding(format!("token id {bad} is outside the model's vocabulary of {classes}")));
+    }
     let ranks: usize = program.mesh.iter().product::<usize>().max(1);
     let state = TrainState { step: 0, tensors: params.clone() };
     let row = program.result("logits").and_then(|r| program.buffers[r.buffer].shape.last().copied()).ok_or_else(|| RuntimeError::Binding("the program returns no `logits`".into()))?;
