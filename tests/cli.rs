@@ -862,3 +862,51 @@ fn logits_refuse_token_ids_outside_the_real_vocabulary() {
     }
     let _ = std::fs::remove_file(out);
 }
+
+/// A checkpoint holds real-shaped tensors and (in mixed precision) fp32 masters, so neither
+/// `model.vocab_multiple` nor `model.dtype` makes it another model: a run resumes under
+/// another padding with the uninterrupted losses, an f32 checkpoint resumes in bf16 (each
+/// master starts as its parameter), and a bf16 checkpoint resumes in f32 from the masters,
+/// not from the bf16-rounded parameters. A real change of model is refused by field.
+#[test]
+fn checkpoints_resume_under_another_padding_and_precision() {
+    let dir = tempdir("precision");
+    let spec = dir.join("tiny-padded.toml");
+    let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("dtype = \"f32\"", "dtype = \"f32\"\nvocab_multiple = 100");
+    std::fs::write(&spec, text).unwrap();
+    let padded = spec.to_str().unwrap();
+    let run = |spec: &str, extra: &[&str]| shardc(&[&["run", spec, "--log-every", "1"][..], extra].concat());
+    // Padding: 400 rows at tp=2 (multiple 100) resumed with 256 (the default 128).
+    let ckpt = dir.join("padding");
+    let uninterrupted = losses_by_step(&run("models/tiny.toml", &["--steps", "8"]));
+    losses_by_step(&run(padded, &["--mesh", "tp=2", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap()]));
+    let resumed = losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "4", "--resume", ckpt.to_str().unwrap()]));
+    assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (5..=8).collect::<Vec<u64>>());
+    assert_same_losses(&uninterrupted, &resumed, "resumed with another vocab_multiple");
+    // f32 -> bf16.
+    let ckpt = dir.join("f32");
+    losses_by_step(&run("models/tiny.toml", &["--steps", "4", "--checkpoint", ckpt.to_str().unwrap()]));
+    let resumed = losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--mesh", "dp=2,tp=2", "--zero", "1", "--steps", "4", "--resume", ckpt.to_str().unwrap()]));
+    for (step, loss) in &resumed {
+        assert!((loss - uninterrupted[step]).abs() <= 0.02 * loss, "step {step}: bf16 resumed {loss}, f32 {}", uninterrupted[step]);
+    }
+    // bf16 -> f32: with a learning rate of 0 the f32 run saves what it started from, which
+    // must be the bf16 run's fp32 masters (what its --save wrote).
+    let ckpt = dir.join("bf16");
+    let masters = dir.join("masters.safetensors");
+    losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap(), "--save", masters.to_str().unwrap()]));
+    let after = dir.join("after.safetensors");
+    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "1", "--lr", "0", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
+    let read = |p: &std::path::Path| shardc_runtime::checkpoint::from_bytes(&std::fs::read(p).unwrap()).unwrap();
+    let (masters, after) = (read(&masters), read(&after));
+    assert_eq!(masters.len(), after.len());
+    for (name, (shape, values)) in &masters {
+        assert_eq!(&after[name].0, shape, "{name}");
+        assert_eq!(&after[name].1, values, "{name}: the f32 run did not start from the master");
+    }
+    // Another model is still refused, by field.
+    let out = run("models/tiny-llama.toml", &["--steps", "1", "--resume", ckpt.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("norm"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(dir);
+}
