@@ -890,19 +890,22 @@ fn checkpoints_resume_under_another_padding_and_precision() {
     for (step, loss) in &resumed {
         assert!((loss - uninterrupted[step]).abs() <= 0.02 * loss, "step {step}: bf16 resumed {loss}, f32 {}", uninterrupted[step]);
     }
-    // bf16 -> f32: with a learning rate of 0 the f32 run saves what it started from, which
-    // must be the bf16 run's fp32 masters (what its --save wrote).
+    // bf16 -> f32: with a negligible learning rate the f32 run saves what it started from,
+    // which must be the bf16 run's fp32 masters (what its --save wrote), not their bf16
+    // rounding (a relative difference of up to 2^-9).
     let ckpt = dir.join("bf16");
     let masters = dir.join("masters.safetensors");
     losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap(), "--save", masters.to_str().unwrap()]));
     let after = dir.join("after.safetensors");
-    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "1", "--lr", "0", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
+    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "1", "--lr", "1e-30", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
     let read = |p: &std::path::Path| shardc_runtime::checkpoint::from_bytes(&std::fs::read(p).unwrap()).unwrap();
     let (masters, after) = (read(&masters), read(&after));
     assert_eq!(masters.len(), after.len());
     for (name, (shape, values)) in &masters {
         assert_eq!(&after[name].0, shape, "{name}");
-        assert_eq!(&after[name].1, values, "{name}: the f32 run did not start from the master");
+        for (a, m) in after[name].1.iter().zip(values) {
+            assert!((a - m).abs() <= 1e-6 * m.abs() + 1e-20, "{name}: the f32 run started from {a}, the master is {m}");
+        }
     }
     // Another model is still refused, by field.
     let out = run("models/tiny-llama.toml", &["--steps", "1", "--resume", ckpt.to_str().unwrap()]);

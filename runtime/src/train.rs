@@ -147,9 +147,12 @@ impl TrainState {
     pub fn for_program(&self, binding: &crate::program::Binding, shape: &[usize]) -> Result<Vec<f64>, RuntimeError> {
         let logical = binding.logical_shape(shape);
         // A run in mixed precision resumed from one without: the master starts as the
-        // parameter.
+        // parameter. A parameter whose fp32 master the state holds (a mixed-precision run's)
+        // takes the master: the full value, of which the bf16 parameter is the rounding.
+        let master = format!("opt.master.{}", binding.name);
         let name = match crate::program::master_of(&binding.name) {
             Some(param) if !self.tensors.contains_key(&binding.name) => param,
+            None if binding.role == Some(Role::Param) && self.tensors.contains_key(&master) => &master,
             _ => &binding.name,
         };
         Ok(binding.to_program(&self.global(name, &logical)?, shape))
