@@ -913,3 +913,25 @@ fn checkpoints_resume_under_another_padding_and_precision() {
     assert!(stderr(&out).contains("norm"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The summary's per-stage parameter count is per rank on a partitioned mesh, padded or not:
+/// tiny's vocabulary padded to 400 rows (`vocab_multiple = 100`) counts like the unpadded 256,
+/// not as the whole real table on every rank.
+#[test]
+fn stage_parameter_counts_are_per_rank_with_a_padded_vocabulary() {
+    let dir = tempdir("stage-params");
+    let stage_lines = |multiple: u64, mesh: &[&str]| {
+        let spec = dir.join(format!("tiny-{multiple}.toml"));
+        let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("dtype = \"f32\"", &format!("dtype = \"f32\"\nvocab_multiple = {multiple}"));
+        std::fs::write(&spec, text).unwrap();
+        let out = shardc(&[&["compile", spec.to_str().unwrap()][..], mesh].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out).lines().filter(|l| l.contains(" parameters, ")).map(|l| l.split(" parameters, ").next().unwrap().rsplit(' ').next().unwrap().to_string()).collect::<Vec<_>>()
+    };
+    for mesh in [&["--mesh", "tp=1"][..], &["--mesh", "tp=2"], &["--mesh", "dp=2,tp=2", "--zero", "3"], &["--mesh", "tp=2,pp=2"]] {
+        let (padded, unpadded) = (stage_lines(100, mesh), stage_lines(1, mesh));
+        assert!(!padded.is_empty());
+        assert_eq!(padded, unpadded, "{mesh:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
