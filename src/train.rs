@@ -352,8 +352,22 @@ impl Checkpoints {
             return Ok((None, args.seed));
         };
         let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
-        if manifest.spec != self.spec {
-            return Err(miette!(help = "resume with the spec the checkpoint was trained with", "{}: the checkpoint was saved from another model", dir.display()));
+        // Checkpoints hold real-shaped tensors and, in mixed precision, fp32 masters: the
+        // padding and the precision may change between runs, the model may not.
+        let differing: Vec<String> = match (&manifest.spec, &self.spec) {
+            (serde_json::Value::Object(saved), serde_json::Value::Object(now)) => saved
+                .keys()
+                .chain(now.keys())
+                .filter(|k| !matches!(k.as_str(), "vocab_multiple" | "dtype") && saved.get(*k) != now.get(*k))
+                .map(|k| format!("{k} {} (this run: {})", saved.get(k).map_or("unset".into(), |v| v.to_string()), now.get(k).map_or("unset".into(), |v| v.to_string())))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+            (saved, now) if saved != now => vec!["the model".into()],
+            _ => Vec::new(),
+        };
+        if !differing.is_empty() {
+            return Err(miette!(help = "resume with the spec the checkpoint was trained with", "{}: the checkpoint was saved from another model: {}", dir.display(), differing.join(", ")));
         }
         println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
         Ok((Some(state), manifest.seed))

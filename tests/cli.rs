@@ -863,3 +863,132 @@ fn gpt_vocabularies_are_vocab_parallel_at_tp_4_and_8() {
         assert!(summary.contains(&format!("vocab 50257 (padded to {padded}")), "{summary}");
     }
 }
+
+/// `logits` refuses token ids outside the model's vocabulary, naming the real size: the tiny
+/// models have 64 ids, padded to 128 rows (tp=1) or 512 (tp=4); an id in the padding once
+/// read a zero row and gave logits for a token the model does not have.
+#[test]
+fn logits_refuse_token_ids_outside_the_real_vocabulary() {
+    let out = std::env::temp_dir().join(format!("shardc-logits-range-{}.json", std::process::id()));
+    for mesh in ["dp=1,tp=1,pp=1", "dp=1,tp=4,pp=1"] {
+        for tokens in ["1,2,64", "1,2,100", "1,2,-1"] {
+            let run = shardc(&["logits", "--hf", "tests/data/hf-tiny-gpt2", "--tokens", tokens, "--mesh", mesh, "-o", out.to_str().unwrap()]);
+            let err = stderr(&run).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
+            assert_eq!(run.status.code(), Some(1), "{mesh} {tokens}: {}", stdout(&run));
+            assert!(err.contains("vocabulary of 64"), "{mesh} {tokens}: {err}");
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+    let _ = std::fs::remove_file(out);
+}
+
+/// A checkpoint holds real-shaped tensors and (in mixed precision) fp32 masters, so neither
+/// `model.vocab_multiple` nor `model.dtype` makes it another model: a run resumes under
+/// another padding with the uninterrupted losses, an f32 checkpoint resumes in bf16 (each
+/// master starts as its parameter), and a bf16 checkpoint resumes in f32 from the masters,
+/// not from the bf16-rounded parameters. A real change of model is refused by field.
+#[test]
+fn checkpoints_resume_under_another_padding_and_precision() {
+    let dir = tempdir("precision");
+    let spec = dir.join("tiny-padded.toml");
+    let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("dtype = \"f32\"", "dtype = \"f32\"\nvocab_multiple = 100");
+    std::fs::write(&spec, text).unwrap();
+    let padded = spec.to_str().unwrap();
+    let run = |spec: &str, extra: &[&str]| shardc(&[&["run", spec, "--log-every", "1"][..], extra].concat());
+    // Padding: 400 rows at tp=2 (multiple 100) resumed with 256 (the default 128).
+    let ckpt = dir.join("padding");
+    let uninterrupted = losses_by_step(&run("models/tiny.toml", &["--steps", "8"]));
+    losses_by_step(&run(padded, &["--mesh", "tp=2", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap()]));
+    let resumed = losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "4", "--resume", ckpt.to_str().unwrap()]));
+    assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (5..=8).collect::<Vec<u64>>());
+    assert_same_losses(&uninterrupted, &resumed, "resumed with another vocab_multiple");
+    // f32 -> bf16.
+    let ckpt = dir.join("f32");
+    losses_by_step(&run("models/tiny.toml", &["--steps", "4", "--checkpoint", ckpt.to_str().unwrap()]));
+    let resumed = losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--mesh", "dp=2,tp=2", "--zero", "1", "--steps", "4", "--resume", ckpt.to_str().unwrap()]));
+    for (step, loss) in &resumed {
+        assert!((loss - uninterrupted[step]).abs() <= 0.02 * loss, "step {step}: bf16 resumed {loss}, f32 {}", uninterrupted[step]);
+    }
+    // bf16 -> f32: with a negligible learning rate the f32 run saves what it started from,
+    // which must be the bf16 run's fp32 masters (what its --save wrote), not their bf16
+    // rounding (a relative difference of up to 2^-9).
+    let ckpt = dir.join("bf16");
+    let masters = dir.join("masters.safetensors");
+    losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap(), "--save", masters.to_str().unwrap()]));
+    let after = dir.join("after.safetensors");
+    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "1", "--lr", "1e-30", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
+    let read = |p: &std::path::Path| shardc_runtime::checkpoint::from_bytes(&std::fs::read(p).unwrap()).unwrap();
+    let (masters, after) = (read(&masters), read(&after));
+    assert_eq!(masters.len(), after.len());
+    for (name, (shape, values)) in &masters {
+        assert_eq!(&after[name].0, shape, "{name}");
+        for (a, m) in after[name].1.iter().zip(values) {
+            assert!((a - m).abs() <= 1e-6 * m.abs() + 1e-20, "{name}: the f32 run started from {a}, the master is {m}");
+        }
+    }
+    // Another model is still refused, by field.
+    let out = run("models/tiny-llama.toml", &["--steps", "1", "--resume", ckpt.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("norm"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The summary's per-stage parameter count is per rank on a partitioned mesh, padded or not:
+/// tiny's vocabulary padded to 400 rows (`vocab_multiple = 100`) counts like the unpadded 256,
+/// not as the whole real table on every rank.
+#[test]
+fn stage_parameter_counts_are_per_rank_with_a_padded_vocabulary() {
+    let dir = tempdir("stage-params");
+    let stage_lines = |multiple: u64, mesh: &[&str]| {
+        let spec = dir.join(format!("tiny-{multiple}.toml"));
+        let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("dtype = \"f32\"", &format!("dtype = \"f32\"\nvocab_multiple = {multiple}"));
+        std::fs::write(&spec, text).unwrap();
+        let out = shardc(&[&["compile", spec.to_str().unwrap()][..], mesh].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out).lines().filter(|l| l.contains(" parameters, ")).map(|l| l.split(" parameters, ").next().unwrap().rsplit(' ').next().unwrap().to_string()).collect::<Vec<_>>()
+    };
+    for mesh in [&["--mesh", "tp=1"][..], &["--mesh", "tp=2"], &["--mesh", "dp=2,tp=2", "--zero", "3"], &["--mesh", "tp=2,pp=2"]] {
+        let (padded, unpadded) = (stage_lines(100, mesh), stage_lines(1, mesh));
+        assert!(!padded.is_empty());
+        assert_eq!(padded, unpadded, "{mesh:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Batch sizes at the largest each field accepts (micro-batch 2^31) never crash: compile
+/// prices the absurd plan (the memory plan's sums once overflowed, a panic in debug builds
+/// and wrong sizes in release), and run refuses memory it cannot allocate with an error
+/// instead of aborting the process.
+#[test]
+fn the_largest_batch_sizes_end_in_a_plan_or_an_error_never_a_crash() {
+    let huge = ["--micro-batch", "2147483648", "--global-batch", "2147483648"];
+    let out = shardc(&[&["compile", "models/gpt3-175b.toml", "--mesh", "tp=8,pp=16"][..], &huge].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("does NOT fit"), "{}", stdout(&out));
+    let out = shardc(&[&["run", "models/gpt2-small.toml", "--steps", "1"][..], &huge].concat());
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("memory allocation of"), "{err}");
+    assert!(err.contains("cannot allocate"), "{err}");
+}
+
+/// `--check-numerics` with a vocab-parallel loss whose tensor-parallel ranks hold only padding
+/// (the tiny Hugging Face models' 64 ids padded to 512 rows at tp=4: ranks 1 to 3 have no real
+/// class): the empty shard's row maximum is no false alarm, in f32 and bf16, and the losses
+/// are those of the unchecked run.
+#[test]
+fn check_numerics_accepts_shards_of_padding_only() {
+    let dir = tempdir("numerics-padding");
+    let data = dir.join("data.bin");
+    std::fs::write(&data, (0..4096u32).map(|i| ((i * 7 + i / 13) % 64) as u8).collect::<Vec<u8>>()).unwrap();
+    for dtype in ["f32", "bf16"] {
+        for mesh in ["tp=4", "dp=2,tp=2"] {
+            let args = ["run", "--hf", "tests/data/hf-tiny-gpt2", "--data", data.to_str().unwrap(), "--seq", "8", "--micro-batch", "1", "--global-batch", "4", "--steps", "2", "--log-every", "1", "--dtype", dtype, "--mesh", mesh];
+            let unchecked = losses_by_step(&shardc(&args));
+            let checked = shardc(&[&args[..], &["--check-numerics"]].concat());
+            assert!(checked.status.success(), "{dtype} {mesh}: {}", stderr(&checked));
+            assert_same_losses(&unchecked, &losses_by_step(&checked), &format!("{dtype} {mesh} with --check-numerics"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

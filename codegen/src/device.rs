@@ -228,8 +228,11 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
 
 /// Runs of consecutive element-wise instructions that one kernel computes, keyed by their
 /// first instruction. An instruction joins the run before it when its results have the run's
-/// length and every operand it reads at a broadcast index comes from outside the run and
-/// shares no storage with what the run writes.
+/// length, every operand it reads at a broadcast index comes from outside the run and
+/// shares no storage with what the run writes, and none of its results shares storage with
+/// an operand the run reads at a broadcast index (a ZeRO-3 gathered bias whose slot the
+/// memory plan hands to the next value): the kernel's threads write element `i` while
+/// others still read element `i % len`.
 fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> HashMap<usize, Vec<usize>> {
     let len = |b: BufferId| program.buffers[b].len();
     let slot = |b: BufferId| program.buffers[b].slot;
@@ -237,6 +240,8 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
     let mut current: Vec<usize> = Vec::new();
     let mut n = 0;
     let mut written: HashSet<BufferId> = HashSet::new();
+    // Slots the run reads at a broadcast index.
+    let mut broadcast: HashSet<usize> = HashSet::new();
     let close = |current: &mut Vec<usize>, groups: &mut HashMap<usize, Vec<usize>>| {
         if let Some(&first) = current.first() {
             groups.insert(first, std::mem::take(current));
@@ -246,22 +251,25 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
         if !matches!(kernel, Some(DeviceKernel::Elementwise { .. })) {
             close(&mut current, &mut groups);
             written.clear();
+            broadcast.clear();
             continue;
         }
         let instr = &program.instrs[i];
         let out_len = instr.outputs.first().map_or(0, |&b| len(b));
-        let fits = |written: &HashSet<BufferId>, n: usize| {
+        let fits = |written: &HashSet<BufferId>, broadcast: &HashSet<usize>, n: usize| {
             out_len == n
-                && instr.outputs.iter().all(|&b| len(b) == n)
+                && instr.outputs.iter().all(|&b| len(b) == n && !broadcast.contains(&slot(b)))
                 && instr.inputs.iter().all(|&b| len(b) == n || (!written.contains(&b) && !written.iter().any(|&w| slot(w) == slot(b))))
         };
-        if current.is_empty() || !fits(&written, n) {
+        if current.is_empty() || !fits(&written, &broadcast, n) {
             close(&mut current, &mut groups);
             written.clear();
+            broadcast.clear();
             n = out_len;
         }
         current.push(i);
         written.extend(instr.outputs.iter().copied());
+        broadcast.extend(instr.inputs.iter().filter(|&&b| len(b) != n).map(|&b| slot(b)));
     }
     close(&mut current, &mut groups);
     groups

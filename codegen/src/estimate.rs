@@ -342,7 +342,7 @@ fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
 /// Bytes of forward values read after the forward pass, per micro-batch, in the program's
 /// types.
 fn kept_activations(program: &Program) -> f64 {
-    let elements = |buffers: &[usize]| buffers.iter().map(|&b| (program.buffers[b].len() * program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
+    let elements = |buffers: &[usize]| buffers.iter().map(|&b| program.buffers[b].len() as f64 * program.buffers[b].dtype.bytes() as f64).sum::<f64>();
     if let Some(plan) = &program.pipeline {
         return plan.chunks.iter().map(|c| elements(&c.keep_forward)).sum::<f64>() / plan.chunks.len().max(1) as f64;
     }

@@ -205,7 +205,7 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
         if is_arg[b] {
             buffer.slot = slots.len();
             slots.push((buffer.len(), buffer.dtype));
-            argument_bytes += buffer.len() * buffer.dtype.bytes();
+            argument_bytes = buffer.len().saturating_mul(buffer.dtype.bytes()).saturating_add(argument_bytes);
         }
     }
     let mut free: Vec<usize> = Vec::new();
@@ -219,7 +219,7 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
                 continue;
             }
             let (len, dt) = (buffers[b].len(), buffers[b].dtype);
-            without_reuse += len * dt.bytes();
+            without_reuse = len.saturating_mul(dt.bytes()).saturating_add(without_reuse);
             // Best fit among free slots of this type; else grow the largest; else a new slot.
             let fitting = free.iter().enumerate().filter(|(_, s)| slots[**s].1 == dt && slots[**s].0 >= len).min_by_key(|(_, s)| slots[**s].0);
             let chosen = match fitting {
@@ -243,7 +243,8 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
             free.push(buffers[b].slot);
         }
     }
-    let temporary_bytes = slots[temp_slots_start..].iter().map(|(len, dt)| len * dt.bytes()).sum();
+    // Sizes saturate (an absurd batch's plan is priced, not overflowed).
+    let temporary_bytes = slots[temp_slots_start..].iter().fold(0usize, |sum, (len, dt)| sum.saturating_add(len.saturating_mul(dt.bytes())));
     MemoryPlan { slots, argument_bytes, temporary_bytes, temporary_bytes_without_reuse: without_reuse }
 }
 

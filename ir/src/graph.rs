@@ -169,12 +169,21 @@ impl Func {
     }
 
     /// Number of scalar parameters of the model (elements of every `Param` argument; of a
-    /// padded one, its real elements).
+    /// padded one, its real elements). In a partitioned function, per rank: a shard of a
+    /// padded table counts its share of the real elements (local x real / padded global).
     pub fn parameter_count(&self) -> u64 {
+        let product = |shape: &[i64]| shape.iter().map(|&d| d.max(0) as u64).fold(1u64, u64::saturating_mul);
         self.args_with(ArgRole::Param)
-            .filter_map(|a| match &a.unpadded {
-                Some(u) => Some(u.iter().map(|&d| d.max(0) as u64).product()),
-                None => self.tensor(a.value).map(TensorTy::num_elements),
+            .filter_map(|a| {
+                let local = self.tensor(a.value).map(TensorTy::num_elements);
+                match (&a.unpadded, &a.layout, local) {
+                    (Some(real), Some(layout), Some(local)) => {
+                        let global = product(&layout.global_shape).max(1);
+                        Some((local as u128 * product(real) as u128 / global as u128) as u64)
+                    }
+                    (Some(real), _, _) => Some(product(real)),
+                    (None, _, local) => local,
+                }
             })
             .fold(0u64, u64::saturating_add)
     }

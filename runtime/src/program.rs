@@ -55,9 +55,9 @@ pub struct Buffer {
 }
 
 impl Buffer {
-    /// Number of elements.
+    /// Number of elements (saturating: a size beyond `usize` is one no allocation meets).
     pub fn len(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d))
     }
 
     /// Whether it holds no elements.
@@ -481,7 +481,7 @@ impl Program {
 
     /// Peak bytes of the program: arguments plus temporaries.
     pub fn peak_bytes(&self) -> usize {
-        self.memory.argument_bytes + self.memory.temporary_bytes
+        self.memory.argument_bytes.saturating_add(self.memory.temporary_bytes)
     }
 
     /// The argument called `name`.

@@ -147,9 +147,12 @@ impl TrainState {
     pub fn for_program(&self, binding: &crate::program::Binding, shape: &[usize]) -> Result<Vec<f64>, RuntimeError> {
         let logical = binding.logical_shape(shape);
         // A run in mixed precision resumed from one without: the master starts as the
-        // parameter.
+        // parameter. A parameter whose fp32 master the state holds (a mixed-precision run's)
+        // takes the master: the full value, of which the bf16 parameter is the rounding.
+        let master = format!("opt.master.{}", binding.name);
         let name = match crate::program::master_of(&binding.name) {
             Some(param) if !self.tensors.contains_key(&binding.name) => param,
+            None if binding.role == Some(Role::Param) && self.tensors.contains_key(&master) => &master,
             _ => &binding.name,
         };
         Ok(binding.to_program(&self.global(name, &logical)?, shape))
@@ -416,6 +419,11 @@ pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &Byte
 /// which every rank holds whole, of the real classes only (`classes` of each row: a padded
 /// vocabulary's padded logits are dropped).
 pub fn logits(program: &Program, params: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f64>)>, tokens: &[i32], classes: usize) -> Result<Vec<f64>, RuntimeError> {
+    // A padded vocabulary has rows beyond `classes`: an id there would read a zero row of
+    // padding rather than fail, so ids are checked against the real vocabulary here.
+    if let Some(&bad) = tokens.iter().find(|&&t| t < 0 || t as usize >= classes) {
+        return Err(RuntimeError::Binding(format!("token id {bad} is outside the model's vocabulary of {classes}")));
+    }
     let ranks: usize = program.mesh.iter().product::<usize>().max(1);
     let state = TrainState { step: 0, tensors: params.clone() };
     let row = program.result("logits").and_then(|r| program.buffers[r.buffer].shape.last().copied()).ok_or_else(|| RuntimeError::Binding("the program returns no `logits`".into()))?;

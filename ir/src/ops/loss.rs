@@ -343,6 +343,8 @@ extern "C" __global__ void row_max(T* out, const T* x, i64 rows, i64 v, i64 firs
   acc_t mx = NEG_INF;
   for (i64 j = threadIdx.x; j < n; j += blockDim.x) mx = fmax(mx, load(x[r * v + j]));
   mx = block_max(mx);
+  // A shard of padding only: the lowest finite float, below every real maximum, not -inf.
+  if (n <= 0) mx = (acc_t)(-3.402823466e38f);
   if (threadIdx.x == 0) out[r] = store(mx);
 }
 // This rank's share of the row statistics: sum of exp(x - max) and the target's logit (0 if

@@ -702,7 +702,9 @@ fn row_max<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &Ra
     let x = ins[0].get::<T>()?;
     let v = *ins[0].shape().last().unwrap_or(&1);
     let real = real_classes(instr, vocab_range(cx, v).0, v);
-    outs[0].get::<T>()?.par_iter_mut().zip(x.par_chunks(v)).for_each(|(m, row)| *m = row[..real].iter().copied().fold(T::neg_infinity(), T::max));
+    // A shard of padding only has no real class: its maximum is the lowest finite value
+    // (not -inf, which --check-numerics would report), below every real one.
+    outs[0].get::<T>()?.par_iter_mut().zip(x.par_chunks(v)).for_each(|(m, row)| *m = row[..real].iter().copied().reduce(T::max).unwrap_or_else(T::min_value));
     Ok(())
 }
 

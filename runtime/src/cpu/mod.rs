@@ -240,6 +240,12 @@ impl CpuExecutor {
                 return Err(RuntimeError::Program(format!("no CPU kernel for `{}` (at {})", instr.op, instr.loc)));
             }
         }
+        // Memory the host cannot give (an absurd batch) is an error, not an abort: the
+        // whole plan is reserved once first, then allocated zero-filled.
+        let total = program.memory.slots.iter().fold(0usize, |sum, &(len, dtype)| sum.saturating_add(len.saturating_mul(dtype.bytes())));
+        Vec::<u8>::new().try_reserve_exact(total).map_err(|_| {
+            RuntimeError::Binding(format!("cannot allocate the program's {total} bytes of memory on this host (the memory plan of `{}`); use a smaller micro-batch or sequence", program.name))
+        })?;
         let slots = program
             .memory
             .slots
@@ -250,7 +256,7 @@ impl CpuExecutor {
                 DType::I32 => Ok(Storage::I32(vec![0; len])),
                 DType::Bf16 => Ok(Storage::Bf16(vec![half::bf16::ZERO; len])),
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, RuntimeError>>()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
         Ok(CpuExecutor {
             program,

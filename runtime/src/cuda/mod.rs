@@ -160,7 +160,7 @@ impl CudaExecutor {
         for rank in local_ranks {
             let mut slots = Vec::new();
             for &(len, dtype) in &program.memory.slots {
-                let bytes = len * dtype.bytes();
+                let bytes = len.saturating_mul(dtype.bytes());
                 slots.push((device.alloc(bytes)?, bytes));
             }
             let workspace = (device.alloc(plan.workspace_bytes)?, plan.workspace_bytes);
