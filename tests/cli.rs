@@ -93,9 +93,10 @@ fn zero_on_dp_and_tp_sends_what_data_parallelism_sends() {
         let text = summary(zero);
         assert!(!field(&text, "comm/rank").contains("tp+dp"), "ZeRO-{zero} communicates across tp: {text}");
         if zero == "3" {
-            // Each weight gathered for its forward and backward reader: 1.5x, and the tied
-            // embedding table, read three times, 2x.
-            assert!(sent(&text) > 1.5 * sent(&plain) && sent(&text) < 2.0 * sent(&plain), "ZeRO-3: {} MiB vs {} MiB", sent(&text), sent(&plain));
+            // Each weight gathered once for the forward (the tied table's lookup and LM head
+            // share it) and once for the backward: 1.5x; biases and norms, read only in the
+            // forward, 1x. At most ZeRO's 1.5x.
+            assert!(sent(&text) > 1.3 * sent(&plain) && sent(&text) <= 1.5 * sent(&plain), "ZeRO-3: {} MiB vs {} MiB", sent(&text), sent(&plain));
         } else {
             assert_eq!(sent(&text), sent(&plain), "ZeRO-{zero}: {text}");
         }

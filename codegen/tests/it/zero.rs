@@ -56,7 +56,8 @@ struct TpShard {
     name: String,
     /// Its per-rank shape under tp alone (global over the tp splits).
     shape: Vec<u64>,
-    /// Ops of the single-device step that read it, besides the optimizer update.
+    /// Passes of the single-device step that read it (forward, backward): ZeRO-3 gathers it
+    /// once for each.
     readers: u64,
 }
 
@@ -82,7 +83,10 @@ fn tp_shards(name: &str, tp: u64) -> Vec<TpShard> {
                 Some(l) => global.iter().zip(&l.split).map(|(&g, axes)| if axes.contains(&TP) { g / tp } else { g }).collect(),
                 None => global,
             };
-            let readers = single.instrs.iter().filter(|i| i.inputs.contains(&a.buffer) && i.op != "xf.adamw" && i.op != "xf.sgd").count() as u64;
+            // The forward ends where the loss's gradient seed starts the backward.
+            let seed = single.instrs.iter().position(|i| i.loc == "loss.seed").unwrap();
+            let reads = |range: std::ops::Range<usize>| single.instrs[range].iter().any(|i| i.inputs.contains(&a.buffer) && i.op != "xf.adamw" && i.op != "xf.sgd");
+            let readers = reads(0..seed) as u64 + reads(seed..single.instrs.len()) as u64;
             TpShard { name: a.name.clone(), shape, readers }
         })
         .collect()

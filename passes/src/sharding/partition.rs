@@ -19,8 +19,9 @@
 //!
 //! Every collective carries `xf.cause`, naming the op and operand that needed it; the same
 //! reshard of one value is made once and shared by its consumers, except a gather of a
-//! parameter (ZeRO-3), made for each op that reads it and marked `xf.per_reader`, so that
-//! no whole parameter lives from its forward reader to its backward one. Returned values
+//! parameter (ZeRO-3), made once for the forward pass (the loss's ancestors) and once for
+//! the backward and marked `xf.per_reader`, so that no whole parameter lives from its
+//! forward reader to its backward one (ZeRO-3's 1.5x the volume of data parallelism). Returned values
 //! take their argument's sharding when they update it in place (parameters, optimizer
 //! state), and are otherwise replicated (the loss, reduced over the data-parallel axis).
 
@@ -67,8 +68,11 @@ struct Partitioner<'f> {
     local: HashMap<Value, (Value, Sharding)>,
     /// Reshards already made: (global value, target sharding) -> per-rank value.
     reshards: HashMap<(Value, Sharding), Value>,
-    /// Reshards that gather a parameter: forgotten after the op that made them.
-    per_reader: Vec<(Value, Sharding)>,
+    /// Reshards that gather a parameter, and whether a forward op made them: forgotten when
+    /// the pass leaves that phase.
+    per_reader: Vec<((Value, Sharding), bool)>,
+    /// Whether the op being partitioned is in the forward pass (an ancestor of the loss).
+    forward: bool,
 }
 
 impl Partitioner<'_> {
@@ -138,11 +142,11 @@ impl Partitioner<'_> {
                 v = self.collective("shard.all_reduce", v, attrs, ty, &format!("{loc}.all_reduce"), &format!("partial sum reduced for {cause}"));
             }
         }
-        // A parameter kept sharded (ZeRO-3) is gathered for each op that reads it and dies
-        // with that op: sharing one gather between readers would hold the whole parameter
-        // from its first reader (forward) to its last (backward), the memory ZeRO-3 spends
-        // communication to save. Such gathers are marked `xf.per_reader` (comm-opt keeps them
-        // apart) and are shared only within one op.
+        // A parameter kept sharded (ZeRO-3) is gathered once for the forward pass and once
+        // for the backward: sharing one gather between the two would hold the whole parameter
+        // from its forward reader to its backward one, the memory ZeRO-3 spends communication
+        // to save. Such gathers are marked `xf.per_reader` (comm-opt keeps them apart) and are
+        // shared only by readers of one phase (a tied embedding's lookup and LM head).
         let parameter = self.global.args.iter().any(|a| a.value == value && a.role == ArgRole::Param);
         let mut gathered = false;
         for d in 0..rank {
@@ -165,7 +169,7 @@ impl Partitioner<'_> {
             }
         }
         if gathered && parameter {
-            self.per_reader.push((value, target.clone()));
+            self.per_reader.push(((value, target.clone()), self.forward));
         }
         self.reshards.insert((value, target.clone()), v);
         Ok(v)
@@ -229,6 +233,26 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
     Ok(Some(result))
 }
 
+/// Which ops are in the forward pass: the ancestors of the function's first result (the
+/// loss of a training step); every op of a function without one.
+fn forward_ops(func: &Func) -> Vec<bool> {
+    let Some(&loss) = func.returns.first().filter(|_| func.result_names.first().is_some_and(|n| n == "loss")) else {
+        return vec![true; func.ops.len()];
+    };
+    let producer: HashMap<Value, usize> = func.ops.iter().enumerate().flat_map(|(i, op)| op.results.iter().map(move |r| (*r, i))).collect();
+    let mut forward = vec![false; func.ops.len()];
+    let mut stack = vec![loss];
+    while let Some(v) = stack.pop() {
+        if let Some(&i) = producer.get(&v)
+            && !forward[i]
+        {
+            forward[i] = true;
+            stack.extend(func.ops[i].operands.iter().copied());
+        }
+    }
+    forward
+}
+
 fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, String> {
     let mut p = Partitioner {
         global: func,
@@ -238,7 +262,9 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         local: HashMap::new(),
         reshards: HashMap::new(),
         per_reader: Vec::new(),
+        forward: true,
     };
+    let forward = forward_ops(func);
     for arg in &func.args {
         let global = func.tensor(arg.value).ok_or("non-tensor argument")?.clone();
         let sharding = sharding_of(func, arg.value);
@@ -247,9 +273,14 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         p.fb.set_layout(v, ArgLayout { global_shape: global.shape.clone(), sharding: sharding.clone() });
         p.local.insert(arg.value, (v, sharding));
     }
-    for op in &func.ops {
-        for key in std::mem::take(&mut p.per_reader) {
-            p.reshards.remove(&key);
+    for (index, op) in func.ops.iter().enumerate() {
+        p.forward = forward[index];
+        for (key, made_forward) in std::mem::take(&mut p.per_reader) {
+            if made_forward == p.forward {
+                p.per_reader.push((key, made_forward));
+            } else {
+                p.reshards.remove(&key);
+            }
         }
         let plan = plan_op(func, op).map_err(|e| format!("{}: {e}", op.loc))?;
         let mut operands = Vec::with_capacity(op.operands.len());
