@@ -41,6 +41,11 @@ pub fn inspect(args: &InspectArgs) -> Result<()> {
             bytes(m.temporary_bytes_without_reuse as u64),
             m.temporary_bytes_without_reuse as f64 / m.temporary_bytes.max(1) as f64
         );
+        println!(
+            "  live bound   {} of temporaries alive at once at most (the plan's peak is {:.2}x it)",
+            bytes(m.live_bound_bytes as u64),
+            m.temporary_bytes as f64 / m.live_bound_bytes.max(1) as f64
+        );
         println!("  peak         {}", bytes(program.peak_bytes() as u64));
         let mut counts = std::collections::BTreeMap::new();
         for i in &program.instrs {

@@ -310,7 +310,7 @@ fn inspect_shows_programs_and_memory() {
     let out = shardc(&["inspect", plan.to_str().unwrap(), "--instrs"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    for expected in ["program @train_step", "program @forward", "peak", "xf.adamw", "without", "layers.1.mlp.down"] {
+    for expected in ["program @train_step", "program @forward", "peak", "xf.adamw", "without", "layers.1.mlp.down", "live bound", "the plan's peak is 1.00x it"] {
         assert!(text.contains(expected), "missing {expected}:\n{text}");
     }
     let out = shardc(&["inspect", "Cargo.toml"]);

@@ -234,14 +234,15 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
 /// memory plan hands to the next value): the kernel's threads write element `i` while
 /// others still read element `i % len`.
 fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> HashMap<usize, Vec<usize>> {
+    use shardc_runtime::program::Alias;
     let len = |b: BufferId| program.buffers[b].len();
-    let slot = |b: BufferId| program.buffers[b].slot;
     let mut groups: HashMap<usize, Vec<usize>> = HashMap::new();
     let mut current: Vec<usize> = Vec::new();
     let mut n = 0;
     let mut written: HashSet<BufferId> = HashSet::new();
-    // Slots the run reads at a broadcast index.
-    let mut broadcast: HashSet<usize> = HashSet::new();
+    // Buffers the run reads element by element, and at a broadcast index.
+    let mut read: HashSet<BufferId> = HashSet::new();
+    let mut broadcast: HashSet<BufferId> = HashSet::new();
     let close = |current: &mut Vec<usize>, groups: &mut HashMap<usize, Vec<usize>>| {
         if let Some(&first) = current.first() {
             groups.insert(first, std::mem::take(current));
@@ -251,25 +252,34 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
         if !matches!(kernel, Some(DeviceKernel::Elementwise { .. })) {
             close(&mut current, &mut groups);
             written.clear();
+            read.clear();
             broadcast.clear();
             continue;
         }
         let instr = &program.instrs[i];
         let out_len = instr.outputs.first().map_or(0, |&b| len(b));
-        let fits = |written: &HashSet<BufferId>, broadcast: &HashSet<usize>, n: usize| {
+        // Every thread of the kernel runs the whole run for its element: a value one thread
+        // writes may share memory with what another reads only element for element (the same
+        // buffer, or one exactly on top of it), never shifted, and never what is read at a
+        // broadcast index.
+        let element_wise = |a: BufferId, b: BufferId| a == b || matches!(program.alias(a, b), Alias::None | Alias::Exact);
+        let apart = |a: BufferId, b: BufferId| program.alias(a, b) == Alias::None;
+        let fits = |written: &HashSet<BufferId>, read: &HashSet<BufferId>, broadcast: &HashSet<BufferId>, n: usize| {
             out_len == n
-                && instr.outputs.iter().all(|&b| len(b) == n && !broadcast.contains(&slot(b)))
-                && instr.inputs.iter().all(|&b| len(b) == n || (!written.contains(&b) && !written.iter().any(|&w| slot(w) == slot(b))))
+                && instr.outputs.iter().all(|&o| len(o) == n && read.iter().all(|&r| element_wise(o, r)) && broadcast.iter().all(|&r| apart(o, r)))
+                && instr.inputs.iter().all(|&x| if len(x) == n { written.iter().all(|&w| element_wise(x, w)) } else { written.iter().all(|&w| apart(x, w)) })
         };
-        if current.is_empty() || !fits(&written, &broadcast, n) {
+        if current.is_empty() || !fits(&written, &read, &broadcast, n) {
             close(&mut current, &mut groups);
             written.clear();
+            read.clear();
             broadcast.clear();
             n = out_len;
         }
         current.push(i);
         written.extend(instr.outputs.iter().copied());
-        broadcast.extend(instr.inputs.iter().filter(|&&b| len(b) != n).map(|&b| slot(b)));
+        read.extend(instr.inputs.iter().filter(|&&b| len(b) == n).copied());
+        broadcast.extend(instr.inputs.iter().filter(|&&b| len(b) != n).copied());
     }
     close(&mut current, &mut groups);
     groups

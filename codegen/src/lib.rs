@@ -2,9 +2,12 @@
 //!
 //! Every tensor value gets a buffer; every op an instruction, in program order. The memory
 //! plan comes from liveness: a temporary lives from the op that defines it to its last use
-//! (to the end if the function returns it), and temporaries whose lifetimes do not overlap
-//! share a storage slot (best fit, growing the largest free slot when none fits). Arguments
-//! keep their own slots for the whole run. Ops that declare in-place results (optimizer
+//! (to the end if the function returns it). On a device all temporaries live in one arena at
+//! offsets planned greedy by size (largest first, each at the lowest offset free for its
+//! lifetime), which reaches the live-set lower bound on the shipped models; the CPU backend
+//! keeps typed storage slots, shared by temporaries whose lifetimes do not overlap (best fit,
+//! growing the largest free slot when none fits). Arguments keep their own slots for the
+//! whole run. Ops that declare in-place results (optimizer
 //! updates) write into their operand's buffer when that operand is dead afterwards, so a
 //! training step updates parameters and optimizer state where they are.
 
@@ -212,7 +215,6 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
     // Buffers to release after each instruction.
     let mut release: Vec<Vec<usize>> = vec![Vec::new(); end + 1];
     let mut without_reuse = 0;
-    let temp_slots_start = slots.len();
     for (i, instr) in instrs.iter().enumerate() {
         for &b in &instr.outputs {
             if is_arg[b] || buffers[b].slot != usize::MAX {
@@ -243,9 +245,87 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
             free.push(buffers[b].slot);
         }
     }
-    // Sizes saturate (an absurd batch's plan is priced, not overflowed).
-    let temporary_bytes = slots[temp_slots_start..].iter().fold(0usize, |sum, (len, dt)| sum.saturating_add(len.saturating_mul(dt.bytes())));
-    MemoryPlan { slots, argument_bytes, temporary_bytes, temporary_bytes_without_reuse: without_reuse }
+    let live_bound_bytes = live_bound(buffers, &is_arg, instrs, &buffer_last, end);
+    let (offsets, arena_bytes) = plan_arena(buffers, &is_arg, instrs, &buffer_last, end);
+    // The plan's peak is the arena's: the CPU backend keeps typed slots (reused by size),
+    // a device allocates the arena.
+    MemoryPlan { slots, argument_bytes, temporary_bytes: arena_bytes, temporary_bytes_without_reuse: without_reuse, live_bound_bytes, arena_bytes, offsets }
+}
+
+/// Alignment of a temporary in the arena: 256 bytes for large ones (what cuBLAS likes), 16
+/// for the small ones (vector loads), so per-token scalars do not each take 256 bytes.
+fn arena_align(bytes: usize) -> usize {
+    if bytes >= 4096 { 256 } else { 16 }
+}
+
+/// Offsets of every temporary in one arena, greedy by size (TFLite's GreedyBySize, XLA's heap
+/// simulator's idea): the largest buffers are placed first, each at the lowest aligned offset
+/// where it overlaps no placed buffer whose lifetime meets its own (from the instruction that
+/// first writes it to its last reader, both included, so an instruction's operands and results
+/// never share memory unless they are one buffer). Returns the offsets by buffer and the
+/// arena's size.
+fn plan_arena(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> (Vec<Option<usize>>, usize) {
+    // (buffer, bytes, first, last)
+    let mut items: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut seen = vec![false; buffers.len()];
+    for (i, instr) in instrs.iter().enumerate() {
+        for &b in &instr.outputs {
+            if is_arg[b] || std::mem::replace(&mut seen[b], true) {
+                continue;
+            }
+            let bytes = buffers[b].len().saturating_mul(buffers[b].dtype.bytes());
+            let aligned = bytes.div_ceil(16).saturating_mul(16).max(16);
+            items.push((b, aligned, i, buffer_last[b].min(end).max(i)));
+        }
+    }
+    items.sort_by(|x, y| y.1.cmp(&x.1).then(x.2.cmp(&y.2)));
+    let mut offsets = vec![None; buffers.len()];
+    // Placed buffers by start instruction, for finding those alive at the same time.
+    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(items.len()); // (offset, bytes, first, last)
+    let mut arena = 0usize;
+    let mut busy: Vec<(usize, usize)> = Vec::new();
+    for &(b, bytes, first, last) in &items {
+        busy.clear();
+        busy.extend(placed.iter().filter(|p| p.2 <= last && first <= p.3).map(|p| (p.0, p.1)));
+        busy.sort_unstable();
+        let align = arena_align(bytes);
+        let up = |x: usize| x.div_ceil(align).saturating_mul(align);
+        let mut offset = 0usize;
+        for &(o, len) in &busy {
+            if offset.saturating_add(bytes) <= o {
+                break;
+            }
+            offset = offset.max(up(o.saturating_add(len)));
+        }
+        offsets[b] = Some(offset);
+        placed.push((offset, bytes, first, last));
+        arena = arena.max(offset.saturating_add(bytes));
+    }
+    (offsets, arena)
+}
+
+/// The lower bound of any plan of temporaries: the most bytes of temporaries alive at one
+/// instruction (each from the instruction that makes it to its last reader, as the plan
+/// keeps them).
+fn live_bound(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> usize {
+    let mut delta = vec![0i128; end + 2];
+    let mut seen = vec![false; buffers.len()];
+    for (i, instr) in instrs.iter().enumerate() {
+        for &b in &instr.outputs {
+            if is_arg[b] || std::mem::replace(&mut seen[b], true) {
+                continue;
+            }
+            let bytes = buffers[b].len().saturating_mul(buffers[b].dtype.bytes()) as i128;
+            delta[i] += bytes;
+            delta[buffer_last[b].min(end).max(i) + 1] -= bytes;
+        }
+    }
+    let (mut live, mut peak) = (0i128, 0i128);
+    for d in delta {
+        live += d;
+        peak = peak.max(live);
+    }
+    usize::try_from(peak).unwrap_or(usize::MAX)
 }
 
 /// Lowers the pipeline stages of `module` (`@stage0 ..`, from the `split-stages` pass) to one

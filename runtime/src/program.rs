@@ -228,6 +228,17 @@ pub struct MemoryPlan {
     pub temporary_bytes: usize,
     /// What temporaries would take without reuse.
     pub temporary_bytes_without_reuse: usize,
+    /// The lower bound of any plan: the most bytes of temporaries alive at one instruction.
+    #[serde(default)]
+    pub live_bound_bytes: usize,
+    /// Bytes of the one arena all temporaries live in on a device (offset-based plan).
+    #[serde(default)]
+    pub arena_bytes: usize,
+    /// Per buffer: its byte offset in the arena (temporaries), or `None` (arguments). Two
+    /// buffers overlap in the arena only if no instruction sees both alive. Empty in plans
+    /// without an arena.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub offsets: Vec<Option<usize>>,
 }
 
 /// A program for one rank.
@@ -447,7 +458,42 @@ pub struct PipelinePlan {
     pub items: Vec<crate::schedule::Item>,
 }
 
+/// How two buffers share device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Alias {
+    /// Disjoint.
+    None,
+    /// The same start and element type: element `i` of one is element `i` of the other.
+    Exact,
+    /// Overlapping otherwise.
+    Partial,
+}
+
 impl Program {
+    /// The device memory of buffer `b`: (arena offset, bytes) for a temporary of an arena
+    /// plan, else `None` (it has its own slot).
+    pub fn arena_range(&self, b: BufferId) -> Option<(usize, usize)> {
+        let offset = (*self.memory.offsets.get(b)?)?;
+        let buffer = &self.buffers[b];
+        Some((offset, buffer.len().saturating_mul(buffer.dtype.bytes())))
+    }
+
+    /// How buffers `a` and `b` share storage on a device: by arena range where the plan has
+    /// one, else by slot.
+    pub fn alias(&self, a: BufferId, b: BufferId) -> Alias {
+        let (ba, bb) = (&self.buffers[a], &self.buffers[b]);
+        let exact_or = |overlap: bool, same_start: bool| match (overlap, same_start && ba.dtype == bb.dtype) {
+            (false, _) => Alias::None,
+            (true, true) => Alias::Exact,
+            (true, false) => Alias::Partial,
+        };
+        match (self.arena_range(a), self.arena_range(b)) {
+            (Some((oa, la)), Some((ob, lb))) => exact_or(oa < ob + lb && ob < oa + la && la > 0 && lb > 0, oa == ob),
+            (None, None) => exact_or(ba.slot == bb.slot, true),
+            _ => Alias::None,
+        }
+    }
+
     /// The invariant that makes starting a collective early sound: an early sync is a sum
     /// all-reduce of the chunk's step section whose input is a summed gradient
     /// (`sum_backward` / `sum_weight`), and no instruction of the step section before it
@@ -531,6 +577,18 @@ impl Program {
         }
         if !self.args.iter().chain(&self.results).all(|b| in_range(&b.buffer)) {
             return bad("an argument or result names a buffer out of range".into());
+        }
+        if !self.memory.offsets.is_empty() {
+            if self.memory.offsets.len() != self.buffers.len() {
+                return bad(format!("the arena plan has {} offsets for {} buffers", self.memory.offsets.len(), self.buffers.len()));
+            }
+            for (i, b) in self.buffers.iter().enumerate() {
+                if let Some(offset) = self.memory.offsets[i]
+                    && offset.checked_add(b.len().saturating_mul(b.dtype.bytes())).is_none_or(|end| end > self.memory.arena_bytes)
+                {
+                    return bad(format!("buffer {i} ({}) lies outside the arena of {} bytes", b.name, self.memory.arena_bytes));
+                }
+            }
         }
         for b in &self.args {
             let global = b.layout.as_ref().map_or(&self.buffers[b.buffer].shape, |l| &l.global_shape);

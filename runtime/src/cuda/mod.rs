@@ -70,7 +70,11 @@ pub fn compile_ptx(source: &str) -> Result<String, RuntimeError> {
 /// One rank's memory on the device: (pointer, bytes) of each slot and of its scratch.
 struct RankMemory {
     rank: usize,
+    /// Argument slots (and, in a plan without an arena, every slot); (pointer, bytes), a null
+    /// pointer for a slot the arena replaces.
     slots: Vec<(u64, usize)>,
+    /// The arena every temporary lives in, at its planned offset.
+    arena: (u64, usize),
     workspace: (u64, usize),
 }
 
@@ -105,7 +109,7 @@ pub struct CudaExecutor {
 
 impl Drop for CudaExecutor {
     fn drop(&mut self) {
-        let mut pointers: Vec<u64> = self.ranks.iter().flat_map(|r| r.slots.iter().map(|s| s.0).chain([r.workspace.0])).collect();
+        let mut pointers: Vec<u64> = self.ranks.iter().flat_map(|r| r.slots.iter().map(|s| s.0).chain([r.arena.0, r.workspace.0])).filter(|&p| p != 0).collect();
         pointers.extend(self.staging.map(|s| s.0));
         for ptr in pointers {
             self.device.free(ptr);
@@ -156,15 +160,25 @@ impl CudaExecutor {
                 (Box::new(device::Gpu::new(b.local_rank, &plan.source, &kernels)?), vec![b.rank], Some(b.clone()))
             }
         };
+        // With an arena plan, temporaries live in one arena of the plan's size; arguments keep
+        // their slots.
+        let arena_plan = !program.memory.offsets.is_empty();
+        let argument_slots: std::collections::HashSet<usize> = program.args.iter().map(|a| program.buffers[a.buffer].slot).collect();
         let mut ranks = Vec::new();
         for rank in local_ranks {
             let mut slots = Vec::new();
-            for &(len, dtype) in &program.memory.slots {
+            for (s, &(len, dtype)) in program.memory.slots.iter().enumerate() {
+                if arena_plan && !argument_slots.contains(&s) {
+                    slots.push((0, 0));
+                    continue;
+                }
                 let bytes = len.saturating_mul(dtype.bytes());
                 slots.push((device.alloc(bytes)?, bytes));
             }
+            let arena_bytes = if arena_plan { program.memory.arena_bytes } else { 0 };
+            let arena = (if arena_bytes > 0 { device.alloc(arena_bytes)? } else { 0 }, arena_bytes);
             let workspace = (device.alloc(plan.workspace_bytes)?, plan.workspace_bytes);
-            ranks.push(RankMemory { rank, slots, workspace });
+            ranks.push(RankMemory { rank, slots, arena, workspace });
         }
         let nccl = match bootstrap {
             Some(b) => Some(nccl::Comms::new(&b, &program, &mesh)?),
@@ -189,7 +203,10 @@ impl CudaExecutor {
     }
 
     fn buffer_ptr(&self, local: usize, buffer: usize) -> u64 {
-        self.ranks[local].slots[self.program.buffers[buffer].slot].0
+        match self.program.arena_range(buffer) {
+            Some((offset, _)) => self.ranks[local].arena.0 + offset as u64,
+            None => self.ranks[local].slots[self.program.buffers[buffer].slot].0,
+        }
     }
 
     fn binding(&self, name: &str) -> Result<usize, RuntimeError> {
@@ -457,7 +474,7 @@ impl CudaExecutor {
 
     /// Bytes of device memory this executor holds (all local ranks).
     pub fn device_bytes(&self) -> usize {
-        self.ranks.iter().map(|r| r.slots.iter().map(|s| s.1).sum::<usize>() + r.workspace.1).sum()
+        self.ranks.iter().map(|r| r.slots.iter().map(|s| s.1).sum::<usize>() + r.arena.1 + r.workspace.1).sum()
     }
 }
 
