@@ -162,5 +162,26 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
         returns.push(grad);
         names.push(format!("grad.{}", arg.name));
     }
-    Ok(fb.finish(&returns, &names))
+    let mut gradients = fb.finish(&returns, &names);
+    remove_dead_ops(&mut gradients);
+    Ok(gradients)
+}
+
+/// Drops the ops whose results nothing reads and the function does not return (a
+/// recomputed layer's last residual add, whose value the next layer's input already is).
+/// Every `xf` op is pure, so what feeds nothing can go.
+fn remove_dead_ops(func: &mut Func) {
+    let mut live: HashSet<Value> = func.returns.iter().copied().collect();
+    let mut keep = vec![false; func.ops.len()];
+    for (i, op) in func.ops.iter().enumerate().rev() {
+        if op.results.iter().any(|r| live.contains(r)) {
+            keep[i] = true;
+            live.extend(op.operands.iter().copied());
+        }
+    }
+    let mut index = 0;
+    func.ops.retain(|_| {
+        index += 1;
+        keep[index - 1]
+    });
 }

@@ -162,3 +162,26 @@ fn the_arena_plan_is_sound_and_near_the_live_set_bound() {
         }
     }
 }
+
+/// Full recomputation as Megatron does it: of each transformer layer the backward pass keeps
+/// only one forward tensor (the layer's output, which is the next layer's input) and
+/// recomputes the rest; and no op of the step feeds nothing (the recomputed copy of a layer's
+/// last residual add is removed).
+#[test]
+fn full_recomputation_keeps_one_tensor_per_layer_and_no_dead_ops() {
+    for name in ["tiny", "tiny-llama"] {
+        let p = train_step(name, Recompute::Full, 8);
+        let seed = p.instrs.iter().position(|i| i.loc == "loss.seed").unwrap();
+        let args: std::collections::HashSet<usize> = p.args.iter().map(|a| a.buffer).collect();
+        let made: std::collections::HashMap<usize, &str> = p.instrs[..seed].iter().flat_map(|i| i.outputs.iter().map(move |&o| (o, i.loc.as_str()))).filter(|(o, _)| !args.contains(o)).collect();
+        let kept: std::collections::BTreeSet<&str> = p.instrs[seed..].iter().flat_map(|i| i.inputs.iter()).filter_map(|b| made.get(b).copied()).collect();
+        let in_layers: Vec<&&str> = kept.iter().filter(|loc| loc.starts_with("layers.")).collect();
+        assert_eq!(in_layers.len(), 2, "{name}: kept {kept:?}");
+        assert!(in_layers.iter().all(|loc| loc.ends_with(".mlp.residual")), "{name}: kept {kept:?}");
+        let results: std::collections::HashSet<usize> = p.results.iter().map(|r| r.buffer).collect();
+        for (i, instr) in p.instrs.iter().enumerate() {
+            let read_later = instr.outputs.iter().any(|o| results.contains(o) || p.instrs[i + 1..].iter().any(|later| later.inputs.contains(o)));
+            assert!(read_later, "{name}: instruction {i} (`{}` at {}) feeds nothing", instr.op, instr.loc);
+        }
+    }
+}
