@@ -146,7 +146,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     refuse_load_with_resume(args)?;
     let program = compile_train_step(&spec, &args.step)?;
-    let peak = program.peak_bytes();
+    let peak = program.cpu_storage_bytes();
     let mut checkpoints = Checkpoints::new(args, &spec)?;
     let (resumed, seed) = checkpoints.resume(args, std::slice::from_ref(&program))?;
     let mut trainer = Trainer::new(program.clone(), seed, spec.model.layers as usize).into_diagnostic()?;
@@ -159,7 +159,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
 
     println!(
-        "shardc: training {} on {} ({} bytes), {} steps of {} tokens, seed {}, peak memory {}",
+        "shardc: training {} on {} ({} bytes), {} steps of {} tokens, seed {}, CPU storage {}",
         spec.name,
         data_path.display(),
         corpus.len(),
@@ -240,7 +240,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     let step = StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() };
     let program = compile_train_step(&spec, &step)?;
     let compile_s = compile_start.elapsed().as_secs_f64();
-    let planned = program.peak_bytes();
+    let (planned, cpu_slots) = (program.peak_bytes(), program.cpu_storage_bytes());
     let mut trainer = Trainer::new(program, 0, spec.model.layers as usize).into_diagnostic()?;
     let corpus = synthetic_corpus(&spec)?;
     trainer.step(&corpus).into_diagnostic()?;
@@ -257,6 +257,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     println!("{:<22}{:>14}{:>16}{:>18}", "", "step time", "peak memory", "compile time");
     println!("{:<22}{:>12.3} s{:>16}{:>16.2} s", "shardc (CPU)", median, crate::summary::bytes(rss), compile_s);
     println!("{:<22}{:>14}{:>16}", "  planned by codegen", "", crate::summary::bytes(planned as u64));
+    println!("{:<22}{:>14}{:>16}", "  CPU storage slots", "", crate::summary::bytes(cpu_slots as u64));
     if let Some(python) = &args.torch {
         let torch = torch_step(python, &args.spec, &spec, args.steps)?;
         println!("{:<22}{:>12.3} s{:>16}", "PyTorch (CPU)", torch.0, crate::summary::bytes(torch.1));
@@ -402,12 +403,12 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
     println!(
-        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} steps, seed {}, peak memory per rank {}",
+        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} steps, seed {}, CPU storage per rank {}",
         spec.name,
         mesh.ranks(),
         args.steps,
         args.seed,
-        crate::summary::bytes(program.peak_bytes() as u64)
+        crate::summary::bytes(program.cpu_storage_bytes() as u64)
     );
     let algorithm = collective_algorithm(&args.collectives)?;
     let start = Instant::now();
@@ -478,9 +479,9 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let data_path = args.data.clone().unwrap_or_else(default_corpus);
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
-    let peak = programs.iter().map(Program::peak_bytes).max().unwrap_or(0);
+    let peak = programs.iter().map(Program::cpu_storage_bytes).max().unwrap_or(0);
     println!(
-        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} schedule, {} micro-batches of {} sequences per replica per step (global batch {}), {} steps, seed {}, peak planned memory per rank {}",
+        "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} schedule, {} micro-batches of {} sequences per replica per step (global batch {}), {} steps, seed {}, CPU storage per rank {}",
         spec.name,
         mesh.ranks(),
         schedule.kind.label(),

@@ -525,6 +525,12 @@ impl Program {
         Ok(())
     }
 
+    /// Bytes the CPU backend allocates for the program: every storage slot (it keeps typed
+    /// slots rather than the device's arena).
+    pub fn cpu_storage_bytes(&self) -> usize {
+        self.memory.slots.iter().fold(0usize, |sum, (len, dtype)| sum.saturating_add(len.saturating_mul(dtype.bytes())))
+    }
+
     /// Peak bytes of the program: arguments plus temporaries.
     pub fn peak_bytes(&self) -> usize {
         self.memory.argument_bytes.saturating_add(self.memory.temporary_bytes)
