@@ -7,7 +7,7 @@
 //! those measured costs: a stage's forward and backward per micro-batch, the schedule's own
 //! bubble (simulated with unit costs; the closed forms, which the schedule tests check, for
 //! schedules too long to simulate here), the data-parallel sync over its link (overlapping the
-//! last backward), the update, and the memory of the fullest stage in mixed precision. The
+//! last backward), the update, and the memory of the fullest stage in the compiled program's own types. The
 //! search is exhaustive over the space below; a strategy that does not fit memory is dropped.
 
 use std::collections::HashMap;
@@ -230,7 +230,8 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                                 let shard_s = |from: u8| if zero >= from { psi_s / d } else { psi_s };
                                 let flight = if kind == Kind::Gpipe || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
                                 let kept = bf * (lps * u.layer_kept * flight.max(1.0) + ends * u.other_kept / 2.0);
-                                [2.0 * shard_s(3), 2.0 * shard_s(2), 12.0 * shard_s(1), kept, bf * u.temporaries]
+                                // Bytes per parameter as the compiled program keeps them.
+                                [u.parameter_bytes * shard_s(3), u.gradient_bytes * shard_s(2), u.state_bytes * shard_s(1), kept, bf * u.temporaries]
                             })
                             .collect();
                         let memory = stage_memory.iter().map(|m| m.iter().sum::<f64>()).fold(0.0, f64::max);
@@ -239,9 +240,12 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         }
                         let busy = mbs as f64 * stage;
                         let pipeline = busy / (1.0 - bubble_fraction);
-                        let sync = if dp > 1 { cluster.time(Collective::AllReduce, 2.0 * psi, &grid, &[0]) * if zero >= 3 { 1.5 } else { 1.0 } } else { 0.0 };
+                        // Gradients are reduced in the type the program reduces them in.
+                        let sync = if dp > 1 { cluster.time(Collective::AllReduce, u.gradient_bytes * psi, &grid, &[0]) * if zero >= 3 { 1.5 } else { 1.0 } } else { 0.0 };
                         let exposed = (sync - bf * lps * u.layer_backward).max(0.0);
-                        let update = 16.0 * shard(1) / cluster.gpu.memory_bandwidth;
+                        // The update reads the gradient and the state, writes the state and the
+                        // parameter.
+                        let update = (u.gradient_bytes + 2.0 * u.state_bytes + u.parameter_bytes) * shard(1) / cluster.gpu.memory_bandwidth;
                         let step = pipeline + exposed + update;
                         plans.push(Plan {
                             tp,

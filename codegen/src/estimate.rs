@@ -400,15 +400,22 @@ pub struct UnitCosts {
     pub embed: (f64, f64),
     /// Seconds of the head's (final norm, LM head, loss) forward and backward.
     pub head: (f64, f64),
-    /// Bytes (16-bit) one layer keeps for its backward pass.
+    /// Bytes one layer keeps for its backward pass (in the program's types).
     pub layer_kept: f64,
     /// Bytes the embedding and head keep.
     pub other_kept: f64,
+    /// Bytes per parameter of the weights, as the program stores them (2 in mixed precision).
+    pub parameter_bytes: f64,
+    /// Bytes per parameter of its gradient as reduced and accumulated (4 in mixed precision).
+    pub gradient_bytes: f64,
+    /// Bytes per parameter of optimizer state: moments and master copy (12 in mixed
+    /// precision with AdamW).
+    pub state_bytes: f64,
     /// Parameters of one layer on one tensor-parallel rank.
     pub layer_params: f64,
     /// Parameters of the embedding and head on one tensor-parallel rank.
     pub other_params: f64,
-    /// Peak temporary bytes (16-bit) besides kept values.
+    /// Peak temporary bytes besides kept values.
     pub temporaries: f64,
 }
 
@@ -447,7 +454,7 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     }
     let kept: std::collections::BTreeSet<usize> = program.instrs[seed..].iter().flat_map(|i| i.inputs.iter().copied()).filter(|b| made_at.contains_key(b)).collect();
     for b in kept {
-        let bytes = 2.0 * program.buffers[b].len() as f64;
+        let bytes = (program.buffers[b].len() * program.buffers[b].dtype.bytes()) as f64;
         if made_at[&b].starts_with("layers.") {
             u.layer_kept += bytes;
         } else {
@@ -462,7 +469,12 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
             u.other_params += n;
         }
     }
-    let bytes_per_element = program.buffers.first().map_or(4, |b| b.dtype.bytes()) as f64;
-    u.temporaries = (program.memory.temporary_bytes as f64 * 2.0 / bytes_per_element - u.layer_kept - u.other_kept).max(0.0);
+    // Bytes per parameter, read from the program's own types (one device: no sharding).
+    let shards = parameter_bytes(program);
+    let elements: f64 = shards.iter().map(|s| s.psi).sum::<f64>().max(1.0);
+    u.parameter_bytes = shards.iter().map(|s| s.param_bytes).sum::<f64>() / elements;
+    u.gradient_bytes = shards.iter().map(|s| s.psi * s.gradient_element_bytes).sum::<f64>() / elements;
+    u.state_bytes = shards.iter().map(|s| s.state_bytes).sum::<f64>() / elements;
+    u.temporaries = (program.memory.temporary_bytes as f64 - u.layer_kept - u.other_kept).max(0.0);
     u
 }

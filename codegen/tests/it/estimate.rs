@@ -76,3 +76,22 @@ fn llama_activations_follow_the_same_accounting() {
     let per_layer = s * h * (8.0 + 8.0 / t) + 6.0 * s * f / t;
     close("llama-7b activations", m.activations, per_layer * layers);
 }
+
+/// The planner's unit costs read bytes per parameter from the compiled program's types: in
+/// mixed precision 2 for the bf16 weights, 4 for the fp32 gradients, 12 for the fp32 master
+/// copy and two moments; an f32 program keeps 4, 4 and 8 (two moments, no master).
+#[test]
+fn unit_costs_read_bytes_per_parameter_from_the_program() {
+    let cluster = shardc_ir::cluster::Cluster::default();
+    for (dtype, want) in [("bf16", (2.0, 4.0, 12.0)), ("f32", (4.0, 4.0, 8.0))] {
+        let mut spec = spec_with_dtype("tiny", dtype);
+        spec.training.micro_batch = 1;
+        let mut module = model(&spec);
+        let cx = shardc_ir::mlir::IrContext::new().unwrap();
+        compile_pipeline(&CompileOptions { comm_opt: false, ..Default::default() }).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        let program = shardc_codegen::lower_func(module.func("train_step").unwrap()).unwrap();
+        let u = shardc_codegen::estimate::unit_costs(&program, &cluster);
+        assert_eq!((u.parameter_bytes, u.gradient_bytes, u.state_bytes), want, "{dtype}");
+        assert!(u.layer_kept > 0.0 && u.temporaries >= 0.0);
+    }
+}
