@@ -28,8 +28,7 @@ pub fn load_weights(dir: &Path, spec: &Spec) -> Result<Tensors> {
 /// Writes `config.json` and `model.safetensors` for the parameters of `state`.
 pub fn save(dir: &Path, spec: &Spec, state: &shardc_runtime::train::TrainState) -> Result<()> {
     let config = to_hf_config(spec).map_err(|e| miette!(help = "--save-hf writes GPT-2 and Llama models", "{e}"))?;
-    // In mixed precision the fp32 master copy is the parameter's full value.
-    let params: Tensors = state.tensors.iter().filter(|(n, _)| !n.starts_with("opt.")).map(|(n, v)| (n.clone(), state.tensors.get(&format!("opt.master.{n}")).unwrap_or(v).clone())).collect();
+    let params: Tensors = state.tensors.keys().filter(|n| !n.starts_with("opt.")).filter_map(|n| Some((n.clone(), state.parameter(n)?.clone()))).collect();
     let tensors = rhf::export(family(spec)?, &params, spec.model.tied_embeddings).into_diagnostic()?;
     std::fs::create_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("creating {}", dir.display()))?;
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).into_diagnostic()?).into_diagnostic()?;

@@ -134,6 +134,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             crate::fit::refuse_if_too_big(&spec, &args.step, mesh, &estimate, &cluster.gpu.name, cluster.gpu.memory_bytes)?;
         }
     }
+    refuse_load_with_resume(args)?;
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
         return run_cuda(args, &spec, mesh);
@@ -144,7 +145,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if mesh.ranks() > 1 {
         return run_partitioned(args, &spec, mesh);
     }
-    refuse_load_with_resume(args)?;
     let program = compile_train_step(&spec, &args.step)?;
     let peak = program.cpu_storage_bytes();
     let mut checkpoints = Checkpoints::new(args, &spec)?;
@@ -199,14 +199,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
         println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
         println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.len() as f64, (losses.len() * trainer.tokens_per_step()) as f64 / elapsed);
     }
+    let state = trainer.state().into_diagnostic()?;
     if let Some(dir) = &args.save_hf {
-        crate::hf::save(dir, &spec, &trainer.state().into_diagnostic()?)?;
+        crate::hf::save(dir, &spec, &state)?;
     }
-    if let Some(path) = &args.save {
-        let bytes = shardc_runtime::checkpoint::to_bytes(&trainer.parameters().into_diagnostic()?).into_diagnostic()?;
-        std::fs::write(path, bytes).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
-        println!("  saved       {}", path.display());
-    }
+    save_parameters(args, Some(&state), std::slice::from_ref(&program))?;
     Ok(())
 }
 
@@ -397,7 +394,6 @@ impl Checkpoints {
 }
 
 fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
-    refuse_load_with_resume(args)?;
     let program = compile_train_step_on(spec, &args.step, mesh)?;
     let data_path = args.data.clone().unwrap_or_else(default_corpus);
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
@@ -450,9 +446,7 @@ fn save_parameters(args: &RunArgs, state: Option<&shardc_runtime::train::TrainSt
     let tensors: shardc_runtime::checkpoint::NamedTensors = names
         .into_iter()
         .map(|name| {
-            // In mixed precision the fp32 master copy is the parameter's full value.
-            let master = format!("opt.master.{name}");
-            let (shape, values) = state.tensors.get(&master).or_else(|| state.tensors.get(name)).ok_or_else(|| miette!("the run's state has no parameter `{name}`"))?;
+            let (shape, values) = state.parameter(name).ok_or_else(|| miette!("the run's state has no parameter `{name}`"))?;
             Ok((name.to_string(), shape.clone(), values.iter().map(|&v| v as f32).collect()))
         })
         .collect::<Result<_>>()?;
@@ -472,7 +466,6 @@ fn collective_algorithm(name: &str) -> Result<shardc_runtime::collectives::Algor
 
 /// `shardc run` with pipeline stages or several micro-batches per step.
 fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
-    refuse_load_with_resume(args)?;
     let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
     let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
     let algorithm = collective_algorithm(&args.collectives)?;

@@ -485,22 +485,9 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
     Ok(PipelinePlan { rank, ranks: pp, chunks: plans, kind: Kind::OneFOneB, microbatches: 1, items: Vec::new() })
 }
 
-/// The step-section all-reduces of a chunk that may start before the step section runs: sum
-/// all-reduces of a summed gradient whose storage no earlier instruction of the section
-/// writes (a tied embedding's two gradient parts are added in place there, for one).
+/// The step-section all-reduces of a chunk that may start before the step section runs, by
+/// the rule [`Program::early_sync_error`] states (a tied embedding's two gradient parts are
+/// added in place in the step section, so its sync must wait).
 fn early_syncs(program: &Program, chunk: &shardc_runtime::program::ChunkPlan) -> Vec<usize> {
-    use shardc_runtime::program::Section;
-    let step = chunk.range(Section::Step);
-    let mut written: std::collections::HashSet<usize> = std::collections::HashSet::new();
-    let mut early = Vec::new();
-    for index in step {
-        let instr = &program.instrs[index];
-        let sum = !matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum");
-        let summed = |b: &usize| chunk.sum_backward.contains(b) || chunk.sum_weight.contains(b);
-        if instr.op == "shard.all_reduce" && sum && !instr.bool("xf.async").unwrap_or(false) && instr.inputs.len() == 1 && summed(&instr.inputs[0]) && !written.contains(&program.buffers[instr.inputs[0]].slot) {
-            early.push(index);
-        }
-        written.extend(instr.outputs.iter().map(|&o| program.buffers[o].slot));
-    }
-    early
+    chunk.range(shardc_runtime::program::Section::Step).filter(|&index| program.early_sync_error(chunk, index).is_none()).collect()
 }

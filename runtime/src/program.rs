@@ -117,6 +117,11 @@ pub fn master_of(name: &str) -> Option<&str> {
     name.strip_prefix("opt.master.")
 }
 
+/// The name of parameter `param`'s master copy.
+pub fn master_name(param: &str) -> String {
+    format!("opt.master.{param}")
+}
+
 impl Binding {
     /// The shape of the tensor outside the program: its unpadded shape, or `global`.
     pub fn logical_shape(&self, global: &[usize]) -> Vec<usize> {
@@ -500,29 +505,29 @@ impl Program {
     /// writes the input's storage. Otherwise the early collective would send a value that
     /// the step section has not finished (an in-place accumulation, say).
     pub fn check_early_syncs(&self, chunk: &ChunkPlan) -> Result<(), String> {
+        chunk.early_syncs.iter().try_for_each(|&index| self.early_sync_error(chunk, index).map_or(Ok(()), Err))
+    }
+
+    /// Why instruction `index` of `chunk` may not start early (see
+    /// [`Program::check_early_syncs`]), or `None` when it may. Codegen chooses the early
+    /// syncs with it, so the rule has one statement.
+    pub fn early_sync_error(&self, chunk: &ChunkPlan, index: usize) -> Option<String> {
         let step = chunk.range(Section::Step);
-        for &index in &chunk.early_syncs {
-            let Some(instr) = self.instrs.get(index).filter(|_| step.contains(&index)) else {
-                return Err(format!("early sync {index} is not an instruction of the step section {step:?}"));
-            };
-            let sum = !matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum");
-            if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || instr.inputs.len() != 1 {
-                return Err(format!("early sync {index} ({} at {}) is not a synchronous sum all-reduce", instr.op, instr.loc));
-            }
-            let input = instr.inputs[0];
-            if !chunk.sum_backward.contains(&input) && !chunk.sum_weight.contains(&input) {
-                return Err(format!("early sync {index} ({}) reads `{}`, which is not a gradient summed over micro-batches", instr.loc, self.buffers[input].name));
-            }
-            let slot = self.buffers[input].slot;
-            if let Some(writer) = (step.start..index).find(|&w| self.instrs[w].outputs.iter().any(|&o| self.buffers[o].slot == slot)) {
-                let w = &self.instrs[writer];
-                return Err(format!(
-                    "early sync {index} ({}) would send `{}` before instruction {writer} ({} at {}) of the same step section writes it",
-                    instr.loc, self.buffers[input].name, w.op, w.loc
-                ));
-            }
+        let Some(instr) = self.instrs.get(index).filter(|_| step.contains(&index)) else {
+            return Some(format!("early sync {index} is not an instruction of the step section {step:?}"));
+        };
+        let sum = !matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum");
+        if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || instr.inputs.len() != 1 {
+            return Some(format!("early sync {index} ({} at {}) is not a synchronous sum all-reduce", instr.op, instr.loc));
         }
-        Ok(())
+        let input = instr.inputs[0];
+        if !chunk.sum_backward.contains(&input) && !chunk.sum_weight.contains(&input) {
+            return Some(format!("early sync {index} ({}) reads `{}`, which is not a gradient summed over micro-batches", instr.loc, self.buffers[input].name));
+        }
+        let slot = self.buffers[input].slot;
+        let writer = (step.start..index).find(|&w| self.instrs[w].outputs.iter().any(|&o| self.buffers[o].slot == slot))?;
+        let w = &self.instrs[writer];
+        Some(format!("early sync {index} ({}) would send `{}` before instruction {writer} ({} at {}) of the same step section writes it", instr.loc, self.buffers[input].name, w.op, w.loc))
     }
 
     /// Bytes the CPU backend allocates for the program: every storage slot (it keeps typed

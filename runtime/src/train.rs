@@ -149,13 +149,19 @@ impl TrainState {
         // A run in mixed precision resumed from one without: the master starts as the
         // parameter. A parameter whose fp32 master the state holds (a mixed-precision run's)
         // takes the master: the full value, of which the bf16 parameter is the rounding.
-        let master = format!("opt.master.{}", binding.name);
+        let master = crate::program::master_name(&binding.name);
         let name = match crate::program::master_of(&binding.name) {
             Some(param) if !self.tensors.contains_key(&binding.name) => param,
             None if binding.role == Some(Role::Param) && self.tensors.contains_key(&master) => &master,
             _ => &binding.name,
         };
         Ok(binding.to_program(&self.global(name, &logical)?, shape))
+    }
+
+    /// The value of parameter `name`: its fp32 master copy where the run keeps one (mixed
+    /// precision: the bf16 parameter is that copy rounded), else the parameter.
+    pub fn parameter(&self, name: &str) -> Option<&(Vec<usize>, Vec<f64>)> {
+        self.tensors.get(&crate::program::master_name(name)).or_else(|| self.tensors.get(name))
     }
 
     /// A fresh run from given parameters (global, by name): step 0, optimizer state zero.
