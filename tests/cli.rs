@@ -140,6 +140,22 @@ fn dump_dir_holds_ir_before_and_after_every_pass() {
     for file in files {
         assert_mlir_opt_accepts(&std::fs::read_to_string(dir.join(file)).unwrap());
     }
+    // Mixed precision, a padded vocabulary and ZeRO on dp x tp: casts, master copies and
+    // unpadded shapes parse too, after every pass and with every stage.
+    for extra in [&["--mesh", "dp=2,tp=4", "--zero", "1", "--microbatches", "1"][..], &["--mesh", "dp=2,pp=2", "--zero", "1"]] {
+        let dir = tempdir("dump-mixed");
+        let out = shardc(&[&["compile", "models/tiny.toml", "--dtype", "bf16", "--dump-dir", dir.to_str().unwrap()][..], extra].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        let mut seen = String::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            assert_mlir_opt_accepts(&text);
+            seen.push_str(&text);
+        }
+        for part in ["\"xf.cast\"", "xf.master", "xf.unpadded_shape", "shard.reduce_scatter"] {
+            assert!(seen.contains(part) || (part == "xf.unpadded_shape" && !extra.contains(&"dp=2,tp=4")), "{extra:?}: no `{part}` in the dumps");
+        }
+    }
 }
 
 #[test]
