@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use shardc_ir::cluster::{Cluster, Collective};
-use shardc_ir::ops::lookup;
+use shardc_ir::ops::{lookup, KernelClass};
 use shardc_ir::{AttrValue, Attrs, TensorTy};
 use shardc_runtime::program::{Attr, Instr, Program, Section};
 use shardc_runtime::pipeline::schedule_of;
@@ -39,8 +39,16 @@ pub struct Estimate {
     pub model_flops: f64,
     /// Model FLOPs per second over the peak of every GPU used.
     pub mfu: f64,
-    /// What bounds the step: `compute`, `communication` or `pipeline bubble`.
+    /// What bounds the step: `compute`, `communication`, `pipeline bubble` or, on a shared
+    /// host, `shared cores`.
     pub bound: String,
+    /// Seconds of the busiest rank's step by kernel class (`gemm`, `attention`,
+    /// `memory-bound`, `optimizer`) and by collective and axes (`all_reduce tp`; exposed or
+    /// not), per step.
+    pub breakdown: BTreeMap<String, f64>,
+    /// On a shared host: seconds of every rank's compute on its cores, when that bounds the
+    /// step (0 otherwise).
+    pub shared_compute: f64,
 }
 
 /// The model being trained, for model FLOPs.
@@ -86,8 +94,16 @@ fn attrs(instr: &Instr) -> Attrs {
 
 /// What one instruction costs: compute seconds, or communication seconds over named axes.
 enum Priced {
-    Compute(f64),
+    Compute(&'static str, f64),
     Communication(String, f64),
+}
+
+impl Priced {
+    fn seconds(&self) -> f64 {
+        match self {
+            Priced::Compute(_, t) | Priced::Communication(_, t) => *t,
+        }
+    }
 }
 
 fn axis_names(axes: &[usize]) -> String {
@@ -102,6 +118,7 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
     let bytes = |t: &Option<TensorTy>| t.as_ref().map_or(0.0, |t| t.bytes() as f64);
     let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
     let collective = |kind: Collective, b: f64| Priced::Communication(axis_names(&axes), cluster.time(kind, b, &grid, &axes));
+    let copy = |b: f64| cluster.gpu.kernel_launch + b / (cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency);
     match instr.op.as_str() {
         "shard.all_reduce" => collective(Collective::AllReduce, bytes(&input)),
         "shard.all_gather" => collective(Collective::AllGather, bytes(&output)),
@@ -109,15 +126,19 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
         "shard.broadcast" => collective(Collective::Broadcast, bytes(&input)),
         "shard.send" => Priced::Communication("pp".into(), cluster.time(Collective::Send, bytes(&input), &grid, &[2])),
         "shard.recv" => Priced::Communication("pp".into(), 0.0),
-        "shard.all_slice" | "tensor.empty" => Priced::Compute(bytes(&output) / cluster.gpu.memory_bandwidth),
+        "shard.all_slice" | "tensor.empty" => Priced::Compute("memory-bound", copy(bytes(&output))),
         name => {
-            let Some(def) = lookup(name) else { return Priced::Compute(0.0) };
+            let Some(def) = lookup(name) else { return Priced::Compute("memory-bound", 0.0) };
             let inputs: Vec<TensorTy> = instr.inputs.iter().map(|&b| ty(program, b)).collect();
             let outputs: Vec<TensorTy> = instr.outputs.iter().map(|&b| ty(program, b)).collect();
             let refs: Vec<&TensorTy> = inputs.iter().collect();
-            let cost = def.cost(&refs, &outputs, &attrs(instr));
-            let fp32 = inputs.first().is_some_and(|t| t.dtype != shardc_ir::DType::Bf16);
-            Priced::Compute(cluster.compute_time(cost.flops, cost.bytes, fp32))
+            let class = match def.kernel_class(&refs, &attrs(instr)) {
+                KernelClass::Gemm { .. } => "gemm",
+                KernelClass::Attention { .. } => "attention",
+                KernelClass::Memory if matches!(name, "xf.adamw" | "xf.sgd") => "optimizer",
+                KernelClass::Memory => "memory-bound",
+            };
+            Priced::Compute(class, cluster.op_time(def, &refs, &outputs, &attrs(instr)))
         }
     }
 }
@@ -129,6 +150,8 @@ struct Walk {
     clock: f64,
     compute: f64,
     exposed: BTreeMap<String, f64>,
+    /// Seconds by kernel class and by collective (whether exposed or overlapped).
+    breakdown: BTreeMap<String, f64>,
 }
 
 fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> Walk {
@@ -146,7 +169,9 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
             e.2 -= 1;
             if e.2 <= 0 {
                 let (b, axes, _) = staging.remove(&bucket).unwrap_or_default();
-                done.insert(bucket, (w.clock + cluster.time(Collective::AllReduce, b, &grid, &axes), axis_names(&axes)));
+                let t = cluster.time(Collective::AllReduce, b, &grid, &axes);
+                *w.breakdown.entry(format!("all_reduce {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
+                done.insert(bucket, (w.clock + t, axis_names(&axes)));
             }
             continue;
         }
@@ -160,11 +185,14 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
             continue;
         }
         match price(program, instr, cluster) {
-            Priced::Compute(t) => {
+            Priced::Compute(class, t) => {
                 w.compute += t;
                 w.clock += t;
+                *w.breakdown.entry(class.to_string()).or_insert(0.0) += t;
             }
             Priced::Communication(axes, t) => {
+                let kind = instr.op.strip_prefix("shard.").unwrap_or(&instr.op);
+                *w.breakdown.entry(format!("{kind} {axes}")).or_insert(0.0) += t;
                 *w.exposed.entry(axes).or_insert(0.0) += t;
                 w.clock += t;
             }
@@ -225,12 +253,37 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
             for (axes, t) in &w.exposed {
                 *out.exposed_communication.entry(axes.clone()).or_insert(0.0) += t * times;
             }
+            for (kind, t) in &w.breakdown {
+                *out.breakdown.entry(kind.clone()).or_insert(0.0) += t * times;
+            }
+        }
+        if cluster.shared_host {
+            // Every rank's compute shares the host's cores: the step takes at least all of it
+            // (each pipeline rank's program stands for gpus / pipeline ranks replicas).
+            let replicas = gpus / plans.len() as f64;
+            let all: f64 = (0..plans.len())
+                .map(|r| {
+                    let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Section::Forward, Section::Backward, Section::Weight].iter().map(|&s| walks[&(r, c, s as usize)].compute).sum::<f64>()).sum();
+                    per_item * m + (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Section::Step as usize)].compute).sum::<f64>()
+                })
+                .sum::<f64>()
+                * replicas;
+            if all > out.step_seconds {
+                out.shared_compute = all;
+                out.step_seconds = all;
+            }
         }
     } else if let Some(program) = programs.first() {
         let w = walk(program, 0..program.instrs.len(), cluster);
         out.step_seconds = w.clock;
         out.compute_seconds = w.compute;
+        if cluster.shared_host && gpus > 1.0 {
+            // The other ranks compute on the same cores at the same time.
+            out.shared_compute = w.compute * gpus;
+            out.step_seconds += w.compute * (gpus - 1.0);
+        }
         out.exposed_communication = w.exposed;
+        out.breakdown = w.breakdown;
     }
     out.exposed_communication.retain(|_, t| *t > 0.0);
     out.model_flops = model.tokens_per_step * (6.0 * model.parameters + 12.0 * model.layers * model.seq * model.hidden);
@@ -241,7 +294,9 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         out.mfu = out.model_flops / out.step_seconds / (peak * gpus);
     }
     let communication: f64 = out.exposed_communication.values().sum();
-    out.bound = if out.bubble_seconds > out.compute_seconds.max(communication) {
+    out.bound = if out.shared_compute > 0.0 {
+        "shared cores".into()
+    } else if out.bubble_seconds > out.compute_seconds.max(communication) {
         "pipeline bubble".into()
     } else if communication > out.compute_seconds {
         "communication".into()
@@ -427,9 +482,7 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
         if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || instr.bool("xf.async").unwrap_or(false) {
             continue;
         }
-        let t = match price(program, instr, cluster) {
-            Priced::Compute(t) | Priced::Communication(_, t) => t,
-        };
+        let t = price(program, instr, cluster).seconds();
         let backward = index >= seed;
         let slot = if instr.loc.starts_with("layers.") {
             if backward { &mut u.layer_backward } else { &mut u.layer_forward }

@@ -1014,9 +1014,7 @@ fn roofline(cluster: &Cluster, _func: &Func, name: &str, inputs: &[TensorTy], at
     let Some(def) = lookup(name) else { return 0.0 };
     let refs: Vec<&TensorTy> = inputs.iter().collect();
     let Ok(outputs) = def.infer(&refs, attrs) else { return 0.0 };
-    let cost = def.cost(&refs, &outputs, attrs);
-    let fp32 = inputs.first().is_some_and(|t| t.dtype != shardc_ir::DType::Bf16);
-    cluster.compute_time(cost.flops, cost.bytes, fp32)
+    cluster.op_time(def, &refs, &outputs, attrs)
 }
 
 type Match = (&'static str, Term, Term);

@@ -2,7 +2,7 @@
 //! backward op `xf.attention_grad`.
 
 use crate::kernel::{dims, Arg, DeviceKernel, KernelCx, Launch};
-use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
+use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
 use crate::sharding::{Linearity, ShardingRule};
@@ -61,6 +61,9 @@ impl OpDef for Attention {
         // published model-FLOP formulas do); softmax with scale and mask: 5 per score.
         let flops = 4.0 * b * h * s * s * d + 5.0 * b * h * s * s;
         Cost { flops, bytes: io_bytes(inputs, outputs) }
+    }
+    fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
+        attention_class(inputs, attrs, 2.0)
     }
     fn differentiable(&self) -> bool {
         true
@@ -159,8 +162,27 @@ impl OpDef for AttentionGrad {
         // Recomputed q k^T, then dp, dq, dk, dv: five S x S x d products.
         Cost { flops: 10.0 * b * h * s * s * d + 8.0 * b * h * s * s, bytes: io_bytes(inputs, outputs) }
     }
+    fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
+        attention_class(inputs, attrs, 5.0)
+    }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         ShardingRule::elementwise(4, 4, 3, Linearity::None).block(2).block(3)
+    }
+}
+
+/// The flash-attention work of `q` `[b, h, s, d]` against keys `[b, kv, t, d]`.
+fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64) -> KernelClass {
+    let (q, k) = (inputs[0], inputs[1]);
+    if q.rank() != 4 || k.rank() != 4 {
+        return KernelClass::Memory;
+    }
+    KernelClass::Attention {
+        batch_heads: (q.shape[0] * q.shape[1]) as f64,
+        queries: q.shape[2] as f64,
+        keys: k.shape[2] as f64,
+        head_dim: q.shape[3] as f64,
+        causal: attrs.bool("causal").unwrap_or(true),
+        products,
     }
 }
 

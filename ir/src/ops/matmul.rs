@@ -2,7 +2,7 @@
 //! weight gradient of a matrix shared across a batch.
 
 use crate::kernel::{dims, DeviceKernel, Gemm, KernelCx};
-use super::{arity, float, io_bytes, rank_at_least, same_dtype, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
+use super::{arity, float, io_bytes, rank_at_least, same_dtype, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
@@ -102,6 +102,13 @@ impl OpDef for MatMul {
             .unwrap_or(0.0);
         Cost { flops, bytes: io_bytes(inputs, outputs) }
     }
+    fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
+        let Ok(d) = MatMul::dims(inputs[0], inputs[1], attrs) else { return KernelClass::Memory };
+        let batch = d.batch.iter().map(|&b| b as f64).product::<f64>();
+        // A matrix shared by the batch is one GEMM over every batch row (as the kernels run it).
+        let (batch, m) = if inputs[1].rank() == 2 { (1.0, batch * d.m as f64) } else { (batch, d.m as f64) };
+        KernelClass::Gemm { batch, m, n: d.n as f64, k: d.k as f64 }
+    }
     fn differentiable(&self) -> bool {
         true
     }
@@ -191,6 +198,12 @@ impl OpDef for MatMulWeightGrad {
         let rows = inputs[0].num_elements() as f64 / inputs[0].last_dim().unwrap_or(1).max(1) as f64;
         let (k, n) = (outputs[0].shape[0] as f64, outputs[0].shape[1] as f64);
         Cost { flops: 2.0 * rows * k * n, bytes: io_bytes(inputs, outputs) }
+    }
+    fn kernel_class(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> KernelClass {
+        // One GEMM contracting every row: [k, rows] x [rows, n].
+        let (a, b) = (inputs[0], inputs[1]);
+        let rows = a.num_elements() as f64 / a.last_dim().unwrap_or(1).max(1) as f64;
+        KernelClass::Gemm { batch: 1.0, m: a.last_dim().unwrap_or(1) as f64, n: b.last_dim().unwrap_or(1) as f64, k: rows }
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // The shared leading dims (batch and m) are reductions; k and n pass.

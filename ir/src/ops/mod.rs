@@ -139,6 +139,45 @@ pub struct Cost {
     pub bytes: f64,
 }
 
+/// How a kernel spends its time, for the cluster model ([`crate::cluster::Cluster::kernel_time`]):
+/// GEMMs and attention run in tiles on the processors' matrix units, everything else streams
+/// memory through vector units.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum KernelClass {
+    /// `batch` independent products of an `m x k` and a `k x n` matrix.
+    Gemm {
+        /// Independent products.
+        batch: f64,
+        /// Rows of the result.
+        m: f64,
+        /// Columns of the result.
+        n: f64,
+        /// The contracted dimension.
+        k: f64,
+    },
+    /// Fused attention (the flash-attention algorithm): blocks of query rows of each (batch,
+    /// head) stream over the keys they see; `products` score-sized matrix products per
+    /// visible (query, key) pair (2 forward: `q k^T`, `p v`; 5 backward).
+    Attention {
+        /// Batch times query heads.
+        batch_heads: f64,
+        /// Query rows.
+        queries: f64,
+        /// Keys.
+        keys: f64,
+        /// Head dimension.
+        head_dim: f64,
+        /// Whether each query sees only the keys before it (flash skips masked blocks).
+        causal: bool,
+        /// Matrix products per visible score.
+        products: f64,
+    },
+    /// Element-wise, normalisation, reduction and optimizer kernels: bound by memory traffic
+    /// or vector arithmetic.
+    #[default]
+    Memory,
+}
+
 impl std::ops::AddAssign for Cost {
     fn add_assign(&mut self, other: Cost) {
         self.flops += other.flops;
@@ -164,6 +203,12 @@ pub trait OpDef: Sync {
     /// their output (element-wise ops); ops with other shapes of work override [`OpDef::cost`].
     fn flops_per_element(&self) -> f64 {
         0.0
+    }
+
+    /// How one instance spends its time (GEMM, attention or memory-bound); the default is
+    /// memory-bound.
+    fn kernel_class(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> KernelClass {
+        KernelClass::Memory
     }
 
     /// Cost of one instance.

@@ -162,6 +162,8 @@ pub struct CpuExecutor {
     abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// Check every result for NaN/infinity ([`check_numerics`]).
     numerics: bool,
+    /// Seconds spent in each instruction so far, when profiling ([`CpuExecutor::profile`]).
+    profile: Option<Vec<f64>>,
 }
 
 /// Whether executors made from now on check every result for NaN and infinity
@@ -270,6 +272,7 @@ impl CpuExecutor {
             fault: None,
             abort: None,
             numerics: CHECK_NUMERICS.load(std::sync::atomic::Ordering::SeqCst),
+            profile: None,
         })
     }
 
@@ -298,6 +301,20 @@ impl CpuExecutor {
         match &mut self.comm {
             Some(c) => c.bytes_sent().map_err(|e| RuntimeError::Program(e.to_string())),
             None => Ok(Default::default()),
+        }
+    }
+
+    /// Starts timing every instruction (wall-clock seconds, waits included), or stops.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(|| vec![0.0; self.program.instrs.len()]);
+    }
+
+    /// Seconds spent in each instruction since profiling started (empty when not profiling),
+    /// and starts again from zero.
+    pub fn take_profile(&mut self) -> Vec<f64> {
+        match &mut self.profile {
+            Some(p) => std::mem::replace(p, vec![0.0; p.len()]),
+            None => Vec::new(),
         }
     }
 
@@ -490,12 +507,23 @@ impl CpuExecutor {
 
     /// Runs the instructions of `range` (one section of a pipeline stage) once.
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, fault, abort, numerics } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, fault, abort, numerics, profile } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
         let mut in_flight: std::collections::HashMap<i64, InFlight> = std::collections::HashMap::new();
+        // When profiling: the instruction running and since when.
+        let mut running: Option<(usize, std::time::Instant)> = None;
+        let mut clock = |index: Option<usize>, profile: &mut Option<Vec<f64>>| {
+            let Some(times) = profile.as_mut() else { return };
+            let now = std::time::Instant::now();
+            if let Some((i, began)) = running {
+                times[i] += (now - began).as_secs_f64();
+            }
+            running = index.map(|i| (i, now));
+        };
         for (index, instr) in program.instrs.iter().enumerate().skip(range.start).take(range.len()) {
+            clock(Some(index), profile);
             if let Some(f) = fault.filter(|f| f.instruction == index) {
                 let instr = &program.instrs[f.instruction];
                 let at = format!("instruction {} (`{}` at {})", f.instruction, instr.op, instr.loc);
@@ -601,6 +629,7 @@ impl CpuExecutor {
                 }
             }
         }
+        clock(None, profile);
         if let Some(bucket) = waiting.keys().chain(in_flight.keys()).next() {
             return Err(RuntimeError::Program(format!("gradient bucket {bucket} was never completed and waited for")));
         }
