@@ -6,6 +6,7 @@
 
 #![forbid(unsafe_code)]
 
+mod calibrate;
 mod fit;
 mod hf;
 mod inspect;
@@ -99,6 +100,12 @@ enum Command {
     ///
     /// Example: shardc bench models/gpt2-small.toml --seq 128 --micro-batch 1
     Bench(train::BenchArgs),
+    /// Measure this machine's cost-model parameters (GEMMs of the spec's shapes, memory
+    /// bandwidth, kernel dispatch, attention, the runtime's all-reduce) on the CPU backend and
+    /// write a cluster TOML for --cluster.
+    ///
+    /// Example: shardc calibrate models/gpt2-small.toml -o cpu.toml
+    Calibrate(calibrate::CalibrateArgs),
     /// List every collective the partitioner inserts, with its cause and byte cost.
     ///
     /// Example: shardc explain models/tiny.toml --mesh dp=2,tp=2
@@ -181,6 +188,7 @@ fn main() -> Result<()> {
         Command::Inspect(args) => inspect::inspect(&args),
         Command::Plan(args) => plan::plan(&args),
         Command::Bench(args) => train::bench(&args),
+        Command::Calibrate(args) => calibrate::calibrate(&args),
         Command::Dialect { check } => {
             let generated = irdl_source();
             match check {

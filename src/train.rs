@@ -219,6 +219,14 @@ pub struct BenchArgs {
     /// this Python interpreter.
     #[arg(long, value_name = "PYTHON")]
     pub torch: Option<PathBuf>,
+    /// Device mesh as axis=size pairs: its ranks run as threads on this host (a step is
+    /// timed as the difference between runs of 1 and 1 + --steps steps).
+    #[arg(long, default_value = "dp=1,tp=1,pp=1")]
+    pub mesh: String,
+    /// On one rank: the measured seconds of each kernel class and collective next to the
+    /// cluster model's (--cluster FILE, e.g. from `shardc calibrate`).
+    #[arg(long)]
+    pub profile: bool,
     #[command(flatten)]
     pub step: StepArgs,
 }
@@ -230,17 +238,77 @@ fn peak_rss() -> Option<u64> {
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
+/// The cluster model's estimate of one step of `programs` (the training step, or one
+/// program per pipeline rank).
+fn predicted_step(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh, programs: &[Program]) -> Result<shardc_codegen::estimate::Estimate> {
+    let cluster = step.cluster_model()?;
+    let module = shardc_ir::spec::lower(spec, spec.step_shape(&shardc_ir::mesh::Mesh::default())).into_diagnostic()?;
+    let parameters = module.func("forward").map_or(0, |f| f.parameter_count()) as f64;
+    let batch = step.batch(spec, mesh)?;
+    let shape = shardc_codegen::estimate::ModelShape {
+        parameters,
+        layers: spec.model.layers as f64,
+        hidden: spec.model.hidden as f64,
+        seq: spec.seq_len() as f64,
+        tokens_per_step: (batch.global_batch * spec.seq_len()) as f64,
+    };
+    Ok(shardc_codegen::estimate::estimate(programs, &cluster, shape))
+}
+
+/// `shardc bench --mesh` with several ranks: one thread per rank on this host.
+fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+    let step = StepArgs { global_batch: None, ..args.step.clone() };
+    let pipelined = mesh.pp > 1 || step.microbatches.unwrap_or(1) > 1;
+    let programs = if pipelined { compile_pipeline_programs(spec, &step, mesh)? } else { vec![compile_train_step_on(spec, &step, mesh)?] };
+    let corpus = synthetic_corpus(spec)?;
+    let timeout = std::time::Duration::from_secs(600);
+    let layers = spec.model.layers as usize;
+    let run = |steps: u64| -> Result<f64> {
+        let t = Instant::now();
+        if pipelined {
+            shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, steps, timeout, shardc_runtime::collectives::Algorithm::Ring).into_diagnostic()?;
+        } else {
+            shardc_runtime::train::train_spmd(&programs[0], 0, layers, &corpus, steps, timeout).into_diagnostic()?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    // Setting up the ranks and the first step are not a step: time them alone and subtract.
+    let steps = args.steps.max(1);
+    let once = run(1)?;
+    let many = run(1 + steps)?;
+    let measured = (many - once) / steps as f64;
+    println!("benchmark: {} training step on mesh {mesh} ({} rank threads on {} cores), seq {}, micro-batch {}, {} micro-batches, {} timed steps", spec.name, mesh.dp * mesh.tp * mesh.pp, shardc_runtime::cpu::worker_threads(), spec.seq_len(), spec.training.micro_batch, step.microbatches.unwrap_or(1), steps);
+    println!("{:<22}{:>14}", "", "step time");
+    println!("{:<22}{:>12.3} s", "shardc (CPU)", measured);
+    if args.step.hardware_given() {
+        let e = predicted_step(spec, &step, mesh, &programs)?;
+        println!("{:<22}{:>12.3} s   ({:+.1}% vs measured; {})", "  predicted", e.step_seconds, 100.0 * (e.step_seconds / measured - 1.0), e.bound);
+    }
+    Ok(())
+}
+
 pub fn bench(args: &BenchArgs) -> Result<()> {
     let spec = args.step.load_spec(Some(&args.spec))?;
+    let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
+    if mesh.dp * mesh.tp * mesh.pp > 1 {
+        if args.profile || args.torch.is_some() {
+            return Err(miette!(help = "profile and compare with PyTorch on one rank (--mesh dp=1,tp=1,pp=1)", "--profile and --torch time one rank only"));
+        }
+        return bench_mesh(args, &spec, mesh);
+    }
     let compile_start = Instant::now();
     // A benchmark times one micro-batch's training step, whatever the global batch.
     let step = StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() };
     let program = compile_train_step(&spec, &step)?;
     let compile_s = compile_start.elapsed().as_secs_f64();
     let (planned, cpu_slots) = (program.peak_bytes(), program.cpu_storage_bytes());
+    let predicted = if args.step.hardware_given() { Some(predicted_step(&spec, &step, mesh, std::slice::from_ref(&program))?) } else { None };
+    let cluster = step.cluster_model()?;
+    let classes: Vec<(String, f64)> = program.instrs.iter().map(|i| shardc_codegen::estimate::instruction_cost(&program, i, &cluster)).collect();
     let mut trainer = Trainer::new(program, 0, spec.model.layers as usize).into_diagnostic()?;
     let corpus = synthetic_corpus(&spec)?;
     trainer.step(&corpus).into_diagnostic()?;
+    trainer.executor_mut().set_profiling(args.profile);
     let mut times = Vec::new();
     for _ in 0..args.steps.max(1) {
         let t = Instant::now();
@@ -255,6 +323,33 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     println!("{:<22}{:>12.3} s{:>16}{:>16.2} s", "shardc (CPU)", median, crate::summary::bytes(rss), compile_s);
     println!("{:<22}{:>14}{:>16}", "  planned by codegen", "", crate::summary::bytes(planned as u64));
     println!("{:<22}{:>14}{:>16}", "  CPU storage slots", "", crate::summary::bytes(cpu_slots as u64));
+    if let Some(e) = &predicted {
+        println!("{:<22}{:>12.3} s   ({:+.1}% vs measured; {})", "  predicted", e.step_seconds, 100.0 * (e.step_seconds / median - 1.0), e.bound);
+    }
+    if args.profile {
+        // Per class: measured (mean over the timed steps) and predicted seconds.
+        let profile = trainer.executor_mut().take_profile();
+        let mut rows: std::collections::BTreeMap<&str, (f64, f64, usize)> = std::collections::BTreeMap::new();
+        for ((class, predicted), measured) in classes.iter().zip(&profile) {
+            let row = rows.entry(class.as_str()).or_default();
+            row.0 += measured / times.len() as f64;
+            row.1 += predicted;
+            row.2 += 1;
+        }
+        let mut by_op: std::collections::BTreeMap<&str, (f64, f64, usize)> = std::collections::BTreeMap::new();
+        for ((instr, (_, predicted)), measured) in trainer.executor().program().instrs.iter().zip(&classes).zip(&profile) {
+            let row = by_op.entry(instr.op.as_str()).or_default();
+            row.0 += measured / times.len() as f64;
+            row.1 += predicted;
+            row.2 += 1;
+        }
+        for (title, rows) in [("per step, by class", &rows), ("by op", &by_op)] {
+            println!("{:<26}{:>8}{:>14}{:>14}{:>10}", title, "kernels", "measured", "predicted", "ratio");
+            for (name, (measured, predicted, count)) in rows.iter() {
+                println!("  {:<24}{:>8}{:>11.2} ms{:>11.2} ms{:>10.2}", name, count, 1e3 * measured, 1e3 * predicted, predicted / measured.max(1e-12));
+            }
+        }
+    }
     if let Some(python) = &args.torch {
         let torch = torch_step(python, &args.spec, &spec, args.steps)?;
         println!("{:<22}{:>12.3} s{:>16}", "PyTorch (CPU)", torch.0, crate::summary::bytes(torch.1));

@@ -66,7 +66,8 @@ pub struct ModelShape {
     pub tokens_per_step: f64,
 }
 
-fn ty(program: &Program, buffer: usize) -> TensorTy {
+/// The IR type of a program buffer.
+pub fn buffer_type(program: &Program, buffer: usize) -> TensorTy {
     let b = &program.buffers[buffer];
     let dtype = match b.dtype {
         DType::F32 => shardc_ir::DType::F32,
@@ -77,7 +78,8 @@ fn ty(program: &Program, buffer: usize) -> TensorTy {
     TensorTy::new(b.shape.iter().map(|&d| d as i64).collect::<Vec<_>>(), dtype)
 }
 
-fn attrs(instr: &Instr) -> Attrs {
+/// An instruction's attributes as IR attributes (what the op registry reads).
+pub fn instr_attrs(instr: &Instr) -> Attrs {
     let mut out = Attrs::new();
     for (name, value) in &instr.attrs {
         let v = match value {
@@ -113,8 +115,8 @@ fn axis_names(axes: &[usize]) -> String {
 
 fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
-    let input = instr.inputs.first().map(|&b| ty(program, b));
-    let output = instr.outputs.first().map(|&b| ty(program, b));
+    let input = instr.inputs.first().map(|&b| buffer_type(program, b));
+    let output = instr.outputs.first().map(|&b| buffer_type(program, b));
     let bytes = |t: &Option<TensorTy>| t.as_ref().map_or(0.0, |t| t.bytes() as f64);
     let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
     let collective = |kind: Collective, b: f64| Priced::Communication(axis_names(&axes), cluster.time(kind, b, &grid, &axes));
@@ -129,17 +131,26 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
         "shard.all_slice" | "tensor.empty" => Priced::Compute("memory-bound", copy(bytes(&output))),
         name => {
             let Some(def) = lookup(name) else { return Priced::Compute("memory-bound", 0.0) };
-            let inputs: Vec<TensorTy> = instr.inputs.iter().map(|&b| ty(program, b)).collect();
-            let outputs: Vec<TensorTy> = instr.outputs.iter().map(|&b| ty(program, b)).collect();
+            let inputs: Vec<TensorTy> = instr.inputs.iter().map(|&b| buffer_type(program, b)).collect();
+            let outputs: Vec<TensorTy> = instr.outputs.iter().map(|&b| buffer_type(program, b)).collect();
             let refs: Vec<&TensorTy> = inputs.iter().collect();
-            let class = match def.kernel_class(&refs, &attrs(instr)) {
+            let class = match def.kernel_class(&refs, &instr_attrs(instr)) {
                 KernelClass::Gemm { .. } => "gemm",
                 KernelClass::Attention { .. } => "attention",
                 KernelClass::Memory if matches!(name, "xf.adamw" | "xf.sgd") => "optimizer",
                 KernelClass::Memory => "memory-bound",
             };
-            Priced::Compute(class, cluster.op_time(def, &refs, &outputs, &attrs(instr)))
+            Priced::Compute(class, cluster.op_time(def, &refs, &outputs, &instr_attrs(instr)))
         }
+    }
+}
+
+/// What one instruction costs on `cluster`: its class (`gemm`, `attention`,
+/// `memory-bound`, `optimizer`, or the collective and its axes) and seconds.
+pub fn instruction_cost(program: &Program, instr: &Instr, cluster: &Cluster) -> (String, f64) {
+    match price(program, instr, cluster) {
+        Priced::Compute(class, t) => (class.to_string(), t),
+        Priced::Communication(axes, t) => (format!("{} {axes}", instr.op.strip_prefix("shard.").unwrap_or(&instr.op)), t),
     }
 }
 
@@ -165,7 +176,7 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
             let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
             let members = instr.int("xf.bucket_members").unwrap_or(1);
             let e = staging.entry(bucket).or_insert((0.0, axes, members));
-            e.0 += ty(program, instr.inputs[0]).bytes() as f64;
+            e.0 += buffer_type(program, instr.inputs[0]).bytes() as f64;
             e.2 -= 1;
             if e.2 <= 0 {
                 let (b, axes, _) = staging.remove(&bucket).unwrap_or_default();

@@ -112,6 +112,11 @@ impl Trainer {
     pub fn executor(&self) -> &CpuExecutor {
         &self.exec
     }
+
+    /// The executor, to change how it runs (profiling).
+    pub fn executor_mut(&mut self) -> &mut CpuExecutor {
+        &mut self.exec
+    }
 }
 
 /// Writes f64 values into an f32 or f64 argument.

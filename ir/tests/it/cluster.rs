@@ -1,6 +1,7 @@
 //! The cluster model: collective times, link placement, TOML overrides.
 
 use shardc_ir::cluster::{Cluster, Collective, Link};
+use shardc_ir::ops::KernelClass;
 
 
 #[test]
@@ -41,4 +42,90 @@ fn toml_overrides_presets_and_names_bad_fields() {
     assert!(Cluster::from_toml("preset = \"tpu\"").unwrap_err().contains("unknown GPU `tpu`"));
     assert!(Cluster::from_toml("[intra_node]\nlatency = 1").unwrap_err().contains("intra_node.latency"));
     assert!(Cluster::from_toml("gpus_per_node = -1").unwrap_err().contains("positive"));
+}
+
+fn gemm(m: f64, n: f64, k: f64) -> KernelClass {
+    KernelClass::Gemm { batch: 1.0, m, n, k }
+}
+
+/// A cluster whose GEMM times are pure tile arithmetic: no launch, no memory bound.
+fn tiles_only() -> Cluster {
+    let mut c = Cluster::preset("h100-sxm").unwrap();
+    c.gpu.kernel_launch = 0.0;
+    c.gpu.memory_bandwidth = 1e30;
+    c
+}
+
+#[test]
+fn gemms_pay_for_whole_tiles_and_whole_waves() {
+    let c = tiles_only();
+    let g = &c.gpu;
+    let t = |m: f64, n: f64, k: f64| c.kernel_time(&gemm(m, n, k), 2.0 * m * n * k, 0.0, true);
+    // One wave of whole tiles: the main loop at the efficiency, plus the per-tile overhead.
+    let (rows, cols) = (g.gemm_tile[0] as f64, g.gemm_tile[1] as f64);
+    let full = g.sms as f64 * rows;
+    let expected = 2.0 * rows * cols * (4096.0 + g.gemm_k_overhead) / (g.bf16_flops * g.gemm_efficiency / g.sms as f64);
+    assert!((t(full, cols, 4096.0) / expected - 1.0).abs() < 1e-12);
+    // Tile quantization: one row more than whole tiles costs a whole extra tile row (here a
+    // second wave).
+    assert!((t(full + 1.0, cols, 4096.0) / t(full, cols, 4096.0) - 2.0).abs() < 1e-12);
+    assert_eq!(t(full - 5.0, cols, 4096.0), t(full, cols, 4096.0), "a partial tile costs a whole one");
+    // Wave quantization: sms + 1 tiles take two waves, the same as 2 sms tiles.
+    assert_eq!(t(full + rows, cols, 4096.0), t(2.0 * full, cols, 4096.0));
+    // Thin products (short K) run far below peak: the overhead is a fixed share per tile.
+    let efficiency = |k: f64| 2.0 * (4.0 * full) * (4.0 * cols) * k / t(4.0 * full, 4.0 * cols, k) / g.bf16_flops;
+    assert!(efficiency(128.0) < 0.55 * efficiency(16384.0), "K = 128 at {:.2} vs K = 16384 at {:.2}", efficiency(128.0), efficiency(16384.0));
+    assert!(efficiency(16384.0) <= g.gemm_efficiency);
+}
+
+#[test]
+fn few_tiles_split_the_contracted_dimension() {
+    let c = tiles_only();
+    // A weight gradient of a small matrix over many tokens: 4 tiles cannot fill 132 SMs,
+    // so K is split, and the time is far below the unsplit four-tile wave.
+    let (m, n, k) = (256.0, 256.0, 65536.0);
+    let split = c.kernel_time(&gemm(m, n, k), 2.0 * m * n * k, 0.0, true);
+    let g = &c.gpu;
+    let unsplit = 2.0 * 128.0 * 128.0 * (k + g.gemm_k_overhead) / (g.bf16_flops * g.gemm_efficiency / g.sms as f64);
+    assert!(split < unsplit / 20.0, "split {split} vs unsplit {unsplit}");
+}
+
+#[test]
+fn causal_flash_attention_does_about_half_the_work_and_memory_kernels_follow_the_roofline() {
+    let c = tiles_only();
+    let attention = |causal: bool| KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal, products: 2.0 };
+    let (full, causal) = (c.kernel_time(&attention(false), 0.0, 0.0, true), c.kernel_time(&attention(true), 0.0, 0.0, true));
+    let ratio = causal / full;
+    assert!((ratio - (4096.0 + 128.0) / 2.0 / 4096.0).abs() < 1e-12, "causal / full = {ratio}");
+    // The backward's five products cost 2.5 forwards.
+    let backward = KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal: true, products: 5.0 };
+    assert!((c.kernel_time(&backward, 0.0, 0.0, true) / causal - 2.5).abs() < 1e-12);
+    // Memory-bound: bytes at the achievable bandwidth, plus the launch.
+    let h = Cluster::preset("h100-sxm").unwrap();
+    let bytes = 1e9;
+    let t = h.kernel_time(&KernelClass::Memory, 1e6, bytes, true);
+    assert!((t - h.gpu.kernel_launch - bytes / (h.gpu.memory_bandwidth * h.gpu.memory_efficiency)).abs() < 1e-15);
+    // A tiny kernel costs its launch.
+    assert!((h.kernel_time(&KernelClass::Memory, 1.0, 4.0, true) / h.gpu.kernel_launch - 1.0).abs() < 1e-3);
+}
+
+#[test]
+fn cluster_toml_round_trips_and_refuses_the_old_efficiency() {
+    let mut c = Cluster::preset("a100-80g").unwrap();
+    c.gpu.name = "cpu".into();
+    c.gpu.sms = 2;
+    c.gpu.gemm_tile = [16, 32];
+    c.gpu.gemm_k_overhead = 0.0;
+    c.gpu.fp32_flops = 1.234567891e11;
+    c.shared_host = true;
+    c.placement = vec![0, 2, 1];
+    c.intra_node = Link { alpha: 3.3e-6, bandwidth: 5.5e9 };
+    let text = c.to_toml();
+    assert_eq!(Cluster::from_toml(&text).unwrap(), c, "{text}");
+    let old = Cluster::from_toml("compute_efficiency = 0.7").unwrap_err();
+    assert!(old.contains("gemm_efficiency"), "{old}");
+    assert!(Cluster::from_toml("[gpu]\ngemm_efficiency = 1.5").unwrap_err().contains("at most 1"));
+    assert!(Cluster::from_toml("[gpu]\ngemm_tile = [128]").unwrap_err().contains("gpu.gemm_tile"));
+    assert!(Cluster::from_toml("[gpu]\nsms = 0").unwrap_err().contains("gpu.sms"));
+    assert!(Cluster::from_toml("[gpu]\nwarp = 32").unwrap_err().contains("gpu.warp: unknown field"));
 }

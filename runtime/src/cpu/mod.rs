@@ -166,6 +166,11 @@ pub struct CpuExecutor {
     profile: Option<Vec<f64>>,
 }
 
+/// Threads the CPU kernels share (rayon's pool): every rank's kernels run on these.
+pub fn worker_threads() -> usize {
+    rayon::current_num_threads()
+}
+
 /// Whether executors made from now on check every result for NaN and infinity
 /// ([`check_numerics`]).
 static CHECK_NUMERICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

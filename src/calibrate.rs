@@ -1,0 +1,363 @@
+//! `shardc calibrate`: measures the cluster model's physical parameters on this machine's
+//! CPU backend and writes them as a cluster TOML that `--cluster` reads.
+//!
+//! Every figure is timed through the runtime the training step runs on: single-op programs
+//! built with the op registry, lowered by codegen and run by the CPU executor (so dispatch
+//! overhead, threading and bf16 widening are what a step pays), and the runtime's own ring
+//! all-reduce between rank threads. The GEMM shapes are the ones the spec's training step
+//! multiplies (at one micro-batch and at four). Parameters are then fitted to the model's
+//! formulas ([`Cluster::kernel_time`], [`Cluster::time`]): physics fitted to measurements,
+//! never a table of measured rows.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use miette::{miette, IntoDiagnostic, Result};
+use shardc_ir::cluster::{Cluster, Link};
+use shardc_ir::ops::{lookup, KernelClass};
+use shardc_ir::{ArgRole, Attrs, DType, FuncBuilder, TensorTy};
+use shardc_runtime::cpu::CpuExecutor;
+
+use crate::options::StepArgs;
+
+/// Arguments of `shardc calibrate`.
+#[derive(Args, Debug)]
+pub struct CalibrateArgs {
+    /// Model spec whose GEMM and attention shapes are timed (default: models/gpt2-small.toml
+    /// shapes are a good start for GPT-2-sized models).
+    pub spec: PathBuf,
+    /// Backend to measure: cpu. (On a GPU, scripts/gpu-check.sh measures the device.)
+    #[arg(long, default_value = "cpu")]
+    pub backend: String,
+    /// Write the cluster TOML here (default: print it).
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Timed repetitions of each kernel (the fastest is kept) and collective (the median).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Measure small shapes only, in about a second (for tests; less accurate).
+    #[arg(long)]
+    pub quick: bool,
+    #[command(flatten)]
+    pub step: StepArgs,
+}
+
+/// One timed kernel: its class, arithmetic and bytes as the registry counts them, and the
+/// measured seconds.
+#[derive(Clone, Debug)]
+struct Sample {
+    what: String,
+    class: KernelClass,
+    flops: f64,
+    bytes: f64,
+    bf16: bool,
+    seconds: f64,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Seconds of one run of `program` on the CPU executor: the fastest of `repeats` after a
+/// warm-up (the least disturbed by anything else running on the host).
+fn time_program(program: shardc_runtime::Program, repeats: usize) -> Result<f64> {
+    let mut exec = CpuExecutor::new(program).into_diagnostic()?;
+    exec.run().into_diagnostic()?;
+    let times: Vec<f64> = (0..repeats.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            exec.run().map(|()| t.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_, _>>()
+        .into_diagnostic()?;
+    Ok(times.into_iter().fold(f64::INFINITY, f64::min))
+}
+
+/// Times one instance of op `name` on inputs of `types` (zero-filled, as the executor
+/// allocates them).
+fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Result<Sample> {
+    let def = lookup(name).ok_or_else(|| miette!("no op `{name}` in the registry"))?;
+    let mut fb = FuncBuilder::new("calibrate");
+    let args: Vec<_> = types.iter().enumerate().map(|(i, t)| fb.arg(&format!("in{i}"), t.clone(), ArgRole::Input)).collect();
+    let results = fb.op_multi(name, &args, attrs.clone(), "calibrate").map_err(|e| miette!("{name}: {e}"))?;
+    let names: Vec<String> = (0..results.len()).map(|i| format!("out{i}")).collect();
+    let func = fb.finish(&results, &names);
+    let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
+    let seconds = time_program(program, repeats)?;
+    let refs: Vec<&TensorTy> = types.iter().collect();
+    let outputs = def.infer(&refs, &attrs).map_err(|e| miette!("{name}: {e}"))?;
+    let cost = def.cost(&refs, &outputs, &attrs);
+    let shape = types.iter().map(|t| format!("{:?}", t.shape)).collect::<Vec<_>>().join(" ");
+    Ok(Sample { what: format!("{name} {shape}"), class: def.kernel_class(&refs, &attrs), flops: cost.flops, bytes: cost.bytes, bf16: types[0].dtype == DType::Bf16, seconds })
+}
+
+/// Seconds per instruction of a program of `count` dependent tiny adds: what the executor
+/// pays per kernel besides its work.
+fn time_dispatch(count: usize, repeats: usize) -> Result<f64> {
+    let mut fb = FuncBuilder::new("calibrate");
+    let t = TensorTy::new([1, 8], DType::F32);
+    let mut x = fb.arg("x", t, ArgRole::Input);
+    for _ in 0..count {
+        x = fb.op("xf.add", &[x, x], Attrs::new(), "calibrate").map_err(|e| miette!("{e}"))?;
+    }
+    let func = fb.finish(&[x], &["out".to_string()]);
+    let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
+    Ok(time_program(program, repeats)? / count as f64)
+}
+
+/// Median seconds of the runtime's ring all-reduce of `elements` f32 over `ranks` threads.
+fn time_all_reduce(ranks: usize, elements: usize, repeats: usize) -> Result<f64> {
+    use shardc_runtime::collectives::{world, Algorithm, ReduceOp};
+    let comms = world(ranks, std::time::Duration::from_secs(60));
+    let group: Vec<usize> = (0..ranks).collect();
+    let times: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mut comm| {
+                let group = group.clone();
+                s.spawn(move || {
+                    let mut data = vec![1.0f32; elements];
+                    let mut times = Vec::new();
+                    for i in 0..repeats.max(1) + 1 {
+                        // Line the ranks up first, so each time is the collective alone.
+                        let mut token = [0.0f32];
+                        comm.all_reduce(&group, &mut token, ReduceOp::Sum, Algorithm::Ring).map_err(|e| e.to_string())?;
+                        let t = Instant::now();
+                        comm.all_reduce(&group, &mut data, ReduceOp::Sum, Algorithm::Ring).map_err(|e| e.to_string())?;
+                        if i > 0 {
+                            times.push(t.elapsed().as_secs_f64());
+                        }
+                    }
+                    Ok(times)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank thread panicked".into()))).collect()
+    });
+    let mut slowest = vec![0.0f64; repeats.max(1)];
+    for rank in times {
+        for (s, t) in slowest.iter_mut().zip(rank.map_err(|e| miette!("timing the all-reduce: {e}"))?) {
+            *s = s.max(t);
+        }
+    }
+    Ok(median(slowest))
+}
+
+/// Squared log errors of `cluster`'s kernel times against `samples`, each weighted by its
+/// share of the measured time (a step's time is mostly its long kernels).
+fn log_error(cluster: &Cluster, samples: &[&Sample]) -> f64 {
+    let total: f64 = samples.iter().map(|s| s.seconds).sum::<f64>().max(1e-30);
+    samples.iter().map(|s| s.seconds / total * (cluster.kernel_time(&s.class, s.flops, s.bytes, s.bf16) / s.seconds).ln().powi(2)).sum()
+}
+
+/// The distinct kernels (op, operand types, attributes) of the spec's single-device training
+/// step at `micro_batch` sequences.
+fn step_kernels(spec: &shardc_ir::spec::Spec, step: &StepArgs, micro_batch: u64) -> Result<Vec<(Vec<TensorTy>, Attrs, String)>> {
+    let mut spec = spec.clone();
+    spec.training.micro_batch = micro_batch;
+    spec.training.global_batch = None;
+    let step = StepArgs { microbatches: Some(1), global_batch: None, ..step.clone() };
+    let program = crate::train::compile_train_step(&spec, &step)?;
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for instr in program.instrs.iter().filter(|i| i.op.starts_with("xf.") && lookup(&i.op).is_some() && i.op != "xf.wait") {
+        let types: Vec<TensorTy> = instr.inputs.iter().map(|&b| shardc_codegen::estimate::buffer_type(&program, b)).collect();
+        let attrs = shardc_codegen::estimate::instr_attrs(instr);
+        let key = format!("{} {:?} {:?}", instr.op, types, attrs);
+        if seen.insert(key) {
+            out.push((types, attrs, instr.op.clone()));
+        }
+    }
+    Ok(out)
+}
+
+/// `shardc calibrate`.
+pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
+    if args.backend != "cpu" {
+        return Err(miette!(help = "calibrate the CPU backend here; on a GPU, scripts/gpu-check.sh run measures the device", "--backend {}: shardc calibrate measures the cpu backend", args.backend));
+    }
+    if args.repeats == 0 {
+        return Err(miette!(help = "use --repeats 1 or more", "--repeats must be at least 1"));
+    }
+    let spec = args.step.load_spec(Some(&args.spec))?;
+    let repeats = args.repeats;
+    let started = Instant::now();
+    let threads = shardc_runtime::cpu::worker_threads();
+    eprintln!("shardc calibrate: {} worker threads; timing {}'s kernels on the cpu backend", threads, spec.name);
+
+    // Dispatch: what every kernel pays besides its work.
+    let kernel_launch = time_dispatch(if args.quick { 50 } else { 400 }, repeats)?;
+
+    // A first figure for the memory bandwidth: an add streams two inputs and one output.
+    let side = if args.quick { 512 } else { 4096 };
+    let big = TensorTy::new([side, side], DType::F32);
+    let add = time_op("xf.add", &[big.clone(), big.clone()], Attrs::new(), repeats)?;
+    let streamed = add.bytes / (add.seconds - kernel_launch).max(1e-9);
+
+    // Every distinct kernel of the step, at one and (unless quick) four sequences per
+    // micro-batch.
+    let mut samples: Vec<Sample> = Vec::new();
+    let micro_batches: &[u64] = if args.quick { &[1] } else { &[1, 4] };
+    for &b in micro_batches {
+        for (types, attrs, op) in step_kernels(&spec, &args.step, b)? {
+            let sample = time_op(&op, &types, attrs, repeats)?;
+            if sample.seconds > 1e-3 {
+                eprintln!("  {:<78} {:>9.3} ms", sample.what, 1e3 * sample.seconds);
+            }
+            samples.push(sample);
+        }
+    }
+
+    let mut cluster = Cluster::preset("h100-sxm").ok_or_else(|| miette!("the h100-sxm preset exists"))?;
+    let g = &mut cluster.gpu;
+    g.name = "cpu".into();
+    g.memory_bytes = host_memory_bytes().unwrap_or(16e9);
+    g.memory_bandwidth = streamed;
+    g.memory_efficiency = 1.0;
+    g.kernel_launch = kernel_launch;
+    g.sms = threads;
+    g.gemm_efficiency = 1.0;
+
+    // GEMM fit: the tile and per-tile overhead that best explain the f32 products' times,
+    // with the peak that goes with them (the calibrated peak is what whole tiles reach, so
+    // the efficiency is 1).
+    let gemms: Vec<&Sample> = samples.iter().filter(|s| matches!(s.class, KernelClass::Gemm { .. }) && !s.bf16).collect();
+    if gemms.is_empty() {
+        return Err(miette!("the spec's training step has no f32 GEMMs to time; calibrate with an f32 spec (dtype = \"f32\")"));
+    }
+    let mut best: Option<(f64, [usize; 2], f64, f64)> = None;
+    for tile in [[8usize, 8usize], [16, 16], [32, 32], [64, 64], [128, 128]] {
+        for k_overhead in (0..=64).map(|i| 8.0 * i as f64) {
+            let mut trial = cluster.clone();
+            trial.gpu.gemm_tile = tile;
+            trial.gpu.gemm_k_overhead = k_overhead;
+            // The peak that makes the geometric mean of predicted / measured 1.
+            trial.gpu.fp32_flops = 1e12;
+            let total: f64 = gemms.iter().map(|s| s.seconds).sum();
+            let ratio: f64 = gemms.iter().map(|s| s.seconds / total * ((trial.kernel_time(&s.class, s.flops, s.bytes, false) - kernel_launch).max(1e-12) / (s.seconds - kernel_launch).max(1e-12)).ln()).sum::<f64>();
+            trial.gpu.fp32_flops = 1e12 * ratio.exp();
+            let error = log_error(&trial, &gemms);
+            if best.is_none_or(|b| error < b.0) {
+                best = Some((error, tile, k_overhead, trial.gpu.fp32_flops));
+            }
+        }
+    }
+    let (gemm_error, tile, k_overhead, peak) = best.ok_or_else(|| miette!("no GEMM fit"))?;
+    cluster.gpu.gemm_tile = tile;
+    cluster.gpu.gemm_k_overhead = k_overhead;
+    cluster.gpu.fp32_flops = peak;
+    // The CPU backend widens bf16 to f32 for its arithmetic: the same peak.
+    cluster.gpu.bf16_flops = peak;
+
+    // Attention: the share of the peak that makes the fused kernels' times come out.
+    let attention: Vec<&Sample> = samples.iter().filter(|s| matches!(s.class, KernelClass::Attention { .. })).collect();
+    cluster.gpu.attention_efficiency = fit_share(&cluster, &attention, |c, x| c.gpu.attention_efficiency = x);
+    // Memory-bound kernels: the bandwidth and vector-arithmetic share that best explain them
+    // together (a grid around the streamed figure).
+    let vectors: Vec<&Sample> = samples.iter().filter(|s| matches!(s.class, KernelClass::Memory)).collect();
+    let mut best_memory = (f64::INFINITY, streamed, 1.0);
+    for i in 0..=40 {
+        let bandwidth = streamed * 4f64.powf(i as f64 / 20.0 - 1.0);
+        let mut trial = cluster.clone();
+        trial.gpu.memory_bandwidth = bandwidth;
+        let share = fit_share(&trial, &vectors, |c, x| c.gpu.vector_efficiency = x);
+        trial.gpu.vector_efficiency = share;
+        let error = log_error(&trial, &vectors);
+        if error < best_memory.0 {
+            best_memory = (error, bandwidth, share);
+        }
+    }
+    cluster.gpu.memory_bandwidth = best_memory.1;
+    cluster.gpu.vector_efficiency = best_memory.2;
+    let memory_bandwidth = cluster.gpu.memory_bandwidth;
+
+    // Collectives: the ring all-reduce between two rank threads, small to large.
+    let sizes: Vec<usize> = if args.quick { vec![1 << 8, 1 << 16] } else { (0..8).map(|i| 1usize << (6 + 3 * i)).collect() };
+    let mut points = Vec::new();
+    for &n in &sizes {
+        points.push(((n * 4) as f64, time_all_reduce(2, n, repeats)?));
+    }
+    // Two ranks: t = launch + 2 alpha + B / bandwidth. A line through the points (weighted
+    // by relative error) gives the bandwidth and the latency.
+    let (intercept, slope) = fit_line(&points);
+    let bandwidth = if slope > 0.0 { 1.0 / slope } else { memory_bandwidth };
+    let (gemm_count, kernel_count) = (gemms.len(), samples.len());
+    let latency = intercept.max(1e-7);
+    // Two ranks cannot tell the per-collective latency from the per-step one: half each.
+    cluster.launch = latency / 2.0;
+    let link = Link { alpha: latency / 4.0, bandwidth };
+    cluster.intra_node = link;
+    cluster.inter_node = link;
+    cluster.gpus_per_node = 1 << 16;
+    cluster.shared_host = true;
+
+    // How well the fitted model explains what was measured.
+    let rms = |xs: &[&Sample]| if xs.is_empty() { 0.0 } else { log_error(&cluster, xs).sqrt().exp_m1() };
+    let mut table = String::new();
+    table += &format!("# shardc calibrate: {} worker threads, {} kernels of {}'s step timed ({} GEMMs) in {:.1} s\n", threads, kernel_count, spec.name, gemm_count, started.elapsed().as_secs_f64());
+    table += &format!("# kernel dispatch {:.1} us; memory {:.1} GB/s (streaming add {:.1}); GEMM peak {:.1} GFLOP/s (tile {}x{}, {} steps of K per tile; fit error {:.1}%)\n", kernel_launch * 1e6, memory_bandwidth / 1e9, streamed / 1e9, peak / 1e9, tile[0], tile[1], k_overhead, 100.0 * gemm_error.sqrt().exp_m1());
+    table += &format!("# attention {:.1}% of peak (error {:.1}%); vector arithmetic {:.1}% of peak (error {:.1}%)\n", 100.0 * cluster.gpu.attention_efficiency, 100.0 * rms(&attention), 100.0 * cluster.gpu.vector_efficiency, 100.0 * rms(&vectors));
+    table += &format!("# all-reduce over 2 ranks: {:.1} us + {:.2} GB/s\n", latency * 1e6, bandwidth / 1e9);
+    let text = format!("{table}{}", cluster.to_toml());
+    match &args.output {
+        Some(path) => {
+            std::fs::write(path, &text).into_diagnostic()?;
+            eprint!("{table}");
+            eprintln!("  wrote {}", path.display());
+        }
+        None => print!("{text}"),
+    }
+    Ok(())
+}
+
+/// The share (0..1] that, set by `set`, makes the time-weighted geometric mean of predicted /
+/// measured 1 for `samples` (1 when there are none or they are bound by memory).
+fn fit_share(cluster: &Cluster, samples: &[&Sample], set: impl Fn(&mut Cluster, f64)) -> f64 {
+    if samples.is_empty() {
+        return 1.0;
+    }
+    // Bisection on the log ratio, which falls as the share grows.
+    let mean_log = |x: f64| {
+        let mut c = cluster.clone();
+        set(&mut c, x);
+        let total: f64 = samples.iter().map(|s| s.seconds).sum::<f64>().max(1e-30);
+        samples.iter().map(|s| s.seconds / total * (c.kernel_time(&s.class, s.flops, s.bytes, s.bf16) / s.seconds).ln()).sum::<f64>()
+    };
+    let (mut lo, mut hi) = (1e-4f64, 1.0f64);
+    if mean_log(hi) >= 0.0 {
+        return hi;
+    }
+    for _ in 0..60 {
+        let mid = (lo * hi).sqrt();
+        if mean_log(mid) > 0.0 { lo = mid } else { hi = mid }
+    }
+    hi
+}
+
+/// Least-squares line `t = a + b x` through `points`, each weighted by 1/t^2 (relative error).
+fn fit_line(points: &[(f64, f64)]) -> (f64, f64) {
+    let (mut sw, mut sx, mut sy, mut sxx, mut sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x, y) in points {
+        let w = 1.0 / (y * y).max(1e-30);
+        sw += w;
+        sx += w * x;
+        sy += w * y;
+        sxx += w * x * x;
+        sxy += w * x * y;
+    }
+    let det = sw * sxx - sx * sx;
+    if det.abs() < 1e-300 {
+        return (sy / sw.max(1e-300), 0.0);
+    }
+    let b = (sw * sxy - sx * sy) / det;
+    ((sy - b * sx) / sw, b)
+}
+
+/// Total memory of this host (Linux), in bytes.
+fn host_memory_bytes() -> Option<f64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    Some(line.split_whitespace().nth(1)?.parse::<f64>().ok()? * 1024.0)
+}
