@@ -64,6 +64,17 @@ fn median(mut xs: Vec<f64>) -> f64 {
 /// warm-up (the least disturbed by anything else running on the host).
 fn time_program(program: shardc_runtime::Program, repeats: usize) -> Result<f64> {
     let mut exec = CpuExecutor::new(program).into_diagnostic()?;
+    // Inputs like a step's: small floats, and integers of 1 (a token id, a step count).
+    for arg in exec.program().args.clone() {
+        let buffer = &exec.program().buffers[arg.buffer];
+        let len = buffer.len();
+        if buffer.dtype == shardc_runtime::DType::I32 {
+            exec.write::<i32>(&arg.name, &vec![1; len]).into_diagnostic()?;
+        } else {
+            let values: Vec<f64> = (0..len).map(|i| (shardc_runtime::init::splitmix64(i as u64) % 2000) as f64 * 1e-5 - 0.01).collect();
+            exec.write_f64(&arg.name, &values).into_diagnostic()?;
+        }
+    }
     exec.run().into_diagnostic()?;
     let times: Vec<f64> = (0..repeats.max(1))
         .map(|_| {

@@ -1009,3 +1009,47 @@ fn check_numerics_accepts_shards_of_padding_only() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
+    let dir = tempdir("calibrate");
+    let file = dir.join("cpu.toml");
+    let out = shardc(&["calibrate", "models/tiny.toml", "--quick", "--repeats", "2", "-o", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(&file).unwrap();
+    let cluster = shardc_ir::cluster::Cluster::from_toml(&text).unwrap();
+    assert_eq!(cluster.gpu.name, "cpu");
+    assert!(cluster.shared_host, "CPU ranks share the host's cores");
+    for (what, x) in [("peak", cluster.gpu.fp32_flops), ("bandwidth", cluster.gpu.memory_bandwidth), ("dispatch", cluster.gpu.kernel_launch), ("link", cluster.intra_node.bandwidth)] {
+        assert!(x.is_finite() && x > 0.0, "{what} = {x}");
+    }
+    assert!(stderr(&out).contains("GEMM peak"), "{}", stderr(&out));
+    // The written file is exactly what the model reads back.
+    assert_eq!(shardc_ir::cluster::Cluster::from_toml(&cluster.to_toml()).unwrap(), cluster);
+
+    // compile prices the step with it; two ranks on one host share its cores.
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=2", "--cluster", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("on 2 x cpu") && stdout(&out).contains("shared cores"), "{}", stdout(&out));
+
+    // bench prints the prediction beside the measurement, and per class with --profile.
+    let out = shardc(&["bench", "models/tiny.toml", "--steps", "2", "--profile", "--cluster", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("  predicted") && text.contains("vs measured"), "{text}");
+    for class in ["gemm", "attention", "memory-bound", "optimizer", "xf.matmul"] {
+        assert!(text.lines().any(|l| l.trim_start().starts_with(class)), "no {class} row:\n{text}");
+    }
+    let out = shardc(&["bench", "models/tiny.toml", "--steps", "1", "--mesh", "dp=2", "--microbatches", "1", "--cluster", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("mesh dp=2") && stdout(&out).contains("  predicted"), "{}", stdout(&out));
+
+    // Bad input is named.
+    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda"]);
+    assert!(!out.status.success() && stderr(&out).contains("--backend cuda"), "{}", stderr(&out));
+    let out = shardc(&["calibrate", "models/tiny.toml", "--repeats", "0"]);
+    assert!(!out.status.success() && stderr(&out).contains("--repeats"), "{}", stderr(&out));
+    let out = shardc(&["bench", "models/tiny.toml", "--mesh", "dp=2", "--profile"]);
+    assert!(!out.status.success() && stderr(&out).contains("--profile"), "{}", stderr(&out));
+    std::fs::remove_dir_all(&dir).ok();
+}
