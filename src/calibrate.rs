@@ -15,7 +15,7 @@ use std::time::Instant;
 use clap::Args;
 use miette::{miette, IntoDiagnostic, Result};
 use shardc_ir::cluster::{Cluster, Link};
-use shardc_ir::ops::{lookup, KernelClass};
+use shardc_ir::ops::{lookup, Cost, KernelClass};
 use shardc_ir::{ArgRole, Attrs, DType, FuncBuilder, TensorTy};
 use shardc_runtime::cpu::CpuExecutor;
 
@@ -43,14 +43,17 @@ pub struct CalibrateArgs {
     pub step: StepArgs,
 }
 
+/// Bytes written between timed runs to push a kernel's data out of the caches (more than
+/// the last-level cache of current server CPUs).
+const EVICT_BYTES: usize = 256 << 20;
+
 /// One timed kernel: its class, arithmetic and bytes as the registry counts them, and the
 /// measured seconds.
 #[derive(Clone, Debug)]
 struct Sample {
     what: String,
     class: KernelClass,
-    flops: f64,
-    bytes: f64,
+    cost: Cost,
     bf16: bool,
     seconds: f64,
 }
@@ -64,20 +67,25 @@ fn median(mut xs: Vec<f64>) -> f64 {
 /// warm-up (the least disturbed by anything else running on the host).
 fn time_program(program: shardc_runtime::Program, repeats: usize) -> Result<f64> {
     let mut exec = CpuExecutor::new(program).into_diagnostic()?;
-    // Inputs like a step's: small floats, and integers of 1 (a token id, a step count).
+    // Inputs like a step's: floats of order one (special functions take shortcuts near zero;
+    // positive, as second moments are), and integers of 1 (a token id, a step count).
     for arg in exec.program().args.clone() {
         let buffer = &exec.program().buffers[arg.buffer];
         let len = buffer.len();
         if buffer.dtype == shardc_runtime::DType::I32 {
             exec.write::<i32>(&arg.name, &vec![1; len]).into_diagnostic()?;
         } else {
-            let values: Vec<f64> = (0..len).map(|i| (shardc_runtime::init::splitmix64(i as u64) % 2000) as f64 * 1e-5 - 0.01).collect();
+            let values: Vec<f64> = (0..len).map(|i| 0.1 + (shardc_runtime::init::splitmix64(i as u64) % 2000) as f64 * 1e-3).collect();
             exec.write_f64(&arg.name, &values).into_diagnostic()?;
         }
     }
     exec.run().into_diagnostic()?;
+    // In a step, a kernel finds its weights and inputs out of cache (the step's other kernels
+    // went through since): evict them before each timed run.
+    let mut evict = vec![0u8; EVICT_BYTES];
     let times: Vec<f64> = (0..repeats.max(1))
-        .map(|_| {
+        .map(|i| {
+            evict.iter_mut().step_by(64).for_each(|b| *b = b.wrapping_add(i as u8 | 1));
             let t = Instant::now();
             exec.run().map(|()| t.elapsed().as_secs_f64())
         })
@@ -93,7 +101,13 @@ fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Resu
     let mut fb = FuncBuilder::new("calibrate");
     let args: Vec<_> = types.iter().enumerate().map(|(i, t)| fb.arg(&format!("in{i}"), t.clone(), ArgRole::Input)).collect();
     let results = fb.op_multi(name, &args, attrs.clone(), "calibrate").map_err(|e| miette!("{name}: {e}"))?;
-    let names: Vec<String> = (0..results.len()).map(|i| format!("out{i}")).collect();
+    // A result that updates an operand in place (optimizer updates) is returned under the
+    // operand's name, as a training step returns new state: codegen then gives both one
+    // buffer and the kernel updates it in place, as it does in the step.
+    let names: Vec<String> = (0..results.len()).map(|i| match def.in_place().iter().find(|(r, _)| *r == i) {
+        Some((_, operand)) => format!("in{operand}"),
+        None => format!("out{i}"),
+    }).collect();
     let func = fb.finish(&results, &names);
     let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
     let seconds = time_program(program, repeats)?;
@@ -101,7 +115,7 @@ fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Resu
     let outputs = def.infer(&refs, &attrs).map_err(|e| miette!("{name}: {e}"))?;
     let cost = def.cost(&refs, &outputs, &attrs);
     let shape = types.iter().map(|t| format!("{:?}", t.shape)).collect::<Vec<_>>().join(" ");
-    Ok(Sample { what: format!("{name} {shape}"), class: def.kernel_class(&refs, &attrs), flops: cost.flops, bytes: cost.bytes, bf16: types[0].dtype == DType::Bf16, seconds })
+    Ok(Sample { what: format!("{name} {shape}"), class: def.kernel_class(&refs, &attrs), cost, bf16: types[0].dtype == DType::Bf16, seconds })
 }
 
 /// Seconds per instruction of a program of `count` dependent tiny adds: what the executor
@@ -160,7 +174,7 @@ fn time_all_reduce(ranks: usize, elements: usize, repeats: usize) -> Result<f64>
 /// share of the measured time (a step's time is mostly its long kernels).
 fn log_error(cluster: &Cluster, samples: &[&Sample]) -> f64 {
     let total: f64 = samples.iter().map(|s| s.seconds).sum::<f64>().max(1e-30);
-    samples.iter().map(|s| s.seconds / total * (cluster.kernel_time(&s.class, s.flops, s.bytes, s.bf16) / s.seconds).ln().powi(2)).sum()
+    samples.iter().map(|s| s.seconds / total * (cluster.kernel_time(&s.class, &s.cost, s.bf16) / s.seconds).ln().powi(2)).sum()
 }
 
 /// The distinct kernels (op, operand types, attributes) of the spec's single-device training
@@ -205,7 +219,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     let side = if args.quick { 512 } else { 4096 };
     let big = TensorTy::new([side, side], DType::F32);
     let add = time_op("xf.add", &[big.clone(), big.clone()], Attrs::new(), repeats)?;
-    let streamed = add.bytes / (add.seconds - kernel_launch).max(1e-9);
+    let streamed = add.cost.bytes / (add.seconds - kernel_launch).max(1e-9);
 
     // Every distinct kernel of the step, at one and (unless quick) four sequences per
     // micro-batch.
@@ -247,7 +261,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
             // The peak that makes the geometric mean of predicted / measured 1.
             trial.gpu.fp32_flops = 1e12;
             let total: f64 = gemms.iter().map(|s| s.seconds).sum();
-            let ratio: f64 = gemms.iter().map(|s| s.seconds / total * ((trial.kernel_time(&s.class, s.flops, s.bytes, false) - kernel_launch).max(1e-12) / (s.seconds - kernel_launch).max(1e-12)).ln()).sum::<f64>();
+            let ratio: f64 = gemms.iter().map(|s| s.seconds / total * ((trial.kernel_time(&s.class, &s.cost, false) - kernel_launch).max(1e-12) / (s.seconds - kernel_launch).max(1e-12)).ln()).sum::<f64>();
             trial.gpu.fp32_flops = 1e12 * ratio.exp();
             let error = log_error(&trial, &gemms);
             if best.is_none_or(|b| error < b.0) {
@@ -265,23 +279,23 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     // Attention: the share of the peak that makes the fused kernels' times come out.
     let attention: Vec<&Sample> = samples.iter().filter(|s| matches!(s.class, KernelClass::Attention { .. })).collect();
     cluster.gpu.attention_efficiency = fit_share(&cluster, &attention, |c, x| c.gpu.attention_efficiency = x);
-    // Memory-bound kernels: the bandwidth and vector-arithmetic share that best explain them
-    // together (a grid around the streamed figure).
+    // Memory-bound kernels: the bandwidth is the streaming figure (as STREAM measures a
+    // host); the vector-arithmetic share and the cost of a transcendental are what best
+    // explain the element-wise, normalisation and loss kernels on top of it.
     let vectors: Vec<&Sample> = samples.iter().filter(|s| matches!(s.class, KernelClass::Memory)).collect();
-    let mut best_memory = (f64::INFINITY, streamed, 1.0);
-    for i in 0..=40 {
-        let bandwidth = streamed * 4f64.powf(i as f64 / 20.0 - 1.0);
+    let mut best_memory = (f64::INFINITY, 1.0, 1.0);
+    for special_cost in (0..=24).map(|j| 2f64.powf(j as f64 / 3.0)) {
         let mut trial = cluster.clone();
-        trial.gpu.memory_bandwidth = bandwidth;
+        trial.gpu.special_cost = special_cost;
         let share = fit_share(&trial, &vectors, |c, x| c.gpu.vector_efficiency = x);
         trial.gpu.vector_efficiency = share;
         let error = log_error(&trial, &vectors);
         if error < best_memory.0 {
-            best_memory = (error, bandwidth, share);
+            best_memory = (error, share, special_cost);
         }
     }
-    cluster.gpu.memory_bandwidth = best_memory.1;
-    cluster.gpu.vector_efficiency = best_memory.2;
+    cluster.gpu.vector_efficiency = best_memory.1;
+    cluster.gpu.special_cost = best_memory.2;
     let memory_bandwidth = cluster.gpu.memory_bandwidth;
 
     // Collectives: the ring all-reduce between two rank threads, small to large.
@@ -309,7 +323,14 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     let mut table = String::new();
     table += &format!("# shardc calibrate: {} worker threads, {} kernels of {}'s step timed ({} GEMMs) in {:.1} s\n", threads, kernel_count, spec.name, gemm_count, started.elapsed().as_secs_f64());
     table += &format!("# kernel dispatch {:.1} us; memory {:.1} GB/s (streaming add {:.1}); GEMM peak {:.1} GFLOP/s (tile {}x{}, {} steps of K per tile; fit error {:.1}%)\n", kernel_launch * 1e6, memory_bandwidth / 1e9, streamed / 1e9, peak / 1e9, tile[0], tile[1], k_overhead, 100.0 * gemm_error.sqrt().exp_m1());
-    table += &format!("# attention {:.1}% of peak (error {:.1}%); vector arithmetic {:.1}% of peak (error {:.1}%)\n", 100.0 * cluster.gpu.attention_efficiency, 100.0 * rms(&attention), 100.0 * cluster.gpu.vector_efficiency, 100.0 * rms(&vectors));
+    table += &format!(
+        "# attention {:.1}% of peak (error {:.1}%); vector arithmetic {:.1}% of peak, a special function {:.1} operations (error {:.1}%)\n",
+        100.0 * cluster.gpu.attention_efficiency,
+        100.0 * rms(&attention),
+        100.0 * cluster.gpu.vector_efficiency,
+        cluster.gpu.special_cost,
+        100.0 * rms(&vectors)
+    );
     table += &format!("# all-reduce over 2 ranks: {:.1} us + {:.2} GB/s\n", latency * 1e6, bandwidth / 1e9);
     let text = format!("{table}{}", cluster.to_toml());
     match &args.output {
@@ -334,7 +355,7 @@ fn fit_share(cluster: &Cluster, samples: &[&Sample], set: impl Fn(&mut Cluster, 
         let mut c = cluster.clone();
         set(&mut c, x);
         let total: f64 = samples.iter().map(|s| s.seconds).sum::<f64>().max(1e-30);
-        samples.iter().map(|s| s.seconds / total * (c.kernel_time(&s.class, s.flops, s.bytes, s.bf16) / s.seconds).ln()).sum::<f64>()
+        samples.iter().map(|s| s.seconds / total * (c.kernel_time(&s.class, &s.cost, s.bf16) / s.seconds).ln()).sum::<f64>()
     };
     let (mut lo, mut hi) = (1e-4f64, 1.0f64);
     if mean_log(hi) >= 0.0 {

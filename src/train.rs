@@ -219,8 +219,8 @@ pub struct BenchArgs {
     /// this Python interpreter.
     #[arg(long, value_name = "PYTHON")]
     pub torch: Option<PathBuf>,
-    /// Device mesh as axis=size pairs: its ranks run as threads on this host (a step is
-    /// timed as the difference between runs of 1 and 1 + --steps steps).
+    /// Device mesh as axis=size pairs: its ranks run as threads on this host (each step timed
+    /// on its slowest rank).
     #[arg(long, default_value = "dp=1,tp=1,pp=1")]
     pub mesh: String,
     /// On one rank: the measured seconds of each kernel class and collective next to the
@@ -263,36 +263,64 @@ fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Res
     let corpus = synthetic_corpus(spec)?;
     let timeout = std::time::Duration::from_secs(600);
     let layers = spec.model.layers as usize;
-    let run = |steps: u64| -> Result<f64> {
-        let t = Instant::now();
-        if pipelined {
-            shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, steps, timeout, shardc_runtime::collectives::Algorithm::Ring).into_diagnostic()?;
-        } else {
-            shardc_runtime::train::train_spmd(&programs[0], 0, layers, &corpus, steps, timeout).into_diagnostic()?;
-        }
-        Ok(t.elapsed().as_secs_f64())
-    };
-    // Setting up the ranks and the first step are not a step: time them alone and subtract.
+    // Per-step wall times of the slowest rank; the first step (warming up) is not timed.
     let steps = args.steps.max(1);
-    let once = run(1)?;
-    let many = run(1 + steps)?;
-    let measured = (many - once) / steps as f64;
+    shardc_runtime::cpu::profile_executors(args.profile);
+    let (mut times, profile) = if pipelined {
+        (shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, 1 + steps, timeout, shardc_runtime::collectives::Algorithm::Ring).into_diagnostic()?.step_seconds, Vec::new())
+    } else {
+        let run = shardc_runtime::train::train_spmd(&programs[0], 0, layers, &corpus, 1 + steps, timeout).into_diagnostic()?;
+        (run.step_seconds, run.profile)
+    };
+    times.remove(0);
+    let measured = times.iter().copied().fold(f64::INFINITY, f64::min);
     println!("benchmark: {} training step on mesh {mesh} ({} rank threads on {} cores), seq {}, micro-batch {}, {} micro-batches, {} timed steps", spec.name, mesh.dp * mesh.tp * mesh.pp, shardc_runtime::cpu::worker_threads(), spec.seq_len(), spec.training.micro_batch, step.microbatches.unwrap_or(1), steps);
     println!("{:<22}{:>14}", "", "step time");
-    println!("{:<22}{:>12.3} s", "shardc (CPU)", measured);
+    println!("{:<22}{:>12.3} s   (fastest)", "shardc (CPU)", measured);
     if args.step.hardware_given() {
         let e = predicted_step(spec, &step, mesh, &programs)?;
-        println!("{:<22}{:>12.3} s   ({:+.1}% vs measured; {})", "  predicted", e.step_seconds, 100.0 * (e.step_seconds / measured - 1.0), e.bound);
+        println!("{:<22}{:>12.3} s   ({:+.1}% vs the fastest step; {})", "  predicted", e.step_seconds, 100.0 * (e.step_seconds / measured - 1.0), e.bound);
+    }
+    if args.profile {
+        // Rank 0's instructions over the timed steps, per step.
+        let cluster = step.cluster_model()?;
+        let per_step: Vec<f64> = profile.iter().map(|t| t / steps as f64).collect();
+        print_profile(&programs[0], &per_step, &cluster);
     }
     Ok(())
+}
+
+/// Measured (`seconds` per instruction) beside predicted time of `program`, by kernel class
+/// or collective and by op.
+fn print_profile(program: &Program, seconds: &[f64], cluster: &shardc_ir::cluster::Cluster) {
+    let mut by_class: std::collections::BTreeMap<String, (f64, f64, usize)> = std::collections::BTreeMap::new();
+    let mut by_op: std::collections::BTreeMap<String, (f64, f64, usize)> = std::collections::BTreeMap::new();
+    for (instr, measured) in program.instrs.iter().zip(seconds) {
+        let (class, predicted) = shardc_codegen::estimate::instruction_cost(program, instr, cluster);
+        for (map, key) in [(&mut by_class, class), (&mut by_op, instr.op.clone())] {
+            let row = map.entry(key).or_default();
+            row.0 += measured;
+            row.1 += predicted;
+            row.2 += 1;
+        }
+    }
+    for (title, rows) in [("per step, by class", &by_class), ("by op", &by_op)] {
+        println!("{:<26}{:>8}{:>14}{:>14}{:>10}", title, "kernels", "measured", "predicted", "ratio");
+        for (name, (measured, predicted, count)) in rows.iter() {
+            println!("  {:<24}{:>8}{:>11.2} ms{:>11.2} ms{:>10.2}", name, count, 1e3 * measured, 1e3 * predicted, predicted / measured.max(1e-12));
+        }
+    }
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
     let spec = args.step.load_spec(Some(&args.spec))?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
     if mesh.dp * mesh.tp * mesh.pp > 1 {
-        if args.profile || args.torch.is_some() {
-            return Err(miette!(help = "profile and compare with PyTorch on one rank (--mesh dp=1,tp=1,pp=1)", "--profile and --torch time one rank only"));
+        if args.torch.is_some() {
+            return Err(miette!(help = "compare with PyTorch on one rank (--mesh dp=1,tp=1,pp=1)", "--torch times one rank only"));
+        }
+        if args.profile && (mesh.pp > 1 || args.step.microbatches.unwrap_or(1) > 1) {
+            return Err(miette!(help = "profile dp and tp meshes with --microbatches 1", "--profile does not profile pipeline stages"));
         }
         return bench_mesh(args, &spec, mesh);
     }
@@ -304,7 +332,6 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     let (planned, cpu_slots) = (program.peak_bytes(), program.cpu_storage_bytes());
     let predicted = if args.step.hardware_given() { Some(predicted_step(&spec, &step, mesh, std::slice::from_ref(&program))?) } else { None };
     let cluster = step.cluster_model()?;
-    let classes: Vec<(String, f64)> = program.instrs.iter().map(|i| shardc_codegen::estimate::instruction_cost(&program, i, &cluster)).collect();
     let mut trainer = Trainer::new(program, 0, spec.model.layers as usize).into_diagnostic()?;
     let corpus = synthetic_corpus(&spec)?;
     trainer.step(&corpus).into_diagnostic()?;
@@ -316,39 +343,20 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         times.push(t.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
+    let (median, fastest) = (times[times.len() / 2], times[0]);
     let rss = peak_rss().unwrap_or(0);
     println!("benchmark: {} training step, seq {}, micro-batch {}, {} timed steps (median)", spec.name, spec.seq_len(), spec.training.micro_batch, times.len());
     println!("{:<22}{:>14}{:>16}{:>18}", "", "step time", "peak memory", "compile time");
     println!("{:<22}{:>12.3} s{:>16}{:>16.2} s", "shardc (CPU)", median, crate::summary::bytes(rss), compile_s);
+    println!("{:<22}{:>12.3} s", "  fastest step", fastest);
     println!("{:<22}{:>14}{:>16}", "  planned by codegen", "", crate::summary::bytes(planned as u64));
     println!("{:<22}{:>14}{:>16}", "  CPU storage slots", "", crate::summary::bytes(cpu_slots as u64));
     if let Some(e) = &predicted {
-        println!("{:<22}{:>12.3} s   ({:+.1}% vs measured; {})", "  predicted", e.step_seconds, 100.0 * (e.step_seconds / median - 1.0), e.bound);
+        println!("{:<22}{:>12.3} s   ({:+.1}% vs the fastest step; {})", "  predicted", e.step_seconds, 100.0 * (e.step_seconds / fastest - 1.0), e.bound);
     }
     if args.profile {
-        // Per class: measured (mean over the timed steps) and predicted seconds.
-        let profile = trainer.executor_mut().take_profile();
-        let mut rows: std::collections::BTreeMap<&str, (f64, f64, usize)> = std::collections::BTreeMap::new();
-        for ((class, predicted), measured) in classes.iter().zip(&profile) {
-            let row = rows.entry(class.as_str()).or_default();
-            row.0 += measured / times.len() as f64;
-            row.1 += predicted;
-            row.2 += 1;
-        }
-        let mut by_op: std::collections::BTreeMap<&str, (f64, f64, usize)> = std::collections::BTreeMap::new();
-        for ((instr, (_, predicted)), measured) in trainer.executor().program().instrs.iter().zip(&classes).zip(&profile) {
-            let row = by_op.entry(instr.op.as_str()).or_default();
-            row.0 += measured / times.len() as f64;
-            row.1 += predicted;
-            row.2 += 1;
-        }
-        for (title, rows) in [("per step, by class", &rows), ("by op", &by_op)] {
-            println!("{:<26}{:>8}{:>14}{:>14}{:>10}", title, "kernels", "measured", "predicted", "ratio");
-            for (name, (measured, predicted, count)) in rows.iter() {
-                println!("  {:<24}{:>8}{:>11.2} ms{:>11.2} ms{:>10.2}", name, count, 1e3 * measured, 1e3 * predicted, predicted / measured.max(1e-12));
-            }
-        }
+        let profile: Vec<f64> = trainer.executor_mut().take_profile().iter().map(|t| t / times.len() as f64).collect();
+        print_profile(trainer.executor().program(), &profile, &cluster);
     }
     if let Some(python) = &args.torch {
         let torch = torch_step(python, &args.spec, &spec, args.steps)?;

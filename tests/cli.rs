@@ -1036,20 +1036,23 @@ fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
     let out = shardc(&["bench", "models/tiny.toml", "--steps", "2", "--profile", "--cluster", file.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.contains("  predicted") && text.contains("vs measured"), "{text}");
+    assert!(text.contains("  predicted") && text.contains("vs the fastest step"), "{text}");
     for class in ["gemm", "attention", "memory-bound", "optimizer", "xf.matmul"] {
         assert!(text.lines().any(|l| l.trim_start().starts_with(class)), "no {class} row:\n{text}");
     }
-    let out = shardc(&["bench", "models/tiny.toml", "--steps", "1", "--mesh", "dp=2", "--microbatches", "1", "--cluster", file.to_str().unwrap()]);
+    let out = shardc(&["bench", "models/tiny.toml", "--steps", "1", "--mesh", "dp=2", "--microbatches", "1", "--profile", "--cluster", file.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stdout(&out).contains("mesh dp=2") && stdout(&out).contains("  predicted"), "{}", stdout(&out));
+    let text = stdout(&out);
+    assert!(text.contains("mesh dp=2") && text.contains("  predicted"), "{text}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("all_reduce dp")), "rank 0's gradient sync is profiled:
+{text}");
 
     // Bad input is named.
     let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda"]);
     assert!(!out.status.success() && stderr(&out).contains("--backend cuda"), "{}", stderr(&out));
     let out = shardc(&["calibrate", "models/tiny.toml", "--repeats", "0"]);
     assert!(!out.status.success() && stderr(&out).contains("--repeats"), "{}", stderr(&out));
-    let out = shardc(&["bench", "models/tiny.toml", "--mesh", "dp=2", "--profile"]);
+    let out = shardc(&["bench", "models/tiny.toml", "--mesh", "pp=2", "--profile"]);
     assert!(!out.status.success() && stderr(&out).contains("--profile"), "{}", stderr(&out));
     std::fs::remove_dir_all(&dir).ok();
 }

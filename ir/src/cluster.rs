@@ -16,6 +16,7 @@
 //!   diagonal block, when causal), at `attention_efficiency` of the peak; its memory traffic
 //!   is its inputs and outputs once;
 //! * everything else is a roofline of its arithmetic at `vector_efficiency` of the fp32 peak
+//!   (a transcendental, exp, log or tanh, counting `special_cost` operations)
 //!   and its bytes at `memory_efficiency` of the memory bandwidth;
 //! * every kernel pays `kernel_launch`.
 //!
@@ -43,7 +44,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{KernelClass, OpDef};
+use crate::ops::{Cost, KernelClass, OpDef};
 use crate::{Attrs, DType, TensorTy};
 
 /// One link class: latency and inverse bandwidth.
@@ -90,6 +91,9 @@ pub struct Gpu {
     pub vector_efficiency: f64,
     /// Share of the memory bandwidth memory-bound kernels reach.
     pub memory_efficiency: f64,
+    /// Arithmetic operations one transcendental function (exp, log, tanh) costs in vector
+    /// throughput.
+    pub special_cost: f64,
     /// Seconds to launch (or dispatch) one kernel.
     pub kernel_launch: f64,
 }
@@ -161,6 +165,9 @@ pub fn gpu_preset(name: &str) -> Option<Gpu> {
         vector_efficiency: 0.5,
         // STREAM-like kernels reach about 85-90% of HBM bandwidth (vendors' bandwidth tests).
         memory_efficiency: 0.85,
+        // 16 special-function units per SM against 64 (A100) or 128 (H100) FP32 lanes doing
+        // 2 FLOPs per FMA (architecture white papers): 8 or 16 FLOPs per special op.
+        special_cost: if sms > 120 { 16.0 } else { 8.0 },
         // A CUDA kernel launch costs about 4-5 microseconds end to end in a stream of
         // dependent kernels (the figure CUDA graphs remove).
         kernel_launch: 4e-6,
@@ -277,10 +284,11 @@ impl Cluster {
                             "attention_efficiency" => g.attention_efficiency = share(v, &name)?,
                             "vector_efficiency" => g.vector_efficiency = share(v, &name)?,
                             "memory_efficiency" => g.memory_efficiency = share(v, &name)?,
+                            "special_cost" => g.special_cost = number(v, &name)?,
                             "kernel_launch" => g.kernel_launch = number(v, &name)?,
                             other => {
                                 return Err(format!(
-                                    "gpu.{other}: unknown field; use name, bf16_flops, fp32_flops, memory_bytes, memory_bandwidth, sms, gemm_tile, gemm_efficiency, gemm_k_overhead, attention_efficiency, vector_efficiency, memory_efficiency or kernel_launch"
+                                    "gpu.{other}: unknown field; use name, bf16_flops, fp32_flops, memory_bytes, memory_bandwidth, sms, gemm_tile, gemm_efficiency, gemm_k_overhead, attention_efficiency, vector_efficiency, memory_efficiency, special_cost or kernel_launch"
                                 ))
                             }
                         }
@@ -315,6 +323,7 @@ impl Cluster {
             ("attention_efficiency", g.attention_efficiency),
             ("vector_efficiency", g.vector_efficiency),
             ("memory_efficiency", g.memory_efficiency),
+            ("special_cost", g.special_cost),
             ("kernel_launch", g.kernel_launch),
         ] {
             out += &format!("{field} = {x:e}\n");
@@ -365,12 +374,13 @@ impl Cluster {
     pub fn op_time(&self, def: &dyn OpDef, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> f64 {
         let cost = def.cost(inputs, outputs, attrs);
         let bf16 = inputs.first().is_some_and(|t| t.dtype == DType::Bf16);
-        self.kernel_time(&def.kernel_class(inputs, attrs), cost.flops, cost.bytes, bf16)
+        self.kernel_time(&def.kernel_class(inputs, attrs), &cost, bf16)
     }
 
-    /// Seconds of one kernel of `class` doing `flops` of arithmetic and moving `bytes`, its
-    /// products in bf16 (tensor cores) or not.
-    pub fn kernel_time(&self, class: &KernelClass, flops: f64, bytes: f64, bf16: bool) -> f64 {
+    /// Seconds of one kernel of `class` doing `cost` (its arithmetic, special functions and
+    /// bytes), its products in bf16 (tensor cores) or not.
+    pub fn kernel_time(&self, class: &KernelClass, cost: &Cost, bf16: bool) -> f64 {
+        let (flops, bytes) = (cost.flops, cost.bytes);
         let g = &self.gpu;
         let peak = if bf16 { g.bf16_flops } else { g.fp32_flops };
         let memory = bytes / (g.memory_bandwidth * g.memory_efficiency);
@@ -396,7 +406,7 @@ impl Cluster {
                 let block_flops = 2.0 * products * tile_rows.min(queries) * visible * head_dim;
                 waves * block_flops / (peak * g.attention_efficiency / sms)
             }
-            KernelClass::Memory => flops / (g.fp32_flops * g.vector_efficiency),
+            KernelClass::Memory => (flops + g.special_cost * cost.special) / (g.fp32_flops * g.vector_efficiency),
         };
         g.kernel_launch + work.max(memory)
     }

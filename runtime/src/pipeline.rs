@@ -44,6 +44,8 @@ pub struct PipelineRun {
     pub early_syncs: Vec<usize>,
     /// Where the run ended: every parameter and optimizer state, global.
     pub state: crate::train::TrainState,
+    /// Wall-clock seconds of each step on the slowest rank.
+    pub step_seconds: Vec<f64>,
 }
 
 fn storage_bytes(values: &[Storage]) -> usize {
@@ -107,7 +109,7 @@ pub fn train_pipeline_from(
     let m = schedule.microbatches;
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
 
-    type RankResult = (Vec<f64>, HashMap<String, Vec<f64>>, BTreeMap<CollectiveKind, u64>, Vec<(Item, f64, f64)>, usize, usize, HashMap<String, Vec<f64>>);
+    type RankResult = (Vec<f64>, HashMap<String, Vec<f64>>, BTreeMap<CollectiveKind, u64>, Vec<(Item, f64, f64)>, usize, usize, HashMap<String, Vec<f64>>, Vec<f64>);
     let results: Vec<RankResult> = on_every_rank_of(programs, seed, layers, timeout, algorithm, start, |exec, mesh, rank| {
         let program = exec.program().clone();
         let plan = program.pipeline.clone().ok_or_else(|| RuntimeError::Program("not a pipeline rank".into()))?;
@@ -127,7 +129,9 @@ pub fn train_pipeline_from(
         let mut trace = Vec::new();
         let mut early_syncs = 0;
         let mut peak_kept = 0usize;
+        let mut step_seconds = Vec::new();
         for step in first_step + 1..=first_step + steps {
+            let began = Instant::now();
             let (t, g) = corpus.batch(seed, step, rows * m, seq);
             let micro = |data: &[i32], j: usize| data[j * rows * seq..(j + 1) * rows * seq].to_vec();
             if program.arg("step").is_some() {
@@ -206,10 +210,11 @@ pub fn train_pipeline_from(
             }
             exec.carry_state()?;
             losses.push(loss_sum / m as f64);
+            step_seconds.push(began.elapsed().as_secs_f64());
         }
         let params: HashMap<String, Vec<f64>> =
             program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| Ok((a.name.clone(), read_f64(exec, &a.name)?))).collect::<Result<_, RuntimeError>>()?;
-        Ok((losses, params, exec.bytes_sent()?, trace, peak_kept, early_syncs, crate::train::read_state(exec)?))
+        Ok((losses, params, exec.bytes_sent()?, trace, peak_kept, early_syncs, crate::train::read_state(exec)?, step_seconds))
     })?;
 
     let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
@@ -253,6 +258,7 @@ pub fn train_pipeline_from(
     let values: Vec<HashMap<String, Vec<f64>>> = results.iter().map(|r| r.6.clone()).collect();
     let state = crate::train::TrainState::collect(programs, &mesh, &values, first_step + steps)?;
     Ok(PipelineRun {
+        step_seconds: (0..steps as usize).map(|i| results.iter().filter_map(|r| r.7.get(i)).fold(0.0, |a: f64, &b| a.max(b))).collect(),
         state,
         losses: results[loss_rank].0.clone(),
         parameters,

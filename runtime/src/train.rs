@@ -227,6 +227,12 @@ pub struct SpmdRun {
     pub bytes_sent: Vec<std::collections::BTreeMap<crate::collectives::CollectiveKind, u64>>,
     /// Where the run ended: every parameter and optimizer state, global.
     pub state: TrainState,
+    /// Wall-clock seconds of each step on the slowest rank.
+    pub step_seconds: Vec<f64>,
+    /// Rank 0's seconds in each instruction over the steps after the first (the only one
+    /// when there is one), when profiling ([`crate::cpu::profile_executors`]); empty
+    /// otherwise.
+    pub profile: Vec<f64>,
 }
 
 /// The global batch shape `(rows, seq)` of a partitioned program's `tokens` input, and its
@@ -375,17 +381,23 @@ pub fn train_spmd_from(
     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).collect();
     let first = start.map_or(0, |s| s.step);
     let results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, algorithm, start, |exec, mesh, rank| {
-        let mut losses = Vec::new();
+        let (mut losses, mut step_seconds) = (Vec::new(), Vec::new());
         for step in first + 1..=first + steps {
+            let began = std::time::Instant::now();
             let (t, g) = corpus.batch(seed, step, rows, seq);
             write_batch(exec, &tokens, mesh, rank, &t, &g)?;
             exec.write::<i32>("step", &[i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?])?;
             exec.run()?;
             exec.carry_state()?;
             losses.push(read_f64(exec, "loss")?[0]);
+            step_seconds.push(began.elapsed().as_secs_f64());
+            if step == first + 1 && steps > 1 {
+                // The first step warms up (first touches of memory): profile the rest.
+                exec.take_profile();
+            }
         }
         let shards = params.iter().map(|p| read_f64(exec, &p.name)).collect::<Result<Vec<_>, _>>()?;
-        Ok((losses, shards, exec.bytes_sent()?, read_state(exec)?))
+        Ok((losses, shards, exec.bytes_sent()?, read_state(exec)?, step_seconds, exec.take_profile()))
     })?;
     let mesh = crate::collectives::MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
     let parameters = params
@@ -400,7 +412,8 @@ pub fn train_spmd_from(
         .collect();
     let values: Vec<HashMap<String, Vec<f64>>> = results.iter().map(|r| r.3.clone()).collect();
     let state = TrainState::collect(std::slice::from_ref(program), &mesh, &values, first + steps)?;
-    Ok(SpmdRun { losses: results[0].0.clone(), parameters, bytes_sent: results.iter().map(|r| r.2.clone()).collect(), state })
+    let step_seconds = (0..steps as usize).map(|i| results.iter().filter_map(|r| r.4.get(i)).fold(0.0, |a: f64, &b| a.max(b))).collect();
+    Ok(SpmdRun { losses: results[0].0.clone(), parameters, bytes_sent: results.iter().map(|r| r.2.clone()).collect(), state, step_seconds, profile: results[0].5.clone() })
 }
 
 /// Reads an f32 or f64 buffer as f64.

@@ -60,7 +60,7 @@ impl OpDef for Attention {
         // q k^T and p v: 2 * 2*b*h*s*s*d (the causal half is counted in full, as the
         // published model-FLOP formulas do); softmax with scale and mask: 5 per score.
         let flops = 4.0 * b * h * s * s * d + 5.0 * b * h * s * s;
-        Cost { flops, bytes: io_bytes(inputs, outputs) }
+        Cost { flops, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
         attention_class(inputs, attrs, 2.0)
@@ -160,7 +160,7 @@ impl OpDef for AttentionGrad {
         let q = inputs[0];
         let (b, h, s, d) = (q.shape[0] as f64, q.shape[1] as f64, q.shape[2] as f64, q.shape[3] as f64);
         // Recomputed q k^T, then dp, dq, dk, dv: five S x S x d products.
-        Cost { flops: 10.0 * b * h * s * s * d + 8.0 * b * h * s * s, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: 10.0 * b * h * s * s * d + 8.0 * b * h * s * s, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
         attention_class(inputs, attrs, 5.0)

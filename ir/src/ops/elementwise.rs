@@ -169,6 +169,10 @@ impl OpDef for Gelu {
         float("x", inputs[0])?;
         Ok(vec![inputs[0].clone()])
     }
+    fn special_per_element(&self) -> f64 {
+        // One tanh per element.
+        1.0
+    }
     fn flops_per_element(&self) -> f64 {
         // x^3, two multiply-adds, tanh (counted as 1), 1 + t, two multiplies.
         8.0
@@ -206,6 +210,10 @@ impl OpDef for Silu {
         arity(inputs, 1)?;
         float("x", inputs[0])?;
         Ok(vec![inputs[0].clone()])
+    }
+    fn special_per_element(&self) -> f64 {
+        // One exp per element.
+        1.0
     }
     fn flops_per_element(&self) -> f64 {
         4.0
@@ -250,6 +258,10 @@ impl OpDef for Swiglu {
             return Err(format!("gate {} and up {} must have the same type", inputs[0], inputs[1]));
         }
         Ok(vec![inputs[0].clone()])
+    }
+    fn special_per_element(&self) -> f64 {
+        // One exp per element.
+        1.0
     }
     fn flops_per_element(&self) -> f64 {
         5.0
@@ -303,6 +315,10 @@ impl OpDef for GeluGrad {
     fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         Ok(vec![same_types(&["x", "dy"], inputs)?])
     }
+    fn special_per_element(&self) -> f64 {
+        // One tanh per element.
+        1.0
+    }
     fn flops_per_element(&self) -> f64 {
         14.0
     }
@@ -334,6 +350,10 @@ impl OpDef for SiluGrad {
     }
     fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         Ok(vec![same_types(&["x", "dy"], inputs)?])
+    }
+    fn special_per_element(&self) -> f64 {
+        // One exp per element.
+        1.0
     }
     fn flops_per_element(&self) -> f64 {
         7.0
@@ -371,6 +391,10 @@ impl OpDef for SwigluGrad {
     fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         let t = same_types(&["gate", "up", "dy"], inputs)?;
         Ok(vec![t.clone(), t])
+    }
+    fn special_per_element(&self) -> f64 {
+        // One exp per element.
+        1.0
     }
     fn flops_per_element(&self) -> f64 {
         6.0

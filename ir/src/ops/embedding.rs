@@ -45,7 +45,7 @@ impl OpDef for Embedding {
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         // A gather reads only the rows it copies, not the whole table.
         let out = outputs.iter().map(|t| t.bytes() as f64).sum::<f64>();
-        Cost { flops: 0.0, bytes: 2.0 * out + io_bytes(&inputs[1..], &[]) }
+        Cost { flops: 0.0, bytes: 2.0 * out + io_bytes(&inputs[1..], &[]), special: 0.0 }
     }
     fn differentiable(&self) -> bool {
         true
@@ -106,7 +106,7 @@ impl OpDef for EmbeddingGrad {
         Ok(vec![TensorTy::new([vocab, dy.shape[dy.rank() - 1]], dy.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: inputs[1].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: inputs[1].num_elements() as f64, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // The ids' dims are reductions (rows are summed); hidden passes; the vocab dim of the

@@ -45,7 +45,7 @@ impl OpDef for SplitHeads {
         Ok(vec![TensorTy::new([x.shape[0], heads, x.shape[1], x.shape[2] / heads], x.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn differentiable(&self) -> bool {
         true
@@ -90,7 +90,7 @@ impl OpDef for MergeHeads {
         Ok(vec![TensorTy::new([x.shape[0], x.shape[2], x.shape[1] * x.shape[3]], x.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn differentiable(&self) -> bool {
         true
@@ -146,7 +146,7 @@ impl OpDef for Slice {
     }
     fn cost(&self, _inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         // Reads only the rows it keeps.
-        Cost { flops: 0.0, bytes: 2.0 * outputs.iter().map(|t| t.bytes() as f64).sum::<f64>() }
+        Cost { flops: 0.0, bytes: 2.0 * outputs.iter().map(|t| t.bytes() as f64).sum::<f64>(), special: 0.0 }
     }
     fn differentiable(&self) -> bool {
         true
@@ -205,7 +205,7 @@ impl OpDef for Pad {
         Ok(vec![TensorTy::new(shape, x.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {
         let axis = attrs.int("axis").unwrap_or(0).max(0) as usize;
@@ -250,7 +250,7 @@ impl OpDef for RepeatHeads {
         Ok(vec![TensorTy::new([x.shape[0], x.shape[1] * times, x.shape[2], x.shape[3]], x.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // Batch free; the input heads stay whole; the output heads (their own factor) are

@@ -40,8 +40,9 @@ impl OpDef for CrossEntropy {
         Ok(vec![TensorTy::scalar(inputs[0].dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        // max, subtract, exp, sum per logit.
-        Cost { flops: 4.0 * inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
+        // max, subtract, exp, sum per logit; an exp per logit and a log per row.
+        let (n, rows) = (inputs[0].num_elements() as f64, inputs[1].num_elements() as f64);
+        Cost { flops: 4.0 * n, bytes: io_bytes(inputs, outputs), special: n + rows }
     }
     fn differentiable(&self) -> bool {
         true
@@ -110,6 +111,10 @@ impl OpDef for CrossEntropyGrad {
         }
         Ok(vec![inputs[0].clone()])
     }
+    fn special_per_element(&self) -> f64 {
+        // The softmax recomputed: one exp per logit.
+        1.0
+    }
     fn flops_per_element(&self) -> f64 {
         5.0
     }
@@ -161,7 +166,7 @@ impl OpDef for RowMax {
         Ok(vec![TensorTy::new(inputs[0].shape[..inputs[0].rank() - 1].to_vec(), inputs[0].dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
 }
 
@@ -202,7 +207,8 @@ impl OpDef for CrossEntropyStats {
         Ok(vec![inputs[2].clone(), inputs[2].clone()])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: 3.0 * inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs) }
+        // An exp per logit.
+        Cost { flops: 3.0 * inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs), special: inputs[0].num_elements() as f64 }
     }
 }
 
@@ -281,6 +287,10 @@ impl OpDef for CrossEntropyGradShard {
         per_token("max", inputs[0], inputs[3])?;
         per_token("sumexp", inputs[0], inputs[4])?;
         Ok(vec![inputs[0].clone()])
+    }
+    fn special_per_element(&self) -> f64 {
+        // The softmax recomputed: one exp per logit.
+        1.0
     }
     fn flops_per_element(&self) -> f64 {
         4.0

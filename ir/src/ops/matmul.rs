@@ -100,7 +100,7 @@ impl OpDef for MatMul {
         let flops = MatMul::dims(inputs[0], inputs[1], attrs)
             .map(|d| 2.0 * d.batch.iter().map(|&b| b as f64).product::<f64>() * (d.m * d.k) as f64 * d.n as f64)
             .unwrap_or(0.0);
-        Cost { flops, bytes: io_bytes(inputs, outputs) }
+        Cost { flops, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
         let Ok(d) = MatMul::dims(inputs[0], inputs[1], attrs) else { return KernelClass::Memory };
@@ -197,7 +197,7 @@ impl OpDef for MatMulWeightGrad {
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         let rows = inputs[0].num_elements() as f64 / inputs[0].last_dim().unwrap_or(1).max(1) as f64;
         let (k, n) = (outputs[0].shape[0] as f64, outputs[0].shape[1] as f64);
-        Cost { flops: 2.0 * rows * k * n, bytes: io_bytes(inputs, outputs) }
+        Cost { flops: 2.0 * rows * k * n, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> KernelClass {
         // One GEMM contracting every row: [k, rows] x [rows, n].

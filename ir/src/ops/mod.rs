@@ -137,6 +137,11 @@ pub struct Cost {
     pub flops: f64,
     /// Bytes read plus bytes written.
     pub bytes: f64,
+    /// Transcendental functions (exp, log, tanh): they run on a GPU's special-function units
+    /// at a fraction of the arithmetic rate, and as library routines on a CPU (XLA's cost
+    /// analysis counts its "transcendentals" apart too). Square roots and divisions are single
+    /// instructions and count as arithmetic.
+    pub special: f64,
 }
 
 /// How a kernel spends its time, for the cluster model ([`crate::cluster::Cluster::kernel_time`]):
@@ -182,6 +187,7 @@ impl std::ops::AddAssign for Cost {
     fn add_assign(&mut self, other: Cost) {
         self.flops += other.flops;
         self.bytes += other.bytes;
+        self.special += other.special;
     }
 }
 
@@ -205,6 +211,12 @@ pub trait OpDef: Sync {
         0.0
     }
 
+    /// Special-function operations (see [`Cost::special`]) per result element, for ops priced by
+    /// the default [`OpDef::cost`].
+    fn special_per_element(&self) -> f64 {
+        0.0
+    }
+
     /// How one instance spends its time (GEMM, attention or memory-bound); the default is
     /// memory-bound.
     fn kernel_class(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> KernelClass {
@@ -214,7 +226,7 @@ pub trait OpDef: Sync {
     /// Cost of one instance.
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         let out_elems: f64 = outputs.iter().map(|t| t.num_elements() as f64).sum();
-        Cost { flops: out_elems * self.flops_per_element(), bytes: io_bytes(inputs, outputs) }
+        Cost { flops: out_elems * self.flops_per_element(), bytes: io_bytes(inputs, outputs), special: out_elems * self.special_per_element() }
     }
 
     /// Full name, e.g. `xf.matmul`.

@@ -47,7 +47,7 @@ impl OpDef for SumLeading {
         Ok(vec![TensorTy::new(x.shape[x.rank() - keep as usize..].to_vec(), x.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> super::Cost {
-        super::Cost { flops: inputs[0].num_elements() as f64, bytes: super::io_bytes(inputs, outputs) }
+        super::Cost { flops: inputs[0].num_elements() as f64, bytes: super::io_bytes(inputs, outputs), special: 0.0 }
     }
     fn differentiable(&self) -> bool {
         true
@@ -96,7 +96,7 @@ impl OpDef for FillLike {
         Ok(vec![inputs[0].clone()])
     }
     fn cost(&self, _inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> super::Cost {
-        super::Cost { flops: 0.0, bytes: outputs.iter().map(|t| t.bytes() as f64).sum() }
+        super::Cost { flops: 0.0, bytes: outputs.iter().map(|t| t.bytes() as f64).sum(), special: 0.0 }
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::IgnoresValues)

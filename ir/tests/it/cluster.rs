@@ -1,7 +1,7 @@
 //! The cluster model: collective times, link placement, TOML overrides.
 
 use shardc_ir::cluster::{Cluster, Collective, Link};
-use shardc_ir::ops::KernelClass;
+use shardc_ir::ops::{Cost, KernelClass};
 
 
 #[test]
@@ -42,6 +42,10 @@ fn toml_overrides_presets_and_names_bad_fields() {
     assert!(Cluster::from_toml("preset = \"tpu\"").unwrap_err().contains("unknown GPU `tpu`"));
     assert!(Cluster::from_toml("[intra_node]\nlatency = 1").unwrap_err().contains("intra_node.latency"));
     assert!(Cluster::from_toml("gpus_per_node = -1").unwrap_err().contains("positive"));
+}
+
+fn cost(flops: f64, bytes: f64) -> Cost {
+    Cost { flops, bytes, special: 0.0 }
 }
 
 fn gemm(m: f64, n: f64, k: f64) -> KernelClass {
@@ -94,19 +98,23 @@ fn few_tiles_split_the_contracted_dimension() {
 fn causal_flash_attention_does_about_half_the_work_and_memory_kernels_follow_the_roofline() {
     let c = tiles_only();
     let attention = |causal: bool| KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal, products: 2.0 };
-    let (full, causal) = (c.kernel_time(&attention(false), 0.0, 0.0, true), c.kernel_time(&attention(true), 0.0, 0.0, true));
+    let (full, causal) = (c.kernel_time(&attention(false), &cost(0.0, 0.0), true), c.kernel_time(&attention(true), &cost(0.0, 0.0), true));
     let ratio = causal / full;
     assert!((ratio - (4096.0 + 128.0) / 2.0 / 4096.0).abs() < 1e-12, "causal / full = {ratio}");
     // The backward's five products cost 2.5 forwards.
     let backward = KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal: true, products: 5.0 };
-    assert!((c.kernel_time(&backward, 0.0, 0.0, true) / causal - 2.5).abs() < 1e-12);
+    assert!((c.kernel_time(&backward, &cost(0.0, 0.0), true) / causal - 2.5).abs() < 1e-12);
     // Memory-bound: bytes at the achievable bandwidth, plus the launch.
     let h = Cluster::preset("h100-sxm").unwrap();
     let bytes = 1e9;
-    let t = h.kernel_time(&KernelClass::Memory, 1e6, bytes, true);
+    let t = h.kernel_time(&KernelClass::Memory, &cost(1e6, bytes), true);
     assert!((t - h.gpu.kernel_launch - bytes / (h.gpu.memory_bandwidth * h.gpu.memory_efficiency)).abs() < 1e-15);
+    // Special functions cost special_cost operations each.
+    let special = Cost { flops: 1e9, bytes: 0.0, special: 1e9 };
+    let t = h.kernel_time(&KernelClass::Memory, &special, false) - h.gpu.kernel_launch;
+    assert!((t - (1.0 + h.gpu.special_cost) * 1e9 / (h.gpu.fp32_flops * h.gpu.vector_efficiency)).abs() < 1e-12);
     // A tiny kernel costs its launch.
-    assert!((h.kernel_time(&KernelClass::Memory, 1.0, 4.0, true) / h.gpu.kernel_launch - 1.0).abs() < 1e-3);
+    assert!((h.kernel_time(&KernelClass::Memory, &cost(1.0, 4.0), true) / h.gpu.kernel_launch - 1.0).abs() < 1e-3);
 }
 
 #[test]

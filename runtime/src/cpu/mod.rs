@@ -166,6 +166,15 @@ pub struct CpuExecutor {
     profile: Option<Vec<f64>>,
 }
 
+/// Whether executors made from now on time every instruction ([`profile_executors`]).
+static PROFILE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes every executor created afterwards time each instruction (read with
+/// [`CpuExecutor::take_profile`]; multi-rank runs return rank 0's).
+pub fn profile_executors(on: bool) {
+    PROFILE.store(on, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// Threads the CPU kernels share (rayon's pool): every rank's kernels run on these.
 pub fn worker_threads() -> usize {
     rayon::current_num_threads()
@@ -265,6 +274,7 @@ impl CpuExecutor {
             })
             .collect::<Result<Vec<_>, RuntimeError>>()?;
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
+        let program_len = program.instrs.len();
         Ok(CpuExecutor {
             program,
             slots,
@@ -277,7 +287,7 @@ impl CpuExecutor {
             fault: None,
             abort: None,
             numerics: CHECK_NUMERICS.load(std::sync::atomic::Ordering::SeqCst),
-            profile: None,
+            profile: PROFILE.load(std::sync::atomic::Ordering::SeqCst).then(|| vec![0.0; program_len]),
         })
     }
 
