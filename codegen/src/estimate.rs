@@ -517,9 +517,12 @@ pub struct DataParallelTraffic {
     pub all_reduce: f64,
     /// Gradient reduce-scatters (from stage 1).
     pub reduce_scatter: f64,
-    /// Gathers of updated parameter shards (stages 1 and 2) or of parameters before their
-    /// forward and backward use (stage 3).
+    /// Gathers of updated parameter shards (stages 1 and 2), once per step.
     pub all_gather: f64,
+    /// Gathers of stored parameter shards before their forward and backward use (stage 3):
+    /// pipelined programs issue them in the forward and backward sections, so once per
+    /// micro-batch, inline.
+    pub gather_per_microbatch: f64,
     /// Collectives over dp the step issues.
     pub collectives: usize,
 }
@@ -530,8 +533,14 @@ impl DataParallelTraffic {
         [(Collective::AllReduce, "all_reduce", self.all_reduce), (Collective::ReduceScatter, "reduce_scatter", self.reduce_scatter), (Collective::AllGather, "all_gather", self.all_gather)]
     }
 
-    /// Seconds of each kind for `parameters` parameters over axis 0 (dp) of `grid`, each
-    /// kind priced as one collective of all its bytes (as buckets send them).
+    /// Seconds of the per-micro-batch gathers of `parameters` parameters over axis 0 (dp) of
+    /// `grid`, priced as one collective.
+    pub fn microbatch_time(&self, cluster: &Cluster, parameters: f64, grid: &[i64]) -> f64 {
+        if self.gather_per_microbatch > 0.0 { cluster.time(Collective::AllGather, self.gather_per_microbatch * parameters, grid, &[0]) } else { 0.0 }
+    }
+
+    /// Seconds of each per-step kind for `parameters` parameters over axis 0 (dp) of `grid`,
+    /// each kind priced as one collective of all its bytes (as buckets send them).
     pub fn times(&self, cluster: &Cluster, parameters: f64, grid: &[i64]) -> [(&'static str, f64); 3] {
         self.kinds().map(|(kind, name, bytes)| (name, if bytes > 0.0 { cluster.time(kind, bytes * parameters, grid, &[0]) } else { 0.0 }))
     }
@@ -541,6 +550,7 @@ impl DataParallelTraffic {
 /// parameter.
 pub fn data_parallel_traffic(program: &Program) -> DataParallelTraffic {
     let psi: f64 = parameter_bytes(program).iter().map(|s| s.psi).sum::<f64>().max(1.0);
+    let stored: std::collections::HashSet<usize> = program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).map(|a| a.buffer).collect();
     let mut t = DataParallelTraffic::default();
     for instr in &program.instrs {
         if !instr.ints("grid_axes").unwrap_or_default().contains(&0) {
@@ -550,6 +560,7 @@ pub fn data_parallel_traffic(program: &Program) -> DataParallelTraffic {
         let slot = match instr.op.as_str() {
             "shard.all_reduce" => (&mut t.all_reduce, bytes(instr.inputs.first())),
             "shard.reduce_scatter" => (&mut t.reduce_scatter, bytes(instr.inputs.first())),
+            "shard.all_gather" if instr.inputs.first().is_some_and(|b| stored.contains(b)) => (&mut t.gather_per_microbatch, bytes(instr.outputs.first())),
             "shard.all_gather" => (&mut t.all_gather, bytes(instr.outputs.first())),
             _ => continue,
         };

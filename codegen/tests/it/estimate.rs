@@ -126,7 +126,8 @@ fn zero3_sync_over_zero0_is_what_the_compiled_collectives_move() {
     let grid = [64i64, 1, 1];
     // Large enough that latencies vanish against the bytes.
     let params = 1e11;
-    let seconds = |t: &shardc_codegen::estimate::DataParallelTraffic| t.times(&cluster, params, &grid).iter().map(|(_, s)| s).sum::<f64>();
+    // One micro-batch: the per-step collectives and the gathers of the stored shards.
+    let seconds = |t: &shardc_codegen::estimate::DataParallelTraffic| t.times(&cluster, params, &grid).iter().map(|(_, s)| s).sum::<f64>() + t.microbatch_time(&cluster, params, &grid);
     for (dtype, param_bytes, gradient_bytes, textbook) in [("f32", 4.0, 4.0, 1.5), ("bf16", 2.0, 4.0, 1.0)] {
         let zero0 = tiny_dp2(dtype, 0, 0);
         let t0 = shardc_codegen::estimate::data_parallel_traffic(&zero0);
@@ -139,10 +140,19 @@ fn zero3_sync_over_zero0_is_what_the_compiled_collectives_move() {
         let loss = 4.0 / (gathered_once + gathered_twice);
         let exact = |what: &str, ours: f64, want: f64| assert!((ours - want).abs() < 1e-9 * want.max(1.0), "{dtype} {what}: {ours} vs {want}");
         exact("ZeRO-0 all-reduce bytes per parameter", t0.all_reduce, gradient_bytes + loss);
-        assert_eq!((t0.reduce_scatter, t0.all_gather), (0.0, 0.0), "{dtype}: {t0:?}");
+        assert_eq!((t0.reduce_scatter, t0.all_gather, t0.gather_per_microbatch), (0.0, 0.0, 0.0), "{dtype}: {t0:?}");
         exact("ZeRO-3 reduce-scatter bytes per parameter", t3.reduce_scatter, gradient_bytes);
-        exact("ZeRO-3 all-gather bytes per parameter", t3.all_gather, param_bytes * (2.0 * gathered_twice + gathered_once) / (gathered_twice + gathered_once));
+        // ZeRO-3 gathers the stored shards (per micro-batch), nothing after the update.
+        assert_eq!(t3.all_gather, 0.0, "{dtype}: {t3:?}");
+        exact("ZeRO-3 all-gather bytes per parameter", t3.gather_per_microbatch, param_bytes * (2.0 * gathered_twice + gathered_once) / (gathered_twice + gathered_once));
         exact("ZeRO-3 all-reduce (the loss)", t3.all_reduce, loss);
+        // Stages 1 and 2 reduce-scatter the gradient and gather the updated shard once.
+        for zero in [1, 2] {
+            let t = shardc_codegen::estimate::data_parallel_traffic(&tiny_dp2(dtype, zero, 0));
+            exact(&format!("ZeRO-{zero} reduce-scatter"), t.reduce_scatter, gradient_bytes);
+            exact(&format!("ZeRO-{zero} all-gather of the update"), t.all_gather, param_bytes);
+            assert_eq!(t.gather_per_microbatch, 0.0, "{dtype} ZeRO-{zero}: {t:?}");
+        }
         let ratio = seconds(&t3) / seconds(&t0);
         let gathered = param_bytes * (2.0 * gathered_twice + gathered_once) / (gathered_twice + gathered_once);
         close(&format!("{dtype} ZeRO-3 / ZeRO-0 sync"), ratio, (gathered + gradient_bytes) / (2.0 * gradient_bytes));
