@@ -1013,7 +1013,7 @@ fn check_numerics_accepts_shards_of_padding_only() {
 /// The rows of `shardc plan`'s table: (strategy, memory in GB, bound-by column).
 fn plan_rows(text: &str) -> Vec<(String, f64, String)> {
     text.lines()
-        .filter(|l| l.trim_start().split_whitespace().next().is_some_and(|w| w.parse::<usize>().is_ok()) && l.contains(" GB  "))
+        .filter(|l| l.split_whitespace().next().is_some_and(|w| w.parse::<usize>().is_ok()) && l.contains(" GB  "))
         .map(|l| {
             let (head, bound) = l.split_once(" GB  ").unwrap();
             let memory: f64 = head.split_whitespace().last().unwrap().parse().unwrap();

@@ -336,9 +336,11 @@ pub struct MemoryEstimate {
     /// memory plan, so within `temporaries`, and the gradient term's bytes: the input
     /// gradient dies at the issue) and reduces it there in place; only the CPU backend
     /// concatenates a bucket, in host memory.
+    #[serde(default)]
     pub buckets: f64,
     /// Bytes of gradient buckets beyond the above, staged in separate device buffers: 0 for
     /// every backend today (see `buckets`); added to `total`.
+    #[serde(default)]
     pub bucket_staging: f64,
     /// The sum.
     pub total: f64,
