@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use clap::Args;
 use miette::{miette, IntoDiagnostic, Result};
-use shardc_codegen::estimate::{unit_costs, UnitCosts};
+use shardc_codegen::estimate::{data_parallel_traffic, unit_costs, DataParallelTraffic, UnitCosts};
 use shardc_ir::cluster::{Cluster, Collective};
 use shardc_ir::mesh::Mesh;
 use shardc_ir::spec::Spec;
@@ -76,14 +76,131 @@ pub struct Plan {
     pub tflops_per_gpu: f64,
     /// Memory of each pipeline stage: (weights, gradients, optimizer, activations, temporaries).
     pub stage_memory: Vec<[f64; 5]>,
+    /// Index of the one-layer variant whose unit costs compose this plan.
+    pub unit: usize,
+    /// Data-parallel collectives per step (kind, seconds), priced from the bytes per
+    /// parameter the compiled dp=2 program of this ZeRO stage moves.
+    pub sync: [(&'static str, f64); 3],
+    /// Seconds of the sync not hidden behind the last micro-batch's backward.
+    pub sync_exposed: f64,
+    /// Seconds of the optimizer update.
+    pub update: f64,
+    /// Seconds of pipeline sends per step.
+    pub sends: f64,
+    /// Seconds of ZeRO-3's parameter gathers per step (every micro-batch's forward and
+    /// backward).
+    pub gathers: f64,
+    /// Whether the busiest stage is the first (embedding) rather than the last (head).
+    pub first_is_fuller: bool,
+    /// The schedule's bubble as a fraction of the pipeline time, and whether the schedule
+    /// was simulated (or, too long to simulate, taken from its closed form).
+    pub bubble_fraction: f64,
+    pub bubble_simulated: bool,
+    /// Layers of the model.
+    pub layers: u64,
+    /// Whether the model trains in f32 (its GEMMs against the fp32 peak).
+    pub fp32: bool,
 }
 
 impl Plan {
-    /// What bounds the step, in words.
-    pub fn bottleneck(&self, hbm: f64) -> String {
-        let parts = [("compute-bound", self.compute), ("communication-bound", self.communication), ("pipeline-bubble-bound", self.bubble)];
-        let (word, _) = parts.iter().fold(("compute-bound", f64::MIN), |best, (w, t)| if *t > best.1 { (*w, *t) } else { best });
-        if self.memory > 0.9 * hbm { format!("{word}, memory-tight ({:.0}% of HBM)", 100.0 * self.memory / hbm) } else { word.to_string() }
+    /// Where the step goes, composed from the unit costs `units[self.unit]`: seconds per step
+    /// of the busiest stage by kernel class (`gemm`, `attention`, `memory-bound`,
+    /// `optimizer`), by collective and axes (`all_reduce tp`, `send pp`; the dp sync as
+    /// `all_reduce dp` etc., whole, with `dp sync exposed` the part the last backward does
+    /// not hide), and `pipeline bubble`. The compute, tp, pp, bubble, exposed sync and
+    /// optimizer entries sum to the step.
+    pub fn breakdown(&self, units: &[UnitCosts]) -> Vec<(String, f64)> {
+        let Some(u) = units.get(self.unit) else { return Vec::new() };
+        let per_microbatch = self.microbatches as f64 * self.micro_batch as f64;
+        let lps = self.layers_per_stage();
+        let mut parts: std::collections::BTreeMap<String, f64> = std::collections::BTreeMap::new();
+        for (key, t) in &u.layer_breakdown {
+            *parts.entry(key.clone()).or_insert(0.0) += per_microbatch * lps * t;
+        }
+        let ends: Vec<&std::collections::BTreeMap<String, f64>> = match (self.pp, self.first_is_fuller) {
+            (1, _) => vec![&u.embed_breakdown, &u.head_breakdown],
+            (_, true) => vec![&u.embed_breakdown],
+            (_, false) => vec![&u.head_breakdown],
+        };
+        for end in ends {
+            for (key, t) in end {
+                *parts.entry(key.clone()).or_insert(0.0) += per_microbatch * t;
+            }
+        }
+        let mut out: Vec<(String, f64)> = parts.into_iter().collect();
+        out.push(("send pp".into(), self.sends));
+        out.push(("all_gather dp per micro-batch".into(), self.gathers));
+        out.push(("pipeline bubble".into(), self.bubble));
+        out.push(("optimizer".into(), self.update));
+        for (kind, t) in self.sync {
+            out.push((format!("{kind} dp"), t));
+        }
+        out.push(("dp sync exposed".into(), self.sync_exposed));
+        out.retain(|(_, t)| *t > 0.0);
+        out
+    }
+
+    /// Layers on one pipeline stage.
+    fn layers_per_stage(&self) -> f64 {
+        self.layers as f64 / self.pp as f64
+    }
+
+    /// The term that bounds the step (the largest part of it), with its seconds: the dp
+    /// sync counts only for its exposed part.
+    pub fn dominant(&self, units: &[UnitCosts]) -> (String, f64) {
+        self.breakdown(units)
+            .into_iter()
+            .filter(|(k, _)| !k.ends_with(" dp"))
+            .fold((String::new(), f64::MIN), |best, (k, t)| if t > best.1 { (k, t) } else { best })
+    }
+
+    /// What bounds the step, in a few words, for the table: the dominant term and its share,
+    /// and memory when it is tight.
+    pub fn bottleneck(&self, units: &[UnitCosts], hbm: f64) -> String {
+        let (term, t) = self.dominant(units);
+        let word = format!("{term} {:.0}%", 100.0 * t / self.step_seconds);
+        if self.memory > 0.9 * hbm { format!("{word}, memory-tight ({:.0}% of HBM)", 100.0 * self.memory / hbm) } else { word }
+    }
+
+    /// The assumption that bounds the estimate, in words: the dominant term and the cluster
+    /// constant (or the schedule simulation) it rests on, and where the cluster came from.
+    pub fn assumption(&self, units: &[UnitCosts], cluster: &Cluster, source: &str) -> String {
+        let (term, t) = self.dominant(units);
+        let g = &cluster.gpu;
+        let grid = [self.dp as i64, self.tp as i64, self.pp as i64];
+        let link = |axis: usize| {
+            let l = cluster.link(&grid, &[axis]);
+            let name = if l == cluster.intra_node { "intra-node link" } else { "inter-node link" };
+            format!("the {name}'s {:.0} GB/s", l.bandwidth / 1e9)
+        };
+        let share = 100.0 * t / self.step_seconds;
+        let what = match term.as_str() {
+            "gemm" => format!("GEMM time ({share:.0}% of the step) at gemm_efficiency {:.2} of {:.0} TFLOP/s", g.gemm_efficiency, self.peak(cluster) / 1e12),
+            "attention" => format!("attention time ({share:.0}% of the step) at attention_efficiency {:.2} of {:.0} TFLOP/s", g.attention_efficiency, self.peak(cluster) / 1e12),
+            "memory-bound" => format!("memory-bound kernels ({share:.0}% of the step) at {:.0} GB/s x memory_efficiency {:.2}", g.memory_bandwidth / 1e9, g.memory_efficiency),
+            "optimizer" => format!("the optimizer update ({share:.0}% of the step) at {:.0} GB/s", g.memory_bandwidth / 1e9),
+            "pipeline bubble" => format!(
+                "the pipeline bubble ({share:.0}% of the step, {:.1}% of the pipeline) from the {} of {} p={} m={} v={}",
+                100.0 * self.bubble_fraction,
+                if self.bubble_simulated { "schedule simulation" } else { "closed form" },
+                self.schedule,
+                self.pp,
+                self.microbatches,
+                self.virtual_stages
+            ),
+            "dp sync exposed" => format!("the dp sync ({share:.0}% of the step exposed) overlapping only the last backward, over {}", link(0)),
+            "send pp" => format!("pipeline sends ({share:.0}% of the step), unoverlapped, over {}", link(2)),
+            "all_gather dp per micro-batch" => format!("ZeRO-3 parameter gathers in every micro-batch ({share:.0}% of the step), unoverlapped, over {}", link(0)),
+            other if other.ends_with(" tp") => format!("tp collectives ({other}, {share:.0}% of the step), unoverlapped, over {}", link(1)),
+            other => format!("{other} ({share:.0}% of the step)"),
+        };
+        let hbm = g.memory_bytes;
+        let headroom = if self.memory > 0.9 * hbm { format!("; memory headroom only {:.1} GB of {:.0} GB", (hbm - self.memory) / 1e9, hbm / 1e9) } else { String::new() };
+        format!("bounded by {what} ({source}){headroom}")
+    }
+
+    fn peak(&self, cluster: &Cluster) -> f64 {
+        if self.fp32 { cluster.gpu.fp32_flops } else { cluster.gpu.bf16_flops }
     }
 
     fn label(&self) -> String {
@@ -103,8 +220,9 @@ impl Plan {
     }
 }
 
-/// Bubble fraction and peak micro-batches in flight on the first stage of a schedule.
-fn schedule_facts(kind: Kind, p: u64, m: u64, v: u64, cache: &mut HashMap<(u8, u64, u64, u64), (f64, f64)>) -> Option<(f64, f64)> {
+/// Bubble fraction, peak micro-batches in flight on the first stage of a schedule, and
+/// whether they come from simulating it (or from its closed form).
+fn schedule_facts(kind: Kind, p: u64, m: u64, v: u64, cache: &mut HashMap<(u8, u64, u64, u64), (f64, f64, bool)>) -> Option<(f64, f64, bool)> {
     let key = (kind as u8, p, m, v);
     if let Some(f) = cache.get(&key) {
         return Some(*f);
@@ -114,22 +232,26 @@ fn schedule_facts(kind: Kind, p: u64, m: u64, v: u64, cache: &mut HashMap<(u8, u
         let schedule = generate(kind, p as usize, m as usize, v as usize).ok()?;
         let costs = if kind == Kind::ZeroBubble { Costs { f: 1.0, b: 1.0, w: 1.0 } } else { Costs { f: 1.0 / vf, b: 1.0 / vf, w: 0.0 } };
         let t = simulate(&schedule, costs).ok()?;
-        (t.bubble, t.peak_in_flight.first().copied().unwrap_or(1) as f64 / vf)
+        (t.bubble, t.peak_in_flight.first().copied().unwrap_or(1) as f64 / vf, true)
     } else {
         // The closed forms the schedule tests check against the simulation.
-        match kind {
+        let (bubble, in_flight) = match kind {
             Kind::Gpipe => ((pf - 1.0) / (mf + pf - 1.0), mf),
             Kind::OneFOneB => ((pf - 1.0) / (mf + pf - 1.0), pf.min(mf)),
             Kind::Interleaved => ((pf - 1.0) / (vf * mf + pf - 1.0), (2.0 * (pf - 1.0) + (vf - 1.0) * pf + 1.0).min(mf * vf) / vf),
             // ZB-H1 fills most of 1F1B's bubble with weight gradients: a third of it remains.
             Kind::ZeroBubble => ((pf - 1.0) / (3.0 * mf + pf - 1.0), pf.min(mf)),
-        }
+        };
+        (bubble, in_flight, false)
     };
     cache.insert(key, facts);
     Some(facts)
 }
 
-fn compile_unit(spec: &Spec, tp: u64, sequence_parallel: bool, recompute: Recompute) -> Result<shardc_runtime::Program> {
+/// The training step of the model cut to one layer, one sequence per data-parallel rank, on
+/// `mesh` (no pipeline) under ZeRO stage `zero`.
+fn compile_unit(spec: &Spec, mesh: Mesh, zero: u8, sequence_parallel: bool, recompute: Recompute) -> Result<shardc_runtime::Program> {
+    let (tp, mesh) = (mesh.tp, Mesh { pp: 1, ..mesh });
     let mut one = spec.clone();
     one.model.layers = 1;
     one.training.micro_batch = 1;
@@ -137,7 +259,8 @@ fn compile_unit(spec: &Spec, tp: u64, sequence_parallel: bool, recompute: Recomp
     let options = CompileOptions {
         recompute,
         optimizer: OptimizerKind::adamw(1e-4),
-        mesh: Mesh { dp: 1, tp, pp: 1 },
+        zero,
+        mesh,
         vocab: spec.model.padded_vocab(tp) as i64,
         kv_heads: spec.model.kv_heads() as i64,
         sequence_parallel,
@@ -153,8 +276,33 @@ fn compile_unit(spec: &Spec, tp: u64, sequence_parallel: bool, recompute: Recomp
     shardc_codegen::lower_func_on(f, &grid).into_diagnostic()
 }
 
+/// What the search found.
+pub struct Searched {
+    /// Every strategy that fits, fastest first.
+    pub plans: Vec<Plan>,
+    /// Strategies considered.
+    pub considered: usize,
+    /// Unit costs of each one-layer variant ([`Plan::unit`] indexes them).
+    pub units: Vec<UnitCosts>,
+    /// What the data-parallel collectives move per parameter under each ZeRO stage.
+    pub traffic: Vec<DataParallelTraffic>,
+}
+
+/// A one-layer program to compile: a tensor-parallel variant for unit costs, or the dp=2
+/// step of a ZeRO stage for its data-parallel traffic.
+#[derive(Clone, Copy)]
+enum Job {
+    Unit(u64, bool, Recompute),
+    Sync(u8),
+}
+
+enum Measured {
+    Unit(UnitCosts),
+    Sync(DataParallelTraffic),
+}
+
 /// Every strategy for `gpus` GPUs that fits, fastest first.
-pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> Result<(Vec<Plan>, usize)> {
+pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> Result<Searched> {
     let m = &spec.model;
     let (layers, seq, hidden) = (m.layers, spec.seq_len(), m.hidden as f64);
     let tps: Vec<u64> = [1u64, 2, 4, 8, 16].into_iter().filter(|&t| t <= gpus && t as usize <= cluster.gpus_per_node && m.heads % t == 0 && m.ffn_hidden % t == 0 && m.kv_heads() % t == 0 && gpus % t == 0).collect();
@@ -168,11 +316,32 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
             }
         }
     }
-    let units: Vec<Result<UnitCosts>> = std::thread::scope(|s| {
-        let chunks: Vec<_> = variants.chunks(variants.len().div_ceil(2).max(1)).collect();
-        let handles: Vec<_> = chunks.into_iter().map(|chunk| s.spawn(move || chunk.iter().map(|&(t, sp, _, r)| compile_unit(spec, t, sp, r).map(|p| unit_costs(&p, cluster))).collect::<Vec<_>>())).collect();
-        handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|_| vec![Err(miette!("compiling a one-layer variant panicked"))])).collect()
+    // And, per ZeRO stage, the one-layer step at dp=2 whose dp collectives say what the
+    // data-parallel sync moves per parameter (the same at any tp: per model-parallel share).
+    let mut jobs: Vec<Job> = variants.iter().map(|&(t, sp, _, r)| Job::Unit(t, sp, r)).collect();
+    if gpus > 1 {
+        jobs.extend((0..=3u8).map(Job::Sync));
+    }
+    // Alternate jobs between the two threads: the dp=2 compiles are the cheapest.
+    let halves: [Vec<Job>; 2] = [jobs.iter().step_by(2).copied().collect(), jobs.iter().skip(1).step_by(2).copied().collect()];
+    let measured: Vec<Result<Measured>> = std::thread::scope(|s| {
+        let run = |job: Job| match job {
+            Job::Unit(t, sp, r) => compile_unit(spec, Mesh { dp: 1, tp: t, pp: 1 }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
+            Job::Sync(zero) => compile_unit(spec, Mesh { dp: 2, tp: 1, pp: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
+        };
+        let handles: Vec<_> = halves.iter().map(|half| s.spawn(move || half.iter().map(|&job| run(job)).collect::<Vec<_>>())).collect();
+        let mut results: Vec<std::vec::IntoIter<Result<Measured>>> = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![Err(miette!("compiling a one-layer variant panicked"))]).into_iter()).collect();
+        // Back in job order.
+        (0..jobs.len()).map(|i| results[i % 2].next().unwrap_or_else(|| Err(miette!("a one-layer variant was not compiled")))).collect()
     });
+    let mut units: Vec<UnitCosts> = Vec::new();
+    let mut traffic: Vec<DataParallelTraffic> = Vec::new();
+    for m in measured {
+        match m? {
+            Measured::Unit(u) => units.push(u),
+            Measured::Sync(t) => traffic.push(t),
+        }
+    }
     let peak = if matches!(spec.model.dtype, shardc_ir::spec::SpecDType::F32) { cluster.gpu.fp32_flops } else { cluster.gpu.bf16_flops };
     let params_total = {
         let module = shardc_ir::spec::lower(spec, spec.step_shape(&Mesh::default())).into_diagnostic()?;
@@ -181,11 +350,11 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let tokens = (global_batch * seq) as f64;
     let model_flops = tokens * (6.0 * params_total + 12.0 * layers as f64 * seq as f64 * hidden);
     let hbm = cluster.gpu.memory_bytes;
+    let fp32 = matches!(spec.model.dtype, shardc_ir::spec::SpecDType::F32);
     let mut cache = HashMap::new();
     let mut plans = Vec::new();
     let mut considered = 0usize;
-    for (&(tp, sp, rname, _), unit) in variants.iter().zip(&units) {
-        let u = unit.as_ref().map_err(|e| miette!("{e}"))?;
+    for (index, (&(tp, sp, rname, _), u)) in variants.iter().zip(&units).enumerate() {
         for pp in (1..=layers.min(gpus / tp)).filter(|&p| layers % p == 0 && gpus % (tp * p) == 0) {
             let dp = gpus / (tp * pp);
             if global_batch % dp != 0 {
@@ -207,17 +376,25 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                 };
                 let lps = (layers / pp) as f64;
                 let bf = b as f64;
-                // The fuller of the first and last stages.
-                let first = bf * (lps * (u.layer_forward + u.layer_backward) + u.embed.0 + u.embed.1);
-                let last = bf * (lps * (u.layer_forward + u.layer_backward) + u.head.0 + u.head.1);
+                // The fuller of the first and last stages (one stage holds both ends).
+                let (embed, head) = (u.embed.0 + u.embed.1, u.head.0 + u.head.1);
+                let first = bf * (lps * (u.layer_forward + u.layer_backward) + embed + if pp == 1 { head } else { 0.0 });
+                let last = bf * (lps * (u.layer_forward + u.layer_backward) + head + if pp == 1 { embed } else { 0.0 });
                 let grid = [dp as i64, tp as i64, pp as i64];
                 let send = if pp > 1 { 2.0 * cluster.time(Collective::Send, 2.0 * bf * seq as f64 * hidden / if sp { tp as f64 } else { 1.0 }, &grid, &[2]) } else { 0.0 };
-                let stage = first.max(last) + send;
+                let first_is_fuller = first >= last;
                 let psi = lps * u.layer_params + u.other_params;
                 for &(kind, sname, v) in &kinds {
-                    let Some((bubble_fraction, in_flight)) = schedule_facts(kind, pp, mbs, v, &mut cache) else { continue };
+                    let Some((bubble_fraction, in_flight, bubble_simulated)) = schedule_facts(kind, pp, mbs, v, &mut cache) else { continue };
                     for zero in 0..=if dp > 1 { 3u8 } else { 0 } {
                         considered += 1;
+                        // ZeRO-3 gathers the stage's stored shards in every micro-batch's
+                        // forward and backward, inline, as its compiled program does.
+                        let gather = match traffic.get(zero as usize) {
+                            Some(t) if dp > 1 => t.microbatch_time(cluster, psi, &grid),
+                            _ => 0.0,
+                        };
+                        let stage = first.max(last) + send + gather;
                         let d = dp as f64;
                         let shard = |from: u8| if zero >= from { psi / d } else { psi };
                         // Per stage: its layers, the embedding on the first, the head on the
@@ -234,14 +411,24 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                                 [u.parameter_bytes * shard_s(3), u.gradient_bytes * shard_s(2), u.state_bytes * shard_s(1), kept, bf * u.temporaries]
                             })
                             .collect();
+                        // Gradient buckets (ZeRO 0, dp > 1: `shardc run` buckets by default)
+                        // add no bytes: each member is reduced in its own all-reduce output,
+                        // the reduced gradient the gradient term counts, and its input dies
+                        // at the issue (see `MemoryEstimate::buckets`).
                         let memory = stage_memory.iter().map(|m| m.iter().sum::<f64>()).fold(0.0, f64::max);
                         if memory > hbm {
                             continue;
                         }
                         let busy = mbs as f64 * stage;
                         let pipeline = busy / (1.0 - bubble_fraction);
-                        // Gradients are reduced in the type the program reduces them in.
-                        let sync = if dp > 1 { cluster.time(Collective::AllReduce, u.gradient_bytes * psi, &grid, &[0]) * if zero >= 3 { 1.5 } else { 1.0 } } else { 0.0 };
+                        // The dp collectives the compiled step of this ZeRO stage issues, by
+                        // kind, at the bytes per parameter they move there (in the types the
+                        // program reduces and gathers in), for this stage's parameters.
+                        let sync_parts = match traffic.get(zero as usize) {
+                            Some(t) if dp > 1 => t.times(cluster, psi, &grid),
+                            _ => [("all_reduce", 0.0), ("reduce_scatter", 0.0), ("all_gather", 0.0)],
+                        };
+                        let sync: f64 = sync_parts.iter().map(|(_, t)| t).sum();
                         let exposed = (sync - bf * lps * u.layer_backward).max(0.0);
                         // The update reads the gradient and the state, writes the state and the
                         // parameter.
@@ -261,11 +448,22 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                             step_seconds: step,
                             compute: busy,
                             bubble: pipeline - busy,
-                            communication: exposed + mbs as f64 * send,
+                            communication: exposed + mbs as f64 * (send + gather),
                             memory,
                             mfu: model_flops / step / (peak * gpus as f64),
                             tflops_per_gpu: model_flops / step / gpus as f64 / 1e12,
                             stage_memory,
+                            unit: index,
+                            sync: sync_parts,
+                            sync_exposed: exposed,
+                            update,
+                            sends: mbs as f64 * send,
+                            gathers: mbs as f64 * gather,
+                            first_is_fuller,
+                            bubble_fraction,
+                            bubble_simulated,
+                            layers,
+                            fp32,
                         });
                     }
                 }
@@ -274,7 +472,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     }
     // Fastest first; among equals, the one that leaves more memory free.
     plans.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds).then(a.memory.total_cmp(&b.memory)));
-    Ok((plans, considered))
+    Ok(Searched { plans, considered, units, traffic })
 }
 
 /// `shardc plan`.
@@ -304,7 +502,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     spinner.enable_steady_tick(std::time::Duration::from_millis(100));
     let searched = search(&spec, &cluster, args.gpus, global_batch);
     spinner.finish_and_clear();
-    let (plans, considered) = searched?;
+    let Searched { plans, considered, units, traffic } = searched?;
     let elapsed = start.elapsed().as_secs_f64();
     println!(
         "shardc plan: {} on {} x {} ({} per node), global batch {} x {} tokens: {} strategies considered, {} fit, {:.2} s",
@@ -329,7 +527,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     if plans.is_empty() {
         return Err(miette!(help = "add GPUs, or lower --global-batch / --seq", "no strategy fits in {:.0} GB per GPU", cluster.gpu.memory_bytes / 1e9));
     }
-    println!("  {:<3} {:<58} {:>10} {:>7} {:>10} {:>10}  {}", "#", "strategy", "step", "MFU", "TFLOP/s", "memory", "bottleneck");
+    println!("  {:<3} {:<58} {:>10} {:>7} {:>10} {:>10}  {}", "#", "strategy", "step", "MFU", "TFLOP/s", "memory", "bound by (share of the step)");
     for (i, p) in plans.iter().take(args.top).enumerate() {
         println!(
             "  {:<3} {:<58} {:>10} {:>6.1}% {:>10.1} {:>7.1} GB  {}",
@@ -339,9 +537,15 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
             100.0 * p.mfu,
             p.tflops_per_gpu,
             p.memory / 1e9,
-            p.bottleneck(cluster.gpu.memory_bytes)
+            p.bottleneck(&units, cluster.gpu.memory_bytes)
         );
     }
+    // Where the numbers come from: a preset's data-sheet constants, or the user's file.
+    let source = match &args.step.cluster {
+        Some(path) => format!("--cluster {}", path.display()),
+        None => format!("{} preset, uncalibrated", cluster.gpu.name),
+    };
+    println!("  #1 is {}", plans[0].assumption(&units, &cluster, &source));
     // The best plan as a command line (`--micro-batch` is per data-parallel replica, as `b`).
     let best = &plans[0];
     let mut command = format!(
@@ -368,6 +572,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         command.push_str(&format!(" --seq {}", spec.seq_len()));
     }
     println!("  best as a command: {command}");
+    if args.explain {
+        explain_best(&plans[0], &units, &traffic);
+    }
     if args.explain && plans.len() > 1 {
         let (a, b) = (&plans[0], &plans[1]);
         println!("why #1 beats #2 ({:.1}% faster):", 100.0 * (b.step_seconds / a.step_seconds - 1.0));
@@ -394,10 +601,24 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         println!("  they differ in: {}", differs.join(", "));
     }
     if let Some(path) = &args.report {
-        std::fs::write(path, report_html(&spec, &cluster, args.gpus, global_batch, &plans[..plans.len().min(args.top)])).into_diagnostic()?;
+        std::fs::write(path, report_html(&spec, &cluster, args.gpus, global_batch, &plans[..plans.len().min(args.top)], &units)).into_diagnostic()?;
         println!("  report      {}", path.display());
     }
     Ok(())
+}
+
+/// Where the best plan's step goes: per kernel class and per collective (kind and axes),
+/// composed from the unit costs, with what the dp collectives move per parameter.
+fn explain_best(best: &Plan, units: &[UnitCosts], traffic: &[DataParallelTraffic]) {
+    println!("where #1's step goes ({:.3} s; busiest stage, per step):", best.step_seconds);
+    for (what, t) in best.breakdown(units) {
+        let note = if what.ends_with(" dp") { " (overlaps the last backward)" } else { "" };
+        println!("  {what:<22} {t:>9.3} s {:>6.1}%{note}", 100.0 * t / best.step_seconds);
+    }
+    if let Some(t) = traffic.get(best.zero as usize).filter(|_| best.dp > 1) {
+        let moved: Vec<String> = t.kinds().iter().filter(|(_, _, b)| *b > 0.0).map(|(_, name, b)| format!("{name} {b:.2}")).collect();
+        println!("  dp sync at ZeRO-{}: bytes per parameter the compiled step moves: {}", best.zero, moved.join(", "));
+    }
 }
 
 fn escape(s: &str) -> String {
@@ -431,7 +652,7 @@ fn bars(title: &str, rows: &[(String, Vec<f64>)], names: &[&str], colors: &[&str
 }
 
 /// The HTML report of the best plans.
-fn report_html(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64, plans: &[Plan]) -> String {
+fn report_html(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64, plans: &[Plan], units: &[UnitCosts]) -> String {
     let best = &plans[0];
     let colors = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f"];
     let memory = bars(
@@ -478,7 +699,7 @@ fn report_html(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64, pla
                 100.0 * p.mfu,
                 p.tflops_per_gpu,
                 p.memory / 1e9,
-                escape(&p.bottleneck(cluster.gpu.memory_bytes))
+                escape(&p.bottleneck(units, cluster.gpu.memory_bytes))
             )
         })
         .collect();
@@ -502,6 +723,6 @@ fn report_html(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64, pla
         step = best.step_seconds,
         mfu = 100.0 * best.mfu,
         tflops = best.tflops_per_gpu,
-        bound = escape(&best.bottleneck(cluster.gpu.memory_bytes)),
+        bound = escape(&best.bottleneck(units, cluster.gpu.memory_bytes)),
     )
 }

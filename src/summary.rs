@@ -352,7 +352,7 @@ impl Summary {
             line(
                 "memory/GPU",
                 format!(
-                    "{} {}: weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}; {} in {}'s {}",
+                    "{} {}: weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}{}; {} in {}'s {}",
                     gb(m.total),
                     match spec.model.dtype {
                         shardc_ir::spec::SpecDType::Bf16 => "in mixed precision (bf16 weights; fp32 gradients, master weights and moments)",
@@ -366,6 +366,9 @@ impl Summary {
                     m.in_flight,
                     if m.in_flight == 1 { "" } else { "es" },
                     gb(m.temporaries),
+                    // Bucketed gradients are reduced in place in their own buffers: part of
+                    // the gradients and temporaries above, not extra.
+                    if m.buckets > 0.0 { format!(" (dp buckets: {} of reduced gradients, in place, counted above)", gb(m.buckets)) } else { String::new() },
                     if m.total <= self.gpu_memory { "fits" } else { "does NOT fit" },
                     self.gpu,
                     gb(self.gpu_memory)

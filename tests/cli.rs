@@ -1055,4 +1055,98 @@ fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
     let out = shardc(&["bench", "models/tiny.toml", "--mesh", "pp=2", "--profile"]);
     assert!(!out.status.success() && stderr(&out).contains("--profile"), "{}", stderr(&out));
     std::fs::remove_dir_all(&dir).ok();
+
+/// The rows of `shardc plan`'s table: (strategy, memory in GB, bound-by column).
+fn plan_rows(text: &str) -> Vec<(String, f64, String)> {
+    text.lines()
+        .filter(|l| l.split_whitespace().next().is_some_and(|w| w.parse::<usize>().is_ok()) && l.contains(" GB  "))
+        .map(|l| {
+            let (head, bound) = l.split_once(" GB  ").unwrap();
+            let memory: f64 = head.split_whitespace().last().unwrap().parse().unwrap();
+            // The label ends with the ZeRO stage: `z0` to `z3`.
+            let words: Vec<&str> = head.split_whitespace().skip(1).collect();
+            let end = words.iter().position(|w| w.len() == 2 && w.starts_with('z')).unwrap_or(words.len() - 1);
+            let strategy = words[..=end].join(" ");
+            (strategy, memory, bound.trim().to_string())
+        })
+        .collect()
+}
+
+/// `shardc plan --explain` says where the best plan's step goes, per kernel class and per
+/// collective, and the parts that make the step (all but the dp collectives, which overlap
+/// the last backward and count by their exposed part) sum to it; the table names each plan's
+/// dominant term with its share, and a line names the assumption behind the best: the
+/// preset's constant, marked uncalibrated, or the `--cluster` file's.
+#[test]
+fn plan_says_where_the_step_goes_and_what_bounds_it() {
+    let args = ["plan", "models/gpt3-175b.toml", "--gpus", "1024", "--global-batch", "1536", "--explain"];
+    let out = shardc(&[&args[..], &["--gpu", "a100-80g"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let step: f64 = text.split("where #1's step goes (").nth(1).and_then(|r| r.split(" s;").next()).unwrap_or_else(|| panic!("{text}")).parse().unwrap();
+    let parts: Vec<(String, f64)> = text
+        .split("where #1's step goes")
+        .nth(1)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .take_while(|l| l.starts_with("  ") && l.contains(" s "))
+        .map(|l| {
+            let (name, rest) = l.trim().split_once("  ").unwrap();
+            (name.trim().to_string(), rest.split_whitespace().next().unwrap().parse().unwrap())
+        })
+        .collect();
+    let part = |name: &str| parts.iter().find(|(n, _)| n == name).map(|(_, t)| *t);
+    for class in ["gemm", "attention", "memory-bound", "optimizer", "all_reduce tp", "send pp", "pipeline bubble"] {
+        assert!(part(class).is_some_and(|t| t > 0.0), "{class} missing: {text}");
+    }
+    let sum: f64 = parts.iter().filter(|(n, _)| !n.ends_with(" dp")).map(|(_, t)| t).sum();
+    assert!((sum - step).abs() <= 0.001 * step + 0.01, "parts sum to {sum}, the step is {step}: {text}");
+    // The table's dominant term for #1 is the largest part, with its share.
+    let rows = plan_rows(&text);
+    let (name, largest) = parts.iter().filter(|(n, _)| !n.ends_with(" dp")).fold(("", 0.0), |b, (n, t)| if *t > b.1 { (n.as_str(), *t) } else { b });
+    assert_eq!(name, "gemm", "{text}");
+    assert!(rows[0].2.starts_with(&format!("gemm {:.0}%", 100.0 * largest / step)), "{:?} vs {largest}: {text}", rows[0]);
+    assert!(rows.iter().all(|r| !r.2.is_empty()), "every plan names its bound: {text}");
+    assert!(text.contains("#1 is bounded by GEMM time") && text.contains("gemm_efficiency 0.85 of 312 TFLOP/s (a100-80g preset, uncalibrated)"), "{text}");
+    // The bytes per parameter of the dp collectives, read from the compiled step of #1's ZeRO
+    // stage (mixed precision: fp32 gradients reduce-scattered, bf16 weights gathered).
+    let zero: u8 = rows[0].0.rsplit(" z").next().unwrap().parse().unwrap();
+    if zero == 1 || zero == 2 {
+        assert!(text.contains(&format!("dp sync at ZeRO-{zero}: bytes per parameter the compiled step moves: all_reduce 0.00, reduce_scatter 4.00, all_gather 2.00")), "{text}");
+    }
+    // With a cluster file, the line names the file's constant instead.
+    let dir = tempdir("plan-bound");
+    let file = dir.join("cluster.toml");
+    std::fs::write(&file, "preset = \"a100-80g\"\n[gpu]\ngemm_efficiency = 0.6\n").unwrap();
+    let out = shardc(&[&args[..], &["--cluster", file.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let line = text.lines().find(|l| l.contains("#1 is bounded by")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("gemm_efficiency 0.60") && line.contains(&format!("(--cluster {})", file.display())) && !line.contains("uncalibrated"), "{line}");
+}
+
+/// A plan whose memory exceeds the GPU's is not listed: with the GPU's memory cut to 50 GB,
+/// exactly the plans estimated at or under 50 GB remain (the estimate does not depend on the
+/// capacity), among them none of the faster ones that need more.
+#[test]
+fn plans_that_exceed_the_gpu_memory_are_not_listed() {
+    let args = ["plan", "models/gpt3-175b.toml", "--gpus", "1024", "--global-batch", "1536", "--top", "100000"];
+    let out = shardc(&[&args[..], &["--gpu", "a100-80g"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let all = plan_rows(&stdout(&out));
+    let dir = tempdir("plan-hbm");
+    let file = dir.join("cluster.toml");
+    std::fs::write(&file, "preset = \"a100-80g\"\n[gpu]\nmemory_bytes = 50e9\n").unwrap();
+    let out = shardc(&[&args[..], &["--cluster", file.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let small = plan_rows(&text);
+    assert!(text.contains(&format!("{} fit", small.len())), "{text}");
+    assert!(!small.is_empty() && small.iter().all(|r| r.1 <= 50.0), "{text}");
+    // Printed to 0.1 GB: leave out the plans within rounding of the limit.
+    let under = all.iter().filter(|r| r.1 < 49.95).count();
+    let near = all.iter().filter(|r| (49.95..=50.05).contains(&r.1)).count();
+    assert!(small.len() >= under && small.len() <= under + near, "{} listed, {under} under 50 GB (+{near} at it)", small.len());
+    assert!(all[0].1 > 50.0 && !small.iter().any(|r| r.0 == all[0].0), "the 80 GB best ({:?}) is gone", all[0]);
 }

@@ -340,6 +340,19 @@ pub struct MemoryEstimate {
     pub in_flight: usize,
     /// Bytes of the peak of everything else the memory plan holds at once.
     pub temporaries: f64,
+    /// Bytes of data-parallel gradient buckets: the reduced gradients of every `xf.async`
+    /// all-reduce, held from the bucket's issue to its `xf.wait` at the end of the step.
+    /// Not added to `total`: no backend stages a bucket in device memory of its own. The
+    /// CUDA backend copies each member into that all-reduce's output buffer (a buffer of the
+    /// memory plan, so within `temporaries`, and the gradient term's bytes: the input
+    /// gradient dies at the issue) and reduces it there in place; only the CPU backend
+    /// concatenates a bucket, in host memory.
+    #[serde(default)]
+    pub buckets: f64,
+    /// Bytes of gradient buckets beyond the above, staged in separate device buffers: 0 for
+    /// every backend today (see `buckets`); added to `total`.
+    #[serde(default)]
+    pub bucket_staging: f64,
     /// The sum.
     pub total: f64,
 }
@@ -420,6 +433,18 @@ fn kept_activations(program: &Program) -> f64 {
     elements(&kept.into_iter().collect::<Vec<_>>())
 }
 
+/// Bytes of the members of the program's asynchronous gradient buckets (the outputs of its
+/// `xf.async` all-reduces).
+fn bucket_bytes(program: &Program) -> f64 {
+    program
+        .instrs
+        .iter()
+        .filter(|i| i.bool("xf.async").unwrap_or(false) && i.int("xf.bucket").is_ok())
+        .filter_map(|i| i.outputs.first())
+        .map(|&b| program.buffers[b].len() as f64 * program.buffers[b].dtype.bytes() as f64)
+        .sum()
+}
+
 /// The memory of each rank program (one, or one per pipeline rank) compiled under ZeRO stage
 /// `zero`: parameters and optimizer state are counted in the program's own layouts, so the
 /// estimate says what the program shards.
@@ -447,8 +472,11 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
             let activations = kept * in_flight as f64;
             // The plan's peak holds one micro-batch's kept values too: the rest is temporaries.
             let temporaries = (program.memory.temporary_bytes as f64 - kept).max(0.0);
-            let mut m = MemoryEstimate { parameters, gradients, optimizer, activations, in_flight, temporaries, total: 0.0 };
-            m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries;
+            let buckets = bucket_bytes(program);
+            // Members are reduced in their own output buffers (see `MemoryEstimate::buckets`).
+            let bucket_staging = 0.0;
+            let mut m = MemoryEstimate { parameters, gradients, optimizer, activations, in_flight, temporaries, buckets, bucket_staging, total: 0.0 };
+            m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.bucket_staging;
             m
         })
         .collect()
@@ -483,6 +511,76 @@ pub struct UnitCosts {
     pub other_params: f64,
     /// Peak temporary bytes besides kept values.
     pub temporaries: f64,
+    /// One layer's forward and backward seconds by kernel class (`gemm`, `attention`,
+    /// `memory-bound`) and by collective and axes (`all_reduce tp`), as priced above.
+    pub layer_breakdown: BTreeMap<String, f64>,
+    /// The same for the embedding's forward and backward.
+    pub embed_breakdown: BTreeMap<String, f64>,
+    /// The same for the head's forward and backward.
+    pub head_breakdown: BTreeMap<String, f64>,
+}
+
+/// Bytes per parameter the data-parallel collectives of a compiled step move, by kind, as
+/// [`Cluster::time`] prices them (an all-reduce or reduce-scatter by its input, an
+/// all-gather by its output); parameters are the model-parallel share (the program's
+/// parameters before any ZeRO split over dp).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DataParallelTraffic {
+    /// Gradient all-reduces (ZeRO stage 0).
+    pub all_reduce: f64,
+    /// Gradient reduce-scatters (from stage 1).
+    pub reduce_scatter: f64,
+    /// Gathers of updated parameter shards (stages 1 and 2), once per step.
+    pub all_gather: f64,
+    /// Gathers of stored parameter shards before their forward and backward use (stage 3):
+    /// pipelined programs issue them in the forward and backward sections, so once per
+    /// micro-batch, inline.
+    pub gather_per_microbatch: f64,
+    /// Collectives over dp the step issues.
+    pub collectives: usize,
+}
+
+impl DataParallelTraffic {
+    /// The kinds, their names and bytes per parameter.
+    pub fn kinds(&self) -> [(Collective, &'static str, f64); 3] {
+        [(Collective::AllReduce, "all_reduce", self.all_reduce), (Collective::ReduceScatter, "reduce_scatter", self.reduce_scatter), (Collective::AllGather, "all_gather", self.all_gather)]
+    }
+
+    /// Seconds of the per-micro-batch gathers of `parameters` parameters over axis 0 (dp) of
+    /// `grid`, priced as one collective.
+    pub fn microbatch_time(&self, cluster: &Cluster, parameters: f64, grid: &[i64]) -> f64 {
+        if self.gather_per_microbatch > 0.0 { cluster.time(Collective::AllGather, self.gather_per_microbatch * parameters, grid, &[0]) } else { 0.0 }
+    }
+
+    /// Seconds of each per-step kind for `parameters` parameters over axis 0 (dp) of `grid`,
+    /// each kind priced as one collective of all its bytes (as buckets send them).
+    pub fn times(&self, cluster: &Cluster, parameters: f64, grid: &[i64]) -> [(&'static str, f64); 3] {
+        self.kinds().map(|(kind, name, bytes)| (name, if bytes > 0.0 { cluster.time(kind, bytes * parameters, grid, &[0]) } else { 0.0 }))
+    }
+}
+
+/// What the program's collectives over dp (those whose `grid_axes` include axis 0) move per
+/// parameter.
+pub fn data_parallel_traffic(program: &Program) -> DataParallelTraffic {
+    let psi: f64 = parameter_bytes(program).iter().map(|s| s.psi).sum::<f64>().max(1.0);
+    let stored: std::collections::HashSet<usize> = program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).map(|a| a.buffer).collect();
+    let mut t = DataParallelTraffic::default();
+    for instr in &program.instrs {
+        if !instr.ints("grid_axes").unwrap_or_default().contains(&0) {
+            continue;
+        }
+        let bytes = |b: Option<&usize>| b.map_or(0.0, |&b| program.buffers[b].len() as f64 * program.buffers[b].dtype.bytes() as f64);
+        let slot = match instr.op.as_str() {
+            "shard.all_reduce" => (&mut t.all_reduce, bytes(instr.inputs.first())),
+            "shard.reduce_scatter" => (&mut t.reduce_scatter, bytes(instr.inputs.first())),
+            "shard.all_gather" if instr.inputs.first().is_some_and(|b| stored.contains(b)) => (&mut t.gather_per_microbatch, bytes(instr.outputs.first())),
+            "shard.all_gather" => (&mut t.all_gather, bytes(instr.outputs.first())),
+            _ => continue,
+        };
+        *slot.0 += slot.1 / psi;
+        t.collectives += 1;
+    }
+    t
 }
 
 /// Measures [`UnitCosts`] on the training step of a one-layer model.
@@ -493,7 +591,20 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
         if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || instr.bool("xf.async").unwrap_or(false) {
             continue;
         }
-        let t = price(program, instr, cluster).seconds();
+        let priced = price(program, instr, cluster);
+        let t = priced.seconds();
+        let key = match &priced {
+            Priced::Compute(class, _) => class.to_string(),
+            Priced::Communication(axes, _) => format!("{} {axes}", instr.op.strip_prefix("shard.").unwrap_or(&instr.op)),
+        };
+        let classes = if instr.loc.starts_with("layers.") {
+            &mut u.layer_breakdown
+        } else if instr.loc.starts_with("embed") {
+            &mut u.embed_breakdown
+        } else {
+            &mut u.head_breakdown
+        };
+        *classes.entry(key).or_insert(0.0) += t;
         let backward = index >= seed;
         let slot = if instr.loc.starts_with("layers.") {
             if backward { &mut u.layer_backward } else { &mut u.layer_forward }

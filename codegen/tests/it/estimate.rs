@@ -95,3 +95,113 @@ fn unit_costs_read_bytes_per_parameter_from_the_program() {
         assert!(u.layer_kept > 0.0 && u.temporaries >= 0.0);
     }
 }
+
+/// The one-layer-ish tiny step at dp=2 under ZeRO stage `zero`, with gradient buckets of
+/// `bucket_bytes` (0: none).
+fn tiny_dp2(dtype: &str, zero: u8, bucket_bytes: u64) -> shardc_runtime::Program {
+    let mut spec = spec_with_dtype("tiny", dtype);
+    spec.training.micro_batch = 2;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero, comm_opt: false, grad_bucket_bytes: bucket_bytes, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap()
+}
+
+/// What the data-parallel collectives of a compiled step move per parameter, against an
+/// independent count: ZeRO-0 all-reduces each gradient once (in the type it is reduced in:
+/// fp32 in mixed precision); ZeRO-3 reduce-scatters each gradient and gathers each parameter
+/// (in its stored type) for the forward and again for the backward where the backward reads
+/// it: the weights of products (the token table too, read again as the tied head) and norm
+/// scales, not biases or the position table (their gradients do not read them). In the
+/// ring model (bandwidth-bound) an all-reduce moves 2 (n-1)/n of its bytes, a gather or
+/// reduce-scatter (n-1)/n: ZeRO-3 over ZeRO-0 is (2 p + g) / 2 g, the textbook 1.5x in f32
+/// (a little less for what is gathered once), and about 1.0x in mixed precision (gathering
+/// bf16 weights costs half of reducing an fp32 gradient), where the flat 1.5 the planner used
+/// was off by half.
+#[test]
+fn zero3_sync_over_zero0_is_what_the_compiled_collectives_move() {
+    use shardc_runtime::program::Role;
+    let cluster = shardc_ir::cluster::Cluster::preset("h100-sxm").unwrap();
+    let grid = [64i64, 1, 1];
+    // Large enough that latencies vanish against the bytes.
+    let params = 1e11;
+    // One micro-batch: the per-step collectives and the gathers of the stored shards.
+    let seconds = |t: &shardc_codegen::estimate::DataParallelTraffic| t.times(&cluster, params, &grid).iter().map(|(_, s)| s).sum::<f64>() + t.microbatch_time(&cluster, params, &grid);
+    for (dtype, param_bytes, gradient_bytes, textbook) in [("f32", 4.0, 4.0, 1.5), ("bf16", 2.0, 4.0, 1.0)] {
+        let zero0 = tiny_dp2(dtype, 0, 0);
+        let t0 = shardc_codegen::estimate::data_parallel_traffic(&zero0);
+        let t3 = shardc_codegen::estimate::data_parallel_traffic(&tiny_dp2(dtype, 3, 0));
+        let once = |name: &str| name.ends_with(".bias") || name.starts_with("embed.positions");
+        let count = |gathered_once: bool| zero0.args.iter().filter(|a| a.role == Some(Role::Param) && once(&a.name) == gathered_once).map(|a| zero0.buffers[a.buffer].len() as f64).sum::<f64>();
+        let (gathered_once, gathered_twice) = (count(true), count(false));
+        assert!(gathered_once > 0.0 && gathered_twice > 0.0);
+        // The loss's dp all-reduce adds 4 bytes over the whole model.
+        let loss = 4.0 / (gathered_once + gathered_twice);
+        let exact = |what: &str, ours: f64, want: f64| assert!((ours - want).abs() < 1e-9 * want.max(1.0), "{dtype} {what}: {ours} vs {want}");
+        exact("ZeRO-0 all-reduce bytes per parameter", t0.all_reduce, gradient_bytes + loss);
+        assert_eq!((t0.reduce_scatter, t0.all_gather, t0.gather_per_microbatch), (0.0, 0.0, 0.0), "{dtype}: {t0:?}");
+        exact("ZeRO-3 reduce-scatter bytes per parameter", t3.reduce_scatter, gradient_bytes);
+        // ZeRO-3 gathers the stored shards (per micro-batch), nothing after the update.
+        assert_eq!(t3.all_gather, 0.0, "{dtype}: {t3:?}");
+        exact("ZeRO-3 all-gather bytes per parameter", t3.gather_per_microbatch, param_bytes * (2.0 * gathered_twice + gathered_once) / (gathered_twice + gathered_once));
+        exact("ZeRO-3 all-reduce (the loss)", t3.all_reduce, loss);
+        // Stages 1 and 2 reduce-scatter the gradient and gather the updated shard once.
+        for zero in [1, 2] {
+            let t = shardc_codegen::estimate::data_parallel_traffic(&tiny_dp2(dtype, zero, 0));
+            exact(&format!("ZeRO-{zero} reduce-scatter"), t.reduce_scatter, gradient_bytes);
+            exact(&format!("ZeRO-{zero} all-gather of the update"), t.all_gather, param_bytes);
+            assert_eq!(t.gather_per_microbatch, 0.0, "{dtype} ZeRO-{zero}: {t:?}");
+        }
+        let ratio = seconds(&t3) / seconds(&t0);
+        let gathered = param_bytes * (2.0 * gathered_twice + gathered_once) / (gathered_twice + gathered_once);
+        close(&format!("{dtype} ZeRO-3 / ZeRO-0 sync"), ratio, (gathered + gradient_bytes) / (2.0 * gradient_bytes));
+        // Within a few percent of the textbook ratio (what is gathered once is 6% of the tiny
+        // model).
+        assert!((ratio - textbook).abs() < 0.05 * textbook, "{dtype}: {ratio} vs {textbook}");
+    }
+}
+
+/// With buckets on, the memory estimate reports the bucketed gradients (every dp gradient
+/// all-reduce's output, held from its bucket's issue to the step's end): the fp32 gradient
+/// of every parameter at dp=2, tp=1. They stage in no buffer of their own, so the total is
+/// the components' sum with no staging; with buckets off, there are none.
+#[test]
+fn bucket_bytes_appear_in_the_memory_estimate() {
+    let bucketed = tiny_dp2("bf16", 0, 25 << 20);
+    let plain = tiny_dp2("bf16", 0, 0);
+    let m = &memory(std::slice::from_ref(&bucketed), 0)[0];
+    let p = &memory(std::slice::from_ref(&plain), 0)[0];
+    assert!(bucketed.instrs.iter().any(|i| i.attrs.contains_key("xf.bucket")), "buckets are on");
+    close("bucketed gradient bytes", m.buckets, m.gradients);
+    let params: f64 = bucketed.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).map(|a| bucketed.buffers[a.buffer].len() as f64).sum();
+    close("bucketed gradient bytes, 4 per parameter", m.buckets, 4.0 * params);
+    assert_eq!((p.buckets, p.bucket_staging, m.bucket_staging), (0.0, 0.0, 0.0));
+    assert_eq!(m.total, m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.bucket_staging);
+}
+
+/// The unit costs' breakdown prices every instruction of a layer once: by kernel class and
+/// by collective, it sums to the layer's forward and backward seconds, GEMMs are a part of
+/// it, and the tp collectives appear under their axes.
+#[test]
+fn unit_cost_breakdown_sums_to_the_layer() {
+    let cluster = shardc_ir::cluster::Cluster::preset("a100-80g").unwrap();
+    let mut spec = spec_with_dtype("tiny", "bf16");
+    spec.model.layers = 1;
+    spec.training.micro_batch = 1;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, comm_opt: false, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
+    let u = shardc_codegen::estimate::unit_costs(&program, &cluster);
+    let sum: f64 = u.layer_breakdown.values().sum();
+    close("layer breakdown", sum, u.layer_forward + u.layer_backward);
+    close("embedding breakdown", u.embed_breakdown.values().sum(), u.embed.0 + u.embed.1);
+    close("head breakdown", u.head_breakdown.values().sum(), u.head.0 + u.head.1);
+    assert!(u.layer_breakdown.get("gemm").is_some_and(|&t| t > 0.0), "{:?}", u.layer_breakdown);
+    assert!(u.layer_breakdown.get("all_reduce tp").is_some_and(|&t| t > 0.0), "{:?}", u.layer_breakdown);
+    for key in u.layer_breakdown.keys() {
+        assert!(["gemm", "attention", "memory-bound"].contains(&key.as_str()) || key.ends_with(" tp"), "{key}");
+    }
+}
