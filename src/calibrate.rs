@@ -33,7 +33,7 @@ pub struct CalibrateArgs {
     /// Write the cluster TOML here (default: print it).
     #[arg(long, short = 'o', value_name = "FILE")]
     pub output: Option<PathBuf>,
-    /// Timed repetitions of each kernel (the fastest is kept) and collective (the median).
+    /// Timed repetitions of each kernel and collective (the fastest is kept).
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
     /// Measure small shapes only, in about a second (for tests; less accurate).
@@ -58,40 +58,57 @@ struct Sample {
     seconds: f64,
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
+/// Rank threads that run the step together, to measure how ranks sharing a host slow each
+/// other down.
+const SHARED_RANKS: usize = 2;
 
 /// Seconds of one run of `program` on the CPU executor: the fastest of `repeats` after a
-/// warm-up (the least disturbed by anything else running on the host).
-fn time_program(program: shardc_runtime::Program, repeats: usize) -> Result<f64> {
-    let mut exec = CpuExecutor::new(program).into_diagnostic()?;
+/// warm-up (the least disturbed by anything else running on the host). With `copies` > 1,
+/// that many rank threads run their own copy at the same moment (as ranks of one host do)
+/// and a run takes as long as the slowest.
+fn time_program(program: &shardc_runtime::Program, repeats: usize, copies: usize) -> Result<f64> {
+    let barrier = std::sync::Barrier::new(copies.max(1));
+    let runs: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..copies.max(1)).map(|_| s.spawn(|| time_copy(program, repeats, &barrier))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a timing thread panicked".into()))).collect()
+    });
+    let mut slowest = vec![0.0f64; repeats.max(1)];
+    for run in runs {
+        for (s, t) in slowest.iter_mut().zip(run.map_err(|e| miette!("timing a kernel: {e}"))?) {
+            *s = s.max(t);
+        }
+    }
+    Ok(slowest.into_iter().fold(f64::INFINITY, f64::min))
+}
+
+/// One thread's timed runs of `program` (see [`time_program`]).
+fn time_copy(program: &shardc_runtime::Program, repeats: usize, barrier: &std::sync::Barrier) -> Result<Vec<f64>, String> {
+    let fail = |e: shardc_runtime::RuntimeError| e.to_string();
+    let mut exec = CpuExecutor::new(program.clone()).map_err(fail)?;
     // Inputs like a step's: floats of order one (special functions take shortcuts near zero;
     // positive, as second moments are), and integers of 1 (a token id, a step count).
     for arg in exec.program().args.clone() {
         let buffer = &exec.program().buffers[arg.buffer];
         let len = buffer.len();
         if buffer.dtype == shardc_runtime::DType::I32 {
-            exec.write::<i32>(&arg.name, &vec![1; len]).into_diagnostic()?;
+            exec.write::<i32>(&arg.name, &vec![1; len]).map_err(fail)?;
         } else {
             let values: Vec<f64> = (0..len).map(|i| 0.1 + (shardc_runtime::init::splitmix64(i as u64) % 2000) as f64 * 1e-3).collect();
-            exec.write_f64(&arg.name, &values).into_diagnostic()?;
+            exec.write_f64(&arg.name, &values).map_err(fail)?;
         }
     }
-    exec.run().into_diagnostic()?;
+    exec.run().map_err(fail)?;
     // In a step, a kernel finds its weights and inputs out of cache (the step's other kernels
     // went through since): evict them before each timed run.
     let mut evict = vec![0u8; EVICT_BYTES];
-    let times: Vec<f64> = (0..repeats.max(1))
+    (0..repeats.max(1))
         .map(|i| {
             evict.iter_mut().step_by(64).for_each(|b| *b = b.wrapping_add(i as u8 | 1));
+            barrier.wait();
             let t = Instant::now();
-            exec.run().map(|()| t.elapsed().as_secs_f64())
+            exec.run().map(|()| t.elapsed().as_secs_f64()).map_err(fail)
         })
-        .collect::<Result<_, _>>()
-        .into_diagnostic()?;
-    Ok(times.into_iter().fold(f64::INFINITY, f64::min))
+        .collect()
 }
 
 /// Times one instance of op `name` on inputs of `types` (zero-filled, as the executor
@@ -110,7 +127,7 @@ fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Resu
     }).collect();
     let func = fb.finish(&results, &names);
     let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
-    let seconds = time_program(program, repeats)?;
+    let seconds = time_program(&program, repeats, 1)?;
     let refs: Vec<&TensorTy> = types.iter().collect();
     let outputs = def.infer(&refs, &attrs).map_err(|e| miette!("{name}: {e}"))?;
     let cost = def.cost(&refs, &outputs, &attrs);
@@ -129,33 +146,40 @@ fn time_dispatch(count: usize, repeats: usize) -> Result<f64> {
     }
     let func = fb.finish(&[x], &["out".to_string()]);
     let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
-    Ok(time_program(program, repeats)? / count as f64)
+    Ok(time_program(&program, repeats, 1)? / count as f64)
 }
 
-/// Median seconds of the runtime's ring all-reduce of `elements` f32 over `ranks` threads.
+/// Seconds of a data-parallel all-reduce of `elements` f32 over `ranks` rank threads, run as
+/// the executor runs a program's `shard.all_reduce` (staging copies, the communication
+/// thread, the ring): the fastest of `repeats` runs, each the slower rank's time.
 fn time_all_reduce(ranks: usize, elements: usize, repeats: usize) -> Result<f64> {
-    use shardc_runtime::collectives::{world, Algorithm, ReduceOp};
-    let comms = world(ranks, std::time::Duration::from_secs(60));
-    let group: Vec<usize> = (0..ranks).collect();
+    use shardc_ir::{AttrValue, Type};
+    use shardc_runtime::collectives::{world, Algorithm};
+    let ty = TensorTy::new([elements as i64], DType::F32);
+    let mut fb = FuncBuilder::new("calibrate");
+    let x = fb.arg("x", ty.clone(), ArgRole::Input);
+    let attrs = Attrs::new()
+        .with("grid", AttrValue::Raw("@mesh".into()))
+        .with("grid_axes", AttrValue::Raw("array<i16: 0>".into()))
+        .with("reduction", AttrValue::Raw("#shard<partial sum>".into()));
+    let y = fb.op_typed("shard.all_reduce", &[x], attrs, vec![Type::Tensor(ty)], "calibrate")[0];
+    let func = fb.finish(&[y], &["out".to_string()]);
+    let program = shardc_codegen::lower_func_on(&func, &[ranks as i64, 1, 1]).into_diagnostic()?;
     let times: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
+        let handles: Vec<_> = world(ranks, std::time::Duration::from_secs(120))
             .into_iter()
-            .map(|mut comm| {
-                let group = group.clone();
+            .map(|comm| {
+                let program = program.clone();
                 s.spawn(move || {
-                    let mut data = vec![1.0f32; elements];
-                    let mut times = Vec::new();
-                    for i in 0..repeats.max(1) + 1 {
-                        // Line the ranks up first, so each time is the collective alone.
-                        let mut token = [0.0f32];
-                        comm.all_reduce(&group, &mut token, ReduceOp::Sum, Algorithm::Ring).map_err(|e| e.to_string())?;
-                        let t = Instant::now();
-                        comm.all_reduce(&group, &mut data, ReduceOp::Sum, Algorithm::Ring).map_err(|e| e.to_string())?;
-                        if i > 0 {
-                            times.push(t.elapsed().as_secs_f64());
-                        }
-                    }
-                    Ok(times)
+                    let mut exec = CpuExecutor::with_communicator(program, comm, Algorithm::Ring).map_err(|e| e.to_string())?;
+                    exec.write::<f32>("x", &vec![1.0; elements]).map_err(|e| e.to_string())?;
+                    exec.run().map_err(|e| e.to_string())?;
+                    (0..repeats.max(1))
+                        .map(|_| {
+                            let t = Instant::now();
+                            exec.run().map(|()| t.elapsed().as_secs_f64()).map_err(|e| e.to_string())
+                        })
+                        .collect()
                 })
             })
             .collect();
@@ -167,7 +191,7 @@ fn time_all_reduce(ranks: usize, elements: usize, repeats: usize) -> Result<f64>
             *s = s.max(t);
         }
     }
-    Ok(median(slowest))
+    Ok(slowest.into_iter().fold(f64::INFINITY, f64::min))
 }
 
 /// Squared log errors of `cluster`'s kernel times against `samples`, each weighted by its
@@ -298,6 +322,21 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     cluster.gpu.special_cost = best_memory.2;
     let memory_bandwidth = cluster.gpu.memory_bandwidth;
 
+    // Ranks on one host: two rank threads running the whole step at once (each its own
+    // executor, one pool of worker threads, as the runtime runs a mesh) take this much longer
+    // than running it one after the other: contention for caches, memory and workers, and
+    // each rank's short kernels queueing behind the other's long ones.
+    let step_program = crate::train::compile_train_step(&{
+        let mut one = spec.clone();
+        one.training.micro_batch = 1;
+        one.training.global_batch = None;
+        one
+    }, &StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() })?;
+    let step_repeats = repeats.min(3);
+    let solo = time_program(&step_program, step_repeats, 1)?;
+    let together = time_program(&step_program, step_repeats, SHARED_RANKS)?;
+    cluster.shared_slowdown = (together / (SHARED_RANKS as f64 * solo)).max(1.0);
+
     // Collectives: the ring all-reduce between two rank threads, small to large.
     let sizes: Vec<usize> = if args.quick { vec![1 << 8, 1 << 16] } else { (0..8).map(|i| 1usize << (6 + 3 * i)).collect() };
     let mut points = Vec::new();
@@ -331,6 +370,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
         cluster.gpu.special_cost,
         100.0 * rms(&vectors)
     );
+    table += &format!("# {} ranks computing at once take {:.2}x as long as in turn\n", SHARED_RANKS, cluster.shared_slowdown);
     table += &format!("# all-reduce over 2 ranks: {:.1} us + {:.2} GB/s\n", latency * 1e6, bandwidth / 1e9);
     let text = format!("{table}{}", cluster.to_toml());
     match &args.output {

@@ -163,6 +163,8 @@ struct Walk {
     exposed: BTreeMap<String, f64>,
     /// Seconds by kernel class and by collective (whether exposed or overlapped).
     breakdown: BTreeMap<String, f64>,
+    /// Seconds of every collective, exposed or overlapped.
+    communication: f64,
 }
 
 fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> Walk {
@@ -181,6 +183,7 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
             if e.2 <= 0 {
                 let (b, axes, _) = staging.remove(&bucket).unwrap_or_default();
                 let t = cluster.time(Collective::AllReduce, b, &grid, &axes);
+                w.communication += t;
                 *w.breakdown.entry(format!("all_reduce {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
                 done.insert(bucket, (w.clock + t, axis_names(&axes)));
             }
@@ -205,6 +208,7 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
                 let kind = instr.op.strip_prefix("shard.").unwrap_or(&instr.op);
                 *w.breakdown.entry(format!("{kind} {axes}")).or_insert(0.0) += t;
                 *w.exposed.entry(axes).or_insert(0.0) += t;
+                w.communication += t;
                 w.clock += t;
             }
         }
@@ -268,20 +272,22 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
                 *out.breakdown.entry(kind.clone()).or_insert(0.0) += t * times;
             }
         }
-        if cluster.shared_host {
-            // Every rank's compute shares the host's cores: the step takes at least all of it
-            // (each pipeline rank's program stands for gpus / pipeline ranks replicas).
+        if cluster.shared_host && gpus > 1.0 {
+            // Every rank's compute shares the host's cores, slowed by the contention of
+            // computing at once, and the collectives are work of the same cores (their
+            // calibrated times are those of every rank taking part at once): the step takes
+            // at least all of it (each pipeline rank's program stands for gpus / pipeline
+            // ranks replicas).
             let replicas = gpus / plans.len() as f64;
-            let all: f64 = (0..plans.len())
-                .map(|r| {
-                    let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Section::Forward, Section::Backward, Section::Weight].iter().map(|&s| walks[&(r, c, s as usize)].compute).sum::<f64>()).sum();
-                    per_item * m + (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Section::Step as usize)].compute).sum::<f64>()
-                })
-                .sum::<f64>()
-                * replicas;
-            if all > out.step_seconds {
-                out.shared_compute = all;
-                out.step_seconds = all;
+            let per_rank = |r: usize, f: &dyn Fn(&Walk) -> f64| -> f64 {
+                let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Section::Forward, Section::Backward, Section::Weight].iter().map(|&s| f(&walks[&(r, c, s as usize)])).sum::<f64>()).sum();
+                per_item * m + (0..plans[r].chunks.len()).map(|c| f(&walks[&(r, c, Section::Step as usize)])).sum::<f64>()
+            };
+            let compute: f64 = (0..plans.len()).map(|r| per_rank(r, &|w| w.compute)).sum::<f64>() * replicas * cluster.shared_slowdown;
+            let communication = (0..plans.len()).map(|r| per_rank(r, &|w| w.communication)).fold(0.0, f64::max);
+            if compute + communication > out.step_seconds {
+                out.shared_compute = compute;
+                out.step_seconds = compute + communication;
             }
         }
     } else if let Some(program) = programs.first() {
@@ -289,9 +295,11 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         out.step_seconds = w.clock;
         out.compute_seconds = w.compute;
         if cluster.shared_host && gpus > 1.0 {
-            // The other ranks compute on the same cores at the same time.
-            out.shared_compute = w.compute * gpus;
-            out.step_seconds += w.compute * (gpus - 1.0);
+            // Every rank computes on the same cores at the same time, slowed by contending
+            // for them, and the collectives are work of those cores too (their calibrated
+            // times are those of every rank taking part at once): nothing overlaps.
+            out.shared_compute = w.compute * gpus * cluster.shared_slowdown;
+            out.step_seconds = out.shared_compute + w.communication;
         }
         out.exposed_communication = w.exposed;
         out.breakdown = w.breakdown;

@@ -35,8 +35,9 @@
 //! * send: `alpha + B beta`; an all-slice is local (no communication).
 //!
 //! **A shared host** (`shared_host`, the CPU runtime: a thread per rank on one machine) has one
-//! pool of cores: ranks that compute at once share it, so the step is at least the compute of
-//! every rank in sequence.
+//! pool of cores: ranks that compute at once share it (and slow each other down by
+//! `shared_slowdown`), and its collectives are work of the same cores: the step is the compute
+//! of every rank in sequence plus the communication.
 //!
 //! Presets describe common GPUs and their interconnects; a TOML file overrides any field
 //! (see [`Cluster::from_toml`]; [`Cluster::to_toml`] writes one). The communication optimizer,
@@ -135,6 +136,9 @@ pub struct Cluster {
     pub launch: f64,
     /// Whether every rank runs on one host and shares its cores (the CPU runtime).
     pub shared_host: bool,
+    /// On a shared host: how much longer ranks computing at once take than the same work done
+    /// one rank after another (contention for caches, memory and worker threads; 1 is none).
+    pub shared_slowdown: f64,
 }
 
 /// The contracted dimension is split only into parts at least this long (cuBLAS's split-K
@@ -204,6 +208,7 @@ impl Cluster {
             placement: vec![1, 0, 2],
             launch: 8e-6,
             shared_host: false,
+            shared_slowdown: 1.0,
             gpu,
         })
     }
@@ -235,6 +240,13 @@ impl Cluster {
                 "gpus_per_node" => cluster.gpus_per_node = count(value, key)?,
                 "launch" => cluster.launch = number(value, key)?,
                 "shared_host" => cluster.shared_host = value.as_bool().ok_or("shared_host: expected true or false")?,
+                "shared_slowdown" => {
+                    let x = number(value, key)?;
+                    if x < 1.0 {
+                        return Err(format!("shared_slowdown: at least 1 (ranks cannot gain from sharing cores), got {x}"));
+                    }
+                    cluster.shared_slowdown = x;
+                }
                 "compute_efficiency" => return Err("compute_efficiency: replaced by the GEMM model's [gpu] gemm_efficiency (and attention_efficiency, vector_efficiency)".into()),
                 "memory_efficiency" => cluster.gpu.memory_efficiency = share(value, key)?,
                 "placement" => {
@@ -294,7 +306,7 @@ impl Cluster {
                         }
                     }
                 }
-                other => return Err(format!("{other}: unknown field; use preset, gpus_per_node, launch, shared_host, placement, gpu, intra_node or inter_node")),
+                other => return Err(format!("{other}: unknown field; use preset, gpus_per_node, launch, shared_host, shared_slowdown, placement, gpu, intra_node or inter_node")),
             }
         }
         Ok(cluster)
@@ -311,7 +323,7 @@ impl Cluster {
         out += &format!("gpus_per_node = {}\n", self.gpus_per_node);
         out += &format!("placement = [{}]\n", self.placement.iter().map(axis).collect::<Vec<_>>().join(", "));
         out += &format!("launch = {:e}\n", self.launch);
-        out += &format!("shared_host = {}\n\n[gpu]\n", self.shared_host);
+        out += &format!("shared_host = {}\nshared_slowdown = {:e}\n\n[gpu]\n", self.shared_host, self.shared_slowdown);
         out += &format!("name = {:?}\n", g.name);
         for (field, x) in [("bf16_flops", g.bf16_flops), ("fp32_flops", g.fp32_flops), ("memory_bytes", g.memory_bytes), ("memory_bandwidth", g.memory_bandwidth)] {
             out += &format!("{field} = {x:e}\n");
