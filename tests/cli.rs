@@ -1044,8 +1044,7 @@ fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("mesh dp=2") && text.contains("  predicted"), "{text}");
-    assert!(text.lines().any(|l| l.trim_start().starts_with("all_reduce dp")), "rank 0's gradient sync is profiled:
-{text}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("all_reduce dp")), "rank 0's gradient sync is profiled:\n{text}");
 
     // Bad input is named.
     let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda"]);
@@ -1055,6 +1054,7 @@ fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
     let out = shardc(&["bench", "models/tiny.toml", "--mesh", "pp=2", "--profile"]);
     assert!(!out.status.success() && stderr(&out).contains("--profile"), "{}", stderr(&out));
     std::fs::remove_dir_all(&dir).ok();
+}
 
 /// The rows of `shardc plan`'s table: (strategy, memory in GB, bound-by column).
 fn plan_rows(text: &str) -> Vec<(String, f64, String)> {

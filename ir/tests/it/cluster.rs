@@ -64,7 +64,7 @@ fn tiles_only() -> Cluster {
 fn gemms_pay_for_whole_tiles_and_whole_waves() {
     let c = tiles_only();
     let g = &c.gpu;
-    let t = |m: f64, n: f64, k: f64| c.kernel_time(&gemm(m, n, k), 2.0 * m * n * k, 0.0, true);
+    let t = |m: f64, n: f64, k: f64| c.kernel_time(&gemm(m, n, k), &cost(2.0 * m * n * k, 0.0), true);
     // One wave of whole tiles: the main loop at the efficiency, plus the per-tile overhead.
     let (rows, cols) = (g.gemm_tile[0] as f64, g.gemm_tile[1] as f64);
     let full = g.sms as f64 * rows;
@@ -88,7 +88,7 @@ fn few_tiles_split_the_contracted_dimension() {
     // A weight gradient of a small matrix over many tokens: 4 tiles cannot fill 132 SMs,
     // so K is split, and the time is far below the unsplit four-tile wave.
     let (m, n, k) = (256.0, 256.0, 65536.0);
-    let split = c.kernel_time(&gemm(m, n, k), 2.0 * m * n * k, 0.0, true);
+    let split = c.kernel_time(&gemm(m, n, k), &cost(2.0 * m * n * k, 0.0), true);
     let g = &c.gpu;
     let unsplit = 2.0 * 128.0 * 128.0 * (k + g.gemm_k_overhead) / (g.bf16_flops * g.gemm_efficiency / g.sms as f64);
     assert!(split < unsplit / 20.0, "split {split} vs unsplit {unsplit}");
