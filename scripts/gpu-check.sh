@@ -48,9 +48,11 @@ prepare() {
   plan gpt2-f32-tp2 "${gpt[@]}" "${check[@]}" --dtype f32 --mesh tp=2
   plan gpt2-bf16-tp1 "${gpt[@]}" "${check[@]}" --dtype bf16
   # Timed workloads: AdamW, as in training.
-  plan bench-gpt2-bf16 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype bf16
-  plan bench-gpt2-f32 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype f32
-  plan bench-wide-bf16 models/wide-layer.toml --microbatches 1 --target cuda
+  # Priced for the H200 the check runs on: `bench` prints the cluster model's prediction
+  # (the h200 preset) beside the measured step.
+  plan bench-gpt2-bf16 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype bf16 --gpu h200
+  plan bench-gpt2-f32 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype f32 --gpu h200
+  plan bench-wide-bf16 models/wide-layer.toml --microbatches 1 --target cuda --gpu h200
   cat > "$dir/manifest.json" <<'JSON'
 {
   "data": "corpus.txt",

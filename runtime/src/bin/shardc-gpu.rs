@@ -95,6 +95,14 @@ fn train_step(path: &Path) -> Result<Program, String> {
     serde_json::from_value(step.clone()).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// The step time the compiler's cluster model predicted for the plan (`shardc compile --gpu`),
+/// in seconds, if the plan carries one.
+fn predicted_step(path: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let plan: serde_json::Value = serde_json::from_str(&text).ok()?;
+    plan.get("summary")?.get("estimate")?.get("step_seconds")?.as_f64()
+}
+
 /// Layers of the model, from its parameter names (`layers.N.`), for the initialisation scale.
 fn layers(program: &Program) -> usize {
     program.args.iter().filter_map(|a| a.name.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(1, |l| l + 1)
@@ -183,7 +191,7 @@ fn bench(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
     let peak_bf16 = cuda::gemm_peak(0, 8192, DType::Bf16, 20).map_err(|e| e.to_string())?;
     let peak_f32 = cuda::gemm_peak(0, 8192, DType::F32, 5).map_err(|e| e.to_string())?;
     println!("cuBLAS peak (8192^3 GEMM): bf16 {peak_bf16:.1} TFLOP/s, f32 {peak_f32:.1} TFLOP/s");
-    println!("{:<34} {:>6} {:>10} {:>14} {:>12} {:>8}", "workload", "dtype", "ms/step", "GEMM TFLOP/s", "peak", "ratio");
+    println!("{:<34} {:>6} {:>10} {:>14} {:>12} {:>8} {:>14} {:>10}", "workload", "dtype", "ms/step", "GEMM TFLOP/s", "peak", "ratio", "predicted ms", "pred/meas");
     for w in &manifest.bench {
         let program = train_step(&dir.join(&w.program))?;
         let plan = program.device.clone().ok_or("the plan has no device code")?;
@@ -197,7 +205,12 @@ fn bench(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
         let ranks = program.mesh.iter().product::<usize>().max(1) as f64;
         let achieved = cuda::gemm_flops(&plan) * ranks / median / 1e12;
         let peak = if plan.dtype == DType::Bf16 { peak_bf16 } else { peak_f32 };
-        println!("{:<34} {:>6} {:>10.2} {:>14.1} {:>12.1} {:>7.0}%", w.name, format!("{:?}", plan.dtype).to_lowercase(), 1e3 * median, achieved, peak, 100.0 * achieved / peak);
+        // The compiler's prediction for this GPU (the preset the plan was compiled with).
+        let (predicted, ratio) = match predicted_step(&dir.join(&w.program)) {
+            Some(p) => (format!("{:.2}", 1e3 * p), format!("{:.2}", p / median)),
+            None => ("-".into(), "-".into()),
+        };
+        println!("{:<34} {:>6} {:>10.2} {:>14.1} {:>12.1} {:>7.0}% {:>14} {:>10}", w.name, format!("{:?}", plan.dtype).to_lowercase(), 1e3 * median, achieved, peak, 100.0 * achieved / peak, predicted, ratio);
     }
     Ok(true)
 }
