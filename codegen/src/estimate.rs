@@ -216,6 +216,26 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     w
 }
 
+/// Seconds a pipeline rank spends around `section` of `chunk` moving the values its plan
+/// carries between micro-batches (as the pipeline runtime runs a plan): kept forward values
+/// saved after the forward and restored for the backward, backward values kept for a split
+/// weight pass, and gradients summed over micro-batches (read both, write one) and restored
+/// for the step. Copies read and write their bytes.
+fn bookkeeping(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, section: Section, splits_w: bool, cluster: &Cluster) -> f64 {
+    let bytes = |buffers: &[usize]| buffers.iter().map(|&b| (program.buffers[b].len() * program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
+    let (kept_f, kept_b, sum_b, sum_w) = (bytes(&chunk.keep_forward), bytes(&chunk.keep_backward), bytes(&chunk.sum_backward), bytes(&chunk.sum_weight));
+    let moved = match section {
+        Section::Forward => 2.0 * kept_f,
+        Section::Backward => 2.0 * kept_f + 3.0 * sum_b + if splits_w { 2.0 * kept_b } else { 0.0 },
+        Section::Weight => 3.0 * sum_w + if splits_w { 2.0 * kept_b } else { 0.0 },
+        Section::Step => 2.0 * (sum_b + sum_w),
+    };
+    if moved <= 0.0 {
+        return 0.0;
+    }
+    cluster.gpu.kernel_launch + moved / (cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency)
+}
+
 /// Estimates one optimizer step of `programs`: one program for every rank, or one per
 /// pipeline rank (each carrying its schedule).
 pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> Estimate {
@@ -231,7 +251,12 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         for (rank, plan) in plans.iter().enumerate() {
             for chunk in 0..plan.chunks.len() {
                 for s in [Section::Forward, Section::Backward, Section::Weight, Section::Step] {
-                    walks.insert((rank, chunk, s as usize), section(rank, chunk, s));
+                    let mut w = section(rank, chunk, s);
+                    let t = bookkeeping(&programs[rank], &plan.chunks[chunk], s, splits_w, cluster);
+                    w.clock += t;
+                    w.compute += t;
+                    *w.breakdown.entry("pipeline bookkeeping".into()).or_insert(0.0) += t;
+                    walks.insert((rank, chunk, s as usize), w);
                 }
             }
         }
