@@ -274,7 +274,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     // the efficiency is 1).
     let gemms: Vec<&Sample> = samples.iter().filter(|s| matches!(s.class, KernelClass::Gemm { .. }) && !s.bf16).collect();
     if gemms.is_empty() {
-        return Err(miette!("the spec's training step has no f32 GEMMs to time; calibrate with an f32 spec (dtype = \"f32\")"));
+        return Err(miette!(help = "add --dtype f32 (the CPU backend computes bf16 in f32: one calibration serves both)", "the spec's training step has no f32 GEMMs to time"));
     }
     let mut best: Option<(f64, [usize; 2], f64, f64)> = None;
     for tile in [[8usize, 8usize], [16, 16], [32, 32], [64, 64], [128, 128]] {
@@ -375,7 +375,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     let text = format!("{table}{}", cluster.to_toml());
     match &args.output {
         Some(path) => {
-            std::fs::write(path, &text).into_diagnostic()?;
+            std::fs::write(path, &text).map_err(|e| miette!(help = "write to a folder that exists", "-o {}: {e}", path.display()))?;
             eprint!("{table}");
             eprintln!("  wrote {}", path.display());
         }

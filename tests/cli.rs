@@ -1051,6 +1051,10 @@ fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
     assert!(!out.status.success() && stderr(&out).contains("--backend cuda"), "{}", stderr(&out));
     let out = shardc(&["calibrate", "models/tiny.toml", "--repeats", "0"]);
     assert!(!out.status.success() && stderr(&out).contains("--repeats"), "{}", stderr(&out));
+    let out = shardc(&["calibrate", "models/tiny.toml", "--quick", "--dtype", "bf16"]);
+    assert!(!out.status.success() && stderr(&out).contains("--dtype f32"), "{}", stderr(&out));
+    let out = shardc(&["calibrate", "models/tiny.toml", "--quick", "-o", "/nonexistent/shardc/cpu.toml"]);
+    assert!(!out.status.success() && stderr(&out).contains("/nonexistent/shardc/cpu.toml"), "{}", stderr(&out));
     let out = shardc(&["bench", "models/tiny.toml", "--mesh", "pp=2", "--profile"]);
     assert!(!out.status.success() && stderr(&out).contains("--profile"), "{}", stderr(&out));
     std::fs::remove_dir_all(&dir).ok();
