@@ -95,3 +95,38 @@ pub fn refuse_if_too_big(spec: &Spec, step: &StepArgs, mesh: Mesh, estimate: &Me
     });
     Err(miette!(help = help, "the plan needs {} per GPU but {gpu} has {}: {breakdown}", gb(estimate.total), gb(capacity)))
 }
+
+/// When ZeRO is asked for but some optimizer state (from stage 1) or parameters (stage 3)
+/// stay whole on every data-parallel rank because no dimension of theirs divides by dp: a line
+/// that says how much, which tensors, and what dp would shard them. ZeRO shards each tensor
+/// along a dimension dp divides (Megatron's distributed optimizer pads one flat buffer instead).
+pub fn zero_gaps(programs: &[shardc_runtime::Program], zero: u8, dp: u64) -> Option<String> {
+    use shardc_runtime::program::Role;
+    if zero == 0 || dp <= 1 {
+        return None;
+    }
+    let mut left: Vec<(&str, &[usize], usize)> = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for program in programs {
+        for a in &program.args {
+            let sharded_kinds = matches!(a.role, Some(Role::OptState | Role::Master)) || (zero >= 3 && a.role == Some(Role::Param));
+            let Some(layout) = a.layout.as_ref().filter(|_| sharded_kinds) else { continue };
+            if layout.split.iter().flatten().any(|&axis| axis == 0) || !seen.insert(a.name.as_str()) {
+                continue;
+            }
+            let buffer = &program.buffers[a.buffer];
+            left.push((a.name.as_str(), &layout.global_shape, buffer.len() * buffer.dtype.bytes()));
+        }
+    }
+    if left.is_empty() {
+        return None;
+    }
+    let bytes: usize = left.iter().map(|l| l.2).sum();
+    let examples: Vec<String> = left.iter().take(3).map(|(name, shape, _)| format!("{name} {shape:?}")).collect();
+    Some(format!(
+        "ZeRO-{zero} leaves {} per rank of {} tensors whole: no dimension divides by dp={dp} (e.g. {}); a dp that divides one dimension of each shards them",
+        crate::summary::bytes(bytes as u64),
+        left.len(),
+        examples.join(", ")
+    ))
+}

@@ -345,6 +345,9 @@ fn compile(
     for plan in programs.iter().filter_map(|p| p.device.as_ref()) {
         println!("  device      {}", summary::device_line(plan));
     }
+    if let Some(line) = fit::zero_gaps(&programs, step.zero, mesh.dp) {
+        println!("  warning     {line}");
+    }
     if let Some(path) = output {
         let plan = PlanFile { format_version: 1, spec, mesh, passes: names.iter().map(|n| n.to_string()).collect(), summary, programs };
         let json = serde_json::to_string(&plan).into_diagnostic()?;

@@ -1154,3 +1154,17 @@ fn plans_that_exceed_the_gpu_memory_are_not_listed() {
     assert!(small.len() >= under && small.len() <= under + near, "{} listed, {under} under 50 GB (+{near} at it)", small.len());
     assert!(all[0].1 > 50.0 && !small.iter().any(|r| r.0 == all[0].0), "the 80 GB best ({:?}) is gone", all[0]);
 }
+
+#[test]
+fn zero_that_cannot_shard_a_tensor_says_so() {
+    // dp=3 divides no dimension of tiny (all powers of two): ZeRO would silently keep every
+    // tensor whole on each rank.
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=3", "--micro-batch", "1", "--microbatches", "1", "--zero", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let line = text.lines().find(|l| l.trim_start().starts_with("warning")).unwrap_or_else(|| panic!("no warning:\n{text}"));
+    assert!(line.contains("ZeRO-1") && line.contains("dp=3") && line.contains("opt.m."), "{line}");
+    // dp=2 shards everything: no warning.
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=2", "--micro-batch", "1", "--microbatches", "1", "--zero", "1"]);
+    assert!(out.status.success() && !stdout(&out).contains("warning"), "{}", stdout(&out));
+}
