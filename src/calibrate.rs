@@ -252,6 +252,10 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     for &b in micro_batches {
         for (types, attrs, op) in step_kernels(&spec, &args.step, b)? {
             let sample = time_op(&op, &types, attrs, repeats)?;
+            // A kernel too short for the clock says nothing the fit can use.
+            if !(sample.seconds.is_finite() && sample.seconds > 0.0) {
+                continue;
+            }
             if sample.seconds > 1e-3 {
                 eprintln!("  {:<78} {:>9.3} ms", sample.what, 1e3 * sample.seconds);
             }
