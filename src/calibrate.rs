@@ -69,7 +69,8 @@ const SHARED_RANKS: usize = 2;
 fn time_program(program: &shardc_runtime::Program, repeats: usize, copies: usize) -> Result<f64> {
     let barrier = std::sync::Barrier::new(copies.max(1));
     let runs: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..copies.max(1)).map(|_| s.spawn(|| time_copy(program, repeats, &barrier))).collect();
+        // Each copy on its share of the worker threads, as the ranks of a mesh run.
+        let handles: Vec<_> = (0..copies.max(1)).map(|_| s.spawn(|| shardc_runtime::cpu::with_worker_share(copies, || time_copy(program, repeats, &barrier)))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a timing thread panicked".into()))).collect()
     });
     let mut slowest = vec![0.0f64; repeats.max(1)];

@@ -261,6 +261,10 @@ pub(crate) fn on_every_rank_of<R: Send>(
     let first = programs.first().ok_or_else(|| RuntimeError::Program("no programs to run".into()))?;
     let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
     let comms = world(mesh.ranks(), timeout);
+    // SPMD ranks do the same work at the same time: each computes on its own share of the
+    // worker threads. Pipeline ranks take turns (one idles in the other's bubble): one pool
+    // lets the busy rank use every core.
+    let share = if programs.iter().any(|p| p.pipeline.is_some()) { 1 } else { mesh.ranks() };
     let results: Vec<Result<R, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -288,7 +292,8 @@ pub(crate) fn on_every_rank_of<R: Send>(
                     };
                     // A failing or panicking rank stops the others at once (their waits see
                     // the abort flag) instead of after the timeout.
-                    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+                    let caught = crate::cpu::with_worker_share(share, || std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)));
+                    let result = match caught {
                         Ok(result) => result,
                         Err(panic) => {
                             let what = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "a panic".into());

@@ -180,6 +180,22 @@ pub fn worker_threads() -> usize {
     rayon::current_num_threads()
 }
 
+/// Runs `work` with the kernels it starts on a pool of its own: one `ranks`-th of the worker
+/// threads (at least one), as each of `ranks` ranks on this host computes. Ranks sharing one
+/// pool would queue their short kernels behind each other's long ones and idle at every
+/// collective; separate pools let the operating system share the cores between them.
+pub fn with_worker_share<R: Send>(ranks: usize, work: impl FnOnce() -> R + Send) -> R {
+    if ranks <= 1 {
+        return work();
+    }
+    let threads = (worker_threads() / ranks).max(1);
+    match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
+        Ok(pool) => pool.install(work),
+        // Without a pool of its own the rank shares the global one.
+        Err(_) => work(),
+    }
+}
+
 /// Whether executors made from now on check every result for NaN and infinity
 /// ([`check_numerics`]).
 static CHECK_NUMERICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
