@@ -24,8 +24,8 @@ use crate::options::StepArgs;
 /// Arguments of `shardc calibrate`.
 #[derive(Args, Debug)]
 pub struct CalibrateArgs {
-    /// Model spec whose GEMM and attention shapes are timed (default: models/gpt2-small.toml
-    /// shapes are a good start for GPT-2-sized models).
+    /// Model spec whose training step's kernels are timed (calibrate on the model you will
+    /// run; models/gpt2-small.toml suits GPT-2-sized models).
     pub spec: PathBuf,
     /// Backend to measure: cpu. (On a GPU, scripts/gpu-check.sh measures the device.)
     #[arg(long, default_value = "cpu")]
@@ -267,7 +267,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     let mut cluster = Cluster::preset("h100-sxm").ok_or_else(|| miette!("the h100-sxm preset exists"))?;
     let g = &mut cluster.gpu;
     g.name = "cpu".into();
-    g.memory_bytes = host_memory_bytes().unwrap_or(16e9);
+    g.memory_bytes = host_memory_bytes().ok_or_else(|| miette!(help = "calibrate on Linux, or set [gpu] memory_bytes in a cluster file by hand", "cannot read this host's memory size from /proc/meminfo"))?;
     g.memory_bandwidth = streamed;
     g.memory_efficiency = 1.0;
     g.kernel_launch = kernel_launch;
