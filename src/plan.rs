@@ -396,7 +396,11 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         };
                         let stage = first.max(last) + send + gather;
                         let d = dp as f64;
-                        let shard = |from: u8| if zero >= from { psi / d } else { psi };
+                        // ZeRO shards only the tensors with a dimension dp divides; the rest
+                        // stay whole on every rank, as the compiled program keeps them.
+                        let (layer_shardable, other_shardable) = (u.shardable_params(true, dp), u.shardable_params(false, dp));
+                        let sharded = |psi: f64, shardable: f64| psi - shardable + shardable / d;
+                        let shard = |from: u8| if zero >= from { sharded(psi, lps * layer_shardable + other_shardable) } else { psi };
                         // Per stage: its layers, the embedding on the first, the head on the
                         // last (each half of the measured rest); 1F1B-like schedules hold fewer
                         // micro-batches on later stages.
@@ -404,7 +408,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                             .map(|s| {
                                 let ends = (s == 0) as u8 as f64 + (s == pp - 1) as u8 as f64;
                                 let psi_s = lps * u.layer_params + ends * u.other_params / 2.0;
-                                let shard_s = |from: u8| if zero >= from { psi_s / d } else { psi_s };
+                                let shard_s = |from: u8| if zero >= from { sharded(psi_s, lps * layer_shardable + ends * other_shardable / 2.0) } else { psi_s };
                                 let flight = if kind == Kind::Gpipe || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
                                 let kept = bf * (lps * u.layer_kept * flight.max(1.0) + ends * u.other_kept / 2.0);
                                 // Bytes per parameter as the compiled program keeps them.

@@ -542,6 +542,10 @@ pub struct UnitCosts {
     pub layer_params: f64,
     /// Parameters of the embedding and head on one tensor-parallel rank.
     pub other_params: f64,
+    /// Shape of each parameter on one tensor-parallel rank, and whether it belongs to the
+    /// layer (else to the embedding and head): ZeRO shards a tensor only along a dimension
+    /// that dp divides.
+    pub param_shapes: Vec<(bool, Vec<usize>)>,
     /// Peak temporary bytes besides kept values.
     pub temporaries: f64,
     /// One layer's forward and backward seconds by kernel class (`gemm`, `attention`,
@@ -616,6 +620,19 @@ pub fn data_parallel_traffic(program: &Program) -> DataParallelTraffic {
     t
 }
 
+impl UnitCosts {
+    /// Parameters of one layer (`layer`) or of the embedding and head that ZeRO can shard over
+    /// `dp`: those with a dimension `dp` divides (the sharding pass splits a tensor along the
+    /// first such dimension and keeps the others whole on every rank).
+    pub fn shardable_params(&self, layer: bool, dp: u64) -> f64 {
+        self.param_shapes
+            .iter()
+            .filter(|(l, shape)| *l == layer && shape.iter().any(|&d| dp > 0 && d as u64 % dp == 0))
+            .map(|(_, shape)| shape.iter().product::<usize>() as f64)
+            .sum()
+    }
+}
+
 /// Measures [`UnitCosts`] on the training step of a one-layer model.
 pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     let mut u = UnitCosts::default();
@@ -676,6 +693,7 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
         } else {
             u.other_params += n;
         }
+        u.param_shapes.push((a.name.starts_with("layers."), program.buffers[a.buffer].shape.clone()));
     }
     // Bytes per parameter, read from the program's own types (one device: no sharding).
     let shards = parameter_bytes(program);

@@ -205,3 +205,15 @@ fn unit_cost_breakdown_sums_to_the_layer() {
         assert!(["gemm", "attention", "memory-bound"].contains(&key.as_str()) || key.ends_with(" tp"), "{key}");
     }
 }
+
+#[test]
+fn zero_shards_only_tensors_with_a_dimension_dp_divides() {
+    // The planner's rule is the sharding pass's: a tensor is split along a dimension dp
+    // divides, or kept whole on every rank.
+    let units = shardc_codegen::estimate::UnitCosts { param_shapes: vec![(true, vec![2048, 2048]), (true, vec![2048]), (true, vec![6, 5]), (false, vec![131072, 2048])], ..Default::default() };
+    assert_eq!(units.shardable_params(true, 2), (2048 * 2048 + 2048 + 30) as f64);
+    assert_eq!(units.shardable_params(true, 3), 30.0, "only [6, 5] has a dimension 3 divides");
+    assert_eq!(units.shardable_params(true, 48), 0.0, "48 divides no power of two");
+    assert_eq!(units.shardable_params(false, 48), 0.0);
+    assert_eq!(units.shardable_params(false, 64), (131072 * 2048) as f64);
+}
