@@ -3,11 +3,11 @@
 //!
 //! Every figure is timed through the runtime the training step runs on: single-op programs
 //! built with the op registry, lowered by codegen and run by the CPU executor (so dispatch
-//! overhead, threading and bf16 widening are what a step pays), and the runtime's own ring
-//! all-reduce between rank threads. The GEMM shapes are the ones the spec's training step
-//! multiplies (at one micro-batch and at four). Parameters are then fitted to the model's
-//! formulas ([`Cluster::kernel_time`], [`Cluster::time`]): physics fitted to measurements,
-//! never a table of measured rows.
+//! overhead, threading and bf16 widening are what a step pays), the whole step on two rank
+//! threads at once, and a `shard.all_reduce` program on two rank threads. The kernels are the
+//! distinct ones of the spec's training step (at one micro-batch and at four). Parameters are
+//! then fitted to the model's formulas ([`Cluster::kernel_time`], [`Cluster::time`]): physics
+//! fitted to measurements, never a table of measured rows.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -73,9 +73,15 @@ fn time_program(program: &shardc_runtime::Program, repeats: usize, copies: usize
         let handles: Vec<_> = (0..copies.max(1)).map(|_| s.spawn(|| shardc_runtime::cpu::with_worker_share(copies, || time_copy(program, repeats, &barrier)))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a timing thread panicked".into()))).collect()
     });
+    fastest_of_slowest(runs, repeats, "timing a kernel")
+}
+
+/// The fastest repeat, each repeat taking as long as its slowest thread (`runs`: each thread's
+/// seconds per repeat).
+fn fastest_of_slowest(runs: Vec<Result<Vec<f64>, String>>, repeats: usize, what: &str) -> Result<f64> {
     let mut slowest = vec![0.0f64; repeats.max(1)];
     for run in runs {
-        for (s, t) in slowest.iter_mut().zip(run.map_err(|e| miette!("timing a kernel: {e}"))?) {
+        for (s, t) in slowest.iter_mut().zip(run.map_err(|e| miette!("{what}: {e}"))?) {
             *s = s.max(t);
         }
     }
@@ -112,8 +118,8 @@ fn time_copy(program: &shardc_runtime::Program, repeats: usize, barrier: &std::s
         .collect()
 }
 
-/// Times one instance of op `name` on inputs of `types` (zero-filled, as the executor
-/// allocates them).
+/// Times one instance of op `name` on inputs of `types` (step-like values, see
+/// [`time_copy`]).
 fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Result<Sample> {
     let def = lookup(name).ok_or_else(|| miette!("no op `{name}` in the registry"))?;
     let mut fb = FuncBuilder::new("calibrate");
@@ -186,13 +192,7 @@ fn time_all_reduce(ranks: usize, elements: usize, repeats: usize) -> Result<f64>
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a rank thread panicked".into()))).collect()
     });
-    let mut slowest = vec![0.0f64; repeats.max(1)];
-    for rank in times {
-        for (s, t) in slowest.iter_mut().zip(rank.map_err(|e| miette!("timing the all-reduce: {e}"))?) {
-            *s = s.max(t);
-        }
-    }
-    Ok(slowest.into_iter().fold(f64::INFINITY, f64::min))
+    fastest_of_slowest(times, repeats, "timing the all-reduce")
 }
 
 /// Squared log errors of `cluster`'s kernel times against `samples`, each weighted by its
@@ -202,25 +202,27 @@ fn log_error(cluster: &Cluster, samples: &[&Sample]) -> f64 {
     samples.iter().map(|s| s.seconds / total * (cluster.kernel_time(&s.class, &s.cost, s.bf16) / s.seconds).ln().powi(2)).sum()
 }
 
-/// The distinct kernels (op, operand types, attributes) of the spec's single-device training
-/// step at `micro_batch` sequences.
-fn step_kernels(spec: &shardc_ir::spec::Spec, step: &StepArgs, micro_batch: u64) -> Result<Vec<(Vec<TensorTy>, Attrs, String)>> {
+/// The spec's single-device training step of one micro-batch of `micro_batch` sequences.
+fn step_program(spec: &shardc_ir::spec::Spec, step: &StepArgs, micro_batch: u64) -> Result<shardc_runtime::Program> {
     let mut spec = spec.clone();
     spec.training.micro_batch = micro_batch;
     spec.training.global_batch = None;
-    let step = StepArgs { microbatches: Some(1), global_batch: None, ..step.clone() };
-    let program = crate::train::compile_train_step(&spec, &step)?;
+    crate::train::compile_train_step(&spec, &StepArgs { microbatches: Some(1), global_batch: None, ..step.clone() })
+}
+
+/// The distinct kernels (op, operand types, attributes) of `program`.
+fn step_kernels(program: &shardc_runtime::Program) -> Vec<(Vec<TensorTy>, Attrs, String)> {
     let mut seen = std::collections::BTreeSet::new();
     let mut out = Vec::new();
     for instr in program.instrs.iter().filter(|i| i.op.starts_with("xf.") && lookup(&i.op).is_some() && i.op != "xf.wait") {
-        let types: Vec<TensorTy> = instr.inputs.iter().map(|&b| shardc_codegen::estimate::buffer_type(&program, b)).collect();
+        let types: Vec<TensorTy> = instr.inputs.iter().map(|&b| shardc_codegen::estimate::buffer_type(program, b)).collect();
         let attrs = shardc_codegen::estimate::instr_attrs(instr);
         let key = format!("{} {:?} {:?}", instr.op, types, attrs);
         if seen.insert(key) {
             out.push((types, attrs, instr.op.clone()));
         }
     }
-    Ok(out)
+    out
 }
 
 /// `shardc calibrate`.
@@ -249,9 +251,11 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     // Every distinct kernel of the step, at one and (unless quick) four sequences per
     // micro-batch.
     let mut samples: Vec<Sample> = Vec::new();
+    let one_sequence = step_program(&spec, &args.step, 1)?;
     let micro_batches: &[u64] = if args.quick { &[1] } else { &[1, 4] };
     for &b in micro_batches {
-        for (types, attrs, op) in step_kernels(&spec, &args.step, b)? {
+        let program = if b == 1 { one_sequence.clone() } else { step_program(&spec, &args.step, b)? };
+        for (types, attrs, op) in step_kernels(&program) {
             let sample = time_op(&op, &types, attrs, repeats)?;
             // A kernel too short for the clock says nothing the fit can use.
             if !(sample.seconds.is_finite() && sample.seconds > 0.0) {
@@ -325,21 +329,13 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     }
     cluster.gpu.vector_efficiency = best_memory.1;
     cluster.gpu.special_cost = best_memory.2;
-    let memory_bandwidth = cluster.gpu.memory_bandwidth;
 
     // Ranks on one host: two rank threads running the whole step at once (each its own
-    // executor, one pool of worker threads, as the runtime runs a mesh) take this much longer
-    // than running it one after the other: contention for caches, memory and workers, and
-    // each rank's short kernels queueing behind the other's long ones.
-    let step_program = crate::train::compile_train_step(&{
-        let mut one = spec.clone();
-        one.training.micro_batch = 1;
-        one.training.global_batch = None;
-        one
-    }, &StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() })?;
+    // executor on its share of the worker threads, as the runtime runs a mesh) take this much
+    // longer than running it one after the other: contention for caches and memory.
     let step_repeats = repeats.min(3);
-    let solo = time_program(&step_program, step_repeats, 1)?;
-    let together = time_program(&step_program, step_repeats, SHARED_RANKS)?;
+    let solo = time_program(&one_sequence, step_repeats, 1)?;
+    let together = time_program(&one_sequence, step_repeats, SHARED_RANKS)?;
     cluster.shared_slowdown = (together / (SHARED_RANKS as f64 * solo)).max(1.0);
 
     // Collectives: the ring all-reduce between two rank threads, small to large.
@@ -351,7 +347,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     // Two ranks: t = launch + 2 alpha + B / bandwidth. A line through the points (weighted
     // by relative error) gives the bandwidth and the latency.
     let (intercept, slope) = fit_line(&points);
-    let bandwidth = if slope > 0.0 { 1.0 / slope } else { memory_bandwidth };
+    let bandwidth = if slope > 0.0 { 1.0 / slope } else { streamed };
     let (gemm_count, kernel_count) = (gemms.len(), samples.len());
     let latency = intercept.max(1e-7);
     // Two ranks cannot tell the per-collective latency from the per-step one: half each.
@@ -366,7 +362,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     let rms = |xs: &[&Sample]| if xs.is_empty() { 0.0 } else { log_error(&cluster, xs).sqrt().exp_m1() };
     let mut table = String::new();
     table += &format!("# shardc calibrate: {} worker threads, {} kernels of {}'s step timed ({} GEMMs) in {:.1} s\n", threads, kernel_count, spec.name, gemm_count, started.elapsed().as_secs_f64());
-    table += &format!("# kernel dispatch {:.1} us; memory {:.1} GB/s (streaming add {:.1}); GEMM peak {:.1} GFLOP/s (tile {}x{}, {} steps of K per tile; fit error {:.1}%)\n", kernel_launch * 1e6, memory_bandwidth / 1e9, streamed / 1e9, peak / 1e9, tile[0], tile[1], k_overhead, 100.0 * gemm_error.sqrt().exp_m1());
+    table += &format!("# kernel dispatch {:.1} us; memory {:.1} GB/s (a streaming add); GEMM peak {:.1} GFLOP/s (tile {}x{}, {} steps of K per tile; fit error {:.1}%)\n", kernel_launch * 1e6, streamed / 1e9, peak / 1e9, tile[0], tile[1], k_overhead, 100.0 * gemm_error.sqrt().exp_m1());
     table += &format!(
         "# attention {:.1}% of peak (error {:.1}%); vector arithmetic {:.1}% of peak, a special function {:.1} operations (error {:.1}%)\n",
         100.0 * cluster.gpu.attention_efficiency,

@@ -323,13 +323,7 @@ fn compile(
             _ => programs.iter().filter(|p| p.name == "train_step").cloned().collect(),
         };
         if !priced.is_empty() {
-            let shape = shardc_codegen::estimate::ModelShape {
-                parameters: summary.parameters as f64,
-                layers: spec.model.layers as f64,
-                hidden: spec.model.hidden as f64,
-                seq: spec.seq_len() as f64,
-                tokens_per_step: (batch.global_batch * spec.seq_len()) as f64,
-            };
+            let shape = train::model_shape(&spec, summary.parameters as f64, batch.global_batch);
             let cluster = step.cluster_model()?;
             summary.gpu = cluster.gpu.name.clone();
             summary.estimate = Some(shardc_codegen::estimate::estimate(&priced, &cluster, shape));

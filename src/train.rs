@@ -223,8 +223,9 @@ pub struct BenchArgs {
     /// on its slowest rank).
     #[arg(long, default_value = "dp=1,tp=1,pp=1")]
     pub mesh: String,
-    /// On one rank: the measured seconds of each kernel class and collective next to the
-    /// cluster model's (--cluster FILE, e.g. from `shardc calibrate`).
+    /// The measured seconds of each kernel class, collective and op next to the cluster
+    /// model's (--cluster FILE, e.g. from `shardc calibrate`): of the one rank, or of rank 0
+    /// of a dp/tp mesh.
     #[arg(long)]
     pub profile: bool,
     #[command(flatten)]
@@ -244,15 +245,19 @@ fn predicted_step(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh, pro
     let cluster = step.cluster_model()?;
     let module = shardc_ir::spec::lower(spec, spec.step_shape(&shardc_ir::mesh::Mesh::default())).into_diagnostic()?;
     let parameters = module.func("forward").map_or(0, |f| f.parameter_count()) as f64;
-    let batch = step.batch(spec, mesh)?;
-    let shape = shardc_codegen::estimate::ModelShape {
+    let shape = model_shape(spec, parameters, step.batch(spec, mesh)?.global_batch);
+    Ok(shardc_codegen::estimate::estimate(programs, &cluster, shape))
+}
+
+/// The model as the estimate counts its FLOPs, for a step of `global_batch` sequences.
+pub fn model_shape(spec: &Spec, parameters: f64, global_batch: u64) -> shardc_codegen::estimate::ModelShape {
+    shardc_codegen::estimate::ModelShape {
         parameters,
         layers: spec.model.layers as f64,
         hidden: spec.model.hidden as f64,
         seq: spec.seq_len() as f64,
-        tokens_per_step: (batch.global_batch * spec.seq_len()) as f64,
-    };
-    Ok(shardc_codegen::estimate::estimate(programs, &cluster, shape))
+        tokens_per_step: (global_batch * spec.seq_len()) as f64,
+    }
 }
 
 /// `shardc bench --mesh` with several ranks: one thread per rank on this host.

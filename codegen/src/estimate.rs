@@ -275,15 +275,12 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         out.step_seconds = makespan + step_tail;
         out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * makespan);
         let m = schedule.microbatches as f64;
-        let busiest = (0..plans.len())
-            .map(|r| {
-                let per_item: f64 = (0..plans[r].chunks.len())
-                    .map(|c| [Section::Forward, Section::Backward, Section::Weight].iter().map(|&s| walks[&(r, c, s as usize)].compute).sum::<f64>())
-                    .sum();
-                per_item * m + (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Section::Step as usize)].compute).sum::<f64>()
-            })
-            .fold(0.0, f64::max);
-        out.compute_seconds = busiest;
+        // A quantity of rank `r`'s walks over one step: every micro-batch's items, and the step.
+        let per_rank = |r: usize, f: &dyn Fn(&Walk) -> f64| -> f64 {
+            let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Section::Forward, Section::Backward, Section::Weight].iter().map(|&s| f(&walks[&(r, c, s as usize)])).sum::<f64>()).sum();
+            per_item * m + (0..plans[r].chunks.len()).map(|c| f(&walks[&(r, c, Section::Step as usize)])).sum::<f64>()
+        };
+        out.compute_seconds = (0..plans.len()).map(|r| per_rank(r, &|w| w.compute)).fold(0.0, f64::max);
         // Communication of rank 0, per item times the micro-batches, plus its step.
         for ((rank, _, s), w) in &walks {
             if *rank != 0 {
@@ -304,10 +301,6 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
             // at least all of it (each pipeline rank's program stands for gpus / pipeline
             // ranks replicas).
             let replicas = gpus / plans.len() as f64;
-            let per_rank = |r: usize, f: &dyn Fn(&Walk) -> f64| -> f64 {
-                let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Section::Forward, Section::Backward, Section::Weight].iter().map(|&s| f(&walks[&(r, c, s as usize)])).sum::<f64>()).sum();
-                per_item * m + (0..plans[r].chunks.len()).map(|c| f(&walks[&(r, c, Section::Step as usize)])).sum::<f64>()
-            };
             let compute: f64 = (0..plans.len()).map(|r| per_rank(r, &|w| w.compute)).sum::<f64>() * replicas * cluster.shared_slowdown;
             let communication = (0..plans.len()).map(|r| per_rank(r, &|w| w.communication)).fold(0.0, f64::max);
             if compute + communication > out.step_seconds {
