@@ -65,12 +65,14 @@ const SHARED_RANKS: usize = 2;
 /// Seconds of one run of `program` on the CPU executor: the fastest of `repeats` after a
 /// warm-up (the least disturbed by anything else running on the host). With `copies` > 1,
 /// that many rank threads run their own copy at the same moment (as ranks of one host do)
-/// and a run takes as long as the slowest.
-fn time_program(program: &shardc_runtime::Program, repeats: usize, copies: usize) -> Result<f64> {
+/// and a run takes as long as the slowest; with `own_shares`, each copy computes on its share
+/// of the worker threads (as the ranks of a dp/tp mesh do), otherwise all on one pool (as
+/// pipeline ranks do).
+fn time_program(program: &shardc_runtime::Program, repeats: usize, copies: usize, own_shares: bool) -> Result<f64> {
     let barrier = std::sync::Barrier::new(copies.max(1));
+    let share = if own_shares { copies } else { 1 };
     let runs: Vec<Result<Vec<f64>, String>> = std::thread::scope(|s| {
-        // Each copy on its share of the worker threads, as the ranks of a mesh run.
-        let handles: Vec<_> = (0..copies.max(1)).map(|_| s.spawn(|| shardc_runtime::cpu::with_worker_share(copies, || time_copy(program, repeats, &barrier)))).collect();
+        let handles: Vec<_> = (0..copies.max(1)).map(|_| s.spawn(|| shardc_runtime::cpu::with_worker_share(share, || time_copy(program, repeats, &barrier)))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a timing thread panicked".into()))).collect()
     });
     fastest_of_slowest(runs, repeats, "timing a kernel")
@@ -134,7 +136,7 @@ fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Resu
     }).collect();
     let func = fb.finish(&results, &names);
     let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
-    let seconds = time_program(&program, repeats, 1)?;
+    let seconds = time_program(&program, repeats, 1, true)?;
     let refs: Vec<&TensorTy> = types.iter().collect();
     let outputs = def.infer(&refs, &attrs).map_err(|e| miette!("{name}: {e}"))?;
     let cost = def.cost(&refs, &outputs, &attrs);
@@ -153,7 +155,7 @@ fn time_dispatch(count: usize, repeats: usize) -> Result<f64> {
     }
     let func = fb.finish(&[x], &["out".to_string()]);
     let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
-    Ok(time_program(&program, repeats, 1)? / count as f64)
+    Ok(time_program(&program, repeats, 1, true)? / count as f64)
 }
 
 /// Seconds of a data-parallel all-reduce of `elements` f32 over `ranks` rank threads, run as
@@ -334,9 +336,12 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     // executor on its share of the worker threads, as the runtime runs a mesh) take this much
     // longer than running it one after the other: contention for caches and memory.
     let step_repeats = repeats.min(3);
-    let solo = time_program(&one_sequence, step_repeats, 1)?;
-    let together = time_program(&one_sequence, step_repeats, SHARED_RANKS)?;
+    let solo = time_program(&one_sequence, step_repeats, 1, true)?;
+    let together = time_program(&one_sequence, step_repeats, SHARED_RANKS, true)?;
     cluster.shared_slowdown = (together / (SHARED_RANKS as f64 * solo)).max(1.0);
+    // Pipeline ranks share one pool of worker threads instead.
+    let pooled = time_program(&one_sequence, step_repeats, SHARED_RANKS, false)?;
+    cluster.shared_pool_slowdown = (pooled / (SHARED_RANKS as f64 * solo)).max(1.0);
 
     // Collectives: the ring all-reduce between two rank threads, small to large.
     let sizes: Vec<usize> = if args.quick { vec![1 << 8, 1 << 16] } else { (0..8).map(|i| 1usize << (6 + 3 * i)).collect() };
@@ -371,8 +376,18 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
         cluster.gpu.special_cost,
         100.0 * rms(&vectors)
     );
-    table += &format!("# {} ranks computing at once take {:.2}x as long as in turn\n", SHARED_RANKS, cluster.shared_slowdown);
+    table += &format!(
+        "# {} ranks computing at once take {:.2}x as long as in turn ({:.2}x drawing on one pool of worker threads, as pipeline ranks do)\n",
+        SHARED_RANKS, cluster.shared_slowdown, cluster.shared_pool_slowdown
+    );
     table += &format!("# all-reduce over 2 ranks: {:.1} us + {:.2} GB/s\n", latency * 1e6, bandwidth / 1e9);
+    // The longest kernels, measured beside the fitted model: where it is off.
+    let mut longest: Vec<&Sample> = samples.iter().collect();
+    longest.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+    table += "# longest kernels: measured ms, fitted ms\n";
+    for s in longest.iter().take(16) {
+        table += &format!("#   {:<70} {:>8.2} {:>8.2}\n", s.what, 1e3 * s.seconds, 1e3 * cluster.kernel_time(&s.class, &s.cost, s.bf16));
+    }
     let text = format!("{table}{}", cluster.to_toml());
     match &args.output {
         Some(path) => {

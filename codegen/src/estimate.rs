@@ -19,7 +19,7 @@ use shardc_ir::ops::{lookup, KernelClass};
 use shardc_ir::{AttrValue, Attrs, TensorTy};
 use shardc_runtime::program::{Attr, Instr, Program, Section};
 use shardc_runtime::pipeline::schedule_of;
-use shardc_runtime::schedule::{simulate_with, Work};
+use shardc_runtime::schedule::{simulate_shared, simulate_with, Work};
 use shardc_runtime::DType;
 
 /// The estimate of one training step.
@@ -269,11 +269,24 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
                 Work::W => t(Section::Weight),
             }
         };
-        let timeline = simulate_with(&schedule, |rank, item| item_time(rank, item.work, item.chunk));
-        let step_tail = (0..plans.len()).map(|r| (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Section::Step as usize)].clock).sum::<f64>()).fold(0.0, f64::max);
-        let makespan = timeline.as_ref().map_or(0.0, |t| t.makespan);
-        out.step_seconds = makespan + step_tail;
-        out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * makespan);
+        let step_tail = |r: usize| (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Section::Step as usize)].clock).sum::<f64>();
+        let shared = cluster.shared_host && gpus > 1.0;
+        if shared {
+            // Every rank computes on the host's cores: ranks computing at once share them
+            // (slowed by queueing in one pool of worker threads), a rank alone in another's bubble has them all,
+            // and the collectives are work of the same cores (their calibrated times are
+            // those of every rank taking part at once). Each pipeline rank's program stands
+            // for gpus / pipeline ranks replicas computing alongside it.
+            let replicas = gpus / plans.len() as f64;
+            let timeline = simulate_shared(&schedule, |rank, item| item_time(rank, item.work, item.chunk), step_tail, replicas, cluster.shared_pool_slowdown);
+            out.step_seconds = timeline.as_ref().map_or(0.0, |t| t.makespan);
+            out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * t.makespan);
+        } else {
+            let timeline = simulate_with(&schedule, |rank, item| item_time(rank, item.work, item.chunk));
+            let makespan = timeline.as_ref().map_or(0.0, |t| t.makespan);
+            out.step_seconds = makespan + (0..plans.len()).map(step_tail).fold(0.0, f64::max);
+            out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * makespan);
+        }
         let m = schedule.microbatches as f64;
         // A quantity of rank `r`'s walks over one step: every micro-batch's items, and the step.
         let per_rank = |r: usize, f: &dyn Fn(&Walk) -> f64| -> f64 {
@@ -294,19 +307,8 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
                 *out.breakdown.entry(kind.clone()).or_insert(0.0) += t * times;
             }
         }
-        if cluster.shared_host && gpus > 1.0 {
-            // Every rank's compute shares the host's cores, slowed by the contention of
-            // computing at once, and the collectives are work of the same cores (their
-            // calibrated times are those of every rank taking part at once): the step takes
-            // at least all of it (each pipeline rank's program stands for gpus / pipeline
-            // ranks replicas).
-            let replicas = gpus / plans.len() as f64;
-            let compute: f64 = (0..plans.len()).map(|r| per_rank(r, &|w| w.compute)).sum::<f64>() * replicas * cluster.shared_slowdown;
-            let communication = (0..plans.len()).map(|r| per_rank(r, &|w| w.communication)).fold(0.0, f64::max);
-            if compute + communication > out.step_seconds {
-                out.shared_compute = compute;
-                out.step_seconds = compute + communication;
-            }
+        if shared {
+            out.shared_compute = (0..plans.len()).map(|r| per_rank(r, &|w| w.compute)).sum::<f64>() * gpus / plans.len() as f64;
         }
     } else if let Some(program) = programs.first() {
         let w = walk(program, 0..program.instrs.len(), cluster);

@@ -37,7 +37,9 @@
 //! **A shared host** (`shared_host`, the CPU runtime: a thread per rank on one machine) has one
 //! pool of cores: ranks that compute at once share it (and slow each other down by
 //! `shared_slowdown`), and its collectives are work of the same cores: the step is the compute
-//! of every rank in sequence plus the communication.
+//! of every rank in sequence plus the communication. Pipeline ranks draw on one pool of worker
+//! threads, so that a rank alone in another's bubble has every core; while two compute at once
+//! their kernels queue behind each other's (`shared_pool_slowdown`).
 //!
 //! Presets describe common GPUs and their interconnects; a TOML file overrides any field
 //! (see [`Cluster::from_toml`]; [`Cluster::to_toml`] writes one). The communication optimizer,
@@ -139,6 +141,9 @@ pub struct Cluster {
     /// On a shared host: how much longer ranks computing at once take than the same work done
     /// one rank after another (contention for caches, memory and worker threads; 1 is none).
     pub shared_slowdown: f64,
+    /// On a shared host: the same for pipeline ranks, which draw on one pool of worker
+    /// threads instead of each on its share of them (their kernels queue behind each other's).
+    pub shared_pool_slowdown: f64,
 }
 
 /// The contracted dimension is split only into parts at least this long (cuBLAS's split-K
@@ -209,6 +214,7 @@ impl Cluster {
             launch: 8e-6,
             shared_host: false,
             shared_slowdown: 1.0,
+            shared_pool_slowdown: 1.0,
             gpu,
         })
     }
@@ -240,12 +246,12 @@ impl Cluster {
                 "gpus_per_node" => cluster.gpus_per_node = count(value, key)?,
                 "launch" => cluster.launch = number(value, key)?,
                 "shared_host" => cluster.shared_host = value.as_bool().ok_or("shared_host: expected true or false")?,
-                "shared_slowdown" => {
+                "shared_slowdown" | "shared_pool_slowdown" => {
                     let x = number(value, key)?;
                     if x < 1.0 {
-                        return Err(format!("shared_slowdown: at least 1 (ranks cannot gain from sharing cores), got {x}"));
+                        return Err(format!("{key}: at least 1 (ranks cannot gain from sharing cores), got {x}"));
                     }
-                    cluster.shared_slowdown = x;
+                    if key == "shared_slowdown" { cluster.shared_slowdown = x } else { cluster.shared_pool_slowdown = x }
                 }
                 "compute_efficiency" => return Err("compute_efficiency: replaced by the GEMM model's [gpu] gemm_efficiency (and attention_efficiency, vector_efficiency)".into()),
                 "memory_efficiency" => cluster.gpu.memory_efficiency = share(value, key)?,
@@ -306,7 +312,7 @@ impl Cluster {
                         }
                     }
                 }
-                other => return Err(format!("{other}: unknown field; use preset, gpus_per_node, launch, shared_host, shared_slowdown, placement, gpu, intra_node or inter_node")),
+                other => return Err(format!("{other}: unknown field; use preset, gpus_per_node, launch, shared_host, shared_slowdown, shared_pool_slowdown, placement, gpu, intra_node or inter_node")),
             }
         }
         Ok(cluster)
@@ -323,7 +329,7 @@ impl Cluster {
         out += &format!("gpus_per_node = {}\n", self.gpus_per_node);
         out += &format!("placement = [{}]\n", self.placement.iter().map(axis).collect::<Vec<_>>().join(", "));
         out += &format!("launch = {:e}\n", self.launch);
-        out += &format!("shared_host = {}\nshared_slowdown = {:e}\n\n[gpu]\n", self.shared_host, self.shared_slowdown);
+        out += &format!("shared_host = {}\nshared_slowdown = {:e}\nshared_pool_slowdown = {:e}\n\n[gpu]\n", self.shared_host, self.shared_slowdown, self.shared_pool_slowdown);
         out += &format!("name = {:?}\n", g.name);
         for (field, x) in [("bf16_flops", g.bf16_flops), ("fp32_flops", g.fp32_flops), ("memory_bytes", g.memory_bytes), ("memory_bandwidth", g.memory_bandwidth)] {
             out += &format!("{field} = {x:e}\n");

@@ -130,6 +130,12 @@ pub fn train_pipeline_from(
         let mut early_syncs = 0;
         let mut peak_kept = 0usize;
         let mut step_seconds = Vec::new();
+        // Gradient sums and kept values live across steps and micro-batches: their storage is
+        // reused, not allocated afresh each time.
+        let mut sums: Vec<Vec<Storage>> = vec![Vec::new(); plan.chunks.len()];
+        let mut sums_weight: Vec<Vec<Storage>> = vec![Vec::new(); plan.chunks.len()];
+        let mut spare_forward: Vec<Vec<Storage>> = Vec::new();
+        let mut spare_backward: Vec<Vec<Storage>> = Vec::new();
         for step in first_step + 1..=first_step + steps {
             let began = Instant::now();
             let (t, g) = corpus.batch(seed, step, rows * m, seq);
@@ -139,8 +145,9 @@ pub fn train_pipeline_from(
             }
             let mut kept_forward: HashMap<(usize, usize), Vec<Storage>> = HashMap::new();
             let mut kept_backward: HashMap<(usize, usize), Vec<Storage>> = HashMap::new();
-            let mut sums: Vec<Vec<Storage>> = vec![Vec::new(); plan.chunks.len()];
-            let mut sums_weight: Vec<Vec<Storage>> = vec![Vec::new(); plan.chunks.len()];
+            // Whether a chunk's sums have their first micro-batch in this step.
+            let mut summing = vec![false; plan.chunks.len()];
+            let mut summing_weight = vec![false; plan.chunks.len()];
             let mut loss_sum = 0.0;
             let start = Instant::now();
             trace.clear();
@@ -160,7 +167,7 @@ pub fn train_pipeline_from(
                 match item.work {
                     Work::F => {
                         exec.run_range(chunk.range(Section::Forward))?;
-                        kept_forward.insert((c, j), exec.save(&chunk.keep_forward));
+                        kept_forward.insert((c, j), exec.save_into(&chunk.keep_forward, spare_forward.pop().unwrap_or_default()));
                         if loss_chunk == Some(c) {
                             loss_sum += read_f64(exec, "loss")?[0];
                         }
@@ -169,22 +176,24 @@ pub fn train_pipeline_from(
                         let kept = kept_forward.get(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("backward of micro-batch {j} before its forward")))?;
                         exec.restore(&chunk.keep_forward, kept)?;
                         exec.run_range(chunk.range(Section::Backward))?;
-                        exec.accumulate(&chunk.sum_backward, &mut sums[c])?;
+                        exec.accumulate(&chunk.sum_backward, &mut sums[c], !std::mem::replace(&mut summing[c], true))?;
                         if splits_w {
-                            kept_backward.insert((c, j), exec.save(&chunk.keep_backward));
+                            kept_backward.insert((c, j), exec.save_into(&chunk.keep_backward, spare_backward.pop().unwrap_or_default()));
                         } else {
                             exec.run_range(chunk.range(Section::Weight))?;
-                            exec.accumulate(&chunk.sum_weight, &mut sums_weight[c])?;
-                            kept_forward.remove(&(c, j));
+                            exec.accumulate(&chunk.sum_weight, &mut sums_weight[c], !std::mem::replace(&mut summing_weight[c], true))?;
+                            spare_forward.extend(kept_forward.remove(&(c, j)));
                         }
                     }
                     Work::W => {
                         let kept = kept_forward.remove(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("weight gradient of micro-batch {j} before its forward")))?;
                         exec.restore(&chunk.keep_forward, &kept)?;
+                        spare_forward.push(kept);
                         let kept = kept_backward.remove(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("weight gradient of micro-batch {j} before its backward")))?;
                         exec.restore(&chunk.keep_backward, &kept)?;
+                        spare_backward.push(kept);
                         exec.run_range(chunk.range(Section::Weight))?;
-                        exec.accumulate(&chunk.sum_weight, &mut sums_weight[c])?;
+                        exec.accumulate(&chunk.sum_weight, &mut sums_weight[c], !std::mem::replace(&mut summing_weight[c], true))?;
                     }
                 }
                 if last_backward[c] == Some(position) {

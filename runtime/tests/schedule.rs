@@ -2,7 +2,7 @@
 //! the published formulas (Narayanan et al. 2021; Qi et al. 2023), and invalid schedules are
 //! caught.
 
-use shardc_runtime::schedule::{generate, simulate, svg, Costs, Item, Kind, Schedule, ScheduleError, Work};
+use shardc_runtime::schedule::{generate, simulate, simulate_shared, simulate_with, svg, Costs, Item, Kind, Schedule, ScheduleError, Work};
 
 const UNIT: Costs = Costs { f: 1.0, b: 1.0, w: 1.0 };
 
@@ -69,9 +69,40 @@ fn invalid_schedules_are_caught() {
     let b = |i| Item { work: Work::B, microbatch: i, chunk: 0 };
     let bad = Schedule { kind: Kind::OneFOneB, stages: 2, microbatches: 1, chunks: 1, ranks: vec![vec![f(0), b(0)], vec![b(0), f(0)]] };
     assert!(matches!(simulate(&bad, UNIT), Err(ScheduleError::Deadlock(_))));
+    assert!(matches!(simulate_shared(&bad, |_, _| 1.0, |_| 0.0, 1.0, 1.0), Err(ScheduleError::Deadlock(_))));
     let missing = Schedule { kind: Kind::OneFOneB, stages: 2, microbatches: 1, chunks: 1, ranks: vec![vec![f(0), b(0)], vec![f(0)]] };
     assert!(matches!(simulate(&missing, UNIT), Err(ScheduleError::Items { rank: 1, .. })));
     assert!(generate(Kind::Interleaved, 4, 6, 2).is_err());
+}
+
+/// Ranks sharing one host's cores: a rank computing alone has the host to itself, ranks
+/// computing at once split it (each program standing for `replicas` ranks), so with no
+/// contention the makespan is every rank's work in turn whenever some rank always computes.
+#[test]
+fn ranks_sharing_a_host_split_it_and_a_rank_alone_has_it_all() {
+    for (kind, p, m) in [(Kind::Gpipe, 2, 4), (Kind::OneFOneB, 2, 4), (Kind::OneFOneB, 4, 8), (Kind::ZeroBubble, 3, 6)] {
+        let schedule = generate(kind, p, m, 1).unwrap();
+        let cost = |rank: usize, item: &Item| (1 + rank) as f64 * if item.work == Work::F { 1.0 } else { 2.0 };
+        let tail = |rank: usize| 0.5 * (1 + rank) as f64;
+        let work: f64 = schedule.ranks.iter().enumerate().map(|(r, items)| items.iter().map(|i| cost(r, i)).sum::<f64>() + tail(r)).sum();
+        // A forward chain from the first stage to the last and back: some rank always computes.
+        let shared = simulate_shared(&schedule, cost, tail, 1.0, 1.0).unwrap();
+        assert!((shared.makespan - work).abs() < 1e-9 * work, "{kind:?} p={p}: {} vs {work}", shared.makespan);
+        // Each program standing for two ranks: half the speed throughout.
+        let doubled = simulate_shared(&schedule, cost, tail, 2.0, 1.0).unwrap();
+        assert!((doubled.makespan - 2.0 * work).abs() < 1e-9 * work, "{kind:?} p={p}: {}", doubled.makespan);
+        // Contention only slows the stretches where ranks overlap.
+        let contended = simulate_shared(&schedule, cost, tail, 1.0, 1.5).unwrap();
+        assert!(contended.makespan > work && contended.makespan < 1.5 * work, "{kind:?} p={p}: {}", contended.makespan);
+        // Dependencies hold: an item starts after what it needs, and every item ran once.
+        assert_eq!(shared.ranks.iter().map(Vec::len).sum::<usize>(), schedule.ranks.iter().map(Vec::len).sum::<usize>());
+        let dedicated = simulate_with(&schedule, cost).unwrap();
+        assert!(dedicated.makespan <= shared.makespan, "a host of its own per rank is never slower");
+    }
+    // One rank alone: its items and tail back to back, as on a device of its own.
+    let alone = generate(Kind::OneFOneB, 1, 3, 1).unwrap();
+    let shared = simulate_shared(&alone, |_, _| 1.0, |_| 2.0, 1.0, 3.0).unwrap();
+    assert!((shared.makespan - 8.0).abs() < 1e-12, "{}", shared.makespan);
 }
 
 #[test]

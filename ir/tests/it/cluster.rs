@@ -126,6 +126,8 @@ fn cluster_toml_round_trips_and_refuses_the_old_efficiency() {
     c.gpu.gemm_k_overhead = 0.0;
     c.gpu.fp32_flops = 1.234567891e11;
     c.shared_host = true;
+    c.shared_slowdown = 1.0625;
+    c.shared_pool_slowdown = 1.09;
     c.placement = vec![0, 2, 1];
     c.intra_node = Link { alpha: 3.3e-6, bandwidth: 5.5e9 };
     let text = c.to_toml();
@@ -135,5 +137,6 @@ fn cluster_toml_round_trips_and_refuses_the_old_efficiency() {
     assert!(Cluster::from_toml("[gpu]\ngemm_efficiency = 1.5").unwrap_err().contains("at most 1"));
     assert!(Cluster::from_toml("[gpu]\ngemm_tile = [128]").unwrap_err().contains("gpu.gemm_tile"));
     assert!(Cluster::from_toml("[gpu]\nsms = 0").unwrap_err().contains("gpu.sms"));
+    assert!(Cluster::from_toml("shared_pool_slowdown = 0.5").unwrap_err().contains("shared_pool_slowdown: at least 1"));
     assert!(Cluster::from_toml("[gpu]\nwarp = 32").unwrap_err().contains("gpu.warp: unknown field"));
 }

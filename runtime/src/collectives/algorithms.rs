@@ -72,12 +72,13 @@ impl Communicator {
         if out.len() != mine.len() {
             return Err(CommError::Shape { rank: self.rank, what: format!("reduce_scatter: chunk of {} elements, output of {}", mine.len(), out.len()) });
         }
-        let mut work = data.to_vec();
+        let mut work = super::pool::filled(data);
         if n > 1 {
             let key = self.begin(group);
             self.ring_reduce_scatter(group, p, key, &mut work, op, CollectiveKind::ReduceScatter)?;
         }
         out.copy_from_slice(&work[mine]);
+        super::pool::recycle(work);
         Ok(())
     }
 
@@ -101,11 +102,12 @@ impl Communicator {
         for s in 0..n - 1 {
             let send = chunk(data.len(), n, (p + 2 * n - s - 1) % n);
             let recv = chunk(data.len(), n, (p + 2 * n - s - 2) % n);
-            self.send_raw(next, (g, call, s as u64), data[send].to_vec(), kind, "ring reduce-scatter")?;
+            self.send_raw(next, (g, call, s as u64), super::pool::filled(&data[send]), kind, "ring reduce-scatter")?;
             let incoming: Vec<T> = self.recv_raw(prev, (g, call, s as u64), "ring reduce-scatter")?;
-            for (d, x) in data[recv].iter_mut().zip(incoming) {
+            for (d, &x) in data[recv].iter_mut().zip(&incoming) {
                 *d = op.apply(x, *d);
             }
+            super::pool::recycle(incoming);
         }
         Ok(())
     }
@@ -119,9 +121,10 @@ impl Communicator {
         for s in 0..n - 1 {
             let send = chunk(data.len(), n, (p + n - s) % n);
             let recv = chunk(data.len(), n, (p + 2 * n - s - 1) % n);
-            self.send_raw(next, (g, call, offset + s as u64), data[send].to_vec(), kind, "ring all-gather")?;
+            self.send_raw(next, (g, call, offset + s as u64), super::pool::filled(&data[send]), kind, "ring all-gather")?;
             let incoming: Vec<T> = self.recv_raw(prev, (g, call, offset + s as u64), "ring all-gather")?;
             data[recv].copy_from_slice(&incoming);
+            super::pool::recycle(incoming);
         }
         Ok(())
     }
@@ -132,13 +135,14 @@ impl Communicator {
         let mut mask = 1;
         while mask < n {
             if p & mask != 0 {
-                return self.send_raw(group[p - mask], (g, call, mask as u64), data.to_vec(), CollectiveKind::AllReduce, "tree reduce");
+                return self.send_raw(group[p - mask], (g, call, mask as u64), super::pool::filled(data), CollectiveKind::AllReduce, "tree reduce");
             }
             if p + mask < n {
                 let incoming: Vec<T> = self.recv_raw(group[p + mask], (g, call, mask as u64), "tree reduce")?;
-                for (d, x) in data.iter_mut().zip(incoming) {
+                for (d, &x) in data.iter_mut().zip(&incoming) {
                     *d = op.apply(*d, x);
                 }
+                super::pool::recycle(incoming);
             }
             mask <<= 1;
         }
@@ -158,6 +162,7 @@ impl Communicator {
             if rel & mask != 0 {
                 let incoming: Vec<T> = self.recv_raw(member(rel - mask), (g, call, (1 << 32) + mask as u64), "tree broadcast")?;
                 data.copy_from_slice(&incoming);
+                super::pool::recycle(incoming);
                 break;
             }
             mask <<= 1;
@@ -165,7 +170,7 @@ impl Communicator {
         mask >>= 1;
         while mask > 0 {
             if rel + mask < n {
-                self.send_raw(member(rel + mask), (g, call, (1 << 32) + mask as u64), data.to_vec(), kind, "tree broadcast")?;
+                self.send_raw(member(rel + mask), (g, call, (1 << 32) + mask as u64), super::pool::filled(data), kind, "tree broadcast")?;
             }
             mask >>= 1;
         }

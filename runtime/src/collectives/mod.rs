@@ -11,6 +11,7 @@
 
 mod algorithms;
 mod mesh;
+pub mod pool;
 mod worker;
 
 use std::any::Any;
@@ -243,16 +244,29 @@ impl Communicator {
 
     /// Sends `data` to rank `to` (a pipeline boundary); `tag` pairs it with the receive.
     pub fn send<T: Elem>(&mut self, to: usize, tag: u64, data: &[T]) -> Result<(), CommError> {
-        self.send_raw(to, (u64::MAX, tag, 0), data.to_vec(), CollectiveKind::Send, "send")
+        self.send_owned(to, tag, pool::filled(data))
+    }
+
+    /// [`Communicator::send`] of a buffer the caller gives up (no copy; the receiver may
+    /// [`pool::recycle`] it).
+    pub fn send_owned<T: Elem>(&mut self, to: usize, tag: u64, data: Vec<T>) -> Result<(), CommError> {
+        self.send_raw(to, (u64::MAX, tag, 0), data, CollectiveKind::Send, "send")
     }
 
     /// Receives what rank `from` sent with `tag` into `out`.
     pub fn recv<T: Elem>(&mut self, from: usize, tag: u64, out: &mut [T]) -> Result<(), CommError> {
-        let data: Vec<T> = self.recv_raw(from, (u64::MAX, tag, 0), "recv")?;
-        if data.len() != out.len() {
-            return Err(CommError::Shape { rank: self.rank, what: format!("recv: {} elements sent, {} expected", data.len(), out.len()) });
-        }
+        let data: Vec<T> = self.recv_owned(from, tag, out.len())?;
         out.copy_from_slice(&data);
+        pool::recycle(data);
         Ok(())
+    }
+
+    /// Receives what rank `from` sent with `tag`, `len` elements, as the sent buffer itself.
+    pub fn recv_owned<T: Elem>(&mut self, from: usize, tag: u64, len: usize) -> Result<Vec<T>, CommError> {
+        let data: Vec<T> = self.recv_raw(from, (u64::MAX, tag, 0), "recv")?;
+        if data.len() != len {
+            return Err(CommError::Shape { rank: self.rank, what: format!("recv: {} elements sent, {} expected", data.len(), len) });
+        }
+        Ok(data)
     }
 }

@@ -408,16 +408,19 @@ impl CpuExecutor {
                 continue;
             }
             let len = from.len().min(to.len());
-            let source = self.slots[from.slot].clone();
+            // Taken out for the copy (not cloned: the slot may hold a whole gathered tensor).
+            let source = std::mem::take(&mut self.slots[from.slot]);
             match (&source, &mut self.slots[to.slot]) {
                 (Storage::F32(s), Storage::F32(d)) => d[..len].copy_from_slice(&s[..len]),
                 (Storage::F64(s), Storage::F64(d)) => d[..len].copy_from_slice(&s[..len]),
                 (Storage::I32(s), Storage::I32(d)) => d[..len].copy_from_slice(&s[..len]),
                 (Storage::Bf16(s), Storage::Bf16(d)) => d[..len].copy_from_slice(&s[..len]),
                 _ => {
+                    self.slots[from.slot] = source;
                     return Err(RuntimeError::Binding(format!("result `{}` and its argument differ in type", from.name)));
                 }
-            }
+            };
+            self.slots[from.slot] = source;
         }
         Ok(())
     }
@@ -435,19 +438,35 @@ impl CpuExecutor {
 
     /// Copies of the values of `buffers`.
     pub fn save(&self, buffers: &[BufferId]) -> Vec<Storage> {
-        buffers
-            .iter()
-            .map(|&b| {
-                let buffer = &self.program.buffers[b];
-                match &self.slots[buffer.slot] {
-                    Storage::F32(v) => Storage::F32(v[..buffer.len()].to_vec()),
-                    Storage::F64(v) => Storage::F64(v[..buffer.len()].to_vec()),
-                    Storage::I32(v) => Storage::I32(v[..buffer.len()].to_vec()),
-                    Storage::Bf16(v) => Storage::Bf16(v[..buffer.len()].to_vec()),
-                    Storage::Empty => Storage::Empty,
+        self.save_into(buffers, Vec::new())
+    }
+
+    /// Copies of the values of `buffers`, written into `spare` (storage an earlier save
+    /// returned, no longer needed) where it has room: a pipeline saves the same buffers for
+    /// every micro-batch, and reusing their storage spares the host fresh pages each time.
+    pub fn save_into(&self, buffers: &[BufferId], mut spare: Vec<Storage>) -> Vec<Storage> {
+        spare.resize_with(buffers.len(), Storage::default);
+        for (&b, out) in buffers.iter().zip(spare.iter_mut()) {
+            let buffer = &self.program.buffers[b];
+            fn copy<T: Copy>(source: &[T], out: &mut Storage, wrap: fn(Vec<T>) -> Storage, get: fn(&mut Storage) -> Option<&mut Vec<T>>) {
+                match get(out) {
+                    Some(v) => {
+                        v.clear();
+                        v.extend_from_slice(source);
+                    }
+                    None => *out = wrap(source.to_vec()),
                 }
-            })
-            .collect()
+            }
+            let len = buffer.len();
+            match &self.slots[buffer.slot] {
+                Storage::F32(v) => copy(&v[..len], out, Storage::F32, |s| if let Storage::F32(v) = s { Some(v) } else { None }),
+                Storage::F64(v) => copy(&v[..len], out, Storage::F64, |s| if let Storage::F64(v) = s { Some(v) } else { None }),
+                Storage::I32(v) => copy(&v[..len], out, Storage::I32, |s| if let Storage::I32(v) = s { Some(v) } else { None }),
+                Storage::Bf16(v) => copy(&v[..len], out, Storage::Bf16, |s| if let Storage::Bf16(v) = s { Some(v) } else { None }),
+                Storage::Empty => *out = Storage::Empty,
+            }
+        }
+        spare
     }
 
     /// Writes values [`CpuExecutor::save`]d from `buffers` back into them.
@@ -467,10 +486,11 @@ impl CpuExecutor {
         Ok(())
     }
 
-    /// Adds the values of `buffers` into `sums` (empty: starts them).
-    pub fn accumulate(&self, buffers: &[BufferId], sums: &mut Vec<Storage>) -> Result<(), RuntimeError> {
-        if sums.is_empty() {
-            *sums = self.save(buffers);
+    /// Adds the values of `buffers` into `sums`; with `first`, starts them (reusing the
+    /// storage of the last step's sums).
+    pub fn accumulate(&self, buffers: &[BufferId], sums: &mut Vec<Storage>, first: bool) -> Result<(), RuntimeError> {
+        if first || sums.is_empty() {
+            *sums = self.save_into(buffers, std::mem::take(sums));
             return Ok(());
         }
         for (&b, sum) in buffers.iter().zip(sums.iter_mut()) {
@@ -512,15 +532,15 @@ impl CpuExecutor {
             let algorithm = *algorithm;
             let ticket = match (&slots[buffer.slot], buffer.dtype) {
                 (Storage::F64(v), DType::F64) => {
-                    let mut data = v[..buffer.len()].to_vec();
+                    let mut data = crate::collectives::pool::filled(&v[..buffer.len()]);
                     comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
                 }
                 (Storage::F32(v), DType::F32) => {
-                    let mut data = v[..buffer.len()].to_vec();
+                    let mut data = crate::collectives::pool::filled(&v[..buffer.len()]);
                     comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
                 }
                 (Storage::Bf16(v), DType::Bf16) => {
-                    let mut data = v[..buffer.len()].to_vec();
+                    let mut data = crate::collectives::pool::filled(&v[..buffer.len()]);
                     comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
                 }
                 _ => continue,
@@ -580,14 +600,17 @@ impl CpuExecutor {
                     DType::F64 => {
                         let data: Vec<f64> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
                         f64::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not f64".into()))?[..data.len()].copy_from_slice(&data);
+                        crate::collectives::pool::recycle(data);
                     }
                     DType::Bf16 => {
                         let data: Vec<half::bf16> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
                         half::bf16::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not bf16".into()))?[..data.len()].copy_from_slice(&data);
+                        crate::collectives::pool::recycle(data);
                     }
                     _ => {
                         let data: Vec<f32> = comm.wait(ticket).map_err(|e| fail(e.to_string()))?;
                         f32::slice_mut(&mut slots[out.slot]).ok_or_else(|| fail("output is not f32".into()))?[..data.len()].copy_from_slice(&data);
+                        crate::collectives::pool::recycle(data);
                     }
                 }
                 continue;
@@ -732,12 +755,13 @@ struct InFlight {
 impl InFlight {
     /// Waits for the bucket and writes the reduced values back into the members' slots.
     fn land(self, comm: &mut AsyncComm, slots: &mut [Storage]) -> Result<(), String> {
-        fn back<T: Element>(joined: Vec<T>, members: &[(usize, usize)], slots: &mut [Storage]) -> Result<(), String> {
+        fn back<T: Element + crate::collectives::Elem>(joined: Vec<T>, members: &[(usize, usize)], slots: &mut [Storage]) -> Result<(), String> {
             let mut at = 0;
             for &(slot, len) in members {
                 T::slice_mut(&mut slots[slot]).ok_or("bucket member of another type")?[..len].copy_from_slice(&joined[at..at + len]);
                 at += len;
             }
+            crate::collectives::pool::recycle(joined);
             Ok(())
         }
         match self.dtype {
@@ -756,10 +780,12 @@ fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm
     let axes: Vec<usize> = first.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
     let group = mesh.group(rank, &axes);
     let buffers: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
-    fn join<T: Element>(buffers: &[&Buffer], slots: &[Storage]) -> Result<Vec<T>, String> {
-        let mut joined: Vec<T> = Vec::with_capacity(buffers.iter().map(|b| b.len()).sum());
+    fn join<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &[Storage]) -> Result<Vec<T>, String> {
+        let mut joined: Vec<T> = crate::collectives::pool::buffer(buffers.iter().map(|b| b.len()).sum());
+        let mut at = 0;
         for b in buffers {
-            joined.extend_from_slice(&T::slice(&slots[b.slot]).ok_or("bucket member of another type")?[..b.len()]);
+            joined[at..at + b.len()].copy_from_slice(&T::slice(&slots[b.slot]).ok_or("bucket member of another type")?[..b.len()]);
+            at += b.len();
         }
         Ok(joined)
     }
@@ -830,18 +856,14 @@ fn point_to_point<T: Element + crate::collectives::Elem + Default>(
     let peer = instr.ints(peer_attr)?.first().copied().ok_or_else(|| format!("`{}` has no {peer_name}", instr.op))?;
     let peer = *group.get(peer as usize).ok_or_else(|| format!("{peer_name} {peer} is outside the pp axis of {} ranks", group.len()))?;
     if instr.op == "shard.send" {
-        let data = ins[0].get::<T>()?.to_vec();
-        comm.call(move |c| c.send(peer, tag, &data)).map_err(|e| e.to_string())
+        let data = crate::collectives::pool::filled(ins[0].get::<T>()?);
+        comm.call(move |c| c.send_owned(peer, tag, data)).map_err(|e| e.to_string())
     } else {
         let out = outs[0].get::<T>()?;
         let len = out.len();
-        let data: Vec<T> = comm
-            .call(move |c| {
-                let mut data = vec![T::default(); len];
-                c.recv(peer, tag, &mut data).map(|()| data)
-            })
-            .map_err(|e| e.to_string())?;
+        let data: Vec<T> = comm.call(move |c| c.recv_owned(peer, tag, len)).map_err(|e| e.to_string())?;
         out.copy_from_slice(&data);
+        crate::collectives::pool::recycle(data);
         Ok(())
     }
 }
@@ -881,19 +903,22 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
                 Some(crate::program::Attr::Str(kind)) if kind == "max" => ReduceOp::Max,
                 _ => ReduceOp::Sum,
             };
-            let mut data = out.to_vec();
+            let mut data = crate::collectives::pool::filled(out);
             let reduced = comm.call(move |c| c.all_reduce(&group, &mut data, op, algorithm).map(|()| data)).map_err(|e| e.to_string())?;
             out.copy_from_slice(&reduced);
+            crate::collectives::pool::recycle(reduced);
             Ok(())
         }
         "shard.all_gather" => {
             let axis = instr.int("gather_axis")? as usize;
             let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
-            let local = input.to_vec();
+            let local = crate::collectives::pool::filled(input);
             let gathered: Vec<T> = comm
                 .call(move |c| {
-                    let mut gathered = vec![T::default(); local.len() * n];
-                    c.all_gather(&group, &local, &mut gathered).map(|()| gathered)
+                    let mut gathered = crate::collectives::pool::buffer(local.len() * n);
+                    let result = c.all_gather(&group, &local, &mut gathered).map(|()| gathered);
+                    crate::collectives::pool::recycle(local);
+                    result
                 })
                 .map_err(|e| e.to_string())?;
             // gathered is [n][local]; interleave along `axis`.
@@ -906,6 +931,7 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
                     out[dst..dst + block].copy_from_slice(&gathered[src..src + block]);
                 }
             }
+            crate::collectives::pool::recycle(gathered);
             Ok(())
         }
         "shard.reduce_scatter" => {
@@ -914,7 +940,7 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
             // Stage the chunks along `axis` contiguously, [n][outer][chunk], then reduce-scatter.
             let (outer, inner) = split(axis);
             let block = out_shape[axis] * inner;
-            let mut staged = vec![T::default(); input.len()];
+            let mut staged = crate::collectives::pool::buffer(input.len());
             for r in 0..n {
                 for o in 0..outer {
                     let src = (o * in_shape[axis] + r * out_shape[axis]) * inner;
@@ -925,11 +951,14 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
             let len = out.len();
             let part: Vec<T> = comm
                 .call(move |c| {
-                    let mut part = vec![T::default(); len];
-                    c.reduce_scatter(&group, &staged, &mut part, ReduceOp::Sum).map(|()| part)
+                    let mut part = crate::collectives::pool::buffer(len);
+                    let result = c.reduce_scatter(&group, &staged, &mut part, ReduceOp::Sum).map(|()| part);
+                    crate::collectives::pool::recycle(staged);
+                    result
                 })
                 .map_err(|e| e.to_string())?;
             out.copy_from_slice(&part);
+            crate::collectives::pool::recycle(part);
             Ok(())
         }
         "shard.broadcast" => {
@@ -939,9 +968,10 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
             let extents: Vec<usize> = axes.iter().map(|&a| mesh.0[a]).collect();
             let root = root.iter().zip(&extents).fold(0usize, |acc, (&r, &e)| acc * e + r as usize);
             let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
-            let mut data = input.to_vec();
+            let mut data = crate::collectives::pool::filled(input);
             let data = comm.call(move |c| c.broadcast(&group, &mut data, root).map(|()| data)).map_err(|e| e.to_string())?;
             out.copy_from_slice(&data);
+            crate::collectives::pool::recycle(data);
             Ok(())
         }
         "shard.all_slice" => {

@@ -153,12 +153,10 @@ pub fn simulate(schedule: &Schedule, costs: Costs) -> Result<Timeline, ScheduleE
     })
 }
 
-/// [`simulate`] with each item's cost from `cost(rank, item)` (stages of different weight).
-pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) -> Result<Timeline, ScheduleError> {
-    use std::collections::HashMap;
-    let (p, m, v) = (schedule.stages, schedule.microbatches, schedule.chunks);
+/// Checks that every rank runs each of its items exactly once.
+fn check_items(schedule: &Schedule) -> Result<(), ScheduleError> {
+    let (m, v) = (schedule.microbatches, schedule.chunks);
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
-    // Every rank must run each of its items exactly once.
     for (rank, items) in schedule.ranks.iter().enumerate() {
         let mut seen = std::collections::HashSet::new();
         for item in items {
@@ -171,47 +169,28 @@ pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) ->
             return Err(ScheduleError::Items { rank, message: format!("{} items, expected {expected}", seen.len()) });
         }
     }
-    let last_stage = p * v - 1;
-    // Finish time of (work, microbatch, stage).
-    let mut done: HashMap<(Work, usize, usize), f64> = HashMap::new();
-    let mut next = vec![0usize; p];
-    let mut free = vec![0f64; p];
-    let mut out: Vec<Vec<(Item, f64, f64)>> = vec![Vec::new(); p];
-    let total: usize = schedule.ranks.iter().map(Vec::len).sum();
-    let mut placed = 0;
-    while placed < total {
-        let mut progressed = false;
-        for rank in 0..p {
-            while let Some(item) = schedule.ranks[rank].get(next[rank]).copied() {
-                let stage = schedule.stage_of(rank, item.chunk);
-                let deps: Vec<(Work, usize, usize)> = match item.work {
-                    Work::F if stage == 0 => vec![],
-                    Work::F => vec![(Work::F, item.microbatch, stage - 1)],
-                    Work::B if stage == last_stage => vec![(Work::F, item.microbatch, stage)],
-                    Work::B => vec![(Work::F, item.microbatch, stage), (Work::B, item.microbatch, stage + 1)],
-                    Work::W => vec![(Work::B, item.microbatch, stage)],
-                };
-                let Some(ready) = deps.iter().map(|d| done.get(d).copied()).try_fold(0f64, |acc, t| t.map(|t| acc.max(t))) else {
-                    break;
-                };
-                let cost = cost(rank, &item);
-                let start = ready.max(free[rank]);
-                free[rank] = start + cost;
-                done.insert((item.work, item.microbatch, stage), start + cost);
-                out[rank].push((item, start, start + cost));
-                next[rank] += 1;
-                placed += 1;
-                progressed = true;
-            }
-        }
-        if !progressed {
-            let waiting: Vec<String> = (0..p).filter_map(|r| schedule.ranks[r].get(next[r]).map(|i| format!("rank {r} at {i:?}"))).collect();
-            return Err(ScheduleError::Deadlock(waiting.join(", ")));
-        }
+    Ok(())
+}
+
+/// What `item` on `rank` waits for, as (work, micro-batch, stage): a stage's forward needs
+/// the previous stage's, a backward the next stage's backward and its own forward, a weight
+/// gradient its backward.
+fn dependencies(schedule: &Schedule, rank: usize, item: &Item) -> Vec<(Work, usize, usize)> {
+    let last_stage = schedule.stages * schedule.chunks - 1;
+    let stage = schedule.stage_of(rank, item.chunk);
+    match item.work {
+        Work::F if stage == 0 => vec![],
+        Work::F => vec![(Work::F, item.microbatch, stage - 1)],
+        Work::B if stage == last_stage => vec![(Work::F, item.microbatch, stage)],
+        Work::B => vec![(Work::F, item.microbatch, stage), (Work::B, item.microbatch, stage + 1)],
+        Work::W => vec![(Work::B, item.microbatch, stage)],
     }
-    let makespan = free.iter().copied().fold(0f64, f64::max);
+}
+
+/// The timeline of placed items: makespan, bubble and peak in-flight micro-batches.
+fn timeline(out: Vec<Vec<(Item, f64, f64)>>, makespan: f64) -> Timeline {
     let busy: f64 = out.iter().flatten().map(|(_, s, e)| e - s).sum();
-    let bubble = if makespan > 0.0 { 1.0 - busy / (makespan * p as f64) } else { 0.0 };
+    let bubble = if makespan > 0.0 { 1.0 - busy / (makespan * out.len() as f64) } else { 0.0 };
     let peak_in_flight = out
         .iter()
         .map(|items| {
@@ -227,5 +206,118 @@ pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) ->
             peak as usize
         })
         .collect();
-    Ok(Timeline { ranks: out, makespan, bubble, peak_in_flight })
+    Timeline { ranks: out, makespan, bubble, peak_in_flight }
+}
+
+/// [`simulate`] with each item's cost from `cost(rank, item)` (stages of different weight).
+pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) -> Result<Timeline, ScheduleError> {
+    use std::collections::HashMap;
+    check_items(schedule)?;
+    let p = schedule.stages;
+    // Finish time of (work, microbatch, stage).
+    let mut done: HashMap<(Work, usize, usize), f64> = HashMap::new();
+    let mut next = vec![0usize; p];
+    let mut free = vec![0f64; p];
+    let mut out: Vec<Vec<(Item, f64, f64)>> = vec![Vec::new(); p];
+    let total: usize = schedule.ranks.iter().map(Vec::len).sum();
+    let mut placed = 0;
+    while placed < total {
+        let mut progressed = false;
+        for rank in 0..p {
+            while let Some(item) = schedule.ranks[rank].get(next[rank]).copied() {
+                let stage = schedule.stage_of(rank, item.chunk);
+                let Some(ready) = dependencies(schedule, rank, &item).iter().map(|d| done.get(d).copied()).try_fold(0f64, |acc, t| t.map(|t| acc.max(t))) else {
+                    break;
+                };
+                let cost = cost(rank, &item);
+                let start = ready.max(free[rank]);
+                free[rank] = start + cost;
+                done.insert((item.work, item.microbatch, stage), start + cost);
+                out[rank].push((item, start, start + cost));
+                next[rank] += 1;
+                placed += 1;
+                progressed = true;
+            }
+        }
+        if !progressed {
+            return Err(deadlock(schedule, &next));
+        }
+    }
+    let makespan = free.iter().copied().fold(0f64, f64::max);
+    Ok(timeline(out, makespan))
+}
+
+fn deadlock(schedule: &Schedule, next: &[usize]) -> ScheduleError {
+    let waiting: Vec<String> = (0..schedule.stages).filter_map(|r| schedule.ranks[r].get(next[r]).map(|i| format!("rank {r} at {i:?}"))).collect();
+    ScheduleError::Deadlock(waiting.join(", "))
+}
+
+/// [`simulate_with`] for pipeline ranks that share one host's cores, as the CPU backend runs
+/// them (a thread per rank, one pool of worker threads): `cost(rank, item)` is an item's
+/// seconds with the host to itself; while k ranks compute at once, each gets a k-th of the
+/// host, slowed by `slowdown` (their contention for caches and memory, as calibrated), so a
+/// rank alone in another's bubble runs at full speed. `replicas`: the ranks each pipeline
+/// rank's program stands for (dp x tp), computing alongside it. After its last item a rank
+/// runs its `tail` (the optimizer step) under the same sharing. The makespan includes the
+/// tails.
+pub fn simulate_shared(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64, tail: impl Fn(usize) -> f64, replicas: f64, slowdown: f64) -> Result<Timeline, ScheduleError> {
+    use std::collections::HashMap;
+    check_items(schedule)?;
+    let p = schedule.stages;
+    // What a rank computes now: its item (None: its tail), the work left (seconds with the
+    // host to itself) and when it started.
+    struct Running {
+        item: Option<Item>,
+        left: f64,
+        start: f64,
+    }
+    let mut running: Vec<Option<Running>> = (0..p).map(|_| None).collect();
+    let mut tail_started = vec![false; p];
+    let mut done: HashMap<(Work, usize, usize), f64> = HashMap::new();
+    let mut next = vec![0usize; p];
+    let mut out: Vec<Vec<(Item, f64, f64)>> = vec![Vec::new(); p];
+    let mut now = 0.0f64;
+    loop {
+        for rank in 0..p {
+            if running[rank].is_some() {
+                continue;
+            }
+            match schedule.ranks[rank].get(next[rank]).copied() {
+                Some(item) if dependencies(schedule, rank, &item).iter().all(|d| done.contains_key(d)) => {
+                    running[rank] = Some(Running { item: Some(item), left: cost(rank, &item).max(0.0), start: now });
+                    next[rank] += 1;
+                }
+                Some(_) => {}
+                None if !tail_started[rank] => {
+                    tail_started[rank] = true;
+                    running[rank] = Some(Running { item: None, left: tail(rank).max(0.0), start: now });
+                }
+                None => {}
+            }
+        }
+        let active = running.iter().flatten().count();
+        if active == 0 {
+            if tail_started.iter().all(|&t| t) {
+                break;
+            }
+            return Err(deadlock(schedule, &next));
+        }
+        let sharing = active as f64 * replicas.max(1.0);
+        let rate = if sharing > 1.0 { 1.0 / (sharing * slowdown.max(1.0)) } else { 1.0 };
+        // Up to the next finish.
+        let first = running.iter().flatten().map(|r| r.left).fold(f64::INFINITY, f64::min);
+        now += first / rate;
+        for rank in 0..p {
+            let Some(r) = running[rank].as_mut() else { continue };
+            r.left -= first;
+            if r.left <= first * 1e-12 {
+                if let Some(item) = r.item {
+                    done.insert((item.work, item.microbatch, schedule.stage_of(rank, item.chunk)), now);
+                    out[rank].push((item, r.start, now));
+                }
+                running[rank] = None;
+            }
+        }
+    }
+    Ok(timeline(out, now))
 }
