@@ -33,6 +33,29 @@ fn axes_outside_a_node_use_the_network() {
     assert_eq!(c.link(&[2, 4, 1], &[0]), c.intra_node);
 }
 
+/// A group spanning nodes with k members in each drives k network cards at once (one per
+/// GPU), up to what NVLink carries: 8 HDR NICs of 24 GB/s give DGX-A100 nodes about 192 GB/s
+/// of all-reduce bus bandwidth (nccl-tests), one NIC per node's member gives 24.
+#[test]
+fn a_group_spanning_nodes_uses_the_network_cards_of_its_members_in_each_node() {
+    let a100 = Cluster::preset("a100-80g").unwrap();
+    let nic = a100.inter_node.bandwidth;
+    // dp=48 alone: 8 members per node.
+    assert!((a100.link(&[48, 1, 1], &[0]).bandwidth - 8.0 * nic).abs() < 1.0);
+    // tp=2 inside, dp=48 outside: 4 members of a dp group per node.
+    assert!((a100.link(&[48, 2, 1], &[0]).bandwidth - 4.0 * nic).abs() < 1.0);
+    // tp=8 fills the node: one member per node, one card.
+    assert_eq!(a100.link(&[48, 8, 1], &[0]), a100.inter_node);
+    // Never more than NVLink inside the node carries (H100: 8 x 47 > 370 GB/s).
+    let h100 = Cluster::preset("h100-sxm").unwrap();
+    assert_eq!(h100.link(&[16, 1, 1], &[0]).bandwidth, h100.intra_node.bandwidth);
+    // Latency stays the network's.
+    assert_eq!(h100.link(&[16, 1, 1], &[0]).alpha, h100.inter_node.alpha);
+    // A 1 GB all-reduce over 6 DGX-A100 nodes takes about 2 (47/48) GB / 192 GB/s.
+    let t = a100.time(Collective::AllReduce, 1e9, &[48, 1, 1], &[0]);
+    assert!((t / (2.0 * 47.0 / 48.0 * 1e9 / 192e9) - 1.0).abs() < 0.05, "{t}");
+}
+
 #[test]
 fn toml_overrides_presets_and_names_bad_fields() {
     let c = Cluster::from_toml("preset = \"a100-40g\"\ngpus_per_node = 4\n[inter_node]\nalpha = 2e-5\nbandwidth = 12.5e9\n").unwrap();
