@@ -15,8 +15,15 @@
 #            against the f32 CPU run), gradients not compared (a bf16 parameter cannot
 #            resolve one small SGD step);
 #         2. times a gpt2-small training step and a wide GEMM-bound layer, and prints the
-#            achieved GEMM TFLOP/s against cuBLAS's measured peak.
+#            achieved GEMM TFLOP/s against cuBLAS's measured peak and the h200 preset's
+#            prediction;
+#         3. times every distinct kernel of gpt2-small's bf16 step (s=1024, 1 and 4 sequences),
+#            a streaming add and a chain of tiny kernels (`shardc-gpu calibrate`): what
+#            `shardc calibrate --measured` fits the cluster model on.
 #       Exits non-zero on any mismatch. Budget: well under 8 minutes on one H200.
+#   scripts/gpu-check.sh report [DIR]    back on the build machine, with DIR as the GPU run
+#       left it: fits the h200 cluster model to the measured kernels (DIR/h200-calibrated.toml)
+#       and prints each timed step beside the preset's and the calibrated model's prediction.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 mode="${1:-}"
@@ -50,9 +57,9 @@ prepare() {
   # Timed workloads: AdamW, as in training.
   # Priced for the H200 the check runs on: `bench` prints the cluster model's prediction
   # (the h200 preset) beside the measured step.
-  plan bench-gpt2-bf16 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype bf16 --gpu h200
-  plan bench-gpt2-f32 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype f32 --gpu h200
-  plan bench-wide-bf16 models/wide-layer.toml --microbatches 1 --target cuda --gpu h200
+  bench_plans plan --gpu h200
+  # The kernels `shardc-gpu calibrate` times on the GPU, for `report` to fit on.
+  "$shardc" calibrate "${calibration[@]}" --emit "$dir/calibration"
   cat > "$dir/manifest.json" <<'JSON'
 {
   "data": "corpus.txt",
@@ -82,6 +89,35 @@ JSON
   echo "gpu-check: on the GPU machine run: $dir/gpu-check.sh run $dir"
 }
 
+# The timed plans, compiled by `$1` (plan, or a pricing function) with extra arguments.
+bench_plans() {
+  local how="$1"; shift
+  "$how" bench-gpt2-bf16 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype bf16 "$@"
+  "$how" bench-gpt2-f32 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype f32 "$@"
+  "$how" bench-wide-bf16 models/wide-layer.toml --microbatches 1 --target cuda "$@"
+}
+# The calibration workload: gpt2-small's bf16 step at the benchmark's sequence length.
+calibration=(models/gpt2-small.toml --backend cuda --gpu h200 --seq 1024 --dtype bf16)
+
+report() {
+  cd "$here/.."
+  dir="${dir:-out/gpu-check}"
+  [ -f "$dir/calibration/measured.json" ] || { echo "gpu-check: no $dir/calibration/measured.json: run gpu-check.sh run on the GPU machine first" >&2; exit 1; }
+  cargo build --locked --bin shardc
+  local shardc=./target/debug/shardc
+  "$shardc" calibrate "${calibration[@]}" --measured "$dir/calibration/measured.json" -o "$dir/h200-calibrated.toml"
+  printf "\n%-20s %12s %16s %18s\n" "workload" "measured ms" "h200 preset ms" "calibrated ms"
+  price() { # name, then compile arguments
+    local name="$1"; shift
+    local measured preset calibrated
+    measured=$(python3 -c "import json,sys; print(1e3 * json.load(open(sys.argv[1]))['plans/$name.json'])" "$dir/bench-measured.json")
+    preset=$("$shardc" compile "$@" --gpu h200 2>&1 | awk '/^  estimate/ {print $2}')
+    calibrated=$("$shardc" compile "$@" --cluster "$dir/h200-calibrated.toml" 2>&1 | awk '/^  estimate/ {print $2}')
+    printf "%-20s %12.2f %16s %18s\n" "$name" "$measured" "$preset" "$calibrated"
+  }
+  bench_plans price
+}
+
 run() {
   dir="${dir:-$here}"
   cd "$dir"
@@ -109,11 +145,14 @@ run() {
   ./shardc-gpu check manifest.json || status=1
   echo "== speed =="
   ./shardc-gpu bench manifest.json || status=1
+  echo "== calibration: the step's kernels, one at a time (fit with gpu-check.sh report) =="
+  ./shardc-gpu calibrate calibration || status=1
   exit $status
 }
 
 case "$mode" in
   prepare) prepare ;;
   run) run ;;
-  *) echo "usage: scripts/gpu-check.sh prepare [DIR] | DIR/gpu-check.sh run [DIR]" >&2; exit 2 ;;
+  report) report ;;
+  *) echo "usage: scripts/gpu-check.sh prepare [DIR] | DIR/gpu-check.sh run [DIR] | scripts/gpu-check.sh report [DIR]" >&2; exit 2 ;;
 esac

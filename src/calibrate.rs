@@ -1,5 +1,13 @@
 //! `shardc calibrate`: measures the cluster model's physical parameters on this machine's
-//! CPU backend and writes them as a cluster TOML that `--cluster` reads.
+//! CPU backend, or on a GPU, and writes them as a cluster TOML that `--cluster` reads.
+//!
+//! On a GPU (`--backend cuda`, with the GPU's preset from `--gpu`) the same single-op
+//! programs, with their device code, are timed on the device (in-process, or in two halves
+//! for a GPU machine without the compiler: `--emit DIR` writes the programs, `shardc-gpu
+//! calibrate DIR` times them there, and `--measured DIR/measured.json` fits here). The fit
+//! keeps the preset's peaks, SMs and tile and finds the shares of them that the device
+//! reaches: GEMM efficiency and per-tile overhead, attention and vector shares, the memory
+//! efficiency (a streaming add) and the launch latency (a chain of tiny kernels).
 //!
 //! Every figure is timed through the runtime the training step runs on: single-op programs
 //! built with the op registry, lowered by codegen and run by the CPU executor (so dispatch
@@ -27,9 +35,17 @@ pub struct CalibrateArgs {
     /// Model spec whose training step's kernels are timed (calibrate on the model you will
     /// run; models/gpt2-small.toml suits GPT-2-sized models).
     pub spec: PathBuf,
-    /// Backend to measure: cpu. (On a GPU, scripts/gpu-check.sh measures the device.)
+    /// Backend to measure: cpu, or cuda (the GPU named by --gpu, e.g. --gpu h100-sxm).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// With --backend cuda: write the single-kernel programs to time into this folder (with
+    /// kernels.json) and stop, for `shardc-gpu calibrate DIR` on a GPU machine.
+    #[arg(long, value_name = "DIR")]
+    pub emit: Option<PathBuf>,
+    /// With --backend cuda: fit from this file of measured seconds (`shardc-gpu calibrate`'s
+    /// measured.json) instead of timing here.
+    #[arg(long, value_name = "FILE")]
+    pub measured: Option<PathBuf>,
     /// Write the cluster TOML here (default: print it).
     #[arg(long, short = 'o', value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -123,6 +139,14 @@ fn time_copy(program: &shardc_runtime::Program, repeats: usize, barrier: &std::s
 /// Times one instance of op `name` on inputs of `types` (step-like values, see
 /// [`time_copy`]).
 fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Result<Sample> {
+    let (program, mut sample) = kernel_program(name, types, attrs)?;
+    sample.seconds = time_program(&program, repeats, 1, true)?;
+    Ok(sample)
+}
+
+/// A program of one instance of op `name` on inputs of `types`, and its sample (class, cost;
+/// no time yet).
+fn kernel_program(name: &str, types: &[TensorTy], attrs: Attrs) -> Result<(shardc_runtime::Program, Sample)> {
     let def = lookup(name).ok_or_else(|| miette!("no op `{name}` in the registry"))?;
     let mut fb = FuncBuilder::new("calibrate");
     let args: Vec<_> = types.iter().enumerate().map(|(i, t)| fb.arg(&format!("in{i}"), t.clone(), ArgRole::Input)).collect();
@@ -136,17 +160,21 @@ fn time_op(name: &str, types: &[TensorTy], attrs: Attrs, repeats: usize) -> Resu
     }).collect();
     let func = fb.finish(&results, &names);
     let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
-    let seconds = time_program(&program, repeats, 1, true)?;
     let refs: Vec<&TensorTy> = types.iter().collect();
     let outputs = def.infer(&refs, &attrs).map_err(|e| miette!("{name}: {e}"))?;
     let cost = def.cost(&refs, &outputs, &attrs);
     let shape = types.iter().map(|t| format!("{:?}", t.shape)).collect::<Vec<_>>().join(" ");
-    Ok(Sample { what: format!("{name} {shape}"), class: def.kernel_class(&refs, &attrs), cost, bf16: types[0].dtype == DType::Bf16, seconds })
+    Ok((program, Sample { what: format!("{name} {shape}"), class: def.kernel_class(&refs, &attrs), cost, bf16: types[0].dtype == DType::Bf16, seconds: 0.0 }))
 }
 
 /// Seconds per instruction of a program of `count` dependent tiny adds: what the executor
 /// pays per kernel besides its work.
 fn time_dispatch(count: usize, repeats: usize) -> Result<f64> {
+    Ok(time_program(&dispatch_program(count)?, repeats, 1, true)? / count as f64)
+}
+
+/// A program of `count` dependent tiny adds.
+fn dispatch_program(count: usize) -> Result<shardc_runtime::Program> {
     let mut fb = FuncBuilder::new("calibrate");
     let t = TensorTy::new([1, 8], DType::F32);
     let mut x = fb.arg("x", t, ArgRole::Input);
@@ -154,8 +182,7 @@ fn time_dispatch(count: usize, repeats: usize) -> Result<f64> {
         x = fb.op("xf.add", &[x, x], Attrs::new(), "calibrate").map_err(|e| miette!("{e}"))?;
     }
     let func = fb.finish(&[x], &["out".to_string()]);
-    let program = shardc_codegen::lower_func(&func).into_diagnostic()?;
-    Ok(time_program(&program, repeats, 1, true)? / count as f64)
+    shardc_codegen::lower_func(&func).into_diagnostic()
 }
 
 /// Seconds of a data-parallel all-reduce of `elements` f32 over `ranks` rank threads, run as
@@ -229,12 +256,19 @@ fn step_kernels(program: &shardc_runtime::Program) -> Vec<(Vec<TensorTy>, Attrs,
 
 /// `shardc calibrate`.
 pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
-    if args.backend != "cpu" {
-        return Err(miette!(help = "calibrate the CPU backend here; on a GPU, scripts/gpu-check.sh run measures the device", "--backend {}: shardc calibrate measures the cpu backend", args.backend));
-    }
     if args.repeats == 0 {
         return Err(miette!(help = "use --repeats 1 or more", "--repeats must be at least 1"));
     }
+    match args.backend.as_str() {
+        "cpu" if args.emit.is_some() || args.measured.is_some() => Err(miette!(help = "add --backend cuda --gpu NAME", "--emit and --measured calibrate a GPU (--backend cuda)")),
+        "cpu" => calibrate_cpu(args),
+        "cuda" => calibrate_cuda(args),
+        other => Err(miette!(help = "use --backend cpu or --backend cuda", "--backend {other}: unknown backend")),
+    }
+}
+
+/// `shardc calibrate --backend cpu`.
+fn calibrate_cpu(args: &CalibrateArgs) -> Result<()> {
     let spec = args.step.load_spec(Some(&args.spec))?;
     let repeats = args.repeats;
     let started = Instant::now();
@@ -318,19 +352,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
     // host); the vector-arithmetic share and the cost of a transcendental are what best
     // explain the element-wise, normalisation and loss kernels on top of it.
     let vectors: Vec<&Sample> = samples.iter().filter(|s| matches!(s.class, KernelClass::Memory)).collect();
-    let mut best_memory = (f64::INFINITY, 1.0, 1.0);
-    for special_cost in (0..=24).map(|j| 2f64.powf(j as f64 / 3.0)) {
-        let mut trial = cluster.clone();
-        trial.gpu.special_cost = special_cost;
-        let share = fit_share(&trial, &vectors, |c, x| c.gpu.vector_efficiency = x);
-        trial.gpu.vector_efficiency = share;
-        let error = log_error(&trial, &vectors);
-        if error < best_memory.0 {
-            best_memory = (error, share, special_cost);
-        }
-    }
-    cluster.gpu.vector_efficiency = best_memory.1;
-    cluster.gpu.special_cost = best_memory.2;
+    fit_vectors(&mut cluster, &vectors);
 
     // Ranks on one host: two rank threads running the whole step at once (each its own
     // executor on its share of the worker threads, as the runtime runs a mesh) take this much
@@ -381,13 +403,23 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
         SHARED_RANKS, cluster.shared_slowdown, cluster.shared_pool_slowdown
     );
     table += &format!("# all-reduce over 2 ranks: {:.1} us + {:.2} GB/s\n", latency * 1e6, bandwidth / 1e9);
-    // The longest kernels, measured beside the fitted model: where it is off.
+    table += &longest_kernels(&cluster, &samples);
+    write_cluster(args, &table, &cluster)
+}
+
+/// The longest kernels, measured beside the fitted model: where it is off.
+fn longest_kernels(cluster: &Cluster, samples: &[Sample]) -> String {
     let mut longest: Vec<&Sample> = samples.iter().collect();
     longest.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
-    table += "# longest kernels: measured ms, fitted ms\n";
+    let mut table = String::from("# longest kernels: measured ms, fitted ms\n");
     for s in longest.iter().take(16) {
-        table += &format!("#   {:<70} {:>8.2} {:>8.2}\n", s.what, 1e3 * s.seconds, 1e3 * cluster.kernel_time(&s.class, &s.cost, s.bf16));
+        table += &format!("#   {:<70} {:>8.3} {:>8.3}\n", s.what, 1e3 * s.seconds, 1e3 * cluster.kernel_time(&s.class, &s.cost, s.bf16));
     }
+    table
+}
+
+/// Writes `table` (comment lines) and the cluster TOML to `-o` (or prints them).
+fn write_cluster(args: &CalibrateArgs, table: &str, cluster: &Cluster) -> Result<()> {
     let text = format!("{table}{}", cluster.to_toml());
     match &args.output {
         Some(path) => {
@@ -398,6 +430,147 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
         None => print!("{text}"),
     }
     Ok(())
+}
+
+/// Elements of each operand of the streaming add that measures a GPU's memory bandwidth
+/// (256 MB in f32: far beyond the L2 cache).
+const GPU_STREAM_ELEMENTS: i64 = 1 << 26;
+/// Tiny dependent kernels whose chain measures a GPU's launch latency.
+const GPU_DISPATCH_CHAIN: usize = 200;
+
+/// `shardc calibrate --backend cuda`.
+fn calibrate_cuda(args: &CalibrateArgs) -> Result<()> {
+    if !args.step.hardware_given() {
+        return Err(miette!(help = format!("add --gpu NAME (one of {}) or --cluster FILE", shardc_ir::cluster::GPU_PRESETS.join(", ")), "--backend cuda calibrates a GPU: name its preset"));
+    }
+    if args.emit.is_some() && args.measured.is_some() {
+        return Err(miette!(help = "emit on the build machine, time with shardc-gpu on the GPU machine, then fit with --measured", "--emit and --measured are two halves of one calibration: give one"));
+    }
+    let spec = args.step.load_spec(Some(&args.spec))?;
+    let base = args.step.cluster_model()?;
+    // The kernels to time, each a program with its device code: the streaming add, the chain
+    // of tiny kernels, then every distinct kernel of the step at one and four sequences.
+    let quick_sides = if args.quick { 1 << 16 } else { GPU_STREAM_ELEMENTS };
+    let stream = TensorTy::new([quick_sides], DType::F32);
+    let mut kernels: Vec<(shardc_runtime::Program, Sample)> = vec![kernel_program("xf.add", &[stream.clone(), stream], Attrs::new())?];
+    let chain = dispatch_program(GPU_DISPATCH_CHAIN)?;
+    kernels.push((chain, Sample { what: format!("{GPU_DISPATCH_CHAIN} dependent tiny adds"), class: KernelClass::Memory, cost: Cost::default(), bf16: false, seconds: 0.0 }));
+    let micro_batches: &[u64] = if args.quick { &[1] } else { &[1, 4] };
+    let mut seen = std::collections::BTreeSet::new();
+    for &b in micro_batches {
+        for (types, attrs, op) in step_kernels(&step_program(&spec, &args.step, b)?) {
+            if seen.insert(format!("{op} {types:?} {attrs:?}")) {
+                kernels.push(kernel_program(&op, &types, attrs)?);
+            }
+        }
+    }
+    let mut kernels: Vec<(String, shardc_runtime::Program, Sample)> = kernels
+        .into_iter()
+        .enumerate()
+        .map(|(i, (program, sample))| Ok((format!("{i:03} {}", sample.what), shardc_codegen::device::with_device_plan(program).into_diagnostic()?, sample)))
+        .collect::<Result<_>>()?;
+
+    if let Some(dir) = &args.emit {
+        std::fs::create_dir_all(dir).map_err(|e| miette!(help = "give a folder that can be created", "--emit {}: {e}", dir.display()))?;
+        let mut list = Vec::new();
+        for (i, (name, program, _)) in kernels.iter().enumerate() {
+            let file = format!("k{i:03}.json");
+            let json = serde_json::to_string(program).into_diagnostic()?;
+            std::fs::write(dir.join(&file), json).map_err(|e| miette!("--emit {}: {e}", dir.display()))?;
+            list.push(serde_json::json!({ "name": name, "program": file }));
+        }
+        std::fs::write(dir.join("kernels.json"), serde_json::to_string_pretty(&list).into_diagnostic()?).map_err(|e| miette!("--emit {}: {e}", dir.display()))?;
+        eprintln!("shardc calibrate: wrote {} kernel programs to {}; time them with `shardc-gpu calibrate {}` on the GPU, then fit with --measured {}/measured.json", kernels.len(), dir.display(), dir.display(), dir.display());
+        return Ok(());
+    }
+    match &args.measured {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| miette!(help = "give the measured.json that `shardc-gpu calibrate DIR` wrote", "--measured {}: {e}", path.display()))?;
+            let measured: std::collections::BTreeMap<String, f64> = serde_json::from_str(&text).map_err(|e| miette!(help = "give the measured.json that `shardc-gpu calibrate DIR` wrote", "--measured {}: {e}", path.display()))?;
+            for (name, _, sample) in &mut kernels {
+                sample.seconds = *measured.get(name).ok_or_else(|| {
+                    miette!(help = "emit and fit with the same spec and options (--seq, --micro-batch, --dtype, --quick)", "--measured {}: no time for kernel `{name}`", path.display())
+                })?;
+            }
+        }
+        None => time_on_device(&mut kernels, args.repeats)?,
+    }
+    let samples: Vec<Sample> = kernels.into_iter().map(|(_, _, s)| s).collect();
+    if let Some(bad) = samples.iter().find(|s| !(s.seconds.is_finite() && s.seconds > 0.0)) {
+        return Err(miette!(help = "time the kernels again", "kernel `{}` has no positive time ({})", bad.what, bad.seconds));
+    }
+    let (cluster, table) = fit_gpu(base, &samples, &spec.name);
+    write_cluster(args, &table, &cluster)
+}
+
+/// Times each kernel program on the GPU (device 0, or the CPU emulation of the device with
+/// `SHARDC_GPU_EMULATE=1`).
+#[cfg(feature = "cuda")]
+fn time_on_device(kernels: &mut [(String, shardc_runtime::Program, Sample)], repeats: usize) -> Result<()> {
+    use shardc_runtime::cuda::Placement;
+    let placement = if std::env::var("SHARDC_GPU_EMULATE").is_ok_and(|v| v == "1") { Placement::Emulated } else { Placement::SingleDevice { device: 0 } };
+    for (name, program, sample) in kernels.iter_mut() {
+        sample.seconds = shardc_runtime::cuda::time_program(program.clone(), &placement, repeats).map_err(|e| miette!("timing {name}: {e}"))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn time_on_device(_: &mut [(String, shardc_runtime::Program, Sample)], _: usize) -> Result<()> {
+    Err(miette!(help = "build shardc with --features cuda, or --emit DIR and time it with shardc-gpu calibrate DIR on the GPU machine", "this shardc has no CUDA backend"))
+}
+
+/// Fits the GPU's shares of its preset's peaks to `samples` (the streaming add first, the
+/// launch chain second, then the step's kernels). Returns the cluster and its report.
+fn fit_gpu(base: Cluster, samples: &[Sample], model: &str) -> (Cluster, String) {
+    let mut cluster = base;
+    let (stream, chain, step) = (&samples[0], &samples[1], &samples[2..]);
+    cluster.gpu.kernel_launch = chain.seconds / GPU_DISPATCH_CHAIN as f64;
+    let streamed = stream.cost.bytes / (stream.seconds - cluster.gpu.kernel_launch).max(1e-12);
+    cluster.gpu.memory_efficiency = (streamed / cluster.gpu.memory_bandwidth).clamp(1e-3, 1.0);
+    // GEMMs: the preset's tile, SMs and peaks; the efficiency of the main loop and the
+    // per-tile overhead that best explain the products' times.
+    let gemms: Vec<&Sample> = step.iter().filter(|s| matches!(s.class, KernelClass::Gemm { .. })).collect();
+    let mut best = (f64::INFINITY, cluster.gpu.gemm_efficiency, cluster.gpu.gemm_k_overhead);
+    for k_overhead in (0..=32).map(|i| 16.0 * i as f64) {
+        let mut trial = cluster.clone();
+        trial.gpu.gemm_k_overhead = k_overhead;
+        trial.gpu.gemm_efficiency = fit_share(&trial, &gemms, |c, x| c.gpu.gemm_efficiency = x);
+        let error = log_error(&trial, &gemms);
+        if error < best.0 {
+            best = (error, trial.gpu.gemm_efficiency, k_overhead);
+        }
+    }
+    (cluster.gpu.gemm_efficiency, cluster.gpu.gemm_k_overhead) = (best.1, best.2);
+    let attention: Vec<&Sample> = step.iter().filter(|s| matches!(s.class, KernelClass::Attention { .. })).collect();
+    cluster.gpu.attention_efficiency = fit_share(&cluster, &attention, |c, x| c.gpu.attention_efficiency = x);
+    let vectors: Vec<&Sample> = step.iter().filter(|s| matches!(s.class, KernelClass::Memory)).collect();
+    fit_vectors(&mut cluster, &vectors);
+    let rms = |xs: &[&Sample]| if xs.is_empty() { 0.0 } else { log_error(&cluster, xs).sqrt().exp_m1() };
+    let g = &cluster.gpu;
+    let mut table = format!("# shardc calibrate: {} ({}), {} kernels of {}'s step timed ({} GEMMs)\n", g.name, "cuda", step.len(), model, gemms.len());
+    table += &format!("# launch {:.1} us; memory {:.0} GB/s ({:.0}% of {:.0}); GEMM main loop {:.0}% of peak, {} steps of K per tile (fit error {:.1}%)\n", 1e6 * g.kernel_launch, streamed / 1e9, 100.0 * g.memory_efficiency, g.memory_bandwidth / 1e9, 100.0 * g.gemm_efficiency, g.gemm_k_overhead, 100.0 * rms(&gemms));
+    table += &format!("# attention {:.1}% of peak (error {:.1}%); vector arithmetic {:.1}% of peak, a special function {:.1} operations (error {:.1}%)\n", 100.0 * g.attention_efficiency, 100.0 * rms(&attention), 100.0 * g.vector_efficiency, g.special_cost, 100.0 * rms(&vectors));
+    table += &longest_kernels(&cluster, step);
+    (cluster, table)
+}
+
+/// Sets the vector-arithmetic share and the cost of a transcendental that best explain the
+/// memory-bound kernels `vectors` on top of the cluster's bandwidth.
+fn fit_vectors(cluster: &mut Cluster, vectors: &[&Sample]) {
+    let mut best = (f64::INFINITY, 1.0, 1.0);
+    for special_cost in (0..=24).map(|j| 2f64.powf(j as f64 / 3.0)) {
+        let mut trial = cluster.clone();
+        trial.gpu.special_cost = special_cost;
+        let share = fit_share(&trial, vectors, |c, x| c.gpu.vector_efficiency = x);
+        trial.gpu.vector_efficiency = share;
+        let error = log_error(&trial, vectors);
+        if error < best.0 {
+            best = (error, share, special_cost);
+        }
+    }
+    cluster.gpu.vector_efficiency = best.1;
+    cluster.gpu.special_cost = best.2;
 }
 
 /// The share (0..1] that, set by `set`, makes the time-weighted geometric mean of predicted /

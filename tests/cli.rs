@@ -1047,8 +1047,6 @@ fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
     assert!(text.lines().any(|l| l.trim_start().starts_with("all_reduce dp")), "rank 0's gradient sync is profiled:\n{text}");
 
     // Bad input is named.
-    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda"]);
-    assert!(!out.status.success() && stderr(&out).contains("--backend cuda"), "{}", stderr(&out));
     let out = shardc(&["calibrate", "models/tiny.toml", "--repeats", "0"]);
     assert!(!out.status.success() && stderr(&out).contains("--repeats"), "{}", stderr(&out));
     let out = shardc(&["calibrate", "models/tiny.toml", "--quick", "--dtype", "bf16"]);
@@ -1057,6 +1055,87 @@ fn calibrate_writes_a_cluster_that_compile_and_bench_price_with() {
     assert!(!out.status.success() && stderr(&out).contains("/nonexistent/shardc/cpu.toml"), "{}", stderr(&out));
     let out = shardc(&["bench", "models/tiny.toml", "--mesh", "pp=2", "--profile"]);
     assert!(!out.status.success() && stderr(&out).contains("--profile"), "{}", stderr(&out));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// GPU calibration in its two halves (the programs emitted here, their times from elsewhere,
+/// the fit here): times made by a known cluster model are fitted back to its parameters. And
+/// in one process on the emulated device.
+#[test]
+fn gpu_calibration_recovers_the_parameters_that_made_the_times() {
+    use shardc_ir::cluster::Cluster;
+    let dir = tempdir("calibrate-gpu");
+    let kernels = dir.join("kernels");
+    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda", "--gpu", "h100-sxm", "--quick", "--emit", kernels.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("shardc-gpu calibrate"), "{}", stderr(&out));
+    // The device that made the times: an H100 at other shares of its peaks.
+    let mut known = Cluster::preset("h100-sxm").unwrap();
+    known.gpu.gemm_efficiency = 0.6;
+    known.gpu.gemm_k_overhead = 64.0;
+    known.gpu.attention_efficiency = 0.35;
+    known.gpu.vector_efficiency = 0.25;
+    known.gpu.memory_efficiency = 0.7;
+    known.gpu.kernel_launch = 6e-6;
+    let list: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(kernels.join("kernels.json")).unwrap()).unwrap();
+    assert!(list.len() > 20, "{} kernels", list.len());
+    let mut measured = serde_json::Map::new();
+    for k in &list {
+        let program: shardc_runtime::Program = serde_json::from_str(&std::fs::read_to_string(kernels.join(k["program"].as_str().unwrap())).unwrap()).unwrap();
+        assert!(program.device.is_some(), "each kernel program carries its device code");
+        let seconds: f64 = program.instrs.iter().map(|i| shardc_codegen::estimate::instruction_cost(&program, i, &known).1).sum();
+        measured.insert(k["name"].as_str().unwrap().to_string(), serde_json::json!(seconds));
+    }
+    let times = dir.join("measured.json");
+    std::fs::write(&times, serde_json::to_string(&measured).unwrap()).unwrap();
+    let file = dir.join("h100.toml");
+    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda", "--gpu", "h100-sxm", "--quick", "--measured", times.to_str().unwrap(), "-o", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let fitted = Cluster::from_toml(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let g = &fitted.gpu;
+    for (what, got, want, tolerance) in [
+        ("memory_efficiency", g.memory_efficiency, 0.7, 0.02),
+        ("kernel_launch", g.kernel_launch, 6e-6, 0.02),
+        ("gemm_efficiency", g.gemm_efficiency, 0.6, 0.05),
+        ("gemm_k_overhead", g.gemm_k_overhead, 64.0, 0.05),
+        ("attention_efficiency", g.attention_efficiency, 0.35, 0.05),
+    ] {
+        assert!((got / want - 1.0).abs() < tolerance, "{what}: fitted {got}, made with {want}\n{}", stderr(&out));
+    }
+    // The preset's physics stays: peaks, SMs, tile, bandwidth, links.
+    let preset = Cluster::preset("h100-sxm").unwrap();
+    assert_eq!((g.bf16_flops, g.sms, g.gemm_tile, g.memory_bandwidth), (preset.gpu.bf16_flops, preset.gpu.sms, preset.gpu.gemm_tile, preset.gpu.memory_bandwidth));
+    assert_eq!(fitted.inter_node, preset.inter_node);
+    // compile prices with it.
+    let out = shardc(&["compile", "models/tiny.toml", "--cluster", file.to_str().unwrap()]);
+    assert!(out.status.success() && stdout(&out).contains("estimate"), "{}", stderr(&out));
+
+    // In one process, on the CPU emulation of the device (its times mean nothing; the path
+    // is the one a GPU takes).
+    let emulated = dir.join("emulated.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["calibrate", "models/tiny.toml", "--backend", "cuda", "--gpu", "h100-sxm", "--quick", "--repeats", "1", "-o", emulated.to_str().unwrap()])
+        .current_dir(root())
+        .env("SHARDC_GPU_EMULATE", "1")
+        .output()
+        .unwrap();
+    if cfg!(feature = "cuda") {
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(Cluster::from_toml(&std::fs::read_to_string(&emulated).unwrap()).is_ok());
+    } else {
+        assert!(stderr(&out).contains("--emit DIR"), "{}", stderr(&out));
+    }
+
+    // Bad input is named.
+    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda", "--quick"]);
+    assert!(!out.status.success() && stderr(&out).contains("--gpu"), "{}", stderr(&out));
+    let out = shardc(&["calibrate", "models/tiny.toml", "--quick", "--emit", kernels.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("--backend cuda"), "{}", stderr(&out));
+    std::fs::write(&times, "{}").unwrap();
+    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda", "--gpu", "h100-sxm", "--quick", "--measured", times.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("no time for"), "{}", stderr(&out));
+    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "tpu"]);
+    assert!(!out.status.success() && stderr(&out).contains("--backend tpu"), "{}", stderr(&out));
     std::fs::remove_dir_all(&dir).ok();
 }
 

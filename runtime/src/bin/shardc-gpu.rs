@@ -5,7 +5,11 @@
 //! * `check MANIFEST`: trains each case on the GPU and on the CPU backend (the oracle) from
 //!   the same seed and batches, and compares losses and first-step gradients;
 //! * `bench MANIFEST`: times each workload's training step and cuBLAS on a large GEMM, and
-//!   prints achieved TFLOP/s against that measured peak.
+//!   prints achieved TFLOP/s against that measured peak (and writes the step times beside the
+//!   manifest, `bench-measured.json`, for `scripts/gpu-check.sh report`);
+//! * `calibrate DIR`: times each single-kernel program that `shardc calibrate --backend cuda
+//!   --emit DIR` listed in `DIR/kernels.json` and writes `DIR/measured.json`, from which
+//!   `shardc calibrate --measured` fits the cluster model on the build machine.
 //!
 //! Exit status 1 when a case does not match (or anything fails). With
 //! `SHARDC_GPU_EMULATE=1` the device is the CPU emulation (for trying the check without a
@@ -58,11 +62,12 @@ fn main() {
     let result = match args.as_slice() {
         [command, manifest] if command == "check" => load(manifest).and_then(|(m, dir)| check(&m, &dir)),
         [command, manifest] if command == "bench" => load(manifest).and_then(|(m, dir)| bench(&m, &dir)),
+        [command, dir] if command == "calibrate" => calibrate(Path::new(dir)),
         [command] if command == "available" => match placement() {
             Placement::Emulated => Ok(true),
             _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
         },
-        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | available".into()),
+        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | calibrate DIR | available".into()),
     };
     match result {
         Ok(true) => {}
@@ -192,6 +197,7 @@ fn bench(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
     let peak_f32 = cuda::gemm_peak(0, 8192, DType::F32, 5).map_err(|e| e.to_string())?;
     println!("cuBLAS peak (8192^3 GEMM): bf16 {peak_bf16:.1} TFLOP/s, f32 {peak_f32:.1} TFLOP/s");
     println!("{:<34} {:>6} {:>10} {:>14} {:>12} {:>8} {:>14} {:>10}", "workload", "dtype", "ms/step", "GEMM TFLOP/s", "peak", "ratio", "predicted ms", "pred/meas");
+    let mut measured = serde_json::Map::new();
     for w in &manifest.bench {
         let program = train_step(&dir.join(&w.program))?;
         let plan = program.device.clone().ok_or("the plan has no device code")?;
@@ -211,6 +217,41 @@ fn bench(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
             None => ("-".into(), "-".into()),
         };
         println!("{:<34} {:>6} {:>10.2} {:>14.1} {:>12.1} {:>7.0}% {:>14} {:>10}", w.name, format!("{:?}", plan.dtype).to_lowercase(), 1e3 * median, achieved, peak, 100.0 * achieved / peak, predicted, ratio);
+        measured.insert(w.program.display().to_string(), serde_json::json!(median));
     }
+    // For `scripts/gpu-check.sh report`: the calibrated model's prediction beside these.
+    let out = dir.join("bench-measured.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&measured).map_err(|e| e.to_string())?).map_err(|e| format!("writing {}: {e}", out.display()))?;
+    Ok(true)
+}
+
+/// One single-kernel program to time, as `shardc calibrate --emit` lists it.
+#[derive(Deserialize)]
+struct Kernel {
+    name: String,
+    program: PathBuf,
+}
+
+/// `calibrate DIR`: times every program of `DIR/kernels.json` (the fastest of 5 runs) and
+/// writes `DIR/measured.json` (name -> seconds).
+fn calibrate(dir: &Path) -> Result<bool, String> {
+    let list = dir.join("kernels.json");
+    let text = std::fs::read_to_string(&list).map_err(|e| format!("reading {}: {e} (write it with `shardc calibrate --backend cuda --emit DIR`)", list.display()))?;
+    let kernels: Vec<Kernel> = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", list.display()))?;
+    let placement = placement();
+    let mut measured = serde_json::Map::new();
+    for k in &kernels {
+        let path = dir.join(&k.program);
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let program: Program = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let seconds = cuda::time_program(program, &placement, 5).map_err(|e| format!("{}: {e}", k.name))?;
+        if seconds > 1e-3 {
+            println!("  {:<78} {:>9.3} ms", k.name, 1e3 * seconds);
+        }
+        measured.insert(k.name.clone(), serde_json::json!(seconds));
+    }
+    let out = dir.join("measured.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&measured).map_err(|e| e.to_string())?).map_err(|e| format!("writing {}: {e}", out.display()))?;
+    println!("shardc-gpu calibrate: timed {} kernels; wrote {}", kernels.len(), out.display());
     Ok(true)
 }

@@ -620,6 +620,29 @@ pub fn gemm_peak(device: usize, size: usize, dtype: DType, iterations: usize) ->
     Ok(2.0 * (size as f64).powi(3) * iterations.max(1) as f64 / seconds / 1e12)
 }
 
+/// Seconds of one run of `program` (one kernel, or a chain of them, for calibration) on the
+/// device of `placement`: the fastest of `repeats` timed runs after a warm-up, each waited
+/// for. Inputs are step-like values: floats of order one (positive, as second moments are)
+/// and integers of 1 (a token id, a step count).
+pub fn time_program(program: Program, placement: &Placement, repeats: usize) -> Result<f64, RuntimeError> {
+    let mut exec = CudaExecutor::new(program, placement)?;
+    for arg in exec.program().args.clone() {
+        let buffer = &exec.program().buffers[arg.buffer];
+        let values: Vec<f64> = if buffer.dtype == DType::I32 { vec![1.0; buffer.len()] } else { (0..buffer.len()).map(|i| 0.1 + (crate::init::splitmix64(i as u64) % 2000) as f64 * 1e-3).collect() };
+        exec.write(0, &arg.name, &values)?;
+    }
+    exec.run()?;
+    exec.synchronize()?;
+    let mut fastest = f64::INFINITY;
+    for _ in 0..repeats.max(1) {
+        let began = std::time::Instant::now();
+        exec.run()?;
+        exec.synchronize()?;
+        fastest = fastest.min(began.elapsed().as_secs_f64());
+    }
+    Ok(fastest)
+}
+
 /// A module with no kernels, for a device used only for cuBLAS.
 const PRELUDE_ONLY: &str = "extern \"C\" __global__ void shardc_nothing() {}\n";
 
