@@ -70,6 +70,9 @@ fn invalid_schedules_are_caught() {
     let bad = Schedule { kind: Kind::OneFOneB, stages: 2, microbatches: 1, chunks: 1, ranks: vec![vec![f(0), b(0)], vec![b(0), f(0)]] };
     assert!(matches!(simulate(&bad, UNIT), Err(ScheduleError::Deadlock(_))));
     assert!(matches!(simulate_shared(&bad, |_, _| 1.0, |_| 0.0, 1.0, 1.0), Err(ScheduleError::Deadlock(_))));
+    let good = generate(Kind::OneFOneB, 2, 2, 1).unwrap();
+    assert!(matches!(simulate_shared(&good, |_, _| f64::INFINITY, |_| 0.0, 1.0, 1.0), Err(ScheduleError::Invalid(_))));
+    assert!(simulate_shared(&good, |_, _| f64::NAN, |_| 0.0, 1.0, 1.0).is_ok_and(|t| t.makespan == 0.0), "a NaN cost counts as none");
     let missing = Schedule { kind: Kind::OneFOneB, stages: 2, microbatches: 1, chunks: 1, ranks: vec![vec![f(0), b(0)], vec![f(0)]] };
     assert!(matches!(simulate(&missing, UNIT), Err(ScheduleError::Items { rank: 1, .. })));
     assert!(generate(Kind::Interleaved, 4, 6, 2).is_err());

@@ -306,6 +306,9 @@ pub fn simulate_shared(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64, 
         let rate = if sharing > 1.0 { 1.0 / (sharing * slowdown.max(1.0)) } else { 1.0 };
         // Up to the next finish.
         let first = running.iter().flatten().map(|r| r.left).fold(f64::INFINITY, f64::min);
+        if !first.is_finite() {
+            return Err(ScheduleError::Invalid("an item's cost is not finite".into()));
+        }
         now += first / rate;
         for rank in 0..p {
             let Some(r) = running[rank].as_mut() else { continue };
