@@ -247,23 +247,6 @@ pub fn train_pipeline_from(
     let rows_of_timeline: Vec<usize> = (0..schedule.stages).map(|s| (0..mesh.ranks()).find(|&r| front(r) && pp_rank(r) == s).unwrap_or(0)).collect();
     let ranks: Vec<Vec<(Item, f64, f64)>> = rows_of_timeline.iter().map(|&r| results[r].3.clone()).collect();
     let makespan = ranks.iter().flatten().map(|x| x.2).fold(0.0, f64::max);
-    let busy: f64 = ranks.iter().flatten().map(|(_, s, e)| e - s).sum();
-    let bubble = if makespan > 0.0 { 1.0 - busy / (makespan * ranks.len() as f64) } else { 0.0 };
-    let peak_in_flight = ranks
-        .iter()
-        .map(|items| {
-            let (mut live, mut peak) = (0i64, 0i64);
-            for (item, _, _) in items {
-                live += match item.work {
-                    Work::F => 1,
-                    Work::B => -1,
-                    Work::W => 0,
-                };
-                peak = peak.max(live);
-            }
-            peak as usize
-        })
-        .collect();
     let values: Vec<HashMap<String, Vec<f64>>> = results.iter().map(|r| r.6.clone()).collect();
     let state = crate::train::TrainState::collect(programs, &mesh, &values, first_step + steps)?;
     Ok(PipelineRun {
@@ -274,7 +257,7 @@ pub fn train_pipeline_from(
         bytes_sent: results.iter().map(|r| r.2.clone()).collect(),
         peak_kept_bytes: rows_of_timeline.iter().map(|&r| results[r].4).collect(),
         early_syncs: rows_of_timeline.iter().map(|&r| results[r].5).collect(),
-        timeline: Timeline { ranks, makespan, bubble, peak_in_flight },
+        timeline: Timeline::of_items(ranks, makespan),
     })
 }
 

@@ -187,6 +187,14 @@ fn dependencies(schedule: &Schedule, rank: usize, item: &Item) -> Vec<(Work, usi
     }
 }
 
+impl Timeline {
+    /// The timeline of each rank's items with their start and end times, simulated or
+    /// measured: its bubble and peak in-flight micro-batches.
+    pub fn of_items(ranks: Vec<Vec<(Item, f64, f64)>>, makespan: f64) -> Timeline {
+        timeline(ranks, makespan)
+    }
+}
+
 /// The timeline of placed items: makespan, bubble and peak in-flight micro-batches.
 fn timeline(out: Vec<Vec<(Item, f64, f64)>>, makespan: f64) -> Timeline {
     let busy: f64 = out.iter().flatten().map(|(_, s, e)| e - s).sum();
