@@ -591,6 +591,29 @@ fn a_crash_while_checkpointing_keeps_the_last_good_checkpoint() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A fresh run into a folder holding a longer run's checkpoints keeps what it writes (pruning
+/// by folder name deleted each new checkpoint as it was written, and LATEST named a missing
+/// folder), and leaves the other run's later checkpoints alone.
+#[test]
+fn a_fresh_run_into_a_used_checkpoint_folder_keeps_its_checkpoints() {
+    let dir = tempdir("ckpt-reuse");
+    let ckpt = dir.join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let base = ["run", "models/tiny.toml", "--micro-batch", "2", "--checkpoint", ckpt_arg];
+    let out = shardc(&[&base[..], &["--steps", "8", "--checkpoint-every", "4"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = shardc(&[&base[..], &["--steps", "3", "--checkpoint-every", "1"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000003");
+    for (step, kept) in [(1, false), (2, true), (3, true), (8, true)] {
+        assert_eq!(ckpt.join(format!("step-{step:08}")).exists(), kept, "step {step}");
+    }
+    let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--steps", "1", "--resume", ckpt_arg, "--log-every", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("step 4 loss"), "{}", stdout(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Logits of a Hugging Face folder at a mesh, as (shape, values).
 fn hf_logits(dir: &str, tokens: &str, mesh: &str, out: &std::path::Path) -> (Vec<usize>, Vec<f64>) {
     let run = shardc(&["logits", "--hf", dir, "--tokens", tokens, "--mesh", mesh, "-o", out.to_str().unwrap()]);

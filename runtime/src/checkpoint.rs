@@ -134,7 +134,7 @@ fn layouts(programs: &[Program]) -> Vec<(crate::program::Binding, crate::program
 /// and synced in a temporary folder, which is renamed to `step-NNNNNNNN`; then `LATEST` is
 /// replaced (write, sync, rename). A crash at any point leaves the previous checkpoint
 /// loadable. `abort_after_rank` kills the process after writing that rank's file (fault
-/// injection for tests). Keeps the two newest checkpoints.
+/// injection for tests). Keeps this checkpoint and the newest one before it.
 pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Program], spec: serde_json::Value, seed: u64, abort_after_rank: Option<usize>) -> Result<std::path::PathBuf, RuntimeError> {
     let first = programs.first().ok_or_else(|| RuntimeError::Program("no programs to checkpoint".into()))?;
     let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
@@ -186,10 +186,17 @@ pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Progr
     write_synced(&latest_partial, format!("{name}\n").as_bytes())?;
     std::fs::rename(&latest_partial, &latest).map_err(|e| io(&latest, e))?;
     sync_dir(dir)?;
-    // Older checkpoints beyond the two newest go.
-    let mut steps: Vec<String> = std::fs::read_dir(dir).map_err(|e| io(dir, e))?.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("step-")).collect();
-    steps.sort();
-    for old in steps.iter().rev().skip(2) {
+    // Of the checkpoints before this one, the newest stays and older ones go. Later steps
+    // (another run's, in a folder reused without --resume) are not this run's to delete, and
+    // the one just written, which LATEST names, always stays.
+    let mut older: Vec<(u64, String)> = std::fs::read_dir(dir)
+        .map_err(|e| io(dir, e))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|n| Some((n.strip_prefix("step-")?.parse::<u64>().ok()?, n)))
+        .filter(|(step, _)| *step < state.step)
+        .collect();
+    older.sort();
+    for (_, old) in older.iter().rev().skip(1) {
         let _ = std::fs::remove_dir_all(dir.join(old));
     }
     Ok(done)
