@@ -493,6 +493,14 @@ impl Checkpoints {
 
     fn save(&mut self, state: &shardc_runtime::train::TrainState, programs: &[Program], seed: u64) -> Result<()> {
         let Some(dir) = &self.dir else { return Ok(()) };
+        // A finite loss can precede an update that overflowed: a checkpoint must not keep it.
+        if let Some((name, _)) = state.tensors.iter().find(|(_, (_, values))| values.iter().any(|v| !v.is_finite())) {
+            return Err(miette!(
+                help = "lower --lr; the checkpoints already in the folder are from before this step",
+                "`{name}` is not finite after step {}: not checkpointed",
+                state.step
+            ));
+        }
         self.saved += 1;
         let abort = self.fault.filter(|(n, _)| *n == self.saved).map(|(_, rank)| rank);
         let path = shardc_runtime::checkpoint::save_sharded(dir, state, programs, self.spec.clone(), seed, abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
@@ -522,7 +530,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let (mut losses, mut sent) = (Vec::new(), 0u64);
     for segment in checkpoints.segments(args.steps) {
-        let run = shardc_runtime::train::train_spmd_from(&program, seed, spec.model.layers as usize, &corpus, segment, timeout, algorithm, state.as_ref()).into_diagnostic()?;
+        let run = shardc_runtime::train::train_spmd_from(&program, seed, spec.model.layers as usize, &corpus, segment, timeout, algorithm, state.as_ref()).map_err(training_error)?;
         losses.extend(run.losses);
         sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();
         checkpoints.save(&run.state, std::slice::from_ref(&program), seed)?;
@@ -535,6 +543,17 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     save_parameters(args, state.as_ref(), std::slice::from_ref(&program))?;
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     Ok(())
+}
+
+/// A multi-rank run's failure; a loss that stopped being finite (the run stopped at that step,
+/// nothing of it saved) says what to change.
+fn training_error(e: shardc_runtime::RuntimeError) -> miette::Report {
+    let text = e.to_string();
+    if text.contains("the loss became") {
+        miette!(help = "lower --lr (the last checkpoint, if any, is from before this step)", "{text}")
+    } else {
+        miette!("{text}")
+    }
 }
 
 /// `--load` starts a fresh run from given parameters; `--resume` continues a saved one.
@@ -600,15 +619,12 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let (mut losses, mut sent, mut last_run) = (Vec::new(), 0u64, None);
     for segment in checkpoints.segments(args.steps) {
         let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(args.timeout.max(1)), algorithm, state.as_ref())
-            .into_diagnostic()?;
+            .map_err(training_error)?;
         losses.extend(run.losses.iter().copied());
         sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();
         checkpoints.save(&run.state, &programs, seed)?;
         state = Some(run.state.clone());
         last_run = Some(run);
-    }
-    if let Some(step) = losses.iter().position(|l| !l.is_finite()) {
-        return Err(miette!(help = "lower --lr", "the loss became {} at step {}", losses[step], first_step + step as u64 + 1));
     }
     report_losses(args, first_step, &losses);
     if let (Some(dir), Some(state)) = (&args.save_hf, &state) {

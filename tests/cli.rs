@@ -614,6 +614,27 @@ fn a_fresh_run_into_a_used_checkpoint_folder_keeps_its_checkpoints() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A loss or state that stops being finite ends the run at that step on every layout, and
+/// nothing of it is checkpointed: the last good checkpoint stays the one to resume from.
+#[test]
+fn a_non_finite_step_stops_every_layout_and_is_never_checkpointed() {
+    let dir = tempdir("ckpt-nan");
+    for mesh in ["dp=1", "dp=2", "tp=2", "pp=2"] {
+        let ckpt = dir.join(mesh);
+        let ckpt_arg = ckpt.to_str().unwrap();
+        let base = ["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", mesh, "--checkpoint", ckpt_arg, "--checkpoint-every", "1"];
+        let out = shardc(&[&base[..], &["--steps", "2"]].concat());
+        assert!(out.status.success(), "{mesh}: {}", stderr(&out));
+        let out = shardc(&[&base[..], &["--steps", "3", "--resume", ckpt_arg, "--lr", "1e300"]].concat());
+        assert!(!out.status.success(), "{mesh}: a run that blew up exited 0:\n{}", stdout(&out));
+        assert!(stderr(&out).contains("lower --lr"), "{mesh}: {}", stderr(&out));
+        assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000002", "{mesh}");
+        let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", mesh, "--steps", "1", "--resume", ckpt_arg, "--log-every", "1"]);
+        assert!(out.status.success() && stdout(&out).contains("step 3 loss"), "{mesh}: {}{}", stdout(&out), stderr(&out));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Logits of a Hugging Face folder at a mesh, as (shape, values).
 fn hf_logits(dir: &str, tokens: &str, mesh: &str, out: &std::path::Path) -> (Vec<usize>, Vec<f64>) {
     let run = shardc(&["logits", "--hf", dir, "--tokens", tokens, "--mesh", mesh, "-o", out.to_str().unwrap()]);

@@ -27,4 +27,13 @@ pub enum RuntimeError {
     /// The GPU backend cannot run here or a device call failed.
     #[error("{0}")]
     Device(String),
+    /// The loss stopped being a finite number: the run stops at that step, before anything of
+    /// its state is saved.
+    #[error("the loss became {loss} at step {step}")]
+    NonFiniteLoss {
+        /// The step (counted from the start of training).
+        step: u64,
+        /// The loss.
+        loss: f64,
+    },
 }

@@ -218,6 +218,11 @@ pub fn train_pipeline_from(
                 exec.run_range(chunk.range(Section::Step))?;
             }
             exec.carry_state()?;
+            // The rank that computes the loss stops the run at the first step that breaks it
+            // (the others see it fail and stop too).
+            if loss_chunk.is_some() && !loss_sum.is_finite() {
+                return Err(RuntimeError::NonFiniteLoss { step, loss: loss_sum / m as f64 });
+            }
             losses.push(loss_sum / m as f64);
             step_seconds.push(began.elapsed().as_secs_f64());
         }

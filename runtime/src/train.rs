@@ -394,7 +394,11 @@ pub fn train_spmd_from(
             exec.write::<i32>("step", &[i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?])?;
             exec.run()?;
             exec.carry_state()?;
-            losses.push(read_f64(exec, "loss")?[0]);
+            let loss = read_f64(exec, "loss")?[0];
+            if !loss.is_finite() {
+                return Err(RuntimeError::NonFiniteLoss { step, loss });
+            }
+            losses.push(loss);
             step_seconds.push(began.elapsed().as_secs_f64());
             if step == first + 1 && steps > 1 {
                 // The first step warms up (first touches of memory): profile the rest.
