@@ -481,6 +481,9 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
 
 /// `shardc plan`.
 pub fn plan(args: &PlanArgs) -> Result<()> {
+    if let Some(path) = &args.report {
+        crate::train::writable_file("--report", path)?;
+    }
     let spec = args.step.load_spec(args.spec.as_deref())?;
     let mut cluster = args.step.cluster_model()?;
     if let Some(n) = args.gpus_per_node {

@@ -135,6 +135,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
     }
     refuse_load_with_resume(args)?;
+    check_outputs(args)?;
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
         return run_cuda(args, &spec, mesh);
@@ -543,6 +544,44 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     save_parameters(args, state.as_ref(), std::slice::from_ref(&program))?;
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     Ok(())
+}
+
+/// Every place the run will write, checked before training: a wrong or read-only path found
+/// after the last step would lose the run.
+fn check_outputs(args: &RunArgs) -> Result<()> {
+    for (flag, dir) in [("--checkpoint", &args.checkpoint), ("--save-hf", &args.save_hf)] {
+        if let Some(dir) = dir {
+            writable_folder(flag, dir)?;
+        }
+    }
+    for (flag, file) in [("--save", &args.save), ("--trace", &args.trace)] {
+        if let Some(file) = file {
+            writable_file(flag, file)?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `file` can be written (its folder created if needed), before the work that
+/// produces it.
+pub(crate) fn writable_file(flag: &str, file: &std::path::Path) -> Result<()> {
+    if file.is_dir() {
+        return Err(miette!(help = "give a file name", "{flag} {}: is a folder", file.display()));
+    }
+    let parent = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    writable_folder(flag, parent)
+}
+
+/// Creates `dir` (and its parents) if needed and proves a file can be written in it.
+fn writable_folder(flag: &str, dir: &std::path::Path) -> Result<()> {
+    let fail = |e: std::io::Error| miette!(help = "give a folder this user can write to", "{flag} {}: {e}", dir.display());
+    if dir.exists() && !dir.is_dir() {
+        return Err(miette!(help = "give a folder, not a file", "{flag} {}: is not a folder", dir.display()));
+    }
+    std::fs::create_dir_all(dir).map_err(fail)?;
+    let probe = dir.join(format!(".shardc-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(fail)?;
+    std::fs::remove_file(&probe).map_err(fail)
 }
 
 /// A multi-rank run's failure; a loss that stopped being finite (the run stopped at that step,

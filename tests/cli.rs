@@ -635,6 +635,35 @@ fn a_non_finite_step_stops_every_layout_and_is_never_checkpointed() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Every output path is checked before any training: a wrong one fails at once, naming the
+/// flag, instead of after the last step.
+#[test]
+fn output_paths_are_checked_before_training() {
+    let dir = tempdir("outputs");
+    let file = dir.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let file = file.to_str().unwrap();
+    let folder = dir.to_str().unwrap();
+    for (flag, path, says) in [
+        ("--checkpoint", file, "is not a folder"),
+        ("--save-hf", file, "is not a folder"),
+        ("--save", folder, "is a folder"),
+        ("--trace", folder, "is a folder"),
+        ("--checkpoint", "/proc/shardc-cannot-be-here", "--checkpoint /proc/shardc-cannot-be-here"),
+        ("--save", "/proc/shardc-cannot-be-here/p.safetensors", "--save /proc/shardc-cannot-be-here"),
+    ] {
+        let started = std::time::Instant::now();
+        let out = shardc(&["run", "models/tiny.toml", "--steps", "1000000", flag, path]);
+        assert!(!out.status.success(), "{flag} {path}");
+        assert!(stderr(&out).contains(flag) && stderr(&out).contains(says), "{flag} {path}: {}", stderr(&out));
+        assert!(!stdout(&out).contains("loss"), "{flag} {path}: trained before failing");
+        assert!(started.elapsed().as_secs() < 60, "{flag} {path}: not refused up front");
+    }
+    let out = shardc(&["plan", "models/tiny.toml", "--gpus", "2", "--gpu", "a100-80g", "--report", folder]);
+    assert!(!out.status.success() && stderr(&out).contains("--report"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Logits of a Hugging Face folder at a mesh, as (shape, values).
 fn hf_logits(dir: &str, tokens: &str, mesh: &str, out: &std::path::Path) -> (Vec<usize>, Vec<f64>) {
     let run = shardc(&["logits", "--hf", dir, "--tokens", tokens, "--mesh", mesh, "-o", out.to_str().unwrap()]);
