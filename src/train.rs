@@ -423,6 +423,8 @@ struct Checkpoints {
     /// the process after writing rank R's file.
     fault: Option<(usize, usize)>,
     saved: usize,
+    /// This run's hold on `dir`.
+    _lock: Option<shardc_runtime::checkpoint::FolderLock>,
 }
 
 impl Checkpoints {
@@ -437,7 +439,11 @@ impl Checkpoints {
         if args.checkpoint_every == Some(0) {
             return Err(miette!(help = "give a positive number of steps", "--checkpoint-every 0"));
         }
-        Ok(Checkpoints { dir: args.checkpoint.clone(), every: args.checkpoint_every.unwrap_or(args.steps.max(1)), spec: serde_json::to_value(&spec.model).into_diagnostic()?, fault, saved: 0 })
+        let lock = match &args.checkpoint {
+            Some(dir) => Some(shardc_runtime::checkpoint::lock_folder(dir).map_err(|e| miette!("--checkpoint {e}"))?),
+            None => None,
+        };
+        Ok(Checkpoints { dir: args.checkpoint.clone(), every: args.checkpoint_every.unwrap_or(args.steps.max(1)), spec: serde_json::to_value(&spec.model).into_diagnostic()?, fault, saved: 0, _lock: lock })
     }
 
     /// The run's starting state from `--resume`, checked against this spec; and its seed.

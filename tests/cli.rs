@@ -664,6 +664,38 @@ fn output_paths_are_checked_before_training() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A checkpoint folder has one writer at a time, a changed shard is refused rather than
+/// resumed, and what crashed runs left half-written is cleared.
+#[test]
+fn checkpoint_folders_are_locked_checksummed_and_cleaned() {
+    let dir = tempdir("ckpt-guard");
+    let ckpt = dir.join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let base = ["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", "dp=2", "--checkpoint", ckpt_arg];
+    // A crashed run's leftovers.
+    std::fs::create_dir_all(ckpt.join(".partial-step-00000009-4242")).unwrap();
+    std::fs::write(ckpt.join(".LATEST-4242"), "step-00000009").unwrap();
+    // Another run holds the folder.
+    let held = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(ckpt.join(".lock")).unwrap();
+    held.lock().unwrap();
+    let out = shardc(&[&base[..], &["--steps", "2"]].concat());
+    assert!(!out.status.success() && stderr(&out).contains("another run is writing"), "{}", stderr(&out));
+    drop(held);
+    let out = shardc(&[&base[..], &["--steps", "2"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!ckpt.join(".partial-step-00000009-4242").exists() && !ckpt.join(".LATEST-4242").exists(), "leftovers cleared");
+    // One flipped bit in a shard.
+    let shard = ckpt.join("step-00000002").join("rank-00001.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&shard, &bytes).unwrap();
+    let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", "dp=2", "--steps", "1", "--resume", ckpt_arg]);
+    assert!(!out.status.success(), "resumed from a changed shard");
+    assert!(stderr(&out).contains("00001.safetensors") && stderr(&out).contains("changed after"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Logits of a Hugging Face folder at a mesh, as (shape, values).
 fn hf_logits(dir: &str, tokens: &str, mesh: &str, out: &std::path::Path) -> (Vec<usize>, Vec<f64>) {
     let run = shardc(&["logits", "--hf", dir, "--tokens", tokens, "--mesh", mesh, "-o", out.to_str().unwrap()]);

@@ -63,6 +63,10 @@ pub struct Manifest {
     pub tensors: Vec<ManifestTensor>,
     /// The rank files, in rank order.
     pub files: Vec<String>,
+    /// CRC-32 of each rank file, in the order of `files`: a file that changed after it was
+    /// written (a flipped bit, a truncated copy) is refused instead of resumed into garbage.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checksums: Vec<u32>,
 }
 
 /// One tensor of a checkpoint.
@@ -129,6 +133,38 @@ fn layouts(programs: &[Program]) -> Vec<(crate::program::Binding, crate::program
     out
 }
 
+/// A run's hold on its checkpoint folder: while it lives, another run cannot write there
+/// (released when dropped, or when the process ends however it ends).
+#[derive(Debug)]
+pub struct FolderLock {
+    _file: std::fs::File,
+}
+
+/// Takes `dir` (created if needed) for this run's checkpoints: refuses when another run holds
+/// it, and clears what crashed runs left half-written there (`.partial-*` folders, `.LATEST-*`
+/// files), which nobody else can be writing while the lock is held.
+pub fn lock_folder(dir: &std::path::Path) -> Result<FolderLock, RuntimeError> {
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let path = dir.join(".lock");
+    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(|e| io(&path, e))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(RuntimeError::Binding(format!("{}: another run is writing checkpoints into this folder; wait for it to end, or give this run another --checkpoint folder", dir.display())));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(&path, e)),
+    }
+    for entry in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".partial-") {
+            let _ = std::fs::remove_dir_all(entry.path());
+        } else if name.starts_with(".LATEST-") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    Ok(FolderLock { _file: file })
+}
+
 /// Saves `state` as a sharded checkpoint under `dir`: one safetensors file per rank of the
 /// programs' mesh holding that rank's shards, and the manifest. Atomic: everything is written
 /// and synced in a temporary folder, which is renamed to `step-NNNNNNNN`; then `LATEST` is
@@ -145,7 +181,7 @@ pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Progr
     let partial = dir.join(format!(".partial-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
-    let mut files = Vec::new();
+    let (mut files, mut checksums) = (Vec::new(), Vec::new());
     for rank in 0..mesh.ranks() {
         let mut shards = Vec::new();
         for (tensor, layout, holder) in &tensors {
@@ -159,8 +195,10 @@ pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Progr
             shards.push((tensor.name.clone(), shape, local));
         }
         let file = format!("rank-{rank:05}.safetensors");
-        write_synced(&partial.join(&file), &f64_bytes(&shards)?)?;
+        let bytes = f64_bytes(&shards)?;
+        write_synced(&partial.join(&file), &bytes)?;
         files.push(file);
+        checksums.push(crc32fast::hash(&bytes));
         if abort_after_rank == Some(rank) {
             std::process::abort();
         }
@@ -173,6 +211,7 @@ pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Progr
         spec,
         tensors: tensors.iter().map(|(b, l, _)| ManifestTensor { name: b.name.clone(), global_shape: l.global_shape.clone(), split: l.split.clone(), unpadded: b.unpadded.clone() }).collect(),
         files,
+        checksums,
     };
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| RuntimeError::Program(e.to_string()))?;
     write_synced(&partial.join("manifest.json"), &text)?;
@@ -223,10 +262,22 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
     if manifest.files.len() != mesh.ranks() {
         return Err(RuntimeError::Binding(format!("{}: {} rank files for a mesh of {} ranks", path.display(), manifest.files.len(), mesh.ranks())));
     }
+    if !manifest.checksums.is_empty() && manifest.checksums.len() != manifest.files.len() {
+        return Err(RuntimeError::Binding(format!("{}: {} checksums for {} rank files", path.display(), manifest.checksums.len(), manifest.files.len())));
+    }
     let mut shards: HashMap<String, Vec<(usize, Vec<f64>)>> = HashMap::new();
     for (rank, file) in manifest.files.iter().enumerate() {
         let path = folder.join(file);
         let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+        if let Some(&expected) = manifest.checksums.get(rank) {
+            let found = crc32fast::hash(&bytes);
+            if found != expected {
+                return Err(RuntimeError::Binding(format!(
+                    "{}: the file changed after it was written (CRC-32 {found:08x}, the manifest says {expected:08x}); resume from another checkpoint folder, or start again",
+                    path.display()
+                )));
+            }
+        }
         let st = SafeTensors::deserialize(&bytes).map_err(|e| RuntimeError::Binding(format!("{}: {e}", path.display())))?;
         for (name, view) in st.tensors() {
             if view.dtype() != Dtype::F64 {
