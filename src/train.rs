@@ -20,7 +20,8 @@ pub struct RunArgs {
     /// starting point).
     #[arg(required_unless_present = "hf")]
     pub spec: Option<PathBuf>,
-    /// Optimizer steps to run.
+    /// Optimizer steps in all, counted from the start of training (as Megatron-LM's
+    /// --train-iters): a run resumed at step 20 with --steps 40 runs steps 21 to 40.
     #[arg(long, default_value_t = 200)]
     pub steps: u64,
     /// Seed of the initial parameters and the data order.
@@ -55,11 +56,12 @@ pub struct RunArgs {
     /// parameters and optimizer state, and a manifest (spec, mesh, step, seed), atomically.
     #[arg(long, value_name = "DIR")]
     pub checkpoint: Option<PathBuf>,
-    /// Steps between checkpoints (default: one at the end of the run).
+    /// Steps between checkpoints, at multiples of N counted from the start of training
+    /// (default: one at the end of the run).
     #[arg(long, value_name = "N")]
     pub checkpoint_every: Option<u64>,
     /// Continue from the latest checkpoint in DIR, under this run's mesh (any dp, tp, pp,
-    /// ZeRO stage): the shards are reassembled and cut again; `--steps` more steps run.
+    /// ZeRO stage): the shards are reassembled and cut again; the run goes on to step `--steps`.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Check every op's results for NaN and infinity, and stop at the first op that makes
@@ -155,6 +157,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         trainer.restore(state).into_diagnostic()?;
     }
     let first_step = resumed.as_ref().map_or(0, |s| s.step);
+    let to_run = steps_to_run(args, first_step)?;
     let data_path = args.data.clone().unwrap_or_else(default_corpus);
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
@@ -169,18 +172,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
         args.seed,
         crate::summary::bytes(peak as u64)
     );
-    let bar = ProgressBar::new(args.steps);
+    let bar = ProgressBar::new(to_run);
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").into_diagnostic()?);
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(args.steps as usize);
-    for step in 1..=args.steps {
+    let mut losses = Vec::with_capacity(to_run.min(1 << 20) as usize);
+    for step in 1..=to_run {
         let loss = trainer.step(&corpus).into_diagnostic()?;
         if !loss.is_finite() {
             bar.finish_and_clear();
-            return Err(miette!(help = "lower --lr", "the loss became {loss} at step {step}"));
+            return Err(miette!(help = "lower --lr", "the loss became {loss} at step {}", first_step + step));
         }
         losses.push(loss);
-        if checkpoints.dir.is_some() && (step % checkpoints.every == 0 || step == args.steps) {
+        // Every `every` iterations counted from the start of training, and at the end.
+        if checkpoints.dir.is_some() && ((first_step + step) % checkpoints.every == 0 || step == to_run) {
             let state = trainer.state().into_diagnostic()?;
             bar.suspend(|| checkpoints.save(&state, std::slice::from_ref(&program), seed))?;
         }
@@ -487,13 +491,19 @@ impl Checkpoints {
     }
 
     /// Step counts of the segments between checkpoints.
-    fn segments(&self, steps: u64) -> Vec<u64> {
-        let every = if self.dir.is_some() { self.every } else { steps.max(1) };
-        let mut out = Vec::new();
-        let mut left = steps;
-        while left > 0 {
-            out.push(left.min(every));
-            left -= left.min(every);
+    /// The runs between checkpoints when `steps` iterations follow iteration `first`: a
+    /// checkpoint every `every` iterations counted from the start of training, and one at the
+    /// end.
+    fn segments(&self, first: u64, steps: u64) -> Vec<u64> {
+        if self.dir.is_none() {
+            return vec![steps];
+        }
+        let every = self.every.max(1);
+        let (mut out, mut at, end) = (Vec::new(), first, first.saturating_add(steps));
+        while at < end {
+            let next = ((at / every).saturating_add(1)).saturating_mul(every).min(end);
+            out.push(next - at);
+            at = next;
         }
         out
     }
@@ -536,7 +546,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     let (mut state, seed) = checkpoints.resume(args, std::slice::from_ref(&program))?;
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let (mut losses, mut sent) = (Vec::new(), 0u64);
-    for segment in checkpoints.segments(args.steps) {
+    for segment in checkpoints.segments(first_step, steps_to_run(args, first_step)?) {
         let run = shardc_runtime::train::train_spmd_from(&program, seed, spec.model.layers as usize, &corpus, segment, timeout, algorithm, state.as_ref()).map_err(training_error)?;
         losses.extend(run.losses);
         sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();
@@ -550,6 +560,19 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     save_parameters(args, state.as_ref(), std::slice::from_ref(&program))?;
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     Ok(())
+}
+
+/// The iterations left to run: `--steps` is the total from the start of training (as
+/// Megatron-LM's `--train-iters`), so a resumed run stops where the uninterrupted one would.
+fn steps_to_run(args: &RunArgs, first_step: u64) -> Result<u64> {
+    if args.steps <= first_step {
+        return Err(miette!(
+            help = format!("--steps counts iterations from the start of training (as Megatron-LM's --train-iters): give more than {first_step} to train on"),
+            "the checkpoint is at step {first_step}, and --steps {} asks for no more",
+            args.steps
+        ));
+    }
+    Ok(args.steps - first_step)
 }
 
 /// Every place the run will write, checked before training: a wrong or read-only path found
@@ -662,7 +685,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let (mut state, seed) = checkpoints.resume(args, &programs)?;
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let (mut losses, mut sent, mut last_run) = (Vec::new(), 0u64, None);
-    for segment in checkpoints.segments(args.steps) {
+    for segment in checkpoints.segments(first_step, steps_to_run(args, first_step)?) {
         let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(args.timeout.max(1)), algorithm, state.as_ref())
             .map_err(training_error)?;
         losses.extend(run.losses.iter().copied());

@@ -536,8 +536,9 @@ fn assert_same_losses(expected: &std::collections::BTreeMap<u64, f64>, got: &std
     }
 }
 
-/// Train 20 steps at dp=2,tp=2, checkpoint, resume at pp=2 and at dp=4: the next 20 steps'
-/// losses equal an uninterrupted 40-step run's.
+/// Train 20 steps at dp=2,tp=2, checkpoint, resume at pp=2 and at dp=4 to step 40 (`--steps`
+/// is the total, as Megatron-LM's --train-iters): the next 20 steps' losses equal an
+/// uninterrupted 40-step run's.
 #[test]
 fn checkpoints_resume_under_another_mesh() {
     let dir = std::env::temp_dir().join(format!("shardc-ckpt-{}", std::process::id()));
@@ -552,15 +553,15 @@ fn checkpoints_resume_under_another_mesh() {
     assert_same_losses(&uninterrupted, &first, "first 20 steps");
     assert!(dir.join("ckpt/LATEST").exists() && dir.join("ckpt/step-00000020/rank-00003.safetensors").exists());
     // The spec's global batch of 8 sequences on every mesh: 2 micro-batches of 4 here.
-    let pipelined = losses_by_step(&with(&["--mesh", "pp=2", "--micro-batch", "4", "--steps", "20", "--resume", ckpt]));
+    let pipelined = losses_by_step(&with(&["--mesh", "pp=2", "--micro-batch", "4", "--steps", "40", "--resume", ckpt]));
     assert_eq!(pipelined.keys().copied().collect::<Vec<_>>(), (21..=40).collect::<Vec<u64>>());
     assert_same_losses(&uninterrupted, &pipelined, "resumed at pp=2");
-    let data_parallel = losses_by_step(&with(&["--mesh", "dp=4", "--micro-batch", "2", "--steps", "20", "--resume", ckpt]));
+    let data_parallel = losses_by_step(&with(&["--mesh", "dp=4", "--micro-batch", "2", "--steps", "40", "--resume", ckpt]));
     assert_same_losses(&uninterrupted, &data_parallel, "resumed at dp=4");
     // Optimizer state sharded by ZeRO on resume.
-    let zero = losses_by_step(&with(&["--mesh", "dp=4", "--zero", "1", "--micro-batch", "2", "--steps", "10", "--resume", ckpt]));
+    let zero = losses_by_step(&with(&["--mesh", "dp=4", "--zero", "1", "--micro-batch", "2", "--steps", "30", "--resume", ckpt]));
     assert_same_losses(&uninterrupted, &zero, "resumed at dp=4 with ZeRO-1");
-    let single = losses_by_step(&with(&["--micro-batch", "4", "--steps", "5", "--resume", ckpt]));
+    let single = losses_by_step(&with(&["--micro-batch", "4", "--steps", "25", "--resume", ckpt]));
     assert_same_losses(&uninterrupted, &single, "resumed on one device");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -585,7 +586,7 @@ fn a_crash_while_checkpointing_keeps_the_last_good_checkpoint() {
     assert!(!crashed.status.success(), "the injected fault did not stop the run");
     assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000010");
     assert!(!ckpt.join("step-00000020").exists());
-    let resumed = losses_by_step(&shardc(&[&base[..], &["--steps", "10", "--resume", ckpt_arg]].concat()));
+    let resumed = losses_by_step(&shardc(&[&base[..], &["--steps", "20", "--resume", ckpt_arg]].concat()));
     assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (11..=20).collect::<Vec<u64>>());
     assert_same_losses(&uninterrupted, &resumed, "resumed after the crash");
     let _ = std::fs::remove_dir_all(&dir);
@@ -608,9 +609,30 @@ fn a_fresh_run_into_a_used_checkpoint_folder_keeps_its_checkpoints() {
     for (step, kept) in [(1, false), (2, true), (3, true), (8, true)] {
         assert_eq!(ckpt.join(format!("step-{step:08}")).exists(), kept, "step {step}");
     }
-    let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--steps", "1", "--resume", ckpt_arg, "--log-every", "1"]);
+    let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--steps", "4", "--resume", ckpt_arg, "--log-every", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("step 4 loss"), "{}", stdout(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--steps` is the total from the start of training and `--checkpoint-every` counts the same
+/// way: a run resumed at step 5 saves at 6 and 8 and stops at 9, as the uninterrupted one.
+#[test]
+fn steps_and_checkpoints_count_from_the_start_of_training() {
+    let dir = tempdir("ckpt-total");
+    let ckpt = dir.join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let base = ["run", "models/tiny.toml", "--micro-batch", "2", "--log-every", "1", "--checkpoint", ckpt_arg, "--checkpoint-every", "2"];
+    let out = shardc(&[&base[..], &["--steps", "5"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let saved = |text: &str| text.lines().filter_map(|l| l.trim().strip_prefix("checkpoint  step ")?.split_whitespace().next()?.parse::<u64>().ok()).collect::<Vec<_>>();
+    assert_eq!(saved(&stdout(&out)), vec![2, 4, 5]);
+    let out = shardc(&[&base[..], &["--steps", "9", "--resume", ckpt_arg]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(saved(&stdout(&out)), vec![6, 8, 9]);
+    assert_eq!(losses_by_step(&out).keys().copied().collect::<Vec<_>>(), (6..=9).collect::<Vec<u64>>());
+    let out = shardc(&[&base[..], &["--steps", "5", "--resume", ckpt_arg]].concat());
+    assert!(!out.status.success() && stderr(&out).contains("--train-iters"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -629,7 +651,7 @@ fn a_non_finite_step_stops_every_layout_and_is_never_checkpointed() {
         assert!(!out.status.success(), "{mesh}: a run that blew up exited 0:\n{}", stdout(&out));
         assert!(stderr(&out).contains("lower --lr"), "{mesh}: {}", stderr(&out));
         assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000002", "{mesh}");
-        let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", mesh, "--steps", "1", "--resume", ckpt_arg, "--log-every", "1"]);
+        let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", mesh, "--steps", "3", "--resume", ckpt_arg, "--log-every", "1"]);
         assert!(out.status.success() && stdout(&out).contains("step 3 loss"), "{mesh}: {}{}", stdout(&out), stderr(&out));
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -690,7 +712,7 @@ fn checkpoint_folders_are_locked_checksummed_and_cleaned() {
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
     std::fs::write(&shard, &bytes).unwrap();
-    let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", "dp=2", "--steps", "1", "--resume", ckpt_arg]);
+    let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", "dp=2", "--steps", "3", "--resume", ckpt_arg]);
     assert!(!out.status.success(), "resumed from a changed shard");
     assert!(stderr(&out).contains("00001.safetensors") && stderr(&out).contains("changed after"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
@@ -959,7 +981,7 @@ fn padded_vocabularies_checkpoint_across_tensor_parallel_degrees() {
     let first = losses_by_step(&with(&["--mesh", "tp=2", "--steps", "10", "--checkpoint", ckpt]));
     assert_same_losses(&uninterrupted, &first, "tp=2, padded to 400");
     let saved = dir.join("params.safetensors");
-    let resumed = losses_by_step(&with(&["--steps", "10", "--resume", ckpt, "--save", saved.to_str().unwrap()]));
+    let resumed = losses_by_step(&with(&["--steps", "20", "--resume", ckpt, "--save", saved.to_str().unwrap()]));
     assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (11..=20).collect::<Vec<u64>>());
     assert_same_losses(&uninterrupted, &resumed, "resumed at tp=1, padded to 300");
     let tensors = shardc_runtime::checkpoint::from_bytes(&std::fs::read(&saved).unwrap()).unwrap();
@@ -1021,13 +1043,13 @@ fn checkpoints_resume_under_another_padding_and_precision() {
     let ckpt = dir.join("padding");
     let uninterrupted = losses_by_step(&run("models/tiny.toml", &["--steps", "8"]));
     losses_by_step(&run(padded, &["--mesh", "tp=2", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap()]));
-    let resumed = losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "4", "--resume", ckpt.to_str().unwrap()]));
+    let resumed = losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "8", "--resume", ckpt.to_str().unwrap()]));
     assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (5..=8).collect::<Vec<u64>>());
     assert_same_losses(&uninterrupted, &resumed, "resumed with another vocab_multiple");
     // f32 -> bf16.
     let ckpt = dir.join("f32");
     losses_by_step(&run("models/tiny.toml", &["--steps", "4", "--checkpoint", ckpt.to_str().unwrap()]));
-    let resumed = losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--mesh", "dp=2,tp=2", "--zero", "1", "--steps", "4", "--resume", ckpt.to_str().unwrap()]));
+    let resumed = losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--mesh", "dp=2,tp=2", "--zero", "1", "--steps", "8", "--resume", ckpt.to_str().unwrap()]));
     for (step, loss) in &resumed {
         assert!((loss - uninterrupted[step]).abs() <= 0.02 * loss, "step {step}: bf16 resumed {loss}, f32 {}", uninterrupted[step]);
     }
@@ -1038,7 +1060,7 @@ fn checkpoints_resume_under_another_padding_and_precision() {
     let masters = dir.join("masters.safetensors");
     losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap(), "--save", masters.to_str().unwrap()]));
     let after = dir.join("after.safetensors");
-    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "1", "--lr", "1e-30", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
+    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "5", "--lr", "1e-30", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
     let read = |p: &std::path::Path| shardc_runtime::checkpoint::from_bytes(&std::fs::read(p).unwrap()).unwrap();
     let (masters, after) = (read(&masters), read(&after));
     assert_eq!(masters.len(), after.len());
@@ -1049,7 +1071,7 @@ fn checkpoints_resume_under_another_padding_and_precision() {
         }
     }
     // Another model is still refused, by field.
-    let out = run("models/tiny-llama.toml", &["--steps", "1", "--resume", ckpt.to_str().unwrap()]);
+    let out = run("models/tiny-llama.toml", &["--steps", "5", "--resume", ckpt.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("norm"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(dir);
