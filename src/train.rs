@@ -24,9 +24,10 @@ pub struct RunArgs {
     /// --train-iters): a run resumed at step 20 with --steps 40 runs steps 21 to 40.
     #[arg(long, default_value_t = 200)]
     pub steps: u64,
-    /// Seed of the initial parameters and the data order.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the initial parameters and the data order (default 0; a resumed run keeps its
+    /// checkpoint's).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Training text, read as bytes (one token per byte).
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
@@ -169,7 +170,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         corpus.len(),
         args.steps,
         trainer.tokens_per_step(),
-        args.seed,
+        args.seed.unwrap_or(0),
         crate::summary::bytes(peak as u64)
     );
     let bar = ProgressBar::new(to_run);
@@ -458,15 +459,15 @@ impl Checkpoints {
                 let bytes = std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
                 let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
                 let params = tensors.into_iter().map(|(name, (shape, values))| (name, (shape, values.into_iter().map(f64::from).collect()))).collect();
-                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed));
+                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));
             }
             // A Hugging Face model starts from its weights.
             if let Some(hf) = args.step.hf_dir(args.spec.as_deref()) {
                 let params = crate::hf::load_weights(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
                 println!("  weights     {} tensors from {}", params.len(), hf.display());
-                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed));
+                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));
             }
-            return Ok((None, args.seed));
+            return Ok((None, args.seed.unwrap_or(0)));
         };
         let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
         // Checkpoints hold real-shaped tensors and, in mixed precision, fp32 masters: the
@@ -486,11 +487,18 @@ impl Checkpoints {
         if !differing.is_empty() {
             return Err(miette!(help = "resume with the spec the checkpoint was trained with", "{}: the checkpoint was saved from another model: {}", dir.display(), differing.join(", ")));
         }
+        // The seed fixes the run's data order, the optimizer its state: both come with the
+        // checkpoint.
+        if let Some(seed) = args.seed.filter(|&s| s != manifest.seed) {
+            return Err(miette!(help = format!("resume without --seed (or with --seed {})", manifest.seed), "--seed {seed}: the checkpoint's run has seed {}, which fixes its data order", manifest.seed));
+        }
+        if args.step.optimizer == "sgd" && manifest.tensors.iter().any(|t| t.name.starts_with("opt.") && !t.name.starts_with("opt.master.")) {
+            return Err(miette!(help = "resume with the checkpoint's optimizer (--optimizer adamw)", "--optimizer sgd: {} holds AdamW's moments, which SGD would drop", dir.display()));
+        }
         println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
         Ok((Some(state), manifest.seed))
     }
 
-    /// Step counts of the segments between checkpoints.
     /// The runs between checkpoints when `steps` iterations follow iteration `first`: a
     /// checkpoint every `every` iterations counted from the start of training, and one at the
     /// end.
@@ -536,7 +544,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
         spec.name,
         mesh.ranks(),
         args.steps,
-        args.seed,
+        args.seed.unwrap_or(0),
         crate::summary::bytes(program.cpu_storage_bytes() as u64)
     );
     let algorithm = collective_algorithm(&args.collectives)?;
@@ -677,7 +685,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
         spec.training.micro_batch,
         schedule.microbatches as u64 * spec.training.micro_batch * mesh.dp,
         args.steps,
-        args.seed,
+        args.seed.unwrap_or(0),
         crate::summary::bytes(peak as u64)
     );
     let start = Instant::now();
@@ -733,7 +741,7 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
     let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
     println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps", spec.name, args.steps);
-    let run = cuda::train(&program, args.seed, spec.model.layers as usize, &corpus, args.steps, &placement).into_diagnostic()?;
+    let run = cuda::train(&program, args.seed.unwrap_or(0), spec.model.layers as usize, &corpus, args.steps, &placement).into_diagnostic()?;
     let tokens = spec.training.micro_batch * mesh.dp * spec.seq_len();
     for (step, loss) in run.losses.iter().enumerate() {
         if args.log_every > 0 && (step as u64 + 1) % args.log_every == 0 {

@@ -633,6 +633,13 @@ fn steps_and_checkpoints_count_from_the_start_of_training() {
     assert_eq!(losses_by_step(&out).keys().copied().collect::<Vec<_>>(), (6..=9).collect::<Vec<u64>>());
     let out = shardc(&[&base[..], &["--steps", "5", "--resume", ckpt_arg]].concat());
     assert!(!out.status.success() && stderr(&out).contains("--train-iters"), "{}", stderr(&out));
+    // What the checkpoint fixes is not changed on resume.
+    let out = shardc(&[&base[..], &["--steps", "12", "--resume", ckpt_arg, "--seed", "7"]].concat());
+    assert!(!out.status.success() && stderr(&out).contains("--seed 7") && stderr(&out).contains("data order"), "{}", stderr(&out));
+    let out = shardc(&[&base[..], &["--steps", "12", "--resume", ckpt_arg, "--optimizer", "sgd"]].concat());
+    assert!(!out.status.success() && stderr(&out).contains("--optimizer sgd"), "{}", stderr(&out));
+    let out = shardc(&[&base[..], &["--steps", "12", "--resume", ckpt_arg, "--seed", "0"]].concat());
+    assert!(out.status.success(), "the checkpoint's own seed is fine: {}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
