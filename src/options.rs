@@ -258,8 +258,3 @@ impl StepArgs {
         Ok(spec)
     }
 }
-
-/// Where the default corpus lives, relative to the repository.
-pub fn default_corpus() -> PathBuf {
-    PathBuf::from("data/kjv-genesis-exodus.txt")
-}

@@ -11,7 +11,7 @@ use shardc_runtime::Program;
 use shardc_runtime::data::ByteCorpus;
 use shardc_runtime::train::Trainer;
 
-use crate::options::{StepArgs, default_corpus};
+use crate::options::StepArgs;
 
 /// Arguments of `shardc run`.
 #[derive(Args, Debug)]
@@ -159,14 +159,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let first_step = resumed.as_ref().map_or(0, |s| s.step);
     let to_run = steps_to_run(args, first_step)?;
-    let data_path = args.data.clone().unwrap_or_else(default_corpus);
-    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
-    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+    let (data_path, corpus) = training_corpus(args, &spec)?;
 
     println!(
         "shardc: training {} on {} ({} bytes), {} steps of {} tokens, seed {}, CPU storage {}",
         spec.name,
-        data_path.display(),
+        data_path,
         corpus.len(),
         args.steps,
         trainer.tokens_per_step(),
@@ -536,9 +534,7 @@ impl Checkpoints {
 
 fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     let program = compile_train_step_on(spec, &args.step, mesh)?;
-    let data_path = args.data.clone().unwrap_or_else(default_corpus);
-    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
-    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+    let (_, corpus) = training_corpus(args, spec)?;
     println!(
         "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} steps, seed {}, CPU storage per rank {}",
         spec.name,
@@ -621,6 +617,20 @@ fn writable_folder(flag: &str, dir: &std::path::Path) -> Result<()> {
     std::fs::remove_file(&probe).map_err(fail)
 }
 
+/// The built-in corpus (data/kjv-genesis-exodus.txt), inside the binary so that `shardc run`
+/// trains wherever it runs.
+const BUILT_IN_CORPUS: &[u8] = include_bytes!("../data/kjv-genesis-exodus.txt");
+
+/// The run's corpus (`--data`, or the built-in one) and what to call it.
+fn training_corpus(args: &RunArgs, spec: &Spec) -> Result<(String, ByteCorpus)> {
+    let (name, bytes) = match &args.data {
+        Some(path) => (path.display().to_string(), std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("--data: reading the corpus {}", path.display()))?),
+        None => ("the built-in corpus (data/kjv-genesis-exodus.txt)".to_string(), BUILT_IN_CORPUS.to_vec()),
+    };
+    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic().wrap_err_with(|| format!("the corpus {name}"))?;
+    Ok((name, corpus))
+}
+
 /// A multi-rank run's failure; a loss that stopped being finite (the run stopped at that step,
 /// nothing of it saved) says what to change.
 fn training_error(e: shardc_runtime::RuntimeError) -> miette::Report {
@@ -672,9 +682,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
     let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
     let algorithm = collective_algorithm(&args.collectives)?;
-    let data_path = args.data.clone().unwrap_or_else(default_corpus);
-    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
-    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+    let (_, corpus) = training_corpus(args, spec)?;
     let peak = programs.iter().map(Program::cpu_storage_bytes).max().unwrap_or(0);
     println!(
         "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} schedule, {} micro-batches of {} sequences per replica per step (global batch {}), {} steps, seed {}, CPU storage per rank {}",
@@ -737,9 +745,7 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     }
     let program = shardc_codegen::device::with_device_plan(compile_train_step_on(spec, &args.step, mesh)?).into_diagnostic()?;
     let placement = if std::env::var_os("RANK").is_some() { Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?) } else { Placement::SingleDevice { device: 0 } };
-    let data_path = args.data.clone().unwrap_or_else(default_corpus);
-    let bytes = std::fs::read(&data_path).into_diagnostic().wrap_err_with(|| format!("reading the corpus {}", data_path.display()))?;
-    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()?;
+    let (_, corpus) = training_corpus(args, spec)?;
     println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps", spec.name, args.steps);
     let run = cuda::train(&program, args.seed.unwrap_or(0), spec.model.layers as usize, &corpus, args.steps, &placement).into_diagnostic()?;
     let tokens = spec.training.micro_batch * mesh.dp * spec.seq_len();

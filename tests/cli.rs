@@ -643,6 +643,24 @@ fn steps_and_checkpoints_count_from_the_start_of_training() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The built-in corpus travels inside the binary: `shardc run` trains from any folder.
+#[test]
+fn run_trains_outside_the_repository() {
+    let dir = tempdir("elsewhere");
+    for mesh in ["dp=1", "dp=2"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["run", root().join("models/tiny.toml").to_str().unwrap(), "--steps", "2", "--micro-batch", "4", "--mesh", mesh])
+            .current_dir(&dir)
+            .env("NO_COLOR", "1")
+            .output()
+            .unwrap();
+        assert!(out.status.success() && stdout(&out).contains("loss"), "{mesh}: {}", stderr(&out));
+    }
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "2", "--data", "/nonexistent/corpus.txt"]);
+    assert!(!out.status.success() && stderr(&out).contains("--data"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A loss or state that stops being finite ends the run at that step on every layout, and
 /// nothing of it is checkpointed: the last good checkpoint stays the one to resume from.
 #[test]
