@@ -146,6 +146,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if args.step.compile_options(&spec, mesh)?.pipeline.is_some() {
         return run_pipelined(args, &spec, mesh);
     }
+    if args.trace.is_some() {
+        return Err(miette!(help = "trace a pipeline: add --mesh pp=N, or --microbatches M with M > 1", "--trace writes a pipeline schedule's measured timeline, and this run has one micro-batch and no pipeline stages"));
+    }
     if mesh.ranks() > 1 {
         return run_partitioned(args, &spec, mesh);
     }

@@ -706,6 +706,12 @@ fn output_paths_are_checked_before_training() {
         assert!(!stdout(&out).contains("loss"), "{flag} {path}: trained before failing");
         assert!(started.elapsed().as_secs() < 60, "{flag} {path}: not refused up front");
     }
+    // A trace needs a pipeline: refused up front otherwise, not silently skipped.
+    let trace = dir.join("t.json");
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1000000", "--mesh", "dp=2", "--microbatches", "1", "--trace", trace.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("--trace") && !stdout(&out).contains("loss"), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--mesh", "pp=2", "--trace", trace.to_str().unwrap()]);
+    assert!(out.status.success() && trace.exists(), "{}", stderr(&out));
     let out = shardc(&["plan", "models/tiny.toml", "--gpus", "2", "--gpu", "a100-80g", "--report", folder]);
     assert!(!out.status.success() && stderr(&out).contains("--report"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
