@@ -388,6 +388,9 @@ fn explain(spec_path: &Path, mesh: &str, step: &StepArgs) -> Result<()> {
 fn pipeline_schedule(pp: usize, microbatches: usize, kind: &str, chunks: usize, svg: Option<&Path>, trace: Option<&Path>) -> Result<()> {
     use shardc_runtime::schedule::{generate, simulate, Costs, Kind};
     let kind = Kind::parse(kind).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{kind}`"))?;
+    if chunks == 0 {
+        return Err(miette!(help = "use 1 (no interleaving) or more", "--virtual-stages 0: a rank holds at least one model chunk"));
+    }
     let schedule = generate(kind, pp, microbatches, chunks).map_err(|e| miette!(help = "check --pp, --microbatches and --virtual-stages", "{e}"))?;
     // Unit costs: a forward and a backward of one stage take one unit each (a backward split
     // into input and weight gradients, one unit each; an interleaved chunk 1/v).

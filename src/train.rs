@@ -139,6 +139,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     refuse_load_with_resume(args)?;
     check_outputs(args)?;
+    if args.backend == "cpu" && mesh.ranks() as usize > shardc_runtime::train::MAX_CPU_RANKS {
+        return Err(miette!(
+            help = format!("price a mesh this large with `shardc compile` or `shardc plan`; run at most {} ranks", shardc_runtime::train::MAX_CPU_RANKS),
+            "--mesh {mesh}: the CPU backend runs a thread per rank, and {} ranks are more than it runs",
+            mesh.ranks()
+        ));
+    }
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
         return run_cuda(args, &spec, mesh);

@@ -661,6 +661,25 @@ fn run_trains_outside_the_repository() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Sizes that would panic, hang or exhaust memory are refused up front, naming the limit.
+#[test]
+fn huge_or_zero_sizes_are_refused_up_front() {
+    let started = std::time::Instant::now();
+    for (args, says) in [
+        (vec!["schedule", "--pp", "4", "--microbatches", "8", "--virtual-stages", "0"], "--virtual-stages 0"),
+        (vec!["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "18446744073709551615"], "virtual stages"),
+        (vec!["schedule", "--pp", "1048576", "--microbatches", "1048576"], "a schedule may have"),
+        (vec!["run", "models/tiny.toml", "--mesh", "dp=100000", "--micro-batch", "1", "--global-batch", "100000", "--steps", "1"], "thread per rank"),
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    assert!(started.elapsed().as_secs() < 60, "refused only after working");
+    // A timeout too large for the clock waits as long as it must.
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "2", "--mesh", "dp=2", "--micro-batch", "4", "--timeout", "18446744073709551615"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
 /// A loss or state that stops being finite ends the run at that step on every layout, and
 /// nothing of it is checkpointed: the last good checkpoint stays the one to resume from.
 #[test]

@@ -248,6 +248,9 @@ fn batch_layout(program: &Program) -> Result<(usize, usize, crate::program::Layo
 /// every rank runs it). Before `body`, every parameter is initialised as the global tensor
 /// from `seed` and the rank takes its shard, so runs are comparable with a single device.
 /// Returns the results by rank.
+/// The most ranks the CPU backend runs at once (a thread each).
+pub const MAX_CPU_RANKS: usize = 1024;
+
 pub(crate) fn on_every_rank_of<R: Send>(
     programs: &[Program],
     seed: u64,
@@ -260,6 +263,12 @@ pub(crate) fn on_every_rank_of<R: Send>(
     use crate::collectives::{MeshShape, world};
     let first = programs.first().ok_or_else(|| RuntimeError::Program("no programs to run".into()))?;
     let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
+    if mesh.ranks() > MAX_CPU_RANKS {
+        return Err(RuntimeError::Program(format!(
+            "a mesh of {} ranks: the CPU backend runs a thread per rank, at most {MAX_CPU_RANKS}; price larger meshes with `shardc compile` or `shardc plan`",
+            mesh.ranks()
+        )));
+    }
     let comms = world(mesh.ranks(), timeout);
     // SPMD ranks do the same work at the same time: each computes on its own share of the
     // worker threads. Pipeline ranks take turns (one idles in the other's bubble): one pool

@@ -214,7 +214,8 @@ impl Communicator {
     }
 
     fn recv_raw<T: Elem>(&mut self, from: usize, key: (u64, u64, u64), what: &str) -> Result<Vec<T>, CommError> {
-        let deadline = Instant::now() + self.timeout;
+        // A timeout too long to add to the clock waits for ever (until the run is aborted).
+        let deadline = Instant::now().checked_add(self.timeout);
         loop {
             if let Some(payload) = self.early.remove(&(from, key)) {
                 return payload.downcast::<Vec<T>>().map(|b| *b).map_err(|_| CommError::Shape {
@@ -226,7 +227,7 @@ impl Communicator {
                 return Err(CommError::Aborted { rank: self.rank, peer: from, what: what.to_string() });
             }
             // Wake up now and then to see whether the run is stopping.
-            let left = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(20));
+            let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(Instant::now())).min(Duration::from_millis(20));
             if left.is_zero() {
                 return Err(CommError::Timeout { rank: self.rank, peer: from, timeout: self.timeout, what: what.to_string() });
             }

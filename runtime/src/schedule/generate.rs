@@ -6,6 +6,11 @@ fn item(work: Work, microbatch: usize, chunk: usize) -> Item {
     Item { work, microbatch, chunk }
 }
 
+/// The most model chunks per rank of an interleaved schedule.
+pub const MAX_CHUNKS: usize = 64;
+/// The most work items (stages x micro-batches x chunks x 3) of a schedule.
+pub const MAX_ITEMS: usize = 1 << 24;
+
 /// Builds a schedule of `kind` for `stages` pipeline ranks, `microbatches` micro-batches and
 /// `chunks` model chunks per rank (interleaved only; it needs `microbatches` to be a multiple
 /// of `stages`).
@@ -14,7 +19,15 @@ pub fn generate(kind: Kind, stages: usize, microbatches: usize, chunks: usize) -
     if p == 0 || m == 0 {
         return Err(ScheduleError::Invalid("stages and micro-batches must be at least 1".into()));
     }
+    if kind == Kind::Interleaved && !(1..=MAX_CHUNKS).contains(&chunks) {
+        return Err(ScheduleError::Invalid(format!("virtual stages (chunks per rank) must be between 1 and {MAX_CHUNKS}, got {chunks}")));
+    }
+    // Every item is simulated and drawn: a schedule larger than this is a typo, not a plan.
     let v = if kind == Kind::Interleaved { chunks.max(1) } else { 1 };
+    let items = p.saturating_mul(m).saturating_mul(v).saturating_mul(3);
+    if items > MAX_ITEMS {
+        return Err(ScheduleError::Invalid(format!("{p} stages x {m} micro-batches x {v} chunks make {items} work items, more than the {MAX_ITEMS} a schedule may have")));
+    }
     if kind == Kind::Interleaved && m % p != 0 {
         return Err(ScheduleError::Invalid(format!("interleaved 1F1B needs micro-batches ({m}) to be a multiple of stages ({p})")));
     }
