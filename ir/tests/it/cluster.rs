@@ -216,3 +216,53 @@ fn huge_meshes_do_not_overflow_the_link_arithmetic() {
         }
     }
 }
+
+/// The cards a group drives, against counting them: every small mesh, placement and group.
+#[test]
+fn network_cards_match_a_count_of_members_per_node() {
+    let base = Cluster::preset("a100-80g").unwrap();
+    let extents = [1i64, 2, 3, 4, 6, 8];
+    let placements = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+    let groups: [&[usize]; 7] = [&[0], &[1], &[2], &[0, 1], &[0, 2], &[1, 2], &[0, 1, 2]];
+    for gpus_per_node in [1usize, 2, 4, 8] {
+        for placement in placements {
+            let mut c = base.clone();
+            c.gpus_per_node = gpus_per_node;
+            c.placement = placement.to_vec();
+            for &a in &extents {
+                for &b in &extents {
+                    for &p in &extents {
+                        let grid = [a, b, p];
+                        for axes in groups {
+                            let outermost = axes.iter().map(|x| placement.iter().position(|y| y == x).unwrap()).max().unwrap();
+                            let placed: Vec<usize> = placement[..=outermost].to_vec();
+                            let span: usize = placed.iter().map(|&x| grid[x] as usize).product();
+                            if span <= gpus_per_node {
+                                assert_eq!(c.link(&grid, axes), c.intra_node);
+                                continue;
+                            }
+                            // Count: ranks laid out innermost first; a group is the ranks
+                            // equal off its axes.
+                            let mut counts = std::collections::HashMap::new();
+                            for rank in 0..span {
+                                let (mut rest, mut key) = (rank, Vec::new());
+                                for &x in &placed {
+                                    let coord = rest % grid[x] as usize;
+                                    rest /= grid[x] as usize;
+                                    if !axes.contains(&x) {
+                                        key.push(coord);
+                                    }
+                                }
+                                *counts.entry((key, rank / gpus_per_node)).or_insert(0usize) += 1;
+                            }
+                            let fewest = *counts.values().min().unwrap();
+                            let want = (fewest as f64 * c.inter_node.bandwidth).min(c.intra_node.bandwidth.max(c.inter_node.bandwidth));
+                            let got = c.link(&grid, axes).bandwidth;
+                            assert!((got - want).abs() < 1.0, "grid {grid:?} axes {axes:?} placement {placement:?} {gpus_per_node}/node: {fewest} cards, priced {}", got / c.inter_node.bandwidth);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
