@@ -424,6 +424,10 @@ fn longest_kernels(cluster: &Cluster, samples: &[Sample]) -> String {
 
 /// Writes `table` (comment lines) and the cluster TOML to `-o` (or prints them).
 fn write_cluster(args: &CalibrateArgs, table: &str, cluster: &Cluster) -> Result<()> {
+    // What --cluster will read: never write a file it refuses.
+    if let Err(e) = Cluster::from_toml(&cluster.to_toml()) {
+        return Err(miette!(help = "measure again (the times gave a parameter outside its range)", "the calibrated cluster is not a valid cluster TOML: {e}"));
+    }
     let text = format!("{table}{}", cluster.to_toml());
     match &args.output {
         Some(path) => {
@@ -441,6 +445,8 @@ fn write_cluster(args: &CalibrateArgs, table: &str, cluster: &Cluster) -> Result
 const GPU_STREAM_ELEMENTS: i64 = 1 << 26;
 /// Tiny dependent kernels whose chain measures a GPU's launch latency.
 const GPU_DISPATCH_CHAIN: usize = 200;
+/// Plausible seconds of one run of a kernel program read from `--measured`.
+const MEASURED_SECONDS: std::ops::RangeInclusive<f64> = 1e-9..=3600.0;
 
 /// `shardc calibrate --backend cuda`.
 fn calibrate_cuda(args: &CalibrateArgs) -> Result<()> {
@@ -492,9 +498,23 @@ fn calibrate_cuda(args: &CalibrateArgs) -> Result<()> {
             let text = std::fs::read_to_string(path).map_err(|e| miette!(help = "give the measured.json that `shardc-gpu calibrate DIR` wrote", "--measured {}: {e}", path.display()))?;
             let measured: std::collections::BTreeMap<String, f64> = serde_json::from_str(&text).map_err(|e| miette!(help = "give the measured.json that `shardc-gpu calibrate DIR` wrote", "--measured {}: {e}", path.display()))?;
             for (name, _, sample) in &mut kernels {
-                sample.seconds = *measured.get(name).ok_or_else(|| {
+                let seconds = *measured.get(name).ok_or_else(|| {
                     miette!(help = "emit and fit with the same spec and options (--seq, --micro-batch, --dtype, --quick)", "--measured {}: no time for kernel `{name}`", path.display())
                 })?;
+                // A run of one kernel (or of the launch chain) on a GPU takes microseconds to
+                // seconds: anything outside [1 ns, 1 h] is not a time of one (and would fit
+                // shares pinned at their bounds, or a launch latency of 0 that the TOML
+                // reader refuses).
+                if !(MEASURED_SECONDS.contains(&seconds)) {
+                    return Err(miette!(
+                        help = "time the kernels again with `shardc-gpu calibrate DIR` (it writes seconds per run)",
+                        "--measured {}: kernel `{name}`: {seconds:e} seconds is not the time of one run (expected {:e} to {:e})",
+                        path.display(),
+                        MEASURED_SECONDS.start(),
+                        MEASURED_SECONDS.end()
+                    ));
+                }
+                sample.seconds = seconds;
             }
         }
         None => time_on_device(&mut kernels, args.repeats)?,

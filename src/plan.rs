@@ -169,7 +169,7 @@ impl Plan {
         let g = &cluster.gpu;
         let grid = [self.dp as i64, self.tp as i64, self.pp as i64];
         let link = |axis: usize| {
-            let l = cluster.link(&grid, &[axis]);
+            let l = if axis == 2 { cluster.send_link(&grid, &[axis]) } else { cluster.link(&grid, &[axis]) };
             let name = if l == cluster.intra_node { "intra-node link" } else { "inter-node link" };
             format!("the {name}'s {:.0} GB/s", l.bandwidth / 1e9)
         };

@@ -1316,6 +1316,36 @@ fn gpu_calibration_recovers_the_parameters_that_made_the_times() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A measured.json whose times are not times of a kernel run (zero, negative, a launch chain
+/// of 1e-322 s, 1e300 s) is refused, naming the file, the kernel and the range; never fitted
+/// into shares pinned at their bounds or a cluster TOML that --cluster refuses.
+#[test]
+fn gpu_calibration_refuses_implausible_measured_times() {
+    let dir = tempdir("calibrate-gpu-hostile");
+    let kernels = dir.join("kernels");
+    let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda", "--gpu", "h100-sxm", "--quick", "--emit", kernels.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let list: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(kernels.join("kernels.json")).unwrap()).unwrap();
+    let names: Vec<String> = list.iter().map(|k| k["name"].as_str().unwrap().to_string()).collect();
+    let times = dir.join("measured.json");
+    let file = dir.join("fitted.toml");
+    // (index of the kernel given the bad time, its time)
+    for (bad, seconds) in [(1usize, 1e-322), (5, 0.0), (5, -1e-3), (7, 1e300), (0, 1e-300)] {
+        let mut measured = serde_json::Map::new();
+        for (i, name) in names.iter().enumerate() {
+            measured.insert(name.clone(), serde_json::json!(if i == bad { seconds } else { 1e-5 * (1 + i % 7) as f64 }));
+        }
+        std::fs::write(&times, serde_json::to_string(&measured).unwrap()).unwrap();
+        std::fs::remove_file(&file).ok();
+        let out = shardc(&["calibrate", "models/tiny.toml", "--backend", "cuda", "--gpu", "h100-sxm", "--quick", "--measured", times.to_str().unwrap(), "-o", file.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{seconds} s for `{}` was fitted:\n{err}", names[bad]);
+        assert!(err.contains("--measured") && err.contains(names[bad].split_whitespace().nth(1).unwrap()) && err.contains("time"), "{err}");
+        assert!(!file.exists(), "no TOML written for {seconds} s");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The rows of `shardc plan`'s table: (strategy, memory in GB, bound-by column).
 fn plan_rows(text: &str) -> Vec<(String, f64, String)> {
     text.lines()

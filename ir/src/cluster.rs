@@ -359,28 +359,47 @@ impl Cluster {
     /// about 192 GB/s of bus bandwidth with 8 HDR NICs of 24 GB/s), up to what the node's
     /// NVLink carries.
     pub fn link(&self, grid: &[i64], axes: &[usize]) -> Link {
-        let extent = |a: usize| grid.get(a).copied().unwrap_or(1).max(1) as usize;
+        self.group_link(grid, axes, false)
+    }
+
+    /// The link of a pipeline send over `axes`: one GPU's message to one other, which
+    /// crosses nodes on that GPU's own network card.
+    pub fn send_link(&self, grid: &[i64], axes: &[usize]) -> Link {
+        self.group_link(grid, axes, true)
+    }
+
+    /// [`Cluster::link`]; with `one_card`, the link of one GPU's message to one other (a
+    /// pipeline send), which crosses nodes on that GPU's own network card.
+    fn group_link(&self, grid: &[i64], axes: &[usize], one_card: bool) -> Link {
+        let extent = |a: usize| usize::try_from(grid.get(a).copied().unwrap_or(1).max(1)).unwrap_or(usize::MAX);
         let outermost = axes.iter().filter_map(|a| self.placement.iter().position(|p| p == a)).max();
-        let members: usize = axes.iter().map(|&a| extent(a)).product();
-        let span: usize = match outermost {
-            Some(o) => self.placement[..=o].iter().map(|&a| extent(a)).product(),
-            None => members,
+        let members: usize = axes.iter().map(|&a| extent(a)).fold(1, usize::saturating_mul);
+        // The axes placed inside the group's outermost one, innermost first, and whether each
+        // is one of the group's.
+        let placed: Vec<(usize, bool)> = match outermost {
+            Some(o) => self.placement[..=o].iter().map(|&a| (extent(a), axes.contains(&a))).collect(),
+            None => vec![(members, true)],
         };
-        if span <= self.gpus_per_node {
+        let span = placed.iter().map(|&(e, _)| e).fold(1, usize::saturating_mul);
+        let gpus_per_node = self.gpus_per_node.max(1);
+        if span <= gpus_per_node {
             return self.intra_node;
         }
-        let per_node = (members * self.gpus_per_node / span).clamp(1, self.gpus_per_node.max(1));
+        if one_card {
+            return self.inter_node;
+        }
+        let per_node = fewest_members_per_node(&placed, gpus_per_node).clamp(1, gpus_per_node);
         Link { alpha: self.inter_node.alpha, bandwidth: (per_node as f64 * self.inter_node.bandwidth).min(self.intra_node.bandwidth.max(self.inter_node.bandwidth)) }
     }
 
     /// Seconds for `collective` over `axes` of `grid`, moving `bytes` (the full, gathered or
     /// reduced size).
     pub fn time(&self, collective: Collective, bytes: f64, grid: &[i64], axes: &[usize]) -> f64 {
-        let n: i64 = axes.iter().map(|&a| grid.get(a).copied().unwrap_or(1).max(1)).product();
+        let n: i64 = axes.iter().map(|&a| grid.get(a).copied().unwrap_or(1).max(1)).fold(1, i64::saturating_mul);
         if n <= 1 || collective == Collective::AllSlice {
             return 0.0;
         }
-        let link = self.link(grid, axes);
+        let link = if collective == Collective::Send { self.send_link(grid, axes) } else { self.link(grid, axes) };
         let (n, a, b) = (n as f64, link.alpha, link.beta());
         let share = (n - 1.0) / n;
         self.launch + match collective {
@@ -443,4 +462,47 @@ impl Default for Cluster {
     fn default() -> Self {
         Cluster::preset("h100-sxm").expect("the h100-sxm preset exists")
     }
+}
+
+/// The fewest members a group has in any node it spans, for a group over the axes `placed`
+/// (extent, whether the group's), innermost first, laid out in row-major order from the
+/// innermost over nodes of `gpus_per_node` GPUs, every group alike: the network cards the
+/// group's collectives drive at once in its emptiest node.
+fn fewest_members_per_node(placed: &[(usize, bool)], gpus_per_node: usize) -> usize {
+    // The axes wholly inside a node, and the one cut by the node's edge: when the node holds
+    // whole blocks of the axes inside it and an equal run of the cut one, every node holds
+    // as many members of each group.
+    let (mut inside, mut count) = (1usize, 1usize);
+    for &(extent, member) in placed {
+        if inside.saturating_mul(extent) <= gpus_per_node {
+            inside *= extent;
+            if member {
+                count *= extent;
+            }
+            continue;
+        }
+        if gpus_per_node % inside == 0 && extent % (gpus_per_node / inside) == 0 {
+            return if member { count * (gpus_per_node / inside) } else { count };
+        }
+        break;
+    }
+    // Uneven: count the members of each group in each node (a small span), or assume one.
+    let span = placed.iter().map(|&(e, _)| e).fold(1, usize::saturating_mul);
+    if span > 1 << 14 {
+        return 1;
+    }
+    let mut counts: std::collections::HashMap<(usize, usize), usize> = std::collections::HashMap::new();
+    for rank in 0..span {
+        // The group: the rank's position along the axes that are not the group's.
+        let (mut rest, mut group, mut stride) = (rank, 0, 1);
+        for &(extent, member) in placed {
+            if !member {
+                group += (rest % extent) * stride;
+                stride *= extent;
+            }
+            rest /= extent;
+        }
+        *counts.entry((group, rank / gpus_per_node)).or_default() += 1;
+    }
+    counts.values().copied().min().unwrap_or(1)
 }

@@ -108,6 +108,22 @@ fn ranks_sharing_a_host_split_it_and_a_rank_alone_has_it_all() {
     assert!((shared.makespan - 8.0).abs() < 1e-12, "{}", shared.makespan);
 }
 
+/// A rank running its tail (the optimizer step) is busy, not in a bubble: a rank alone has
+/// none, and the shared bubble is the idle time of items and tails.
+#[test]
+fn a_shared_hosts_bubble_does_not_count_the_tails() {
+    let alone = generate(Kind::OneFOneB, 1, 3, 1).unwrap();
+    let shared = simulate_shared(&alone, |_, _| 1.0, |_| 2.0, 1.0, 1.0).unwrap();
+    assert!(shared.bubble.abs() < 1e-12, "one rank computing throughout: bubble {}", shared.bubble);
+    // Two ranks: idle rank-time is the makespan times the ranks less what each computed
+    // (items, stretched while shared, and tails).
+    let schedule = generate(Kind::OneFOneB, 2, 4, 1).unwrap();
+    let shared = simulate_shared(&schedule, |_, _| 1.0, |_| 3.0, 1.0, 1.0).unwrap();
+    let items: f64 = shared.ranks.iter().flatten().map(|(_, s, e)| e - s).sum();
+    assert!(shared.bubble < 1.0 - items / (2.0 * shared.makespan) - 1e-9, "tails counted as idle: bubble {}", shared.bubble);
+    assert!(shared.bubble >= 0.0);
+}
+
 #[test]
 fn one_f_one_b_picture() {
     let schedule = generate(Kind::OneFOneB, 4, 8, 1).unwrap();

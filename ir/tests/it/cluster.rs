@@ -163,3 +163,106 @@ fn cluster_toml_round_trips_and_refuses_the_old_efficiency() {
     assert!(Cluster::from_toml("shared_pool_slowdown = 0.5").unwrap_err().contains("shared_pool_slowdown: at least 1"));
     assert!(Cluster::from_toml("[gpu]\nwarp = 32").unwrap_err().contains("gpu.warp: unknown field"));
 }
+
+/// The network cards a group drives are those of its members in the node that holds the
+/// fewest of them: a group that does not fill its nodes evenly is as fast as its emptiest
+/// node.
+#[test]
+fn a_group_filling_its_nodes_unevenly_is_priced_by_its_emptiest_node() {
+    let a100 = Cluster::preset("a100-80g").unwrap();
+    let nic = a100.inter_node.bandwidth;
+    // dp=12 over nodes of 8: the second node holds 4 members.
+    let link = a100.link(&[12, 1, 1], &[0]);
+    assert!((link.bandwidth - 4.0 * nic).abs() < 1.0, "{} GB/s, 4 NICs are {} GB/s", link.bandwidth / 1e9, 4.0 * nic / 1e9);
+    // tp=3 inside, dp=4: the dp group of tp rank 0 is ranks 0, 3, 6 (node 0) and 9 (node 1).
+    let link = a100.link(&[4, 3, 1], &[0]);
+    assert!((link.bandwidth - nic).abs() < 1.0, "{} GB/s, one NIC is {} GB/s", link.bandwidth / 1e9, nic / 1e9);
+    // dp=3 on nodes of 2.
+    let mut two = a100.clone();
+    two.gpus_per_node = 2;
+    assert!((two.link(&[3, 1, 1], &[0]).bandwidth - nic).abs() < 1.0);
+    // Even fills keep their cards: tp=2 inside dp=48 (4 per node), dp=16 (8 per node).
+    assert!((a100.link(&[48, 2, 1], &[0]).bandwidth - 4.0 * nic).abs() < 1.0);
+    assert!((a100.link(&[16, 1, 1], &[0]).bandwidth - 8.0 * nic).abs() < 1.0);
+    // One GPU per node: one card.
+    let mut one = a100.clone();
+    one.gpus_per_node = 1;
+    assert_eq!(one.link(&[4, 2, 2], &[0, 1, 2]), one.inter_node);
+}
+
+/// A pipeline send is one GPU's message to one GPU: it crosses nodes on one network card,
+/// however many stages the node holds.
+#[test]
+fn a_pipeline_send_between_nodes_uses_one_network_card() {
+    let a100 = Cluster::preset("a100-80g").unwrap();
+    let bytes = 1e8;
+    let t = a100.time(Collective::Send, bytes, &[1, 1, 16], &[2]);
+    let one_card = a100.launch + a100.inter_node.alpha + bytes / a100.inter_node.bandwidth;
+    assert!((t / one_card - 1.0).abs() < 1e-9, "{t} s, one card takes {one_card} s");
+    // Inside a node: NVLink.
+    let t = a100.time(Collective::Send, bytes, &[1, 1, 8], &[2]);
+    assert!((t / (a100.launch + a100.intra_node.alpha + bytes / a100.intra_node.bandwidth) - 1.0).abs() < 1e-9);
+}
+
+/// Meshes too large to exist are priced without overflowing (debug builds check).
+#[test]
+fn huge_meshes_do_not_overflow_the_link_arithmetic() {
+    let c = Cluster::preset("h100-sxm").unwrap();
+    for grid in [[1i64 << 21, 1 << 21, 1 << 21], [i64::MAX, i64::MAX, 2], [1 << 40, 1 << 40, 1]] {
+        for axes in [&[0usize][..], &[0, 1], &[0, 1, 2], &[2]] {
+            let link = c.link(&grid, axes);
+            assert!(link.bandwidth > 0.0 && link.bandwidth.is_finite());
+            assert!(c.time(Collective::AllReduce, 1e9, &grid, axes).is_finite());
+        }
+    }
+}
+
+/// The cards a group drives, against counting them: every small mesh, placement and group.
+#[test]
+fn network_cards_match_a_count_of_members_per_node() {
+    let base = Cluster::preset("a100-80g").unwrap();
+    let extents = [1i64, 2, 3, 4, 6, 8];
+    let placements = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+    let groups: [&[usize]; 7] = [&[0], &[1], &[2], &[0, 1], &[0, 2], &[1, 2], &[0, 1, 2]];
+    for gpus_per_node in [1usize, 2, 4, 8] {
+        for placement in placements {
+            let mut c = base.clone();
+            c.gpus_per_node = gpus_per_node;
+            c.placement = placement.to_vec();
+            for &a in &extents {
+                for &b in &extents {
+                    for &p in &extents {
+                        let grid = [a, b, p];
+                        for axes in groups {
+                            let outermost = axes.iter().map(|x| placement.iter().position(|y| y == x).unwrap()).max().unwrap();
+                            let placed: Vec<usize> = placement[..=outermost].to_vec();
+                            let span: usize = placed.iter().map(|&x| grid[x] as usize).product();
+                            if span <= gpus_per_node {
+                                assert_eq!(c.link(&grid, axes), c.intra_node);
+                                continue;
+                            }
+                            // Count: ranks laid out innermost first; a group is the ranks
+                            // equal off its axes.
+                            let mut counts = std::collections::HashMap::new();
+                            for rank in 0..span {
+                                let (mut rest, mut key) = (rank, Vec::new());
+                                for &x in &placed {
+                                    let coord = rest % grid[x] as usize;
+                                    rest /= grid[x] as usize;
+                                    if !axes.contains(&x) {
+                                        key.push(coord);
+                                    }
+                                }
+                                *counts.entry((key, rank / gpus_per_node)).or_insert(0usize) += 1;
+                            }
+                            let fewest = *counts.values().min().unwrap();
+                            let want = (fewest as f64 * c.inter_node.bandwidth).min(c.intra_node.bandwidth.max(c.inter_node.bandwidth));
+                            let got = c.link(&grid, axes).bandwidth;
+                            assert!((got - want).abs() < 1.0, "grid {grid:?} axes {axes:?} placement {placement:?} {gpus_per_node}/node: {fewest} cards, priced {}", got / c.inter_node.bandwidth);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -284,6 +284,8 @@ pub fn simulate_shared(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64, 
     let mut done: HashMap<(Work, usize, usize), f64> = HashMap::new();
     let mut next = vec![0usize; p];
     let mut out: Vec<Vec<(Item, f64, f64)>> = vec![Vec::new(); p];
+    // Seconds the ranks spent in their tails (busy, though not items of the timeline).
+    let mut tails = 0.0f64;
     let mut now = 0.0f64;
     loop {
         for rank in 0..p {
@@ -322,13 +324,21 @@ pub fn simulate_shared(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64, 
             let Some(r) = running[rank].as_mut() else { continue };
             r.left -= first;
             if r.left <= first * 1e-12 {
-                if let Some(item) = r.item {
-                    done.insert((item.work, item.microbatch, schedule.stage_of(rank, item.chunk)), now);
-                    out[rank].push((item, r.start, now));
+                match r.item {
+                    Some(item) => {
+                        done.insert((item.work, item.microbatch, schedule.stage_of(rank, item.chunk)), now);
+                        out[rank].push((item, r.start, now));
+                    }
+                    None => tails += now - r.start,
                 }
                 running[rank] = None;
             }
         }
     }
-    Ok(timeline(out, now))
+    let mut timeline = timeline(out, now);
+    // A rank in its tail is busy: the bubble is the idle time of items and tails alike.
+    if now > 0.0 {
+        timeline.bubble = (timeline.bubble - tails / (now * p as f64)).max(0.0);
+    }
+    Ok(timeline)
 }
