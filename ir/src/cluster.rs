@@ -251,6 +251,9 @@ impl Cluster {
                     if x < 1.0 {
                         return Err(format!("{key}: at least 1 (ranks cannot gain from sharing cores), got {x}"));
                     }
+                    if x > 64.0 {
+                        return Err(format!("{key}: at most 64 (two ranks that slow each other down more are not sharing a host, they are broken), got {x}"));
+                    }
                     if key == "shared_slowdown" { cluster.shared_slowdown = x } else { cluster.shared_pool_slowdown = x }
                 }
                 "compute_efficiency" => return Err("compute_efficiency: replaced by the GEMM model's [gpu] gemm_efficiency (and attention_efficiency, vector_efficiency)".into()),

@@ -161,6 +161,7 @@ fn cluster_toml_round_trips_and_refuses_the_old_efficiency() {
     assert!(Cluster::from_toml("[gpu]\ngemm_tile = [128]").unwrap_err().contains("gpu.gemm_tile"));
     assert!(Cluster::from_toml("[gpu]\nsms = 0").unwrap_err().contains("gpu.sms"));
     assert!(Cluster::from_toml("shared_pool_slowdown = 0.5").unwrap_err().contains("shared_pool_slowdown: at least 1"));
+    assert!(Cluster::from_toml("shared_slowdown = 1e308").unwrap_err().contains("shared_slowdown: at most 64"));
     assert!(Cluster::from_toml("[gpu]\nwarp = 32").unwrap_err().contains("gpu.warp: unknown field"));
 }
 
