@@ -90,6 +90,18 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
     let collectives = program.instrs.iter().filter(|i| i.op.starts_with("shard.")).count();
     println!("shardc: logits of {} on mesh {mesh} ({} ranks, {collectives} collectives each): shape {shape:?}, first {:?}", spec.name, mesh.ranks(), &values[..values.len().min(4)]);
     if let Some(path) = &args.output {
+        // JSON has no NaN or infinity (serde writes null): say where instead of writing it.
+        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+            let (row, rest) = (at / (seq * shape[2]), at % (seq * shape[2]));
+            return Err(miette!(
+                help = "check the weights (a NaN or an overflow in the folder's tensors)",
+                "the logit at [{row}, {}, {}] is {}: -o {} would not hold it",
+                rest / shape[2],
+                rest % shape[2],
+                values[at],
+                path.display()
+            ));
+        }
         let json = serde_json::json!({ "shape": shape, "values": values });
         std::fs::write(path, serde_json::to_string(&json).into_diagnostic()?).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
         println!("  written     {}", path.display());

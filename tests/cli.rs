@@ -680,6 +680,35 @@ fn huge_or_zero_sizes_are_refused_up_front() {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
+/// (it would act on the terminal), logits that are not finite (JSON would hold null).
+#[test]
+fn unprintable_names_and_non_finite_logits_are_errors() {
+    let dir = tempdir("unprintable");
+    let spec = dir.join("escape.toml");
+    let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap();
+    let name_line = text.lines().find(|l| l.starts_with("name")).unwrap().to_string();
+    std::fs::write(&spec, text.replace(&name_line, "name = \"tiny\\u001b[2J\"")).unwrap();
+    let out = shardc(&["compile", spec.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("control characters"), "{}", stderr(&out));
+    assert!(!stdout(&out).contains('\u{1b}') && !stderr(&out).contains("\u{1b}[2J"), "the escape reached the terminal");
+    // A NaN in the first tensor of a Hugging Face folder.
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(root().join("tests/data/hf-tiny-gpt2").join(file), hf.join(file)).unwrap();
+    }
+    let mut bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[8 + header..8 + header + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(hf.join("model.safetensors"), &bytes).unwrap();
+    let json = dir.join("logits.json");
+    let out = shardc(&["logits", "--hf", hf.to_str().unwrap(), "--tokens", "1,2,3", "-o", json.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("would not hold it"), "{}{}", stdout(&out), stderr(&out));
+    assert!(!json.exists(), "a file of nulls was written");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A loss or state that stops being finite ends the run at that step on every layout, and
 /// nothing of it is checkpointed: the last good checkpoint stays the one to resume from.
 #[test]

@@ -461,6 +461,13 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
     };
     let m = &spec.model;
     let t = &spec.training;
+    // The name is printed in every summary: control characters (terminal escapes) would act
+    // on the user's terminal instead of being shown.
+    if spec.name.chars().any(char::is_control) {
+        error("name", "contains control characters (such as terminal escape codes)".into(), "use printable characters".into());
+    } else if spec.name.chars().count() > 200 {
+        error("name", format!("is {} characters long", spec.name.chars().count()), "use a name of at most 200 characters".into());
+    }
     let sizes = [
         ("model.vocab", m.vocab),
         ("model.max_seq", m.max_seq),
