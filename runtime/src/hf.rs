@@ -58,9 +58,15 @@ pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
                 Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
                 Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
                 Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
-                // Integer buffers (GPT-2's causal mask as bool) are not parameters.
-                _ => continue,
+                // GPT-2's causal-mask buffers (bool or integer) are not parameters.
+                _ if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") => continue,
+                other => {
+                    return Err(bad(format!("{}: tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)", file.display())));
+                }
             };
+            if out.contains_key(&name) {
+                return Err(bad(format!("{}: tensor `{name}` is also in another file of the folder: keep one copy", file.display())));
+            }
             out.insert(name, (view.shape().to_vec(), values));
         }
     }
@@ -111,6 +117,15 @@ fn columns(shape: &[usize], values: &[f64], start: usize, width: usize) -> (Vec<
 /// left unmapped is an error naming it.
 pub fn import(family: Family, hf: &Tensors, tied: bool) -> Result<Tensors, RuntimeError> {
     let mut out = Tensors::new();
+    // `transformer.h.0.x` and `h.0.x` (or `model.layers.0.x` and `layers.0.x`) are one weight:
+    // two of them would silently overwrite each other.
+    let mut bare_names: HashMap<&str, &str> = HashMap::new();
+    for name in hf.keys() {
+        let bare = name.strip_prefix("transformer.").or_else(|| name.strip_prefix("model.")).unwrap_or(name);
+        if let Some(other) = bare_names.insert(bare, name) {
+            return Err(bad(format!("tensors `{other}` and `{name}` are the same weight under two prefixes: keep one")));
+        }
+    }
     for (name, (shape, values)) in hf {
         let bare = name.strip_prefix("transformer.").or_else(|| name.strip_prefix("model.")).unwrap_or(name);
         let matrix = shape.len() == 2;
@@ -277,4 +292,35 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]
     let metadata: Option<HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
     let data = safetensors::serialize(views, metadata).map_err(|e| bad(format!("serializing: {e}")))?;
     std::fs::write(path, data).map_err(|e| bad(format!("{}: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn folder(tag: &str, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("shardc-hf-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let views: Vec<(String, TensorView)> = tensors.iter().map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+        std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn integer_weights_and_one_weight_under_two_prefixes_are_errors() {
+        let floats = |n: usize| (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect::<Vec<u8>>();
+        // GPT-2's mask buffer is skipped; an integer weight is an error naming it.
+        let dir = folder("int", &[("h.0.attn.bias", Dtype::U8, vec![4], vec![1; 4]), ("h.0.ln_1.weight", Dtype::I64, vec![2], vec![0; 16])]);
+        let e = read_dir(&dir).unwrap_err().to_string();
+        assert!(e.contains("h.0.ln_1.weight") && e.contains("I64"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        let dir = folder("mask", &[("h.0.attn.bias", Dtype::U8, vec![4], vec![1; 4]), ("h.0.ln_1.weight", Dtype::F32, vec![2], floats(2))]);
+        assert_eq!(read_dir(&dir).unwrap().len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+        // The same weight with and without the `transformer.` prefix.
+        let dir = folder("dup", &[("transformer.h.0.ln_1.weight", Dtype::F32, vec![2], floats(2)), ("h.0.ln_1.weight", Dtype::F32, vec![2], floats(2))]);
+        let e = import(Family::Gpt2, &read_dir(&dir).unwrap(), true).unwrap_err().to_string();
+        assert!(e.contains("transformer.h.0.ln_1.weight") && e.contains("two prefixes"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
