@@ -670,6 +670,7 @@ fn huge_or_zero_sizes_are_refused_up_front() {
         (vec!["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "18446744073709551615"], "virtual stages"),
         (vec!["schedule", "--pp", "1048576", "--microbatches", "1048576"], "a schedule may have"),
         (vec!["run", "models/tiny.toml", "--mesh", "dp=100000", "--micro-batch", "1", "--global-batch", "100000", "--steps", "1"], "thread per rank"),
+        (vec!["compile", "models/tiny.toml", "--mesh", "pp=2", "--stages", "0-0,1-5"], "ends at layer 5"),
     ] {
         let out = shardc(&args);
         assert!(!out.status.success() && stderr(&out).contains(says), "{args:?}: {}", stderr(&out));

@@ -430,6 +430,9 @@ fn manual_blocks(ranges: &[(usize, usize)], layers: usize, stages: usize) -> Res
         if first != next || last < first {
             return Err(format!("--stages: stage {k} must start at layer {next} and not end before it starts, got {first}-{last}"));
         }
+        if last >= layers {
+            return Err(format!("--stages: stage {k} ends at layer {last}, but the model's layers are 0-{}", layers.saturating_sub(1)));
+        }
         for l in first..=last {
             stage_of[1 + 2 * l] = k;
             stage_of[2 + 2 * l] = k;
