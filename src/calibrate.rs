@@ -110,15 +110,12 @@ fn fastest_of_slowest(runs: Vec<Result<Vec<f64>, String>>, repeats: usize, what:
 fn time_copy(program: &shardc_runtime::Program, repeats: usize, barrier: &std::sync::Barrier) -> Result<Vec<f64>, String> {
     let fail = |e: shardc_runtime::RuntimeError| e.to_string();
     let mut exec = CpuExecutor::new(program.clone()).map_err(fail)?;
-    // Inputs like a step's: floats of order one (special functions take shortcuts near zero;
-    // positive, as second moments are), and integers of 1 (a token id, a step count).
     for arg in exec.program().args.clone() {
         let buffer = &exec.program().buffers[arg.buffer];
-        let len = buffer.len();
+        let values = shardc_runtime::init::step_like_values(buffer.len(), buffer.dtype);
         if buffer.dtype == shardc_runtime::DType::I32 {
-            exec.write::<i32>(&arg.name, &vec![1; len]).map_err(fail)?;
+            exec.write::<i32>(&arg.name, &values.iter().map(|&v| v as i32).collect::<Vec<_>>()).map_err(fail)?;
         } else {
-            let values: Vec<f64> = (0..len).map(|i| 0.1 + (shardc_runtime::init::splitmix64(i as u64) % 2000) as f64 * 1e-3).collect();
             exec.write_f64(&arg.name, &values).map_err(fail)?;
         }
     }
@@ -532,7 +529,7 @@ fn calibrate_cuda(args: &CalibrateArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn time_on_device(kernels: &mut [(String, shardc_runtime::Program, Sample)], repeats: usize) -> Result<()> {
     use shardc_runtime::cuda::Placement;
-    let placement = if std::env::var("SHARDC_GPU_EMULATE").is_ok_and(|v| v == "1") { Placement::Emulated } else { Placement::SingleDevice { device: 0 } };
+    let placement = Placement::first_gpu_or_emulated();
     for (name, program, sample) in kernels.iter_mut() {
         sample.seconds = shardc_runtime::cuda::time_program(program.clone(), &placement, repeats).map_err(|e| miette!("timing {name}: {e}"))?;
     }

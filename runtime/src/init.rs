@@ -6,6 +6,16 @@
 //! The scheme is GPT-2's: weights ~ N(0, 0.02), the residual projections (`attn.out`,
 //! `mlp.down`) scaled by 1/sqrt(2 layers), norm scales 1, biases 0.
 
+/// Step-like values for timing a kernel alone (calibration, on every backend): floats of
+/// order one (special functions take shortcuts near zero; positive, as second moments are),
+/// and integers of 1 (a token id, a step count).
+pub fn step_like_values(len: usize, dtype: crate::DType) -> Vec<f64> {
+    if dtype == crate::DType::I32 {
+        return vec![1.0; len];
+    }
+    (0..len).map(|i| 0.1 + (splitmix64(i as u64) % 2000) as f64 * 1e-3).collect()
+}
+
 /// SplitMix64: a bijective 64-bit mixer (Steele, Lea, Flood 2014).
 pub fn splitmix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -63,7 +63,7 @@ fn main() {
         [command, manifest] if command == "check" => load(manifest).and_then(|(m, dir)| check(&m, &dir)),
         [command, manifest] if command == "bench" => load(manifest).and_then(|(m, dir)| bench(&m, &dir)),
         [command, dir] if command == "calibrate" => calibrate(Path::new(dir)),
-        [command] if command == "available" => match placement() {
+        [command] if command == "available" => match Placement::first_gpu_or_emulated() {
             Placement::Emulated => Ok(true),
             _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
         },
@@ -77,11 +77,6 @@ fn main() {
             std::process::exit(1);
         }
     }
-}
-
-/// The GPU, or its CPU emulation when `SHARDC_GPU_EMULATE=1`.
-fn placement() -> Placement {
-    if std::env::var("SHARDC_GPU_EMULATE").is_ok_and(|v| v == "1") { Placement::Emulated } else { Placement::SingleDevice { device: 0 } }
 }
 
 fn load(path: &str) -> Result<(Manifest, PathBuf), String> {
@@ -153,14 +148,14 @@ fn check(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
         let (program, reference) = (train_step(&dir.join(&case.program))?, train_step(&dir.join(&case.reference))?);
         let corpus = corpus(manifest, dir, &program)?;
         let layers = layers(&program);
-        let gpu = cuda::train(&program, 0, layers, &corpus, case.steps, &placement()).map_err(|e| format!("{}: {e}", case.name))?;
+        let gpu = cuda::train(&program, 0, layers, &corpus, case.steps, &Placement::first_gpu_or_emulated()).map_err(|e| format!("{}: {e}", case.name))?;
         let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps)?;
         let loss_rel = cpu_losses.iter().zip(&gpu.losses).map(|(c, g)| (c - g).abs() / c.abs().max(1e-12)).fold(0.0, f64::max);
         let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.iter().all(|l| l.is_finite());
         let mut grad_text = "n/a".to_string();
         if let Some(tolerance) = case.gradient_tolerance {
             // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
-            let gpu_one = cuda::train(&program, 0, layers, &corpus, 1, &placement()).map_err(|e| format!("{}: {e}", case.name))?;
+            let gpu_one = cuda::train(&program, 0, layers, &corpus, 1, &Placement::first_gpu_or_emulated()).map_err(|e| format!("{}: {e}", case.name))?;
             let (_, cpu_one) = cpu_run(&reference, &corpus, 1)?;
             let mut worst = (0.0f64, String::new());
             for (name, shape, after_gpu) in &gpu_one.parameters {
@@ -202,7 +197,7 @@ fn bench(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
         let program = train_step(&dir.join(&w.program))?;
         let plan = program.device.clone().ok_or("the plan has no device code")?;
         let corpus = corpus(manifest, dir, &program)?;
-        let run = cuda::train(&program, 0, layers(&program), &corpus, w.steps.max(2), &placement()).map_err(|e| format!("{}: {e}", w.name))?;
+        let run = cuda::train(&program, 0, layers(&program), &corpus, w.steps.max(2), &Placement::first_gpu_or_emulated()).map_err(|e| format!("{}: {e}", w.name))?;
         // The first step compiles nothing but warms caches and cuBLAS heuristics.
         let timed = &run.step_seconds[1..];
         let mut sorted = timed.to_vec();
@@ -238,7 +233,7 @@ fn calibrate(dir: &Path) -> Result<bool, String> {
     let list = dir.join("kernels.json");
     let text = std::fs::read_to_string(&list).map_err(|e| format!("reading {}: {e} (write it with `shardc calibrate --backend cuda --emit DIR`)", list.display()))?;
     let kernels: Vec<Kernel> = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", list.display()))?;
-    let placement = placement();
+    let placement = Placement::first_gpu_or_emulated();
     let mut measured = serde_json::Map::new();
     for k in &kernels {
         let path = dir.join(&k.program);

@@ -92,6 +92,14 @@ pub enum Placement {
     Emulated,
 }
 
+impl Placement {
+    /// GPU 0, or its CPU emulation when `SHARDC_GPU_EMULATE=1` (trying the GPU path without
+    /// one).
+    pub fn first_gpu_or_emulated() -> Placement {
+        if std::env::var("SHARDC_GPU_EMULATE").is_ok_and(|v| v == "1") { Placement::Emulated } else { Placement::SingleDevice { device: 0 } }
+    }
+}
+
 /// Runs a program on a GPU, keeping its arguments between runs.
 pub struct CudaExecutor {
     program: Program,
@@ -628,7 +636,7 @@ pub fn time_program(program: Program, placement: &Placement, repeats: usize) -> 
     let mut exec = CudaExecutor::new(program, placement)?;
     for arg in exec.program().args.clone() {
         let buffer = &exec.program().buffers[arg.buffer];
-        let values: Vec<f64> = if buffer.dtype == DType::I32 { vec![1.0; buffer.len()] } else { (0..buffer.len()).map(|i| 0.1 + (crate::init::splitmix64(i as u64) % 2000) as f64 * 1e-3).collect() };
+        let values = crate::init::step_like_values(buffer.len(), buffer.dtype);
         exec.write(0, &arg.name, &values)?;
     }
     exec.run()?;
