@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use miette::{Result, miette};
 use shardc_ir::spec::{self, Spec};
-use shardc_passes::{CompileOptions, OptimizerKind, Recompute};
+use shardc_passes::{CompileOptions, OptimizerKind, Recompute, Schedule};
 
 use crate::report;
 
@@ -39,9 +39,27 @@ pub struct StepArgs {
     /// Optimizer: adamw or sgd.
     #[arg(long, default_value = "adamw")]
     pub optimizer: String,
-    /// Learning rate.
+    /// Peak learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
+    /// Iterations of linear learning-rate warmup from 0 to --lr (iteration t of the warmup
+    /// uses lr x t / warmup).
+    #[arg(long, default_value_t = 0)]
+    pub lr_warmup_steps: u64,
+    /// Learning-rate decay after the warmup: cosine, linear or constant.
+    #[arg(long, default_value = "cosine")]
+    pub lr_decay: String,
+    /// Iteration at which the decay reaches --min-lr. Default: `run`'s --steps (as
+    /// Megatron-LM's --lr-decay-iters defaults to --train-iters); other commands: no decay.
+    #[arg(long)]
+    pub lr_decay_steps: Option<u64>,
+    /// Learning rate at the end of the decay. Default: --lr / 10.
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Clip gradients to this global norm (over every parameter once, across tp, pp, dp and
+    /// ZeRO shards), as Megatron-LM's --clip-grad; 0 turns clipping off.
+    #[arg(long, default_value_t = 1.0)]
+    pub clip_grad: f64,
     /// ZeRO stage with data parallelism: 1-2 shard optimizer state over dp (gradients are
     /// reduce-scattered into the shards), 3 shards parameters too.
     #[arg(long, default_value_t = 0)]
@@ -113,10 +131,16 @@ impl StepArgs {
         if self.zero > 3 {
             return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.zero));
         }
+        let schedule = self.lr_schedule()?;
+        if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
+            return Err(miette!(help = "Megatron-LM's default is 1.0; 0 turns clipping off", "--clip-grad must be a finite number >= 0, got {}", self.clip_grad));
+        }
         let pipeline = self.pipeline_options(spec, mesh)?;
         Ok(CompileOptions {
             recompute,
             optimizer,
+            schedule,
+            clip_grad: self.clip_grad,
             mesh,
             vocab: spec.model.padded_vocab(mesh.tp) as i64,
             kv_heads: spec.model.kv_heads() as i64,
@@ -128,6 +152,38 @@ impl StepArgs {
             comm_opt: !self.no_comm_opt,
             cluster: self.cluster_model()?,
         })
+    }
+
+    /// The learning-rate schedule of --lr-warmup-steps, --lr-decay, --lr-decay-steps and
+    /// --min-lr (the peak is --lr).
+    pub fn lr_schedule(&self) -> Result<Schedule> {
+        // Iterations are i32 in the compiled step.
+        let limit = i32::MAX as u64;
+        if self.lr_warmup_steps > limit {
+            return Err(miette!(help = format!("use at most {limit}"), "--lr-warmup-steps {} is more iterations than a step counter holds", self.lr_warmup_steps));
+        }
+        let cosine = match self.lr_decay.as_str() {
+            "cosine" => true,
+            "linear" => false,
+            "constant" => return Ok(Schedule { warmup_steps: self.lr_warmup_steps as i64, ..Schedule::CONSTANT }),
+            other => return Err(miette!(help = "use cosine, linear or constant", "--lr-decay: unknown decay `{other}`")),
+        };
+        let min_lr = self.min_lr.unwrap_or(self.lr / 10.0);
+        if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= self.lr) {
+            return Err(miette!(help = format!("use a value between 0 and --lr ({})", self.lr), "--min-lr {min_lr} is outside 0..=--lr"));
+        }
+        let decay_steps = self.lr_decay_steps.unwrap_or(0);
+        if decay_steps > limit {
+            return Err(miette!(help = format!("use at most {limit}"), "--lr-decay-steps {decay_steps} is more iterations than a step counter holds"));
+        }
+        if decay_steps > 0 && decay_steps <= self.lr_warmup_steps {
+            return Err(miette!(
+                help = "make --lr-decay-steps larger than --lr-warmup-steps, or use --lr-decay constant",
+                "--lr-decay-steps {decay_steps} must exceed --lr-warmup-steps {}",
+                self.lr_warmup_steps
+            ));
+        }
+        Ok(Schedule { warmup_steps: self.lr_warmup_steps as i64, decay_steps: decay_steps as i64, min_lr, cosine })
     }
 
     /// The cluster model: `--cluster FILE` if given, else the `--gpu` preset.

@@ -14,7 +14,7 @@ use shardc_runtime::train::Trainer;
 use crate::options::StepArgs;
 
 /// Arguments of `shardc run`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct RunArgs {
     /// Model spec (.toml or .json), or a Hugging Face model folder (its weights are the
     /// starting point).
@@ -123,6 +123,13 @@ fn check_backend(backend: &str) -> Result<()> {
 
 pub fn run(args: &RunArgs) -> Result<()> {
     check_backend(&args.backend)?;
+    // The learning rate decays over the whole run unless told otherwise (as Megatron-LM's
+    // --lr-decay-iters defaults to --train-iters).
+    let mut args = args.clone();
+    if args.step.lr_decay_steps.is_none() && args.steps > args.step.lr_warmup_steps && args.steps <= i32::MAX as u64 {
+        args.step.lr_decay_steps = Some(args.steps);
+    }
+    let args = &args;
     shardc_runtime::cpu::check_numerics(args.check_numerics);
     let spec = args.step.load_spec(args.spec.as_deref())?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;

@@ -545,7 +545,9 @@ fn checkpoints_resume_under_another_mesh() {
     let _ = std::fs::remove_dir_all(&dir);
     let ckpt = dir.join("ckpt");
     let ckpt = ckpt.to_str().unwrap();
-    let base = ["run", "models/tiny.toml", "--log-every", "1", "--seed", "3"];
+    // The learning rate decays over 40 steps in every leg: the schedule is the run's, as
+    // Megatron-LM requires it to match on resume.
+    let base = ["run", "models/tiny.toml", "--log-every", "1", "--seed", "3", "--lr-decay-steps", "40"];
     let with = |extra: &[&str]| shardc(&[&base[..], extra].concat());
     let uninterrupted = losses_by_step(&with(&["--mesh", "dp=2,tp=2", "--micro-batch", "4", "--steps", "40"]));
     assert_eq!(uninterrupted.len(), 40);
@@ -938,7 +940,8 @@ fn rank_faults_end_the_run_with_the_cause_named() {
 /// with its layer; without it a diverging run is caught only at the loss.
 #[test]
 fn check_numerics_names_the_first_op_that_overflows() {
-    let base = ["run", "models/tiny.toml", "--lr", "1e4", "--optimizer", "sgd", "--steps", "20"];
+    // No clipping: it would tame the divergence this test needs.
+    let base = ["run", "models/tiny.toml", "--lr", "1e4", "--optimizer", "sgd", "--steps", "20", "--clip-grad", "0"];
     let out = shardc(&[&base[..], &["--check-numerics"]].concat());
     let err = stderr(&out).replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(!out.status.success());
@@ -1055,7 +1058,7 @@ fn padded_vocabularies_checkpoint_across_tensor_parallel_degrees() {
     let ckpt = ckpt.to_str().unwrap();
     let out = shardc(&["compile", spec, "--mesh", "tp=2"]);
     assert!(stdout(&out).contains("vocab 256 (padded to 400, a multiple of 100 x tp 2)"), "{}", stdout(&out));
-    let base = ["run", spec, "--log-every", "1"];
+    let base = ["run", spec, "--log-every", "1", "--lr-decay-steps", "20"];
     let with = |extra: &[&str]| shardc(&[&base[..], extra].concat());
     let uninterrupted = losses_by_step(&with(&["--steps", "20"]));
     let first = losses_by_step(&with(&["--mesh", "tp=2", "--steps", "10", "--checkpoint", ckpt]));
@@ -1118,7 +1121,7 @@ fn checkpoints_resume_under_another_padding_and_precision() {
     let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("dtype = \"f32\"", "dtype = \"f32\"\nvocab_multiple = 100");
     std::fs::write(&spec, text).unwrap();
     let padded = spec.to_str().unwrap();
-    let run = |spec: &str, extra: &[&str]| shardc(&[&["run", spec, "--log-every", "1"][..], extra].concat());
+    let run = |spec: &str, extra: &[&str]| shardc(&[&["run", spec, "--log-every", "1", "--lr-decay", "constant"][..], extra].concat());
     // Padding: 400 rows at tp=2 (multiple 100) resumed with 256 (the default 128).
     let ckpt = dir.join("padding");
     let uninterrupted = losses_by_step(&run("models/tiny.toml", &["--steps", "8"]));

@@ -299,23 +299,58 @@ irdl.dialect @xf {
   irdl.operation @adamw {
     %P = irdl.base "!builtin.tensor"
     %S = irdl.base "!builtin.tensor"
+    %G = irdl.base "!builtin.tensor"
     %lr = irdl.base "#builtin.float"
+    %min_lr = irdl.base "#builtin.float"
+    %warmup_steps = irdl.base "#builtin.integer"
+    %decay_steps = irdl.base "#builtin.integer"
+    %cosine = irdl.base "#builtin.integer"
     %beta1 = irdl.base "#builtin.float"
     %beta2 = irdl.base "#builtin.float"
     %epsilon = irdl.base "#builtin.float"
     %weight_decay = irdl.base "#builtin.float"
-    irdl.attributes {"lr" = %lr, "beta1" = %beta1, "beta2" = %beta2, "epsilon" = %epsilon, "weight_decay" = %weight_decay}
-    irdl.operands(param: %P, grad: %P, m: %P, v: %P, step: %S)
+    irdl.attributes {"lr" = %lr, "min_lr" = %min_lr, "warmup_steps" = %warmup_steps, "decay_steps" = %decay_steps, "cosine" = %cosine, "beta1" = %beta1, "beta2" = %beta2, "epsilon" = %epsilon, "weight_decay" = %weight_decay}
+    irdl.operands(param: %P, grad: %P, m: %P, v: %P, step: %S, grad_scale: %G)
     irdl.results(new_param: %P, new_m: %P, new_v: %P)
   }
   // xf.sgd: SGD update: param - lr (grad + weight_decay param)
   irdl.operation @sgd {
     %P = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    %G = irdl.base "!builtin.tensor"
     %lr = irdl.base "#builtin.float"
+    %min_lr = irdl.base "#builtin.float"
+    %warmup_steps = irdl.base "#builtin.integer"
+    %decay_steps = irdl.base "#builtin.integer"
+    %cosine = irdl.base "#builtin.integer"
     %weight_decay = irdl.base "#builtin.float"
-    irdl.attributes {"lr" = %lr, "weight_decay" = %weight_decay}
-    irdl.operands(param: %P, grad: %P)
+    irdl.attributes {"lr" = %lr, "min_lr" = %min_lr, "warmup_steps" = %warmup_steps, "decay_steps" = %decay_steps, "cosine" = %cosine, "weight_decay" = %weight_decay}
+    irdl.operands(param: %P, grad: %P, step: %S, grad_scale: %G)
     irdl.results(new_param: %P)
+  }
+  // xf.sum_squares: sum of squares of every element (a gradient's share of the global norm)
+  irdl.operation @sum_squares {
+    %T = irdl.base "!builtin.tensor"
+    %U = irdl.base "!builtin.tensor"
+    irdl.operands(x: %T)
+    irdl.results(y: %U)
+  }
+  // xf.clip_coef: gradient clipping coefficient min(1, max_norm / (sqrt(sum_squares) + 1e-6))
+  irdl.operation @clip_coef {
+    %T = irdl.base "!builtin.tensor"
+    %max_norm = irdl.base "#builtin.float"
+    irdl.attributes {"max_norm" = %max_norm}
+    irdl.operands(sum_squares: %T)
+    irdl.results(coef: %T)
+  }
+  // xf.constant: one value of float type `to` (tensor<1xT>)
+  irdl.operation @constant {
+    %T = irdl.base "!builtin.tensor"
+    %value = irdl.base "#builtin.float"
+    %to = irdl.base "#builtin.type"
+    irdl.attributes {"value" = %value, "to" = %to}
+    irdl.operands()
+    irdl.results(y: %T)
   }
   // xf.cast: x converted to the float element type `to` (mixed precision)
   irdl.operation @cast {

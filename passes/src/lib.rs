@@ -22,7 +22,7 @@ mod verify_pass;
 
 pub use autodiff::{Autodiff, Recompute, differentiate};
 pub use comm_opt::{optimize as optimize_communication, price as price_communication, CommOpt, CommOptReport};
-pub use optimizer::{Optimizer, OptimizerKind};
+pub use optimizer::{Optimizer, OptimizerKind, Schedule};
 pub use pipeline::{Changed, Pass, PassError, PassRecord, Pipeline, PipelineReport};
 pub use stages::{PP_AXIS, Phase, SplitStages, balance, op_time};
 pub use verify_pass::VerifyShapes;
@@ -34,6 +34,10 @@ pub struct CompileOptions {
     pub recompute: Recompute,
     /// Update rule of the training step.
     pub optimizer: OptimizerKind,
+    /// Learning-rate schedule (the peak is the optimizer's `lr`).
+    pub schedule: Schedule,
+    /// Largest global gradient norm; 0 turns clipping off.
+    pub clip_grad: f64,
     /// The device mesh; with more than one rank the sharding passes run.
     pub mesh: shardc_ir::mesh::Mesh,
     /// Vocabulary size and key/value heads of the model, for the sharding strategy.
@@ -75,6 +79,8 @@ impl Default for CompileOptions {
         CompileOptions {
             recompute: Recompute::None,
             optimizer: OptimizerKind::adamw(1e-3),
+            schedule: Schedule::CONSTANT,
+            clip_grad: 1.0,
             mesh: shardc_ir::mesh::Mesh::default(),
             vocab: 1,
             kv_heads: 1,
@@ -97,7 +103,7 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
     if tp > 1 && options.kv_heads % tp != 0 {
         pipeline = pipeline.then(sharding::ExpandKvHeads { tp });
     }
-    let pipeline = pipeline.then(Autodiff { recompute: options.recompute }).then(Optimizer { kind: options.optimizer });
+    let pipeline = pipeline.then(Autodiff { recompute: options.recompute }).then(Optimizer { kind: options.optimizer, schedule: options.schedule, clip_grad: options.clip_grad });
     if options.mesh.ranks() <= 1 && options.pipeline.is_none() {
         return pipeline;
     }
@@ -111,6 +117,7 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
             naive: options.naive_partition,
         })
         .then(sharding::PropagateSharding)
+        .then(sharding::GroupNormSums)
         .then(sharding::Partition);
     // With pipeline stages the optimizer stays out: merging equal values is common
     // subexpression elimination, which would share values across stage boundaries.

@@ -5,12 +5,24 @@
 //! with one update op per parameter (`xf.adamw` or `xf.sgd`, located `optimizer.<param>`),
 //! and `@gradients` removed (its ops are inlined). AdamW state is two moments per parameter,
 //! arguments named `opt.m.<param>` and `opt.v.<param>`; `step` (i32, from 1) drives bias
-//! correction. Weight decay applies to matrices only, not to norm scales and biases (as in
-//! GPT-2 and Llama training). The updates alias their state, so codegen updates in place.
+//! correction and the learning-rate schedule ([`LrSchedule`], attributes of every update).
+//! Weight decay applies to matrices only, not to norm scales and biases (as in GPT-2 and
+//! Llama training, Megatron-LM and Hugging Face). The updates alias their state, so codegen
+//! updates in place.
 //!
-//! Each update is placed right after the last op that reads its parameter or its gradient,
-//! not at the end: the gradient's buffer is then free while the backward pass goes on, so
-//! the step never holds every gradient at once (PyTorch's "optimizer in backward").
+//! **Clipping** by the global gradient norm (Megatron-LM's `--clip-grad`, default 1.0): each
+//! gradient's `xf.sum_squares` (located `optimizer.<param>.grad_norm`), summed in parameter
+//! order, gives `xf.clip_coef` (located `optimizer.grad_norm`), which every update reads as
+//! its `grad_scale`. The norm is of the gradients the updates read: after data-parallel
+//! reduction, in fp32 under mixed precision, and once per parameter; partitioning turns the
+//! sum over shards into all-reduces of scalars (see `sharding::GroupNormSums`), and under
+//! pipeline parallelism the sum travels from stage to stage.
+//!
+//! Without clipping each update is placed right after the last op that reads its parameter
+//! or its gradient, not at the end: the gradient's buffer is then free while the backward
+//! pass goes on, so the step never holds every gradient at once (PyTorch's "optimizer in
+//! backward"). Clipping needs every gradient before the first update, so the updates follow
+//! the norm, as in Megatron-LM.
 //!
 //! Mixed precision (bf16 parameters), as Megatron-LM trains: each bf16 parameter has an fp32
 //! master copy `opt.master.<param>` (role [`ArgRole::Master`]) and fp32 moments; the bf16
@@ -21,6 +33,7 @@
 use std::collections::HashMap;
 
 use shardc_ir::ops::cast::cast_attrs;
+use shardc_ir::ops::LrSchedule;
 use shardc_ir::{ArgRole, AttrValue, Attrs, DType, FuncBuilder, Module, TensorTy, Type, Value};
 
 use crate::{Changed, Pass, PassError};
@@ -57,11 +70,48 @@ impl OptimizerKind {
     }
 }
 
+impl OptimizerKind {
+    /// The peak learning rate.
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerKind::AdamW { lr, .. } | OptimizerKind::Sgd { lr, .. } => lr,
+        }
+    }
+}
+
+/// How the learning rate moves over the iterations, the peak being the optimizer's `lr`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Schedule {
+    /// Iterations of linear warmup (0: none).
+    pub warmup_steps: i64,
+    /// Iteration at which the decay reaches `min_lr` (0: constant after the warmup).
+    pub decay_steps: i64,
+    /// Learning rate at the end of the decay.
+    pub min_lr: f64,
+    /// Cosine decay (else linear).
+    pub cosine: bool,
+}
+
+impl Schedule {
+    /// No warmup and no decay.
+    pub const CONSTANT: Schedule = Schedule { warmup_steps: 0, decay_steps: 0, min_lr: 0.0, cosine: false };
+
+    /// The schedule of an optimizer whose peak learning rate is `lr`.
+    pub fn with_peak(&self, lr: f64) -> LrSchedule {
+        let min_lr = if self.decay_steps == 0 { lr } else { self.min_lr };
+        LrSchedule { lr, min_lr, warmup_steps: self.warmup_steps, decay_steps: self.decay_steps, cosine: self.cosine }
+    }
+}
+
 /// The `optimizer` pass.
 #[derive(Clone, Copy, Debug)]
 pub struct Optimizer {
     /// Update rule.
     pub kind: OptimizerKind,
+    /// Learning-rate schedule.
+    pub schedule: Schedule,
+    /// Largest global gradient norm (clipping); 0: no clipping.
+    pub clip_grad: f64,
 }
 
 impl Pass for Optimizer {
@@ -72,6 +122,11 @@ impl Pass for Optimizer {
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
         let user = |message: String| PassError::User { pass: self.name().into(), message };
         let gradients = module.func("gradients").ok_or_else(|| user("the module has no @gradients; run autodiff first".into()))?;
+        let schedule = self.schedule.with_peak(self.kind.lr());
+        schedule.check().map_err(|e| user(format!("learning-rate schedule: {e}")))?;
+        if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
+            return Err(user(format!("clip_grad must be a finite number >= 0 (0: no clipping), got {}", self.clip_grad)));
+        }
         let mut fb = FuncBuilder::new("train_step");
         let mut map: HashMap<Value, Value> = HashMap::new();
         for arg in &gradients.args {
@@ -118,48 +173,84 @@ impl Pass for Optimizer {
             map.extend(op.results.iter().copied().zip(results));
         }
         let loss = map[&gradients.returns[0]];
+        let build = |fb: &mut FuncBuilder, name: &str, operands: &[Value], attrs: Attrs, loc: &str| {
+            fb.op_multi(name, operands, attrs, loc).map_err(|e| PassError::Internal { pass: "optimizer".into(), source: e.into() })
+        };
+        // The gradient each update reads: fp32 under mixed precision (the update runs on the
+        // fp32 master), so data-parallel reduction and the norm run in fp32 too.
+        let update_grad = |fb: &mut FuncBuilder, i: usize| -> Result<Value, PassError> {
+            let grad = map[&gradients.returns[i + 1]];
+            Ok(match masters[i] {
+                Some(_) => build(fb, "xf.cast", &[grad], cast_attrs(DType::F32), &format!("optimizer.{}", params[i].name))?[0],
+                None => grad,
+            })
+        };
+        // With clipping: every gradient, the sum of their squares and the coefficient come
+        // before the first update, which all read the coefficient as their gradient scale.
+        let mut clipped: Vec<(Value, Value)> = Vec::new();
+        if self.clip_grad > 0.0 {
+            let mut total: Option<Value> = None;
+            for (i, param) in params.iter().enumerate() {
+                let grad = update_grad(&mut fb, i)?;
+                let loc = format!("optimizer.{}.grad_norm", param.name);
+                let squares = build(&mut fb, "xf.sum_squares", &[grad], Attrs::new(), &loc)?[0];
+                total = Some(match total {
+                    Some(sum) => build(&mut fb, "xf.add", &[sum, squares], Attrs::new(), &loc)?[0],
+                    None => squares,
+                });
+                clipped.push((grad, squares));
+            }
+            if let Some(total) = total {
+                let coef = build(&mut fb, "xf.clip_coef", &[total], Attrs::new().with("max_norm", AttrValue::Float(self.clip_grad)), "optimizer.grad_norm")?[0];
+                for entry in &mut clipped {
+                    entry.1 = coef;
+                }
+            }
+        }
         let mut new_params = Vec::new();
         let mut new_masters = Vec::new();
         let mut new_state: Vec<Vec<Value>> = vec![Vec::new(); state_names.len()];
         for (i, param) in params.iter().enumerate() {
-            let grad = map[&gradients.returns[i + 1]];
+            // Without clipping the scale is 1, made in the update's unit (the cast, scale,
+            // update and cast back stay together when updates are placed early).
+            let (grad, scale) = match clipped.get(i) {
+                Some(&(grad, coef)) => (grad, coef),
+                None => {
+                    let grad = update_grad(&mut fb, i)?;
+                    let dtype = if mixed[i] { DType::F32 } else { gradients.tensor(param.value).map_or(DType::F32, |t| t.dtype) };
+                    let attrs = Attrs::new().with("value", AttrValue::Float(1.0)).with("to", AttrValue::Raw(dtype.mlir().to_string()));
+                    (grad, build(&mut fb, "xf.constant", &[], attrs, &format!("optimizer.{}", param.name))?[0])
+                }
+            };
             let is_matrix = gradients.tensor(param.value).is_some_and(|t| t.rank() >= 2);
             let loc = format!("optimizer.{}", param.name);
-            let build = |fb: &mut FuncBuilder, name: &str, operands: &[Value], attrs: Attrs| {
-                fb.op_multi(name, operands, attrs, &loc).map_err(|e| PassError::Internal { pass: "optimizer".into(), source: e.into() })
-            };
-            // Mixed precision: the update runs on the fp32 master with the fp32 gradient.
-            let (p, grad) = match masters[i] {
-                Some(master) => (master, build(&mut fb, "xf.cast", &[grad], cast_attrs(DType::F32))?[0]),
-                None => (map[&param.value], grad),
-            };
+            let p = masters[i].unwrap_or(map[&param.value]);
             let mut updated = |fb: &mut FuncBuilder, value: Value| -> Result<(), PassError> {
                 if masters[i].is_some() {
                     new_masters.push(value);
-                    new_params.push(build(fb, "xf.cast", &[value], cast_attrs(DType::Bf16))?[0]);
+                    new_params.push(build(fb, "xf.cast", &[value], cast_attrs(DType::Bf16), &loc)?[0]);
                 } else {
                     new_params.push(value);
                 }
                 Ok(())
             };
+            let weight_decay = |wd: f64| AttrValue::Float(if is_matrix { wd } else { 0.0 });
             match self.kind {
-                OptimizerKind::AdamW { lr, beta1, beta2, epsilon, weight_decay } => {
-                    let attrs = Attrs::new()
-                        .with("lr", AttrValue::Float(lr))
+                OptimizerKind::AdamW { beta1, beta2, epsilon, weight_decay: wd, .. } => {
+                    let attrs = schedule
+                        .add_to(Attrs::new())
                         .with("beta1", AttrValue::Float(beta1))
                         .with("beta2", AttrValue::Float(beta2))
                         .with("epsilon", AttrValue::Float(epsilon))
-                        .with("weight_decay", AttrValue::Float(if is_matrix { weight_decay } else { 0.0 }));
-                    let r = build(&mut fb, "xf.adamw", &[p, grad, state[0][i], state[1][i], step], attrs)?;
+                        .with("weight_decay", weight_decay(wd));
+                    let r = build(&mut fb, "xf.adamw", &[p, grad, state[0][i], state[1][i], step, scale], attrs, &loc)?;
                     updated(&mut fb, r[0])?;
                     new_state[0].push(r[1]);
                     new_state[1].push(r[2]);
                 }
-                OptimizerKind::Sgd { lr, weight_decay } => {
-                    let attrs = Attrs::new()
-                        .with("lr", AttrValue::Float(lr))
-                        .with("weight_decay", AttrValue::Float(if is_matrix { weight_decay } else { 0.0 }));
-                    let r = build(&mut fb, "xf.sgd", &[p, grad], attrs)?;
+                OptimizerKind::Sgd { weight_decay: wd, .. } => {
+                    let attrs = schedule.add_to(Attrs::new()).with("weight_decay", weight_decay(wd));
+                    let r = build(&mut fb, "xf.sgd", &[p, grad, step, scale], attrs, &loc)?;
                     updated(&mut fb, r[0])?;
                 }
             }
@@ -175,7 +266,9 @@ impl Pass for Optimizer {
         returns.extend(&new_masters);
         names.extend(params.iter().zip(&mixed).filter(|(_, m)| **m).map(|(p, _)| format!("opt.master.{}", p.name)));
         let mut train_step = fb.finish(&returns, &names);
-        place_updates_early(&mut train_step);
+        if self.clip_grad == 0.0 {
+            place_updates_early(&mut train_step);
+        }
         module.funcs.retain(|f| f.name != "gradients" && f.name != "train_step");
         module.funcs.push(train_step);
         Ok(Changed::Yes)

@@ -16,8 +16,9 @@
 //!
 //! **Phases.** Each op of a stage gets an `xf.phase`: `forward` (everything the loss needs),
 //! `backward`, `weight` (with `split_weight_grads`: backward ops no other stage waits for,
-//! the weight gradients that zero-bubble schedules defer) and `step` (updates, and the
-//! gradient collectives that only feed them: summation commutes with them, so they run once
+//! the weight gradients that zero-bubble schedules defer) and `step` (updates and everything
+//! else the optimizer pass made, such as the global gradient norm, and the gradient
+//! collectives that only feed them: summation commutes with them, so they run once
 //! on the gradients accumulated over the micro-batches). Ops are ordered phase by phase, so
 //! each phase is one contiguous section of the stage. The runtime runs the forward, backward
 //! and weight sections once per micro-batch, keeps what a later section of the same
@@ -245,7 +246,12 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     }
     for (i, op) in func.ops.iter().enumerate() {
         let after_update = op.operands.iter().any(|v| producer.get(v).is_some_and(|&p| phase[p] == Phase::Step));
-        if op.name == "xf.adamw" || op.name == "xf.sgd" || after_update {
+        // What the optimizer pass made (updates, the global norm and its pieces) runs once
+        // per step on the accumulated gradients: a norm of each micro-batch's gradients
+        // summed would not be the norm of their sum. Not the fp32 cast of a bf16 gradient:
+        // it runs per micro-batch, so the accumulation is in fp32.
+        let of_optimizer = op.loc.starts_with("optimizer.") && op.name != "xf.cast";
+        if op.name == "xf.adamw" || op.name == "xf.sgd" || of_optimizer || after_update {
             if phase[i] == Phase::Forward {
                 return Err(format!("{}: the loss depends on an optimizer update", op.loc));
             }
@@ -305,6 +311,15 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
         None => balance(&costs, n_stages),
     };
     let stage: Vec<usize> = block.iter().map(|&b| stage_of_block[b]).collect();
+    // A rank runs its chunks' step sections one after another, and the clipping coefficient
+    // needs every chunk's share of the norm before any chunk's update: with several chunks
+    // per rank that would wait on itself.
+    if options.chunks > 1 && let Some(op) = func.ops.iter().find(|op| op.name == "xf.clip_coef") {
+        return Err(format!(
+            "{}: gradient clipping with {} model chunks per pipeline rank (an interleaved schedule) is not supported yet: the norm needs every chunk's gradients before any chunk's update; use --clip-grad 0 or a schedule with one chunk per rank (1f1b, gpipe, zb-h1)",
+            op.loc, options.chunks
+        ));
+    }
     let plan = Plan { phase, stage };
 
     // Owner stage of every argument: parameters and their state live where they are updated

@@ -31,8 +31,8 @@ pub use heads::{MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads};
 pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyGradShard, CrossEntropyStats, RowMax};
 pub use matmul::{MatMul, MatMulWeightGrad};
 pub use norm::{LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad};
-pub use optim::{AdamW, Sgd};
-pub use reduce::{FillLike, SumLeading, Wait};
+pub use optim::{AdamW, ClipCoef, LrSchedule, Sgd, SumSquares};
+pub use reduce::{Constant, FillLike, SumLeading, Wait};
 pub use rope::{Rope, RopeGrad};
 
 use crate::graph::{FuncBuilder, Value};
@@ -83,6 +83,9 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     // Optimizers, and the casts of mixed precision around them.
     &AdamW,
     &Sgd,
+    &SumSquares,
+    &ClipCoef,
+    &Constant,
     &Cast,
 ];
 

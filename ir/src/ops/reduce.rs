@@ -103,6 +103,37 @@ impl OpDef for FillLike {
     }
 }
 
+/// One value (`tensor<1xT>`) of the float type `to`: the gradient scale of an update when
+/// nothing clips it.
+#[derive(Debug)]
+pub struct Constant;
+
+impl OpDef for Constant {
+    fn mnemonic(&self) -> &'static str {
+        "constant"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Elementwise { body: "{out0} = {value};" })
+    }
+    fn summary(&self) -> &'static str {
+        "one value of float type `to` (tensor<1xT>)"
+    }
+    fn signature(&self) -> Signature {
+        Signature { operands: &[], results: &[Slot { name: "y", constraint: "T" }], attrs: &[("value", AttrKind::Float), ("to", AttrKind::Type)] }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 0)?;
+        attrs.float("value")?;
+        Ok(vec![TensorTy::new(vec![1], super::cast::cast_target(attrs)?)])
+    }
+    fn cost(&self, _inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> super::Cost {
+        super::Cost { flops: 0.0, bytes: outputs.iter().map(|t| t.bytes() as f64).sum(), special: 0.0 }
+    }
+    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
+        ShardingRule { operands: vec![], results: vec![vec![0]], factors: vec![crate::sharding::FactorKind::Blocked], linearity: Linearity::IgnoresValues }
+    }
+}
+
 /// `y = x` once an asynchronous collective producing `x` has completed: the explicit wait of
 /// a bucketed gradient all-reduce. It updates in place; a backend that overlaps
 /// communication blocks here.

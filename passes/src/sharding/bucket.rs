@@ -77,19 +77,22 @@ impl Pass for BucketGradients {
             waits.push(Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs, loc: format!("{loc}.wait") });
             waited.insert(value, wait);
         }
-        // Waits, then the updates that read them and whatever reads those (a ZeRO gather of
-        // the updated shard), at the end of the step, in their order.
+        // Waits, then what reads the synced gradients (the updates, the global norm's sums
+        // of squares) and whatever reads those (a ZeRO gather of the updated shard), at the
+        // end of the step, in their order: nothing reads a gradient before its wait.
         let mut moved_values: std::collections::HashSet<Value> = std::collections::HashSet::new();
         let (mut updates, rest): (Vec<Op>, Vec<Op>) = func.ops.drain(..).partition(|op| {
-            let moved = (is_update(op) && waited.contains_key(&op.operands[1])) || op.operands.iter().any(|v| moved_values.contains(v));
+            let moved = op.operands.iter().any(|v| waited.contains_key(v) || moved_values.contains(v));
             if moved {
                 moved_values.extend(op.results.iter().copied());
             }
             moved
         });
-        for update in updates.iter_mut().filter(|op| is_update(op)) {
-            if let Some(w) = waited.get(&update.operands[1]) {
-                update.operands[1] = *w;
+        for op in &mut updates {
+            for operand in &mut op.operands {
+                if let Some(w) = waited.get(operand) {
+                    *operand = *w;
+                }
             }
         }
         func.ops = rest;

@@ -9,6 +9,7 @@
 mod bucket;
 mod expand_kv;
 mod megatron;
+mod norm;
 mod partition;
 mod propagate;
 
@@ -19,6 +20,7 @@ use shardc_ir::{Func, Op, TensorTy};
 pub use bucket::BucketGradients;
 pub use expand_kv::ExpandKvHeads;
 pub use megatron::ShardMegatron;
+pub use norm::GroupNormSums;
 pub use partition::Partition;
 pub use propagate::PropagateSharding;
 

@@ -232,6 +232,16 @@ fn propagate_sharding_on_tiny_gpt_tp2() {
     insta::assert_snapshot!(sharded_ir("propagate-sharding"));
 }
 
+/// The global norm's sum of squares, added layout by layout: the column-parallel gradients'
+/// partial sums (over tp) together, the replicated ones together, then the two groups.
+#[test]
+fn group_norm_sums_on_tiny_gpt_tp2() {
+    let ir = sharded_ir("group-norm-sums");
+    let sums: Vec<&str> = ir.lines().filter(|l| l.contains("xf.add") && l.contains("grad_norm")).collect();
+    assert!(!sums.is_empty(), "{ir}");
+    insta::assert_snapshot!(ir);
+}
+
 #[test]
 fn partition_on_tiny_gpt_tp2() {
     let ir = sharded_ir("partition");

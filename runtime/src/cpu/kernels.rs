@@ -33,6 +33,7 @@ const SUPPORTED: &[&str] = &[
     "xf.layernorm_grad", "xf.rmsnorm", "xf.rmsnorm_grad", "xf.rope", "xf.rope_grad", "xf.split_heads", "xf.merge_heads",
     "xf.slice", "xf.pad", "xf.repeat_heads", "xf.sum_heads", "xf.attention", "xf.attention_grad", "xf.cross_entropy", "xf.cross_entropy_grad", "xf.adamw",
     "xf.sgd", "xf.row_max", "xf.wait", "xf.cross_entropy_stats", "xf.cross_entropy_finish", "xf.cross_entropy_grad_shard", "xf.cast",
+    "xf.sum_squares", "xf.clip_coef", "xf.constant",
 ];
 
 /// Whether `op` has a CPU kernel.
@@ -80,7 +81,7 @@ fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &
             let factor = T::of(instr.float("factor")?);
             unary::<T>(ins, outs, |x| x * factor)
         }
-        "xf.fill_like" => {
+        "xf.fill_like" | "xf.constant" => {
             outs[0].get::<T>()?.fill(T::of(instr.float("value")?));
             Ok(())
         }
@@ -115,6 +116,20 @@ fn run_typed<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &
         "xf.cross_entropy_grad_shard" => cross_entropy_grad_shard::<T>(instr, ins, outs, cx),
         "xf.adamw" => adamw::<T>(instr, ins, outs),
         "xf.sgd" => sgd::<T>(instr, ins, outs),
+        "xf.sum_squares" => {
+            // Fixed chunks in parallel, then the chunk sums in order: the same sum every run.
+            let x = ins[0].get::<T>()?;
+            let partials: Vec<T> = x.par_chunks(4096).map(|c| c.iter().map(|&v| v * v).sum()).collect();
+            outs[0].get::<T>()?[0] = partials.into_iter().sum();
+            Ok(())
+        }
+        "xf.clip_coef" => {
+            let max_norm = instr.float("max_norm")?;
+            let total = ins[0].get::<T>()?[0];
+            let coef = T::of(max_norm) / (total.sqrt() + T::of(1e-6));
+            outs[0].get::<T>()?[0] = if coef < T::one() { coef } else { T::one() };
+            Ok(())
+        }
         other => Err(format!("no CPU kernel for `{other}`")),
     }
 }
@@ -627,14 +642,44 @@ fn seed_in_place<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], pairs: &[(usize,
     Ok(())
 }
 
-fn adamw<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
-    let lr = instr.float("lr")?;
-    let (b1, b2) = (instr.float("beta1")?, instr.float("beta2")?);
-    let (eps, wd) = (instr.float("epsilon")?, instr.float("weight_decay")?);
-    let step = ins[4].get::<i32>()?[0];
+/// The learning rate of an update instruction at its `step` operand, by the schedule in its
+/// attributes (shardc_ir's `LrSchedule`).
+fn scheduled_lr(instr: &Instr, step: &In<'_>) -> Result<(i32, f64), String> {
+    let (lr, min_lr) = (instr.float("lr")?, instr.float("min_lr")?);
+    let (warmup, decay, cosine) = (instr.int("warmup_steps")?, instr.int("decay_steps")?, instr.int("cosine")? != 0);
+    if decay > 0 && decay <= warmup {
+        return Err(format!("decay_steps ({decay}) must exceed warmup_steps ({warmup})"));
+    }
+    let step = step.get::<i32>()?[0];
     if step < 1 {
         return Err(format!("step must be at least 1, got {step}"));
     }
+    Ok((step, learning_rate(lr, min_lr, warmup, decay, cosine, step as i64)))
+}
+
+/// The learning rate of iteration `t` (from 1): linear warmup to `lr` over `warmup` steps,
+/// then decay to `min_lr` at `decay` (cosine or linear; none when `decay` is 0), `min_lr` after.
+pub fn learning_rate(lr: f64, min_lr: f64, warmup: i64, decay: i64, cosine: bool, t: i64) -> f64 {
+    let (tf, w, d) = (t as f64, warmup as f64, decay as f64);
+    if warmup > 0 && t <= warmup {
+        return lr * tf / w;
+    }
+    if decay == 0 {
+        return lr;
+    }
+    if t >= decay {
+        return min_lr;
+    }
+    let r = (tf - w) / (d - w);
+    let coeff = if cosine { 0.5 * (1.0 + (std::f64::consts::PI * r).cos()) } else { 1.0 - r };
+    min_lr + (lr - min_lr) * coeff
+}
+
+fn adamw<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+    let (b1, b2) = (instr.float("beta1")?, instr.float("beta2")?);
+    let (eps, wd) = (instr.float("epsilon")?, instr.float("weight_decay")?);
+    let (step, lr) = scheduled_lr(instr, &ins[4])?;
+    let scale = ins[5].get::<T>()?[0];
     seed_in_place::<T>(ins, outs, &[(0, 0), (1, 2), (2, 3)])?;
     let grad = ins[1].get::<T>()?;
     let (bc1, bc2) = (1.0 - b1.powi(step), 1.0 - b2.powi(step));
@@ -645,8 +690,9 @@ fn adamw<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result
     p.par_chunks_mut(4096).zip(m.par_chunks_mut(4096).zip(v.par_chunks_mut(4096))).zip(grad.par_chunks(4096)).for_each(
         |((p, (m, v)), g)| {
             for i in 0..p.len() {
-                m[i] = b1 * m[i] + (T::one() - b1) * g[i];
-                v[i] = b2 * v[i] + (T::one() - b2) * g[i] * g[i];
+                let g = scale * g[i];
+                m[i] = b1 * m[i] + (T::one() - b1) * g;
+                v[i] = b2 * v[i] + (T::one() - b2) * g * g;
                 let update = (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps);
                 p[i] = p[i] - lr * (update + wd * p[i]);
             }
@@ -656,13 +702,15 @@ fn adamw<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result
 }
 
 fn sgd<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
-    let (lr, wd) = (T::of(instr.float("lr")?), T::of(instr.float("weight_decay")?));
+    let (_, lr) = scheduled_lr(instr, &ins[2])?;
+    let (lr, wd) = (T::of(lr), T::of(instr.float("weight_decay")?));
+    let scale = ins[3].get::<T>()?[0];
     seed_in_place::<T>(ins, outs, &[(0, 0)])?;
     let grad = ins[1].get::<T>()?;
     let p = outs[0].get::<T>()?;
     p.par_chunks_mut(4096).zip(grad.par_chunks(4096)).for_each(|(p, g)| {
         for i in 0..p.len() {
-            p[i] = p[i] - lr * (g[i] + wd * p[i]);
+            p[i] = p[i] - lr * (scale * g[i] + wd * p[i]);
         }
     });
     Ok(())

@@ -7,6 +7,7 @@
 
 mod gemm;
 mod kernels;
+pub use kernels::learning_rate;
 
 use crate::collectives::{Algorithm, AsyncComm, Communicator, MeshShape, ReduceOp};
 use crate::program::{Buffer, BufferId, Instr, Program, Role};
