@@ -38,8 +38,7 @@ pub struct DataArgs {
     /// --data-format). Default: the built-in text, data/kjv-genesis-exodus.txt.
     #[arg(long, value_name = "FILE")]
     pub data: Option<PathBuf>,
-    /// How to read --data. auto: megatron when PREFIX.idx is beside it, u16 for a .bin
-    /// (nanoGPT), text otherwise.
+    /// How to read --data (auto: by the file's name and the files beside it).
     #[arg(long, value_enum, default_value_t = DataFormat::Auto, value_name = "FORMAT")]
     pub data_format: DataFormat,
     /// A Hugging Face tokenizer.json for text data. Default: the --hf folder's tokenizer.json
@@ -92,7 +91,11 @@ pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> R
         None => text_tokens(BUILT_IN_CORPUS.to_vec(), "the built-in corpus (data/kjv-genesis-exodus.txt)".into(), args, hf_dir)?,
         Some(path) => {
             let name = path.display().to_string();
-            match resolve(args.data_format, path) {
+            let format = resolve(args.data_format, path);
+            if args.tokenizer.is_some() && format != DataFormat::Text {
+                return Err(miette!(help = "give --data-format text for text to tokenize, or leave out --tokenizer", "--tokenizer: --data {name} is read as {} token ids, not text", format!("{format:?}").to_lowercase()));
+            }
+            match format {
                 DataFormat::U16 => (shardc_runtime::data::read_flat(path, Width::U16).map_err(fail)?, Source { name, format: "uint16".into(), bytes_per_token: Some(2) }),
                 DataFormat::U32 => (shardc_runtime::data::read_flat(path, Width::U32).map_err(fail)?, Source { name, format: "uint32".into(), bytes_per_token: Some(4) }),
                 DataFormat::Megatron => {

@@ -873,6 +873,11 @@ fn text_is_tokenized_by_a_tokenizer_json() {
     let out = shardc(&["run", "--hf", hf.to_str().unwrap(), "--seq", "8", "--micro-batch", "2", "--steps", "2", "--data", text.to_str().unwrap(), "--eval-every", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("tokenized by tokenizer.json") && stdout(&out).contains("step 2 validation loss"), "{}", stdout(&out));
+    // A tokenizer for token ids is a mistake.
+    let ids = dir.join("ids.bin");
+    std::fs::write(&ids, vec![1u8; 400]).unwrap();
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--data", ids.to_str().unwrap(), "--tokenizer", file.to_str().unwrap()]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("read as u16 token ids, not text"), "{}", stderr(&out));
     // A broken tokenizer is named.
     std::fs::write(&file, "{}").unwrap();
     let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--data", text.to_str().unwrap(), "--tokenizer", file.to_str().unwrap()]);
