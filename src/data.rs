@@ -222,7 +222,7 @@ impl Evaluation {
 
     /// Whether the run evaluates after `step` (of a run ending at `last`).
     pub fn due(&self, step: u64, last: u64) -> bool {
-        step % self.every == 0 || step == last
+        step.is_multiple_of(self.every) || step == last
     }
 
     /// Evaluates `state` and prints `step N validation loss X`.

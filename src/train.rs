@@ -524,7 +524,7 @@ impl Checkpoints {
     /// Whether the run checkpoints after iteration `step` of a run ending at `last`: every
     /// `every` iterations counted from the start of training, and at the end.
     fn due(&self, step: u64, last: u64) -> bool {
-        self.period().is_some_and(|every| step % every == 0 || step == last)
+        self.period().is_some_and(|every| step.is_multiple_of(every) || step == last)
     }
 
     fn save(&mut self, state: &shardc_runtime::train::TrainState, programs: &[Program], seed: u64, data: shardc_runtime::data::DataRecord) -> Result<()> {

@@ -152,7 +152,7 @@ fn whole_tokens(path: &Path, len: u64, size: usize, what: &str, fix: &str) -> Re
     if len == 0 {
         return Err(data_error(format!("{}: the file is empty; {fix}", path.display())));
     }
-    if len % size as u64 != 0 {
+    if !len.is_multiple_of(size as u64) {
         return Err(data_error(format!(
             "{}: {len} bytes is not a whole number of {what} tokens ({size} bytes each): the file is truncated, or holds another format; {fix}",
             path.display()
