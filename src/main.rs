@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod calibrate;
+mod data;
 mod fit;
 mod hf;
 mod inspect;

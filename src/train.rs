@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use miette::{IntoDiagnostic, Result, WrapErr, miette};
 use shardc_ir::spec::Spec;
 use shardc_runtime::Program;
-use shardc_runtime::data::ByteCorpus;
+use shardc_runtime::data::Corpus;
 use shardc_runtime::train::Trainer;
 
 use crate::options::StepArgs;
@@ -28,9 +28,6 @@ pub struct RunArgs {
     /// checkpoint's).
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Training text, read as bytes (one token per byte).
-    #[arg(long, value_name = "FILE")]
-    pub data: Option<PathBuf>,
     /// Save the trained parameters as safetensors.
     #[arg(long, value_name = "FILE")]
     pub save: Option<PathBuf>,
@@ -79,6 +76,8 @@ pub struct RunArgs {
     pub save_hf: Option<PathBuf>,
     #[command(flatten)]
     pub step: StepArgs,
+    #[command(flatten)]
+    pub input: crate::data::DataArgs,
 }
 
 /// Compiles the spec's training step to a single-device rank program.
@@ -168,26 +167,29 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     let program = compile_train_step(&spec, &args.step)?;
     let peak = program.cpu_storage_bytes();
+    let mut corpus = training_corpus(args, &spec)?;
     let mut checkpoints = Checkpoints::new(args, &spec)?;
-    let (resumed, seed) = checkpoints.resume(args, std::slice::from_ref(&program))?;
+    let (resumed, seed) = checkpoints.resume(args, std::slice::from_ref(&program), &mut corpus)?;
     let mut trainer = Trainer::new(program.clone(), seed, spec.model.layers as usize).into_diagnostic()?;
     if let Some(state) = &resumed {
         trainer.restore(state).into_diagnostic()?;
     }
     let first_step = resumed.as_ref().map_or(0, |s| s.step);
     let to_run = steps_to_run(args, first_step)?;
-    let (data_path, corpus) = training_corpus(args, &spec)?;
+    let rows = args.step.batch(&spec, mesh)?.global_batch as usize;
+    let mut evaluation = crate::data::Evaluation::new(&args.input, &spec, &corpus)?;
 
     println!(
-        "shardc: training {} on {} ({} bytes), {} steps of {} tokens, seed {}, CPU storage {}",
+        "shardc: training {} on {} ({} tokens), {} steps of {} tokens, seed {}, CPU storage {}",
         spec.name,
-        data_path,
+        corpus.identity().source,
         corpus.len(),
         args.steps,
         trainer.tokens_per_step(),
         args.seed.unwrap_or(0),
         crate::summary::bytes(peak as u64)
     );
+    print_data(&corpus, evaluation.as_ref());
     let bar = ProgressBar::new(to_run);
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").into_diagnostic()?);
     let start = Instant::now();
@@ -200,9 +202,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         losses.push(loss);
         // Every `every` iterations counted from the start of training, and at the end.
-        if checkpoints.dir.is_some() && ((first_step + step) % checkpoints.every == 0 || step == to_run) {
+        let (at, end) = (first_step + step, first_step + to_run);
+        if checkpoints.due(at, end) {
             let state = trainer.state().into_diagnostic()?;
-            bar.suspend(|| checkpoints.save(&state, std::slice::from_ref(&program), seed))?;
+            bar.suspend(|| checkpoints.save(&state, std::slice::from_ref(&program), seed, corpus.record(at, rows)))?;
+        }
+        if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {
+            let state = trainer.state().into_diagnostic()?;
+            bar.suspend(|| evaluation.report(at, &state, &corpus))?;
         }
         let tokens_per_s = (step as usize * trainer.tokens_per_step()) as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {loss:.4}  {tokens_per_s:.0} tokens/s"));
@@ -393,10 +400,10 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
 }
 
 /// A corpus of the model's own vocabulary: benchmarks time steps, not learning.
-fn synthetic_corpus(spec: &Spec) -> Result<ByteCorpus> {
+fn synthetic_corpus(spec: &Spec) -> Result<Corpus> {
     let vocab = spec.model.vocab.min(256) as usize;
     let bytes: Vec<u8> = (0..(spec.seq_len() as usize + 2) * 64).map(|i| (shardc_runtime::init::splitmix64(i as u64) % vocab as u64) as u8).collect();
-    ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()
+    Corpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic()
 }
 
 /// Runs bench/torch_step.py; returns (median step seconds, peak RSS bytes).
@@ -466,8 +473,9 @@ impl Checkpoints {
         Ok(Checkpoints { dir: args.checkpoint.clone(), every: args.checkpoint_every.unwrap_or(args.steps.max(1)), spec: serde_json::to_value(&spec.model).into_diagnostic()?, fault, saved: 0, _lock: lock })
     }
 
-    /// The run's starting state from `--resume`, checked against this spec; and its seed.
-    fn resume(&self, args: &RunArgs, programs: &[Program]) -> Result<(Option<shardc_runtime::train::TrainState>, u64)> {
+    /// The run's starting state from `--resume`, checked against this spec and `corpus`
+    /// (which continues from the checkpoint's place in the data order); and its seed.
+    fn resume(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<(Option<shardc_runtime::train::TrainState>, u64)> {
         let Some(dir) = &args.resume else {
             // `--load FILE` starts from its parameters (global tensors by name).
             if let Some(path) = &args.load {
@@ -510,28 +518,23 @@ impl Checkpoints {
         if args.step.optimizer == "sgd" && manifest.tensors.iter().any(|t| t.name.starts_with("opt.") && !t.name.starts_with("opt.master.")) {
             return Err(miette!(help = "resume with the checkpoint's optimizer (--optimizer adamw)", "--optimizer sgd: {} holds AdamW's moments, which SGD would drop", dir.display()));
         }
+        crate::data::resume_data(dir, manifest.data.as_ref(), corpus, manifest.step)?;
         println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
         Ok((Some(state), manifest.seed))
     }
 
-    /// The runs between checkpoints when `steps` iterations follow iteration `first`: a
-    /// checkpoint every `every` iterations counted from the start of training, and one at the
-    /// end.
-    fn segments(&self, first: u64, steps: u64) -> Vec<u64> {
-        if self.dir.is_none() {
-            return vec![steps];
-        }
-        let every = self.every.max(1);
-        let (mut out, mut at, end) = (Vec::new(), first, first.saturating_add(steps));
-        while at < end {
-            let next = ((at / every).saturating_add(1)).saturating_mul(every).min(end);
-            out.push(next - at);
-            at = next;
-        }
-        out
+    /// Steps between checkpoints, when the run writes them.
+    fn period(&self) -> Option<u64> {
+        self.dir.as_ref().map(|_| self.every.max(1))
     }
 
-    fn save(&mut self, state: &shardc_runtime::train::TrainState, programs: &[Program], seed: u64) -> Result<()> {
+    /// Whether the run checkpoints after iteration `step` of a run ending at `last`: every
+    /// `every` iterations counted from the start of training, and at the end.
+    fn due(&self, step: u64, last: u64) -> bool {
+        self.period().is_some_and(|every| step.is_multiple_of(every) || step == last)
+    }
+
+    fn save(&mut self, state: &shardc_runtime::train::TrainState, programs: &[Program], seed: u64, data: shardc_runtime::data::DataRecord) -> Result<()> {
         let Some(dir) = &self.dir else { return Ok(()) };
         // A finite loss can precede an update that overflowed: a checkpoint must not keep it.
         if let Some((name, _)) = state.tensors.iter().find(|(_, (_, values))| values.iter().any(|v| !v.is_finite())) {
@@ -543,7 +546,7 @@ impl Checkpoints {
         }
         self.saved += 1;
         let abort = self.fault.filter(|(n, _)| *n == self.saved).map(|(_, rank)| rank);
-        let path = shardc_runtime::checkpoint::save_sharded(dir, state, programs, self.spec.clone(), seed, abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        let path = shardc_runtime::checkpoint::save_sharded(dir, state, programs, self.spec.clone(), seed, Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
         println!("  checkpoint  step {} in {}", state.step, path.display());
         Ok(())
     }
@@ -551,7 +554,7 @@ impl Checkpoints {
 
 fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     let program = compile_train_step_on(spec, &args.step, mesh)?;
-    let (_, corpus) = training_corpus(args, spec)?;
+    let mut corpus = training_corpus(args, spec)?;
     println!(
         "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} steps, seed {}, CPU storage per rank {}",
         spec.name,
@@ -564,14 +567,24 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     let start = Instant::now();
     let timeout = std::time::Duration::from_secs(args.timeout.max(1));
     let mut checkpoints = Checkpoints::new(args, spec)?;
-    let (mut state, seed) = checkpoints.resume(args, std::slice::from_ref(&program))?;
+    let (mut state, seed) = checkpoints.resume(args, std::slice::from_ref(&program), &mut corpus)?;
+    let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
+    print_data(&corpus, evaluation.as_ref());
+    let rows = args.step.batch(spec, mesh)?.global_batch as usize;
     let first_step = state.as_ref().map_or(0, |s| s.step);
-    let (mut losses, mut sent) = (Vec::new(), 0u64);
-    for segment in checkpoints.segments(first_step, steps_to_run(args, first_step)?) {
+    let to_run = steps_to_run(args, first_step)?;
+    let (mut losses, mut sent, mut at) = (Vec::new(), 0u64, first_step);
+    for segment in segments(first_step, to_run, &[checkpoints.period(), evaluation.as_ref().map(crate::data::Evaluation::every)]) {
         let run = shardc_runtime::train::train_spmd_from(&program, seed, spec.model.layers as usize, &corpus, segment, timeout, algorithm, state.as_ref()).map_err(training_error)?;
         losses.extend(run.losses);
         sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();
-        checkpoints.save(&run.state, std::slice::from_ref(&program), seed)?;
+        at += segment;
+        if checkpoints.due(at, first_step + to_run) {
+            checkpoints.save(&run.state, std::slice::from_ref(&program), seed, corpus.record(at, rows))?;
+        }
+        if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, first_step + to_run)) {
+            evaluation.report(at, &run.state, &corpus)?;
+        }
         state = Some(run.state);
     }
     report_losses(args, first_step, &losses);
@@ -634,18 +647,39 @@ fn writable_folder(flag: &str, dir: &std::path::Path) -> Result<()> {
     std::fs::remove_file(&probe).map_err(fail)
 }
 
-/// The built-in corpus (data/kjv-genesis-exodus.txt), inside the binary so that `shardc run`
-/// trains wherever it runs.
-const BUILT_IN_CORPUS: &[u8] = include_bytes!("../data/kjv-genesis-exodus.txt");
+/// The run's corpus (`--data`, or the built-in one), read as `--data-format` says.
+fn training_corpus(args: &RunArgs, spec: &Spec) -> Result<Corpus> {
+    crate::data::training_corpus(&args.input, spec, args.step.hf_dir(args.spec.as_deref()).as_deref())
+}
 
-/// The run's corpus (`--data`, or the built-in one) and what to call it.
-fn training_corpus(args: &RunArgs, spec: &Spec) -> Result<(String, ByteCorpus)> {
-    let (name, bytes) = match &args.data {
-        Some(path) => (path.display().to_string(), std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("--data: reading the corpus {}", path.display()))?),
-        None => ("the built-in corpus (data/kjv-genesis-exodus.txt)".to_string(), BUILT_IN_CORPUS.to_vec()),
-    };
-    let corpus = ByteCorpus::new(bytes, spec.seq_len() as usize, spec.model.vocab as usize).into_diagnostic().wrap_err_with(|| format!("the corpus {name}"))?;
-    Ok((name, corpus))
+/// The run's data, how it is cut, and its evaluation.
+fn print_data(corpus: &Corpus, evaluation: Option<&crate::data::Evaluation>) {
+    let identity = corpus.identity();
+    println!(
+        "  data        {} ({}): {} tokens, {} windows of {} for training, {} held out",
+        identity.source,
+        identity.format,
+        identity.tokens,
+        corpus.train_windows(),
+        corpus.seq() + 1,
+        corpus.validation_windows()
+    );
+    if let Some(evaluation) = evaluation {
+        println!("  evaluation  {}", evaluation.describe(corpus));
+    }
+}
+
+/// The runs between the iterations where a run stops to checkpoint or evaluate, when
+/// `steps` iterations follow iteration `first`: multiples of each period, counted from the
+/// start of training, and the end.
+fn segments(first: u64, steps: u64, periods: &[Option<u64>]) -> Vec<u64> {
+    let (mut out, mut at, end) = (Vec::new(), first, first.saturating_add(steps));
+    while at < end {
+        let next = periods.iter().flatten().map(|&every| (at / every.max(1)).saturating_add(1).saturating_mul(every.max(1))).fold(end, u64::min);
+        out.push(next - at);
+        at = next;
+    }
+    out
 }
 
 /// A multi-rank run's failure; a loss that stopped being finite (the run stopped at that step,
@@ -699,7 +733,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
     let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
     let algorithm = collective_algorithm(&args.collectives)?;
-    let (_, corpus) = training_corpus(args, spec)?;
+    let mut corpus = training_corpus(args, spec)?;
     let peak = programs.iter().map(Program::cpu_storage_bytes).max().unwrap_or(0);
     println!(
         "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} schedule, {} micro-batches of {} sequences per replica per step (global batch {}), {} steps, seed {}, CPU storage per rank {}",
@@ -715,15 +749,25 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     );
     let start = Instant::now();
     let mut checkpoints = Checkpoints::new(args, spec)?;
-    let (mut state, seed) = checkpoints.resume(args, &programs)?;
+    let (mut state, seed) = checkpoints.resume(args, &programs, &mut corpus)?;
+    let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
+    print_data(&corpus, evaluation.as_ref());
+    let rows = args.step.batch(spec, mesh)?.global_batch as usize;
     let first_step = state.as_ref().map_or(0, |s| s.step);
-    let (mut losses, mut sent, mut last_run) = (Vec::new(), 0u64, None);
-    for segment in checkpoints.segments(first_step, steps_to_run(args, first_step)?) {
+    let to_run = steps_to_run(args, first_step)?;
+    let (mut losses, mut sent, mut last_run, mut at) = (Vec::new(), 0u64, None, first_step);
+    for segment in segments(first_step, to_run, &[checkpoints.period(), evaluation.as_ref().map(crate::data::Evaluation::every)]) {
         let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(args.timeout.max(1)), algorithm, state.as_ref())
             .map_err(training_error)?;
         losses.extend(run.losses.iter().copied());
         sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();
-        checkpoints.save(&run.state, &programs, seed)?;
+        at += segment;
+        if checkpoints.due(at, first_step + to_run) {
+            checkpoints.save(&run.state, &programs, seed, corpus.record(at, rows))?;
+        }
+        if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, first_step + to_run)) {
+            evaluation.report(at, &run.state, &corpus)?;
+        }
         state = Some(run.state.clone());
         last_run = Some(run);
     }
@@ -762,8 +806,11 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     }
     let program = shardc_codegen::device::with_device_plan(compile_train_step_on(spec, &args.step, mesh)?).into_diagnostic()?;
     let placement = if std::env::var_os("RANK").is_some() { Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?) } else { Placement::SingleDevice { device: 0 } };
-    let (_, corpus) = training_corpus(args, spec)?;
+    let corpus = training_corpus(args, spec)?;
+    // A GPU run evaluates once, at its end, on the CPU.
+    let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
     println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps", spec.name, args.steps);
+    print_data(&corpus, evaluation.as_ref());
     let run = cuda::train(&program, args.seed.unwrap_or(0), spec.model.layers as usize, &corpus, args.steps, &placement).into_diagnostic()?;
     let tokens = spec.training.micro_batch * mesh.dp * spec.seq_len();
     for (step, loss) in run.losses.iter().enumerate() {
@@ -777,6 +824,15 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
         println!("  device      {}", run.device);
         println!("  loss        {first:.4} at step 1 -> {last:.4} at step {}", run.losses.len());
         println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
+    }
+    if let Some(evaluation) = &mut evaluation {
+        // One process of several holds only its shards: the parameters are not whole there.
+        let params = program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).count();
+        if run.parameters.len() < params {
+            println!("  evaluation  skipped: this process holds only its shards of the parameters");
+        } else {
+            evaluation.report(args.steps, &crate::data::parameters_state(args.steps, &run.parameters), &corpus)?;
+        }
     }
     Ok(())
 }

@@ -663,6 +663,230 @@ fn run_trains_outside_the_repository() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// An error as one line: miette's wrapping (line breaks and `│` margins) taken out.
+fn unwrapped(text: &str) -> String {
+    text.replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Writes `ids` as a Megatron-LM indexed dataset `PREFIX.bin` + `PREFIX.idx` of int32 tokens
+/// (dtype code 4), cut into documents of `doc` tokens, as Megatron's `_IndexWriter` does.
+fn write_megatron(prefix: &std::path::Path, ids: &[u32], doc: usize) {
+    let lengths: Vec<i32> = ids.chunks(doc).map(|c| c.len() as i32).collect();
+    let mut idx = b"MMIDIDX\x00\x00".to_vec();
+    idx.extend(1u64.to_le_bytes());
+    idx.push(4);
+    idx.extend((lengths.len() as u64).to_le_bytes());
+    idx.extend((lengths.len() as u64 + 1).to_le_bytes());
+    idx.extend(lengths.iter().flat_map(|l| l.to_le_bytes()));
+    let mut pointer = 0u64;
+    for l in &lengths {
+        idx.extend(pointer.to_le_bytes());
+        pointer += *l as u64 * 4;
+    }
+    idx.extend((0..=lengths.len() as u64).flat_map(|d| d.to_le_bytes()));
+    std::fs::write(prefix.with_extension("idx"), idx).unwrap();
+    std::fs::write(prefix.with_extension("bin"), ids.iter().flat_map(|&t| (t as i32).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+}
+
+/// Token ids with structure to learn, below the tiny models' vocabulary of 256.
+fn learnable_ids(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 7 + i / 11) % 200).collect()
+}
+
+/// Pre-tokenized data as nanoGPT (flat uint16 `.bin`) and Megatron-LM (`.bin` + `.idx`)
+/// write it: the same ids in either file give the same run, and `--data-format u32` reads
+/// flat uint32.
+#[test]
+fn run_trains_on_token_files() {
+    let dir = tempdir("token-files");
+    let ids = learnable_ids(6000);
+    let flat = dir.join("train.bin");
+    std::fs::write(&flat, ids.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let wide = dir.join("train.u32");
+    std::fs::write(&wide, ids.iter().flat_map(|&t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let prefix = dir.join("corpus_text_document");
+    write_megatron(&prefix, &ids, 500);
+    let base = ["run", "models/tiny.toml", "--steps", "6", "--log-every", "1"];
+    let run = |data: &str, extra: &[&str]| shardc(&[&base[..], &["--data", data], extra].concat());
+    let nanogpt = run(flat.to_str().unwrap(), &[]);
+    assert!(stdout(&nanogpt).contains("(uint16): 6000 tokens, 659 windows of 9 for training, 7 held out"), "{}", stdout(&nanogpt));
+    let reference = losses_by_step(&nanogpt);
+    assert_eq!(reference.len(), 6);
+    for (data, extra, format) in [
+        (wide.to_str().unwrap(), &["--data-format", "u32"][..], "(uint32)"),
+        (prefix.to_str().unwrap(), &[][..], "(megatron int32)"),
+        (prefix.with_extension("bin").to_str().unwrap(), &[][..], "(megatron int32)"),
+        (prefix.with_extension("idx").to_str().unwrap(), &["--data-format", "megatron"][..], "(megatron int32)"),
+    ] {
+        let out = run(data, extra);
+        assert!(stdout(&out).contains(format), "{data}: {}{}", stdout(&out), stderr(&out));
+        assert_eq!(losses_by_step(&out), reference, "{data}: the same ids train differently");
+    }
+    // Read as text, the same file is other tokens: another run.
+    assert_ne!(losses_by_step(&run(flat.to_str().unwrap(), &["--data-format", "text"])), reference);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Token files that cannot be trained on are refused with the file, the place and the fix.
+#[test]
+fn bad_token_files_are_refused_by_name() {
+    let dir = tempdir("token-files-bad");
+    let refused = |data: &std::path::Path, extra: &[&str]| {
+        let out = shardc(&[&["run", "models/tiny.toml", "--steps", "1", "--data", data.to_str().unwrap()][..], extra].concat());
+        assert!(!out.status.success(), "{} was accepted", data.display());
+        unwrapped(&stderr(&out))
+    };
+    // An id at or above the vocabulary (256 for tiny), at token 1234.
+    let mut ids = learnable_ids(3000);
+    ids[1234] = 300;
+    let big = dir.join("big.bin");
+    std::fs::write(&big, ids.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let err = refused(&big, &[]);
+    assert!(err.contains("big.bin") && err.contains("token 1234 (byte offset 2468) is 300") && err.contains("vocabulary of 256"), "{err}");
+    // The same in a Megatron dataset.
+    let prefix = dir.join("mega");
+    write_megatron(&prefix, &ids, 1000);
+    let err = refused(&prefix, &[]);
+    assert!(err.contains("mega.bin") && err.contains("token 1234 (byte offset 4936) is 300"), "{err}");
+    // A flat file cut in the middle of a token.
+    let odd = dir.join("odd.bin");
+    std::fs::write(&odd, vec![1u8; 4001]).unwrap();
+    let err = refused(&odd, &[]);
+    assert!(err.contains("odd.bin") && err.contains("4001 bytes") && err.contains("truncated"), "{err}");
+    let err = refused(&odd, &["--data-format", "u32"]);
+    assert!(err.contains("uint32"), "{err}");
+    // An empty file, and one shorter than a window.
+    let empty = dir.join("empty.bin");
+    std::fs::write(&empty, b"").unwrap();
+    assert!(refused(&empty, &[]).contains("empty"));
+    let short = dir.join("short.txt");
+    std::fs::write(&short, b"abc").unwrap();
+    assert!(refused(&short, &[]).contains("fewer than one window"));
+    // A .bin that its .idx does not describe.
+    write_megatron(&prefix, &learnable_ids(3000), 1000);
+    std::fs::write(prefix.with_extension("bin"), vec![0u8; 4 * 2999]).unwrap();
+    let err = refused(&prefix, &[]);
+    assert!(err.contains("mega.bin") && err.contains("mega.idx") && err.contains("not a pair"), "{err}");
+    // Floating-point token ids (Megatron dtype code 7, float32).
+    let mut idx = std::fs::read(prefix.with_extension("idx")).unwrap();
+    idx[17] = 7;
+    std::fs::write(prefix.with_extension("idx"), idx).unwrap();
+    let err = refused(&prefix, &["--data-format", "megatron"]);
+    assert!(err.contains("float32") && err.contains("integer token ids"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A checkpoint records its data (source, format, tokens, position); resuming on other data
+/// is refused naming both, and on the same data it continues the uninterrupted order.
+#[test]
+fn resuming_on_other_data_is_refused() {
+    let dir = tempdir("resume-data");
+    let ckpt = dir.join("ckpt");
+    let (a, b) = (dir.join("a.bin"), dir.join("b.bin"));
+    std::fs::write(&a, learnable_ids(4000).iter().flat_map(|&t| (t as u16).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    std::fs::write(&b, learnable_ids(4100).iter().flat_map(|&t| (t as u16).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let base = ["run", "models/tiny.toml", "--log-every", "1"];
+    let with = |data: &std::path::Path, extra: &[&str]| shardc(&[&base[..], &["--data", data.to_str().unwrap()], extra].concat());
+    // 40 steps of 8 windows: 320 samples, of an epoch of 440 training windows.
+    let uninterrupted = losses_by_step(&with(&a, &["--steps", "70", "--micro-batch", "4"]));
+    let first = with(&a, &["--steps", "40", "--micro-batch", "4", "--checkpoint", ckpt.to_str().unwrap()]);
+    assert_same_losses(&uninterrupted, &losses_by_step(&first), "first 40 steps");
+    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("step-00000040/manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["data"]["samples"], 320, "{manifest}");
+    assert_eq!(manifest["data"]["epoch"], 0);
+    assert_eq!(manifest["data"]["identity"]["tokens"], 4000);
+    assert_eq!(manifest["data"]["identity"]["format"], "uint16");
+    let out = with(&b, &["--steps", "70", "--resume", ckpt.to_str().unwrap()]);
+    let err = unwrapped(&stderr(&out));
+    assert!(!out.status.success() && err.contains("a.bin (uint16, 4000 tokens)") && err.contains("b.bin (uint16, 4100 tokens)"), "{err}");
+    let out = with(&a, &["--steps", "70", "--resume", ckpt.to_str().unwrap(), "--eval-fraction", "0.1"]);
+    assert!(!out.status.success() && stderr(&out).contains("--eval-fraction"), "{}", stderr(&out));
+    // The same data continues into the second epoch as the uninterrupted run, on another mesh.
+    let resumed = losses_by_step(&with(&a, &["--steps", "70", "--resume", ckpt.to_str().unwrap(), "--mesh", "dp=2", "--micro-batch", "2"]));
+    assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (41..=70).collect::<Vec<u64>>());
+    assert_same_losses(&uninterrupted, &resumed, "resumed on the same data");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn validation_losses(out: &Output) -> Vec<(u64, f64)> {
+    assert!(out.status.success(), "{}{}", stdout(out), stderr(out));
+    stdout(out)
+        .lines()
+        .filter_map(|l| {
+            let (step, loss) = l.strip_prefix("step ")?.split_once(" validation loss ")?;
+            Some((step.parse().ok()?, loss.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// `--eval-every N` prints the loss on held-out windows every N steps and at the end; it
+/// falls as the model trains, and it is the same number whatever mesh trained the model.
+#[test]
+fn validation_loss_falls_and_is_the_same_on_every_mesh() {
+    let base = ["run", "models/tiny.toml", "--steps", "25", "--eval-every", "10", "--micro-batch", "2", "--seed", "1"];
+    let single = validation_losses(&shardc(&[&base[..], &["--microbatches", "4"]].concat()));
+    assert_eq!(single.iter().map(|v| v.0).collect::<Vec<_>>(), vec![10, 20, 25]);
+    assert!(single.iter().all(|v| v.1.is_finite()));
+    assert!(single[2].1 < single[0].1 && single[0].1 < 256f64.ln(), "{single:?}");
+    for mesh in ["dp=2", "pp=2", "tp=2"] {
+        let other = validation_losses(&shardc(&[&base[..], &["--mesh", mesh]].concat()));
+        assert_eq!(other.len(), single.len(), "{mesh}");
+        for ((step, a), (_, b)) in single.iter().zip(&other) {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{mesh}: step {step} validation loss {b}, one device {a}");
+        }
+    }
+    // The held-out windows are out of training: with none held out, there is nothing to
+    // evaluate on.
+    let out = shardc(&[&base[..], &["--eval-fraction", "0"]].concat());
+    assert!(!out.status.success() && stderr(&out).contains("--eval-fraction 0"), "{}", stderr(&out));
+    let help = stdout(&shardc(&["run", "--help"]));
+    for default in ["[default: auto]", "[default: 0.01]", "[default: 64]", "Default: the built-in text"] {
+        assert!(help.contains(default), "--help does not state {default}");
+    }
+}
+
+/// Text through a Hugging Face tokenizer.json: given with --tokenizer, or found in the --hf
+/// folder.
+#[test]
+fn text_is_tokenized_by_a_tokenizer_json() {
+    let dir = tempdir("tokenizer");
+    let words = ["[UNK]", "in", "the", "beginning", "god", "created", "heaven", "and", "earth", "."];
+    let vocab: serde_json::Map<String, serde_json::Value> = words.iter().enumerate().map(|(i, w)| (w.to_string(), serde_json::json!(i))).collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": {"type": "Lowercase"}, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    let file = dir.join("tokenizer.json");
+    std::fs::write(&file, tokenizer.to_string()).unwrap();
+    let text = dir.join("text.txt");
+    // 10 words and a full stop, of which `void` is unknown: 11 tokens a sentence.
+    std::fs::write(&text, "In the beginning God created the heaven and the earth void.\n".repeat(300)).unwrap();
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "3", "--data", text.to_str().unwrap(), "--tokenizer", file.to_str().unwrap(), "--log-every", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("(text, tokenized by tokenizer.json): 3600 tokens"), "{}", stdout(&out));
+    // A Hugging Face folder with a tokenizer.json reads text through it.
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(root().join("tests/data/hf-tiny-gpt2").join(name), hf.join(name)).unwrap();
+    }
+    std::fs::copy(&file, hf.join("tokenizer.json")).unwrap();
+    let out = shardc(&["run", "--hf", hf.to_str().unwrap(), "--seq", "8", "--micro-batch", "2", "--steps", "2", "--data", text.to_str().unwrap(), "--eval-every", "2"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("tokenized by tokenizer.json") && stdout(&out).contains("step 2 validation loss"), "{}", stdout(&out));
+    // A tokenizer for token ids is a mistake.
+    let ids = dir.join("ids.bin");
+    std::fs::write(&ids, vec![1u8; 400]).unwrap();
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--data", ids.to_str().unwrap(), "--tokenizer", file.to_str().unwrap()]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("read as u16 token ids, not text"), "{}", stderr(&out));
+    // A broken tokenizer is named.
+    std::fs::write(&file, "{}").unwrap();
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--data", text.to_str().unwrap(), "--tokenizer", file.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("--tokenizer"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Sizes that would panic, hang or exhaust memory are refused up front, naming the limit.
 #[test]
 fn huge_or_zero_sizes_are_refused_up_front() {
@@ -841,9 +1065,10 @@ fn hugging_face_models_give_transformers_logits_on_every_mesh() {
 fn save_hf_round_trips() {
     let tmp = std::env::temp_dir().join(format!("shardc-save-hf-{}", std::process::id()));
     let out = tmp.join("logits.json");
-    // The tiny models' vocabulary is 64 ids: a corpus of bytes below 64.
+    // The tiny models' vocabulary is 64 ids: a corpus of bytes below 64 (text: a .bin would
+    // be read as uint16 ids).
     std::fs::create_dir_all(&tmp).unwrap();
-    let data = tmp.join("data.bin");
+    let data = tmp.join("data.txt");
     std::fs::write(&data, (0..4096u32).map(|i| ((i * 7 + i / 13) % 64) as u8).collect::<Vec<u8>>()).unwrap();
     for family in ["gpt2", "llama"] {
         let source = format!("tests/data/hf-tiny-{family}");
@@ -1206,7 +1431,7 @@ fn the_largest_batch_sizes_end_in_a_plan_or_an_error_never_a_crash() {
 #[test]
 fn check_numerics_accepts_shards_of_padding_only() {
     let dir = tempdir("numerics-padding");
-    let data = dir.join("data.bin");
+    let data = dir.join("data.txt");
     std::fs::write(&data, (0..4096u32).map(|i| ((i * 7 + i / 13) % 64) as u8).collect::<Vec<u8>>()).unwrap();
     for dtype in ["f32", "bf16"] {
         for mesh in ["tp=4", "dp=2,tp=2"] {

@@ -50,8 +50,8 @@ pub fn from_bytes(data: &[u8]) -> Result<HashMap<String, (Vec<usize>, Vec<f32>)>
 pub struct Manifest {
     /// Bumped on incompatible changes.
     pub format_version: u32,
-    /// Optimizer steps taken: the run resumes at `step + 1` (the data position: batches are a
-    /// function of the seed and the step).
+    /// Optimizer steps taken: the run resumes at `step + 1` (batches are a function of the
+    /// seed and the step; `data` holds the samples consumed).
     pub step: u64,
     /// Seed of the run (initialisation and data order).
     pub seed: u64,
@@ -67,6 +67,10 @@ pub struct Manifest {
     /// written (a flipped bit, a truncated copy) is refused instead of resumed into garbage.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checksums: Vec<u32>,
+    /// The data the run read and how far it got (absent in checkpoints written before shardc
+    /// recorded it: those resume with the data order of (seed, step)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::data::DataRecord>,
 }
 
 /// One tensor of a checkpoint.
@@ -170,8 +174,18 @@ pub fn lock_folder(dir: &std::path::Path) -> Result<FolderLock, RuntimeError> {
 /// and synced in a temporary folder, which is renamed to `step-NNNNNNNN`; then `LATEST` is
 /// replaced (write, sync, rename). A crash at any point leaves the previous checkpoint
 /// loadable. `abort_after_rank` kills the process after writing that rank's file (fault
-/// injection for tests). Keeps this checkpoint and the newest one before it.
-pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Program], spec: serde_json::Value, seed: u64, abort_after_rank: Option<usize>) -> Result<std::path::PathBuf, RuntimeError> {
+/// injection for tests). Keeps this checkpoint and the newest one before it. `data` is the
+/// run's data and position, recorded in the manifest.
+#[allow(clippy::too_many_arguments)]
+pub fn save_sharded(
+    dir: &std::path::Path,
+    state: &TrainState,
+    programs: &[Program],
+    spec: serde_json::Value,
+    seed: u64,
+    data: Option<crate::data::DataRecord>,
+    abort_after_rank: Option<usize>,
+) -> Result<std::path::PathBuf, RuntimeError> {
     let first = programs.first().ok_or_else(|| RuntimeError::Program("no programs to checkpoint".into()))?;
     let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
     let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
@@ -212,6 +226,7 @@ pub fn save_sharded(dir: &std::path::Path, state: &TrainState, programs: &[Progr
         tensors: tensors.iter().map(|(b, l, _)| ManifestTensor { name: b.name.clone(), global_shape: l.global_shape.clone(), split: l.split.clone(), unpadded: b.unpadded.clone() }).collect(),
         files,
         checksums,
+        data,
     };
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| RuntimeError::Program(e.to_string()))?;
     write_synced(&partial.join("manifest.json"), &text)?;

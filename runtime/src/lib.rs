@@ -19,6 +19,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
+pub mod eval;
 pub mod hf;
 mod error;
 pub mod init;

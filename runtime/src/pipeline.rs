@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::RuntimeError;
 use crate::collectives::{Algorithm, CollectiveKind, MeshShape};
 use crate::cpu::Storage;
-use crate::data::ByteCorpus;
+use crate::data::Corpus;
 use crate::program::{Program, Role, Section};
 use crate::schedule::{Item, Schedule, Timeline, Work};
 use crate::train::{on_every_rank_of, read_f64};
@@ -70,7 +70,7 @@ pub fn train_pipeline(
     programs: &[Program],
     seed: u64,
     layers: usize,
-    corpus: &ByteCorpus,
+    corpus: &Corpus,
     steps: u64,
     timeout: Duration,
     algorithm: Algorithm,
@@ -85,7 +85,7 @@ pub fn train_pipeline_from(
     programs: &[Program],
     seed: u64,
     layers: usize,
-    corpus: &ByteCorpus,
+    corpus: &Corpus,
     steps: u64,
     timeout: Duration,
     algorithm: Algorithm,
@@ -106,6 +106,7 @@ pub fn train_pipeline_from(
     let tokens = programs.iter().find_map(|p| p.arg("tokens")).ok_or_else(|| RuntimeError::Binding("no pipeline stage reads `tokens`".into()))?;
     let layout = tokens.layout.clone().ok_or_else(|| RuntimeError::Binding("`tokens` has no layout: the program is not partitioned".into()))?;
     let (rows, seq) = (layout.global_shape[0], layout.global_shape[1]);
+    corpus.check_seq(seq)?;
     let m = schedule.microbatches;
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
 
@@ -138,7 +139,7 @@ pub fn train_pipeline_from(
         let mut spare_backward: Vec<Vec<Storage>> = Vec::new();
         for step in first_step + 1..=first_step + steps {
             let began = Instant::now();
-            let (t, g) = corpus.batch(seed, step, rows * m, seq);
+            let (t, g) = corpus.batch(seed, step, rows * m);
             let micro = |data: &[i32], j: usize| data[j * rows * seq..(j + 1) * rows * seq].to_vec();
             if program.arg("step").is_some() {
                 exec.write::<i32>("step", &[i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?])?;

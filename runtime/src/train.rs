@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use crate::RuntimeError;
 use crate::cpu::CpuExecutor;
-use crate::data::ByteCorpus;
+use crate::data::Corpus;
 use crate::init::init_binding;
 use crate::program::{Program, Role};
 
@@ -96,9 +96,10 @@ impl Trainer {
     }
 
     /// Runs one optimizer step on the next batch of `corpus`; returns its loss.
-    pub fn step(&mut self, corpus: &ByteCorpus) -> Result<f64, RuntimeError> {
+    pub fn step(&mut self, corpus: &Corpus) -> Result<f64, RuntimeError> {
+        corpus.check_seq(self.seq)?;
         self.step += 1;
-        let (tokens, targets) = corpus.batch(self.seed, self.step, self.rows, self.seq);
+        let (tokens, targets) = corpus.batch(self.seed, self.step, self.rows);
         self.exec.write::<i32>("tokens", &tokens)?;
         self.exec.write::<i32>("targets", &targets)?;
         let step = i32::try_from(self.step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?;
@@ -361,7 +362,7 @@ fn write_batch(exec: &mut CpuExecutor, layout: &crate::program::Layout, mesh: &c
 /// Trains a partitioned `train_step` for `steps` steps, one thread per rank of its mesh.
 /// Each step feeds every rank its shard of the same global batch, so the run is comparable
 /// with a single-device run of the same seed.
-pub fn train_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, steps: u64, timeout: std::time::Duration) -> Result<SpmdRun, RuntimeError> {
+pub fn train_spmd(program: &Program, seed: u64, layers: usize, corpus: &Corpus, steps: u64, timeout: std::time::Duration) -> Result<SpmdRun, RuntimeError> {
     train_spmd_with(program, seed, layers, corpus, steps, timeout, crate::collectives::Algorithm::Ring)
 }
 
@@ -370,7 +371,7 @@ pub fn train_spmd_with(
     program: &Program,
     seed: u64,
     layers: usize,
-    corpus: &ByteCorpus,
+    corpus: &Corpus,
     steps: u64,
     timeout: std::time::Duration,
     algorithm: crate::collectives::Algorithm,
@@ -385,20 +386,21 @@ pub fn train_spmd_from(
     program: &Program,
     seed: u64,
     layers: usize,
-    corpus: &ByteCorpus,
+    corpus: &Corpus,
     steps: u64,
     timeout: std::time::Duration,
     algorithm: crate::collectives::Algorithm,
     start: Option<&TrainState>,
 ) -> Result<SpmdRun, RuntimeError> {
     let (rows, seq, tokens) = batch_layout(program)?;
+    corpus.check_seq(seq)?;
     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).collect();
     let first = start.map_or(0, |s| s.step);
     let results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, algorithm, start, |exec, mesh, rank| {
         let (mut losses, mut step_seconds) = (Vec::new(), Vec::new());
         for step in first + 1..=first + steps {
             let began = std::time::Instant::now();
-            let (t, g) = corpus.batch(seed, step, rows, seq);
+            let (t, g) = corpus.batch(seed, step, rows);
             write_batch(exec, &tokens, mesh, rank, &t, &g)?;
             exec.write::<i32>("step", &[i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?])?;
             exec.run()?;
@@ -442,9 +444,10 @@ pub(crate) fn read_f64(exec: &CpuExecutor, name: &str) -> Result<Vec<f64>, Runti
 /// Runs a partitioned `gradients` function once on every rank of its mesh (parameters from
 /// `seed`, the first batch of `corpus`) and returns rank 0's results by name: the loss and
 /// every gradient, which the partitioner leaves replicated.
-pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &ByteCorpus, timeout: std::time::Duration) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
+pub fn gradients_spmd(program: &Program, seed: u64, layers: usize, corpus: &Corpus, timeout: std::time::Duration) -> Result<Vec<(String, Vec<f64>)>, RuntimeError> {
     let (rows, seq, tokens) = batch_layout(program)?;
-    let (t, g) = corpus.batch(seed, 1, rows, seq);
+    corpus.check_seq(seq)?;
+    let (t, g) = corpus.batch(seed, 1, rows);
     let mut results = on_every_rank_of(std::slice::from_ref(program), seed, layers, timeout, crate::collectives::Algorithm::Ring, None, |exec, mesh, rank| {
         write_batch(exec, &tokens, mesh, rank, &t, &g)?;
         exec.run()?;

@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use shardc_ir::{ArgRole, AttrValue, Attrs, DType, FuncBuilder, Module, TensorTy, Value};
 use shardc_passes::Recompute;
 use shardc_runtime::cpu::CpuExecutor;
-use shardc_runtime::data::ByteCorpus;
 use shardc_runtime::program::Role;
 
 use crate::common::*;
@@ -195,8 +194,17 @@ fn check_model(name: &str, recompute: Recompute) {
     }
     let seq = spec.seq_len() as usize;
     let bytes = std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap();
-    let corpus = ByteCorpus::new(bytes, seq, spec.model.vocab as usize).unwrap();
-    let (tokens, targets) = corpus.batch(1, 0, spec.training.micro_batch as usize, seq);
+    // Windows of the text at offsets drawn from (seed 1, row), the batch this check was
+    // written against (the training sampler has since moved to epochs of whole windows).
+    // The k bias's gradient is exactly zero, and the check holds it to 1e-14 absolute: other
+    // batches leave finite-difference rounding of ~1e-11 there.
+    let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+    let key = shardc_runtime::init::key(1, "data");
+    for row in 0..spec.training.micro_batch {
+        let start = (shardc_runtime::init::uniform(key, row) * (bytes.len() - seq - 1) as f64) as usize;
+        tokens.extend(bytes[start..start + seq].iter().map(|&b| b as i32));
+        targets.extend(bytes[start + 1..start + seq + 1].iter().map(|&b| b as i32));
+    }
     let ints = HashMap::from([("tokens".to_string(), tokens), ("targets".to_string(), targets)]);
     let worst = check(module, &values, &ints, recompute);
     eprintln!("{name} ({recompute:?}): worst relative error {worst:e}");

@@ -338,7 +338,7 @@ fn every_gradient_equals_single_device() {
                 let v: Vec<f32> = shardc_runtime::init::init_param(&n, shape.iter().product(), 3, 2).iter().map(|&x| x as f32).collect();
                 exec.write::<f32>(&n, &v).unwrap();
             }
-            let (t, g) = corpus.batch(3, 1, 4, spec.seq_len() as usize);
+            let (t, g) = corpus.batch(3, 1, 4);
             exec.write::<i32>("tokens", &t).unwrap();
             exec.write::<i32>("targets", &g).unwrap();
             exec.run().unwrap();

@@ -539,7 +539,7 @@ pub struct CudaRun {
 /// Trains `program` (a `train_step` with a device plan) for `steps` steps on `placement`:
 /// parameters initialised as global tensors from `seed` and sharded, the same batches as the
 /// CPU runs, so the results are comparable with [`crate::train::train_spmd`].
-pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::ByteCorpus, steps: u64, placement: &Placement) -> Result<CudaRun, RuntimeError> {
+pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::Corpus, steps: u64, placement: &Placement) -> Result<CudaRun, RuntimeError> {
     let mut exec = CudaExecutor::new(program.clone(), placement)?;
     let mesh = exec.mesh.clone();
     let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
@@ -548,6 +548,7 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
         Some(l) => (l.global_shape[0], l.global_shape[1]),
         None => (token_shape[0], token_shape[1]),
     };
+    corpus.check_seq(seq)?;
     let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).cloned().collect();
     let local_ranks = exec.ranks();
     // Parameters and their fp32 master copies (mixed precision) start from the seed.
@@ -566,7 +567,7 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
     let mut losses = Vec::new();
     let mut step_seconds = Vec::new();
     for step in 1..=steps {
-        let (t, g) = corpus.batch(seed, step, rows, seq);
+        let (t, g) = corpus.batch(seed, step, rows);
         let (t, g): (Vec<f64>, Vec<f64>) = (t.iter().map(|&v| v as f64).collect(), g.iter().map(|&v| v as f64).collect());
         for (local, &rank) in local_ranks.iter().enumerate() {
             let (ts, gs) = match &tokens.layout {
