@@ -785,7 +785,8 @@ fn resuming_on_other_data_is_refused() {
     let (a, b) = (dir.join("a.bin"), dir.join("b.bin"));
     std::fs::write(&a, learnable_ids(4000).iter().flat_map(|&t| (t as u16).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
     std::fs::write(&b, learnable_ids(4100).iter().flat_map(|&t| (t as u16).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
-    let base = ["run", "models/tiny.toml", "--log-every", "1"];
+    // One learning-rate schedule for both legs (decay over 70 steps).
+    let base = ["run", "models/tiny.toml", "--log-every", "1", "--lr-decay-steps", "70"];
     let with = |data: &std::path::Path, extra: &[&str]| shardc(&[&base[..], &["--data", data.to_str().unwrap()], extra].concat());
     // 40 steps of 8 windows: 320 samples, of an epoch of 440 training windows.
     let uninterrupted = losses_by_step(&with(&a, &["--steps", "70", "--micro-batch", "4"]));
