@@ -203,6 +203,11 @@ mod emulated {
     use shardc_runtime::cuda::{self, Placement};
     use shardc_runtime::data::ByteCorpus;
 
+    /// Warmup, cosine decay to a tenth at step 3.
+    const SCHEDULE: shardc_passes::Schedule = shardc_passes::Schedule { warmup_steps: 1, decay_steps: 3, min_lr: 0.01, cosine: true };
+    /// Small enough to clip every step.
+    const CLIP: f64 = 0.05;
+
     fn sgd_step(name: &str, dtype: &str, mesh: Mesh) -> (Program, shardc_ir::spec::Spec) {
         sgd_step_padded(name, dtype, mesh, None)
     }
@@ -219,7 +224,18 @@ mod emulated {
             None => spec.model.vocab,
         };
         let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab }).unwrap();
-        let options = CompileOptions { optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 }, mesh, vocab: padded_vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
+        // Warmup, cosine decay and a clipping norm small enough to clip every step: the
+        // device's kernels for the schedule, the sums of squares and the coefficient are
+        // checked against the CPU's.
+        let options = CompileOptions {
+            optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
+            schedule: SCHEDULE,
+            clip_grad: CLIP,
+            mesh,
+            vocab: padded_vocab as i64,
+            kv_heads: spec.model.kv_heads() as i64,
+            ..Default::default()
+        };
         let cx = shardc_ir::mlir::IrContext::new().unwrap();
         compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
         let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
@@ -310,7 +326,16 @@ mod emulated {
         let mut spec = spec_with_dtype("tiny", "f32");
         spec.training.micro_batch = 4;
         let mut module = model(&spec);
-        let options = CompileOptions { optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 }, mesh, zero: 3, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
+        let options = CompileOptions {
+            optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
+            schedule: SCHEDULE,
+            clip_grad: CLIP,
+            mesh,
+            zero: 3,
+            vocab: spec.model.vocab as i64,
+            kv_heads: spec.model.kv_heads() as i64,
+            ..Default::default()
+        };
         let cx = shardc_ir::mlir::IrContext::new().unwrap();
         compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
         let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap()).unwrap();
