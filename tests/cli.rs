@@ -681,6 +681,32 @@ fn huge_or_zero_sizes_are_refused_up_front() {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// Sizes that each pass but multiply into a tensor past 2^48 elements (codegen's byte counts
+/// overflowed on a `hidden` of 2^31) are refused naming the field and the limit, from a spec
+/// and from a Hugging Face config alike (issue 17).
+#[test]
+fn sizes_past_the_tensor_limit_are_refused_naming_the_field() {
+    let dir = tempdir("tensor-limit");
+    let text = std::fs::read_to_string(root().join("models/tiny-llama.toml")).unwrap();
+    let wide = text.replace("hidden = 16\n", "hidden = 2147483648\n").replace("heads = 4\n", "heads = 1\n").replace("kv_heads = 2\n", "kv_heads = 1\n");
+    assert_ne!(wide, text);
+    let spec = dir.join("wide.toml");
+    std::fs::write(&spec, wide).unwrap();
+    let out = shardc(&["compile", spec.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("model.hidden") && stderr(&out).contains("(2^48)"), "{}", stderr(&out));
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root().join("tests/data/hf-tiny-llama/config.json")).unwrap()).unwrap();
+    let fields = config.as_object_mut().unwrap();
+    fields.remove("head_dim");
+    fields.insert("hidden_size".into(), (1u64 << 31).into());
+    std::fs::write(hf.join("config.json"), config.to_string()).unwrap();
+    let out = shardc(&["compile", "--hf", hf.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("model.hidden") && stderr(&out).contains("(2^48)"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
 /// (it would act on the terminal), logits that are not finite (JSON would hold null).
 #[test]

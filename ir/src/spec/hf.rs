@@ -69,7 +69,9 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
             require(config, "scale_attn_by_inverse_layer_idx", |v| v.as_bool() == Some(false), "no per-layer attention scaling")?;
             require(config, "reorder_and_upcast_attn", |v| v.as_bool() == Some(false), "no attention reordering")?;
             let ffn = match config.get("n_inner") {
-                None | Some(Value::Null) => 4 * hidden,
+                // Too large a hidden size is refused by the spec check, which names it; the
+                // default must not overflow on the way there.
+                None | Some(Value::Null) => hidden.saturating_mul(4),
                 Some(_) => uint(config, "n_inner")?,
             };
             let heads = uint(config, "n_head")?;
@@ -103,7 +105,7 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
             require(config, "pretraining_tp", |v| v.as_u64() == Some(1), "sliced pretraining-tp projections are not implemented")?;
             let heads = uint(config, "num_attention_heads")?;
             if let Some(head_dim) = config.get("head_dim").and_then(Value::as_u64) {
-                if head_dim * heads != uint(config, "hidden_size")? {
+                if head_dim.checked_mul(heads) != Some(uint(config, "hidden_size")?) {
                     return Err(format!("config.json: `head_dim` = {head_dim} is not hidden_size / num_attention_heads; shardc derives it"));
                 }
             }
