@@ -121,7 +121,21 @@ fn check_backend(backend: &str) -> Result<()> {
     }
 }
 
+/// `--steps N` of `run` and `bench`: the step counter the compiled step reads is 32-bit, so
+/// larger counts are refused before any work (they would fail at step 2^31, or overflow).
+fn check_steps(flag: &str, steps: u64) -> Result<()> {
+    if steps > shardc_runtime::train::MAX_STEPS {
+        return Err(miette!(
+            help = format!("give at most {} steps", shardc_runtime::train::MAX_STEPS),
+            "{flag} {steps}: the training step counts its iterations in a 32-bit integer (AdamW's bias correction reads it), so a run has at most {} steps",
+            shardc_runtime::train::MAX_STEPS
+        ));
+    }
+    Ok(())
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
+    check_steps("--steps", args.steps)?;
     check_backend(&args.backend)?;
     shardc_runtime::cpu::check_numerics(args.check_numerics);
     let spec = args.step.load_spec(args.spec.as_deref())?;
@@ -184,7 +198,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let bar = ProgressBar::new(to_run);
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").into_diagnostic()?);
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(to_run.min(1 << 20) as usize);
+    // The first loss, the last ten and the count: memory that does not grow with --steps.
+    let mut losses = LossSummary::default();
     for step in 1..=to_run {
         let loss = trainer.step(&corpus).into_diagnostic()?;
         if !loss.is_finite() {
@@ -197,7 +212,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             let state = trainer.state().into_diagnostic()?;
             bar.suspend(|| checkpoints.save(&state, std::slice::from_ref(&program), seed))?;
         }
-        let tokens_per_s = (step as usize * trainer.tokens_per_step()) as f64 / start.elapsed().as_secs_f64();
+        let tokens_per_s = step as f64 * trainer.tokens_per_step() as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {loss:.4}  {tokens_per_s:.0} tokens/s"));
         bar.inc(1);
         if args.log_every > 0 && step % args.log_every == 0 {
@@ -205,13 +220,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    if let (Some(first), Some(_)) = (losses.first(), losses.last()) {
+    if let Some(first) = losses.first {
         // The last ten steps' mean smooths the batch-to-batch noise.
-        let tail = &losses[losses.len().saturating_sub(10)..];
+        let tail = &losses.tail;
         let last = tail.iter().sum::<f64>() / tail.len() as f64;
         let elapsed = start.elapsed().as_secs_f64();
         println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
-        println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.len() as f64, (losses.len() * trainer.tokens_per_step()) as f64 / elapsed);
+        println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.count as f64, losses.count as f64 * trainer.tokens_per_step() as f64 / elapsed);
     }
     let state = trainer.state().into_diagnostic()?;
     if let Some(dir) = &args.save_hf {
@@ -219,6 +234,26 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     save_parameters(args, Some(&state), std::slice::from_ref(&program))?;
     Ok(())
+}
+
+/// What the run's summary reports of its losses, kept in constant memory however many steps
+/// run: the first, the last ten, and how many.
+#[derive(Default)]
+struct LossSummary {
+    first: Option<f64>,
+    tail: std::collections::VecDeque<f64>,
+    count: u64,
+}
+
+impl LossSummary {
+    fn push(&mut self, loss: f64) {
+        self.first.get_or_insert(loss);
+        if self.tail.len() == 10 {
+            self.tail.pop_front();
+        }
+        self.tail.push_back(loss);
+        self.count += 1;
+    }
 }
 
 /// Arguments of `shardc bench`.
@@ -332,6 +367,8 @@ fn print_profile(program: &Program, seconds: &[f64], cluster: &shardc_ir::cluste
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    // One warm-up step comes before the timed ones.
+    check_steps("--steps", args.steps.saturating_add(1))?;
     let spec = args.step.load_spec(Some(&args.spec))?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
     if mesh.dp * mesh.tp * mesh.pp > 1 {
@@ -509,19 +546,20 @@ impl Checkpoints {
 
     /// The runs between checkpoints when `steps` iterations follow iteration `first`: a
     /// checkpoint every `every` iterations counted from the start of training, and one at the
-    /// end.
-    fn segments(&self, first: u64, steps: u64) -> Vec<u64> {
-        if self.dir.is_none() {
-            return vec![steps];
-        }
-        let every = self.every.max(1);
-        let (mut out, mut at, end) = (Vec::new(), first, first.saturating_add(steps));
-        while at < end {
+    /// end. Lazy: `--checkpoint-every 1` over millions of steps holds no list of them.
+    fn segments(&self, first: u64, steps: u64) -> impl Iterator<Item = u64> + use<> {
+        // Without checkpoints, one segment: the whole run.
+        let every = if self.dir.is_some() { self.every.max(1) } else { u64::MAX };
+        let (mut at, end) = (first, first.saturating_add(steps));
+        std::iter::from_fn(move || {
+            if at >= end {
+                return None;
+            }
             let next = ((at / every).saturating_add(1)).saturating_mul(every).min(end);
-            out.push(next - at);
+            let segment = next - at;
             at = next;
-        }
-        out
+            Some(segment)
+        })
     }
 
     fn save(&mut self, state: &shardc_runtime::train::TrainState, programs: &[Program], seed: u64) -> Result<()> {

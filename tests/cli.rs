@@ -707,6 +707,24 @@ fn sizes_past_the_tensor_limit_are_refused_naming_the_field() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--steps` past the 32-bit step counter the compiled step reads is refused before any work,
+/// naming the limit: u64::MAX overflowed a capacity, 10^12 reserved terabytes (issue 17).
+#[test]
+fn step_counts_past_the_counter_are_refused_up_front() {
+    let started = std::time::Instant::now();
+    for args in [
+        vec!["run", "models/tiny.toml", "--steps", "18446744073709551615"],
+        vec!["run", "models/tiny.toml", "--steps", "1000000000000"],
+        vec!["run", "models/tiny-llama.toml", "--steps", "2147483648", "--mesh", "pp=2"],
+        vec!["bench", "models/tiny.toml", "--steps", "18446744073709551615"],
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && stderr(&out).contains("--steps") && stderr(&out).contains("at most 2147483647 steps"), "{args:?}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{args:?}");
+    }
+    assert!(started.elapsed().as_secs() < 30, "refused only after working");
+}
+
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
 /// (it would act on the terminal), logits that are not finite (JSON would hold null).
 #[test]
