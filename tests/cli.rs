@@ -681,6 +681,12 @@ fn huge_or_zero_sizes_are_refused_up_front() {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// `text` with miette's wrapping undone: the frame characters dropped and every run of
+/// whitespace one space, so that a message can be matched whole wherever it wrapped.
+fn unwrapped(text: &str) -> String {
+    text.replace(['│', '╰', '─', '▶', '×'], " ").split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// Sizes that each pass but multiply into a tensor past 2^48 elements (codegen's byte counts
 /// overflowed on a `hidden` of 2^31) are refused naming the field and the limit, from a spec
 /// and from a Hugging Face config alike (issue 17).
@@ -723,6 +729,38 @@ fn step_counts_past_the_counter_are_refused_up_front() {
         assert!(!stderr(&out).contains("panicked"), "{args:?}");
     }
     assert!(started.elapsed().as_secs() < 30, "refused only after working");
+}
+
+/// A checkpoint manifest edited by hand (step, mesh, splits, shapes) is refused naming the
+/// field or tensor: these panicked on an index, aborted allocating, or resumed garbage
+/// (issue 17).
+#[test]
+fn edited_checkpoint_manifests_are_refused_by_name() {
+    let dir = tempdir("ckpt-edited");
+    let ckpt = dir.join("ckpt");
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "2", "--mesh", "dp=2,tp=2", "--checkpoint", ckpt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let saved = ckpt.join("step-00000002");
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(saved.join("manifest.json")).unwrap()).unwrap();
+    let edits: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        ("step", Box::new(|m| m["step"] = serde_json::json!(1u64 << 40)), "`step` is 1099511627776"),
+        ("negative step", Box::new(|m| m["step"] = serde_json::json!(-1)), "`step`: invalid value"),
+        ("mesh", Box::new(|m| m["mesh"] = serde_json::json!([4])), "names grid axis 1"),
+        ("huge mesh", Box::new(|m| m["mesh"] = serde_json::json!([1u64 << 32, 1u64 << 32, 1])), "more than 1048576 ranks"),
+        ("split", Box::new(|m| m["tensors"][0]["split"] = serde_json::json!([[7], []])), "names grid axis 7"),
+        ("huge shape", Box::new(|m| m["tensors"][0]["global_shape"] = serde_json::json!([1u64 << 40, 1u64 << 40])), "elements a tensor may have"),
+        ("shape", Box::new(|m| m["tensors"][0]["global_shape"] = serde_json::json!([1u64 << 31, 16])), "makes shards of [1073741824, 16]"),
+        ("swapped mesh", Box::new(|m| m["mesh"] = serde_json::json!([1, 4, 1])), "over the mesh [1, 4, 1] makes shards of"),
+    ];
+    for (what, edit, says) in edits {
+        let mut manifest = original.clone();
+        edit(&mut manifest);
+        std::fs::write(saved.join("manifest.json"), manifest.to_string()).unwrap();
+        let out = shardc(&["run", "models/tiny.toml", "--steps", "4", "--mesh", "dp=2,tp=2", "--resume", ckpt.to_str().unwrap()]);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{what}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{what}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
