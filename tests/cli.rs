@@ -763,6 +763,45 @@ fn edited_checkpoint_manifests_are_refused_by_name() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A Hugging Face folder whose tensor has the wrong rank or size (a 1-D `lm_head.weight`, a
+/// scalar `c_attn`) is an error naming the tensor and the shape its config makes it; these
+/// panicked on an index or an underflow (issue 17).
+#[test]
+fn hugging_face_tensors_of_the_wrong_shape_are_named() {
+    let dir = tempdir("hf-shapes");
+    for (family, tensor, shape, wanted) in [
+        ("llama", "lm_head.weight", vec![1024], "[64, 16]"),
+        ("llama", "model.layers.1.self_attn.k_proj.weight", vec![16, 8], "[8, 16]"),
+        ("gpt2", "transformer.h.0.attn.c_attn.weight", vec![], "[16, 48]"),
+        ("gpt2", "transformer.h.1.attn.c_attn.bias", vec![], "[48]"),
+    ] {
+        let hf = dir.join(format!("{family}-{tensor}"));
+        std::fs::create_dir_all(&hf).unwrap();
+        let source = root().join(format!("tests/data/hf-tiny-{family}"));
+        std::fs::copy(source.join("config.json"), hf.join("config.json")).unwrap();
+        let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = shardc_runtime::hf::read_dir(&source)
+            .unwrap()
+            .into_iter()
+            .map(|(name, (old, values))| {
+                let values: Vec<f32> = values.into_iter().map(|v| v as f32).collect();
+                if name != tensor {
+                    return (name, old, values);
+                }
+                let len = shape.iter().product::<usize>();
+                (name, shape.clone(), values[..len].to_vec())
+            })
+            .collect();
+        shardc_runtime::hf::write_safetensors(&hf.join("model.safetensors"), &tensors).unwrap();
+        for args in [vec!["logits", "--hf", hf.to_str().unwrap(), "--tokens", "1,2,3"], vec!["run", "--hf", hf.to_str().unwrap(), "--steps", "1"]] {
+            let out = shardc(&args);
+            let text = unwrapped(&stderr(&out));
+            assert!(!out.status.success() && text.contains(&format!("`{tensor}` has shape {shape:?}; its config.json makes it {wanted}")), "{args:?}: {}", stderr(&out));
+            assert!(!text.contains("panicked"), "{args:?}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
 /// (it would act on the terminal), logits that are not finite (JSON would hold null).
 #[test]
