@@ -501,7 +501,7 @@ impl Checkpoints {
         let Some(dir) = &args.resume else {
             // `--load FILE` starts from its parameters (global tensors by name).
             if let Some(path) = &args.load {
-                let bytes = std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
+                let bytes = crate::input::read_file("--load", path)?;
                 let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
                 let params = tensors.into_iter().map(|(name, (shape, values))| (name, (shape, values.into_iter().map(f64::from).collect()))).collect();
                 return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));

@@ -802,6 +802,72 @@ fn hugging_face_tensors_of_the_wrong_shape_are_named() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `inspect` of a plan whose byte counts were edited (u64::MAX, or less than its buffers
+/// need) or whose versions are unknown refuses it naming the field, instead of printing what
+/// the buffers do not make; a long schedule is abbreviated; and the step shapes issue 17
+/// listed are refused or priced as printed (issue 17).
+#[test]
+fn inspect_refuses_plans_whose_numbers_do_not_add_up() {
+    let dir = tempdir("inspect-edited");
+    let plan = dir.join("plan.json");
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "pp=2", "--microbatches", "4096", "-o", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The micro-batches printed are the ones priced: 4096 of 2 sequences of 8 tokens.
+    let text = stdout(&out);
+    assert!(text.contains("4096 micro-batches per step (global batch 8192 sequences)"), "{text}");
+    let out = shardc(&["inspect", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("... and ") && stdout(&out).len() < 20_000, "{}", stdout(&out).len());
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let max = serde_json::json!(u64::MAX);
+    let edits: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        (Box::new(|p| p["programs"][0]["memory"]["argument_bytes"] = max.clone()), "`argument_bytes` is 18446744073709551615 bytes, but its buffers make"),
+        (Box::new(|p| p["programs"][1]["memory"]["temporary_bytes"] = max.clone()), "`temporary_bytes` is 18446744073709551615 bytes, more than"),
+        (Box::new(|p| p["programs"][1]["memory"]["arena_bytes"] = serde_json::json!(16)), "must be at least its live bound"),
+        (Box::new(|p| p["programs"][0]["memory"]["slots"][0][0] = max.clone()), "more than the 281474976710656 a buffer may have"),
+        (Box::new(|p| p["programs"][0]["format_version"] = serde_json::json!(7)), "format version 7"),
+        (Box::new(|p| p["format_version"] = serde_json::json!(7)), "plan `format_version` is 7"),
+        (Box::new(|p| p["programs"][2]["mesh"] = serde_json::json!([u64::MAX, 2])), "mesh [18446744073709551615, 2]"),
+    ];
+    for (edit, says) in edits {
+        let mut edited = original.clone();
+        edit(&mut edited);
+        std::fs::write(&plan, edited.to_string()).unwrap();
+        let out = shardc(&["inspect", plan.to_str().unwrap()]);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{says}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"));
+    }
+    for (args, says) in [
+        (vec!["plan", "models/tiny.toml", "--gpus", "8", "--global-batch", "18446744073709551615"], "exceeds the largest supported size"),
+        (vec!["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "18446744073709551615"], "between 1 and 64"),
+        (vec!["schedule", "--pp", "1048576", "--microbatches", "1048576"], "a schedule may have"),
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every file argument is read bounded: `/dev/zero` as a spec, plan, cluster file, measured
+/// times, dialect or weights is an error naming the flag, not a read until memory runs out
+/// (issue 17).
+#[test]
+fn endless_input_files_are_refused_naming_the_flag() {
+    let started = std::time::Instant::now();
+    for (args, says) in [
+        (vec!["ir", "/dev/zero"], "larger than 16 MiB"),
+        (vec!["compile", "/dev/zero"], "larger than 16 MiB"),
+        (vec!["compile", "models/tiny.toml", "--cluster", "/dev/zero"], "--cluster /dev/zero: more than 16.0 MiB"),
+        (vec!["inspect", "/dev/zero"], "inspect /dev/zero: more than 256.0 MiB"),
+        (vec!["dialect", "--check", "/dev/zero"], "--check /dev/zero: more than 16.0 MiB"),
+        (vec!["run", "models/tiny.toml", "--steps", "1", "--load", "/dev/zero"], "--load /dev/zero: not a regular file"),
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    assert!(started.elapsed().as_secs() < 60, "refused only after reading for long");
+}
+
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
 /// (it would act on the terminal), logits that are not finite (JSON would hold null).
 #[test]

@@ -22,6 +22,7 @@ pub mod data;
 pub mod hf;
 mod error;
 pub mod init;
+pub mod inspect;
 pub mod layout;
 pub mod pipeline;
 pub mod program;

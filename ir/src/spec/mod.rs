@@ -401,16 +401,30 @@ pub fn parse(source: &str, format: Format, source_name: &str) -> Result<Spec, Sp
     Err(fail(errors))
 }
 
-/// Reads a spec from a file, choosing the format by extension.
+/// Largest spec file read: specs are a few hundred bytes, and a file far larger (a wrong
+/// path, `/dev/zero`) is refused before it fills memory or the error renderer.
+pub const MAX_SPEC_BYTES: u64 = 16 << 20;
+
+/// Reads a spec from a file, choosing the format by extension. Reads at most
+/// [`MAX_SPEC_BYTES`]; a longer file (or one that never ends) is an error saying so.
 pub fn parse_file(path: &std::path::Path) -> Result<Spec, SpecErrors> {
+    use std::io::Read;
     let name = path.display().to_string();
-    match std::fs::read_to_string(path) {
+    let fail = |message: String, help: Option<String>| SpecErrors { source_name: name.clone(), text: String::new(), errors: vec![SpecError { field: String::new(), message, help, span: None }] };
+    let mut bytes = Vec::new();
+    let read = std::fs::File::open(path).and_then(|file| file.take(MAX_SPEC_BYTES + 1).read_to_end(&mut bytes));
+    if let Err(e) = read {
+        return Err(fail(format!("cannot read {name}: {e}"), None));
+    }
+    if bytes.len() as u64 > MAX_SPEC_BYTES {
+        return Err(fail(
+            format!("{name} is larger than {} MiB, the most a spec file may be", MAX_SPEC_BYTES >> 20),
+            Some("give a model spec (see models/*.toml); specs are a few hundred bytes".into()),
+        ));
+    }
+    match String::from_utf8(bytes) {
         Ok(text) => parse(&text, Format::from_path(&name), &name),
-        Err(e) => Err(SpecErrors {
-            source_name: name.clone(),
-            text: String::new(),
-            errors: vec![SpecError { field: String::new(), message: format!("cannot read {name}: {e}"), help: None, span: None }],
-        }),
+        Err(e) => Err(fail(format!("cannot read {name}: not UTF-8 text ({e})"), Some("give a TOML or JSON model spec".into()))),
     }
 }
 
