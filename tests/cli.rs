@@ -868,6 +868,31 @@ fn endless_input_files_are_refused_naming_the_flag() {
     assert!(started.elapsed().as_secs() < 60, "refused only after reading for long");
 }
 
+/// An error in a spec of one huge line shows an excerpt around the field, not the line
+/// (miette rendered a 50 MB line whole, for minutes), and a spec past 16 MiB is refused before
+/// it is parsed (issue 17).
+#[test]
+fn errors_in_huge_one_line_specs_show_an_excerpt() {
+    let dir = tempdir("huge-line");
+    let started = std::time::Instant::now();
+    for (file, text) in [
+        ("line.toml", format!("name = \"x\"\n[model]\nvocab = 256 {}\n", "x".repeat(4 << 20))),
+        ("line.json", format!("{{\"name\": \"x\", \"model\": {{\"vocab\": 256, \"junk\": \"{}\"}}}}", "y".repeat(4 << 20))),
+    ] {
+        let spec = dir.join(file);
+        std::fs::write(&spec, text).unwrap();
+        let out = shardc(&["compile", spec.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert!(!out.status.success() && err.contains("an excerpt of a") && err.len() < 4000, "{file}: {} bytes: {}", err.len(), &err[..err.len().min(2000)]);
+    }
+    let spec = dir.join("huge.toml");
+    std::fs::write(&spec, format!("name = \"x\"\n# {}\n", "z".repeat(17 << 20))).unwrap();
+    let out = shardc(&["compile", spec.to_str().unwrap()]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("is larger than 16 MiB, the most a spec file may be"), "{}", stderr(&out));
+    assert!(started.elapsed().as_secs() < 60, "took {:?}", started.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
 /// (it would act on the terminal), logits that are not finite (JSON would hold null).
 #[test]
