@@ -9,6 +9,7 @@
 mod calibrate;
 mod fit;
 mod hf;
+mod host;
 mod input;
 mod inspect;
 mod options;

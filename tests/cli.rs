@@ -893,6 +893,30 @@ fn errors_in_huge_one_line_specs_show_an_excerpt() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A CPU run that cannot fit in the host's memory is refused before it allocates, naming what
+/// its compiled programs need and what the host has: llama-7b in f32 on a 16 GiB host (set by
+/// SHARDC_HOST_MEMORY, so the test does not depend on this machine), and a run whose storage
+/// slots alone exceed it, with the slots figure the run itself reports (issue 17).
+#[test]
+fn cpu_runs_that_cannot_fit_in_memory_are_refused_up_front() {
+    let with_memory = |memory: &str, args: &[&str]| Command::new(env!("CARGO_BIN_EXE_shardc")).args(args).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_HOST_MEMORY", memory).output().unwrap();
+    let started = std::time::Instant::now();
+    let out = with_memory("16GiB", &["run", "models/llama-7b.toml", "--dtype", "f32", "--steps", "1"]);
+    let text = unwrapped(&stderr(&out));
+    assert!(!out.status.success() && text.contains("this CPU run needs about") && text.contains("and this host has 16.0 GiB available (as SHARDC_HOST_MEMORY sets)"), "{}", stderr(&out));
+    assert!(text.contains("GiB in the storage slots") && text.contains("smaller model"), "{text}");
+    assert!(started.elapsed().as_secs() < 60, "refused only after working");
+    // The slots counted are the ones the run allocates: "CPU storage" as `run` prints it.
+    let fits = with_memory("1TiB", &["run", "models/tiny.toml", "--micro-batch", "8", "--global-batch", "8", "--steps", "1"]);
+    assert!(fits.status.success(), "{}", stderr(&fits));
+    let storage = stdout(&fits).split("CPU storage ").nth(1).unwrap().split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+    let out = with_memory("1KiB", &["run", "models/tiny.toml", "--micro-batch", "8", "--global-batch", "8", "--steps", "1"]);
+    let text = unwrapped(&stderr(&out));
+    assert!(!out.status.success() && text.contains(&format!("{storage} in the storage slots of the memory plans of its 1 rank")), "{storage}: {text}");
+    let out = with_memory("lots", &["run", "models/tiny.toml", "--steps", "1"]);
+    assert!(!out.status.success() && stderr(&out).contains("SHARDC_HOST_MEMORY=lots"), "{}", stderr(&out));
+}
+
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
 /// (it would act on the terminal), logits that are not finite (JSON would hold null).
 #[test]

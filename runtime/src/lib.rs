@@ -24,6 +24,7 @@ mod error;
 pub mod init;
 pub mod inspect;
 pub mod layout;
+pub mod memory;
 pub mod pipeline;
 pub mod program;
 pub mod report;
