@@ -917,6 +917,45 @@ fn cpu_runs_that_cannot_fit_in_memory_are_refused_up_front() {
     assert!(!out.status.success() && stderr(&out).contains("SHARDC_HOST_MEMORY=lots"), "{}", stderr(&out));
 }
 
+/// transformers 5 configs give RoPE's base in `rope_parameters` (as tests/data/hf-tiny-llama
+/// does): it is honoured, so a base of 500000 gives other logits than 10000, and scaled RoPE
+/// is refused naming the field (issue 17).
+#[test]
+fn rope_parameters_of_transformers_5_configs_are_honoured() {
+    let dir = tempdir("rope-parameters");
+    let source = root().join("tests/data/hf-tiny-llama");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["rope_parameters"]["rope_theta"], serde_json::json!(10000.0), "the checked-in config uses the transformers 5 layout");
+    let folder = |tag: &str, rope: serde_json::Value| {
+        let hf = dir.join(tag);
+        std::fs::create_dir_all(&hf).unwrap();
+        std::fs::copy(source.join("model.safetensors"), hf.join("model.safetensors")).unwrap();
+        let mut config = config.clone();
+        config["rope_parameters"] = rope;
+        std::fs::write(hf.join("config.json"), config.to_string()).unwrap();
+        hf
+    };
+    let out = dir.join("logits.json");
+    let base = folder("base", serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}));
+    let wide = folder("wide", serde_json::json!({"rope_type": "default", "rope_theta": 500000.0}));
+    let (_, checked_in) = hf_logits(source.to_str().unwrap(), "1,2,3,4,5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    let (_, at_10000) = hf_logits(base.to_str().unwrap(), "1,2,3,4,5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    let (_, at_500000) = hf_logits(wide.to_str().unwrap(), "1,2,3,4,5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    assert_eq!(checked_in, at_10000);
+    // Heads of 4 dimensions have one slow frequency (theta^-1/2: 1/100 against 1/707), so the
+    // logits move little, but far more than rounding (runs are bit-for-bit deterministic).
+    assert!(max_relative(&at_500000, &at_10000) > 1e-6, "the base changed nothing: {}", max_relative(&at_500000, &at_10000));
+    let plan = dir.join("plan.json");
+    let compiled = shardc(&["compile", "--hf", wide.to_str().unwrap(), "-o", plan.to_str().unwrap()]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    assert_eq!(written["spec"]["model"]["rope_theta"], serde_json::json!(500000.0));
+    let scaled = folder("llama3", serde_json::json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}));
+    let out = shardc(&["compile", "--hf", scaled.to_str().unwrap()]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("`rope_parameters.rope_type` = \"llama3\" is not supported"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
 /// (it would act on the terminal), logits that are not finite (JSON would hold null).
 #[test]
