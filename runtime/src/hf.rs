@@ -32,43 +32,77 @@ fn bad(message: String) -> RuntimeError {
     RuntimeError::Binding(message)
 }
 
+/// Largest `model.safetensors.index.json` read (a weight map of names, a few hundred KB).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+
 /// Every tensor of a Hugging Face model folder (`model.safetensors`, or the files
-/// `model.safetensors.index.json` lists), as f64.
+/// `model.safetensors.index.json` lists), as f64. Weight files must be regular files inside
+/// the folder; their size is what is read.
 pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<std::path::PathBuf> = if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| bad(format!("{}: {e}", index.display())))?;
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
+        let text = read_regular(&index, MAX_INDEX_BYTES)?;
+        let json: serde_json::Value = serde_json::from_slice(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
         let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad(format!("{}: no weight_map", index.display())))?;
         let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
         files.sort();
         files.dedup();
+        if let Some(outside) = files.iter().find(|f| f.is_empty() || f.contains(['/', '\\']) || *f == "." || *f == "..") {
+            return Err(bad(format!("{}: the weight_map names `{outside}`, which is not a file of the folder", index.display())));
+        }
         files.into_iter().map(|f| dir.join(f)).collect()
     } else {
         vec![dir.join("model.safetensors")]
     };
     let mut out = Tensors::new();
     for file in files {
-        let bytes = std::fs::read(&file).map_err(|e| bad(format!("{}: {e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)", file.display())))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("{}: {e}", file.display())))?;
-        for (name, view) in st.tensors() {
-            let data = view.data();
-            let values: Vec<f64> = match view.dtype() {
-                Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
-                Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
-                Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
-                Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
-                // GPT-2's causal-mask buffers (bool or integer) are not parameters.
-                _ if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") => continue,
-                other => {
-                    return Err(bad(format!("{}: tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)", file.display())));
-                }
-            };
+        let bytes = read_regular(&file, u64::MAX).map_err(|e| bad(format!("{e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)")))?;
+        for (name, tensor) in parse_safetensors(&bytes).map_err(|e| bad(format!("{}: {e}", file.display())))? {
             if out.contains_key(&name) {
                 return Err(bad(format!("{}: tensor `{name}` is also in another file of the folder: keep one copy", file.display())));
             }
-            out.insert(name, (view.shape().to_vec(), values));
+            out.insert(name, tensor);
         }
+    }
+    Ok(out)
+}
+
+/// Reads `path` whole if it is a regular file of at most `limit` bytes (a device such as
+/// /dev/zero never ends).
+fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, RuntimeError> {
+    let fail = |e: String| bad(format!("{}: {e}", path.display()));
+    let meta = std::fs::metadata(path).map_err(|e| fail(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(fail("not a regular file".into()));
+    }
+    if meta.len() > limit {
+        return Err(fail(format!("{} bytes, more than the {limit} this file may have", meta.len())));
+    }
+    std::fs::read(path).map_err(|e| fail(e.to_string()))
+}
+
+/// The tensors of one safetensors file (its bytes: the header's length, the JSON header, the
+/// data), as f64: floating-point tensors (f32, f64, bf16, f16) are read; GPT-2's mask buffers
+/// (bool or integer) are skipped; any other integer tensor is an error naming it. The header
+/// is checked by the `safetensors` crate (offsets within the data, sizes matching shapes), so
+/// every tensor returned has as many values as its shape has elements.
+pub fn parse_safetensors(bytes: &[u8]) -> Result<Vec<(String, (Vec<usize>, Vec<f64>))>, RuntimeError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        let data = view.data();
+        let values: Vec<f64> = match view.dtype() {
+            Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
+            Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
+            Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
+            Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
+            // GPT-2's causal-mask buffers (bool or integer) are not parameters.
+            _ if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") => continue,
+            other => {
+                return Err(bad(format!("tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)")));
+            }
+        };
+        out.push((name, (view.shape().to_vec(), values)));
     }
     Ok(out)
 }
