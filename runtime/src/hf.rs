@@ -86,9 +86,9 @@ fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, RuntimeError> {
 /// (bool or integer) are skipped; any other integer tensor is an error naming it. The header
 /// is checked by the `safetensors` crate (offsets within the data, sizes matching shapes), so
 /// every tensor returned has as many values as its shape has elements.
-pub fn parse_safetensors(bytes: &[u8]) -> Result<Vec<(String, (Vec<usize>, Vec<f64>))>, RuntimeError> {
+pub fn parse_safetensors(bytes: &[u8]) -> Result<Tensors, RuntimeError> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let mut out = Vec::new();
+    let mut out = Tensors::new();
     for (name, view) in st.tensors() {
         let data = view.data();
         let values: Vec<f64> = match view.dtype() {
@@ -102,7 +102,7 @@ pub fn parse_safetensors(bytes: &[u8]) -> Result<Vec<(String, (Vec<usize>, Vec<f
                 return Err(bad(format!("tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)")));
             }
         };
-        out.push((name, (view.shape().to_vec(), values)));
+        out.insert(name, (view.shape().to_vec(), values));
     }
     Ok(out)
 }

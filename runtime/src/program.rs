@@ -577,13 +577,11 @@ impl Program {
             }
         }
         // Plans with an arena also carry its peak and the live bound (older ones leave them 0).
-        if !m.offsets.is_empty() {
-            if (m.live_bound_bytes as u128) < largest || m.temporary_bytes < m.live_bound_bytes || m.arena_bytes != m.temporary_bytes {
-                return Err(format!(
-                    "the memory plan's peak of temporaries ({} bytes, arena {}) must be at least its live bound ({}), itself at least the largest temporary ({largest})",
-                    m.temporary_bytes, m.arena_bytes, m.live_bound_bytes
-                ));
-            }
+        if !m.offsets.is_empty() && ((m.live_bound_bytes as u128) < largest || m.temporary_bytes < m.live_bound_bytes || m.arena_bytes != m.temporary_bytes) {
+            return Err(format!(
+                "the memory plan's peak of temporaries ({} bytes, arena {}) must be at least its live bound ({}), itself at least the largest temporary ({largest})",
+                m.temporary_bytes, m.arena_bytes, m.live_bound_bytes
+            ));
         }
         Ok(())
     }

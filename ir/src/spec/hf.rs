@@ -140,10 +140,10 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
             require(config, "mlp_bias", |v| v.as_bool() == Some(false), "Llama layers have no biases in shardc")?;
             require(config, "pretraining_tp", |v| v.as_u64() == Some(1), "sliced pretraining-tp projections are not implemented")?;
             let heads = uint(config, "num_attention_heads")?;
-            if let Some(head_dim) = config.get("head_dim").and_then(Value::as_u64) {
-                if head_dim.checked_mul(heads) != Some(uint(config, "hidden_size")?) {
-                    return Err(format!("config.json: `head_dim` = {head_dim} is not hidden_size / num_attention_heads; shardc derives it"));
-                }
+            if let Some(head_dim) = config.get("head_dim").and_then(Value::as_u64)
+                && head_dim.checked_mul(heads) != Some(uint(config, "hidden_size")?)
+            {
+                return Err(format!("config.json: `head_dim` = {head_dim} is not hidden_size / num_attention_heads; shardc derives it"));
             }
             (
                 ModelSpec {
