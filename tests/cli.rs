@@ -710,6 +710,10 @@ fn sizes_past_the_tensor_limit_are_refused_naming_the_field() {
     let out = shardc(&["compile", "--hf", hf.to_str().unwrap()]);
     assert!(!out.status.success() && stderr(&out).contains("model.hidden") && stderr(&out).contains("(2^48)"), "{}", stderr(&out));
     assert!(!stderr(&out).contains("panicked"));
+    // Device code: attention's grid has one block per (sequence, head) pair in y, where CUDA
+    // allows 65535; more were cast to u32 and launched (or failed at launch).
+    let out = shardc(&["compile", "models/tiny.toml", "--target", "cuda", "--micro-batch", "20000", "--global-batch", "20000"]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("80000 blocks in the grid's y dimension, more than the 65535 CUDA allows"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
