@@ -843,6 +843,8 @@ fn inspect_refuses_plans_whose_numbers_do_not_add_up() {
     }
     for (args, says) in [
         (vec!["plan", "models/tiny.toml", "--gpus", "8", "--global-batch", "18446744073709551615"], "exceeds the largest supported size"),
+        // Plans with more micro-batches than a step compiles were listed first.
+        (vec!["plan", "models/tiny.toml", "--gpus", "8", "--global-batch", "2147483648"], "needs more than the 4096 micro-batches a step may have"),
         (vec!["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "18446744073709551615"], "between 1 and 64"),
         (vec!["schedule", "--pp", "1048576", "--microbatches", "1048576"], "a schedule may have"),
     ] {
