@@ -492,7 +492,7 @@ fn calibrate_cuda(args: &CalibrateArgs) -> Result<()> {
     }
     match &args.measured {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| miette!(help = "give the measured.json that `shardc-gpu calibrate DIR` wrote", "--measured {}: {e}", path.display()))?;
+            let text = crate::input::read_text("--measured", path, crate::input::MAX_TEXT_BYTES)?;
             let measured: std::collections::BTreeMap<String, f64> = serde_json::from_str(&text).map_err(|e| miette!(help = "give the measured.json that `shardc-gpu calibrate DIR` wrote", "--measured {}: {e}", path.display()))?;
             for (name, _, sample) in &mut kernels {
                 let seconds = *measured.get(name).ok_or_else(|| {

@@ -18,11 +18,26 @@ fn family(spec: &Spec) -> Result<Family> {
     }
 }
 
-/// The weights of a Hugging Face folder as shardc parameters, checked against the spec.
+/// The weights of a Hugging Face folder as shardc parameters, checked against the spec: every
+/// tensor must have the shape the spec (its config.json) gives the parameter it becomes.
 pub fn load_weights(dir: &Path, spec: &Spec) -> Result<Tensors> {
     let raw = rhf::read_dir(dir).into_diagnostic()?;
-    let params = rhf::import(family(spec)?, &raw, spec.model.tied_embeddings).into_diagnostic().wrap_err_with(|| format!("reading the weights of {}", dir.display()))?;
+    let params = rhf::import(family(spec)?, &raw, spec.model.tied_embeddings, &parameter_shapes(spec)?).into_diagnostic().wrap_err_with(|| format!("reading the weights of {}", dir.display()))?;
     Ok(params)
+}
+
+/// The shape of every parameter of the spec's model, as the frontend declares it (a padded
+/// vocabulary's real size).
+fn parameter_shapes(spec: &Spec) -> Result<std::collections::BTreeMap<String, Vec<usize>>> {
+    let module = shardc_ir::spec::lower(spec, spec.step_shape(&shardc_ir::mesh::Mesh::default())).into_diagnostic()?;
+    let forward = module.func("forward").ok_or_else(|| miette!("the frontend produced no @forward"))?;
+    Ok(forward
+        .args_with(shardc_ir::graph::ArgRole::Param)
+        .filter_map(|a| {
+            let shape = a.unpadded.clone().or_else(|| forward.tensor(a.value).map(|t| t.shape.clone()))?;
+            Some((a.name.clone(), shape.iter().map(|&d| d.max(0) as usize).collect()))
+        })
+        .collect())
 }
 
 /// Writes `config.json` and `model.safetensors` for the parameters of `state`.

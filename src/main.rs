@@ -10,6 +10,8 @@ mod calibrate;
 mod data;
 mod fit;
 mod hf;
+mod host;
+mod input;
 mod inspect;
 mod options;
 mod plan;
@@ -195,7 +197,7 @@ fn main() -> Result<()> {
             match check {
                 None => print!("{generated}"),
                 Some(path) => {
-                    let on_disk = std::fs::read_to_string(&path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
+                    let on_disk = input::read_text("--check", &path, input::MAX_TEXT_BYTES)?;
                     if on_disk != generated {
                         return Err(miette!(
                             help = "regenerate it: shardc dialect > ir/dialect/xf.irdl.mlir",
@@ -344,7 +346,7 @@ fn compile(
         println!("  warning     {line}");
     }
     if let Some(path) = output {
-        let plan = PlanFile { format_version: 1, spec, mesh, passes: names.iter().map(|n| n.to_string()).collect(), summary, programs };
+        let plan = PlanFile { format_version: shardc_runtime::inspect::PLAN_FORMAT_VERSION, spec, mesh, passes: names.iter().map(|n| n.to_string()).collect(), summary, programs };
         let json = serde_json::to_string(&plan).into_diagnostic()?;
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).into_diagnostic().wrap_err_with(|| format!("creating {}", parent.display()))?;

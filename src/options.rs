@@ -191,7 +191,7 @@ impl StepArgs {
         use shardc_ir::cluster::{Cluster, GPU_PRESETS};
         match &self.cluster {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| miette!("--cluster: reading {}: {e}", path.display()))?;
+                let text = crate::input::read_text("--cluster", path, crate::input::MAX_TEXT_BYTES)?;
                 Cluster::from_toml(&text).map_err(|e| miette!(help = "see the cluster fields in ir/src/cluster.rs", "--cluster {}: {e}", path.display()))
             }
             None => {
@@ -278,7 +278,7 @@ impl StepArgs {
         let mut spec = match (self.hf_dir(path), path) {
             (Some(dir), _) => {
                 let config = dir.join("config.json");
-                let text = std::fs::read_to_string(&config).map_err(|e| miette!("reading {}: {e}", config.display()))?;
+                let text = crate::input::read_text("--hf", &config, crate::input::MAX_TEXT_BYTES)?;
                 let name = dir.file_name().map_or_else(|| "hf-model".into(), |n| n.to_string_lossy().to_string());
                 let (spec, _) = spec::hf::from_hf_config(&text, &name, self.seq.unwrap_or(128), self.micro_batch.unwrap_or(1))
                     .map_err(|e| miette!(help = "shardc reads GPT-2 and Llama configurations", "{}: {e}", dir.display()))?;

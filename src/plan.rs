@@ -25,6 +25,9 @@ use shardc_runtime::schedule::{generate, simulate, Costs, Kind};
 
 use crate::options::StepArgs;
 
+/// Most micro-batches per step a listed plan may have: what `--microbatches` accepts.
+const MAX_MICROBATCHES: u64 = 4096;
+
 /// Arguments of `shardc plan`.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -282,6 +285,8 @@ pub struct Searched {
     pub plans: Vec<Plan>,
     /// Strategies considered.
     pub considered: usize,
+    /// Whether splits were skipped for needing more than [`MAX_MICROBATCHES`] micro-batches.
+    pub too_many_microbatches: bool,
     /// Unit costs of each one-layer variant ([`Plan::unit`] indexes them).
     pub units: Vec<UnitCosts>,
     /// What the data-parallel collectives move per parameter under each ZeRO stage.
@@ -354,6 +359,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let mut cache = HashMap::new();
     let mut plans = Vec::new();
     let mut considered = 0usize;
+    let mut too_many_microbatches = false;
     for (index, (&(tp, sp, rname, _), u)) in variants.iter().zip(&units).enumerate() {
         for pp in (1..=layers.min(gpus / tp)).filter(|&p| layers % p == 0 && gpus % (tp * p) == 0) {
             let dp = gpus / (tp * pp);
@@ -363,6 +369,12 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
             let per_replica = global_batch / dp;
             for b in [1u64, 2, 4, 8, 16].into_iter().filter(|b| per_replica % b == 0) {
                 let mbs = per_replica / b;
+                // A step compiles at most MAX_MICROBATCHES micro-batches (`--microbatches`):
+                // a plan with more could not be run as listed.
+                if mbs > MAX_MICROBATCHES {
+                    too_many_microbatches = true;
+                    continue;
+                }
                 let kinds: Vec<(Kind, &'static str, u64)> = if pp == 1 {
                     vec![(Kind::OneFOneB, "-", 1)]
                 } else {
@@ -476,7 +488,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     }
     // Fastest first; among equals, the one that leaves more memory free.
     plans.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds).then(a.memory.total_cmp(&b.memory)));
-    Ok(Searched { plans, considered, units, traffic })
+    Ok(Searched { plans, considered, too_many_microbatches, units, traffic })
 }
 
 /// `shardc plan`.
@@ -509,7 +521,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     spinner.enable_steady_tick(std::time::Duration::from_millis(100));
     let searched = search(&spec, &cluster, args.gpus, global_batch);
     spinner.finish_and_clear();
-    let Searched { plans, considered, units, traffic } = searched?;
+    let Searched { plans, considered, too_many_microbatches, units, traffic } = searched?;
     let elapsed = start.elapsed().as_secs_f64();
     println!(
         "shardc plan: {} on {} x {} ({} per node), global batch {} x {} tokens: {} strategies considered, {} fit, {:.2} s",
@@ -523,6 +535,13 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         plans.len(),
         elapsed
     );
+    if considered == 0 && too_many_microbatches {
+        return Err(miette!(
+            help = format!("use a smaller --global-batch, or more GPUs (at most {MAX_MICROBATCHES} x 16 sequences per data-parallel replica)"),
+            "every split of the global batch of {global_batch} sequences over {} GPUs needs more than the {MAX_MICROBATCHES} micro-batches a step may have",
+            args.gpus
+        ));
+    }
     if considered == 0 {
         return Err(miette!(
             help = format!("use a GPU count whose data-parallel part divides the global batch of {global_batch} sequences (tensor parallelism stays within a node of {})", cluster.gpus_per_node),

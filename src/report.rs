@@ -38,13 +38,51 @@ fn field_diagnostic(errors: &SpecErrors, e: &SpecError, headline: bool) -> Field
     } else {
         format!("invalid model spec {}: field `{}`: {}", errors.source_name, e.field, e.message)
     };
-    FieldDiagnostic {
-        title,
-        source_code: NamedSource::new(&errors.source_name, errors.text.clone()),
-        span: e.span.clone().map(|s| SourceSpan::from(s.start..s.end.max(s.start))),
-        label: if e.field.is_empty() { "here".into() } else { e.field.clone() },
-        help: e.help.clone(),
+    let (source_code, span) = located(&errors.source_name, &errors.text, e.span.clone());
+    FieldDiagnostic { title, source_code, span, label: if e.field.is_empty() { "here".into() } else { e.field.clone() }, help: e.help.clone() }
+}
+
+/// Longest source line shown whole under an error; longer ones are cut to the span and
+/// [`EXCERPT_CONTEXT`] bytes around it (miette renders a line whole: a spec of one 15 MB line
+/// took half a minute and printed all of it).
+const MAX_SHOWN_LINE: usize = 512;
+
+/// Bytes of a long line shown on each side of the span.
+const EXCERPT_CONTEXT: usize = 80;
+
+/// Longest span marked in an excerpt.
+const MAX_MARKED: usize = 160;
+
+/// The source to show under an error at `span` of `text`, and the span in it: the file as it
+/// is, or, when the span's line is too long to show, an excerpt of that line around the span
+/// named after the file with its line and columns.
+fn located(name: &str, text: &str, span: Option<std::ops::Range<usize>>) -> (NamedSource<String>, Option<SourceSpan>) {
+    let Some(span) = span else {
+        // Without a span nothing of the source is shown.
+        return (NamedSource::new(name, String::new()), None);
+    };
+    let floor = |mut i: usize| {
+        i = i.min(text.len());
+        while !text.is_char_boundary(i) {
+            i -= 1;
+        }
+        i
+    };
+    let (start, end) = (floor(span.start), floor(span.end.max(span.start)));
+    let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text[end..].find('\n').map_or(text.len(), |i| end + i);
+    if line_end - line_start <= MAX_SHOWN_LINE {
+        return (NamedSource::new(name, text.to_string()), Some(SourceSpan::from(start..end)));
     }
+    let marked_end = floor(end.min(start.saturating_add(MAX_MARKED)));
+    let (from, to) = (floor(start.saturating_sub(EXCERPT_CONTEXT).max(line_start)), floor(marked_end.saturating_add(EXCERPT_CONTEXT).min(line_end)));
+    let (before, after) = (if from > line_start { "..." } else { "" }, if to < line_end { "..." } else { "" });
+    let excerpt = format!("{before}{}{after}", &text[from..to]);
+    let line = text[..start].matches('\n').count() + 1;
+    let column = text[line_start..start].chars().count() + 1;
+    let named = format!("{name}, line {line} from column {column} (an excerpt of a {}-byte line)", line_end - line_start);
+    let offset = before.len() + start - from;
+    (NamedSource::new(named, excerpt), Some(SourceSpan::from(offset..offset + (marked_end - start))))
 }
 
 /// A report for every error of a spec.

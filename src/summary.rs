@@ -396,14 +396,7 @@ pub fn thousands(n: u64) -> String {
 
 /// Bytes in binary units.
 pub fn bytes(n: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < units.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 { format!("{n} B") } else { format!("{value:.1} {}", units[unit]) }
+    shardc_runtime::inspect::bytes(n)
 }
 
 /// FLOPs in decimal units.

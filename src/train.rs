@@ -120,7 +120,21 @@ fn check_backend(backend: &str) -> Result<()> {
     }
 }
 
+/// `--steps N` of `run` and `bench`: the step counter the compiled step reads is 32-bit, so
+/// larger counts are refused before any work (they would fail at step 2^31, or overflow).
+fn check_steps(flag: &str, steps: u64) -> Result<()> {
+    if steps > shardc_runtime::train::MAX_STEPS {
+        return Err(miette!(
+            help = format!("give at most {} steps", shardc_runtime::train::MAX_STEPS),
+            "{flag} {steps}: the training step counts its iterations in a 32-bit integer (AdamW's bias correction reads it), so a run has at most {} steps",
+            shardc_runtime::train::MAX_STEPS
+        ));
+    }
+    Ok(())
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
+    check_steps("--steps", args.steps)?;
     check_backend(&args.backend)?;
     // The learning rate decays over the whole run unless told otherwise (as Megatron-LM's
     // --lr-decay-iters defaults to --train-iters).
@@ -166,6 +180,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return run_partitioned(args, &spec, mesh);
     }
     let program = compile_train_step(&spec, &args.step)?;
+    crate::host::refuse_if_over_memory(std::slice::from_ref(&program))?;
     let peak = program.cpu_storage_bytes();
     let mut corpus = training_corpus(args, &spec)?;
     let mut checkpoints = Checkpoints::new(args, &spec)?;
@@ -193,7 +208,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let bar = ProgressBar::new(to_run);
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").into_diagnostic()?);
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(to_run.min(1 << 20) as usize);
+    // The first loss, the last ten and the count: memory that does not grow with --steps.
+    let mut losses = LossSummary::default();
     for step in 1..=to_run {
         let loss = trainer.step(&corpus).into_diagnostic()?;
         if !loss.is_finite() {
@@ -211,7 +227,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             let state = trainer.state().into_diagnostic()?;
             bar.suspend(|| evaluation.report(at, &state, &corpus))?;
         }
-        let tokens_per_s = (step as usize * trainer.tokens_per_step()) as f64 / start.elapsed().as_secs_f64();
+        let tokens_per_s = step as f64 * trainer.tokens_per_step() as f64 / start.elapsed().as_secs_f64();
         bar.set_message(format!("loss {loss:.4}  {tokens_per_s:.0} tokens/s"));
         bar.inc(1);
         if args.log_every > 0 && step % args.log_every == 0 {
@@ -219,13 +235,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    if let (Some(first), Some(_)) = (losses.first(), losses.last()) {
+    if let Some(first) = losses.first {
         // The last ten steps' mean smooths the batch-to-batch noise.
-        let tail = &losses[losses.len().saturating_sub(10)..];
+        let tail = &losses.tail;
         let last = tail.iter().sum::<f64>() / tail.len() as f64;
         let elapsed = start.elapsed().as_secs_f64();
         println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
-        println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.len() as f64, (losses.len() * trainer.tokens_per_step()) as f64 / elapsed);
+        println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.count as f64, losses.count as f64 * trainer.tokens_per_step() as f64 / elapsed);
     }
     let state = trainer.state().into_diagnostic()?;
     if let Some(dir) = &args.save_hf {
@@ -233,6 +249,26 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     save_parameters(args, Some(&state), std::slice::from_ref(&program))?;
     Ok(())
+}
+
+/// What the run's summary reports of its losses, kept in constant memory however many steps
+/// run: the first, the last ten, and how many.
+#[derive(Default)]
+struct LossSummary {
+    first: Option<f64>,
+    tail: std::collections::VecDeque<f64>,
+    count: u64,
+}
+
+impl LossSummary {
+    fn push(&mut self, loss: f64) {
+        self.first.get_or_insert(loss);
+        if self.tail.len() == 10 {
+            self.tail.pop_front();
+        }
+        self.tail.push_back(loss);
+        self.count += 1;
+    }
 }
 
 /// Arguments of `shardc bench`.
@@ -293,6 +329,7 @@ fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Res
     let step = StepArgs { global_batch: None, ..args.step.clone() };
     let pipelined = mesh.pp > 1 || step.microbatches.unwrap_or(1) > 1;
     let programs = if pipelined { compile_pipeline_programs(spec, &step, mesh)? } else { vec![compile_train_step_on(spec, &step, mesh)?] };
+    crate::host::refuse_if_over_memory(&programs)?;
     let corpus = synthetic_corpus(spec)?;
     let timeout = std::time::Duration::from_secs(600);
     let layers = spec.model.layers as usize;
@@ -346,6 +383,8 @@ fn print_profile(program: &Program, seconds: &[f64], cluster: &shardc_ir::cluste
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    // One warm-up step comes before the timed ones.
+    check_steps("--steps", args.steps.saturating_add(1))?;
     let spec = args.step.load_spec(Some(&args.spec))?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
     if mesh.dp * mesh.tp * mesh.pp > 1 {
@@ -361,6 +400,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     // A benchmark times one micro-batch's training step, whatever the global batch.
     let step = StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() };
     let program = compile_train_step(&spec, &step)?;
+    crate::host::refuse_if_over_memory(std::slice::from_ref(&program))?;
     let compile_s = compile_start.elapsed().as_secs_f64();
     let (planned, cpu_slots) = (program.peak_bytes(), program.cpu_storage_bytes());
     let predicted = if args.step.hardware_given() { Some(predicted_step(&spec, &step, mesh, std::slice::from_ref(&program))?) } else { None };
@@ -479,7 +519,7 @@ impl Checkpoints {
         let Some(dir) = &args.resume else {
             // `--load FILE` starts from its parameters (global tensors by name).
             if let Some(path) = &args.load {
-                let bytes = std::fs::read(path).into_diagnostic().wrap_err_with(|| format!("reading {}", path.display()))?;
+                let bytes = crate::input::read_file("--load", path)?;
                 let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
                 let params = tensors.into_iter().map(|(name, (shape, values))| (name, (shape, values.into_iter().map(f64::from).collect()))).collect();
                 return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));
@@ -554,6 +594,7 @@ impl Checkpoints {
 
 fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     let program = compile_train_step_on(spec, &args.step, mesh)?;
+    crate::host::refuse_if_over_memory(std::slice::from_ref(&program))?;
     let mut corpus = training_corpus(args, spec)?;
     println!(
         "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} steps, seed {}, CPU storage per rank {}",
@@ -672,14 +713,19 @@ fn print_data(corpus: &Corpus, evaluation: Option<&crate::data::Evaluation>) {
 /// The runs between the iterations where a run stops to checkpoint or evaluate, when
 /// `steps` iterations follow iteration `first`: multiples of each period, counted from the
 /// start of training, and the end.
-fn segments(first: u64, steps: u64, periods: &[Option<u64>]) -> Vec<u64> {
-    let (mut out, mut at, end) = (Vec::new(), first, first.saturating_add(steps));
-    while at < end {
-        let next = periods.iter().flatten().map(|&every| (at / every.max(1)).saturating_add(1).saturating_mul(every.max(1))).fold(end, u64::min);
-        out.push(next - at);
+fn segments(first: u64, steps: u64, periods: &[Option<u64>]) -> impl Iterator<Item = u64> + use<> {
+    // Lazy: `--checkpoint-every 1` over millions of steps holds no list of them.
+    let periods: Vec<u64> = periods.iter().flatten().map(|&every| every.max(1)).collect();
+    let (mut at, end) = (first, first.saturating_add(steps));
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let next = periods.iter().map(|&every| (at / every).saturating_add(1).saturating_mul(every)).fold(end, u64::min);
+        let segment = next - at;
         at = next;
-    }
-    out
+        Some(segment)
+    })
 }
 
 /// A multi-rank run's failure; a loss that stopped being finite (the run stopped at that step,
@@ -731,6 +777,7 @@ fn collective_algorithm(name: &str) -> Result<shardc_runtime::collectives::Algor
 /// `shardc run` with pipeline stages or several micro-batches per step.
 fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
+    crate::host::refuse_if_over_memory(&programs)?;
     let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
     let algorithm = collective_algorithm(&args.collectives)?;
     let mut corpus = training_corpus(args, spec)?;

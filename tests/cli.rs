@@ -663,11 +663,6 @@ fn run_trains_outside_the_repository() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// An error as one line: miette's wrapping (line breaks and `│` margins) taken out.
-fn unwrapped(text: &str) -> String {
-    text.replace('│', " ").split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
 /// Writes `ids` as a Megatron-LM indexed dataset `PREFIX.bin` + `PREFIX.idx` of int32 tokens
 /// (dtype code 4), cut into documents of `doc` tokens, as Megatron's `_IndexWriter` does.
 fn write_megatron(prefix: &std::path::Path, ids: &[u32], doc: usize) {
@@ -906,6 +901,291 @@ fn huge_or_zero_sizes_are_refused_up_front() {
     // A timeout too large for the clock waits as long as it must.
     let out = shardc(&["run", "models/tiny.toml", "--steps", "2", "--mesh", "dp=2", "--micro-batch", "4", "--timeout", "18446744073709551615"]);
     assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// `text` with miette's wrapping undone: the frame characters dropped and every run of
+/// whitespace one space, so that a message can be matched whole wherever it wrapped.
+fn unwrapped(text: &str) -> String {
+    text.replace(['│', '╰', '─', '▶', '×'], " ").split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Sizes that each pass but multiply into a tensor past 2^48 elements (codegen's byte counts
+/// overflowed on a `hidden` of 2^31) are refused naming the field and the limit, from a spec
+/// and from a Hugging Face config alike (issue 17).
+#[test]
+fn sizes_past_the_tensor_limit_are_refused_naming_the_field() {
+    let dir = tempdir("tensor-limit");
+    let text = std::fs::read_to_string(root().join("models/tiny-llama.toml")).unwrap();
+    let wide = text.replace("hidden = 16\n", "hidden = 2147483648\n").replace("heads = 4\n", "heads = 1\n").replace("kv_heads = 2\n", "kv_heads = 1\n");
+    assert_ne!(wide, text);
+    let spec = dir.join("wide.toml");
+    std::fs::write(&spec, wide).unwrap();
+    let out = shardc(&["compile", spec.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("model.hidden") && stderr(&out).contains("(2^48)"), "{}", stderr(&out));
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root().join("tests/data/hf-tiny-llama/config.json")).unwrap()).unwrap();
+    let fields = config.as_object_mut().unwrap();
+    fields.remove("head_dim");
+    fields.insert("hidden_size".into(), (1u64 << 31).into());
+    std::fs::write(hf.join("config.json"), config.to_string()).unwrap();
+    let out = shardc(&["compile", "--hf", hf.to_str().unwrap()]);
+    assert!(!out.status.success() && stderr(&out).contains("model.hidden") && stderr(&out).contains("(2^48)"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"));
+    // Device code: attention's grid has one block per (sequence, head) pair in y, where CUDA
+    // allows 65535; more were cast to u32 and launched (or failed at launch).
+    let out = shardc(&["compile", "models/tiny.toml", "--target", "cuda", "--micro-batch", "20000", "--global-batch", "20000"]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("80000 blocks in the grid's y dimension, more than the 65535 CUDA allows"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--steps` past the 32-bit step counter the compiled step reads is refused before any work,
+/// naming the limit: u64::MAX overflowed a capacity, 10^12 reserved terabytes (issue 17).
+#[test]
+fn step_counts_past_the_counter_are_refused_up_front() {
+    let started = std::time::Instant::now();
+    for args in [
+        vec!["run", "models/tiny.toml", "--steps", "18446744073709551615"],
+        vec!["run", "models/tiny.toml", "--steps", "1000000000000"],
+        vec!["run", "models/tiny-llama.toml", "--steps", "2147483648", "--mesh", "pp=2"],
+        vec!["bench", "models/tiny.toml", "--steps", "18446744073709551615"],
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && stderr(&out).contains("--steps") && stderr(&out).contains("at most 2147483647 steps"), "{args:?}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{args:?}");
+    }
+    assert!(started.elapsed().as_secs() < 30, "refused only after working");
+}
+
+/// A checkpoint manifest edited by hand (step, mesh, splits, shapes) is refused naming the
+/// field or tensor: these panicked on an index, aborted allocating, or resumed garbage
+/// (issue 17).
+#[test]
+fn edited_checkpoint_manifests_are_refused_by_name() {
+    let dir = tempdir("ckpt-edited");
+    let ckpt = dir.join("ckpt");
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "2", "--mesh", "dp=2,tp=2", "--checkpoint", ckpt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let saved = ckpt.join("step-00000002");
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(saved.join("manifest.json")).unwrap()).unwrap();
+    let edits: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        ("step", Box::new(|m| m["step"] = serde_json::json!(1u64 << 40)), "`step` is 1099511627776"),
+        ("negative step", Box::new(|m| m["step"] = serde_json::json!(-1)), "`step`: invalid value"),
+        ("mesh", Box::new(|m| m["mesh"] = serde_json::json!([4])), "names grid axis 1"),
+        ("huge mesh", Box::new(|m| m["mesh"] = serde_json::json!([1u64 << 32, 1u64 << 32, 1])), "more than 1048576 ranks"),
+        ("split", Box::new(|m| m["tensors"][0]["split"] = serde_json::json!([[7], []])), "names grid axis 7"),
+        ("huge shape", Box::new(|m| m["tensors"][0]["global_shape"] = serde_json::json!([1u64 << 40, 1u64 << 40])), "elements a tensor may have"),
+        ("shape", Box::new(|m| m["tensors"][0]["global_shape"] = serde_json::json!([1u64 << 31, 16])), "makes shards of [1073741824, 16]"),
+        ("swapped mesh", Box::new(|m| m["mesh"] = serde_json::json!([1, 4, 1])), "over the mesh [1, 4, 1] makes shards of"),
+    ];
+    for (what, edit, says) in edits {
+        let mut manifest = original.clone();
+        edit(&mut manifest);
+        std::fs::write(saved.join("manifest.json"), manifest.to_string()).unwrap();
+        let out = shardc(&["run", "models/tiny.toml", "--steps", "4", "--mesh", "dp=2,tp=2", "--resume", ckpt.to_str().unwrap()]);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{what}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{what}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Hugging Face folder whose tensor has the wrong rank or size (a 1-D `lm_head.weight`, a
+/// scalar `c_attn`) is an error naming the tensor and the shape its config makes it; these
+/// panicked on an index or an underflow (issue 17).
+#[test]
+fn hugging_face_tensors_of_the_wrong_shape_are_named() {
+    let dir = tempdir("hf-shapes");
+    for (family, tensor, shape, wanted) in [
+        ("llama", "lm_head.weight", vec![1024], "[64, 16]"),
+        ("llama", "model.layers.1.self_attn.k_proj.weight", vec![16, 8], "[8, 16]"),
+        ("gpt2", "transformer.h.0.attn.c_attn.weight", vec![], "[16, 48]"),
+        ("gpt2", "transformer.h.1.attn.c_attn.bias", vec![], "[48]"),
+    ] {
+        let hf = dir.join(format!("{family}-{tensor}"));
+        std::fs::create_dir_all(&hf).unwrap();
+        let source = root().join(format!("tests/data/hf-tiny-{family}"));
+        std::fs::copy(source.join("config.json"), hf.join("config.json")).unwrap();
+        let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = shardc_runtime::hf::read_dir(&source)
+            .unwrap()
+            .into_iter()
+            .map(|(name, (old, values))| {
+                let values: Vec<f32> = values.into_iter().map(|v| v as f32).collect();
+                if name != tensor {
+                    return (name, old, values);
+                }
+                let len = shape.iter().product::<usize>();
+                (name, shape.clone(), values[..len].to_vec())
+            })
+            .collect();
+        shardc_runtime::hf::write_safetensors(&hf.join("model.safetensors"), &tensors).unwrap();
+        // Text whose bytes are all inside the tiny vocabulary of 64, so that the run gets as
+        // far as the weights.
+        let data = dir.join("digits.txt");
+        std::fs::write(&data, "0123456789 ".repeat(200)).unwrap();
+        for args in [vec!["logits", "--hf", hf.to_str().unwrap(), "--tokens", "1,2,3"], vec!["run", "--hf", hf.to_str().unwrap(), "--steps", "1", "--data", data.to_str().unwrap()]] {
+            let out = shardc(&args);
+            let text = unwrapped(&stderr(&out));
+            assert!(!out.status.success() && text.contains(&format!("`{tensor}` has shape {shape:?}; its config.json makes it {wanted}")), "{args:?}: {}", stderr(&out));
+            assert!(!text.contains("panicked"), "{args:?}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `inspect` of a plan whose byte counts were edited (u64::MAX, or less than its buffers
+/// need) or whose versions are unknown refuses it naming the field, instead of printing what
+/// the buffers do not make; a long schedule is abbreviated; and the step shapes issue 17
+/// listed are refused or priced as printed (issue 17).
+#[test]
+fn inspect_refuses_plans_whose_numbers_do_not_add_up() {
+    let dir = tempdir("inspect-edited");
+    let plan = dir.join("plan.json");
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "pp=2", "--microbatches", "4096", "-o", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The micro-batches printed are the ones priced: 4096 of 2 sequences of 8 tokens.
+    let text = stdout(&out);
+    assert!(text.contains("4096 micro-batches per step (global batch 8192 sequences)"), "{text}");
+    let out = shardc(&["inspect", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("... and ") && stdout(&out).len() < 20_000, "{}", stdout(&out).len());
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let max = serde_json::json!(u64::MAX);
+    let edits: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        (Box::new(|p| p["programs"][0]["memory"]["argument_bytes"] = max.clone()), "`argument_bytes` is 18446744073709551615 bytes, but its buffers make"),
+        (Box::new(|p| p["programs"][1]["memory"]["temporary_bytes"] = max.clone()), "`temporary_bytes` is 18446744073709551615 bytes, more than"),
+        (Box::new(|p| p["programs"][1]["memory"]["arena_bytes"] = serde_json::json!(16)), "must be at least its live bound"),
+        (Box::new(|p| p["programs"][0]["memory"]["slots"][0][0] = max.clone()), "more than the 281474976710656 a buffer may have"),
+        (Box::new(|p| p["programs"][0]["format_version"] = serde_json::json!(7)), "format version 7"),
+        (Box::new(|p| p["format_version"] = serde_json::json!(7)), "plan `format_version` is 7"),
+        (Box::new(|p| p["programs"][2]["mesh"] = serde_json::json!([u64::MAX, 2])), "mesh [18446744073709551615, 2]"),
+    ];
+    for (edit, says) in edits {
+        let mut edited = original.clone();
+        edit(&mut edited);
+        std::fs::write(&plan, edited.to_string()).unwrap();
+        let out = shardc(&["inspect", plan.to_str().unwrap()]);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{says}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"));
+    }
+    for (args, says) in [
+        (vec!["plan", "models/tiny.toml", "--gpus", "8", "--global-batch", "18446744073709551615"], "exceeds the largest supported size"),
+        // Plans with more micro-batches than a step compiles were listed first.
+        (vec!["plan", "models/tiny.toml", "--gpus", "8", "--global-batch", "2147483648"], "needs more than the 4096 micro-batches a step may have"),
+        (vec!["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual-stages", "18446744073709551615"], "between 1 and 64"),
+        (vec!["schedule", "--pp", "1048576", "--microbatches", "1048576"], "a schedule may have"),
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every file argument is read bounded: `/dev/zero` as a spec, plan, cluster file, measured
+/// times, dialect or weights is an error naming the flag, not a read until memory runs out
+/// (issue 17).
+#[test]
+fn endless_input_files_are_refused_naming_the_flag() {
+    let started = std::time::Instant::now();
+    for (args, says) in [
+        (vec!["ir", "/dev/zero"], "larger than 16 MiB"),
+        (vec!["compile", "/dev/zero"], "larger than 16 MiB"),
+        (vec!["compile", "models/tiny.toml", "--cluster", "/dev/zero"], "--cluster /dev/zero: more than 16.0 MiB"),
+        (vec!["inspect", "/dev/zero"], "inspect /dev/zero: more than 256.0 MiB"),
+        (vec!["dialect", "--check", "/dev/zero"], "--check /dev/zero: more than 16.0 MiB"),
+        (vec!["run", "models/tiny.toml", "--steps", "1", "--load", "/dev/zero"], "--load /dev/zero: not a regular file"),
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    assert!(started.elapsed().as_secs() < 60, "refused only after reading for long");
+}
+
+/// An error in a spec of one huge line shows an excerpt around the field, not the line
+/// (miette rendered a 50 MB line whole, for minutes), and a spec past 16 MiB is refused before
+/// it is parsed (issue 17).
+#[test]
+fn errors_in_huge_one_line_specs_show_an_excerpt() {
+    let dir = tempdir("huge-line");
+    let started = std::time::Instant::now();
+    for (file, text) in [
+        ("line.toml", format!("name = \"x\"\n[model]\nvocab = 256 {}\n", "x".repeat(4 << 20))),
+        ("line.json", format!("{{\"name\": \"x\", \"model\": {{\"vocab\": 256, \"junk\": \"{}\"}}}}", "y".repeat(4 << 20))),
+    ] {
+        let spec = dir.join(file);
+        std::fs::write(&spec, text).unwrap();
+        let out = shardc(&["compile", spec.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert!(!out.status.success() && err.contains("an excerpt of a") && err.len() < 4000, "{file}: {} bytes: {}", err.len(), &err[..err.len().min(2000)]);
+    }
+    let spec = dir.join("huge.toml");
+    std::fs::write(&spec, format!("name = \"x\"\n# {}\n", "z".repeat(17 << 20))).unwrap();
+    let out = shardc(&["compile", spec.to_str().unwrap()]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("is larger than 16 MiB, the most a spec file may be"), "{}", stderr(&out));
+    assert!(started.elapsed().as_secs() < 60, "took {:?}", started.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A CPU run that cannot fit in the host's memory is refused before it allocates, naming what
+/// its compiled programs need and what the host has: llama-7b in f32 on a 16 GiB host (set by
+/// SHARDC_HOST_MEMORY, so the test does not depend on this machine), and a run whose storage
+/// slots alone exceed it, with the slots figure the run itself reports (issue 17).
+#[test]
+fn cpu_runs_that_cannot_fit_in_memory_are_refused_up_front() {
+    let with_memory = |memory: &str, args: &[&str]| Command::new(env!("CARGO_BIN_EXE_shardc")).args(args).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_HOST_MEMORY", memory).output().unwrap();
+    let started = std::time::Instant::now();
+    let out = with_memory("16GiB", &["run", "models/llama-7b.toml", "--dtype", "f32", "--steps", "1"]);
+    let text = unwrapped(&stderr(&out));
+    assert!(!out.status.success() && text.contains("this CPU run needs about") && text.contains("and this host has 16.0 GiB available (as SHARDC_HOST_MEMORY sets)"), "{}", stderr(&out));
+    assert!(text.contains("GiB in the storage slots") && text.contains("smaller model"), "{text}");
+    assert!(started.elapsed().as_secs() < 60, "refused only after working");
+    // The slots counted are the ones the run allocates: "CPU storage" as `run` prints it.
+    let fits = with_memory("1TiB", &["run", "models/tiny.toml", "--micro-batch", "8", "--global-batch", "8", "--steps", "1"]);
+    assert!(fits.status.success(), "{}", stderr(&fits));
+    let storage = stdout(&fits).split("CPU storage ").nth(1).unwrap().split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+    let out = with_memory("1KiB", &["run", "models/tiny.toml", "--micro-batch", "8", "--global-batch", "8", "--steps", "1"]);
+    let text = unwrapped(&stderr(&out));
+    assert!(!out.status.success() && text.contains(&format!("{storage} in the storage slots of the memory plans of its 1 rank")), "{storage}: {text}");
+    let out = with_memory("lots", &["run", "models/tiny.toml", "--steps", "1"]);
+    assert!(!out.status.success() && stderr(&out).contains("SHARDC_HOST_MEMORY=lots"), "{}", stderr(&out));
+}
+
+/// transformers 5 configs give RoPE's base in `rope_parameters` (as tests/data/hf-tiny-llama
+/// does): it is honoured, so a base of 500000 gives other logits than 10000, and scaled RoPE
+/// is refused naming the field (issue 17).
+#[test]
+fn rope_parameters_of_transformers_5_configs_are_honoured() {
+    let dir = tempdir("rope-parameters");
+    let source = root().join("tests/data/hf-tiny-llama");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["rope_parameters"]["rope_theta"], serde_json::json!(10000.0), "the checked-in config uses the transformers 5 layout");
+    let folder = |tag: &str, rope: serde_json::Value| {
+        let hf = dir.join(tag);
+        std::fs::create_dir_all(&hf).unwrap();
+        std::fs::copy(source.join("model.safetensors"), hf.join("model.safetensors")).unwrap();
+        let mut config = config.clone();
+        config["rope_parameters"] = rope;
+        std::fs::write(hf.join("config.json"), config.to_string()).unwrap();
+        hf
+    };
+    let out = dir.join("logits.json");
+    let base = folder("base", serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}));
+    let wide = folder("wide", serde_json::json!({"rope_type": "default", "rope_theta": 500000.0}));
+    let (_, checked_in) = hf_logits(source.to_str().unwrap(), "1,2,3,4,5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    let (_, at_10000) = hf_logits(base.to_str().unwrap(), "1,2,3,4,5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    let (_, at_500000) = hf_logits(wide.to_str().unwrap(), "1,2,3,4,5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    assert_eq!(checked_in, at_10000);
+    // Heads of 4 dimensions have one slow frequency (theta^-1/2: 1/100 against 1/707), so the
+    // logits move little, but far more than rounding (runs are bit-for-bit deterministic).
+    assert!(max_relative(&at_500000, &at_10000) > 1e-6, "the base changed nothing: {}", max_relative(&at_500000, &at_10000));
+    let plan = dir.join("plan.json");
+    let compiled = shardc(&["compile", "--hf", wide.to_str().unwrap(), "-o", plan.to_str().unwrap()]);
+    assert!(compiled.status.success(), "{}", stderr(&compiled));
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    assert_eq!(written["spec"]["model"]["rope_theta"], serde_json::json!(500000.0));
+    let scaled = folder("llama3", serde_json::json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}));
+    let out = shardc(&["compile", "--hf", scaled.to_str().unwrap()]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("`rope_parameters.rope_type` = \"llama3\" is not supported"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// What cannot be shown as it is is refused, not mangled: a spec name with a terminal escape
@@ -1408,21 +1688,24 @@ fn stage_parameter_counts_are_per_rank_with_a_padded_vocabulary() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Batch sizes at the largest each field accepts (micro-batch 2^31) never crash: compile
-/// prices the absurd plan (the memory plan's sums once overflowed, a panic in debug builds
-/// and wrong sizes in release), and run refuses memory it cannot allocate with an error
-/// instead of aborting the process.
+/// Batch sizes at the largest each field accepts (micro-batch 2^31) never crash: their
+/// activations pass the 2^48 elements a tensor may have, so compile and run refuse them naming
+/// the field and the limit (the memory plan's sums once overflowed, a panic in debug builds
+/// and wrong sizes in release); the largest micro-batches within the limit compile to a plan
+/// that is priced and does not fit.
 #[test]
 fn the_largest_batch_sizes_end_in_a_plan_or_an_error_never_a_crash() {
     let huge = ["--micro-batch", "2147483648", "--global-batch", "2147483648"];
-    let out = shardc(&[&["compile", "models/gpt3-175b.toml", "--mesh", "tp=8,pp=16"][..], &huge].concat());
+    for command in [&["compile", "models/gpt3-175b.toml", "--mesh", "tp=8,pp=16"][..], &["run", "models/gpt2-small.toml", "--steps", "1"][..]] {
+        let out = shardc(&[command, &huge].concat());
+        let err = unwrapped(&stderr(&out));
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(!err.contains("panicked") && !err.contains("memory allocation of"), "{err}");
+        assert!(err.contains("training.micro_batch: a micro-batch's activations") && err.contains("(2^48)"), "{err}");
+    }
+    let out = shardc(&["compile", "models/gpt3-175b.toml", "--mesh", "tp=8,pp=16", "--micro-batch", "2048", "--global-batch", "2048"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("does NOT fit"), "{}", stdout(&out));
-    let out = shardc(&[&["run", "models/gpt2-small.toml", "--steps", "1"][..], &huge].concat());
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(!err.contains("panicked") && !err.contains("memory allocation of"), "{err}");
-    assert!(err.contains("cannot allocate"), "{err}");
 }
 
 /// `--check-numerics` with a vocab-parallel loss whose tensor-parallel ranks hold only padding

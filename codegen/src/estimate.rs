@@ -222,7 +222,7 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
 /// weight pass, and gradients summed over micro-batches (read both, write one) and restored
 /// for the step. Copies read and write their bytes.
 fn bookkeeping(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, section: Section, splits_w: bool, cluster: &Cluster) -> f64 {
-    let bytes = |buffers: &[usize]| buffers.iter().map(|&b| (program.buffers[b].len() * program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
+    let bytes = |buffers: &[usize]| buffers.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
     let (kept_f, kept_b, sum_b, sum_w) = (bytes(&chunk.keep_forward), bytes(&chunk.keep_backward), bytes(&chunk.sum_backward), bytes(&chunk.sum_weight));
     let moved = match section {
         Section::Forward => 2.0 * kept_f,
@@ -674,7 +674,7 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     }
     let kept: std::collections::BTreeSet<usize> = program.instrs[seed..].iter().flat_map(|i| i.inputs.iter().copied()).filter(|b| made_at.contains_key(b)).collect();
     for b in kept {
-        let bytes = (program.buffers[b].len() * program.buffers[b].dtype.bytes()) as f64;
+        let bytes = program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64;
         if made_at[&b].starts_with("layers.") {
             u.layer_kept += bytes;
         } else {

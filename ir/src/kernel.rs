@@ -107,6 +107,19 @@ pub enum Arg {
 /// Threads per block of row kernels.
 pub const ROW_BLOCK: u32 = 256;
 
+/// Most blocks a CUDA grid may have in its y dimension.
+pub const MAX_GRID_Y: usize = 65_535;
+
+/// `n` blocks in a grid's y dimension (one per `what`), or why a launch cannot have them:
+/// CUDA allows at most [`MAX_GRID_Y`] there, and a larger count would fail at launch (or,
+/// cast to `u32`, silently cover fewer).
+pub fn grid_y(n: usize, what: &str) -> Result<u32, String> {
+    match u32::try_from(n) {
+        Ok(blocks) if (1..=MAX_GRID_Y).contains(&n) => Ok(blocks),
+        _ => Err(format!("{n} {what} make {n} blocks in the grid's y dimension, more than the {MAX_GRID_Y} CUDA allows: use a smaller micro-batch, or more tensor parallelism")),
+    }
+}
+
 /// Blocks for a grid-stride loop over `n` elements at [`ROW_BLOCK`] threads.
 pub fn blocks_for(n: usize) -> u32 {
     n.div_ceil(ROW_BLOCK as usize).clamp(1, 65_535) as u32

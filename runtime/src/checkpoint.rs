@@ -258,32 +258,32 @@ pub fn save_sharded(
 
 /// Loads the checkpoint `LATEST` names under `dir` (or `dir` itself when it holds a
 /// manifest): its manifest and the global value of every tensor, assembled from the rank
-/// files with the mesh they were saved for.
+/// files with the mesh they were saved for. A manifest or file edited by hand is refused with
+/// an error naming the field, tensor or file before anything is allocated for it (see
+/// [`parse_manifest`]), and every rank file's shards must have the shapes the manifest's
+/// layouts give them and cover each tensor whole.
 pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), RuntimeError> {
     let folder = if dir.join("manifest.json").exists() {
         dir.to_path_buf()
     } else {
         let latest = dir.join("LATEST");
-        let name = std::fs::read_to_string(&latest).map_err(|e| RuntimeError::Binding(format!("{} is not a checkpoint folder (no LATEST): {e}", dir.display())))?;
-        dir.join(name.trim())
+        let bytes = read_limited(&latest, 4096).map_err(|e| RuntimeError::Binding(format!("{} is not a checkpoint folder (no LATEST): {e}", dir.display())))?;
+        let name = String::from_utf8_lossy(&bytes).trim().to_string();
+        if !is_plain_file_name(&name) {
+            return Err(RuntimeError::Binding(format!("{}: names `{name}`, which is not a checkpoint folder inside {}; give --resume the checkpoint folder itself", latest.display(), dir.display())));
+        }
+        dir.join(name)
     };
     let path = folder.join("manifest.json");
-    let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
-    let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| RuntimeError::Binding(format!("{}: {e}", path.display())))?;
-    if manifest.format_version != CHECKPOINT_VERSION {
-        return Err(RuntimeError::Binding(format!("{}: checkpoint format {} (this shardc reads {CHECKPOINT_VERSION})", path.display(), manifest.format_version)));
-    }
+    let text = read_limited(&path, MAX_MANIFEST_BYTES).map_err(|e| io(&path, e))?;
+    let manifest = parse_manifest(&text).map_err(|e| RuntimeError::Binding(format!("{}: {e}", path.display())))?;
     let mesh = MeshShape(manifest.mesh.clone());
-    if manifest.files.len() != mesh.ranks() {
-        return Err(RuntimeError::Binding(format!("{}: {} rank files for a mesh of {} ranks", path.display(), manifest.files.len(), mesh.ranks())));
-    }
-    if !manifest.checksums.is_empty() && manifest.checksums.len() != manifest.files.len() {
-        return Err(RuntimeError::Binding(format!("{}: {} checksums for {} rank files", path.display(), manifest.checksums.len(), manifest.files.len())));
-    }
+    let listed: HashMap<&str, &ManifestTensor> = manifest.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let mut shards: HashMap<String, Vec<(usize, Vec<f64>)>> = HashMap::new();
     for (rank, file) in manifest.files.iter().enumerate() {
         let path = folder.join(file);
-        let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+        // A checkpoint's rank files are regular files; their size is what is read.
+        let bytes = read_limited(&path, u64::MAX).map_err(|e| io(&path, e))?;
         if let Some(&expected) = manifest.checksums.get(rank) {
             let found = crc32fast::hash(&bytes);
             if found != expected {
@@ -298,6 +298,18 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
             if view.dtype() != Dtype::F64 {
                 return Err(RuntimeError::Binding(format!("{}: `{name}` is not f64", path.display())));
             }
+            let tensor = listed.get(name.as_str()).ok_or_else(|| RuntimeError::Binding(format!("{}: holds `{name}`, which the manifest does not list", path.display())))?;
+            let expected = crate::layout::local_shape(&manifest_layout(tensor), &mesh);
+            if view.shape() != expected.as_slice() {
+                return Err(RuntimeError::Binding(format!(
+                    "{}: `{name}` has shape {:?}, but the manifest's global shape {:?} split {:?} over the mesh {:?} makes shards of {expected:?}",
+                    path.display(),
+                    view.shape(),
+                    tensor.global_shape,
+                    tensor.split,
+                    manifest.mesh
+                )));
+            }
             let values = view.data().chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
             shards.entry(name).or_default().push((rank, values));
         }
@@ -305,7 +317,16 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
     let mut tensors = std::collections::BTreeMap::new();
     for t in &manifest.tensors {
         let parts = shards.remove(&t.name).ok_or_else(|| RuntimeError::Binding(format!("{}: no rank holds `{}`", folder.display(), t.name)))?;
-        let layout = crate::program::Layout { global_shape: t.global_shape.clone(), split: t.split.clone() };
+        let layout = manifest_layout(t);
+        // The ranks that hold a tensor must hold every one of its shards between them: a
+        // missing one would be assembled as zeros.
+        let mut pieces: Vec<Vec<usize>> = parts.iter().map(|(rank, _)| crate::layout::shard_index(&layout, &mesh, *rank)).collect();
+        pieces.sort();
+        pieces.dedup();
+        let needed = crate::layout::shard_count(&layout, &mesh);
+        if pieces.len() != needed {
+            return Err(RuntimeError::Binding(format!("{}: the rank files hold {} of the {needed} shards of `{}`: a rank file is missing it", folder.display(), pieces.len(), t.name)));
+        }
         let global = crate::layout::assemble_some(&parts, &layout, &mesh);
         let tensor = match &t.unpadded {
             Some(unpadded) if unpadded.len() == t.global_shape.len() && unpadded.iter().zip(&t.global_shape).all(|(u, g)| u <= g) => (unpadded.clone(), crate::layout::unpad(&global, &t.global_shape, unpadded)),
@@ -315,4 +336,196 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
         tensors.insert(t.name.clone(), tensor);
     }
     Ok((manifest.clone(), TrainState { step: manifest.step, tensors }))
+}
+
+/// Largest `manifest.json` read: a manifest lists names and shapes, a few megabytes for the
+/// largest models.
+pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+
+/// Most ranks a checkpoint's mesh may have (a mesh axis holds at most 2^20).
+pub const MAX_CHECKPOINT_RANKS: usize = 1 << 20;
+
+/// Most elements one checkpoint tensor may have: what a spec allows one tensor
+/// (`shardc_ir::spec::MAX_TENSOR_ELEMENTS`, 2^48).
+pub const MAX_CHECKPOINT_ELEMENTS: usize = 1 << 48;
+
+/// Reads `path` whole, refusing what is not a regular file (a device such as /dev/zero never
+/// ends) and files over `limit` bytes, before reading.
+fn read_limited(path: &std::path::Path, limit: u64) -> Result<Vec<u8>, std::io::Error> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    if meta.len() > limit {
+        return Err(std::io::Error::other(format!("{} bytes, more than the {limit} this file may have", meta.len())));
+    }
+    std::fs::read(path)
+}
+
+/// Whether `name` names an entry of the folder itself (no separators, not `.` or `..`).
+fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\\', '\0'])
+}
+
+/// The layout a manifest gives a tensor.
+fn manifest_layout(t: &ManifestTensor) -> crate::program::Layout {
+    crate::program::Layout { global_shape: t.global_shape.clone(), split: t.split.clone() }
+}
+
+/// Reads and checks a checkpoint manifest (the text of `manifest.json`): a field of the wrong
+/// type names its path (`tensors[3].global_shape[0]`), and [`Manifest::check`] refuses what
+/// its fields cannot mean together.
+pub fn parse_manifest(text: &[u8]) -> Result<Manifest, RuntimeError> {
+    let mut de = serde_json::Deserializer::from_slice(text);
+    let manifest: Manifest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let message = inner.to_string();
+        let message = message.split(" at line ").next().unwrap_or(&message).to_string();
+        if path == "." { RuntimeError::Binding(message) } else { RuntimeError::Binding(format!("`{path}`: {message}")) }
+    })?;
+    manifest.check()?;
+    Ok(manifest)
+}
+
+impl Manifest {
+    /// Checks what the fields must mean together, so that reading the rank files by it can
+    /// neither panic nor allocate more than they hold: the format version, the step (within
+    /// the run's 32-bit counter), the mesh (extents of at least 1, at most
+    /// [`MAX_CHECKPOINT_RANKS`] ranks), one plain file name per rank, one checksum per file,
+    /// and for every tensor a unique name, a shape of at most [`MAX_CHECKPOINT_ELEMENTS`]
+    /// elements, and a split over existing grid axes, each used once, into parts that divide
+    /// the dimensions they split. Errors name the field and the tensor.
+    pub fn check(&self) -> Result<(), RuntimeError> {
+        let bad = |m: String| Err(RuntimeError::Binding(m));
+        if self.format_version != CHECKPOINT_VERSION {
+            return bad(format!("checkpoint format {} (this shardc reads {CHECKPOINT_VERSION})", self.format_version));
+        }
+        if self.step > crate::train::MAX_STEPS {
+            return bad(format!("`step` is {}, more than a run counts to ({}): the manifest was edited or is corrupt", self.step, crate::train::MAX_STEPS));
+        }
+        if self.mesh.is_empty() || self.mesh.contains(&0) {
+            return bad(format!("`mesh` {:?} needs at least one axis and extents of at least 1", self.mesh));
+        }
+        let ranks = self.mesh.iter().try_fold(1usize, |acc, &e| acc.checked_mul(e)).filter(|&r| r <= MAX_CHECKPOINT_RANKS);
+        let Some(ranks) = ranks else {
+            return bad(format!("`mesh` {:?} has more than {MAX_CHECKPOINT_RANKS} ranks", self.mesh));
+        };
+        if self.files.len() != ranks {
+            return bad(format!("{} rank files for a mesh of {ranks} ranks", self.files.len()));
+        }
+        if let Some((i, file)) = self.files.iter().enumerate().find(|(_, f)| !is_plain_file_name(f)) {
+            return bad(format!("`files[{i}]` is `{file}`, which is not a file name inside the checkpoint folder"));
+        }
+        if !self.checksums.is_empty() && self.checksums.len() != self.files.len() {
+            return bad(format!("{} checksums for {} rank files", self.checksums.len(), self.files.len()));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, t) in self.tensors.iter().enumerate() {
+            let name = &t.name;
+            if !names.insert(name.as_str()) {
+                return bad(format!("`tensors[{i}]`: `{name}` is listed twice"));
+            }
+            if t.global_shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).is_none_or(|n| n > MAX_CHECKPOINT_ELEMENTS) {
+                return bad(format!("`tensors[{i}].global_shape` of `{name}` is {:?}, more than the {MAX_CHECKPOINT_ELEMENTS} elements a tensor may have", t.global_shape));
+            }
+            if t.split.len() > t.global_shape.len() {
+                return bad(format!("`tensors[{i}].split` of `{name}` splits {} dimensions of a {}-dimensional tensor", t.split.len(), t.global_shape.len()));
+            }
+            let mut used = vec![false; self.mesh.len()];
+            for (dim, axes) in t.split.iter().enumerate() {
+                let mut parts = 1usize;
+                for &axis in axes {
+                    match used.get_mut(axis) {
+                        None => return bad(format!("`tensors[{i}].split` of `{name}` names grid axis {axis}, but the mesh {:?} has {} axes", self.mesh, self.mesh.len())),
+                        Some(true) => return bad(format!("`tensors[{i}].split` of `{name}` uses grid axis {axis} twice")),
+                        Some(seen) => *seen = true,
+                    }
+                    parts *= self.mesh[axis];
+                }
+                if !t.global_shape[dim].is_multiple_of(parts) {
+                    return bad(format!("`tensors[{i}]`: dimension {dim} of `{name}` ({}) does not split into {parts} equal parts over grid axes {axes:?}", t.global_shape[dim]));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(mesh: Vec<usize>, tensors: Vec<ManifestTensor>) -> Manifest {
+        let files = (0..mesh.iter().product()).map(|r| format!("rank-{r:05}.safetensors")).collect();
+        Manifest { format_version: CHECKPOINT_VERSION, step: 3, seed: 0, mesh, spec: serde_json::Value::Null, tensors, files, data: None, checksums: Vec::new() }
+    }
+
+    fn tensor(name: &str, global_shape: Vec<usize>, split: Vec<Vec<usize>>) -> ManifestTensor {
+        ManifestTensor { name: name.into(), global_shape, split, unpadded: None }
+    }
+
+    /// A manifest edited by hand is refused naming the field and the tensor, whatever was
+    /// changed; nothing is read or allocated by its numbers first.
+    #[test]
+    fn edited_manifests_are_refused_naming_the_field() {
+        let good = manifest(vec![1, 2, 1], vec![tensor("w", vec![4, 2], vec![vec![1], vec![]])]);
+        assert!(good.check().is_ok());
+        let text = |m: &Manifest| serde_json::to_vec(m).unwrap();
+        assert!(parse_manifest(&text(&good)).is_ok());
+        let cases: Vec<(Box<dyn Fn(&mut Manifest)>, &str)> = vec![
+            (Box::new(|m| m.step = 1 << 40), "`step` is 1099511627776"),
+            (Box::new(|m| m.mesh = vec![1, 0, 1]), "`mesh`"),
+            (Box::new(|m| m.mesh = vec![1 << 32, 1 << 32, 1]), "more than 1048576 ranks"),
+            (Box::new(|m| m.files[1] = "../rank-00001.safetensors".into()), "`files[1]`"),
+            (Box::new(|m| m.tensors[0].split = vec![vec![5], vec![]]), "names grid axis 5"),
+            (Box::new(|m| m.tensors[0].split = vec![vec![1], vec![1]]), "uses grid axis 1 twice"),
+            (Box::new(|m| m.tensors[0].split = vec![vec![], vec![], vec![1]]), "splits 3 dimensions"),
+            (Box::new(|m| m.tensors[0].global_shape = vec![3, 2]), "does not split into 2 equal parts"),
+            (Box::new(|m| m.tensors[0].global_shape = vec![usize::MAX, 2]), "`tensors[0].global_shape` of `w`"),
+            (Box::new(|m| m.tensors.push(m.tensors[0].clone())), "listed twice"),
+        ];
+        for (edit, says) in cases {
+            let mut m = good.clone();
+            edit(&mut m);
+            let e = parse_manifest(&text(&m)).unwrap_err().to_string();
+            assert!(e.contains(says), "{says}: {e}");
+        }
+        // A field of the wrong type names its path.
+        let mut value = serde_json::to_value(&good).unwrap();
+        value["step"] = serde_json::json!(-1);
+        let e = parse_manifest(value.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("`step`"), "{e}");
+        value["step"] = serde_json::json!(1);
+        value["tensors"][0]["global_shape"][1] = serde_json::json!("two");
+        let e = parse_manifest(value.to_string().as_bytes()).unwrap_err().to_string();
+        assert!(e.contains("`tensors[0].global_shape[1]`"), "{e}");
+    }
+
+    /// Rank files must hold shards of the shapes the manifest's layouts make, and between them
+    /// every shard of every tensor: a missing one is an error, not zeros.
+    #[test]
+    fn rank_files_must_hold_every_shard_in_its_shape() {
+        let dir = std::env::temp_dir().join(format!("shardc-ckpt-shards-{}", std::process::id()));
+        let write = |m: &Manifest, files: &[Vec<(String, Vec<usize>, Vec<f64>)>]| {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("manifest.json"), serde_json::to_vec(m).unwrap()).unwrap();
+            for (rank, shards) in files.iter().enumerate() {
+                std::fs::write(dir.join(&m.files[rank]), f64_bytes(shards).unwrap()).unwrap();
+            }
+        };
+        let m = manifest(vec![1, 2, 1], vec![tensor("w", vec![4], vec![vec![1]])]);
+        let shard = |values: Vec<f64>| vec![("w".to_string(), vec![values.len()], values)];
+        write(&m, &[shard(vec![1.0, 2.0]), shard(vec![3.0, 4.0])]);
+        let (_, state) = load_sharded(&dir).unwrap();
+        assert_eq!(state.tensors["w"], (vec![4], vec![1.0, 2.0, 3.0, 4.0]));
+        write(&m, &[shard(vec![1.0, 2.0]), Vec::new()]);
+        let e = load_sharded(&dir).unwrap_err().to_string();
+        assert!(e.contains("hold 1 of the 2 shards of `w`"), "{e}");
+        write(&m, &[shard(vec![1.0, 2.0, 3.0]), shard(vec![3.0, 4.0])]);
+        let e = load_sharded(&dir).unwrap_err().to_string();
+        assert!(e.contains("`w` has shape [3]") && e.contains("makes shards of [2]"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

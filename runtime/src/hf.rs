@@ -32,43 +32,77 @@ fn bad(message: String) -> RuntimeError {
     RuntimeError::Binding(message)
 }
 
+/// Largest `model.safetensors.index.json` read (a weight map of names, a few hundred KB).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+
 /// Every tensor of a Hugging Face model folder (`model.safetensors`, or the files
-/// `model.safetensors.index.json` lists), as f64.
+/// `model.safetensors.index.json` lists), as f64. Weight files must be regular files inside
+/// the folder; their size is what is read.
 pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<std::path::PathBuf> = if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| bad(format!("{}: {e}", index.display())))?;
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
+        let text = read_regular(&index, MAX_INDEX_BYTES)?;
+        let json: serde_json::Value = serde_json::from_slice(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
         let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad(format!("{}: no weight_map", index.display())))?;
         let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
         files.sort();
         files.dedup();
+        if let Some(outside) = files.iter().find(|f| f.is_empty() || f.contains(['/', '\\']) || *f == "." || *f == "..") {
+            return Err(bad(format!("{}: the weight_map names `{outside}`, which is not a file of the folder", index.display())));
+        }
         files.into_iter().map(|f| dir.join(f)).collect()
     } else {
         vec![dir.join("model.safetensors")]
     };
     let mut out = Tensors::new();
     for file in files {
-        let bytes = std::fs::read(&file).map_err(|e| bad(format!("{}: {e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)", file.display())))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("{}: {e}", file.display())))?;
-        for (name, view) in st.tensors() {
-            let data = view.data();
-            let values: Vec<f64> = match view.dtype() {
-                Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
-                Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
-                Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
-                Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
-                // GPT-2's causal-mask buffers (bool or integer) are not parameters.
-                _ if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") => continue,
-                other => {
-                    return Err(bad(format!("{}: tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)", file.display())));
-                }
-            };
+        let bytes = read_regular(&file, u64::MAX).map_err(|e| bad(format!("{e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)")))?;
+        for (name, tensor) in parse_safetensors(&bytes).map_err(|e| bad(format!("{}: {e}", file.display())))? {
             if out.contains_key(&name) {
                 return Err(bad(format!("{}: tensor `{name}` is also in another file of the folder: keep one copy", file.display())));
             }
-            out.insert(name, (view.shape().to_vec(), values));
+            out.insert(name, tensor);
         }
+    }
+    Ok(out)
+}
+
+/// Reads `path` whole if it is a regular file of at most `limit` bytes (a device such as
+/// /dev/zero never ends).
+fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, RuntimeError> {
+    let fail = |e: String| bad(format!("{}: {e}", path.display()));
+    let meta = std::fs::metadata(path).map_err(|e| fail(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(fail("not a regular file".into()));
+    }
+    if meta.len() > limit {
+        return Err(fail(format!("{} bytes, more than the {limit} this file may have", meta.len())));
+    }
+    std::fs::read(path).map_err(|e| fail(e.to_string()))
+}
+
+/// The tensors of one safetensors file (its bytes: the header's length, the JSON header, the
+/// data), as f64: floating-point tensors (f32, f64, bf16, f16) are read; GPT-2's mask buffers
+/// (bool or integer) are skipped; any other integer tensor is an error naming it. The header
+/// is checked by the `safetensors` crate (offsets within the data, sizes matching shapes), so
+/// every tensor returned has as many values as its shape has elements.
+pub fn parse_safetensors(bytes: &[u8]) -> Result<Tensors, RuntimeError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let mut out = Tensors::new();
+    for (name, view) in st.tensors() {
+        let data = view.data();
+        let values: Vec<f64> = match view.dtype() {
+            Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
+            Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
+            Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
+            Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
+            // GPT-2's causal-mask buffers (bool or integer) are not parameters.
+            _ if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") => continue,
+            other => {
+                return Err(bad(format!("tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)")));
+            }
+        };
+        out.insert(name, (view.shape().to_vec(), values));
     }
     Ok(out)
 }
@@ -112,10 +146,96 @@ fn columns(shape: &[usize], values: &[f64], start: usize, width: usize) -> (Vec<
     (vec![r, width], out)
 }
 
+/// How a Hugging Face tensor becomes shardc parameters.
+enum Mapping {
+    /// The same values and shape, under another name.
+    Same(String),
+    /// `nn.Linear`'s `[out, in]` transposed to shardc's `[in, out]`.
+    Transposed(String),
+    /// GPT-2's fused `c_attn` (Conv1D `[in, q + k + v]`, or its bias): q, k and v side by side
+    /// along the last dimension.
+    Fused([String; 3]),
+    /// Not a parameter shardc models (GPT-2's mask buffers, a tied head's copy, RoPE's cached
+    /// frequencies).
+    Skipped,
+}
+
+/// Where a Hugging Face tensor of `family` goes, by name; an error names a tensor that has no
+/// place in the family.
+fn mapping(family: Family, name: &str, tied: bool) -> Result<Mapping, RuntimeError> {
+    let bare = name.strip_prefix("transformer.").or_else(|| name.strip_prefix("model.")).unwrap_or(name);
+    let same = |n: &str| Ok(Mapping::Same(n.to_string()));
+    match family {
+        Family::Gpt2 => {
+            if bare.ends_with(".attn.bias") || bare.ends_with(".attn.masked_bias") || (bare == "lm_head.weight" && tied) {
+                return Ok(Mapping::Skipped);
+            }
+            match bare {
+                "wte.weight" => return same("embed.tokens.weight"),
+                "wpe.weight" => return same("embed.positions.weight"),
+                "ln_f.weight" => return same("final_norm.weight"),
+                "ln_f.bias" => return same("final_norm.bias"),
+                "lm_head.weight" => return Ok(Mapping::Transposed("lm_head.weight".into())),
+                _ => {}
+            }
+            let no_place = || bad(format!("Hugging Face tensor `{name}` has no place in a GPT-2 model"));
+            let rest = bare.strip_prefix("h.").ok_or_else(no_place)?;
+            let (layer, part) = rest.split_once('.').ok_or_else(no_place)?;
+            let p = format!("layers.{layer}");
+            let kind = if part.ends_with(".weight") { "weight" } else { "bias" };
+            match part {
+                "ln_1.weight" | "ln_1.bias" => same(&format!("{p}.attn_norm.{kind}")),
+                "ln_2.weight" | "ln_2.bias" => same(&format!("{p}.mlp_norm.{kind}")),
+                "attn.c_attn.weight" | "attn.c_attn.bias" => Ok(Mapping::Fused(["q", "k", "v"].map(|w| format!("{p}.attn.{w}.{kind}")))),
+                "attn.c_proj.weight" | "attn.c_proj.bias" => same(&format!("{p}.attn.out.{kind}")),
+                "mlp.c_fc.weight" | "mlp.c_fc.bias" => same(&format!("{p}.mlp.up.{kind}")),
+                "mlp.c_proj.weight" | "mlp.c_proj.bias" => same(&format!("{p}.mlp.down.{kind}")),
+                _ => Err(no_place()),
+            }
+        }
+        Family::Llama => {
+            if bare == "lm_head.weight" {
+                return if tied { Ok(Mapping::Skipped) } else { Ok(Mapping::Transposed("lm_head.weight".into())) };
+            }
+            if bare.ends_with("rotary_emb.inv_freq") {
+                return Ok(Mapping::Skipped);
+            }
+            match bare {
+                "embed_tokens.weight" => return same("embed.tokens.weight"),
+                "norm.weight" => return same("final_norm.weight"),
+                _ => {}
+            }
+            let no_place = || bad(format!("Hugging Face tensor `{name}` has no place in a Llama model (biases and other extras are not supported)"));
+            let rest = bare.strip_prefix("layers.").ok_or_else(no_place)?;
+            let (layer, part) = rest.split_once('.').ok_or_else(no_place)?;
+            let p = format!("layers.{layer}");
+            // nn.Linear stores [out, in]; shardc [in, out].
+            let linear = |ours: &str| Ok(Mapping::Transposed(format!("{p}.{ours}.weight")));
+            match part {
+                "input_layernorm.weight" => same(&format!("{p}.attn_norm.weight")),
+                "post_attention_layernorm.weight" => same(&format!("{p}.mlp_norm.weight")),
+                "self_attn.q_proj.weight" => linear("attn.q"),
+                "self_attn.k_proj.weight" => linear("attn.k"),
+                "self_attn.v_proj.weight" => linear("attn.v"),
+                "self_attn.o_proj.weight" => linear("attn.out"),
+                "mlp.gate_proj.weight" => linear("mlp.gate"),
+                "mlp.up_proj.weight" => linear("mlp.up"),
+                "mlp.down_proj.weight" => linear("mlp.down"),
+                _ => Err(no_place()),
+            }
+        }
+    }
+}
+
 /// The shardc name and layout of every Hugging Face tensor of `family`; tensors shardc does
-/// not model (GPT-2's attention mask buffers, a tied head's copy) are skipped. Every name
-/// left unmapped is an error naming it.
-pub fn import(family: Family, hf: &Tensors, tied: bool) -> Result<Tensors, RuntimeError> {
+/// not model (GPT-2's attention mask buffers, a tied head's copy) are skipped. `expected`
+/// holds the shape of every parameter of the model the config describes (shardc names,
+/// unpadded): each tensor must have the shape they make in Hugging Face's layout, checked
+/// before its values are touched, so a 1-D `lm_head.weight` or a scalar `c_attn` is an error
+/// naming the tensor and the shape the config makes it. Every name left unmapped, and every
+/// tensor that maps to a parameter the model does not have (a layer past `num_hidden_layers`),
+/// is an error naming it.
+pub fn import(family: Family, hf: &Tensors, tied: bool, expected: &BTreeMap<String, Vec<usize>>) -> Result<Tensors, RuntimeError> {
     let mut out = Tensors::new();
     // `transformer.h.0.x` and `h.0.x` (or `model.layers.0.x` and `layers.0.x`) are one weight:
     // two of them would silently overwrite each other.
@@ -126,97 +246,43 @@ pub fn import(family: Family, hf: &Tensors, tied: bool) -> Result<Tensors, Runti
             return Err(bad(format!("tensors `{other}` and `{name}` are the same weight under two prefixes: keep one")));
         }
     }
+    let target = |name: &str, ours: &str| {
+        expected.get(ours).ok_or_else(|| bad(format!("Hugging Face tensor `{name}` would be `{ours}`, which the model its config.json describes does not have (check the number of layers)")))
+    };
+    let wrong_shape = |name: &str, shape: &[usize], wanted: &[usize]| bad(format!("Hugging Face tensor `{name}` has shape {shape:?}; its config.json makes it {wanted:?}"));
     for (name, (shape, values)) in hf {
-        let bare = name.strip_prefix("transformer.").or_else(|| name.strip_prefix("model.")).unwrap_or(name);
-        let matrix = shape.len() == 2;
-        match family {
-            Family::Gpt2 => {
-                if bare.ends_with(".attn.bias") || bare.ends_with(".attn.masked_bias") || (bare == "lm_head.weight" && tied) {
-                    continue;
+        match mapping(family, name, tied)? {
+            Mapping::Skipped => {}
+            Mapping::Same(ours) => {
+                let wanted = target(name, &ours)?;
+                if shape != wanted {
+                    return Err(wrong_shape(name, shape, wanted));
                 }
-                let mapped = match bare {
-                    "wte.weight" => Some("embed.tokens.weight".to_string()),
-                    "wpe.weight" => Some("embed.positions.weight".to_string()),
-                    "ln_f.weight" => Some("final_norm.weight".into()),
-                    "ln_f.bias" => Some("final_norm.bias".into()),
-                    "lm_head.weight" => {
-                        let (s, v) = transpose(shape, values);
-                        out.insert("lm_head.weight".into(), (s, v));
-                        continue;
-                    }
-                    _ => None,
-                };
-                if let Some(mapped) = mapped {
-                    out.insert(mapped, (shape.clone(), values.clone()));
-                    continue;
-                }
-                let Some(rest) = bare.strip_prefix("h.") else { return Err(bad(format!("Hugging Face tensor `{name}` has no place in a GPT-2 model"))) };
-                let (layer, part) = rest.split_once('.').ok_or_else(|| bad(format!("tensor `{name}`")))?;
-                let p = format!("layers.{layer}");
-                let kind = if part.ends_with(".weight") { "weight" } else { "bias" };
-                match part {
-                    "ln_1.weight" | "ln_1.bias" => {
-                        out.insert(format!("{p}.attn_norm.{kind}"), (shape.clone(), values.clone()));
-                    }
-                    "ln_2.weight" | "ln_2.bias" => {
-                        out.insert(format!("{p}.mlp_norm.{kind}"), (shape.clone(), values.clone()));
-                    }
-                    "attn.c_attn.weight" | "attn.c_attn.bias" => {
-                        // [hidden, 3 hidden] (Conv1D: [in, out]): q, k, v side by side.
-                        let width = shape[shape.len() - 1] / 3;
-                        for (i, which) in ["q", "k", "v"].iter().enumerate() {
-                            out.insert(format!("{p}.attn.{which}.{kind}"), columns(shape, values, i * width, width));
-                        }
-                    }
-                    "attn.c_proj.weight" | "attn.c_proj.bias" => {
-                        out.insert(format!("{p}.attn.out.{kind}"), (shape.clone(), values.clone()));
-                    }
-                    "mlp.c_fc.weight" | "mlp.c_fc.bias" => {
-                        out.insert(format!("{p}.mlp.up.{kind}"), (shape.clone(), values.clone()));
-                    }
-                    "mlp.c_proj.weight" | "mlp.c_proj.bias" => {
-                        out.insert(format!("{p}.mlp.down.{kind}"), (shape.clone(), values.clone()));
-                    }
-                    _ => return Err(bad(format!("Hugging Face tensor `{name}` has no place in a GPT-2 model"))),
-                }
+                out.insert(ours, (shape.clone(), values.clone()));
             }
-            Family::Llama => {
-                if bare == "lm_head.weight" || name == "lm_head.weight" {
-                    if !tied {
-                        out.insert("lm_head.weight".into(), transpose(shape, values));
-                    }
-                    continue;
+            Mapping::Transposed(ours) => {
+                let wanted: Vec<usize> = target(name, &ours)?.iter().rev().copied().collect();
+                if *shape != wanted || shape.len() != 2 {
+                    return Err(wrong_shape(name, shape, &wanted));
                 }
-                if bare.ends_with("rotary_emb.inv_freq") {
-                    continue;
+                out.insert(ours, transpose(shape, values));
+            }
+            Mapping::Fused(parts) => {
+                let shapes = parts.iter().map(|ours| target(name, ours)).collect::<Result<Vec<_>, _>>()?;
+                // Each part's shape with the fused dimension (the last) summed over q, k, v.
+                let mut wanted = shapes[0].clone();
+                let widths: Vec<usize> = shapes.iter().map(|s| s.last().copied().unwrap_or(0)).collect();
+                if let Some(last) = wanted.last_mut() {
+                    *last = widths.iter().sum();
                 }
-                let simple = match bare {
-                    "embed_tokens.weight" => Some("embed.tokens.weight".to_string()),
-                    "norm.weight" => Some("final_norm.weight".to_string()),
-                    _ => None,
-                };
-                if let Some(mapped) = simple {
-                    out.insert(mapped, (shape.clone(), values.clone()));
-                    continue;
+                if *shape != wanted || shapes.iter().any(|s| s.len() != wanted.len() || s[..s.len() - 1] != wanted[..wanted.len() - 1]) || !matches!(shape.len(), 1 | 2) {
+                    return Err(wrong_shape(name, shape, &wanted));
                 }
-                let Some(rest) = bare.strip_prefix("layers.") else { return Err(bad(format!("Hugging Face tensor `{name}` has no place in a Llama model"))) };
-                let (layer, part) = rest.split_once('.').ok_or_else(|| bad(format!("tensor `{name}`")))?;
-                let p = format!("layers.{layer}");
-                let target = match part {
-                    "input_layernorm.weight" => format!("{p}.attn_norm.weight"),
-                    "post_attention_layernorm.weight" => format!("{p}.mlp_norm.weight"),
-                    "self_attn.q_proj.weight" => format!("{p}.attn.q.weight"),
-                    "self_attn.k_proj.weight" => format!("{p}.attn.k.weight"),
-                    "self_attn.v_proj.weight" => format!("{p}.attn.v.weight"),
-                    "self_attn.o_proj.weight" => format!("{p}.attn.out.weight"),
-                    "mlp.gate_proj.weight" => format!("{p}.mlp.gate.weight"),
-                    "mlp.up_proj.weight" => format!("{p}.mlp.up.weight"),
-                    "mlp.down_proj.weight" => format!("{p}.mlp.down.weight"),
-                    _ => return Err(bad(format!("Hugging Face tensor `{name}` has no place in a Llama model (biases and other extras are not supported)"))),
-                };
-                // nn.Linear stores [out, in]; shardc [in, out].
-                let value = if matrix { transpose(shape, values) } else { (shape.clone(), values.clone()) };
-                out.insert(target, value);
+                let mut start = 0;
+                for (ours, width) in parts.into_iter().zip(widths) {
+                    out.insert(ours, columns(shape, values, start, width));
+                    start += width;
+                }
             }
         }
     }
@@ -319,7 +385,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         // The same weight with and without the `transformer.` prefix.
         let dir = folder("dup", &[("transformer.h.0.ln_1.weight", Dtype::F32, vec![2], floats(2)), ("h.0.ln_1.weight", Dtype::F32, vec![2], floats(2))]);
-        let e = import(Family::Gpt2, &read_dir(&dir).unwrap(), true).unwrap_err().to_string();
+        let e = import(Family::Gpt2, &read_dir(&dir).unwrap(), true, &BTreeMap::new()).unwrap_err().to_string();
         assert!(e.contains("transformer.h.0.ln_1.weight") && e.contains("two prefixes"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }

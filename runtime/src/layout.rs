@@ -79,6 +79,17 @@ pub fn local_shape(layout: &Layout, mesh: &MeshShape) -> Vec<usize> {
     layout.global_shape.iter().zip(parts(layout, mesh, 0)).map(|(&g, (n, _))| g / n.max(1)).collect()
 }
 
+/// Which shard of the tensor `rank` holds: its part index along each dimension (ranks that
+/// differ only on axes the layout does not split hold the same shard).
+pub fn shard_index(layout: &Layout, mesh: &MeshShape, rank: usize) -> Vec<usize> {
+    parts(layout, mesh, rank).into_iter().map(|(_, index)| index).collect()
+}
+
+/// How many distinct shards the layout cuts the tensor into.
+pub fn shard_count(layout: &Layout, mesh: &MeshShape) -> usize {
+    parts(layout, mesh, 0).into_iter().map(|(n, _)| n).product()
+}
+
 /// Calls `f(padded_index, unpadded_index)` for each element of a tensor of `unpadded` shape
 /// placed at the start of one of `shape` (every dimension at least as large).
 fn for_each_unpadded<F: FnMut(usize, usize)>(shape: &[usize], unpadded: &[usize], mut f: F) {

@@ -13,6 +13,14 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever the format changes incompatibly.
 pub const FORMAT_VERSION: u32 = 1;
 
+/// Most elements one buffer may have: what a spec allows one tensor (2^48, see
+/// `shardc_ir::spec::MAX_TENSOR_ELEMENTS`), so that a buffer's bytes and the memory plan's
+/// sums stay far inside `usize`.
+pub const MAX_BUFFER_ELEMENTS: usize = 1 << 48;
+
+/// Most ranks a program's mesh may have (each mesh axis holds at most 2^20).
+pub const MAX_MESH_RANKS: usize = 1 << 20;
+
 /// Element type of a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -530,6 +538,54 @@ impl Program {
         Some(format!("early sync {index} ({}) would send `{}` before instruction {writer} ({} at {}) of the same step section writes it", instr.loc, self.buffers[input].name, w.op, w.loc))
     }
 
+    /// The memory plan's totals against the buffers they count (a plan file edited by hand
+    /// must not report, or make a device allocate, what its buffers do not need): arguments
+    /// and temporaries without reuse are exact sums of buffer bytes; the peak of temporaries
+    /// lies between the largest temporary and their unreused sum plus alignment padding.
+    /// Buffers, slots and indices must be in range (checked first).
+    fn check_memory_totals(&self) -> Result<(), String> {
+        let m = &self.memory;
+        let mut is_arg = vec![false; self.buffers.len()];
+        for a in &self.args {
+            is_arg[a.buffer] = true;
+        }
+        // Each buffer is at most 2^51 bytes and there are fewer than 2^64 of them: u128 sums
+        // cannot overflow.
+        let (mut arguments, mut temporaries, mut largest, mut padding) = (0u128, 0u128, 0u128, 0u128);
+        for (b, buffer) in self.buffers.iter().enumerate() {
+            let bytes = (buffer.len() * buffer.dtype.bytes()) as u128;
+            if is_arg[b] {
+                arguments += bytes;
+            } else {
+                temporaries += bytes;
+                largest = largest.max(bytes);
+                // Rounding to 16 bytes and aligning to at most 256.
+                padding += 16 + 256;
+            }
+        }
+        let field = |name: &str, value: usize, computed: u128| format!("the memory plan's `{name}` is {value} bytes, but its buffers make {computed}");
+        if m.argument_bytes as u128 != arguments {
+            return Err(field("argument_bytes", m.argument_bytes, arguments));
+        }
+        if m.temporary_bytes_without_reuse as u128 != temporaries {
+            return Err(field("temporary_bytes_without_reuse", m.temporary_bytes_without_reuse, temporaries));
+        }
+        let most = temporaries + padding;
+        for (name, value) in [("temporary_bytes", m.temporary_bytes), ("live_bound_bytes", m.live_bound_bytes), ("arena_bytes", m.arena_bytes)] {
+            if value as u128 > most {
+                return Err(format!("the memory plan's `{name}` is {value} bytes, more than its temporaries take without reuse ({temporaries}, and {padding} of alignment)"));
+            }
+        }
+        // Plans with an arena also carry its peak and the live bound (older ones leave them 0).
+        if !m.offsets.is_empty() && ((m.live_bound_bytes as u128) < largest || m.temporary_bytes < m.live_bound_bytes || m.arena_bytes != m.temporary_bytes) {
+            return Err(format!(
+                "the memory plan's peak of temporaries ({} bytes, arena {}) must be at least its live bound ({}), itself at least the largest temporary ({largest})",
+                m.temporary_bytes, m.arena_bytes, m.live_bound_bytes
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes the CPU backend allocates for the program: every storage slot (it keeps typed
     /// slots rather than the device's arena).
     pub fn cpu_storage_bytes(&self) -> usize {
@@ -564,16 +620,25 @@ impl Program {
     /// of the right type. Runs before execution, so a corrupt file is an error, not a panic.
     pub fn validate(&self) -> Result<(), crate::RuntimeError> {
         let bad = |m: String| Err(crate::RuntimeError::Program(m));
+        if self.format_version != FORMAT_VERSION {
+            return bad(format!("format version {} is not supported (this runtime reads version {FORMAT_VERSION}); recompile the plan", self.format_version));
+        }
+        if self.mesh.contains(&0) || self.mesh.iter().try_fold(1usize, |acc, &e| acc.checked_mul(e)).is_none_or(|n| n > MAX_MESH_RANKS) {
+            return bad(format!("mesh {:?} needs extents of at least 1 and at most {MAX_MESH_RANKS} ranks", self.mesh));
+        }
         for (i, b) in self.buffers.iter().enumerate() {
             let Some(&(capacity, dtype)) = self.memory.slots.get(b.slot) else {
                 return bad(format!("buffer {i} ({}) names slot {} of {}", b.name, b.slot, self.memory.slots.len()));
             };
-            if b.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).is_none() {
-                return bad(format!("buffer {i} ({}) has an overflowing shape {:?}", b.name, b.shape));
+            if b.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).is_none_or(|n| n > MAX_BUFFER_ELEMENTS) {
+                return bad(format!("buffer {i} ({}) has shape {:?}, more than the {MAX_BUFFER_ELEMENTS} elements a buffer may have", b.name, b.shape));
             }
             if capacity < b.len() || dtype != b.dtype {
                 return bad(format!("buffer {i} ({}) does not fit its slot {}", b.name, b.slot));
             }
+        }
+        if let Some((s, (capacity, _))) = self.memory.slots.iter().enumerate().find(|(_, (c, _))| *c > MAX_BUFFER_ELEMENTS) {
+            return bad(format!("slot {s} holds {capacity} elements, more than the {MAX_BUFFER_ELEMENTS} a buffer may have"));
         }
         let in_range = |id: &BufferId| *id < self.buffers.len();
         for (i, instr) in self.instrs.iter().enumerate() {
@@ -588,6 +653,9 @@ impl Program {
         }
         if !self.args.iter().chain(&self.results).all(|b| in_range(&b.buffer)) {
             return bad("an argument or result names a buffer out of range".into());
+        }
+        if let Err(m) = self.check_memory_totals() {
+            return bad(m);
         }
         if !self.memory.offsets.is_empty() {
             if self.memory.offsets.len() != self.buffers.len() {

@@ -9,6 +9,10 @@ use crate::data::Corpus;
 use crate::init::init_binding;
 use crate::program::{Program, Role};
 
+/// Most optimizer steps a run may count to: the compiled step reads its counter as a 32-bit
+/// integer (`step`, which AdamW's bias correction uses), so step 2^31 cannot be expressed.
+pub const MAX_STEPS: u64 = i32::MAX as u64;
+
 /// Drives `train_step` on the CPU.
 #[derive(Debug)]
 pub struct Trainer {

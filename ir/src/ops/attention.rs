@@ -33,7 +33,9 @@ impl OpDef for Attention {
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
         let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
         args.extend(attention_args(&q, hk, cx.attrs)?);
-        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid: [s as u32, (b * hq) as u32, 1], block: 128, shared: s, workspace: 0, args }]))
+        // One block per query row (x) of each sequence's head (y).
+        let grid = [u32::try_from(s).map_err(|_| format!("a sequence of {s} is too long for attention_fwd"))?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
+        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: 128, shared: s, workspace: 0, args }]))
     }
     fn summary(&self) -> &'static str {
         "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads"
@@ -124,9 +126,11 @@ impl OpDef for AttentionGrad {
         q_args.extend(shape_args.iter().cloned());
         let mut kv_args = vec![Arg::Out(1), Arg::Out(2), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
         kv_args.extend(shape_args);
+        let rows = u32::try_from(s).map_err(|_| format!("a sequence of {s} is too long for attention_grad"))?;
+        let (q_grid, kv_grid) = ([rows, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [rows, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
         Ok(DeviceKernel::Launches(vec![
-            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: [s as u32, (b * hq) as u32, 1], block: 128, shared: 2 * s, workspace, args: q_args },
-            Launch { kernel: "attention_grad_kv", source: ATTENTION_CUDA, grid: [s as u32, (b * hk) as u32, 1], block: 128, shared: 2 * d, workspace, args: kv_args },
+            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: q_grid, block: 128, shared: 2 * s, workspace, args: q_args },
+            Launch { kernel: "attention_grad_kv", source: ATTENTION_CUDA, grid: kv_grid, block: 128, shared: 2 * d, workspace, args: kv_args },
         ]))
     }
     fn summary(&self) -> &'static str {

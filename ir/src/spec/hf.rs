@@ -56,6 +56,43 @@ fn require(config: &Map<String, Value>, name: &str, ok: impl Fn(&Value) -> bool,
     }
 }
 
+/// The base of RoPE's frequencies, from either layout: `rope_theta` at the top level
+/// (transformers 4), or in `rope_parameters` with its `rope_type` (transformers 5); when both
+/// are given they must agree. Only the default, unscaled RoPE is implemented: another
+/// `rope_type` (llama3, linear, dynamic, yarn, ...), a partial rotary factor, or any
+/// `rope_scaling` is refused naming the field, rather than trained with other frequencies
+/// than the model's.
+fn rope_theta(config: &Map<String, Value>) -> Result<f64, String> {
+    require(config, "rope_scaling", |v| v.is_null(), "RoPE scaling (long-context variants) is not implemented")?;
+    let number = |value: Option<&Value>, name: &str| match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_f64().filter(|t| t.is_finite()).map(Some).ok_or_else(|| format!("config.json: `{name}` must be a number")),
+    };
+    let top = number(config.get("rope_theta"), "rope_theta")?;
+    let nested = match config.get("rope_parameters") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(parameters)) => {
+            match parameters.get("rope_type") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(kind)) if kind == "default" => {}
+                Some(other) => {
+                    return Err(format!(
+                        "config.json: `rope_parameters.rope_type` = {other} is not supported: shardc implements the default RoPE only (no llama3, linear, dynamic or yarn scaling)"
+                    ));
+                }
+            }
+            require(parameters, "partial_rotary_factor", |v| v.as_f64() == Some(1.0), "RoPE rotates every dimension of a head in shardc")
+                .map_err(|e| e.replace("`partial_rotary_factor`", "`rope_parameters.partial_rotary_factor`"))?;
+            number(parameters.get("rope_theta"), "rope_parameters.rope_theta")?
+        }
+        Some(other) => return Err(format!("config.json: `rope_parameters` = {other} must be an object, e.g. {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}")),
+    };
+    match (top, nested) {
+        (Some(a), Some(b)) if a != b => Err(format!("config.json: `rope_theta` = {a} and `rope_parameters.rope_theta` = {b} disagree: give one of them")),
+        (top, nested) => Ok(nested.or(top).unwrap_or(10000.0)),
+    }
+}
+
 /// The spec of a Hugging Face `config.json`; `seq_len` and `micro_batch` shape the step.
 pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) -> Result<(Spec, HfFamily), String> {
     let value: Value = serde_json::from_str(text).map_err(|e| format!("config.json: {e}"))?;
@@ -69,7 +106,9 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
             require(config, "scale_attn_by_inverse_layer_idx", |v| v.as_bool() == Some(false), "no per-layer attention scaling")?;
             require(config, "reorder_and_upcast_attn", |v| v.as_bool() == Some(false), "no attention reordering")?;
             let ffn = match config.get("n_inner") {
-                None | Some(Value::Null) => 4 * hidden,
+                // Too large a hidden size is refused by the spec check, which names it; the
+                // default must not overflow on the way there.
+                None | Some(Value::Null) => hidden.saturating_mul(4),
                 Some(_) => uint(config, "n_inner")?,
             };
             let heads = uint(config, "n_head")?;
@@ -99,13 +138,12 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
             require(config, "hidden_act", |v| v.as_str() == Some("silu"), "the Llama MLP is SwiGLU with SiLU")?;
             require(config, "attention_bias", |v| v.as_bool() == Some(false), "Llama layers have no biases in shardc")?;
             require(config, "mlp_bias", |v| v.as_bool() == Some(false), "Llama layers have no biases in shardc")?;
-            require(config, "rope_scaling", |v| v.is_null(), "RoPE scaling (long-context variants) is not implemented")?;
             require(config, "pretraining_tp", |v| v.as_u64() == Some(1), "sliced pretraining-tp projections are not implemented")?;
             let heads = uint(config, "num_attention_heads")?;
-            if let Some(head_dim) = config.get("head_dim").and_then(Value::as_u64) {
-                if head_dim * heads != uint(config, "hidden_size")? {
-                    return Err(format!("config.json: `head_dim` = {head_dim} is not hidden_size / num_attention_heads; shardc derives it"));
-                }
+            if let Some(head_dim) = config.get("head_dim").and_then(Value::as_u64)
+                && head_dim.checked_mul(heads) != Some(uint(config, "hidden_size")?)
+            {
+                return Err(format!("config.json: `head_dim` = {head_dim} is not hidden_size / num_attention_heads; shardc derives it"));
             }
             (
                 ModelSpec {
@@ -125,7 +163,7 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
                     linear_bias: false,
                     tied_embeddings: boolean(config, "tie_word_embeddings", false)?,
                     norm_eps: float(config, "rms_norm_eps", 1e-6)?,
-                    rope_theta: float(config, "rope_theta", 10000.0)?,
+                    rope_theta: rope_theta(config)?,
                     dtype: SpecDType::F32,
                     vocab_multiple: super::DEFAULT_VOCAB_MULTIPLE,
                 },
@@ -178,5 +216,46 @@ pub fn to_hf_config(spec: &Spec) -> Result<Value, String> {
             "torch_dtype": "float32",
         })),
         None => Err(format!("`{}` is neither GPT-2-shaped (layernorm, gelu, learned positions, biases) nor Llama-shaped (rmsnorm, swiglu, rope, no biases)", spec.name)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Llama config with `rope` merged into tiny-llama's fields.
+    fn llama(rope: Value) -> String {
+        let mut config = json!({
+            "model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+        });
+        config.as_object_mut().unwrap().extend(rope.as_object().unwrap().clone());
+        config.to_string()
+    }
+
+    fn theta(rope: Value) -> Result<f64, String> {
+        from_hf_config(&llama(rope), "t", 8, 1).map(|(spec, _)| spec.model.rope_theta)
+    }
+
+    /// RoPE's base is read from transformers 5's `rope_parameters` as well as from the top
+    /// level; scaled variants and disagreeing values are refused naming the field.
+    #[test]
+    fn rope_theta_is_read_from_either_layout() {
+        assert_eq!(theta(json!({})), Ok(10000.0));
+        assert_eq!(theta(json!({"rope_theta": 500000.0})), Ok(500000.0));
+        assert_eq!(theta(json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})), Ok(500000.0));
+        assert_eq!(theta(json!({"rope_theta": 500000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})), Ok(500000.0));
+        let refused = [
+            (json!({"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0}}), "disagree"),
+            (json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}), "`rope_parameters.rope_type` = \"llama3\""),
+            (json!({"rope_parameters": {"rope_type": "default", "rope_theta": "big"}}), "`rope_parameters.rope_theta` must be a number"),
+            (json!({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}), "`rope_parameters.partial_rotary_factor`"),
+            (json!({"rope_parameters": 7}), "`rope_parameters` = 7"),
+            (json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), "`rope_scaling`"),
+        ];
+        for (rope, says) in refused {
+            let e = theta(rope.clone()).unwrap_err();
+            assert!(e.contains(says), "{rope}: {e}");
+        }
     }
 }

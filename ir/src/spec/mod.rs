@@ -27,6 +27,13 @@ pub const MAX_LAYERS: u64 = 4096;
 /// product of two or three sizes inside `i64`/`f64` range keeps the arithmetic exact.
 pub const MAX_DIM: u64 = 1 << 31;
 
+/// Most elements one tensor of a step may have: 2^48, a petabyte of f32, far beyond any
+/// device yet small enough that a tensor's bytes (at most 8 per element, 2^51) and sums of a
+/// few thousand such tensors stay inside `u64`/`usize` arithmetic. Sizes that each pass
+/// [`MAX_DIM`] can still multiply past this (a `hidden` of 2^31 makes a `[hidden, hidden]`
+/// weight of 2^62 elements): [`check`] and [`Spec::batch`] refuse them, naming the field.
+pub const MAX_TENSOR_ELEMENTS: u64 = 1 << 48;
+
 /// A whole spec file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -244,6 +251,9 @@ impl Spec {
         let Some(per_micro) = per_micro else {
             return Err(fail(format!("micro_batch ({mb}) x dp ({dp}) is out of range"), "use a micro-batch of at least 1 and a smaller dp".into()));
         };
+        if let Some(e) = self.tensor_size_errors(per_micro, self.model.padded_vocab(1)).into_iter().next() {
+            return Err(e);
+        }
         match (microbatches, global_batch.or(self.training.global_batch)) {
             (Some(m), _) => {
                 let global = per_micro.checked_mul(m).filter(|&g| g <= MAX_DIM && m > 0).ok_or_else(|| fail(format!("{m} micro-batches of micro_batch ({mb}) x dp ({dp}) sequences is out of range"), "use fewer micro-batches".into()))?;
@@ -272,7 +282,47 @@ impl Spec {
     /// How the step is lowered for `mesh`: `micro_batch x dp` rows, and the vocabulary padded
     /// for its tensor parallelism.
     pub fn step_shape(&self, mesh: &crate::mesh::Mesh) -> StepShape {
-        StepShape { rows: self.training.micro_batch * mesh.dp.max(1), padded_vocab: self.model.padded_vocab(mesh.tp) }
+        StepShape { rows: self.training.micro_batch.saturating_mul(mesh.dp.max(1)), padded_vocab: self.model.padded_vocab(mesh.tp) }
+    }
+
+    /// The step's tensors that would have more than [`MAX_TENSOR_ELEMENTS`] elements with
+    /// `rows` rows per micro-batch (`micro_batch x dp`), each as an error naming the field to
+    /// change. The sizes must be positive and at most [`MAX_DIM`] each (products are taken in
+    /// `u128`, so they cannot overflow). The vocabulary is padded for tp = 1: tensor
+    /// parallelism pads it by at most `vocab_multiple x tp` rows, which the limit's headroom
+    /// below `u64` absorbs.
+    fn tensor_size_errors(&self, rows: u64, padded_vocab: u64) -> Vec<SpecError> {
+        let m = &self.model;
+        let seq = self.seq_len();
+        // The sequence or the batch, whichever is the larger factor, is the one to name.
+        let batch_field = if seq > rows { "training.seq_len" } else { "training.micro_batch" };
+        let batch_help = "use a smaller micro_batch or seq_len (or fewer data-parallel replicas)";
+        let mut tensors: Vec<(&str, String, Vec<u64>, &str)> = vec![
+            ("model.vocab", "the embedding table [vocab, hidden]".into(), vec![padded_vocab, m.hidden], "use a smaller vocab or hidden size"),
+            ("model.hidden", "an attention projection [hidden, hidden]".into(), vec![m.hidden, m.hidden], "use a smaller hidden size"),
+            ("model.ffn_hidden", "an MLP weight [hidden, ffn_hidden]".into(), vec![m.hidden, m.ffn_hidden], "use a smaller ffn_hidden or hidden size"),
+            (batch_field, "a micro-batch's activations [micro_batch x dp, seq_len, hidden]".into(), vec![rows, seq, m.hidden], batch_help),
+            (batch_field, "a micro-batch's MLP activations [micro_batch x dp, seq_len, ffn_hidden]".into(), vec![rows, seq, m.ffn_hidden], batch_help),
+            (batch_field, "a micro-batch's logits [micro_batch x dp, seq_len, vocab]".into(), vec![rows, seq, padded_vocab], batch_help),
+        ];
+        if m.positions == Positions::Learned {
+            tensors.push(("model.max_seq", "the position table [max_seq, hidden]".into(), vec![m.max_seq, m.hidden], "use a smaller max_seq or hidden size"));
+        }
+        let mut errors: Vec<SpecError> = Vec::new();
+        for (field, what, dims, help) in tensors {
+            let elements = dims.iter().fold(1u128, |acc, &d| acc.saturating_mul(d as u128));
+            // One error per field: the first (largest-scope) tensor says enough.
+            if elements > MAX_TENSOR_ELEMENTS as u128 && !errors.iter().any(|e| e.field == field) {
+                let shape = dims.iter().map(u64::to_string).collect::<Vec<_>>().join(" x ");
+                errors.push(SpecError {
+                    field: field.to_string(),
+                    message: format!("{what} would be {shape} = {elements} elements, more than the {MAX_TENSOR_ELEMENTS} (2^48) one tensor may have"),
+                    help: Some(help.to_string()),
+                    span: None,
+                });
+            }
+        }
+        errors
     }
 }
 
@@ -351,16 +401,30 @@ pub fn parse(source: &str, format: Format, source_name: &str) -> Result<Spec, Sp
     Err(fail(errors))
 }
 
-/// Reads a spec from a file, choosing the format by extension.
+/// Largest spec file read: specs are a few hundred bytes, and a file far larger (a wrong
+/// path, `/dev/zero`) is refused before it fills memory or the error renderer.
+pub const MAX_SPEC_BYTES: u64 = 16 << 20;
+
+/// Reads a spec from a file, choosing the format by extension. Reads at most
+/// [`MAX_SPEC_BYTES`]; a longer file (or one that never ends) is an error saying so.
 pub fn parse_file(path: &std::path::Path) -> Result<Spec, SpecErrors> {
+    use std::io::Read;
     let name = path.display().to_string();
-    match std::fs::read_to_string(path) {
+    let fail = |message: String, help: Option<String>| SpecErrors { source_name: name.clone(), text: String::new(), errors: vec![SpecError { field: String::new(), message, help, span: None }] };
+    let mut bytes = Vec::new();
+    let read = std::fs::File::open(path).and_then(|file| file.take(MAX_SPEC_BYTES + 1).read_to_end(&mut bytes));
+    if let Err(e) = read {
+        return Err(fail(format!("cannot read {name}: {e}"), None));
+    }
+    if bytes.len() as u64 > MAX_SPEC_BYTES {
+        return Err(fail(
+            format!("{name} is larger than {} MiB, the most a spec file may be", MAX_SPEC_BYTES >> 20),
+            Some("give a model spec (see models/*.toml); specs are a few hundred bytes".into()),
+        ));
+    }
+    match String::from_utf8(bytes) {
         Ok(text) => parse(&text, Format::from_path(&name), &name),
-        Err(e) => Err(SpecErrors {
-            source_name: name.clone(),
-            text: String::new(),
-            errors: vec![SpecError { field: String::new(), message: format!("cannot read {name}: {e}"), help: None, span: None }],
-        }),
+        Err(e) => Err(fail(format!("cannot read {name}: not UTF-8 text ({e})"), Some("give a TOML or JSON model spec".into()))),
     }
 }
 
@@ -554,5 +618,7 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
             "set linear_bias = false for Llama-style models".into(),
         );
     }
+    // Sizes that each pass can still multiply into tensors no arithmetic should hold.
+    errors.extend(spec.tensor_size_errors(t.micro_batch, m.padded_vocab(1)));
     errors
 }

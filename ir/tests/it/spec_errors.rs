@@ -61,3 +61,34 @@ fn batches_follow_megatron() {
     assert!(tiny.batch(u64::MAX, None, None).is_err());
     assert!(tiny.batch(2, Some(u64::MAX), None).is_err());
 }
+
+/// Sizes that each pass the per-field limit but multiply into a tensor past
+/// `MAX_TENSOR_ELEMENTS` are refused, naming the field and the limit: a `hidden` of 2^31
+/// (a `[hidden, hidden]` weight of 2^62 elements overflowed codegen's byte counts), and a
+/// micro-batch whose activations grow past it only on many data-parallel replicas.
+#[test]
+fn sizes_whose_tensors_overflow_are_refused_naming_the_field() {
+    use shardc_ir::spec::{check, MAX_TENSOR_ELEMENTS};
+    let tiny = crate::shipped_spec("tiny-llama");
+    let mut wide = tiny.clone();
+    (wide.model.hidden, wide.model.heads, wide.model.kv_heads) = (1 << 31, 1, Some(1));
+    let errors = check(&wide);
+    let hidden = errors.iter().find(|e| e.field == "model.hidden").unwrap_or_else(|| panic!("{errors:?}"));
+    assert!(hidden.message.contains("[hidden, hidden]") && hidden.message.contains("2^48"), "{hidden}");
+    // At the limit itself a spec is accepted.
+    (wide.model.hidden, wide.model.ffn_hidden) = (1 << 24, 1 << 24);
+    assert!(check(&wide).is_empty(), "{:?}", check(&wide));
+    let mut long = tiny.clone();
+    (long.model.max_seq, long.training.seq_len, long.model.hidden) = (1 << 31, Some(1 << 31), 1 << 18);
+    long.model.ffn_hidden = 64;
+    let errors = check(&long);
+    assert!(errors.iter().any(|e| e.field == "training.seq_len" && e.message.contains("activations")), "{errors:?}");
+    // The batch's rows multiply by dp: fine on one replica, refused on a million.
+    let mut big_batch = tiny.clone();
+    (big_batch.model.hidden, big_batch.model.ffn_hidden, big_batch.training.global_batch) = (1 << 16, 1 << 16, None);
+    (big_batch.model.max_seq, big_batch.training.seq_len, big_batch.training.micro_batch) = (1 << 14, Some(1 << 14), 1);
+    assert!(check(&big_batch).is_empty());
+    assert!(big_batch.batch(1, None, None).is_ok());
+    let e = big_batch.batch(1 << 20, None, None).unwrap_err();
+    assert!(e.field == "training.micro_batch" && e.message.contains(&MAX_TENSOR_ELEMENTS.to_string()), "{e}");
+}
