@@ -139,8 +139,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
     // The learning rate decays over the whole run unless told otherwise (as Megatron-LM's
     // --lr-decay-iters defaults to --train-iters).
     let mut args = args.clone();
-    if args.step.lr_decay_steps.is_none() && args.steps > args.step.lr_warmup_steps && args.steps <= i32::MAX as u64 {
-        args.step.lr_decay_steps = Some(args.steps);
+    // A resumed run continues its checkpoint's decay (its --steps may have been shorter).
+    let resumed_decay = args.resume.as_deref().and_then(|dir| shardc_runtime::checkpoint::read_manifest(dir).ok()).and_then(|m| m.optimizer).map(|o| o.decay_steps);
+    if args.step.lr_decay_steps.is_none() {
+        match resumed_decay {
+            Some(steps) if steps >= 0 => args.step.lr_decay_steps = Some(steps as u64),
+            _ if args.steps > args.step.lr_warmup_steps && args.steps <= i32::MAX as u64 => args.step.lr_decay_steps = Some(args.steps),
+            _ => {}
+        }
     }
     let args = &args;
     shardc_runtime::cpu::check_numerics(args.check_numerics);
@@ -557,6 +563,27 @@ impl Checkpoints {
         }
         if args.step.optimizer == "sgd" && manifest.tensors.iter().any(|t| t.name.starts_with("opt.") && !t.name.starts_with("opt.master.")) {
             return Err(miette!(help = "resume with the checkpoint's optimizer (--optimizer adamw)", "--optimizer sgd: {} holds AdamW's moments, which SGD would drop", dir.display()));
+        }
+        // The schedule and clipping continue the checkpoint's (Megatron-LM checks them too).
+        if let (Some(saved), Some(now)) = (&manifest.optimizer, shardc_runtime::checkpoint::OptimizerRecord::of(programs)) {
+            let differing = saved.differences(&now);
+            if !differing.is_empty() {
+                let decay = if saved.decay_steps == 0 { "constant" } else if saved.cosine { "cosine" } else { "linear" };
+                return Err(miette!(
+                    help = format!(
+                        "resume with the checkpoint's settings: --optimizer {} --lr {} --min-lr {} --lr-warmup-steps {} --lr-decay {decay}{} --clip-grad {}",
+                        saved.update,
+                        saved.lr,
+                        saved.min_lr,
+                        saved.warmup_steps,
+                        if saved.decay_steps > 0 { format!(" --lr-decay-steps {}", saved.decay_steps) } else { String::new() },
+                        saved.clip_grad
+                    ),
+                    "{}: the checkpoint's run trained with other optimizer settings: {}",
+                    dir.display(),
+                    differing.join(", ")
+                ));
+            }
         }
         crate::data::resume_data(dir, manifest.data.as_ref(), corpus, manifest.step)?;
         println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);

@@ -1996,3 +1996,37 @@ fn zero_that_cannot_shard_a_tensor_says_so() {
     let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=2", "--micro-batch", "1", "--microbatches", "1", "--zero", "1"]);
     assert!(out.status.success() && !stdout(&out).contains("warning"), "{}", stdout(&out));
 }
+
+/// The checkpoint records the update rule, the learning-rate schedule and the clipping norm
+/// the programs were compiled with (read from their update ops): a resumed run continues that
+/// decay even when the first leg's --steps was shorter, and other settings are refused with the
+/// checkpoint's own as the fix (issue 17).
+#[test]
+fn resumed_runs_continue_the_checkpoints_schedule_and_refuse_other_settings() {
+    let dir = tempdir("resume-schedule");
+    let ckpt = dir.join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let base = ["run", "models/tiny.toml", "--log-every", "1", "--lr-warmup-steps", "2"];
+    let with = |extra: &[&str]| shardc(&[&base[..], extra].concat());
+    // The first leg decays over its 6 steps; the uninterrupted twin is told so.
+    let uninterrupted = losses_by_step(&with(&["--steps", "10", "--lr-decay-steps", "6"]));
+    losses_by_step(&with(&["--steps", "6", "--checkpoint", ckpt]));
+    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ckpt/step-00000006/manifest.json")).unwrap()).unwrap();
+    let record = &manifest["optimizer"];
+    assert_eq!((record["update"].as_str(), record["warmup_steps"].as_i64(), record["decay_steps"].as_i64(), record["clip_grad"].as_f64()), (Some("adamw"), Some(2), Some(6), Some(1.0)), "{manifest}");
+    assert!((record["min_lr"].as_f64().unwrap() - 3e-4).abs() < 1e-12, "{record}");
+    let resumed = losses_by_step(&with(&["--steps", "10", "--resume", ckpt]));
+    assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (7..=10).collect::<Vec<u64>>());
+    assert_same_losses(&uninterrupted, &resumed, "resumed past the end of the decay");
+    for (extra, named, fix) in [
+        (vec!["--lr", "0.01"], "lr 0.003 (this run: 0.01)", "--lr 0.003"),
+        (vec!["--clip-grad", "0"], "clip-grad 1 (this run: 0)", "--clip-grad 1"),
+        (vec!["--lr-decay-steps", "12"], "lr-decay-steps 6 (this run: 12)", "--lr-decay-steps 6"),
+        (vec!["--lr-decay", "linear"], "lr-decay cosine (this run: linear)", "--lr-decay cosine"),
+    ] {
+        let out = with(&[&["--steps", "12", "--resume", ckpt][..], &extra].concat());
+        let err = unwrapped(&stderr(&out));
+        assert!(!out.status.success() && err.contains("other optimizer settings") && err.contains(named) && err.contains(fix), "{extra:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

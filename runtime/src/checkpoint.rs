@@ -71,6 +71,68 @@ pub struct Manifest {
     /// recorded it: those resume with the data order of (seed, step)).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<crate::data::DataRecord>,
+    /// The update rule, learning-rate schedule and clipping the programs were compiled with
+    /// (absent in checkpoints written before shardc recorded it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OptimizerRecord>,
+}
+
+/// What a training step's updates do, read from its compiled programs: the update op, its
+/// learning-rate schedule and the clipping norm. A resumed run must continue it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OptimizerRecord {
+    /// `adamw` or `sgd`.
+    pub update: String,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning rate at the end of the decay.
+    pub min_lr: f64,
+    /// Iterations of warmup.
+    pub warmup_steps: i64,
+    /// Iteration at which the decay ends (0: none).
+    pub decay_steps: i64,
+    /// Cosine decay (else linear).
+    pub cosine: bool,
+    /// Largest global gradient norm (0: no clipping).
+    pub clip_grad: f64,
+}
+
+impl OptimizerRecord {
+    /// The record of `programs`' first update op and clipping coefficient; `None` for
+    /// programs without updates.
+    pub fn of(programs: &[Program]) -> Option<OptimizerRecord> {
+        let instrs = || programs.iter().flat_map(|p| p.instrs.iter());
+        let update = instrs().find(|i| i.op == "xf.adamw" || i.op == "xf.sgd")?;
+        let clip_grad = instrs().find(|i| i.op == "xf.clip_coef").and_then(|i| i.float("max_norm").ok()).unwrap_or(0.0);
+        Some(OptimizerRecord {
+            update: update.op.trim_start_matches("xf.").to_string(),
+            lr: update.float("lr").ok()?,
+            min_lr: update.float("min_lr").ok()?,
+            warmup_steps: update.int("warmup_steps").ok()?,
+            decay_steps: update.int("decay_steps").ok()?,
+            cosine: update.int("cosine").ok()? != 0,
+            clip_grad,
+        })
+    }
+
+    /// The settings that differ from `other`'s, as `name saved (this run: now)`.
+    pub fn differences(&self, now: &OptimizerRecord) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |name: &str, saved: String, this: String| {
+            if saved != this {
+                out.push(format!("{name} {saved} (this run: {this})"));
+            }
+        };
+        check("optimizer", self.update.clone(), now.update.clone());
+        check("lr", self.lr.to_string(), now.lr.to_string());
+        check("min-lr", self.min_lr.to_string(), now.min_lr.to_string());
+        check("lr-warmup-steps", self.warmup_steps.to_string(), now.warmup_steps.to_string());
+        check("lr-decay-steps", self.decay_steps.to_string(), now.decay_steps.to_string());
+        let decay = |r: &OptimizerRecord| if r.decay_steps == 0 { "constant" } else if r.cosine { "cosine" } else { "linear" };
+        check("lr-decay", decay(self).into(), decay(now).into());
+        check("clip-grad", self.clip_grad.to_string(), now.clip_grad.to_string());
+        out
+    }
 }
 
 /// One tensor of a checkpoint.
@@ -227,6 +289,7 @@ pub fn save_sharded(
         files,
         checksums,
         data,
+        optimizer: OptimizerRecord::of(programs),
     };
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| RuntimeError::Program(e.to_string()))?;
     write_synced(&partial.join("manifest.json"), &text)?;
@@ -256,13 +319,13 @@ pub fn save_sharded(
     Ok(done)
 }
 
-/// Loads the checkpoint `LATEST` names under `dir` (or `dir` itself when it holds a
-/// manifest): its manifest and the global value of every tensor, assembled from the rank
-/// files with the mesh they were saved for. A manifest or file edited by hand is refused with
-/// an error naming the field, tensor or file before anything is allocated for it (see
-/// [`parse_manifest`]), and every rank file's shards must have the shapes the manifest's
-/// layouts give them and cover each tensor whole.
-pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), RuntimeError> {
+/// The manifest of the checkpoint `dir` names (a checkpoint folder, or a folder of them
+/// whose `LATEST` names the newest), checked, without reading the rank files.
+pub fn read_manifest(dir: &std::path::Path) -> Result<Manifest, RuntimeError> {
+    Ok(read_manifest_in(dir)?.1)
+}
+
+fn read_manifest_in(dir: &std::path::Path) -> Result<(std::path::PathBuf, Manifest), RuntimeError> {
     let folder = if dir.join("manifest.json").exists() {
         dir.to_path_buf()
     } else {
@@ -277,6 +340,17 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
     let path = folder.join("manifest.json");
     let text = read_limited(&path, MAX_MANIFEST_BYTES).map_err(|e| io(&path, e))?;
     let manifest = parse_manifest(&text).map_err(|e| RuntimeError::Binding(format!("{}: {e}", path.display())))?;
+    Ok((folder, manifest))
+}
+
+/// Loads the checkpoint `LATEST` names under `dir` (or `dir` itself when it holds a
+/// manifest): its manifest and the global value of every tensor, assembled from the rank
+/// files with the mesh they were saved for. A manifest or file edited by hand is refused with
+/// an error naming the field, tensor or file before anything is allocated for it (see
+/// [`parse_manifest`]), and every rank file's shards must have the shapes the manifest's
+/// layouts give them and cover each tensor whole.
+pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), RuntimeError> {
+    let (folder, manifest) = read_manifest_in(dir)?;
     let mesh = MeshShape(manifest.mesh.clone());
     let listed: HashMap<&str, &ManifestTensor> = manifest.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let mut shards: HashMap<String, Vec<(usize, Vec<f64>)>> = HashMap::new();
@@ -458,7 +532,7 @@ mod tests {
 
     fn manifest(mesh: Vec<usize>, tensors: Vec<ManifestTensor>) -> Manifest {
         let files = (0..mesh.iter().product()).map(|r| format!("rank-{r:05}.safetensors")).collect();
-        Manifest { format_version: CHECKPOINT_VERSION, step: 3, seed: 0, mesh, spec: serde_json::Value::Null, tensors, files, data: None, checksums: Vec::new() }
+        Manifest { format_version: CHECKPOINT_VERSION, step: 3, seed: 0, mesh, spec: serde_json::Value::Null, tensors, files, data: None, optimizer: None, checksums: Vec::new() }
     }
 
     fn tensor(name: &str, global_shape: Vec<usize>, split: Vec<Vec<usize>>) -> ManifestTensor {
