@@ -62,6 +62,11 @@ pub struct RunArgs {
     /// ZeRO stage): the shards are reassembled and cut again; the run goes on to step `--steps`.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// With --resume: train on with this run's --lr, --min-lr, warmup, decay and --clip-grad
+    /// instead of refusing settings that differ from the checkpoint's (as Megatron-LM's
+    /// --override-opt_param-scheduler; e.g. a lower learning rate after a loss spike).
+    #[arg(long, requires = "resume")]
+    pub override_schedule: bool,
     /// Check every op's results for NaN and infinity, and stop at the first op that makes
     /// one, naming it and its layer.
     #[arg(long)]
@@ -567,11 +572,14 @@ impl Checkpoints {
         // The schedule and clipping continue the checkpoint's (Megatron-LM checks them too).
         if let (Some(saved), Some(now)) = (&manifest.optimizer, shardc_runtime::checkpoint::OptimizerRecord::of(programs)) {
             let differing = saved.differences(&now);
-            if !differing.is_empty() {
+            let rule_changed = saved.update != now.update;
+            if !differing.is_empty() && args.override_schedule && !rule_changed {
+                println!("  schedule    overridden (--override-schedule): {}", differing.join(", "));
+            } else if !differing.is_empty() {
                 let decay = if saved.decay_steps == 0 { "constant" } else if saved.cosine { "cosine" } else { "linear" };
                 return Err(miette!(
                     help = format!(
-                        "resume with the checkpoint's settings: --optimizer {} --lr {} --min-lr {} --lr-warmup-steps {} --lr-decay {decay}{} --clip-grad {}",
+                        "resume with the checkpoint's settings: --optimizer {} --lr {} --min-lr {} --lr-warmup-steps {} --lr-decay {decay}{} --clip-grad {} (or add --override-schedule to train on with this run's)",
                         saved.update,
                         saved.lr,
                         saved.min_lr,

@@ -1228,7 +1228,7 @@ fn a_non_finite_step_stops_every_layout_and_is_never_checkpointed() {
         let base = ["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", mesh, "--checkpoint", ckpt_arg, "--checkpoint-every", "1"];
         let out = shardc(&[&base[..], &["--steps", "2"]].concat());
         assert!(out.status.success(), "{mesh}: {}", stderr(&out));
-        let out = shardc(&[&base[..], &["--steps", "3", "--resume", ckpt_arg, "--lr", "1e300"]].concat());
+        let out = shardc(&[&base[..], &["--steps", "3", "--resume", ckpt_arg, "--lr", "1e300", "--override-schedule"]].concat());
         assert!(!out.status.success(), "{mesh}: a run that blew up exited 0:\n{}", stdout(&out));
         assert!(stderr(&out).contains("lower --lr"), "{mesh}: {}", stderr(&out));
         assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000002", "{mesh}");
@@ -1649,7 +1649,7 @@ fn checkpoints_resume_under_another_padding_and_precision() {
     let masters = dir.join("masters.safetensors");
     losses_by_step(&run("models/tiny.toml", &["--dtype", "bf16", "--steps", "4", "--checkpoint", ckpt.to_str().unwrap(), "--save", masters.to_str().unwrap()]));
     let after = dir.join("after.safetensors");
-    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "5", "--lr", "1e-30", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
+    losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "5", "--lr", "1e-30", "--override-schedule", "--resume", ckpt.to_str().unwrap(), "--save", after.to_str().unwrap()]));
     let read = |p: &std::path::Path| shardc_runtime::checkpoint::from_bytes(&std::fs::read(p).unwrap()).unwrap();
     let (masters, after) = (read(&masters), read(&after));
     assert_eq!(masters.len(), after.len());
@@ -2018,6 +2018,9 @@ fn resumed_runs_continue_the_checkpoints_schedule_and_refuse_other_settings() {
     let resumed = losses_by_step(&with(&["--steps", "10", "--resume", ckpt]));
     assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (7..=10).collect::<Vec<u64>>());
     assert_same_losses(&uninterrupted, &resumed, "resumed past the end of the decay");
+    // --override-schedule trains on with this run's settings, saying what changed.
+    let out = with(&["--steps", "8", "--resume", ckpt, "--lr", "0.001", "--override-schedule"]);
+    assert!(out.status.success() && stdout(&out).contains("overridden (--override-schedule): lr 0.003 (this run: 0.001)"), "{}{}", stdout(&out), stderr(&out));
     for (extra, named, fix) in [
         (vec!["--lr", "0.01"], "lr 0.003 (this run: 0.01)", "--lr 0.003"),
         (vec!["--clip-grad", "0"], "clip-grad 1 (this run: 0)", "--clip-grad 1"),

@@ -100,6 +100,19 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
     for v in &func.returns {
         last_use[v.0 as usize] = Some(end);
     }
+    // A pipeline rank of several chunks runs their step sections merged in the training
+    // step's order (`xf.order`), not one chunk after another as they are laid out: what a
+    // step section reads or makes lives to the end, so no chunk's step shares storage with
+    // another's.
+    let is_step = |op: &shardc_ir::Op| matches!(op.attrs.get("xf.phase"), Some(AttrValue::Str(p)) if p == "step");
+    let steps: Vec<usize> = (0..end).filter(|&i| is_step(&func.ops[i])).collect();
+    if steps.windows(2).any(|w| w[1] != w[0] + 1) {
+        for &i in &steps {
+            for v in func.ops[i].operands.iter().chain(&func.ops[i].results) {
+                last_use[v.0 as usize] = Some(end);
+            }
+        }
+    }
 
     // Buffers: arguments first, then op results; an in-place result reuses its operand's.
     let mut buffer_of: Vec<Option<usize>> = vec![None; n_values];

@@ -311,15 +311,6 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
         None => balance(&costs, n_stages),
     };
     let stage: Vec<usize> = block.iter().map(|&b| stage_of_block[b]).collect();
-    // A rank runs its chunks' step sections one after another, and the clipping coefficient
-    // needs every chunk's share of the norm before any chunk's update: with several chunks
-    // per rank that would wait on itself.
-    if options.chunks > 1 && let Some(op) = func.ops.iter().find(|op| op.name == "xf.clip_coef") {
-        return Err(format!(
-            "{}: gradient clipping with {} model chunks per pipeline rank (an interleaved schedule) is not supported yet: the norm needs every chunk's gradients before any chunk's update; use --clip-grad 0 or a schedule with one chunk per rank (1f1b, gpipe, zb-h1)",
-            op.loc, options.chunks
-        ));
-    }
     let plan = Plan { phase, stage };
 
     // Owner stage of every argument: parameters and their state live where they are updated
@@ -512,25 +503,29 @@ fn build_stage(
             .with(stage_attr, AttrValue::Int(peer as i64));
         with_phase(attrs, phase)
     };
-    let send = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>, v: Value, phase: Phase, step: bool| {
+    // Step sections carry `xf.order`, the place of each op in the unsplit step (a send at
+    // its value's producer, a receive at its first reader): a rank runs its chunks' step
+    // sections merged in that order, so that no chunk waits on a later one of its own rank.
+    let ordered = |attrs: Attrs, phase: Phase, order: i64| if phase == Phase::Step { attrs.with("xf.order", AttrValue::Int(order)) } else { attrs };
+    let send = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>, v: Value, phase: Phase, step: bool, order: i64| {
         for (&(value, from, to), &(tag, receive)) in transfers.range((v, 0, 0)..=(v, usize::MAX, usize::MAX)) {
             if value != v || from != k || (receive == Phase::Step) != step {
                 continue;
             }
-            fb.op_typed("shard.send", &[map[&v]], point_to_point(to, tag, true, phase), vec![func.ty(v).clone()], &format!("send.{tag}"));
+            fb.op_typed("shard.send", &[map[&v]], ordered(point_to_point(to, tag, true, phase), phase, order), vec![func.ty(v).clone()], &format!("send.{tag}"));
         }
     };
-    let receive = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, v: Value, from: usize, tag: i64, phase: Phase| {
+    let receive = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, v: Value, from: usize, tag: i64, phase: Phase, order: i64| {
         let ty = func.ty(v).clone();
-        let empty = fb.op_typed("tensor.empty", &[], with_phase(Attrs::new(), phase), vec![ty.clone()], &format!("recv.{tag}.buffer"))[0];
-        let received = fb.op_typed("shard.recv", &[empty], point_to_point(from, tag, false, phase), vec![ty], &format!("recv.{tag}"))[0];
+        let empty = fb.op_typed("tensor.empty", &[], ordered(with_phase(Attrs::new(), phase), phase, order), vec![ty.clone()], &format!("recv.{tag}.buffer"))[0];
+        let received = fb.op_typed("shard.recv", &[empty], ordered(point_to_point(from, tag, false, phase), phase, order), vec![ty], &format!("recv.{tag}"))[0];
         map.insert(v, received);
     };
     // Per-micro-batch sections receive what they need at their start.
     let receive_all = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, phase: Phase| {
         for (&(v, from, to), &(tag, when)) in transfers {
             if to == k && when == phase && phase != Phase::Step {
-                receive(fb, map, v, from, tag, phase);
+                receive(fb, map, v, from, tag, phase, -1);
             }
         }
     };
@@ -544,7 +539,7 @@ fn build_stage(
             .map(|((v, _, _), _)| *v)
             .collect();
         for v in ready {
-            send(fb, map, v, Phase::Step, true);
+            send(fb, map, v, Phase::Step, true, -1);
         }
     };
 
@@ -572,13 +567,13 @@ fn build_stage(
                 if !map.contains_key(v)
                     && let Some((&(_, from, _), &(tag, _))) = transfers.iter().find(|((value, _, to), (_, when))| value == v && *to == k && *when == Phase::Step)
                 {
-                    receive(&mut fb, &mut map, *v, from, tag, Phase::Step);
+                    receive(&mut fb, &mut map, *v, from, tag, Phase::Step, i as i64);
                 }
             }
         }
         let operands =
             op.operands.iter().map(|v| map.get(v).copied().ok_or_else(|| format!("{}: stage {k} has no {v} (made on stage {:?})", op.loc, home(*v).map(|h| h.0)))).collect::<Result<Vec<_>, _>>()?;
-        let mut attrs = with_phase(op.attrs.clone(), phase);
+        let mut attrs = ordered(with_phase(op.attrs.clone(), phase), phase, i as i64);
         if op.loc == "loss.seed" && op.name == "xf.fill_like" {
             // Each micro-batch's loss is a mean over its tokens; the step's loss is the mean
             // over micro-batches, so each micro-batch's gradient carries a factor 1/m.
@@ -593,14 +588,14 @@ fn build_stage(
             map.insert(*old, new);
         }
         for r in &op.results {
-            send(&mut fb, &map, *r, phase, phase == Phase::Step);
+            send(&mut fb, &map, *r, phase, phase == Phase::Step, i as i64);
         }
     }
     advance(&mut current, Phase::Step, &mut fb, &mut map);
     // Mirrored parameters' new values arrive last.
     for (&(v, from, to), &(tag, when)) in transfers {
         if to == k && when == Phase::Step && !map.contains_key(&v) {
-            receive(&mut fb, &mut map, v, from, tag, Phase::Step);
+            receive(&mut fb, &mut map, v, from, tag, Phase::Step, func.ops.len() as i64 + tag);
         }
     }
 

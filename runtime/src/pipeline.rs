@@ -126,6 +126,7 @@ pub fn train_pipeline_from(
         // final, and its data-parallel sync starts then, while other work goes on.
         let last_backward: Vec<Option<usize>> =
             (0..plan.chunks.len()).map(|c| items.iter().rposition(|i| i.chunk == c && i.work != Work::F)).collect();
+        let step_order = program.step_order(&plan.chunks);
         let mut losses = Vec::new();
         let mut trace = Vec::new();
         let mut early_syncs = 0;
@@ -216,7 +217,9 @@ pub fn train_pipeline_from(
             for (c, chunk) in plan.chunks.iter().enumerate() {
                 exec.restore(&chunk.sum_backward, &sums[c])?;
                 exec.restore(&chunk.sum_weight, &sums_weight[c])?;
-                exec.run_range(chunk.range(Section::Step))?;
+            }
+            for &index in &step_order {
+                exec.run_range(index..index + 1)?;
             }
             exec.carry_state()?;
             // The rank that computes the loss stops the run at the first step that breaks it

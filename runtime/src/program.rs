@@ -586,6 +586,24 @@ impl Program {
         Ok(())
     }
 
+    /// The instructions of every chunk's step section in the order a rank runs them: by
+    /// `xf.order`, each op's place in the unsplit training step (so a chunk never waits on a
+    /// later chunk of its own rank: the global norm needs every chunk's share before any
+    /// chunk's update), chunk by chunk where it is absent.
+    pub fn step_order(&self, chunks: &[ChunkPlan]) -> Vec<usize> {
+        let mut order: Vec<(i64, usize, usize)> = chunks
+            .iter()
+            .enumerate()
+            .flat_map(|(c, chunk)| chunk.range(Section::Step).map(move |index| (c, index)))
+            .map(|(c, index)| (self.instrs[index].int("xf.order").unwrap_or(i64::MIN), c, index))
+            .collect();
+        if order.iter().any(|(key, _, _)| *key == i64::MIN) {
+            return chunks.iter().flat_map(|chunk| chunk.range(Section::Step)).collect();
+        }
+        order.sort_unstable();
+        order.into_iter().map(|(_, _, index)| index).collect()
+    }
+
     /// Bytes the CPU backend allocates for the program: every storage slot (it keeps typed
     /// slots rather than the device's arena).
     pub fn cpu_storage_bytes(&self) -> usize {
