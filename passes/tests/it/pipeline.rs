@@ -117,6 +117,37 @@ fn train_step_of_tiny_gpt() {
     insta::assert_snapshot!(ir_after("tiny", shardc_passes::Recompute::None, "optimizer"));
 }
 
+/// Weight decay falls on matrices only (projections, embeddings, the LM head), never on norm
+/// scales and biases, as Megatron-LM and Hugging Face train; every update carries the
+/// schedule's attributes and reads the clipping coefficient.
+#[test]
+fn weight_decay_skips_norms_and_biases_and_updates_read_the_clip() {
+    for model in ["tiny", "tiny-llama"] {
+        let options = shardc_passes::CompileOptions { optimizer: shardc_passes::OptimizerKind::adamw(1e-3), ..Default::default() };
+        let mut module = tiny(model);
+        compile_pipeline(&options).run(&IrContext::new().unwrap(), &mut module, |_| false, |_, _| {}).unwrap();
+        let step = module.func("train_step").unwrap();
+        let coef = step.ops.iter().find(|op| op.name == "xf.clip_coef").expect("clipping is on by default").results[0];
+        let updates: Vec<_> = step.ops.iter().filter(|op| op.name == "xf.adamw").collect();
+        assert_eq!(updates.len(), step.args_with(shardc_ir::ArgRole::Param).count());
+        for op in updates {
+            let param = op.loc.strip_prefix("optimizer.").unwrap();
+            let decay = match op.attrs.get("weight_decay") {
+                Some(shardc_ir::AttrValue::Float(x)) => *x,
+                other => panic!("{param}: {other:?}"),
+            };
+            let matrix = step.tensor(op.operands[0]).unwrap().rank() >= 2;
+            let norm_or_bias = param.ends_with(".bias") || param.contains("norm.");
+            assert_eq!(norm_or_bias, !matrix, "{model} {param}");
+            assert_eq!(decay, if matrix { 0.1 } else { 0.0 }, "{model} {param}");
+            assert_eq!(op.operands[5], coef, "{model} {param}: the update must read the clipping coefficient");
+            for attr in ["lr", "min_lr", "warmup_steps", "decay_steps", "cosine"] {
+                assert!(op.attrs.get(attr).is_some(), "{model} {param}: no {attr}");
+            }
+        }
+    }
+}
+
 #[test]
 fn train_step_of_tiny_llama() {
     insta::assert_snapshot!(ir_after("tiny-llama", shardc_passes::Recompute::None, "optimizer"));
