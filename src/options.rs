@@ -248,6 +248,14 @@ impl StepArgs {
     fn pipeline_options(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<Option<shardc_passes::PipelineOptions>> {
         use shardc_runtime::schedule::Kind;
         let kind = self.schedule_kind()?;
+        // Interleaving spreads model chunks over pipeline ranks; on one rank its first and last
+        // chunk would wait on each other (a tied embedding's gradient and update).
+        if kind == Kind::Interleaved && mesh.pp == 1 {
+            return Err(miette!(
+                help = "use --schedule 1f1b (or gpipe) to accumulate gradients on one pipeline rank, or add pipeline ranks with --mesh pp=N",
+                "--schedule interleaved interleaves model chunks over pipeline ranks, and --mesh {mesh} has one (pp=1)"
+            ));
+        }
         let m = self.microbatches(spec, mesh)?;
         if mesh.pp == 1 && m == 1 && self.stages.is_none() {
             return Ok(None);

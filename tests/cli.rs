@@ -457,6 +457,20 @@ fn plan_picks_tensor_parallelism_in_a_node_and_pipelines_across_nodes() {
     assert!(stderr(&out).contains("no strategy fits"), "{}", stderr(&out));
 }
 
+/// Interleaved 1F1B spreads model chunks over pipeline ranks: at pp=1 it is refused with the
+/// fix, where its tied embedding's chunks waited on each other until the rank timed out.
+#[test]
+fn interleaved_schedule_on_one_pipeline_rank_is_refused() {
+    let run = ["run", "models/tiny.toml", "--steps", "2", "--schedule", "interleaved", "--clip-grad", "0", "--timeout", "5"];
+    let compile = ["compile", "models/tiny.toml", "--schedule", "interleaved", "--clip-grad", "0"];
+    for args in [&run[..], &compile[..]] {
+        let out = shardc(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}{}", stdout(&out), stderr(&out));
+        let err = stderr(&out);
+        assert!(err.contains("--schedule interleaved") && err.contains("pp=1") && err.contains("1f1b"), "{args:?}: {err}");
+    }
+}
+
 /// The plan's best configuration, as the command it prints, compiles and trains: the tiny
 /// model on 8 ranks of the CPU runtime.
 #[test]
