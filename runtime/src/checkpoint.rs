@@ -494,6 +494,9 @@ impl Manifest {
         if !self.checksums.is_empty() && self.checksums.len() != self.files.len() {
             return bad(format!("{} checksums for {} rank files", self.checksums.len(), self.files.len()));
         }
+        if let Some(data) = &self.data {
+            data.check().map_err(|m| RuntimeError::Binding(format!("`data`: {m}")))?;
+        }
         let mut names = std::collections::HashSet::new();
         for (i, t) in self.tensors.iter().enumerate() {
             let name = &t.name;
@@ -543,7 +546,10 @@ mod tests {
     /// changed; nothing is read or allocated by its numbers first.
     #[test]
     fn edited_manifests_are_refused_naming_the_field() {
-        let good = manifest(vec![1, 2, 1], vec![tensor("w", vec![4, 2], vec![vec![1], vec![]])]);
+        let mut good = manifest(vec![1, 2, 1], vec![tensor("w", vec![4, 2], vec![vec![1], vec![]])]);
+        let source = crate::data::Source { name: "train.bin".into(), format: "uint16".into(), bytes_per_token: Some(2) };
+        let corpus = crate::data::Corpus::from_tokens(crate::data::Tokens::U16((0..100).collect()), source, 4, 512, 0.1).unwrap();
+        good.data = Some(corpus.record(3, 2));
         assert!(good.check().is_ok());
         let text = |m: &Manifest| serde_json::to_vec(m).unwrap();
         assert!(parse_manifest(&text(&good)).is_ok());
@@ -558,6 +564,13 @@ mod tests {
             (Box::new(|m| m.tensors[0].global_shape = vec![3, 2]), "does not split into 2 equal parts"),
             (Box::new(|m| m.tensors[0].global_shape = vec![usize::MAX, 2]), "`tensors[0].global_shape` of `w`"),
             (Box::new(|m| m.tensors.push(m.tensors[0].clone())), "listed twice"),
+            // The data record: a hand-edited position or cut made the sampler overflow.
+            (Box::new(|m| m.data.as_mut().unwrap().samples = u64::MAX), "`data`: `samples`"),
+            (Box::new(|m| m.data.as_mut().unwrap().window = 0), "`data`: `window` is 0"),
+            (Box::new(|m| m.data.as_mut().unwrap().window = 1), "`data`: `window` is 1"),
+            (Box::new(|m| m.data.as_mut().unwrap().train_windows = 0), "`data`: `train_windows`"),
+            (Box::new(|m| m.data.as_mut().unwrap().train_windows = 1 << 63), "`data`: `train_windows`"),
+            (Box::new(|m| m.data.as_mut().unwrap().epoch = 7), "`data`: `epoch` is 7"),
         ];
         for (edit, says) in cases {
             let mut m = good.clone();

@@ -109,6 +109,36 @@ pub struct DataRecord {
     pub epoch: u64,
 }
 
+/// The most training windows a run consumes: [`crate::train::MAX_STEPS`] steps of at most
+/// 2^31 sequences (the largest global batch a spec may have).
+pub const MAX_SAMPLES: u64 = crate::train::MAX_STEPS << 31;
+
+impl DataRecord {
+    /// Checks what the fields must mean together (a hand-edited manifest could make the
+    /// sampler overflow or divide by zero): windows of at least two tokens, as many as the
+    /// tokens make, at least one to train on, at most [`MAX_SAMPLES`] consumed, and the epoch
+    /// those samples are in. Errors name the field.
+    pub fn check(&self) -> Result<(), String> {
+        if self.window < 2 {
+            return Err(format!("`window` is {}: a window is a sequence and its next token, at least 2 tokens", self.window));
+        }
+        let windows = self.identity.tokens / self.window;
+        if self.train_windows == 0 || self.train_windows.checked_add(self.validation_windows) != Some(windows) {
+            return Err(format!(
+                "`train_windows` {} and `validation_windows` {} are not the {windows} windows of {} tokens that {} tokens make, with at least one to train on",
+                self.train_windows, self.validation_windows, self.window, self.identity.tokens
+            ));
+        }
+        if self.samples > MAX_SAMPLES {
+            return Err(format!("`samples` is {}, more than a run consumes ({MAX_SAMPLES}): the manifest was edited or is corrupt", self.samples));
+        }
+        if self.epoch != self.samples / self.train_windows {
+            return Err(format!("`epoch` is {}, and {} samples of {} training windows are in epoch {}", self.epoch, self.samples, self.train_windows, self.samples / self.train_windows));
+        }
+        Ok(())
+    }
+}
+
 /// Where a token came from, for error messages: the file, its format, and the bytes each
 /// token took there (none for tokenized text, whose tokens have no byte position).
 #[derive(Clone, Debug)]
@@ -467,7 +497,7 @@ impl Corpus {
 
     /// The training windows consumed by the end of `step` at `rows` per step.
     fn samples_by(&self, step: u64, rows: usize) -> u64 {
-        self.start.1 + step.saturating_sub(self.start.0) * rows as u64
+        self.start.1.saturating_add(step.saturating_sub(self.start.0).saturating_mul(rows as u64))
     }
 
     /// The training window of sample `k`: epoch `k / n` visits the `n` training windows in
