@@ -66,6 +66,35 @@ const BUILT_IN_CORPUS: &[u8] = include_bytes!("../data/kjv-genesis-exodus.txt");
 /// Text tokenized in one piece: larger text is better tokenized once, ahead of training.
 const MAX_TOKENIZED_TEXT: u64 = 64 << 20;
 
+/// Most bytes of a `tokenizer.json` (the largest published ones are about 35 MB).
+const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
+/// Refuses a `--data` path that cannot be read as data: a directory, or a device such as
+/// `/dev/zero` that never ends. Token files are read by their size, so they must be regular
+/// files; text may also come through a pipe (`--data <(zcat corpus.txt.gz)`).
+fn check_readable(path: &Path, text: bool) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|e| miette!("--data {}: {e}", path.display()))?;
+    if meta.is_file() {
+        return Ok(());
+    }
+    use std::os::unix::fs::FileTypeExt;
+    let kind = meta.file_type();
+    let what = if meta.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        if text {
+            return Ok(());
+        }
+        "a pipe"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    };
+    let help = if text { "give a text file (or a pipe)" } else { "give the token file itself: token files are read by their size, so a pipe or a device cannot be one" };
+    Err(miette!(help = help, "--data {}: {what}, not a file of training data", path.display()))
+}
+
 /// The format `--data-format` resolves to for `path`.
 fn resolve(format: DataFormat, path: &Path) -> DataFormat {
     match format {
@@ -95,6 +124,14 @@ pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> R
             if args.tokenizer.is_some() && format != DataFormat::Text {
                 return Err(miette!(help = "give --data-format text for text to tokenize, or leave out --tokenizer", "--tokenizer: --data {name} is read as {} token ids, not text", format!("{format:?}").to_lowercase()));
             }
+            let megatron = format == DataFormat::Megatron;
+            if megatron {
+                let (bin, idx) = shardc_runtime::data::megatron_paths(path);
+                check_readable(&bin, false)?;
+                check_readable(&idx, false)?;
+            } else {
+                check_readable(path, matches!(format, DataFormat::Text | DataFormat::Auto))?;
+            }
             match format {
                 DataFormat::U16 => (shardc_runtime::data::read_flat(path, Width::U16).map_err(fail)?, Source { name, format: "uint16".into(), bytes_per_token: Some(2) }),
                 DataFormat::U32 => (shardc_runtime::data::read_flat(path, Width::U32).map_err(fail)?, Source { name, format: "uint32".into(), bytes_per_token: Some(4) }),
@@ -104,7 +141,11 @@ pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> R
                     (tokens, Source { name: bin.display().to_string(), format: format!("megatron {dtype}"), bytes_per_token: Some(size) })
                 }
                 DataFormat::Text | DataFormat::Auto => {
-                    let bytes = std::fs::read(path).map_err(|e| miette!("--data: reading {name}: {e}"))?;
+                    // Text for a tokenizer is read up to its limit (one byte more tells it was
+                    // longer); byte-level text whole.
+                    let limit = if tokenizer_path(args, hf_dir).is_some() { MAX_TOKENIZED_TEXT + 1 } else { u64::MAX };
+                    let mut bytes = Vec::new();
+                    std::fs::File::open(path).and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, limit), &mut bytes)).map_err(|e| miette!("--data: reading {name}: {e}"))?;
                     text_tokens(bytes, name, args, hf_dir)?
                 }
             }
@@ -121,13 +162,13 @@ fn text_tokens(bytes: Vec<u8>, name: String, args: &DataArgs, hf_dir: Option<&Pa
     if bytes.len() as u64 > MAX_TOKENIZED_TEXT {
         return Err(miette!(
             help = "tokenize it once with the model's tokenizer into a nanoGPT .bin (uint16) or a Megatron-LM .bin/.idx pair, and give that to --data",
-            "--data {name}: {} MiB of text is more than shardc tokenizes at the start of a run ({} MiB)",
-            bytes.len() >> 20,
+            "--data {name}: more than {} MiB of text, the most shardc tokenizes at the start of a run",
             MAX_TOKENIZED_TEXT >> 20
         ));
     }
     let text = String::from_utf8(bytes).map_err(|e| miette!(help = "give UTF-8 text, or --data-format u16/u32/megatron for token ids", "--data {name}: not UTF-8 text ({e}), which a tokenizer needs"))?;
-    let loaded = tokenizers::Tokenizer::from_file(&tokenizer).map_err(|e| miette!(help = "give a Hugging Face tokenizer.json (from tokenizer.save or the model's folder)", "--tokenizer {}: {e}", tokenizer.display()))?;
+    let json = crate::input::read_text("--tokenizer", &tokenizer, MAX_TOKENIZER_BYTES)?;
+    let loaded: tokenizers::Tokenizer = json.parse().map_err(|e| miette!(help = "give a Hugging Face tokenizer.json (from tokenizer.save or the model's folder)", "--tokenizer {}: {e}", tokenizer.display()))?;
     // Without special tokens: the text is a stream of documents, not one prompt.
     let encoding = loaded.encode_fast(text.as_str(), false).map_err(|e| miette!("--data {name}: the tokenizer {} failed: {e}", tokenizer.display()))?;
     let ids = encoding.get_ids().to_vec();

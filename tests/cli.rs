@@ -897,6 +897,42 @@ fn text_is_tokenized_by_a_tokenizer_json() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--data` and `--tokenizer` paths that are not files are refused by name before reading:
+/// `/dev/zero` as text or as a tokenizer was read until memory ran out, and a pipe of token
+/// ids was called an empty file. Text through a pipe still trains.
+#[test]
+fn data_and_tokenizers_that_are_not_files_are_refused_by_name() {
+    let dir = tempdir("data-kinds");
+    let fifo = dir.join("ids.fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let fifo = fifo.to_str().unwrap();
+    let folder = dir.to_str().unwrap();
+    for (args, says) in [
+        (vec!["--data", "/dev/zero"], "--data /dev/zero: a device"),
+        (vec!["--data", "/dev/zero", "--data-format", "u16"], "--data /dev/zero: a device"),
+        (vec!["--data", folder], "a directory"),
+        (vec!["--data", fifo, "--data-format", "u16"], "a pipe"),
+        (vec!["--data", fifo, "--data-format", "megatron"], "ids.fifo.bin"),
+        (vec!["--tokenizer", "/dev/zero"], "--tokenizer /dev/zero: more than"),
+    ] {
+        let started = std::time::Instant::now();
+        let out = shardc(&[&["run", "models/tiny.toml", "--steps", "1"][..], &args].concat());
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+        assert!(started.elapsed().as_secs() < 30, "{args:?} took {:?}", started.elapsed());
+    }
+    // Text through a pipe: read to its end.
+    let writer = {
+        let fifo = fifo.to_string();
+        std::thread::spawn(move || std::fs::write(fifo, std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap()).unwrap())
+    };
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--data", fifo]);
+    writer.join().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("369509 tokens"), "{}", stdout(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Sizes that would panic, hang or exhaust memory are refused up front, naming the limit.
 #[test]
 fn huge_or_zero_sizes_are_refused_up_front() {

@@ -191,11 +191,21 @@ fn whole_tokens(path: &Path, len: u64, size: usize, what: &str, fix: &str) -> Re
     usize::try_from(len / size as u64).map_err(|_| data_error(format!("{}: {len} bytes is more than this machine can address", path.display())))
 }
 
+/// The length of `file`, a regular file: token files are read by their size, which a pipe
+/// or a device (`/dev/zero`) does not have.
+fn regular_len(path: &Path) -> Result<u64, RuntimeError> {
+    let meta = std::fs::metadata(path).map_err(|e| io_error(path, e))?;
+    if !meta.is_file() {
+        return Err(data_error(format!("{}: not a regular file (a directory, pipe or device); token files are read by their size: give the file itself", path.display())));
+    }
+    Ok(meta.len())
+}
+
 /// Reads a flat file of little-endian token ids (`uint16` as nanoGPT writes `train.bin`, or
 /// `uint32`).
 pub fn read_flat(path: &Path, width: Width) -> Result<Tokens, RuntimeError> {
+    let len = regular_len(path)?;
     let mut file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
-    let len = file.metadata().map_err(|e| io_error(path, e))?.len();
     let fix = "write the token ids as a flat array (numpy: ids.astype(np.uint16).tofile(path)), or give --data-format for what the file holds";
     match width {
         Width::U16 => {
@@ -267,7 +277,10 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
 /// floating-point ones are refused. Returns the tokens, the dtype's name and its bytes.
 pub fn read_megatron(path: &Path) -> Result<(Tokens, &'static str, usize), RuntimeError> {
     let (bin, idx) = megatron_paths(path);
-    let index = std::fs::read(&idx).map_err(|e| io_error(&idx, e))?;
+    let index_len = regular_len(&idx)?;
+    let mut index_file = std::fs::File::open(&idx).map_err(|e| io_error(&idx, e))?;
+    let mut index = Vec::with_capacity(index_len.min(1 << 30) as usize);
+    index_file.read_to_end(&mut index).map_err(|e| io_error(&idx, e))?;
     let fix = "write the pair again with Megatron-LM's tools/preprocess_data.py";
     if index.len() < 34 || &index[..9] != MEGATRON_MAGIC {
         return Err(data_error(format!("{}: not a Megatron-LM index (it does not start with the 34-byte MMIDIDX header); {fix}", idx.display())));
@@ -307,8 +320,8 @@ pub fn read_megatron(path: &Path) -> Result<(Tokens, &'static str, usize), Runti
         }
         total += length as u64;
     }
+    let len = regular_len(&bin)?;
     let mut file = std::fs::File::open(&bin).map_err(|e| io_error(&bin, e))?;
-    let len = file.metadata().map_err(|e| io_error(&bin, e))?.len();
     let count = whole_tokens(&bin, len, size, dtype, fix)?;
     if count as u64 != total {
         return Err(data_error(format!(
