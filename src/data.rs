@@ -115,6 +115,9 @@ fn tokenizer_path(args: &DataArgs, hf_dir: Option<&Path>) -> Option<PathBuf> {
 pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> Result<Corpus> {
     let seq = spec.seq_len() as usize;
     let vocab = spec.model.vocab as usize;
+    if !(0.0..1.0).contains(&args.eval_fraction) {
+        return Err(miette!(help = "give a fraction such as 0.01, or 0 to hold out nothing", "--eval-fraction {} is not in [0, 1)", args.eval_fraction));
+    }
     let fail = |e: shardc_runtime::RuntimeError| miette!("--data: {e}");
     let (tokens, source) = match &args.data {
         None => text_tokens(BUILT_IN_CORPUS.to_vec(), "the built-in corpus (data/kjv-genesis-exodus.txt)".into(), args, hf_dir)?,

@@ -162,16 +162,16 @@ impl StepArgs {
         if self.lr_warmup_steps > limit {
             return Err(miette!(help = format!("use at most {limit}"), "--lr-warmup-steps {} is more iterations than a step counter holds", self.lr_warmup_steps));
         }
+        let min_lr = self.min_lr.unwrap_or(self.lr / 10.0);
+        if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= self.lr) {
+            return Err(miette!(help = format!("use a value between 0 and --lr ({})", self.lr), "--min-lr {min_lr} is outside 0..=--lr"));
+        }
         let cosine = match self.lr_decay.as_str() {
             "cosine" => true,
             "linear" => false,
             "constant" => return Ok(Schedule { warmup_steps: self.lr_warmup_steps as i64, ..Schedule::CONSTANT }),
             other => return Err(miette!(help = "use cosine, linear or constant", "--lr-decay: unknown decay `{other}`")),
         };
-        let min_lr = self.min_lr.unwrap_or(self.lr / 10.0);
-        if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= self.lr) {
-            return Err(miette!(help = format!("use a value between 0 and --lr ({})", self.lr), "--min-lr {min_lr} is outside 0..=--lr"));
-        }
         let decay_steps = self.lr_decay_steps.unwrap_or(0);
         if decay_steps > limit {
             return Err(miette!(help = format!("use at most {limit}"), "--lr-decay-steps {decay_steps} is more iterations than a step counter holds"));

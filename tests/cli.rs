@@ -471,6 +471,32 @@ fn interleaved_schedule_on_one_pipeline_rank_is_refused() {
     }
 }
 
+/// The optimizer's and the data split's flags are checked before any work, each error
+/// naming its flag: `--min-lr` above `--lr` passed with `--lr-decay constant`, and a bad
+/// `--eval-fraction` was reported as a `--data` error.
+#[test]
+fn optimizer_and_split_flags_are_checked_by_name() {
+    for (args, says) in [
+        (vec!["--clip-grad=-1"], "--clip-grad must be a finite number >= 0, got -1"),
+        (vec!["--clip-grad", "nan"], "--clip-grad must be a finite number >= 0, got NaN"),
+        (vec!["--clip-grad", "inf"], "--clip-grad must be a finite number >= 0, got inf"),
+        (vec!["--lr", "0"], "--lr must be positive"),
+        (vec!["--min-lr", "0.1"], "--min-lr 0.1 is outside 0..=--lr"),
+        (vec!["--min-lr", "0.1", "--lr-decay", "constant"], "--min-lr 0.1 is outside 0..=--lr"),
+        (vec!["--min-lr", "nan", "--lr-decay", "linear"], "--min-lr NaN is outside 0..=--lr"),
+        (vec!["--lr-decay", "bogus"], "--lr-decay: unknown decay `bogus`"),
+        (vec!["--lr-warmup-steps", "5", "--lr-decay-steps", "5"], "--lr-decay-steps 5 must exceed --lr-warmup-steps 5"),
+        (vec!["--lr-warmup-steps", "2147483648"], "--lr-warmup-steps 2147483648 is more iterations than a step counter holds"),
+        (vec!["--eval-fraction", "nan"], "--eval-fraction NaN is not in [0, 1)"),
+        (vec!["--eval-fraction", "1"], "--eval-fraction 1 is not in [0, 1)"),
+        (vec!["--eval-fraction=-0.5"], "--eval-fraction -0.5 is not in [0, 1)"),
+    ] {
+        let out = shardc(&[&["run", "models/tiny.toml", "--steps", "3"][..], &args].concat());
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
+        assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+    }
+}
+
 /// The plan's best configuration, as the command it prints, compiles and trains: the tiny
 /// model on 8 ranks of the CPU runtime.
 #[test]
