@@ -17,8 +17,8 @@ use shardc_runtime::train::TrainState;
 /// How `--data` is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DataFormat {
-    /// Megatron-LM when `PREFIX.idx` is beside the file, flat uint16 for a `.bin` (nanoGPT),
-    /// else text.
+    /// Megatron-LM when `PREFIX.idx` is beside the file (or the file is a `.idx`), flat uint16
+    /// for a `.bin` (nanoGPT), else text.
     Auto,
     /// Text: one token per byte, or the ids of a tokenizer (--tokenizer, or the --hf
     /// folder's tokenizer.json).
@@ -99,6 +99,8 @@ fn check_readable(path: &Path, text: bool) -> Result<()> {
 fn resolve(format: DataFormat, path: &Path) -> DataFormat {
     match format {
         DataFormat::Auto if shardc_runtime::data::is_megatron(path) => DataFormat::Megatron,
+        // An index alone is a Megatron-LM dataset missing its .bin, not text.
+        DataFormat::Auto if path.extension().is_some_and(|e| e == "idx") => DataFormat::Megatron,
         DataFormat::Auto if path.extension().is_some_and(|e| e == "bin") => DataFormat::U16,
         DataFormat::Auto => DataFormat::Text,
         other => other,

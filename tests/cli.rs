@@ -808,6 +808,10 @@ fn bad_token_files_are_refused_by_name() {
     std::fs::write(prefix.with_extension("idx"), idx).unwrap();
     let err = refused(&prefix, &["--data-format", "megatron"]);
     assert!(err.contains("float32") && err.contains("integer token ids"), "{err}");
+    // An index without its .bin is a dataset missing a file (it was trained on as text).
+    std::fs::remove_file(prefix.with_extension("bin")).unwrap();
+    let err = refused(&prefix.with_extension("idx"), &[]);
+    assert!(err.contains("mega.bin") && err.contains("No such file"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
