@@ -180,6 +180,22 @@ pub fn balance(costs: &[f64], stages: usize) -> Vec<usize> {
     stage_of
 }
 
+/// [`balance`] of blocks some of which are tied to the block before them (`tied[i]`: block
+/// `i` must share block `i - 1`'s stage): tied runs are dealt as one.
+pub fn balance_tied(costs: &[f64], tied: &[bool], stages: usize) -> Vec<usize> {
+    let mut group = Vec::with_capacity(costs.len());
+    let mut group_costs: Vec<f64> = Vec::new();
+    for (i, &c) in costs.iter().enumerate() {
+        if i == 0 || !tied.get(i).copied().unwrap_or(false) {
+            group_costs.push(0.0);
+        }
+        *group_costs.last_mut().expect("a group was started") += c;
+        group.push(group_costs.len() - 1);
+    }
+    let stage_of_group = balance(&group_costs, stages);
+    group.iter().map(|&g| stage_of_group[g]).collect()
+}
+
 impl Pass for SplitStages {
     fn name(&self) -> &'static str {
         "split-stages"
@@ -306,9 +322,22 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     for (i, op) in func.ops.iter().enumerate() {
         costs[block[i]] += op_time(func, op);
     }
+    // A value the backward makes in one block and reads in a later one (a layer's attention
+    // recomputed for its MLP's backward, under full recomputation) ties the blocks between
+    // to one stage: the backward runs from the last stage to the first, so no schedule could
+    // send it the other way.
+    let mut tied = vec![false; n_blocks];
+    // (Step sections exchange values once per step, in any direction.)
+    for (c, op) in func.ops.iter().enumerate().filter(|(c, _)| phase[*c] == Phase::Backward) {
+        for &p in op.operands.iter().filter_map(|v| producer.get(v)).filter(|&&p| phase[p] == Phase::Backward && block[p] < block[c]) {
+            for t in &mut tied[block[p] + 1..=block[c]] {
+                *t = true;
+            }
+        }
+    }
     let stage_of_block = match &options.manual {
         Some(ranges) => manual_blocks(ranges, layers, n_stages)?,
-        None => balance(&costs, n_stages),
+        None => balance_tied(&costs, &tied, n_stages),
     };
     let stage: Vec<usize> = block.iter().map(|&b| stage_of_block[b]).collect();
     let plan = Plan { phase, stage };

@@ -343,3 +343,40 @@ fn stages_balance_the_heaviest() {
     assert_eq!(balance(&[1.0, 1.0], 4), vec![0, 3]);
     assert_eq!(balance(&[1.0; 6], 8), vec![0, 1, 3, 4, 6, 7]);
 }
+
+/// Blocks tied to the one before them share its stage: the balance cuts between the groups.
+#[test]
+fn tied_blocks_share_a_stage() {
+    use shardc_passes::balance_tied;
+    // Embedding, layer 0's attention and MLP, layer 1's attention and MLP, head.
+    let costs = [1.0, 2.0, 2.0, 2.0, 2.0, 1.0];
+    assert_eq!(balance_tied(&costs, &[false; 6], 2), vec![0, 0, 0, 1, 1, 1]);
+    assert_eq!(balance_tied(&[1.0, 2.0, 2.0, 2.0, 2.0, 3.0], &[false; 6], 2), vec![0, 0, 0, 0, 1, 1]);
+    // Each layer's MLP tied to its attention: the cut falls between layers.
+    let tied = [false, false, true, false, true, false];
+    assert_eq!(balance_tied(&[1.0, 2.0, 2.0, 2.0, 2.0, 3.0], &tied, 2), vec![0, 0, 0, 1, 1, 1]);
+    assert_eq!(balance_tied(&costs, &tied, 4), vec![0, 1, 1, 2, 2, 3]);
+}
+
+/// Full recomputation recomputes a layer's attention for its MLP's backward: a stage cut
+/// between them (the cost balance cut tiny-llama's layer 1 there) could not be scheduled, and
+/// the compile failed. The cut moves to a layer boundary.
+#[test]
+fn full_recomputation_keeps_each_layer_on_one_stage() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+    let spec = parse_file(&root.join("models/tiny-llama.toml")).unwrap();
+    let mesh = shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2 };
+    let mut module = lower(&spec, spec.step_shape(&mesh)).unwrap();
+    let options = shardc_passes::CompileOptions {
+        recompute: shardc_passes::Recompute::Full,
+        mesh,
+        vocab: spec.model.padded_vocab(1) as i64,
+        kv_heads: spec.model.kv_heads() as i64,
+        pipeline: Some(shardc_passes::PipelineOptions { chunks: 1, microbatches: 4, manual: None, split_weight_grads: false }),
+        ..Default::default()
+    };
+    let cx = IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap_or_else(|e| panic!("{e:?}"));
+    let on = |stage: &str, prefix: &str| module.func(stage).unwrap().ops.iter().any(|op| op.loc.starts_with(prefix));
+    assert!(on("stage0", "layers.0.") && on("stage1", "layers.1.attn") && on("stage1", "layers.1.mlp") && !on("stage0", "layers.1."), "layer 1 is cut between stages");
+}
