@@ -112,6 +112,21 @@ fn tokenizer_path(args: &DataArgs, hf_dir: Option<&Path>) -> Option<PathBuf> {
     args.tokenizer.clone().or_else(|| hf_dir.map(|d| d.join("tokenizer.json")).filter(|p| p.is_file()))
 }
 
+/// About the bytes the run's data takes in memory once read (before it is read, for the
+/// host memory check): a token file at its own width (at most: Megatron's int64 ids are
+/// kept as 32-bit), byte-level text byte for byte, text for a tokenizer with its ids (4 bytes
+/// each, at most one a byte). A pipe's size is unknown: 0.
+pub fn memory_bytes(args: &DataArgs, hf_dir: Option<&Path>) -> u64 {
+    let tokenized = |bytes: u64| if tokenizer_path(args, hf_dir).is_some() { bytes.min(MAX_TOKENIZED_TEXT).saturating_mul(5) } else { bytes };
+    let Some(path) = &args.data else { return tokenized(BUILT_IN_CORPUS.len() as u64) };
+    let size = |p: &Path| std::fs::metadata(p).ok().filter(|m| m.is_file()).map_or(0, |m| m.len());
+    match resolve(args.data_format, path) {
+        DataFormat::Megatron => size(&shardc_runtime::data::megatron_paths(path).0),
+        DataFormat::U16 | DataFormat::U32 => size(path),
+        DataFormat::Text | DataFormat::Auto => tokenized(size(path)),
+    }
+}
+
 /// Reads the run's data (`--data`, or the built-in text) and cuts it into windows for
 /// `spec`'s sequence, with the validation split.
 pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> Result<Corpus> {

@@ -42,20 +42,23 @@ fn parse_bytes(text: &str) -> Option<u64> {
     number.checked_mul(scale)
 }
 
-/// Refuses a CPU run of `programs` (all of its ranks run on this host) whose footprint is more
-/// than the host has available, naming both numbers and what makes up the footprint.
-pub fn refuse_if_over_memory(programs: &[Program]) -> Result<()> {
+/// Refuses a CPU run of `programs` (all of its ranks run on this host), which reads `data`
+/// bytes of training data into memory, whose footprint is more than the host has available,
+/// naming both numbers and what makes up the footprint.
+pub fn refuse_if_over_memory(programs: &[Program], data: u64) -> Result<()> {
     let Some((available, source)) = available_bytes()? else { return Ok(()) };
     let need = shardc_runtime::memory::cpu_footprint(programs);
-    if need.peak() <= available {
+    let peak = need.peak().saturating_add(data);
+    if peak <= available {
         return Ok(());
     }
+    let data_part = if data > 0 { format!(", and {} of training data read into memory (--data)", bytes(data)) } else { String::new() };
     Err(miette!(
         help = format!(
             "train a smaller model, micro-batch or sequence (--micro-batch, --seq) or fewer ranks on this host; price this one for GPUs with `shardc compile --gpu` or `shardc plan`; {HOST_MEMORY_VAR}=BYTES sets the memory to assume"
         ),
-        "this CPU run needs about {} of memory at its peak, and this host has {} available ({source}): {} in the storage slots of the memory plans of its {} rank{}, {} of pipeline values kept between micro-batches, {} of parameters and optimizer state read back as f64 ({} assembled)",
-        bytes(need.peak()),
+        "this CPU run needs about {} of memory at its peak, and this host has {} available ({source}): {} in the storage slots of the memory plans of its {} rank{}, {} of pipeline values kept between micro-batches, {} of parameters and optimizer state read back as f64 ({} assembled){data_part}",
+        bytes(peak),
         bytes(available),
         bytes(need.slots),
         need.ranks,

@@ -191,7 +191,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return run_partitioned(args, &spec, mesh);
     }
     let program = compile_train_step(&spec, &args.step)?;
-    crate::host::refuse_if_over_memory(std::slice::from_ref(&program))?;
+    crate::host::refuse_if_over_memory(std::slice::from_ref(&program), data_bytes(args))?;
     let peak = program.cpu_storage_bytes();
     let mut corpus = training_corpus(args, &spec)?;
     let mut checkpoints = Checkpoints::new(args, &spec)?;
@@ -340,7 +340,7 @@ fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Res
     let step = StepArgs { global_batch: None, ..args.step.clone() };
     let pipelined = mesh.pp > 1 || step.microbatches.unwrap_or(1) > 1;
     let programs = if pipelined { compile_pipeline_programs(spec, &step, mesh)? } else { vec![compile_train_step_on(spec, &step, mesh)?] };
-    crate::host::refuse_if_over_memory(&programs)?;
+    crate::host::refuse_if_over_memory(&programs, 0)?;
     let corpus = synthetic_corpus(spec)?;
     let timeout = std::time::Duration::from_secs(600);
     let layers = spec.model.layers as usize;
@@ -411,7 +411,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     // A benchmark times one micro-batch's training step, whatever the global batch.
     let step = StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() };
     let program = compile_train_step(&spec, &step)?;
-    crate::host::refuse_if_over_memory(std::slice::from_ref(&program))?;
+    crate::host::refuse_if_over_memory(std::slice::from_ref(&program), 0)?;
     let compile_s = compile_start.elapsed().as_secs_f64();
     let (planned, cpu_slots) = (program.peak_bytes(), program.cpu_storage_bytes());
     let predicted = if args.step.hardware_given() { Some(predicted_step(&spec, &step, mesh, std::slice::from_ref(&program))?) } else { None };
@@ -629,7 +629,7 @@ impl Checkpoints {
 
 fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     let program = compile_train_step_on(spec, &args.step, mesh)?;
-    crate::host::refuse_if_over_memory(std::slice::from_ref(&program))?;
+    crate::host::refuse_if_over_memory(std::slice::from_ref(&program), data_bytes(args))?;
     let mut corpus = training_corpus(args, spec)?;
     println!(
         "shardc: training {} on mesh {mesh} ({} CPU threads, one per rank), {} steps, seed {}, CPU storage per rank {}",
@@ -723,6 +723,11 @@ fn writable_folder(flag: &str, dir: &std::path::Path) -> Result<()> {
     std::fs::remove_file(&probe).map_err(fail)
 }
 
+/// Bytes the run's training data will take in memory, for the host memory check.
+fn data_bytes(args: &RunArgs) -> u64 {
+    crate::data::memory_bytes(&args.input, args.step.hf_dir(args.spec.as_deref()).as_deref())
+}
+
 /// The run's corpus (`--data`, or the built-in one), read as `--data-format` says.
 fn training_corpus(args: &RunArgs, spec: &Spec) -> Result<Corpus> {
     crate::data::training_corpus(&args.input, spec, args.step.hf_dir(args.spec.as_deref()).as_deref())
@@ -812,7 +817,7 @@ fn collective_algorithm(name: &str) -> Result<shardc_runtime::collectives::Algor
 /// `shardc run` with pipeline stages or several micro-batches per step.
 fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
-    crate::host::refuse_if_over_memory(&programs)?;
+    crate::host::refuse_if_over_memory(&programs, data_bytes(args))?;
     let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
     let algorithm = collective_algorithm(&args.collectives)?;
     let mut corpus = training_corpus(args, spec)?;

@@ -1227,6 +1227,20 @@ fn cpu_runs_that_cannot_fit_in_memory_are_refused_up_front() {
     assert!(!out.status.success() && text.contains(&format!("{storage} in the storage slots of the memory plans of its 1 rank")), "{storage}: {text}");
     let out = with_memory("lots", &["run", "models/tiny.toml", "--steps", "1"]);
     assert!(!out.status.success() && stderr(&out).contains("SHARDC_HOST_MEMORY=lots"), "{}", stderr(&out));
+    // The training data is read into memory too: a 64 MiB token file on a host with 32 MiB
+    // was read whole (the check counted the programs only). The file is sparse: refused
+    // before any of it is read.
+    let dir = tempdir("host-memory-data");
+    let big = dir.join("big.bin");
+    std::fs::File::create(&big).unwrap().set_len(64 << 20).unwrap();
+    for mesh in ["dp=1", "dp=2", "pp=2"] {
+        let started = std::time::Instant::now();
+        let out = with_memory("32MiB", &["run", "models/tiny.toml", "--mesh", mesh, "--steps", "1", "--data", big.to_str().unwrap()]);
+        let text = unwrapped(&stderr(&out));
+        assert!(!out.status.success() && text.contains("and 64.0 MiB of training data read into memory (--data)"), "{mesh}: {text}");
+        assert!(started.elapsed().as_secs() < 30, "{mesh}: refused only after reading");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// transformers 5 configs give RoPE's base in `rope_parameters` (as tests/data/hf-tiny-llama
