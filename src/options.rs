@@ -136,6 +136,8 @@ impl StepArgs {
             return Err(miette!(help = "Megatron-LM's default is 1.0; 0 turns clipping off", "--clip-grad must be a finite number >= 0, got {}", self.clip_grad));
         }
         let pipeline = self.pipeline_options(spec, mesh)?;
+        // Shifted, 2^44 MiB and more wrapped to 0 bytes: one all-reduce per gradient.
+        let grad_bucket_bytes = self.grad_bucket_mb.checked_mul(1 << 20).ok_or_else(|| miette!(help = "Megatron-LM's default bucket is 40 MiB; 0 reduces each gradient on its own", "--grad-bucket-mb {} is more bytes than a bucket can count", self.grad_bucket_mb))?;
         Ok(CompileOptions {
             recompute,
             optimizer,
@@ -146,7 +148,7 @@ impl StepArgs {
             kv_heads: spec.model.kv_heads() as i64,
             zero: self.zero,
             sequence_parallel: self.sequence_parallel,
-            grad_bucket_bytes: self.grad_bucket_mb << 20,
+            grad_bucket_bytes,
             pipeline,
             naive_partition: self.naive_partition,
             comm_opt: !self.no_comm_opt,

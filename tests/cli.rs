@@ -490,6 +490,7 @@ fn optimizer_and_split_flags_are_checked_by_name() {
         (vec!["--eval-fraction", "nan"], "--eval-fraction NaN is not in [0, 1)"),
         (vec!["--eval-fraction", "1"], "--eval-fraction 1 is not in [0, 1)"),
         (vec!["--eval-fraction=-0.5"], "--eval-fraction -0.5 is not in [0, 1)"),
+        (vec!["--mesh", "dp=2", "--grad-bucket-mb", "17592186044416"], "--grad-bucket-mb 17592186044416 is more bytes than a bucket can count"),
     ] {
         let out = shardc(&[&["run", "models/tiny.toml", "--steps", "3"][..], &args].concat());
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
