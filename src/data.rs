@@ -260,7 +260,9 @@ impl Evaluation {
         if windows == 0 {
             return Err(miette!(help = "evaluate on at least one window, e.g. --eval-windows 64", "--eval-windows 0"));
         }
-        let rows = (spec.training.micro_batch as usize).clamp(1, windows);
+        // The largest batch up to the micro-batch that divides the windows: every window
+        // counts, whatever --micro-batch (a batch of 2 over 3 windows dropped the third).
+        let rows = (1..=(spec.training.micro_batch as usize).clamp(1, windows)).rev().find(|r| windows.is_multiple_of(*r)).unwrap_or(1);
         let mut eval_spec = spec.clone();
         eval_spec.training.micro_batch = rows as u64;
         eval_spec.training.global_batch = None;

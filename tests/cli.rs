@@ -876,6 +876,15 @@ fn validation_loss_falls_and_is_the_same_on_every_mesh() {
             assert!((a - b).abs() <= 1e-5 * a.abs(), "{mesh}: step {step} validation loss {b}, one device {a}");
         }
     }
+    // Nor on the micro-batch it evaluates in: every one of the windows counts. Three
+    // windows in batches of two dropped the third, so --micro-batch changed the number.
+    let three = ["run", "models/tiny.toml", "--steps", "4", "--eval-every", "2", "--global-batch", "4", "--seed", "1", "--eval-windows", "3"];
+    let by_one = validation_losses(&shardc(&[&three[..], &["--micro-batch", "1"]].concat()));
+    let by_two = validation_losses(&shardc(&[&three[..], &["--micro-batch", "2"]].concat()));
+    assert_eq!(by_one.len(), 2);
+    for ((step, a), (_, b)) in by_one.iter().zip(&by_two) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "step {step}: validation loss {b} in batches of 2, {a} in batches of 1");
+    }
     // The held-out windows are out of training: with none held out, there is nothing to
     // evaluate on.
     let out = shardc(&[&base[..], &["--eval-fraction", "0"]].concat());
