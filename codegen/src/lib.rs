@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod arena;
 pub mod device;
 pub mod estimate;
 
@@ -263,7 +264,8 @@ fn arena_align(bytes: usize) -> usize {
 /// where it overlaps no placed buffer whose lifetime meets its own (from the instruction that
 /// first writes it to its last reader, both included, so an instruction's operands and results
 /// never share memory unless they are one buffer). Returns the offsets by buffer and the
-/// arena's size.
+/// arena's size. [`arena::place`] finds each offset without listing the buffers alive with
+/// it, which would be quadratic in the depth of the model.
 fn plan_arena(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> (Vec<Option<usize>>, usize) {
     // (buffer, bytes, first, last)
     let mut items: Vec<(usize, usize, usize, usize)> = Vec::new();
@@ -279,29 +281,13 @@ fn plan_arena(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last
         }
     }
     items.sort_by(|x, y| y.1.cmp(&x.1).then(x.2.cmp(&y.2)));
+    let to_place: Vec<arena::Item> = items.iter().map(|&(_, bytes, first, last)| arena::Item { bytes, first, last, align: arena_align(bytes) }).collect();
+    let (placed, arena_bytes) = arena::place(&to_place);
     let mut offsets = vec![None; buffers.len()];
-    // Placed buffers by start instruction, for finding those alive at the same time.
-    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(items.len()); // (offset, bytes, first, last)
-    let mut arena = 0usize;
-    let mut busy: Vec<(usize, usize)> = Vec::new();
-    for &(b, bytes, first, last) in &items {
-        busy.clear();
-        busy.extend(placed.iter().filter(|p| p.2 <= last && first <= p.3).map(|p| (p.0, p.1)));
-        busy.sort_unstable();
-        let align = arena_align(bytes);
-        let up = |x: usize| x.div_ceil(align).saturating_mul(align);
-        let mut offset = 0usize;
-        for &(o, len) in &busy {
-            if offset.saturating_add(bytes) <= o {
-                break;
-            }
-            offset = offset.max(up(o.saturating_add(len)));
-        }
+    for (&(b, ..), offset) in items.iter().zip(placed) {
         offsets[b] = Some(offset);
-        placed.push((offset, bytes, first, last));
-        arena = arena.max(offset.saturating_add(bytes));
     }
-    (offsets, arena)
+    (offsets, arena_bytes)
 }
 
 /// The lower bound of any plan of temporaries: the most bytes of temporaries alive at one
