@@ -428,6 +428,8 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
     let is_arg: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
     // Section that defines each buffer.
     let mut defined: std::collections::HashMap<usize, (usize, Section)> = std::collections::HashMap::new();
+    // (chunk, which list, buffer) already in a keep or sum list.
+    let mut listed: std::collections::HashSet<(usize, u8, usize)> = std::collections::HashSet::new();
     for (i, instr) in program.instrs.iter().enumerate() {
         let (c, section) = (chunk_of[i], phase_of(i)?);
         let range = &mut plans[c].sections[section as usize];
@@ -446,16 +448,18 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
                 continue;
             }
             let plan = &mut plans[c];
-            let list = match (made, section) {
-                (Section::Forward, Section::Backward | Section::Weight) => &mut plan.keep_forward,
-                (Section::Backward, Section::Weight) => &mut plan.keep_backward,
-                (Section::Backward, Section::Step) => &mut plan.sum_backward,
-                (Section::Weight, Section::Step) => &mut plan.sum_weight,
+            let (which, list) = match (made, section) {
+                (Section::Forward, Section::Backward | Section::Weight) => (0, &mut plan.keep_forward),
+                (Section::Backward, Section::Weight) => (1, &mut plan.keep_backward),
+                (Section::Backward, Section::Step) => (2, &mut plan.sum_backward),
+                (Section::Weight, Section::Step) => (3, &mut plan.sum_weight),
                 _ => {
                     return Err(format!("{}: reads a {} value in the {} section", instr.loc, made.label(), section.label()));
                 }
             };
-            if !list.contains(&b) {
+            // Each buffer once per list, in first-read order (a set beside the lists, as a
+            // search of a list per read is quadratic in the depth of the model).
+            if listed.insert((c, which, b)) {
                 list.push(b);
             }
         }
