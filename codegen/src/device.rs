@@ -122,6 +122,7 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     let acc = acc_bytes(dtype);
     let kernels: Vec<Option<DeviceKernel>> = (0..program.instrs.len()).map(|i| device_kernel(program, i).map_err(|e| fail(i, e))).collect::<Result<_, _>>()?;
     let groups = elementwise_groups(program, &kernels);
+    let readers = Readers::of(program);
 
     let mut sources: Vec<&'static str> = Vec::new();
     // Sources instantiated for fp32 buffers in a bf16 module (mixed precision).
@@ -133,7 +134,7 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     while index < program.instrs.len() {
         let instr = &program.instrs[index];
         if let Some(group) = groups.get(&index) {
-            let (name, text, args, n) = fuse(program, group, &kernels, dtype).map_err(|e| fail(index, e))?;
+            let (name, text, args, n) = fuse(program, group, &kernels, &readers, dtype).map_err(|e| fail(index, e))?;
             generated.push_str(&text);
             calls[index] = vec![DeviceCall::Launch { kernel: name, grid: [shardc_ir::kernel::blocks_for(n), 1, 1], block: shardc_ir::kernel::ROW_BLOCK, shared_bytes: 0, args }];
             for &member in &group[1..] {
@@ -286,25 +287,55 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
 }
 
 /// A fused element-wise kernel: its name, CUDA C, arguments and element count.
-fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], module: DType) -> Result<(String, String, Vec<KernelArg>, usize), String> {
+/// Who reads each buffer, counted once per program rather than once per kernel group (a walk
+/// of every instruction per group is quadratic in the depth of the model).
+struct Readers {
+    /// Per buffer: how many operands of instructions are it.
+    reads: Vec<usize>,
+    /// Per buffer: whether the caller sees it (an argument or result) or a pipeline keeps or
+    /// sums it across sections.
+    seen_outside: Vec<bool>,
+}
+
+impl Readers {
+    fn of(program: &Program) -> Self {
+        let mut reads = vec![0; program.buffers.len()];
+        for instr in &program.instrs {
+            for &b in &instr.inputs {
+                reads[b] += 1;
+            }
+        }
+        let mut seen_outside = vec![false; program.buffers.len()];
+        let mut outside: Vec<BufferId> = program.args.iter().chain(&program.results).map(|b| b.buffer).collect();
+        if let Some(pipeline) = &program.pipeline {
+            for chunk in &pipeline.chunks {
+                outside.extend(chunk.keep_forward.iter().chain(&chunk.keep_backward).chain(&chunk.sum_backward).chain(&chunk.sum_weight).copied());
+            }
+        }
+        for b in outside {
+            seen_outside[b] = true;
+        }
+        Readers { reads, seen_outside }
+    }
+
+    fn outside(&self, b: BufferId) -> bool {
+        self.seen_outside[b]
+    }
+}
+
+fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], readers: &Readers, module: DType) -> Result<(String, String, Vec<KernelArg>, usize), String> {
     // fp32 buffers of a bf16 module (mixed precision) are `float`: loaded and stored as is.
     let fp32 = |b: BufferId| module == DType::Bf16 && program.buffers[b].dtype == DType::F32;
     let first = group[0];
     let n = program.buffers[program.instrs[first].outputs[0]].len();
-    let in_group: HashSet<usize> = group.iter().copied().collect();
     // Buffers something outside the run reads (or the caller sees) must be stored.
-    let mut read_outside: HashSet<BufferId> = HashSet::new();
-    for (i, instr) in program.instrs.iter().enumerate() {
-        if !in_group.contains(&i) {
-            read_outside.extend(instr.inputs.iter().copied());
+    let mut reads_in_group: HashMap<BufferId, usize> = HashMap::new();
+    for &i in group {
+        for &b in &program.instrs[i].inputs {
+            *reads_in_group.entry(b).or_insert(0) += 1;
         }
     }
-    read_outside.extend(program.args.iter().chain(&program.results).map(|b| b.buffer));
-    if let Some(pipeline) = &program.pipeline {
-        for chunk in &pipeline.chunks {
-            read_outside.extend(chunk.keep_forward.iter().chain(&chunk.keep_backward).chain(&chunk.sum_backward).chain(&chunk.sum_weight).copied());
-        }
-    }
+    let read_outside = |b: BufferId| readers.outside(b) || readers.reads[b] > reads_in_group.get(&b).copied().unwrap_or(0);
     let written: HashSet<BufferId> = group.iter().flat_map(|&i| program.instrs[i].outputs.iter().copied()).collect();
 
     // Pointer parameters, one per buffer, in first-use order.
@@ -365,7 +396,7 @@ fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], mo
         for (b, name) in outs {
             register.insert(b, name.clone());
             stores.retain(|(s, _)| *s != b);
-            if read_outside.contains(&b) {
+            if read_outside(b) {
                 stores.push((b, name));
             }
         }

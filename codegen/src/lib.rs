@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod arena;
 pub mod device;
 pub mod estimate;
 
@@ -276,7 +277,8 @@ fn arena_align(bytes: usize) -> usize {
 /// where it overlaps no placed buffer whose lifetime meets its own (from the instruction that
 /// first writes it to its last reader, both included, so an instruction's operands and results
 /// never share memory unless they are one buffer). Returns the offsets by buffer and the
-/// arena's size.
+/// arena's size. [`arena::place`] finds each offset without listing the buffers alive with
+/// it, which would be quadratic in the depth of the model.
 fn plan_arena(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> (Vec<Option<usize>>, usize) {
     // (buffer, bytes, first, last)
     let mut items: Vec<(usize, usize, usize, usize)> = Vec::new();
@@ -292,29 +294,13 @@ fn plan_arena(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last
         }
     }
     items.sort_by(|x, y| y.1.cmp(&x.1).then(x.2.cmp(&y.2)));
+    let to_place: Vec<arena::Item> = items.iter().map(|&(_, bytes, first, last)| arena::Item { bytes, first, last, align: arena_align(bytes) }).collect();
+    let (placed, arena_bytes) = arena::place(&to_place);
     let mut offsets = vec![None; buffers.len()];
-    // Placed buffers by start instruction, for finding those alive at the same time.
-    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(items.len()); // (offset, bytes, first, last)
-    let mut arena = 0usize;
-    let mut busy: Vec<(usize, usize)> = Vec::new();
-    for &(b, bytes, first, last) in &items {
-        busy.clear();
-        busy.extend(placed.iter().filter(|p| p.2 <= last && first <= p.3).map(|p| (p.0, p.1)));
-        busy.sort_unstable();
-        let align = arena_align(bytes);
-        let up = |x: usize| x.div_ceil(align).saturating_mul(align);
-        let mut offset = 0usize;
-        for &(o, len) in &busy {
-            if offset.saturating_add(bytes) <= o {
-                break;
-            }
-            offset = offset.max(up(o.saturating_add(len)));
-        }
+    for (&(b, ..), offset) in items.iter().zip(placed) {
         offsets[b] = Some(offset);
-        placed.push((offset, bytes, first, last));
-        arena = arena.max(offset.saturating_add(bytes));
     }
-    (offsets, arena)
+    (offsets, arena_bytes)
 }
 
 /// The lower bound of any plan of temporaries: the most bytes of temporaries alive at one
@@ -455,6 +441,8 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
     let is_arg: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
     // Section that defines each buffer.
     let mut defined: std::collections::HashMap<usize, (usize, Section)> = std::collections::HashMap::new();
+    // (chunk, which list, buffer) already in a keep or sum list.
+    let mut listed: std::collections::HashSet<(usize, u8, usize)> = std::collections::HashSet::new();
     for (i, instr) in program.instrs.iter().enumerate() {
         let (c, section) = (chunk_of[i], phase_of(i)?);
         let range = &mut plans[c].sections[section as usize];
@@ -473,16 +461,18 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
                 continue;
             }
             let plan = &mut plans[c];
-            let list = match (made, section) {
-                (Section::Forward, Section::Backward | Section::Weight) => &mut plan.keep_forward,
-                (Section::Backward, Section::Weight) => &mut plan.keep_backward,
-                (Section::Backward, Section::Step) => &mut plan.sum_backward,
-                (Section::Weight, Section::Step) => &mut plan.sum_weight,
+            let (which, list) = match (made, section) {
+                (Section::Forward, Section::Backward | Section::Weight) => (0, &mut plan.keep_forward),
+                (Section::Backward, Section::Weight) => (1, &mut plan.keep_backward),
+                (Section::Backward, Section::Step) => (2, &mut plan.sum_backward),
+                (Section::Weight, Section::Step) => (3, &mut plan.sum_weight),
                 _ => {
                     return Err(format!("{}: reads a {} value in the {} section", instr.loc, made.label(), section.label()));
                 }
             };
-            if !list.contains(&b) {
+            // Each buffer once per list, in first-read order (a set beside the lists, as a
+            // search of a list per read is quadratic in the depth of the model).
+            if listed.insert((c, which, b)) {
                 list.push(b);
             }
         }

@@ -334,16 +334,18 @@ impl FuncBuilder {
         value
     }
 
-    /// Marks the argument `value` as padded beyond `unpadded` (see [`FuncArg::unpadded`]).
+    /// Marks the argument `value` as padded beyond `unpadded` (see [`FuncArg::unpadded`]);
+    /// searched from the end, as [`FuncBuilder::set_layout`].
     pub fn set_unpadded(&mut self, value: Value, unpadded: Option<Vec<i64>>) {
-        if let Some(arg) = self.func.args.iter_mut().find(|a| a.value == value) {
+        if let Some(arg) = self.func.args.iter_mut().rev().find(|a| a.value == value) {
             arg.unpadded = unpadded;
         }
     }
 
-    /// Sets the layout of the argument `value`.
+    /// Sets the layout of the argument `value`. Searched from the end: callers set it right
+    /// after adding the argument, which keeps building a function linear in its arguments.
     pub fn set_layout(&mut self, value: Value, layout: ArgLayout) {
-        if let Some(arg) = self.func.args.iter_mut().find(|a| a.value == value) {
+        if let Some(arg) = self.func.args.iter_mut().rev().find(|a| a.value == value) {
             arg.layout = Some(layout);
         }
     }

@@ -133,7 +133,28 @@ struct Tables {
     kinds: HashMap<Symbol, Kind>,
     symbols: HashMap<Kind, Symbol>,
     attrs: Vec<Attrs>,
+    /// Indices into `attrs` by [`attrs_hash`], ascending: finding a table entry equal to new
+    /// attributes looks at the few with their hash, not the whole table (which has an entry
+    /// per op, so a search per rewrite is quadratic in the depth of the model).
+    attrs_by_hash: HashMap<u64, Vec<usize>>,
     locs: Vec<String>,
+}
+
+/// A hash of attributes that equal attributes share (`0.0 == -0.0`, so both hash as zero).
+fn attrs_hash(attrs: &Attrs) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = rustc_hash::FxHasher::default();
+    for (name, value) in attrs.iter() {
+        name.hash(&mut hasher);
+        match value {
+            AttrValue::Int(v) => (0u8, v).hash(&mut hasher),
+            AttrValue::Float(v) => (1u8, if *v == 0.0 { 0 } else { v.to_bits() }).hash(&mut hasher),
+            AttrValue::Bool(v) => (2u8, v).hash(&mut hasher),
+            AttrValue::Str(v) => (3u8, v).hash(&mut hasher),
+            AttrValue::Raw(v) => (4u8, v).hash(&mut hasher),
+        }
+    }
+    hasher.finish()
 }
 
 impl Tables {
@@ -145,6 +166,23 @@ impl Tables {
         self.kinds.entry(symbol).or_insert_with(|| kind.clone());
         self.symbols.insert(kind, symbol);
         symbol
+    }
+
+    /// Adds `attrs` to the table as a new entry; returns its index.
+    fn push_attrs(&mut self, attrs: Attrs) -> usize {
+        let index = self.attrs.len();
+        self.attrs_by_hash.entry(attrs_hash(&attrs)).or_default().push(index);
+        self.attrs.push(attrs);
+        index
+    }
+
+    /// The index of the first table entry equal to `attrs`, added if there is none.
+    fn intern_attrs(&mut self, attrs: Attrs) -> usize {
+        let found = self.attrs_by_hash.get(&attrs_hash(&attrs)).and_then(|same_hash| same_hash.iter().copied().find(|&i| self.attrs[i] == attrs));
+        match found {
+            Some(i) => i,
+            None => self.push_attrs(attrs),
+        }
     }
 
     fn group(&self, axes: &[u16]) -> i64 {
@@ -275,13 +313,7 @@ fn add_recording(egraph: &mut Graph, term: Term, made: &mut Vec<SymbolLang>) -> 
         Term::Op { name, attrs, loc, children } => {
             let children: Vec<Id> = children.into_iter().map(|t| add_recording(egraph, t, made)).collect();
             let tables = &mut egraph.analysis;
-            let index = match tables.attrs.iter().position(|a| *a == attrs) {
-                Some(i) => i,
-                None => {
-                    tables.attrs.push(attrs);
-                    tables.attrs.len() - 1
-                }
-            };
+            let index = tables.intern_attrs(attrs);
             let op = tables.symbol(Kind::Xf { name, attrs: index, loc });
             let node = SymbolLang::new(op, children);
             made.push(node.clone());
@@ -474,7 +506,7 @@ pub fn optimize(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt) -
 /// One phase: the layout rules (`packing` false) or the bucket pairs (`packing` true).
 fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt, packing: bool) -> Result<(Func, CommOptReport), String> {
     let start = Instant::now();
-    let tables = Tables { func: func.clone(), grid: grid.to_vec(), kinds: HashMap::default(), symbols: HashMap::default(), attrs: Vec::new(), locs: Vec::new() };
+    let tables = Tables { func: func.clone(), grid: grid.to_vec(), kinds: HashMap::default(), symbols: HashMap::default(), attrs: Vec::new(), attrs_by_hash: HashMap::default(), locs: Vec::new() };
     let mut egraph: Graph = EGraph::new(tables);
     // The class of every value, the original op behind each (class, symbol), and each
     // class's position in the original order.
@@ -492,9 +524,9 @@ fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt,
             Some(kind) => kind,
             None if !op.results.is_empty() && op.name.starts_with("xf.") && lookup(&op.name).is_some() && !heavy_op(&op.name) => {
                 let tables = &mut egraph.analysis;
-                tables.attrs.push(op.attrs.clone());
+                let attrs = tables.push_attrs(op.attrs.clone());
                 tables.locs.push(op.loc.clone());
-                Kind::Xf { name: op.name.clone(), attrs: tables.attrs.len() - 1, loc: tables.locs.len() - 1 }
+                Kind::Xf { name: op.name.clone(), attrs, loc: tables.locs.len() - 1 }
             }
             None => Kind::Opaque(i),
         };

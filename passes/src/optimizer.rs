@@ -290,14 +290,20 @@ fn place_updates_early(func: &mut shardc_ir::Func) {
     }
     // For each unit: the index in `rest` after which it may run (None: before every op):
     // after the last op that reads or defines what the unit reads from outside itself (the
-    // parameter, its gradient).
+    // parameter, its gradient). The last op touching each value is found in one walk, not
+    // one walk per unit (quadratic in the depth of the model).
+    let mut last_touch: HashMap<Value, usize> = HashMap::new();
+    for (i, op) in rest.iter().enumerate() {
+        for v in op.operands.iter().chain(&op.results) {
+            last_touch.insert(*v, i);
+        }
+    }
     let mut after: Vec<(Option<usize>, Vec<shardc_ir::Op>)> = units
         .into_iter()
         .map(|unit| {
             let made: Vec<Value> = unit.iter().flat_map(|op| op.results.iter().copied()).collect();
-            let reads: Vec<Value> = unit.iter().flat_map(|op| op.operands.iter().copied()).filter(|v| !made.contains(v)).collect();
-            let touches = |op: &shardc_ir::Op| op.operands.iter().chain(&op.results).any(|v| reads.contains(v));
-            (rest.iter().rposition(touches), unit)
+            let at = unit.iter().flat_map(|op| op.operands.iter()).filter(|v| !made.contains(v)).filter_map(|v| last_touch.get(v).copied()).max();
+            (at, unit)
         })
         .collect();
     // Stable by position, so updates at the same point keep the parameter order.

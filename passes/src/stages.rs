@@ -412,7 +412,8 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     let new_value: HashMap<&str, Value> = func.returns.iter().zip(&func.result_names).map(|(v, n)| (n.as_str(), *v)).collect();
     for arg in func.args.iter().filter(|a| a.role == ArgRole::Param) {
         let Some(&home_stage) = owner.get(&arg.value) else { continue };
-        let readers: BTreeSet<usize> = func.ops.iter().enumerate().filter(|(_, op)| op.operands.contains(&arg.value)).map(|(i, _)| plan.stage[i]).collect();
+        // The consumer lists, not a walk of every op per parameter (quadratic in depth).
+        let readers: BTreeSet<usize> = consumers.get(&arg.value).into_iter().flatten().map(|&i| plan.stage[i]).collect();
         let Some(&updated) = new_value.get(arg.name.as_str()) else { continue };
         for reader in readers.into_iter().filter(|&r| r != home_stage) {
             transfers.entry((updated, home_stage, reader)).or_insert_with(|| {
@@ -452,6 +453,12 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     }
 
     (0..n_stages).map(|k| build_stage(func, &sections, k, options, grid, &transfers, &producer, &owner, &home)).collect()
+}
+
+/// The transfers of `v`, in the map's order: a range of the map, not a walk of all of it
+/// (a lookup per operand would otherwise be quadratic in the depth of the model).
+fn transfers_of(transfers: &BTreeMap<(Value, usize, usize), (i64, Phase)>, v: Value) -> impl Iterator<Item = (&(Value, usize, usize), &(i64, Phase))> {
+    transfers.range((v, 0, 0)..=(v, usize::MAX, usize::MAX))
 }
 
 /// Stage of each block for manual layer ranges.
@@ -537,8 +544,8 @@ fn build_stage(
     // sections merged in that order, so that no chunk waits on a later one of its own rank.
     let ordered = |attrs: Attrs, phase: Phase, order: i64| if phase == Phase::Step { attrs.with("xf.order", AttrValue::Int(order)) } else { attrs };
     let send = |fb: &mut FuncBuilder, map: &HashMap<Value, Value>, v: Value, phase: Phase, step: bool, order: i64| {
-        for (&(value, from, to), &(tag, receive)) in transfers.range((v, 0, 0)..=(v, usize::MAX, usize::MAX)) {
-            if value != v || from != k || (receive == Phase::Step) != step {
+        for (&(_, from, to), &(tag, receive)) in transfers_of(transfers, v) {
+            if from != k || (receive == Phase::Step) != step {
                 continue;
             }
             fb.op_typed("shard.send", &[map[&v]], ordered(point_to_point(to, tag, true, phase), phase, order), vec![func.ty(v).clone()], &format!("send.{tag}"));
@@ -594,7 +601,7 @@ fn build_stage(
         if phase == Phase::Step {
             for v in &op.operands {
                 if !map.contains_key(v)
-                    && let Some((&(_, from, _), &(tag, _))) = transfers.iter().find(|((value, _, to), (_, when))| value == v && *to == k && *when == Phase::Step)
+                    && let Some((&(_, from, _), &(tag, _))) = transfers_of(transfers, *v).find(|((_, _, to), (_, when))| *to == k && *when == Phase::Step)
                 {
                     receive(&mut fb, &mut map, *v, from, tag, Phase::Step, i as i64);
                 }
@@ -629,6 +636,7 @@ fn build_stage(
     }
 
     // Results: the loss on the last stage, each owner's updated parameters and state.
+    let param_names: HashSet<&str> = func.args.iter().filter(|a| a.role == ArgRole::Param).map(|a| a.name.as_str()).collect();
     let (mut values, mut names) = (Vec::new(), Vec::new());
     for (v, name) in func.returns.iter().zip(&func.result_names) {
         let made_here = match producer.get(v) {
@@ -636,8 +644,7 @@ fn build_stage(
             None => owner.get(v) == Some(&k),
         };
         // A mirror returns the owner's update under the parameter's name.
-        let mirrored = transfers.iter().any(|((value, _, to), (_, when))| value == v && *to == k && *when == Phase::Step)
-            && func.args.iter().any(|a| a.role == ArgRole::Param && a.name == *name);
+        let mirrored = transfers_of(transfers, *v).any(|((_, _, to), (_, when))| *to == k && *when == Phase::Step) && param_names.contains(name.as_str());
         if made_here || mirrored {
             values.push(map[v]);
             names.push(name.clone());

@@ -185,3 +185,58 @@ fn full_recomputation_keeps_one_tensor_per_layer_and_no_dead_ops() {
         }
     }
 }
+
+/// The arena planner's scan as it was first written: list the placed items alive with the
+/// new one, sort them by offset and move past each one in the way. Quadratic, and the
+/// definition [`shardc_codegen::arena::place`] must match.
+fn place_by_scan(items: &[shardc_codegen::arena::Item]) -> (Vec<usize>, usize) {
+    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut offsets = Vec::new();
+    let mut arena = 0usize;
+    for item in items {
+        let mut busy: Vec<(usize, usize)> = placed.iter().filter(|p| p.2 <= item.last && item.first <= p.3).map(|p| (p.0, p.1)).collect();
+        busy.sort_unstable();
+        let up = |x: usize| x.div_ceil(item.align).saturating_mul(item.align);
+        let mut offset = 0usize;
+        for &(o, len) in &busy {
+            if offset.saturating_add(item.bytes) <= o {
+                break;
+            }
+            offset = offset.max(up(o.saturating_add(len)));
+        }
+        offsets.push(offset);
+        placed.push((offset, item.bytes, item.first, item.last));
+        arena = arena.max(offset + item.bytes);
+    }
+    (offsets, arena)
+}
+
+#[test]
+fn arena_matches_the_quadratic_scan() {
+    use shardc_codegen::arena::{place, Item};
+    // A small deterministic generator (xorshift), so failures reproduce.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n) as usize
+    };
+    for case in 0..300 {
+        let times = 1 + next(200);
+        let count = 1 + next(120);
+        let mut items: Vec<Item> = (0..count)
+            .map(|_| {
+                let bytes = 16 * (1 + next(if case % 3 == 0 { 4 } else { 400 }) as usize);
+                let first = next(times as u64);
+                // Some items live long (activations kept for the backward), most briefly.
+                let span = if next(4) == 0 { next(times as u64) } else { next(4) };
+                let align = if bytes >= 4096 { 256 } else { 16 };
+                Item { bytes, first, last: (first + span).min(times - 1), align }
+            })
+            .collect();
+        // The plan places the largest first, earlier ones first among equals.
+        items.sort_by(|x, y| y.bytes.cmp(&x.bytes).then(x.first.cmp(&y.first)));
+        assert_eq!(place(&items), place_by_scan(&items), "case {case}: {items:?}");
+    }
+}

@@ -24,11 +24,13 @@
 //! shard, the new parameter be all-gathered over `dp` (stages 1-2) and, at stage 3, every
 //! reader of a parameter gather it over `dp` first; nothing of ZeRO crosses `tp`.
 
+use std::collections::HashSet;
+
 use shardc_ir::mesh::Mesh;
 use shardc_ir::sharding::Sharding;
-use shardc_ir::{ArgRole, Grid, Module};
+use shardc_ir::{ArgRole, Grid, Module, Value};
 
-use super::{DP, TP};
+use super::{FuncIndex, DP, TP};
 use crate::{Changed, Pass, PassError};
 
 /// The `shard-megatron` pass.
@@ -136,17 +138,21 @@ impl Pass for ShardMegatron {
         // Every gradient is wanted in its optimizer state's layout (the parameter's, plus dp
         // under ZeRO): pin it there, so the op producing it computes it in that layout
         // rather than in whatever layout its inputs suggest.
+        // Values some op makes, found once (not a walk of every op per update, quadratic in
+        // the depth of the model).
+        let produced_values: HashSet<Value> = func.ops.iter().flat_map(|o| o.results.iter().copied()).collect();
         for op in func.ops.clone().iter().filter(|o| o.name == "xf.adamw" || o.name == "xf.sgd") {
             let (grad, state) = (op.operands[1], op.operands[if op.name == "xf.adamw" { 2 } else { 0 }]);
-            let produced = func.ops.iter().any(|o| o.results.contains(&grad));
+            let produced = produced_values.contains(&grad);
             if let (true, Some(layout)) = (produced, func.shardings.get(&state).cloned()) {
                 func.constraints.insert(grad, Sharding { split: layout.split, partial: Vec::new() });
             }
         }
         if self.naive && tp > 1 {
+            let index = FuncIndex::new(func);
             for op in func.ops.clone().iter().filter(|o| o.name == "xf.matmul") {
                 let column = func.shardings.get(&op.operands[1]).is_some_and(|s| s.split.last().is_some_and(|axes| axes.contains(&TP)));
-                let weight = func.args.iter().any(|a| a.value == op.operands[1] && a.role == ArgRole::Param);
+                let weight = index.is_param(op.operands[1]);
                 // The LM head keeps its vocab-parallel loss: gathering the logits would make
                 // a different program, not a worse layout of the same one.
                 if column && weight && !op.loc.starts_with("lm_head") && let Some(t) = func.tensor(op.results[0]) {

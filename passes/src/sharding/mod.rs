@@ -58,6 +58,51 @@ pub fn sharding_of(func: &Func, value: shardc_ir::Value) -> Sharding {
 /// over the axes of every split factor some operand has but the result lacks (a reduction). Partial operands are reduced first unless the op's linearity lets
 /// the partial sum pass through to the results.
 pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
+    plan_op_in(func, &FuncIndex::new(func), op)
+}
+
+/// Facts about a function's arguments that [`plan_op`] needs for every op, computed once
+/// per function so that planning every op of a deep model stays linear in its size (a
+/// search of the arguments per operand is quadratic: a layer adds both ops and arguments).
+#[derive(Clone, Debug)]
+pub struct FuncIndex {
+    /// Per value (indexed by `Value.0`): whether it is an argument that is not a per-step
+    /// input (a parameter or optimizer state).
+    state: Vec<bool>,
+    /// Per value: whether it is a parameter argument.
+    param: Vec<bool>,
+}
+
+impl FuncIndex {
+    /// Indexes `func`'s arguments.
+    pub fn new(func: &Func) -> Self {
+        let mut state = vec![false; func.types.len()];
+        let mut param = vec![false; func.types.len()];
+        for arg in &func.args {
+            let i = arg.value.0 as usize;
+            if i >= state.len() {
+                state.resize(i + 1, false);
+                param.resize(i + 1, false);
+            }
+            state[i] |= arg.role != shardc_ir::ArgRole::Input;
+            param[i] |= arg.role == shardc_ir::ArgRole::Param;
+        }
+        FuncIndex { state, param }
+    }
+
+    /// Whether `value` is an argument other than a per-step input.
+    pub fn is_state(&self, value: shardc_ir::Value) -> bool {
+        self.state.get(value.0 as usize).copied().unwrap_or(false)
+    }
+
+    /// Whether `value` is a parameter argument.
+    pub fn is_param(&self, value: shardc_ir::Value) -> bool {
+        self.param.get(value.0 as usize).copied().unwrap_or(false)
+    }
+}
+
+/// [`plan_op`] with the function's arguments indexed once ([`FuncIndex::new`] of `func`).
+pub fn plan_op_in(func: &Func, index: &FuncIndex, op: &Op) -> Result<OpPlan, String> {
     let current: Vec<Sharding> = op.operands.iter().map(|v| sharding_of(func, *v)).collect();
     let inputs: Vec<&TensorTy> = op.operands.iter().map(|v| func.tensor(*v).ok_or("non-tensor operand")).collect::<Result<_, _>>()?;
     let def = lookup(&op.name).ok_or_else(|| format!("`{}` has no sharding rule", op.name))?;
@@ -115,7 +160,7 @@ pub fn plan_op(func: &Func, op: &Op) -> Result<OpPlan, String> {
     // ZeRO-sharded parameter is gathered where it is used rather than taking dp from the
     // batch). The first round takes a dimension's outermost axis when it is tp (a ZeRO shard
     // of a tensor-parallel weight is split `[tp, dp]`: the matmul keeps tp, gathers dp).
-    let is_param = |v: &shardc_ir::Value| func.args.iter().any(|a| a.value == *v && a.role != shardc_ir::ArgRole::Input);
+    let is_param = |v: &shardc_ir::Value| index.is_state(*v);
     let params: Vec<usize> = (0..op.operands.len()).filter(|&i| is_param(&op.operands[i])).collect();
     let activations: Vec<usize> = (0..op.operands.len()).filter(|&i| !is_param(&op.operands[i])).collect();
     let rounds: [(&[usize], Option<Axis>); 3] = [(&params, Some(TP)), (&activations, None), (&params, None)];

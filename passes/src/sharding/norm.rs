@@ -16,7 +16,7 @@ use std::collections::HashSet;
 use shardc_ir::sharding::Axis;
 use shardc_ir::{Attrs, Module, Op, Value};
 
-use super::plan_op;
+use super::{plan_op_in, FuncIndex};
 use crate::{Changed, Pass, PassError};
 
 /// The `group-norm-sums` pass.
@@ -49,7 +49,13 @@ impl Pass for GroupNormSums {
             if terms.len() < 2 || !(chain.contains(&total) || term_values.contains(&total)) {
                 continue;
             }
-            if chain.iter().any(|v| *v != total && func.ops.iter().enumerate().any(|(i, op)| !chain_ops.contains(&i) && op.operands.contains(v))) {
+            // One walk of the ops, not one per partial sum: the chain grows with the model.
+            let read_outside = func
+                .ops
+                .iter()
+                .enumerate()
+                .any(|(i, op)| !chain_ops.contains(&i) && op.operands.iter().any(|v| *v != total && chain.contains(v)));
+            if read_outside {
                 return Err(internal("a partial sum of the gradient norm is read outside the norm".into()));
             }
             // Groups of terms by the axes their partial sum spans, in order of first use.
@@ -87,13 +93,15 @@ impl Pass for GroupNormSums {
                 adds.push(Op { name: "xf.add".into(), operands: vec![sum, group_total], results: vec![result], attrs: Attrs::new(), loc: "optimizer.grad_norm".into() });
                 sum = result;
             }
-            let clip_op = func.ops[clip].clone();
             let mut ops: Vec<Op> = Vec::with_capacity(func.ops.len() + adds.len());
+            // Where the new adds start; the coefficient follows them.
+            let mut first_add = 0;
             for (i, op) in func.ops.drain(..).enumerate() {
                 if chain_ops.contains(&i) {
                     continue;
                 }
                 if i == clip {
+                    first_add = ops.len();
                     ops.extend(adds.iter().cloned());
                     let mut op = op;
                     op.operands[0] = sum;
@@ -106,10 +114,11 @@ impl Pass for GroupNormSums {
             for v in &chain {
                 func.shardings.remove(v);
             }
-            // Annotate the new sums as propagation would.
-            for add in adds.iter().chain(std::iter::once(&clip_op)) {
-                let op = func.ops.iter().find(|o| o.results == add.results).cloned().ok_or_else(|| internal("lost an op of the norm".into()))?;
-                let plan = plan_op(func, &op).map_err(|m| internal(format!("{}: {m}", op.loc)))?;
+            // Annotate the new sums as propagation would, in order (each reads the one before).
+            let index = FuncIndex::new(func);
+            for at in first_add..=first_add + adds.len() {
+                let op = func.ops[at].clone();
+                let plan = plan_op_in(func, &index, &op).map_err(|m| internal(format!("{}: {m}", op.loc)))?;
                 for (result, sharding) in op.results.iter().zip(plan.results) {
                     func.shardings.insert(*result, sharding);
                 }

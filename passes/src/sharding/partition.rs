@@ -28,9 +28,9 @@
 use std::collections::HashMap;
 
 use shardc_ir::sharding::{Axis, Sharding};
-use shardc_ir::{ArgLayout, ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
+use shardc_ir::{ArgLayout, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
 
-use super::{plan_op, sharding_of};
+use super::{plan_op_in, sharding_of, FuncIndex};
 use crate::{Changed, Pass, PassError};
 
 /// The `partition` pass.
@@ -61,6 +61,8 @@ fn axes_attr(axes: &[Axis]) -> AttrValue {
 /// Builds the per-rank function.
 struct Partitioner<'f> {
     global: &'f Func,
+    /// The global function's arguments, indexed.
+    index: FuncIndex,
     grid: String,
     grid_shape: Vec<i64>,
     fb: FuncBuilder,
@@ -147,7 +149,7 @@ impl Partitioner<'_> {
         // from its forward reader to its backward one, the memory ZeRO-3 spends communication
         // to save. Such gathers are marked `xf.per_reader` (comm-opt keeps them apart) and are
         // shared only by readers of one phase (a tied embedding's lookup and LM head).
-        let parameter = self.global.args.iter().any(|a| a.value == value && a.role == ArgRole::Param);
+        let parameter = self.index.is_param(value);
         let mut gathered = false;
         for d in 0..rank {
             let keep = common(&s.split[d], &target.split[d]);
@@ -256,6 +258,7 @@ fn forward_ops(func: &Func) -> Vec<bool> {
 fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, String> {
     let mut p = Partitioner {
         global: func,
+        index: FuncIndex::new(func),
         grid: grid.to_string(),
         grid_shape: grid_shape.to_vec(),
         fb: FuncBuilder::new(&func.name),
@@ -274,15 +277,20 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         p.local.insert(arg.value, (v, sharding));
     }
     for (index, op) in func.ops.iter().enumerate() {
-        p.forward = forward[index];
-        for (key, made_forward) in std::mem::take(&mut p.per_reader) {
-            if made_forward == p.forward {
-                p.per_reader.push((key, made_forward));
-            } else {
-                p.reshards.remove(&key);
+        // Every remembered gather was made in the phase of the op before (gathers are made
+        // in the current phase), so only a change of phase forgets them, all at once: a
+        // walk of them per op would be quadratic under ZeRO-3 (one gather per parameter).
+        if forward[index] != p.forward {
+            p.forward = forward[index];
+            for (key, made_forward) in std::mem::take(&mut p.per_reader) {
+                if made_forward == p.forward {
+                    p.per_reader.push((key, made_forward));
+                } else {
+                    p.reshards.remove(&key);
+                }
             }
         }
-        let plan = plan_op(func, op).map_err(|e| format!("{}: {e}", op.loc))?;
+        let plan = plan_op_in(func, &p.index, op).map_err(|e| format!("{}: {e}", op.loc))?;
         let mut operands = Vec::with_capacity(op.operands.len());
         for (i, (value, target)) in op.operands.iter().zip(&plan.operands).enumerate() {
             let cause = format!("operand {i} of {} `{}`", op.name, op.loc);
@@ -328,9 +336,14 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
         }
     }
     let mut returns = Vec::with_capacity(func.returns.len());
+    // The first argument of each name, as a search of the arguments would find it.
+    let mut arg_named: HashMap<&str, &shardc_ir::graph::FuncArg> = HashMap::with_capacity(func.args.len());
+    for arg in &func.args {
+        arg_named.entry(arg.name.as_str()).or_insert(arg);
+    }
     for (value, name) in func.returns.iter().zip(&func.result_names) {
         // A state update keeps its argument's layout; anything else is replicated.
-        let target = match func.args.iter().find(|a| &a.name == name) {
+        let target = match arg_named.get(name.as_str()) {
             Some(arg) => sharding_of(func, arg.value),
             None => Sharding::replicated(func.tensor(*value).map_or(0, TensorTy::rank)),
         };

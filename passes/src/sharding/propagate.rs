@@ -8,7 +8,7 @@
 
 use shardc_ir::Module;
 
-use super::plan_op;
+use super::{plan_op_in, FuncIndex};
 use crate::{Changed, Pass, PassError};
 
 /// The `propagate-sharding` pass.
@@ -22,8 +22,10 @@ impl Pass for PropagateSharding {
 
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
         for func in module.funcs.iter_mut().filter(|f| !f.shardings.is_empty()) {
+            // Propagation adds no arguments: one index serves every op.
+            let index = FuncIndex::new(func);
             for i in 0..func.ops.len() {
-                let plan = plan_op(func, &func.ops[i]).map_err(|message| PassError::User {
+                let plan = plan_op_in(func, &index, &func.ops[i]).map_err(|message| PassError::User {
                     pass: "propagate-sharding".into(),
                     message: format!("{}: {message}", func.ops[i].loc),
                 })?;
