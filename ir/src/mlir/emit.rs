@@ -12,6 +12,8 @@ use melior::ir::r#type::FunctionType;
 use melior::ir::{Attribute, Block, Identifier, Location, Module, Region, RegionLike, Type, Value, ValueLike};
 use melior::dialect::func;
 
+use std::collections::HashMap;
+
 use super::context::IrContext;
 use crate::attrs::AttrValue;
 use crate::graph::{self, Func};
@@ -93,8 +95,9 @@ pub fn emit<'c>(cx: &'c IrContext, module: &graph::Module) -> Result<MlirModule<
             mlir.body().append_operation(op);
         }
         let grid = module.grids.first().map(|g| g.name.as_str());
+        let mut parsed = Parsed { cx, attrs: HashMap::new(), types: HashMap::new(), sharding_type: None };
         for func in &module.funcs {
-            mlir.body().append_operation(emit_func(cx, func, grid)?);
+            mlir.body().append_operation(emit_func(&mut parsed, func, grid)?);
         }
         Ok(MlirModule { module: mlir })
     });
@@ -108,6 +111,39 @@ fn parse_attr<'c>(cx: &'c IrContext, text: &str) -> Result<Attribute<'c>, String
 fn parse_type<'c>(cx: &'c IrContext, ty: &graph::Type) -> Result<Type<'c>, String> {
     let text = ty.to_string();
     Type::parse(cx.mlir(), &text).ok_or_else(|| format!("type `{text}` does not parse"))
+}
+
+/// The attributes and types one emission has parsed, by their text (types by our type). A
+/// deep model repeats a few dozen types and attribute texts over thousands of ops and
+/// annotations, and parsing them again each time is most of what emission costs. MLIR
+/// uniques attributes and types in the context, so the handle kept here is the one parsing
+/// the text again would return; failures are not kept (they end the emission).
+struct Parsed<'c> {
+    cx: &'c IrContext,
+    attrs: HashMap<String, Attribute<'c>>,
+    types: HashMap<graph::Type, Type<'c>>,
+    /// `!shard.sharding`, the type of every annotation's sharding.
+    sharding_type: Option<Type<'c>>,
+}
+
+impl<'c> Parsed<'c> {
+    fn attr(&mut self, text: &str) -> Result<Attribute<'c>, String> {
+        if let Some(attr) = self.attrs.get(text) {
+            return Ok(*attr);
+        }
+        let attr = parse_attr(self.cx, text)?;
+        self.attrs.insert(text.to_string(), attr);
+        Ok(attr)
+    }
+
+    fn ty(&mut self, ty: &graph::Type) -> Result<Type<'c>, String> {
+        if let Some(parsed) = self.types.get(ty) {
+            return Ok(*parsed);
+        }
+        let parsed = parse_type(self.cx, ty)?;
+        self.types.insert(ty.clone(), parsed);
+        Ok(parsed)
+    }
 }
 
 /// MLIR syntax of an attribute value: floats always carry a decimal point (MLIR reads `1e-5`
@@ -145,23 +181,27 @@ fn lookup<'c, 'a>(values: &[Option<Value<'c, 'a>>], v: graph::Value, op: &str) -
 /// Appends `shard.sharding` + `shard.shard` for `value` (annotated `sharding`) to `block`
 /// and returns the annotated value, which later uses read instead.
 fn annotate<'c, 'a>(
-    cx: &'c IrContext,
+    parsed: &mut Parsed<'c>,
     block: &'a Block<'c>,
     grid: &str,
     value: Value<'c, 'a>,
     sharding: &crate::sharding::Sharding,
     loc: Location<'c>,
 ) -> Result<Value<'c, 'a>, String> {
-    let ctx = cx.mlir();
+    let ctx = parsed.cx.mlir();
+    let sharding_type = match parsed.sharding_type {
+        Some(ty) => ty,
+        None => *parsed.sharding_type.insert(Type::parse(ctx, "!shard.sharding").ok_or("no !shard.sharding type")?),
+    };
     let sharding_op = OperationBuilder::new("shard.sharding", loc)
         .add_attributes(&[
-            (Identifier::new(ctx, "grid"), parse_attr(cx, &format!("@{grid}"))?),
-            (Identifier::new(ctx, "split_axes"), parse_attr(cx, &sharding.split_axes_attr())?),
-            (Identifier::new(ctx, "operandSegmentSizes"), parse_attr(cx, "array<i32: 0, 0>")?),
-            (Identifier::new(ctx, "static_halo_sizes"), parse_attr(cx, "array<i64>")?),
-            (Identifier::new(ctx, "static_sharded_dims_offsets"), parse_attr(cx, "array<i64>")?),
+            (Identifier::new(ctx, "grid"), parsed.attr(&format!("@{grid}"))?),
+            (Identifier::new(ctx, "split_axes"), parsed.attr(&sharding.split_axes_attr())?),
+            (Identifier::new(ctx, "operandSegmentSizes"), parsed.attr("array<i32: 0, 0>")?),
+            (Identifier::new(ctx, "static_halo_sizes"), parsed.attr("array<i64>")?),
+            (Identifier::new(ctx, "static_sharded_dims_offsets"), parsed.attr("array<i64>")?),
         ])
-        .add_results(&[Type::parse(ctx, "!shard.sharding").ok_or("no !shard.sharding type")?])
+        .add_results(&[sharding_type])
         .build()
         .map_err(|e| format!("shard.sharding: {e}"))?;
     let sharding_op = block.append_operation(sharding_op);
@@ -169,7 +209,7 @@ fn annotate<'c, 'a>(
     let mut attrs = Vec::new();
     if !sharding.partial.is_empty() {
         let axes = sharding.partial.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ");
-        attrs.push((Identifier::new(ctx, "xf.partial"), parse_attr(cx, &format!("array<i16: {axes}>"))?));
+        attrs.push((Identifier::new(ctx, "xf.partial"), parsed.attr(&format!("array<i16: {axes}>"))?));
     }
     let shard_op = OperationBuilder::new("shard.shard", loc)
         .add_operands(&[value, sharding_value])
@@ -180,11 +220,12 @@ fn annotate<'c, 'a>(
     Ok(block.append_operation(shard_op).result(0).map_err(|e| e.to_string())?.into())
 }
 
-fn emit_func<'c>(cx: &'c IrContext, func: &Func, grid: Option<&str>) -> Result<melior::ir::Operation<'c>, String> {
+fn emit_func<'c>(parsed: &mut Parsed<'c>, func: &Func, grid: Option<&str>) -> Result<melior::ir::Operation<'c>, String> {
+    let cx = parsed.cx;
     let ctx = cx.mlir();
     let loc = |name: &str| Location::name(ctx, name, Location::unknown(ctx));
-    let arg_types = func.args.iter().map(|a| parse_type(cx, func.ty(a.value))).collect::<Result<Vec<_>, _>>()?;
-    let result_types = func.returns.iter().map(|v| parse_type(cx, func.ty(*v))).collect::<Result<Vec<_>, _>>()?;
+    let arg_types = func.args.iter().map(|a| parsed.ty(func.ty(a.value))).collect::<Result<Vec<_>, _>>()?;
+    let result_types = func.returns.iter().map(|v| parsed.ty(func.ty(*v))).collect::<Result<Vec<_>, _>>()?;
     let block = Block::new(&arg_types.iter().zip(&func.args).map(|(t, a)| (*t, loc(&a.name))).collect::<Vec<_>>());
     {
         // Maps our value numbers to MLIR values; scoped so the block can move into the region.
@@ -196,17 +237,17 @@ fn emit_func<'c>(cx: &'c IrContext, func: &Func, grid: Option<&str>) -> Result<m
         for (i, arg) in func.args.iter().enumerate() {
             let mut value: Value = block.argument(i).map_err(|e| e.to_string())?.into();
             if let Some((grid, s)) = annotation(arg.value) {
-                value = annotate(cx, &block, grid, value, s, loc(&arg.name))?;
+                value = annotate(parsed, &block, grid, value, s, loc(&arg.name))?;
             }
             values[arg.value.0 as usize] = Some(value);
         }
         for op in &func.ops {
             let operands = op.operands.iter().map(|v| lookup(&values, *v, &op.name)).collect::<Result<Vec<_>, _>>()?;
-            let results = op.results.iter().map(|v| parse_type(cx, func.ty(*v))).collect::<Result<Vec<_>, _>>()?;
+            let results = op.results.iter().map(|v| parsed.ty(func.ty(*v))).collect::<Result<Vec<_>, _>>()?;
             let attrs = op
                 .attrs
                 .iter()
-                .map(|(name, value)| Ok((Identifier::new(ctx, name), parse_attr(cx, &attr_text(value))?)))
+                .map(|(name, value)| Ok((Identifier::new(ctx, name), parsed.attr(&attr_text(value))?)))
                 .collect::<Result<Vec<_>, String>>()?;
             let built = OperationBuilder::new(&op.name, loc(&op.loc))
                 .add_operands(&operands)
@@ -218,7 +259,7 @@ fn emit_func<'c>(cx: &'c IrContext, func: &Func, grid: Option<&str>) -> Result<m
             for (i, v) in op.results.iter().enumerate() {
                 let mut value: Value = built.result(i).map_err(|e| e.to_string())?.into();
                 if let Some((grid, s)) = annotation(*v) {
-                    value = annotate(cx, &block, grid, value, s, loc(&op.loc))?;
+                    value = annotate(parsed, &block, grid, value, s, loc(&op.loc))?;
                 }
                 values[v.0 as usize] = Some(value);
             }
