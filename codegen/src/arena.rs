@@ -90,11 +90,23 @@ impl Occupied {
     }
 }
 
+/// Depth of the deepest nodes that keep a complete union (below: the root is depth 0).
+const COMPLETE_DEPTH: u32 = 8;
+
 /// A segment tree over instruction indices. An item alive over `[first, end)` is stored at
 /// the nodes that cover that span exactly (`whole`: it is alive over all of theirs) and in
 /// `within` of those nodes and all their ancestors. The items alive at some instruction of
 /// a span are then `within` of the nodes covering the span and `whole` of those nodes'
 /// ancestors, about 2 log(instructions) unions in all.
+///
+/// Long-lived items (kept activations, gradients waiting for the update) sit in `whole` of
+/// nodes near the root, a different node for each span, so their offsets interleave across
+/// those unions: no union has a long run of touching ranges, and a search that moves past one
+/// range of one union at a time passes every long-lived item below its fit (quadratic in
+/// depth again). The nodes of the top [`COMPLETE_DEPTH`] levels therefore also keep
+/// `complete`, the union of `whole` over the node and its ancestors, where those items merge
+/// into a few ranges; an item stored at such a node is added to the complete unions of its
+/// descendants down to that depth (at most 2^COMPLETE_DEPTH of them).
 struct TimeTree {
     /// Leaves: a power of two at least the number of instructions.
     size: usize,
@@ -102,12 +114,25 @@ struct TimeTree {
     whole: Vec<Occupied>,
     /// Per node: items stored at it or below it.
     within: Vec<Occupied>,
+    /// Per node of depth at most [`COMPLETE_DEPTH`]: items covering it or an ancestor.
+    complete: Vec<Occupied>,
 }
 
 impl TimeTree {
     fn new(times: usize) -> Self {
         let size = times.max(1).next_power_of_two();
-        TimeTree { size, whole: vec![Occupied::default(); 2 * size], within: vec![Occupied::default(); 2 * size] }
+        let complete_nodes = (2usize << COMPLETE_DEPTH).min(2 * size);
+        TimeTree { size, whole: vec![Occupied::default(); 2 * size], within: vec![Occupied::default(); 2 * size], complete: vec![Occupied::default(); complete_nodes] }
+    }
+
+    /// Adds `[offset, top)` to the complete unions of `node` and its descendants.
+    fn complete_below(&mut self, node: usize, offset: usize, top: usize) {
+        if node >= self.complete.len() {
+            return;
+        }
+        self.complete[node].insert(offset, top);
+        self.complete_below(2 * node, offset, top);
+        self.complete_below(2 * node + 1, offset, top);
     }
 
     /// The lowest offset, a multiple of `align`, where `bytes` overlap nothing stored at
@@ -140,6 +165,7 @@ impl TimeTree {
         self.within[node].insert(offset, top);
         if first <= lo && hi <= end {
             self.whole[node].insert(offset, top);
+            self.complete_below(node, offset, top);
             return;
         }
         let mid = lo + (hi - lo) / 2;
@@ -152,14 +178,24 @@ impl TimeTree {
         if end <= lo || hi <= first {
             return;
         }
+        let mut push = |set: &'a Occupied| {
+            if !set.is_empty() {
+                out.push(set);
+            }
+        };
+        // Above the complete depth, ancestors' `whole` is left to a complete union below.
+        let depth = node.ilog2();
         if first <= lo && hi <= end {
-            if !self.within[node].is_empty() {
-                out.push(&self.within[node]);
+            push(&self.within[node]);
+            if depth <= COMPLETE_DEPTH && node > 1 {
+                push(&self.complete[node / 2]);
             }
             return;
         }
-        if !self.whole[node].is_empty() {
-            out.push(&self.whole[node]);
+        if depth == COMPLETE_DEPTH {
+            push(&self.complete[node]);
+        } else if depth > COMPLETE_DEPTH {
+            push(&self.whole[node]);
         }
         let mid = lo + (hi - lo) / 2;
         self.collect(2 * node, lo, mid, first, end, out);

@@ -222,9 +222,10 @@ fn arena_matches_the_quadratic_scan() {
         state ^= state << 17;
         (state % n) as usize
     };
-    for case in 0..300 {
-        let times = 1 + next(200);
-        let count = 1 + next(120);
+    // Past 256 instructions the tree is deeper than its complete unions (both paths).
+    for case in 0..340 {
+        let times = 1 + if case < 300 { next(200) } else { next(6000) };
+        let count = 1 + if case < 300 { next(120) } else { next(600) };
         let mut items: Vec<Item> = (0..count)
             .map(|_| {
                 let bytes = 16 * (1 + next(if case % 3 == 0 { 4 } else { 400 }) as usize);
