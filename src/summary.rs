@@ -352,7 +352,7 @@ impl Summary {
             line(
                 "memory/GPU",
                 format!(
-                    "{} {}: weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}{}; {} in {}'s {}",
+                    "{} {}: weights {}, gradients {}, optimizer {}, activations {}, temporaries {}{}; {} in {}'s {}",
                     gb(m.total),
                     match spec.model.dtype {
                         shardc_ir::spec::SpecDType::Bf16 => "in mixed precision (bf16 weights; fp32 gradients, master weights and moments)",
@@ -360,11 +360,15 @@ impl Summary {
                         shardc_ir::spec::SpecDType::F64 => "in f64",
                     },
                     gb(m.parameters),
-                    gb(m.gradients),
+                    // A step without a pipeline frees activations as it makes gradients:
+                    // its peak holds only some of them.
+                    if m.all_gradients > m.gradients + 0.05e9 { format!("{} at the peak (of {} per step)", gb(m.gradients), gb(m.all_gradients)) } else { gb(m.gradients) },
                     gb(m.optimizer),
-                    gb(m.activations),
-                    m.in_flight,
-                    if m.in_flight == 1 { "" } else { "es" },
+                    if m.kept_per_microbatch * m.in_flight as f64 > m.activations + 0.05e9 {
+                        format!("{} at the peak (of {} kept per micro-batch)", gb(m.activations), gb(m.kept_per_microbatch))
+                    } else {
+                        format!("{} ({} micro-batch{} in flight)", gb(m.activations), m.in_flight, if m.in_flight == 1 { "" } else { "es" })
+                    },
                     gb(m.temporaries),
                     // Bucketed gradients are reduced in place in their own buffers: part of
                     // the gradients and temporaries above, not extra.

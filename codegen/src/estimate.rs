@@ -357,6 +357,12 @@ pub struct MemoryEstimate {
     /// reducing and accumulating; from ZeRO stage 2, only the shard the optimizer state's
     /// layout gives this rank).
     pub gradients: f64,
+    /// Bytes of every gradient of the step, as above (the model-states term of Rajbhandari et
+    /// al.). A pipelined rank holds them all (its sums over micro-batches), so `gradients`
+    /// is this; a step without a pipeline makes them in its arena as the backward pass frees
+    /// activations, and `gradients` is the part alive at the arena's peak.
+    #[serde(default)]
+    pub all_gradients: f64,
     /// Bytes of fp32 master weights, first and second moments, as the program's optimizer
     /// state arguments lay them out (sharded over dp within each tensor-parallel shard from
     /// stage 1).
@@ -364,6 +370,12 @@ pub struct MemoryEstimate {
     /// Forward values the backward pass reads, per micro-batch, times the micro-batches in
     /// flight at once on the rank.
     pub activations: f64,
+    /// Bytes of every forward value the backward pass reads, for one micro-batch (the
+    /// quantity of Korthikanti et al.). A pipelined rank holds `in_flight` times this; a step
+    /// without a pipeline frees them as it makes gradients, and `activations` is the part
+    /// alive at the arena's peak.
+    #[serde(default)]
+    pub kept_per_microbatch: f64,
     /// Micro-batches whose activations the rank holds at once.
     pub in_flight: usize,
     /// Bytes of the peak of everything else the memory plan holds at once.
@@ -461,6 +473,66 @@ fn kept_activations(program: &Program) -> f64 {
     elements(&kept.into_iter().collect::<Vec<_>>())
 }
 
+/// What a program's arena holds at the instruction where the most of its temporaries are
+/// alive: forward values the backward pass reads, gradients (what an `optimizer.*`
+/// instruction reads), and the rest.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ArenaPeak {
+    /// The instruction.
+    pub at: usize,
+    /// Bytes of all temporaries alive there.
+    pub live: f64,
+    /// Of those, forward values the backward pass reads.
+    pub kept: f64,
+    /// Of those, values the optimizer section reads (gradients, reduced or not).
+    pub gradients: f64,
+}
+
+/// The peak of `program`'s temporaries (buffers placed in the arena), by what they hold.
+pub fn arena_peak(program: &Program) -> ArenaPeak {
+    let n = program.instrs.len();
+    let args: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
+    let (mut first, mut last) = (vec![usize::MAX; program.buffers.len()], vec![0usize; program.buffers.len()]);
+    for (i, instr) in program.instrs.iter().enumerate() {
+        for &b in instr.outputs.iter().chain(&instr.inputs) {
+            first[b] = first[b].min(i);
+            last[b] = last[b].max(i);
+        }
+    }
+    for r in &program.results {
+        last[r.buffer] = n.saturating_sub(1);
+    }
+    let temporary = |b: usize| !args.contains(&b) && first[b] != usize::MAX;
+    let bytes = |b: usize| program.buffers[b].len() as f64 * program.buffers[b].dtype.bytes() as f64;
+    let mut delta = vec![0.0f64; n + 1];
+    for b in (0..program.buffers.len()).filter(|&b| temporary(b)) {
+        delta[first[b]] += bytes(b);
+        delta[last[b].max(first[b]) + 1] -= bytes(b);
+    }
+    let (mut live, mut peak) = (0.0f64, ArenaPeak::default());
+    for (i, d) in delta.iter().take(n).enumerate() {
+        live += d;
+        if live > peak.live {
+            (peak.at, peak.live) = (i, live);
+        }
+    }
+    let seed = program.instrs.iter().position(|i| i.loc == "loss.seed").unwrap_or(n);
+    let alive = |b: usize| temporary(b) && first[b] <= peak.at && peak.at <= last[b];
+    let read_by = |from: usize, to: usize, which: &dyn Fn(&shardc_runtime::program::Instr) -> bool| -> std::collections::HashSet<usize> {
+        program.instrs[from..to].iter().filter(|i| which(i)).flat_map(|i| i.inputs.iter().copied()).collect()
+    };
+    let kept_set = read_by(seed, n, &|_| true);
+    let gradient_set = read_by(0, n, &|i| i.loc.starts_with("optimizer."));
+    for b in (0..program.buffers.len()).filter(|&b| alive(b)) {
+        if first[b] < seed && kept_set.contains(&b) {
+            peak.kept += bytes(b);
+        } else if gradient_set.contains(&b) {
+            peak.gradients += bytes(b);
+        }
+    }
+    peak
+}
+
 /// Bytes of the members of the program's asynchronous gradient buckets (the outputs of its
 /// `xf.async` all-reduces).
 fn bucket_bytes(program: &Program) -> f64 {
@@ -495,15 +567,26 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
             // Bytes as the program stores them: bf16 parameters, fp32 master weights and
             // moments, fp32 gradients in mixed precision; f32 throughout in an f32 program.
             let (parameters, optimizer) = (sum(&|s| s.param_bytes), sum(&|s| s.state_bytes));
-            let gradients = if zero >= 2 { sum(&|s| s.state_elements * s.gradient_element_bytes) } else { sum(&|s| s.psi * s.gradient_element_bytes) };
-            let kept = kept_activations(program);
+            let all_gradients = if zero >= 2 { sum(&|s| s.state_elements * s.gradient_element_bytes) } else { sum(&|s| s.psi * s.gradient_element_bytes) };
+            let kept_per_microbatch = kept_activations(program);
+            let (kept, gradients, temporaries) = match &program.pipeline {
+                // The pipeline runtime keeps each micro-batch's values and the gradient sums
+                // in storage of their own; the plan's peak holds one micro-batch's kept
+                // values too, so the rest of it is temporaries.
+                Some(_) => (kept_per_microbatch, all_gradients, (program.memory.temporary_bytes as f64 - kept_per_microbatch).max(0.0)),
+                // A step without a pipeline holds its gradients in the arena, from the
+                // backward pass to the update: the terms are what the arena holds at its peak.
+                None => {
+                    let peak = arena_peak(program);
+                    let rest = (program.memory.temporary_bytes as f64 - peak.kept - peak.gradients).max(0.0);
+                    (peak.kept, peak.gradients, rest)
+                }
+            };
             let activations = kept * in_flight as f64;
-            // The plan's peak holds one micro-batch's kept values too: the rest is temporaries.
-            let temporaries = (program.memory.temporary_bytes as f64 - kept).max(0.0);
             let buckets = bucket_bytes(program);
             // Members are reduced in their own output buffers (see `MemoryEstimate::buckets`).
             let bucket_staging = 0.0;
-            let mut m = MemoryEstimate { parameters, gradients, optimizer, activations, in_flight, temporaries, buckets, bucket_staging, total: 0.0 };
+            let mut m = MemoryEstimate { parameters, gradients, all_gradients, optimizer, activations, kept_per_microbatch, in_flight, temporaries, buckets, bucket_staging, total: 0.0 };
             m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.bucket_staging;
             m
         })
@@ -696,6 +779,14 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     u.parameter_bytes = shards.iter().map(|s| s.param_bytes).sum::<f64>() / elements;
     u.gradient_bytes = shards.iter().map(|s| s.psi * s.gradient_element_bytes).sum::<f64>() / elements;
     u.state_bytes = shards.iter().map(|s| s.state_bytes).sum::<f64>() / elements;
-    u.temporaries = (program.memory.temporary_bytes as f64 - u.layer_kept - u.other_kept).max(0.0);
+    // The planner adds every kept value and gradient of its own: temporaries are the rest of
+    // the arena's peak (a step without a pipeline holds its gradients there).
+    u.temporaries = match &program.pipeline {
+        Some(_) => (program.memory.temporary_bytes as f64 - u.layer_kept - u.other_kept).max(0.0),
+        None => {
+            let peak = arena_peak(program);
+            (program.memory.temporary_bytes as f64 - peak.kept - peak.gradients).max(0.0)
+        }
+    };
     u
 }

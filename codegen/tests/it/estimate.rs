@@ -15,7 +15,8 @@ fn compile(name: &str, mesh: Mesh, micro_batch: u64, zero: u8) -> (shardc_runtim
     let options = CompileOptions { mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero, comm_opt: false, ..Default::default() };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    (shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap(), spec, params)
+    let grid = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    (shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &grid).unwrap(), spec, params)
 }
 
 fn close(what: &str, ours: f64, formula: f64) {
@@ -39,7 +40,7 @@ fn model_states_follow_the_zero_formulas() {
             let formula = [16.0 * psi, 4.0 * psi + 12.0 * psi / d, 2.0 * psi + 14.0 * psi / d, 16.0 * psi / d][zero as usize];
             let fp32_gradients = if zero >= 2 { 2.0 * psi / d } else { 2.0 * psi };
             let m = &memory(std::slice::from_ref(&program), zero)[0];
-            close(&format!("{name} tp={tp} dp={dp} ZeRO-{zero}"), m.parameters + m.gradients + m.optimizer, formula + fp32_gradients);
+            close(&format!("{name} tp={tp} dp={dp} ZeRO-{zero}"), m.parameters + m.all_gradients + m.optimizer, formula + fp32_gradients);
             // The 12 Psi of fp32 master weights and moments, sharded from stage 1.
             close(&format!("{name} ZeRO-{zero} optimizer"), m.optimizer, if zero >= 1 { 12.0 * psi / d } else { 12.0 * psi });
         }
@@ -58,7 +59,7 @@ fn activations_follow_the_tensor_parallel_formula() {
     let (s, b, h, layers) = (spec.seq_len() as f64, 1.0, spec.model.hidden as f64, spec.model.layers as f64);
     let t = tp as f64;
     let per_layer = s * b * h * (10.0 + 24.0 / t) - 2.0 * s * b * h;
-    close("gpt3-175b activations", m.activations, per_layer * layers);
+    close("gpt3-175b activations", m.kept_per_microbatch, per_layer * layers);
     assert_eq!(m.in_flight, 1);
 }
 
@@ -74,7 +75,7 @@ fn llama_activations_follow_the_same_accounting() {
     let (s, h, f, layers, t) = (spec.seq_len() as f64, spec.model.hidden as f64, spec.model.ffn_hidden as f64, spec.model.layers as f64, tp as f64);
     assert_eq!(spec.model.kv_heads(), spec.model.heads, "the formula below assumes as many kv heads as heads");
     let per_layer = s * h * (8.0 + 8.0 / t) + 6.0 * s * f / t;
-    close("llama-7b activations", m.activations, per_layer * layers);
+    close("llama-7b activations", m.kept_per_microbatch, per_layer * layers);
 }
 
 /// The planner's unit costs read bytes per parameter from the compiled program's types: in
@@ -174,7 +175,7 @@ fn bucket_bytes_appear_in_the_memory_estimate() {
     let m = &memory(std::slice::from_ref(&bucketed), 0)[0];
     let p = &memory(std::slice::from_ref(&plain), 0)[0];
     assert!(bucketed.instrs.iter().any(|i| i.attrs.contains_key("xf.bucket")), "buckets are on");
-    close("bucketed gradient bytes", m.buckets, m.gradients);
+    close("bucketed gradient bytes", m.buckets, m.all_gradients);
     let params: f64 = bucketed.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).map(|a| bucketed.buffers[a.buffer].len() as f64).sum();
     close("bucketed gradient bytes, 4 per parameter", m.buckets, 4.0 * params);
     assert_eq!((p.buckets, p.bucket_staging, m.bucket_staging), (0.0, 0.0, 0.0));
@@ -217,4 +218,29 @@ fn zero_shards_only_tensors_with_a_dimension_dp_divides() {
     assert_eq!(units.shardable_params(true, 48), 0.0, "48 divides no power of two");
     assert_eq!(units.shardable_params(false, 48), 0.0);
     assert_eq!(units.shardable_params(false, 64), (131072 * 2048) as f64);
+}
+
+/// A step without a pipeline makes its gradients in the arena while the backward pass frees
+/// activations: the estimate counts them once, so its total is what the program holds
+/// (parameters and optimizer state, as its arguments say, and its arena), not that plus
+/// every gradient again; the model-states term still has every gradient.
+#[test]
+fn a_step_without_a_pipeline_counts_its_gradients_once() {
+    use shardc_runtime::program::Role;
+    for (name, mesh, zero) in [("tiny", Mesh { dp: 1, tp: 1, pp: 1 }, 0), ("tiny", Mesh { dp: 2, tp: 1, pp: 1 }, 0), ("tiny-llama", Mesh { dp: 1, tp: 2, pp: 1 }, 0), ("tiny", Mesh { dp: 2, tp: 2, pp: 1 }, 2)] {
+        let (program, _, _) = compile(name, mesh, 2, zero);
+        assert!(program.pipeline.is_none());
+        let m = &memory(std::slice::from_ref(&program), zero)[0];
+        let state: f64 = program
+            .args
+            .iter()
+            .filter(|a| matches!(a.role, Some(Role::Param | Role::OptState | Role::Master)))
+            .map(|a| program.buffers[a.buffer].len() as f64 * program.buffers[a.buffer].dtype.bytes() as f64)
+            .sum();
+        let held = state + program.memory.arena_bytes as f64;
+        assert!((m.total - held).abs() <= 1.0, "{name} {mesh:?}: estimate {} vs held {held} ({m:?})", m.total);
+        assert!(m.activations <= m.kept_per_microbatch, "{name} {mesh:?}: {m:?}");
+        let peak = shardc_codegen::estimate::arena_peak(&program);
+        assert!(peak.live <= program.memory.arena_bytes as f64 && peak.kept + peak.gradients <= peak.live, "{peak:?}");
+    }
 }

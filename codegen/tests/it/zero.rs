@@ -228,7 +228,7 @@ fn optimizer_state_shards_over_dp_and_tp_as_the_memory_report_says() {
                 let tp_elements: u64 = shards.iter().map(TpShard::elements).sum();
                 // An f32 program: f32 weights and gradients, two f32 moments (no master copy).
                 assert_eq!(m.optimizer, 8.0 * state_elements as f64, "{what}: optimizer memory");
-                assert_eq!(m.gradients, 4.0 * if zero >= 2 { state_elements } else { tp_elements } as f64, "{what}: gradient memory");
+                assert_eq!(m.all_gradients, 4.0 * if zero >= 2 { state_elements } else { tp_elements } as f64, "{what}: gradient memory");
                 assert_eq!(m.parameters, 4.0 * if zero == 3 { state_elements } else { tp_elements } as f64, "{what}: parameter memory");
             }
         }
