@@ -135,6 +135,19 @@ impl StepArgs {
         if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
             return Err(miette!(help = "Megatron-LM's default is 1.0; 0 turns clipping off", "--clip-grad must be a finite number >= 0, got {}", self.clip_grad));
         }
+        // The update runs in f32 unless the whole model is f64: a value that f32 rounds to 0
+        // or infinity would train without updating, or blow up, without a word.
+        if spec.model.dtype != shardc_ir::spec::SpecDType::F64 {
+            let range = f32::MIN_POSITIVE as f64..=f32::MAX as f64;
+            for (flag, value) in [("--lr", self.lr), ("--clip-grad", self.clip_grad)] {
+                if value != 0.0 && !range.contains(&value) {
+                    return Err(miette!(
+                        help = format!("use a value between {:.3e} and {:.3e}, or train in f64 (`dtype = \"f64\"` in the spec)", range.start(), range.end()),
+                        "{flag} {value:e} is outside the range of f32, the type the optimizer update computes in"
+                    ));
+                }
+            }
+        }
         let pipeline = self.pipeline_options(spec, mesh)?;
         // Shifted, 2^44 MiB and more wrapped to 0 bytes: one all-reduce per gradient.
         let grad_bucket_bytes = self.grad_bucket_mb.checked_mul(1 << 20).ok_or_else(|| miette!(help = "Megatron-LM's default bucket is 40 MiB; 0 reduces each gradient on its own", "--grad-bucket-mb {} is more bytes than a bucket can count", self.grad_bucket_mb))?;

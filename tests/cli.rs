@@ -481,6 +481,8 @@ fn optimizer_and_split_flags_are_checked_by_name() {
         (vec!["--clip-grad", "nan"], "--clip-grad must be a finite number >= 0, got NaN"),
         (vec!["--clip-grad", "inf"], "--clip-grad must be a finite number >= 0, got inf"),
         (vec!["--lr", "0"], "--lr must be positive"),
+        (vec!["--lr", "1e-320"], "--lr 1e-320 is outside the range of f32"),
+        (vec!["--clip-grad", "1e-300"], "--clip-grad 1e-300 is outside the range of f32"),
         (vec!["--min-lr", "0.1"], "--min-lr 0.1 is outside 0..=--lr"),
         (vec!["--min-lr", "0.1", "--lr-decay", "constant"], "--min-lr 0.1 is outside 0..=--lr"),
         (vec!["--min-lr", "nan", "--lr-decay", "linear"], "--min-lr NaN is outside 0..=--lr"),
