@@ -301,8 +301,3 @@ impl Evaluation {
     }
 }
 
-/// The global parameters of a GPU run as a state to evaluate.
-#[cfg(feature = "cuda")]
-pub fn parameters_state(step: u64, parameters: &[(String, Vec<usize>, Vec<f64>)]) -> TrainState {
-    TrainState { step, tensors: parameters.iter().map(|(name, shape, values)| (name.clone(), (shape.clone(), values.clone()))).collect() }
-}

@@ -120,6 +120,8 @@ fn check_backend(backend: &str) -> Result<()> {
         "cuda" => Err(miette!("the CUDA backend is not built into this shardc: rebuild with `--features cuda` (no CUDA toolkit is needed to build)")),
         // Fails before any compiling when there is no GPU, driver or CUDA library.
         #[cfg(feature = "cuda")]
+        "cuda" if emulating_the_gpu() => Ok(()),
+        #[cfg(feature = "cuda")]
         "cuda" => shardc_runtime::cuda::check_available().map_err(|e| miette!("{e}")),
         other => Err(miette!(help = "use --backend cpu or --backend cuda", "unknown backend `{other}`")),
     }
@@ -169,6 +171,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
     }
     refuse_load_with_resume(args)?;
+    #[cfg(feature = "cuda")]
+    if args.backend == "cuda" {
+        refuse_what_gpu_runs_cannot_do(args)?;
+    }
     check_outputs(args)?;
     if args.backend == "cpu" && mesh.ranks() as usize > shardc_runtime::train::MAX_CPU_RANKS {
         return Err(miette!(
@@ -878,8 +884,45 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     Ok(())
 }
 
+/// Whether `--backend cuda` runs on the CPU emulation of the device (`SHARDC_GPU_EMULATE=1`):
+/// the whole GPU path, kernels included, on a machine without a GPU (slow; for tests).
+#[cfg(feature = "cuda")]
+fn emulating_the_gpu() -> bool {
+    std::env::var("SHARDC_GPU_EMULATE").is_ok_and(|v| v == "1")
+}
+
+/// What a GPU run cannot do yet, refused before anything is compiled or written (the output
+/// checks create folders).
+#[cfg(feature = "cuda")]
+fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
+    if args.trace.is_some() {
+        return Err(miette!(help = "trace a pipeline on the CPU backend (--backend cpu with --mesh pp=N or --microbatches M)", "--trace writes a pipeline schedule's measured timeline, and GPU runs have no pipeline stages"));
+    }
+    if args.collectives != "ring" {
+        return Err(miette!(help = "leave the choice to NCCL (its NCCL_ALGO variable selects ring or tree), or run on the CPU backend", "--collectives {}: the CPU backend's algorithm; a GPU run's collectives are NCCL's or device copies", args.collectives));
+    }
+    if args.check_numerics {
+        return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
+    }
+    // A process of a multi-process run holds its own shards only: whole files need them all.
+    if std::env::var_os("RANK").is_some() {
+        for (flag, given) in [("--checkpoint", args.checkpoint.is_some()), ("--save", args.save.is_some()), ("--save-hf", args.save_hf.is_some())] {
+            if given {
+                return Err(miette!(
+                    help = "run every rank on one GPU (without RANK and WORLD_SIZE) to write it, or train on the CPU backend",
+                    "{flag}: each process of a multi-process GPU run holds only its own shards, and shardc does not yet write a checkpoint or file from shards spread over processes"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `shardc run --backend cuda`: the training step's device plan on one GPU (every rank of the
-/// mesh on it), or one rank per process over NCCL when `RANK`/`WORLD_SIZE` are set.
+/// mesh on it), or one rank per process over NCCL when `RANK`/`WORLD_SIZE` are set. It
+/// starts as the CPU backend does (from `--resume`, `--load`, Hugging Face weights or the
+/// seed), takes the same batches, checkpoints and evaluates at the same steps, and saves the
+/// same files; what a GPU run cannot do yet is refused before any work, with the reason.
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     use shardc_runtime::cuda::{self, Placement};
@@ -891,35 +934,69 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
             batch.microbatches
         ));
     }
+    let placement = if std::env::var_os("RANK").is_some() {
+        Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?.with_timeout(std::time::Duration::from_secs(args.timeout.max(1))))
+    } else if emulating_the_gpu() {
+        Placement::Emulated
+    } else {
+        Placement::SingleDevice { device: 0 }
+    };
     let program = shardc_codegen::device::with_device_plan(compile_train_step_on(spec, &args.step, mesh)?).into_diagnostic()?;
-    let placement = if std::env::var_os("RANK").is_some() { Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?) } else { Placement::SingleDevice { device: 0 } };
-    let corpus = training_corpus(args, spec)?;
-    // A GPU run evaluates once, at its end, on the CPU.
+    let mut corpus = training_corpus(args, spec)?;
+    let mut checkpoints = Checkpoints::new(args, spec)?;
+    let (resumed, seed) = checkpoints.resume(args, std::slice::from_ref(&program), &mut corpus)?;
+    let first_step = resumed.as_ref().map_or(0, |s| s.step);
+    let to_run = steps_to_run(args, first_step)?;
+    let rows = args.step.batch(spec, mesh)?.global_batch as usize;
+    let mut trainer = cuda::CudaTrainer::new(&program, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?;
     let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
-    println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps", spec.name, args.steps);
+    println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps, seed {seed}", spec.name, args.steps);
     print_data(&corpus, evaluation.as_ref());
-    let run = cuda::train(&program, args.seed.unwrap_or(0), spec.model.layers as usize, &corpus, args.steps, &placement).into_diagnostic()?;
-    let tokens = spec.training.micro_batch * mesh.dp * spec.seq_len();
-    for (step, loss) in run.losses.iter().enumerate() {
-        if args.log_every > 0 && (step as u64 + 1) % args.log_every == 0 {
-            println!("step {} loss {loss:.6}", step + 1);
+    let tokens = rows * spec.seq_len() as usize;
+    let (mut losses, mut seconds) = (LossSummary::default(), Vec::new());
+    let mut unevaluated = false;
+    for step in 1..=to_run {
+        let (loss, took) = trainer.step(&corpus).into_diagnostic()?;
+        let at = first_step + step;
+        if !loss.is_finite() {
+            return Err(miette!(help = "lower --lr", "the loss became {loss} at step {at}"));
+        }
+        losses.push(loss);
+        seconds.push(took);
+        if args.log_every > 0 && at % args.log_every == 0 {
+            println!("step {at} loss {loss:.6}");
+        }
+        let end = first_step + to_run;
+        if checkpoints.due(at, end) {
+            checkpoints.save(&trainer.state().into_diagnostic()?, std::slice::from_ref(&program), seed, corpus.record(at, rows))?;
+        }
+        if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {
+            // The held-out loss is computed on the CPU from the state read back.
+            if trainer.holds_every_rank() {
+                evaluation.report(at, &trainer.state().into_diagnostic()?, &corpus)?;
+            } else {
+                unevaluated = true;
+            }
         }
     }
-    if let (Some(first), Some(last)) = (run.losses.first(), run.losses.last()) {
-        let timed = &run.step_seconds[run.step_seconds.len().min(1)..];
-        let per_step = if timed.is_empty() { run.step_seconds[0] } else { timed.iter().sum::<f64>() / timed.len() as f64 };
-        println!("  device      {}", run.device);
-        println!("  loss        {first:.4} at step 1 -> {last:.4} at step {}", run.losses.len());
+    if let Some(first) = losses.first {
+        let last = losses.tail.iter().sum::<f64>() / losses.tail.len() as f64;
+        // The first step compiles and loads the kernels: it is not timed.
+        let timed = &seconds[seconds.len().min(1)..];
+        let per_step = if timed.is_empty() { seconds[0] } else { timed.iter().sum::<f64>() / timed.len() as f64 };
+        println!("  device      {}", trainer.device_name());
+        println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {:.1}% lower", first_step + 1, losses.tail.len(), 100.0 * (1.0 - last / first));
         println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
     }
-    if let Some(evaluation) = &mut evaluation {
-        // One process of several holds only its shards: the parameters are not whole there.
-        let params = program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).count();
-        if run.parameters.len() < params {
-            println!("  evaluation  skipped: this process holds only its shards of the parameters");
-        } else {
-            evaluation.report(args.steps, &crate::data::parameters_state(args.steps, &run.parameters), &corpus)?;
+    if unevaluated {
+        println!("  evaluation  skipped: this process holds only its shards of the parameters");
+    }
+    if args.save_hf.is_some() || args.save.is_some() {
+        let state = trainer.state().into_diagnostic()?;
+        if let Some(dir) = &args.save_hf {
+            crate::hf::save(dir, spec, &state)?;
         }
+        save_parameters(args, Some(&state), std::slice::from_ref(&program))?;
     }
     Ok(())
 }

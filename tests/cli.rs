@@ -2139,3 +2139,73 @@ fn resumed_runs_continue_the_checkpoints_schedule_and_refuse_other_settings() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `run --backend cuda`, here on the emulated device (`SHARDC_GPU_EMULATE=1`: the generated
+/// kernels compiled as C++), takes every option the CPU backend takes, or refuses it with
+/// the reason before any work: the same losses as the CPU backend from the seed, from
+/// Hugging Face weights, from `--load` and across `--checkpoint` and `--resume` (between
+/// backends too), and files that load back to the same model; `--trace`, gradient
+/// accumulation and whole-file outputs of a multi-process run are refused.
+#[test]
+fn gpu_runs_take_every_run_option_or_refuse_it() {
+    let dir = tempdir("gpu-run-options");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let gpu = |args: &[&str], env: &[(&str, &str)]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_shardc"));
+        command.args(["run", "--backend", "cuda"]).args(args).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_GPU_EMULATE", "1");
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        command.output().expect("shardc runs")
+    };
+    let cpu = |args: &[&str]| shardc(&[&["run"][..], args].concat());
+    let close = |want: &std::collections::BTreeMap<u64, f64>, got: &std::collections::BTreeMap<u64, f64>, what: &str| {
+        assert!(!got.is_empty() && got.keys().all(|k| want.contains_key(k)), "{what}: steps {:?} of {:?}", got.keys(), want.keys());
+        for (step, loss) in got {
+            assert!((loss - want[step]).abs() <= 1e-4 * want[step].abs(), "{what}: step {step} loss {loss}, CPU {}", want[step]);
+        }
+    };
+    let base = ["models/tiny.toml", "--microbatches", "1", "--log-every", "1", "--lr-decay-steps", "4"];
+    let (cpu_file, gpu_file, checkpoint, hf_out) = (path("cpu.safetensors"), path("gpu.safetensors"), path("ckpt"), path("hf"));
+    let reference = losses_by_step(&cpu(&[&base[..], &["--steps", "4", "--save", &cpu_file]].concat()));
+    // Two steps, a checkpoint, and a resume to step 4 with every output written.
+    let first = losses_by_step(&gpu(&[&base[..], &["--steps", "2", "--checkpoint", &checkpoint]].concat(), &[]));
+    let resumed_out = gpu(&[&base[..], &["--steps", "4", "--resume", &checkpoint, "--checkpoint", &checkpoint, "--save", &gpu_file, "--save-hf", &hf_out]].concat(), &[]);
+    let resumed = losses_by_step(&resumed_out);
+    let mut whole = first.clone();
+    whole.extend(resumed.clone());
+    assert_eq!(whole.len(), 4);
+    close(&reference, &whole, "GPU run resumed at step 2");
+    assert!(stdout(&resumed_out).contains("resume      step 2"), "{}", stdout(&resumed_out));
+    assert!(dir.join("ckpt/step-00000002").is_dir() && dir.join("ckpt/step-00000004").is_dir() && dir.join("hf/config.json").is_file());
+    // The GPU's checkpoint resumes on the CPU backend.
+    let on_cpu = losses_by_step(&cpu(&[&base[..], &["--steps", "4", "--resume", &format!("{checkpoint}/step-00000002")]].concat()));
+    assert_eq!(on_cpu.keys().copied().collect::<Vec<_>>(), [3, 4]);
+    close(&reference, &on_cpu, "CPU run resumed from the GPU's checkpoint");
+    // The saved parameters are the CPU run's: loaded on either backend, the same first loss.
+    let from_cpu_file = losses_by_step(&cpu(&["models/tiny.toml", "--microbatches", "1", "--log-every", "1", "--steps", "1", "--load", &cpu_file]));
+    let from_gpu_file = losses_by_step(&gpu(&["models/tiny.toml", "--microbatches", "1", "--log-every", "1", "--steps", "1", "--load", &gpu_file], &[]));
+    close(&from_cpu_file, &from_gpu_file, "--load");
+    // Hugging Face weights (a 64-token vocabulary: token ids from a u16 file).
+    let ids = dir.join("ids.u16");
+    std::fs::write(&ids, (0..4000u32).map(|i| ((i * 7 + i / 13) % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    let hf = ["--hf", "tests/data/hf-tiny-gpt2", "--seq", "8", "--micro-batch", "2", "--steps", "2", "--log-every", "1", "--data", ids.to_str().unwrap(), "--data-format", "u16"];
+    let hf_gpu = gpu(&hf, &[]);
+    assert!(stdout(&hf_gpu).contains("weights     36 tensors from tests/data/hf-tiny-gpt2"), "{}", stdout(&hf_gpu));
+    close(&losses_by_step(&cpu(&hf)), &losses_by_step(&hf_gpu), "--hf");
+    // What a GPU run cannot do is refused before any work, with the reason.
+    for (args, env, says) in [
+        (vec!["models/tiny.toml", "--steps", "2"], vec![], "pipeline stages and gradient accumulation (4 micro-batches per step) run on the CPU backend only"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes a pipeline schedule's measured timeline, and GPU runs have no pipeline stages"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save", "x.safetensors"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "--save: each process of a multi-process GPU run holds only its own shards"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--checkpoint", "ck"], vec![("RANK", "1"), ("WORLD_SIZE", "2")], "--checkpoint: each process of a multi-process GPU run holds only its own shards"),
+    ] {
+        let out = gpu(&args, &env);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
+        assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+    }
+    assert!(!root().join("t.json").exists() && !root().join("x.safetensors").exists() && !root().join("ck").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -12,7 +12,7 @@ fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
 #[test]
 fn torchrun_variables_with_defaults() {
     let b = Bootstrap::from_vars(vars(&[("RANK", "3"), ("WORLD_SIZE", "8")])).unwrap();
-    assert_eq!(b, Bootstrap { rank: 3, world: 8, local_rank: 3, master: "127.0.0.1:29500".into() });
+    assert_eq!(b, Bootstrap { rank: 3, world: 8, local_rank: 3, master: "127.0.0.1:29500".into(), timeout: std::time::Duration::from_secs(120) });
     let b = Bootstrap::from_vars(vars(&[("RANK", "9"), ("WORLD_SIZE", "16"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "6000")])).unwrap();
     assert_eq!((b.local_rank, b.master.as_str()), (1, "node0:6000"));
 }

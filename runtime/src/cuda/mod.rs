@@ -540,68 +540,149 @@ pub struct CudaRun {
 /// parameters initialised as global tensors from `seed` and sharded, the same batches as the
 /// CPU runs, so the results are comparable with [`crate::train::train_spmd`].
 pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::Corpus, steps: u64, placement: &Placement) -> Result<CudaRun, RuntimeError> {
-    let mut exec = CudaExecutor::new(program.clone(), placement)?;
-    let mesh = exec.mesh.clone();
-    let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
-    let token_shape = program.buffers[tokens.buffer].shape.clone();
-    let (rows, seq) = match &tokens.layout {
-        Some(l) => (l.global_shape[0], l.global_shape[1]),
-        None => (token_shape[0], token_shape[1]),
-    };
-    corpus.check_seq(seq)?;
-    let params: Vec<_> = program.args.iter().filter(|a| a.role == Some(Role::Param)).cloned().collect();
-    let local_ranks = exec.ranks();
-    // Parameters and their fp32 master copies (mixed precision) start from the seed.
-    let initialised: Vec<_> = program.args.iter().filter(|a| matches!(a.role, Some(Role::Param | Role::Master))).cloned().collect();
-    for p in &initialised {
-        let global_shape = p.layout.as_ref().map_or_else(|| program.buffers[p.buffer].shape.clone(), |l| l.global_shape.clone());
-        let global = crate::init::init_binding(p, &global_shape, seed, layers);
-        for (local, &rank) in local_ranks.iter().enumerate() {
-            let shard = match &p.layout {
-                Some(layout) => crate::layout::local_shard(&global, layout, &mesh, rank),
-                None => global.clone(),
-            };
-            exec.write(local, &p.name, &shard)?;
-        }
+    let mut trainer = CudaTrainer::new(program, placement, seed, layers, None)?;
+    let (mut losses, mut step_seconds) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let (loss, seconds) = trainer.step(corpus)?;
+        losses.push(loss);
+        step_seconds.push(seconds);
     }
-    let mut losses = Vec::new();
-    let mut step_seconds = Vec::new();
-    for step in 1..=steps {
-        let (t, g) = corpus.batch(seed, step, rows);
+    Ok(CudaRun { losses, parameters: trainer.parameters()?, step_seconds, device: trainer.device_name() })
+}
+
+/// A training run on the GPU(s) of a placement, one step at a time: the CUDA peer of the CPU
+/// backend's [`crate::train::Trainer`] (and of its rank threads), with the same batches, step
+/// counter and state, so a run can start from a checkpoint, a saved file or Hugging Face
+/// weights and be checkpointed as it goes.
+pub struct CudaTrainer {
+    exec: CudaExecutor,
+    mesh: MeshShape,
+    seed: u64,
+    step: u64,
+    /// Global rows and sequence length of a step's batch.
+    rows: usize,
+    seq: usize,
+}
+
+impl std::fmt::Debug for CudaTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaTrainer").field("exec", &self.exec).field("step", &self.step).finish()
+    }
+}
+
+impl CudaTrainer {
+    /// Loads `program` onto `placement` and writes its state on every local rank: `state`'s
+    /// global tensors (from step `state.step`), or parameters and master copies initialised
+    /// from `seed` and zero moments (step 0).
+    pub fn new(program: &Program, placement: &Placement, seed: u64, layers: usize, state: Option<&crate::train::TrainState>) -> Result<CudaTrainer, RuntimeError> {
+        let mut exec = CudaExecutor::new(program.clone(), placement)?;
+        let mesh = exec.mesh.clone();
+        let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
+        let (rows, seq) = match &tokens.layout {
+            Some(l) => (l.global_shape[0], l.global_shape[1]),
+            None => (program.buffers[tokens.buffer].shape[0], program.buffers[tokens.buffer].shape[1]),
+        };
+        let local_ranks = exec.ranks();
+        let stateful: Vec<_> = program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)).cloned().collect();
+        for a in &stateful {
+            let global_shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
+            let global = match state {
+                Some(state) => state.for_program(a, &global_shape)?,
+                // Parameters and their fp32 master copies start from the seed; moments at 0.
+                None if matches!(a.role, Some(Role::Param | Role::Master)) => crate::init::init_binding(a, &global_shape, seed, layers),
+                None => vec![0.0; global_shape.iter().product()],
+            };
+            for (local, &rank) in local_ranks.iter().enumerate() {
+                let shard = match &a.layout {
+                    Some(layout) => crate::layout::local_shard(&global, layout, &mesh, rank),
+                    None => global.clone(),
+                };
+                exec.write(local, &a.name, &shard)?;
+            }
+        }
+        Ok(CudaTrainer { exec, mesh, seed, step: state.map_or(0, |s| s.step), rows, seq })
+    }
+
+    /// Optimizer steps taken (from the start of training).
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// The GPU, or its emulation.
+    pub fn device_name(&self) -> String {
+        self.exec.device_name()
+    }
+
+    /// Whether this process holds every rank (one device, or its emulation), and so the
+    /// whole state; a process of a multi-process NCCL run holds its own shards only.
+    pub fn holds_every_rank(&self) -> bool {
+        self.exec.ranks().len() == self.mesh.ranks()
+    }
+
+    /// Runs one optimizer step on the next batch of `corpus` (the batch the CPU backend takes
+    /// at that step); returns its loss and wall seconds, the device synchronised at its end.
+    pub fn step(&mut self, corpus: &crate::data::Corpus) -> Result<(f64, f64), RuntimeError> {
+        corpus.check_seq(self.seq)?;
+        let step = self.step + 1;
+        let counter = i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?;
+        let (t, g) = corpus.batch(self.seed, step, self.rows);
         let (t, g): (Vec<f64>, Vec<f64>) = (t.iter().map(|&v| v as f64).collect(), g.iter().map(|&v| v as f64).collect());
-        for (local, &rank) in local_ranks.iter().enumerate() {
-            let (ts, gs) = match &tokens.layout {
-                Some(layout) => (crate::layout::local_shard(&t, layout, &mesh, rank), crate::layout::local_shard(&g, layout, &mesh, rank)),
+        let program = self.exec.program();
+        let layout = program.arg("tokens").and_then(|b| b.layout.clone());
+        for (local, rank) in self.exec.ranks().into_iter().enumerate() {
+            let (ts, gs) = match &layout {
+                Some(layout) => (crate::layout::local_shard(&t, layout, &self.mesh, rank), crate::layout::local_shard(&g, layout, &self.mesh, rank)),
                 None => (t.clone(), g.clone()),
             };
-            exec.write(local, "tokens", &ts)?;
-            exec.write(local, "targets", &gs)?;
-            exec.write(local, "step", &[step as f64])?;
+            self.exec.write(local, "tokens", &ts)?;
+            self.exec.write(local, "targets", &gs)?;
+            self.exec.write(local, "step", &[counter as f64])?;
         }
         let began = std::time::Instant::now();
-        exec.run()?;
-        exec.carry_state()?;
-        exec.synchronize()?;
-        step_seconds.push(began.elapsed().as_secs_f64());
-        losses.push(exec.read(0, "loss")?[0]);
+        self.exec.run()?;
+        self.exec.carry_state()?;
+        self.exec.synchronize()?;
+        let seconds = began.elapsed().as_secs_f64();
+        self.step = step;
+        Ok((self.exec.read(0, "loss")?[0], seconds))
     }
-    let mut parameters = Vec::new();
-    for p in &params {
-        let shards = (0..local_ranks.len()).map(|local| exec.read(local, &p.name)).collect::<Result<Vec<_>, _>>()?;
-        match &p.layout {
-            // As the model has them: a padded vocabulary's real rows.
-            Some(layout) if shards.len() == mesh.ranks() => {
-                let global = crate::layout::assemble(&shards, layout, &mesh);
-                parameters.push((p.name.clone(), p.logical_shape(&layout.global_shape), p.from_program(&global, &layout.global_shape)));
-            }
-            Some(_) => {}
-            None => {
-                let shape = &program.buffers[p.buffer].shape;
-                parameters.push((p.name.clone(), p.logical_shape(shape), p.from_program(&shards[0], shape)));
+
+    /// Where the run stands: steps taken, and every parameter and optimizer-state tensor,
+    /// global. Only a process that holds every rank has them all.
+    pub fn state(&self) -> Result<crate::train::TrainState, RuntimeError> {
+        if !self.holds_every_rank() {
+            return Err(err("this process holds only its own shards (one rank of a multi-process run): the global state is not here"));
+        }
+        let program = self.exec.program();
+        let values = (0..self.mesh.ranks())
+            .map(|local| program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)).map(|a| Ok((a.name.clone(), self.exec.read(local, &a.name)?))).collect::<Result<HashMap<_, _>, RuntimeError>>())
+            .collect::<Result<Vec<_>, _>>()?;
+        crate::train::TrainState::collect(std::slice::from_ref(program), &self.mesh, &values, self.step)
+    }
+
+    /// Every parameter this process can assemble: (name, global shape, values), as the model
+    /// has them (a padded vocabulary's real rows); a tensor this process holds only a shard
+    /// of is left out.
+    pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f64>)>, RuntimeError> {
+        let program = self.exec.program();
+        let local_ranks = self.exec.ranks().len();
+        let mut parameters = Vec::new();
+        for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+            let shards = (0..local_ranks).map(|local| self.exec.read(local, &p.name)).collect::<Result<Vec<_>, _>>()?;
+            match &p.layout {
+                Some(layout) if shards.len() == self.mesh.ranks() => {
+                    let global = crate::layout::assemble(&shards, layout, &self.mesh);
+                    parameters.push((p.name.clone(), p.logical_shape(&layout.global_shape), p.from_program(&global, &layout.global_shape)));
+                }
+                Some(_) => {}
+                None => {
+                    let shape = &program.buffers[p.buffer].shape;
+                    parameters.push((p.name.clone(), p.logical_shape(shape), p.from_program(&shards[0], shape)));
+                }
             }
         }
+        Ok(parameters)
     }
-    Ok(CudaRun { losses, parameters, step_seconds, device: exec.device_name() })
 }
 
 /// Measures cuBLAS on one square GEMM (`size`^3, `dtype` operands, fp32 accumulation):

@@ -29,6 +29,8 @@ pub struct Bootstrap {
     pub local_rank: usize,
     /// Address rank 0 serves the unique id on.
     pub master: String,
+    /// How long a rank waits for the others to connect (`run --timeout`).
+    pub timeout: Duration,
 }
 
 impl Bootstrap {
@@ -51,12 +53,17 @@ impl Bootstrap {
         let local_rank = number("LOCAL_RANK", var("LOCAL_RANK"))?.unwrap_or(rank);
         let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = number("MASTER_PORT", var("MASTER_PORT"))?.unwrap_or(29500);
-        Ok(Bootstrap { rank, world, local_rank, master: format!("{addr}:{port}") })
+        Ok(Bootstrap { rank, world, local_rank, master: format!("{addr}:{port}"), timeout: Duration::from_secs(120) })
+    }
+
+    /// The same place, waiting `timeout` for the other ranks.
+    pub fn with_timeout(self, timeout: Duration) -> Bootstrap {
+        Bootstrap { timeout, ..self }
     }
 
     /// The NCCL unique id: made by rank 0 and sent to every other rank over TCP.
     fn unique_id(&self) -> Result<ns::ncclUniqueId, RuntimeError> {
-        let timeout = Duration::from_secs(120);
+        let timeout = self.timeout;
         if self.rank == 0 {
             let id = nr::get_uniqueid().map_err(|e| err(format!("ncclGetUniqueId: {e:?}")))?;
             let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
