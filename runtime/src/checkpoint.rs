@@ -151,7 +151,7 @@ pub struct ManifestTensor {
 }
 
 /// The checkpoint format version.
-pub const CHECKPOINT_VERSION: u32 = 1;
+pub const CHECKPOINT_VERSION: u32 = 2;
 
 fn io(path: &std::path::Path, e: std::io::Error) -> RuntimeError {
     RuntimeError::Binding(format!("{}: {e}", path.display()))
@@ -354,11 +354,13 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
     let mesh = MeshShape(manifest.mesh.clone());
     let listed: HashMap<&str, &ManifestTensor> = manifest.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let mut shards: HashMap<String, Vec<(usize, Vec<f64>)>> = HashMap::new();
-    for (rank, file) in manifest.files.iter().enumerate() {
+    for (index, file) in manifest.files.iter().enumerate() {
         let path = folder.join(file);
+        // The rank whose shards the file holds.
+        let rank = if manifest.format_version == 1 { mesh.rank(&mesh.row_major_coords(index)) } else { index };
         // A checkpoint's rank files are regular files; their size is what is read.
         let bytes = read_limited(&path, u64::MAX).map_err(|e| io(&path, e))?;
-        if let Some(&expected) = manifest.checksums.get(rank) {
+        if let Some(&expected) = manifest.checksums.get(index) {
             let found = crc32fast::hash(&bytes);
             if found != expected {
                 return Err(RuntimeError::Binding(format!(
@@ -472,8 +474,9 @@ impl Manifest {
     /// the dimensions they split. Errors name the field and the tensor.
     pub fn check(&self) -> Result<(), RuntimeError> {
         let bad = |m: String| Err(RuntimeError::Binding(m));
-        if self.format_version != CHECKPOINT_VERSION {
-            return bad(format!("checkpoint format {} (this shardc reads {CHECKPOINT_VERSION})", self.format_version));
+        // Format 1 numbered rank files row-major (pp fastest); they are read in that order.
+        if !(1..=CHECKPOINT_VERSION).contains(&self.format_version) {
+            return bad(format!("checkpoint format {} (this shardc reads formats 1 to {CHECKPOINT_VERSION})", self.format_version));
         }
         if self.step > crate::train::MAX_STEPS {
             return bad(format!("`step` is {}, more than a run counts to ({}): the manifest was edited or is corrupt", self.step, crate::train::MAX_STEPS));

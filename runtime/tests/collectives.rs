@@ -215,3 +215,32 @@ fn mesh_groups_are_row_major() {
     assert_eq!(mesh.group(5, &[0]), vec![1, 5]);
     assert_eq!(mesh.group(5, &[0, 1]), vec![0, 1, 2, 3, 4, 5, 6, 7]);
 }
+
+/// Ranks of a (dp, tp, pp) mesh are numbered as Megatron-LM numbers them: tensor-parallel
+/// ranks adjacent, then data-parallel, then pipeline; so a tp group is a run of consecutive
+/// ranks (inside a node under torchrun), and every rank has one place.
+#[test]
+fn ranks_are_numbered_tensor_parallel_fastest_then_data_then_pipeline() {
+    let (dp, tp, pp) = (3, 2, 4);
+    let mesh = MeshShape(vec![dp, tp, pp]);
+    let mut seen = vec![false; mesh.ranks()];
+    for p in 0..pp {
+        for d in 0..dp {
+            for t in 0..tp {
+                let rank = mesh.rank(&[d, t, p]);
+                assert_eq!(rank, t + tp * (d + dp * p), "dp {d} tp {t} pp {p}");
+                assert_eq!(mesh.coords(rank), vec![d, t, p]);
+                assert!(!std::mem::replace(&mut seen[rank], true));
+            }
+        }
+    }
+    // A tp group is consecutive; a pipeline's stages are tp x dp apart.
+    assert_eq!(mesh.group(5, &[1]), vec![4, 5]);
+    assert_eq!(mesh.group(1, &[2]), vec![1, 7, 13, 19]);
+    // Checkpoints of format 1 numbered the files row-major (pp fastest).
+    assert_eq!(mesh.row_major_coords(1), vec![0, 0, 1]);
+    assert_eq!(mesh.rank(&mesh.row_major_coords(4)), mesh.rank(&[0, 1, 0]));
+    // Grids other than (dp, tp, pp) stay row-major.
+    let flat = MeshShape(vec![2, 3]);
+    assert_eq!(flat.coords(1), vec![0, 1]);
+}

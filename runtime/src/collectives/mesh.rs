@@ -1,6 +1,10 @@
 //! Rank arithmetic on a device mesh: coordinates and the groups collectives run over.
 
-/// Extent of each mesh axis; rank numbers are row-major over the coordinates.
+/// Extent of each mesh axis. On the (dp, tp, pp) grid of a training mesh, ranks are numbered
+/// as Megatron-LM numbers them: tensor-parallel ranks adjacent, then data-parallel, then
+/// pipeline (rank = tp + TP (dp + DP pp)), so that under torchrun, which gives a node
+/// consecutive ranks, a tensor-parallel group stays inside a node, as the cost model
+/// assumes. Any other grid is numbered row-major over its coordinates.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MeshShape(pub Vec<usize>);
 
@@ -10,8 +14,34 @@ impl MeshShape {
         self.0.iter().product()
     }
 
+    /// The axes from the one whose coordinate changes slowest with the rank to the fastest.
+    fn slowest_first(&self) -> Vec<usize> {
+        match self.0.len() {
+            // (dp, tp, pp): pp slowest, then dp, tp fastest.
+            3 => vec![2, 0, 1],
+            n => (0..n).collect(),
+        }
+    }
+
     /// Coordinates of `rank`.
     pub fn coords(&self, rank: usize) -> Vec<usize> {
+        let mut coords = vec![0; self.0.len()];
+        let mut rest = rank;
+        for axis in self.slowest_first().into_iter().rev() {
+            coords[axis] = rest % self.0[axis];
+            rest /= self.0[axis];
+        }
+        coords
+    }
+
+    /// The rank at `coords`.
+    pub fn rank(&self, coords: &[usize]) -> usize {
+        self.slowest_first().into_iter().fold(0, |acc, axis| acc * self.0[axis] + coords[axis])
+    }
+
+    /// Coordinates of `rank` numbered row-major (pp fastest on a training mesh): the order of
+    /// checkpoints written before format 2.
+    pub fn row_major_coords(&self, rank: usize) -> Vec<usize> {
         let mut coords = vec![0; self.0.len()];
         let mut rest = rank;
         for (axis, &extent) in self.0.iter().enumerate().rev() {
@@ -19,11 +49,6 @@ impl MeshShape {
             rest /= extent;
         }
         coords
-    }
-
-    /// The rank at `coords`.
-    pub fn rank(&self, coords: &[usize]) -> usize {
-        coords.iter().zip(&self.0).fold(0, |acc, (&c, &e)| acc * e + c)
     }
 
     /// The ranks that share `rank`'s coordinates on every axis not in `axes`, ordered
