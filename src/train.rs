@@ -926,12 +926,10 @@ fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     use shardc_runtime::cuda::{self, Placement};
-    if args.step.compile_options(spec, mesh)?.pipeline.is_some() {
-        let batch = args.step.batch(spec, mesh)?;
+    if mesh.pp > 1 {
         return Err(miette!(
-            help = format!("use dp and tp with --backend cuda and one micro-batch per step (--microbatches 1, or --global-batch {}), or run on the CPU backend", batch.rows()),
-            "pipeline stages and gradient accumulation ({} micro-batches per step) run on the CPU backend only",
-            batch.microbatches
+            help = "use dp, tp and micro-batches (--microbatches M) with --backend cuda, or run the pipeline on the CPU backend",
+            "--mesh {mesh}: pipeline stages (pp > 1) run on the CPU backend only"
         ));
     }
     let placement = if std::env::var_os("RANK").is_some() {
@@ -941,7 +939,14 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     } else {
         Placement::SingleDevice { device: 0 }
     };
-    let program = shardc_codegen::device::with_device_plan(compile_train_step_on(spec, &args.step, mesh)?).into_diagnostic()?;
+    // More than one micro-batch per step: one pipeline rank that sums their gradients.
+    let program = if args.step.compile_options(spec, mesh)?.pipeline.is_some() {
+        let mut programs = compile_pipeline_programs(spec, &args.step, mesh)?;
+        programs.pop().ok_or_else(|| miette!("the pipeline compiled to no program"))?
+    } else {
+        compile_train_step_on(spec, &args.step, mesh)?
+    };
+    let program = shardc_codegen::device::with_device_plan(program).into_diagnostic()?;
     let mut corpus = training_corpus(args, spec)?;
     let mut checkpoints = Checkpoints::new(args, spec)?;
     let (resumed, seed) = checkpoints.resume(args, std::slice::from_ref(&program), &mut corpus)?;

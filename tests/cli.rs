@@ -1331,14 +1331,19 @@ fn a_non_finite_step_stops_every_layout_and_is_never_checkpointed() {
     for mesh in ["dp=1", "dp=2", "tp=2", "pp=2"] {
         let ckpt = dir.join(mesh);
         let ckpt_arg = ckpt.to_str().unwrap();
-        let base = ["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", mesh, "--checkpoint", ckpt_arg, "--checkpoint-every", "1"];
+        // In f64, where a learning rate of 1e300 is in range (f32 refuses it up front): step 3
+        // takes the weights to about 1e300, and step 4's logits overflow.
+        let base = ["run", "models/tiny.toml", "--dtype", "f64", "--micro-batch", "2", "--mesh", mesh, "--checkpoint", ckpt_arg, "--checkpoint-every", "1"];
         let out = shardc(&[&base[..], &["--steps", "2"]].concat());
         assert!(out.status.success(), "{mesh}: {}", stderr(&out));
-        let out = shardc(&[&base[..], &["--steps", "3", "--resume", ckpt_arg, "--lr", "1e300", "--override-schedule"]].concat());
+        let out = shardc(&[&base[..], &["--steps", "5", "--resume", ckpt_arg, "--lr", "1e300", "--override-schedule"]].concat());
         assert!(!out.status.success(), "{mesh}: a run that blew up exited 0:\n{}", stdout(&out));
         assert!(stderr(&out).contains("lower --lr"), "{mesh}: {}", stderr(&out));
-        assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000002", "{mesh}");
-        let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "2", "--mesh", mesh, "--steps", "3", "--resume", ckpt_arg, "--log-every", "1"]);
+        let latest = std::fs::read_to_string(ckpt.join("LATEST")).unwrap();
+        assert!(["step-00000002", "step-00000003"].contains(&latest.trim()), "{mesh}: {latest}");
+        assert!(!ckpt.join("step-00000004").exists() && !ckpt.join("step-00000005").exists(), "{mesh}: a non-finite step was checkpointed");
+        let good = ckpt.join("step-00000002");
+        let out = shardc(&["run", "models/tiny.toml", "--dtype", "f64", "--micro-batch", "2", "--mesh", mesh, "--steps", "3", "--resume", good.to_str().unwrap(), "--log-every", "1"]);
         assert!(out.status.success() && stdout(&out).contains("step 3 loss"), "{mesh}: {}{}", stdout(&out), stderr(&out));
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -2193,9 +2198,12 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     let hf_gpu = gpu(&hf, &[]);
     assert!(stdout(&hf_gpu).contains("weights     36 tensors from tests/data/hf-tiny-gpt2"), "{}", stdout(&hf_gpu));
     close(&losses_by_step(&cpu(&hf)), &losses_by_step(&hf_gpu), "--hf");
+    // Gradient accumulation (the spec's 4 micro-batches per step) at dp=2 under ZB-H1.
+    let accumulating = ["models/tiny.toml", "--mesh", "dp=2", "--micro-batch", "2", "--schedule", "zb-h1", "--steps", "2", "--log-every", "1"];
+    close(&losses_by_step(&cpu(&accumulating)), &losses_by_step(&gpu(&accumulating, &[])), "gradient accumulation");
     // What a GPU run cannot do is refused before any work, with the reason.
     for (args, env, says) in [
-        (vec!["models/tiny.toml", "--steps", "2"], vec![], "pipeline stages and gradient accumulation (4 micro-batches per step) run on the CPU backend only"),
+        (vec!["models/tiny.toml", "--steps", "2", "--mesh", "pp=2"], vec![], "--mesh dp=1,tp=1,pp=2: pipeline stages (pp > 1) run on the CPU backend only"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes a pipeline schedule's measured timeline, and GPU runs have no pipeline stages"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
@@ -2207,5 +2215,50 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
         assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
     }
     assert!(!root().join("t.json").exists() && !root().join("x.safetensors").exists() && !root().join("ck").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Checkpoints of format 1 numbered their rank files row-major (pipeline rank fastest);
+/// ranks are now numbered as Megatron-LM does (tensor-parallel fastest). Such a checkpoint
+/// still resumes into the same run: a format-2 checkpoint rewritten the old way (files
+/// renamed to the old numbering, the manifest marked format 1) gives the uninterrupted losses.
+#[test]
+fn checkpoints_of_the_row_major_format_resume_into_the_same_run() {
+    use shardc_runtime::collectives::MeshShape;
+    let dir = tempdir("ckpt-format1");
+    let ckpt = dir.join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let base = ["run", "models/tiny.toml", "--mesh", "dp=2,tp=2,pp=2", "--log-every", "1", "--lr-decay-steps", "4"];
+    let uninterrupted = losses_by_step(&shardc(&[&base[..], &["--steps", "4"]].concat()));
+    let out = shardc(&[&base[..], &["--steps", "2", "--checkpoint", ckpt_arg]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let step = ckpt.join("step-00000002");
+    let manifest_path = step.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    assert_eq!(manifest["format_version"], 2);
+    let mesh = MeshShape(manifest["mesh"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap() as usize).collect());
+    let (files, sums) = (manifest["files"].as_array().unwrap().clone(), manifest["checksums"].as_array().unwrap().clone());
+    let row_major = |coords: &[usize]| coords.iter().zip(&mesh.0).fold(0, |acc, (&c, &e)| acc * e + c);
+    let (mut old_files, mut old_sums) = (vec![serde_json::Value::Null; files.len()], vec![serde_json::Value::Null; files.len()]);
+    let staged = dir.join("staged");
+    std::fs::create_dir_all(&staged).unwrap();
+    for (rank, file) in files.iter().enumerate() {
+        let old = row_major(&mesh.coords(rank));
+        let name = format!("rank-{old:05}.safetensors");
+        std::fs::rename(step.join(file.as_str().unwrap()), staged.join(&name)).unwrap();
+        (old_files[old], old_sums[old]) = (serde_json::Value::from(name), sums[rank].clone());
+    }
+    assert!(files.iter().enumerate().any(|(rank, _)| row_major(&mesh.coords(rank)) != rank), "the numbering changed on this mesh");
+    for entry in std::fs::read_dir(&staged).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::rename(entry.path(), step.join(entry.file_name())).unwrap();
+    }
+    manifest["files"] = old_files.into();
+    manifest["checksums"] = old_sums.into();
+    manifest["format_version"] = 1.into();
+    std::fs::write(&manifest_path, serde_json::to_string_pretty(&manifest).unwrap()).unwrap();
+    let resumed = losses_by_step(&shardc(&[&base[..], &["--steps", "4", "--resume", ckpt_arg]].concat()));
+    assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), [3, 4]);
+    assert_same_losses(&uninterrupted, &resumed, "format-1 checkpoint");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -249,13 +249,19 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
             groups.insert(first, std::mem::take(current));
         }
     };
+    // A pipeline runs its sections apart (a forward on one micro-batch, later its backward):
+    // a kernel group launches at its first member, so no group may span two sections.
+    let section_starts: HashSet<usize> = program.pipeline.iter().flat_map(|p| &p.chunks).flat_map(|c| c.sections.iter().flat_map(|&(start, end)| [start, end])).collect();
     for (i, kernel) in kernels.iter().enumerate() {
-        if !matches!(kernel, Some(DeviceKernel::Elementwise { .. })) {
+        let elementwise = matches!(kernel, Some(DeviceKernel::Elementwise { .. }));
+        if !elementwise || section_starts.contains(&i) {
             close(&mut current, &mut groups);
             written.clear();
             read.clear();
             broadcast.clear();
-            continue;
+            if !elementwise {
+                continue;
+            }
         }
         let instr = &program.instrs[i];
         let out_len = instr.outputs.first().map_or(0, |&b| len(b));

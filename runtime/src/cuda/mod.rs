@@ -26,7 +26,7 @@ use cudarc::driver::{sys as dsys, CudaContext};
 use device::{ColumnMajorGemm, Device, KernelValue};
 
 use crate::collectives::MeshShape;
-use crate::program::{Attr, DeviceCall, DevicePlan, GemmCall, Instr, KernelArg, Program, Role};
+use crate::program::{Attr, BufferId, DeviceCall, DevicePlan, GemmCall, Instr, KernelArg, Program, Role, Section};
 use crate::{DType, RuntimeError};
 
 fn err(message: impl Into<String>) -> RuntimeError {
@@ -113,12 +113,28 @@ pub struct CudaExecutor {
     /// Gradient buckets on the communication stream (NCCL): the event each `xf.wait` of the
     /// bucket makes the compute stream wait for.
     buckets: HashMap<i64, Vec<cudarc::driver::CudaEvent>>,
+    /// Device copies of buffers a pipeline keeps between sections or sums over micro-batches.
+    holds: Vec<Hold>,
 }
+
+/// Device copies of some buffers of every local rank: values a pipeline keeps from one
+/// section to a later one of the same micro-batch, or gradients it sums over micro-batches.
+struct Hold {
+    buffers: Vec<BufferId>,
+    /// Per local rank, per buffer: (pointer, bytes).
+    copies: Vec<Vec<(u64, usize)>>,
+    in_use: bool,
+}
+
+/// A hold of [`CudaExecutor::hold`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HoldId(usize);
 
 impl Drop for CudaExecutor {
     fn drop(&mut self) {
         let mut pointers: Vec<u64> = self.ranks.iter().flat_map(|r| r.slots.iter().map(|s| s.0).chain([r.arena.0, r.workspace.0])).filter(|&p| p != 0).collect();
         pointers.extend(self.staging.map(|s| s.0));
+        pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));
         for ptr in pointers {
             self.device.free(ptr);
         }
@@ -145,8 +161,8 @@ impl CudaExecutor {
         if plan.calls.len() != program.instrs.len() {
             return Err(err("the device plan does not match the program's instructions"));
         }
-        if program.pipeline.is_some() {
-            return Err(err("pipeline programs run on the CPU backend only; use dp and tp on the GPU"));
+        if program.pipeline.as_ref().is_some_and(|p| p.ranks > 1) {
+            return Err(err("pipeline stages (pp > 1) run on the CPU backend only; use dp, tp and micro-batches on the GPU"));
         }
         for (instr, calls) in program.instrs.iter().zip(&plan.calls) {
             if calls.iter().any(|c| matches!(c, DeviceCall::Runtime)) && !RUNTIME_OPS.contains(&instr.op.as_str()) {
@@ -192,7 +208,7 @@ impl CudaExecutor {
             Some(b) => Some(nccl::Comms::new(&b, &program, &mesh)?),
             None => None,
         };
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new() })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new() })
     }
 
     /// The program.
@@ -272,7 +288,73 @@ impl CudaExecutor {
     /// Runs every instruction once on every local rank (in lockstep, so that collectives
     /// among ranks on this device find every input ready).
     pub fn run(&mut self) -> Result<(), RuntimeError> {
-        for index in 0..self.program.instrs.len() {
+        self.run_range(0..self.program.instrs.len())?;
+        self.synchronize()
+    }
+
+    /// Copies `buffers` of every local rank into a hold (reusing a free one of the same
+    /// buffers), for [`CudaExecutor::restore`] later.
+    pub fn hold(&mut self, buffers: &[BufferId]) -> Result<HoldId, RuntimeError> {
+        let id = match self.holds.iter().position(|h| !h.in_use && h.buffers == buffers) {
+            Some(id) => id,
+            None => {
+                let mut copies = Vec::with_capacity(self.ranks.len());
+                for _ in 0..self.ranks.len() {
+                    let mut mine = Vec::with_capacity(buffers.len());
+                    for &b in buffers {
+                        let bytes = self.program.buffers[b].len() * self.program.buffers[b].dtype.bytes();
+                        mine.push((self.device.alloc(bytes.max(1))?, bytes));
+                    }
+                    copies.push(mine);
+                }
+                self.holds.push(Hold { buffers: buffers.to_vec(), copies, in_use: false });
+                self.holds.len() - 1
+            }
+        };
+        self.holds[id].in_use = true;
+        self.fill(HoldId(id), false)?;
+        Ok(HoldId(id))
+    }
+
+    /// `hold = buffers` (or `hold += buffers` when `add`): sums over micro-batches.
+    pub fn fill(&self, id: HoldId, add: bool) -> Result<(), RuntimeError> {
+        let hold = &self.holds[id.0];
+        for (local, copies) in hold.copies.iter().enumerate() {
+            for (&b, &(ptr, bytes)) in hold.buffers.iter().zip(copies) {
+                let buffer = &self.program.buffers[b];
+                if add {
+                    if buffer.dtype != DType::F32 && buffer.dtype != self.plan.dtype {
+                        return Err(err(format!("cannot sum {:?} buffer `{}` on the GPU", buffer.dtype, buffer.name)));
+                    }
+                    self.accumulate(ptr, self.buffer_ptr(local, b), buffer.len(), false, buffer.dtype)?;
+                } else {
+                    self.copy_raw(ptr, self.buffer_ptr(local, b), bytes)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies a hold back into its buffers on every local rank.
+    pub fn restore(&self, id: HoldId) -> Result<(), RuntimeError> {
+        let hold = &self.holds[id.0];
+        for (local, copies) in hold.copies.iter().enumerate() {
+            for (&b, &(ptr, bytes)) in hold.buffers.iter().zip(copies) {
+                self.copy_raw(self.buffer_ptr(local, b), ptr, bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees a hold for reuse by a later [`CudaExecutor::hold`].
+    pub fn release(&mut self, id: HoldId) {
+        self.holds[id.0].in_use = false;
+    }
+
+    /// Runs instructions `range` once on every local rank, in lockstep (without waiting for
+    /// the device at the end).
+    pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
+        for index in range {
             let calls = self.plan.calls[index].clone();
             self.wait_for_bucket(index)?;
             for call in &calls {
@@ -287,7 +369,7 @@ impl CudaExecutor {
                 })?;
             }
         }
-        self.synchronize()
+        Ok(())
     }
 
     fn call(&self, index: usize, local: usize, call: &DeviceCall) -> Result<(), RuntimeError> {
@@ -559,9 +641,12 @@ pub struct CudaTrainer {
     mesh: MeshShape,
     seed: u64,
     step: u64,
-    /// Global rows and sequence length of a step's batch.
+    /// Global rows of a micro-batch, and the sequence length.
     rows: usize,
     seq: usize,
+    /// The schedule's items when the program accumulates gradients over micro-batches (one
+    /// pipeline rank); each chunk's gradient sums, kept from step to step.
+    pipeline: Option<(crate::schedule::Schedule, Vec<Option<HoldId>>, Vec<Option<HoldId>>)>,
 }
 
 impl std::fmt::Debug for CudaTrainer {
@@ -600,7 +685,11 @@ impl CudaTrainer {
                 exec.write(local, &a.name, &shard)?;
             }
         }
-        Ok(CudaTrainer { exec, mesh, seed, step: state.map_or(0, |s| s.step), rows, seq })
+        let pipeline = match &program.pipeline {
+            Some(plan) => Some((crate::pipeline::schedule_of(std::slice::from_ref(program))?, vec![None; plan.chunks.len()], vec![None; plan.chunks.len()])),
+            None => None,
+        };
+        Ok(CudaTrainer { exec, mesh, seed, step: state.map_or(0, |s| s.step), rows, seq, pipeline })
     }
 
     /// Optimizer steps taken (from the start of training).
@@ -625,26 +714,120 @@ impl CudaTrainer {
         corpus.check_seq(self.seq)?;
         let step = self.step + 1;
         let counter = i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?;
-        let (t, g) = corpus.batch(self.seed, step, self.rows);
+        let microbatches = self.pipeline.as_ref().map_or(1, |(schedule, ..)| schedule.microbatches);
+        let (t, g) = corpus.batch(self.seed, step, self.rows * microbatches);
         let (t, g): (Vec<f64>, Vec<f64>) = (t.iter().map(|&v| v as f64).collect(), g.iter().map(|&v| v as f64).collect());
-        let program = self.exec.program();
-        let layout = program.arg("tokens").and_then(|b| b.layout.clone());
-        for (local, rank) in self.exec.ranks().into_iter().enumerate() {
-            let (ts, gs) = match &layout {
-                Some(layout) => (crate::layout::local_shard(&t, layout, &self.mesh, rank), crate::layout::local_shard(&g, layout, &self.mesh, rank)),
-                None => (t.clone(), g.clone()),
-            };
-            self.exec.write(local, "tokens", &ts)?;
-            self.exec.write(local, "targets", &gs)?;
+        for local in 0..self.exec.ranks().len() {
             self.exec.write(local, "step", &[counter as f64])?;
         }
         let began = std::time::Instant::now();
-        self.exec.run()?;
+        let loss = if self.pipeline.is_some() {
+            self.accumulating_step(&t, &g)?
+        } else {
+            self.write_batch(&t, &g, 0)?;
+            self.exec.run()?;
+            self.exec.read(0, "loss")?[0]
+        };
         self.exec.carry_state()?;
         self.exec.synchronize()?;
         let seconds = began.elapsed().as_secs_f64();
         self.step = step;
-        Ok((self.exec.read(0, "loss")?[0], seconds))
+        Ok((loss, seconds))
+    }
+
+    /// Writes micro-batch `j` of the step's tokens and targets (`t`, `g`) on every local rank.
+    fn write_batch(&mut self, t: &[f64], g: &[f64], j: usize) -> Result<(), RuntimeError> {
+        let size = self.rows * self.seq;
+        let (t, g) = (&t[j * size..(j + 1) * size], &g[j * size..(j + 1) * size]);
+        let layout = self.exec.program().arg("tokens").and_then(|b| b.layout.clone());
+        for (local, rank) in self.exec.ranks().into_iter().enumerate() {
+            let (ts, gs) = match &layout {
+                Some(layout) => (crate::layout::local_shard(t, layout, &self.mesh, rank), crate::layout::local_shard(g, layout, &self.mesh, rank)),
+                None => (t.to_vec(), g.to_vec()),
+            };
+            self.exec.write(local, "tokens", &ts)?;
+            self.exec.write(local, "targets", &gs)?;
+        }
+        Ok(())
+    }
+
+    /// One step of a program that accumulates gradients over micro-batches (one pipeline
+    /// rank), as the CPU pipeline runtime runs it: the schedule's items in order, each
+    /// forward's kept values held on the device until its backward, the gradients summed into
+    /// holds, then the step section once on the sums. Returns the mean loss.
+    fn accumulating_step(&mut self, t: &[f64], g: &[f64]) -> Result<f64, RuntimeError> {
+        let program = self.exec.program().clone();
+        let plan = program.pipeline.clone().ok_or_else(|| err("not a pipeline program"))?;
+        let (schedule, mut sums, mut sums_weight) = self.pipeline.take().ok_or_else(|| err("no schedule"))?;
+        let result = (|| {
+            let items = &schedule.ranks[0];
+            let splits_w = items.iter().any(|i| i.work == crate::schedule::Work::W);
+            let mut kept_forward: HashMap<(usize, usize), HoldId> = HashMap::new();
+            let mut kept_backward: HashMap<(usize, usize), HoldId> = HashMap::new();
+            let (mut summing, mut summing_weight) = (vec![false; plan.chunks.len()], vec![false; plan.chunks.len()]);
+            let loss_buffer = program.result("loss").map(|l| l.buffer);
+            let mut loss_sum = 0.0;
+            // Sums a chunk's gradient buffers into its hold (the first micro-batch copies).
+            let sum_into = |exec: &mut CudaExecutor, buffers: &[BufferId], hold: &mut Option<HoldId>, started: &mut bool| -> Result<(), RuntimeError> {
+                match *hold {
+                    Some(id) => exec.fill(id, std::mem::replace(started, true)),
+                    None => {
+                        *started = true;
+                        *hold = Some(exec.hold(buffers)?);
+                        Ok(())
+                    }
+                }
+            };
+            for item in items {
+                let (c, j) = (item.chunk, item.microbatch);
+                let chunk = &plan.chunks[c];
+                self.write_batch(t, g, j)?;
+                match item.work {
+                    crate::schedule::Work::F => {
+                        self.exec.run_range(chunk.range(Section::Forward))?;
+                        kept_forward.insert((c, j), self.exec.hold(&chunk.keep_forward)?);
+                        if loss_buffer.is_some_and(|l| program.instrs[chunk.range(Section::Forward)].iter().any(|i| i.outputs.contains(&l))) {
+                            loss_sum += self.exec.read(0, "loss")?[0];
+                        }
+                    }
+                    crate::schedule::Work::B => {
+                        let kept = *kept_forward.get(&(c, j)).ok_or_else(|| err(format!("backward of micro-batch {j} before its forward")))?;
+                        self.exec.restore(kept)?;
+                        self.exec.run_range(chunk.range(Section::Backward))?;
+                        sum_into(&mut self.exec, &chunk.sum_backward, &mut sums[c], &mut summing[c])?;
+                        if splits_w {
+                            kept_backward.insert((c, j), self.exec.hold(&chunk.keep_backward)?);
+                        } else {
+                            self.exec.run_range(chunk.range(Section::Weight))?;
+                            sum_into(&mut self.exec, &chunk.sum_weight, &mut sums_weight[c], &mut summing_weight[c])?;
+                            self.exec.release(kept);
+                            kept_forward.remove(&(c, j));
+                        }
+                    }
+                    crate::schedule::Work::W => {
+                        let kept = kept_forward.remove(&(c, j)).ok_or_else(|| err(format!("weight gradient of micro-batch {j} before its forward")))?;
+                        self.exec.restore(kept)?;
+                        self.exec.release(kept);
+                        let kept = kept_backward.remove(&(c, j)).ok_or_else(|| err(format!("weight gradient of micro-batch {j} before its backward")))?;
+                        self.exec.restore(kept)?;
+                        self.exec.release(kept);
+                        self.exec.run_range(chunk.range(Section::Weight))?;
+                        sum_into(&mut self.exec, &chunk.sum_weight, &mut sums_weight[c], &mut summing_weight[c])?;
+                    }
+                }
+            }
+            for (c, _) in plan.chunks.iter().enumerate() {
+                for id in [sums[c], sums_weight[c]].into_iter().flatten() {
+                    self.exec.restore(id)?;
+                }
+            }
+            for index in program.step_order(&plan.chunks) {
+                self.exec.run_range(index..index + 1)?;
+            }
+            Ok(loss_sum / schedule.microbatches as f64)
+        })();
+        self.pipeline = Some((schedule, sums, sums_weight));
+        result
     }
 
     /// Where the run stands: steps taken, and every parameter and optimizer-state tensor,
