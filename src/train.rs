@@ -926,12 +926,6 @@ fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     use shardc_runtime::cuda::{self, Placement};
-    if mesh.pp > 1 {
-        return Err(miette!(
-            help = "use dp, tp and micro-batches (--microbatches M) with --backend cuda, or run the pipeline on the CPU backend",
-            "--mesh {mesh}: pipeline stages (pp > 1) run on the CPU backend only"
-        ));
-    }
     let placement = if std::env::var_os("RANK").is_some() {
         Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?.with_timeout(std::time::Duration::from_secs(args.timeout.max(1))))
     } else if emulating_the_gpu() {
@@ -939,21 +933,23 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     } else {
         Placement::SingleDevice { device: 0 }
     };
-    // More than one micro-batch per step: one pipeline rank that sums their gradients.
-    let program = if args.step.compile_options(spec, mesh)?.pipeline.is_some() {
-        let mut programs = compile_pipeline_programs(spec, &args.step, mesh)?;
-        programs.pop().ok_or_else(|| miette!("the pipeline compiled to no program"))?
-    } else {
-        compile_train_step_on(spec, &args.step, mesh)?
-    };
-    let program = shardc_codegen::device::with_device_plan(program).into_diagnostic()?;
+    if mesh.pp > 1 && matches!(placement, Placement::Nccl(_)) {
+        return Err(miette!(
+            help = "run every rank on one GPU (without RANK and WORLD_SIZE), use dp, tp and micro-batches across processes, or run the pipeline on the CPU backend",
+            "--mesh {mesh}: pipeline stages across processes (NCCL send and receive) are not implemented yet"
+        ));
+    }
+    // Pipeline stages or more than one micro-batch per step: one program per pipeline rank,
+    // run by its schedule.
+    let programs = if args.step.compile_options(spec, mesh)?.pipeline.is_some() { compile_pipeline_programs(spec, &args.step, mesh)? } else { vec![compile_train_step_on(spec, &args.step, mesh)?] };
+    let programs = programs.into_iter().map(shardc_codegen::device::with_device_plan).collect::<Result<Vec<_>, _>>().into_diagnostic()?;
     let mut corpus = training_corpus(args, spec)?;
     let mut checkpoints = Checkpoints::new(args, spec)?;
-    let (resumed, seed) = checkpoints.resume(args, std::slice::from_ref(&program), &mut corpus)?;
+    let (resumed, seed) = checkpoints.resume(args, &programs, &mut corpus)?;
     let first_step = resumed.as_ref().map_or(0, |s| s.step);
     let to_run = steps_to_run(args, first_step)?;
     let rows = args.step.batch(spec, mesh)?.global_batch as usize;
-    let mut trainer = cuda::CudaTrainer::new(&program, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?;
+    let mut trainer = cuda::CudaTrainer::new(&programs, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?;
     let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
     println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps, seed {seed}", spec.name, args.steps);
     print_data(&corpus, evaluation.as_ref());
@@ -973,7 +969,7 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
         }
         let end = first_step + to_run;
         if checkpoints.due(at, end) {
-            checkpoints.save(&trainer.state().into_diagnostic()?, std::slice::from_ref(&program), seed, corpus.record(at, rows))?;
+            checkpoints.save(&trainer.state().into_diagnostic()?, &programs, seed, corpus.record(at, rows))?;
         }
         if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {
             // The held-out loss is computed on the CPU from the state read back.
@@ -1001,7 +997,7 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
         if let Some(dir) = &args.save_hf {
             crate::hf::save(dir, spec, &state)?;
         }
-        save_parameters(args, Some(&state), std::slice::from_ref(&program))?;
+        save_parameters(args, Some(&state), &programs)?;
     }
     Ok(())
 }

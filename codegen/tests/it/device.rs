@@ -282,27 +282,32 @@ mod emulated {
         }
     }
 
-    /// Gradient accumulation on the device (one pipeline rank whose schedule runs m
-    /// micro-batches and then the step on their summed gradients; every rank of the mesh on
-    /// one device) equals the CPU pipeline runtime on the same program: tiny GPT and tiny
-    /// Llama, under 1F1B, GPipe and ZB-H1 (weight gradients split off and deferred).
+    /// Pipelines and gradient accumulation on the device equal the CPU pipeline runtime on
+    /// the same programs: every rank of the mesh on one device (each pipeline rank's executor
+    /// runs until a receive waits for another's send), tiny GPT and tiny Llama at (1,1,2) and
+    /// (2,2,2) under 1F1B, interleaved and ZB-H1, and one pipeline rank summing micro-batches
+    /// (GPipe at dp=2; 1F1B at (1,1,1)). Losses to 1e-5, parameters after two steps to 1e-4.
     #[test]
-    fn gradient_accumulation_equals_the_cpu_pipeline_runtime() {
+    fn pipelines_and_gradient_accumulation_equal_the_cpu_pipeline_runtime() {
         use shardc_runtime::schedule::Kind;
         const STEPS: u64 = 2;
-        for (name, mesh, kind, microbatches) in [
-            ("tiny", Mesh::default(), Kind::OneFOneB, 4),
-            ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1 }, Kind::ZeroBubble, 2),
-            ("tiny", Mesh { dp: 2, tp: 1, pp: 1 }, Kind::Gpipe, 3),
-        ] {
+        let mut cases = vec![("tiny", Mesh::default(), Kind::OneFOneB, 4), ("tiny", Mesh { dp: 2, tp: 1, pp: 1 }, Kind::Gpipe, 3)];
+        for name in ["tiny", "tiny-llama"] {
+            for mesh in [Mesh { dp: 1, tp: 1, pp: 2 }, Mesh { dp: 2, tp: 2, pp: 2 }] {
+                for kind in [Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble] {
+                    cases.push((name, mesh, kind, 4));
+                }
+            }
+        }
+        for (name, mesh, kind, microbatches) in cases {
             let what = format!("{name} {mesh} {kind:?} x{microbatches}");
-            let (mut programs, spec) = crate::pipeline::compile_stages(name, mesh, kind, microbatches);
-            assert_eq!(programs.len(), 1, "{what}");
-            let program = shardc_codegen::device::with_device_plan(programs.pop().unwrap()).unwrap();
+            let (programs, spec) = crate::pipeline::compile_stages(name, mesh, kind, microbatches);
+            assert_eq!(programs.len(), mesh.pp as usize, "{what}");
+            let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
             let corpus = corpus(&spec);
             let layers = spec.model.layers as usize;
-            let cpu = shardc_runtime::pipeline::train_pipeline(std::slice::from_ref(&program), 0, layers, &corpus, STEPS, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
-            let run = cuda::train(&program, 0, layers, &corpus, STEPS, &Placement::Emulated).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let cpu = shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, STEPS, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
+            let run = cuda::train_programs(&programs, 0, layers, &corpus, STEPS, &Placement::Emulated).unwrap_or_else(|e| panic!("{what}: {e}"));
             for (step, (c, g)) in cpu.losses.iter().zip(&run.losses).enumerate() {
                 assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} step {}: CPU loss {c}, device {g}", step + 1);
             }

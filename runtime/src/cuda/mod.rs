@@ -100,6 +100,24 @@ impl Placement {
     }
 }
 
+/// The ranks of `mesh` an executor on one device runs: all, or those of one pipeline rank.
+fn own_ranks(mesh: &MeshShape, pipeline_rank: Option<usize>) -> Vec<usize> {
+    (0..mesh.ranks()).filter(|&r| pipeline_rank.is_none_or(|p| mesh.coords(r).get(2) == Some(&p))).collect()
+}
+
+/// Pipeline sends not yet received, between the executors of one device's pipeline ranks:
+/// each message is a copy in memory of the sender's, until the receiver has copied it out.
+#[derive(Debug, Default)]
+pub struct Mailbox {
+    /// (tag, receiving rank) -> (pointer, bytes, sending rank).
+    messages: HashMap<(u64, usize), (u64, usize, usize)>,
+    /// Copies received, for their senders to reuse: (sending rank, pointer, bytes).
+    received: Vec<(usize, u64, usize)>,
+}
+
+/// Shared between the executors of one device's pipeline ranks (one thread drives them).
+pub type SharedMailbox = std::rc::Rc<std::cell::RefCell<Mailbox>>;
+
 /// Runs a program on a GPU, keeping its arguments between runs.
 pub struct CudaExecutor {
     program: Program,
@@ -115,6 +133,11 @@ pub struct CudaExecutor {
     buckets: HashMap<i64, Vec<cudarc::driver::CudaEvent>>,
     /// Device copies of buffers a pipeline keeps between sections or sums over micro-batches.
     holds: Vec<Hold>,
+    /// Where pipeline sends go and receives come from, with the (step, micro-batch) their
+    /// tags carry, and this executor's copies for sends, free to reuse: (pointer, bytes).
+    mailbox: Option<SharedMailbox>,
+    transfer_context: (u64, u64),
+    send_copies: Vec<(u64, usize)>,
 }
 
 /// Device copies of some buffers of every local rank: values a pipeline keeps from one
@@ -135,6 +158,7 @@ impl Drop for CudaExecutor {
         let mut pointers: Vec<u64> = self.ranks.iter().flat_map(|r| r.slots.iter().map(|s| s.0).chain([r.arena.0, r.workspace.0])).filter(|&p| p != 0).collect();
         pointers.extend(self.staging.map(|s| s.0));
         pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));
+        pointers.extend(self.send_copies.iter().map(|c| c.0));
         for ptr in pointers {
             self.device.free(ptr);
         }
@@ -151,7 +175,7 @@ impl std::fmt::Debug for CudaExecutor {
 const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate", "shardc_accumulate_f32"];
 
 /// Ops the device plan leaves to the runtime.
-const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "tensor.empty"];
+const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "tensor.empty"];
 
 impl CudaExecutor {
     /// Loads `program` (which must carry a device plan) onto the GPU(s) of `placement`.
@@ -161,8 +185,9 @@ impl CudaExecutor {
         if plan.calls.len() != program.instrs.len() {
             return Err(err("the device plan does not match the program's instructions"));
         }
-        if program.pipeline.as_ref().is_some_and(|p| p.ranks > 1) {
-            return Err(err("pipeline stages (pp > 1) run on the CPU backend only; use dp, tp and micro-batches on the GPU"));
+        let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
+        if pipeline_rank.is_some() && matches!(placement, Placement::Nccl(_)) {
+            return Err(err("pipeline stages across processes (NCCL send and receive) are not implemented: run every rank on one GPU, or the pipeline on the CPU backend"));
         }
         for (instr, calls) in program.instrs.iter().zip(&plan.calls) {
             if calls.iter().any(|c| matches!(c, DeviceCall::Runtime)) && !RUNTIME_OPS.contains(&instr.op.as_str()) {
@@ -175,8 +200,8 @@ impl CudaExecutor {
         kernels.sort();
         kernels.dedup();
         let (mut device, local_ranks, bootstrap): (Box<dyn Device>, Vec<usize>, Option<nccl::Bootstrap>) = match placement {
-            Placement::SingleDevice { device } => (Box::new(device::Gpu::new(*device, &plan.source, &kernels)?), (0..mesh.ranks()).collect(), None),
-            Placement::Emulated => (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), (0..mesh.ranks()).collect(), None),
+            Placement::SingleDevice { device } => (Box::new(device::Gpu::new(*device, &plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), None),
+            Placement::Emulated => (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), None),
             Placement::Nccl(b) => {
                 if b.world != mesh.ranks() {
                     return Err(err(format!("WORLD_SIZE is {} but the program's mesh {:?} has {} ranks", b.world, mesh.0, mesh.ranks())));
@@ -208,7 +233,7 @@ impl CudaExecutor {
             Some(b) => Some(nccl::Comms::new(&b, &program, &mesh)?),
             None => None,
         };
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new() })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new() })
     }
 
     /// The program.
@@ -354,7 +379,47 @@ impl CudaExecutor {
     /// Runs instructions `range` once on every local rank, in lockstep (without waiting for
     /// the device at the end).
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
-        for index in range {
+        match self.run_until_blocked(&range.collect::<Vec<_>>())? {
+            0 => Ok(()),
+            left => Err(err(format!("a pipeline receive found no message ({left} instructions not run)"))),
+        }
+    }
+
+    /// Takes back the copies of this executor's sends that their receivers are done with.
+    pub fn reclaim_sends(&mut self) {
+        let Some(mailbox) = &self.mailbox else { return };
+        let mine = self.ranks();
+        let mut m = mailbox.borrow_mut();
+        let (back, keep): (Vec<_>, Vec<_>) = m.received.drain(..).partition(|(sender, _, _)| mine.contains(sender));
+        m.received = keep;
+        self.send_copies.extend(back.into_iter().map(|(_, ptr, bytes)| (ptr, bytes)));
+    }
+
+    /// Shares `mailbox` with the executors of the other pipeline ranks on this device.
+    pub fn set_mailbox(&mut self, mailbox: SharedMailbox) {
+        self.mailbox = Some(mailbox);
+    }
+
+    /// The (step, micro-batch) the next pipeline sends and receives belong to.
+    pub fn set_transfer_context(&mut self, step: u64, microbatch: u64) {
+        self.transfer_context = (step, microbatch);
+    }
+
+    /// Runs `indices` in order on every local rank until one is a pipeline receive whose
+    /// message has not been sent yet; returns how many were left (0: all ran).
+    pub fn run_until_blocked(&mut self, indices: &[usize]) -> Result<usize, RuntimeError> {
+        for (done, &index) in indices.iter().enumerate() {
+            let op = self.program.instrs[index].op.as_str();
+            if matches!(op, "shard.send" | "shard.recv") {
+                let ran = self.point_to_point(index).map_err(|e| {
+                    let instr = &self.program.instrs[index];
+                    RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message: e.to_string() }
+                })?;
+                if !ran {
+                    return Ok(indices.len() - done);
+                }
+                continue;
+            }
             let calls = self.plan.calls[index].clone();
             self.wait_for_bucket(index)?;
             for call in &calls {
@@ -369,7 +434,72 @@ impl CudaExecutor {
                 })?;
             }
         }
-        Ok(())
+        Ok(0)
+    }
+
+    /// A pipeline send (a copy of the buffer posted for its receiver) or receive (the posted
+    /// copy taken) of every local rank, tagged as the CPU backend tags them; `false` for a
+    /// receive whose message some local rank does not have yet (nothing is done then).
+    fn point_to_point(&mut self, index: usize) -> Result<bool, RuntimeError> {
+        let instr = self.program.instrs[index].clone();
+        let mailbox = self.mailbox.clone().ok_or_else(|| err("a pipeline send or receive needs the other pipeline ranks' executors on this device"))?;
+        let transfer = instr.int("xf.transfer").map_err(err)? as u64;
+        let (step, microbatch) = self.transfer_context;
+        if transfer >= 1 << 20 || microbatch >= 1 << 16 || step >= 1 << 28 {
+            return Err(err(format!("transfer {transfer}, micro-batch {microbatch} or step {step} is too large to tag")));
+        }
+        let tag = (step << 36) | (transfer << 16) | microbatch;
+        let sending = instr.op == "shard.send";
+        let peer_index = instr.ints(if sending { "destination" } else { "source" }).map_err(err)?.first().copied().ok_or_else(|| err(format!("`{}` has no peer", instr.op)))?;
+        let peers: Vec<usize> = self
+            .ranks()
+            .into_iter()
+            .map(|rank| self.mesh.group(rank, &[2]).get(peer_index as usize).copied().ok_or_else(|| err(format!("peer {peer_index} is outside the pp axis"))))
+            .collect::<Result<_, _>>()?;
+        if sending {
+            let buffer = &self.program.buffers[instr.inputs[0]];
+            let bytes = buffer.len() * buffer.dtype.bytes();
+            // Copies the receivers have taken come back for reuse.
+            let mine = self.ranks();
+            let returned: Vec<(u64, usize)> = {
+                let mut m = mailbox.borrow_mut();
+                let (back, keep): (Vec<_>, Vec<_>) = m.received.drain(..).partition(|(sender, _, _)| mine.contains(sender));
+                m.received = keep;
+                back.into_iter().map(|(_, ptr, bytes)| (ptr, bytes)).collect()
+            };
+            self.send_copies.extend(returned);
+            for (local, &peer) in peers.iter().enumerate() {
+                let copy = match self.send_copies.iter().position(|c| c.1 == bytes) {
+                    Some(at) => self.send_copies.swap_remove(at),
+                    None => (self.device.alloc(bytes.max(1))?, bytes),
+                };
+                self.copy_raw(copy.0, self.buffer_ptr(local, instr.inputs[0]), bytes)?;
+                let rank = self.ranks[local].rank;
+                if mailbox.borrow_mut().messages.insert((tag, peer), (copy.0, bytes, rank)).is_some() {
+                    return Err(err(format!("rank {rank} sent transfer {transfer} of micro-batch {microbatch} twice")));
+                }
+            }
+            // The receivers copy on their own stream: the copies must be complete first.
+            self.synchronize()?;
+            return Ok(true);
+        }
+        let mine = self.ranks();
+        if !mine.iter().all(|rank| mailbox.borrow().messages.contains_key(&(tag, *rank))) {
+            return Ok(false);
+        }
+        let buffer = &self.program.buffers[instr.outputs[0]];
+        let bytes = buffer.len() * buffer.dtype.bytes();
+        for (local, rank) in mine.into_iter().enumerate() {
+            let (ptr, sent, sender) = mailbox.borrow_mut().messages.remove(&(tag, rank)).ok_or_else(|| err("a message vanished"))?;
+            if sent != bytes {
+                return Err(err(format!("rank {rank} received {sent} bytes from rank {sender} for a buffer of {bytes}")));
+            }
+            self.copy_raw(self.buffer_ptr(local, instr.outputs[0]), ptr, bytes)?;
+            // The sender may reuse its copy once this one is done.
+            self.synchronize()?;
+            mailbox.borrow_mut().received.push((sender, ptr, sent));
+        }
+        Ok(true)
     }
 
     fn call(&self, index: usize, local: usize, call: &DeviceCall) -> Result<(), RuntimeError> {
@@ -450,10 +580,12 @@ impl CudaExecutor {
         let (in_shape, out_shape) = (input.shape.clone(), output.shape.clone());
         let (in_bytes, out_bytes) = (input.len() * es, output.len() * es);
         let split = |axis: usize| -> (usize, usize) { (in_shape[..axis].iter().product(), in_shape[axis + 1..].iter().product::<usize>() * es) };
-        // Every group of ranks along `axes`, once.
+        // Every group of ranks along `axes`, once, as local ranks (a pipeline rank's executor
+        // holds its dp x tp ranks, so its groups).
         let mut groups: Vec<Vec<usize>> = Vec::new();
-        for r in 0..self.mesh.ranks() {
-            let g = self.mesh.group(r, &axes);
+        for rank in self.ranks() {
+            let g = self.mesh.group(rank, &axes).iter().map(|r| self.ranks.iter().position(|m| m.rank == *r)).collect::<Option<Vec<usize>>>();
+            let g = g.ok_or_else(|| err(format!("`{}` spans ranks this device does not hold", instr.op)))?;
             if !groups.contains(&g) {
                 groups.push(g);
             }
@@ -622,7 +754,12 @@ pub struct CudaRun {
 /// parameters initialised as global tensors from `seed` and sharded, the same batches as the
 /// CPU runs, so the results are comparable with [`crate::train::train_spmd`].
 pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::Corpus, steps: u64, placement: &Placement) -> Result<CudaRun, RuntimeError> {
-    let mut trainer = CudaTrainer::new(program, placement, seed, layers, None)?;
+    train_programs(std::slice::from_ref(program), seed, layers, corpus, steps, placement)
+}
+
+/// [`train`] for one program per pipeline rank (every rank on the placement's device).
+pub fn train_programs(programs: &[Program], seed: u64, layers: usize, corpus: &crate::data::Corpus, steps: u64, placement: &Placement) -> Result<CudaRun, RuntimeError> {
+    let mut trainer = CudaTrainer::new(programs, placement, seed, layers, None)?;
     let (mut losses, mut step_seconds) = (Vec::new(), Vec::new());
     for _ in 0..steps {
         let (loss, seconds) = trainer.step(corpus)?;
@@ -633,63 +770,93 @@ pub fn train(program: &Program, seed: u64, layers: usize, corpus: &crate::data::
 }
 
 /// A training run on the GPU(s) of a placement, one step at a time: the CUDA peer of the CPU
-/// backend's [`crate::train::Trainer`] (and of its rank threads), with the same batches, step
-/// counter and state, so a run can start from a checkpoint, a saved file or Hugging Face
-/// weights and be checkpointed as it goes.
+/// backend's [`crate::train::Trainer`], rank threads and pipeline runtime, with the same
+/// batches, step counter and state, so a run can start from a checkpoint, a saved file or
+/// Hugging Face weights and be checkpointed as it goes. One executor per pipeline rank
+/// (one in all without stages); with a schedule, each walks its items as the CPU pipeline
+/// runtime does, kept values and gradient sums held in device memory, and on one device the
+/// pipeline ranks' executors take turns, each running until a receive waits for a send.
 pub struct CudaTrainer {
-    exec: CudaExecutor,
+    runners: Vec<Runner>,
+    programs: Vec<Program>,
     mesh: MeshShape,
     seed: u64,
     step: u64,
     /// Global rows of a micro-batch, and the sequence length.
     rows: usize,
     seq: usize,
-    /// The schedule's items when the program accumulates gradients over micro-batches (one
-    /// pipeline rank); each chunk's gradient sums, kept from step to step.
-    pipeline: Option<(crate::schedule::Schedule, Vec<Option<HoldId>>, Vec<Option<HoldId>>)>,
+    /// The schedule of programs that run in micro-batches (pipeline stages or gradient
+    /// accumulation).
+    schedule: Option<crate::schedule::Schedule>,
+}
+
+/// One pipeline rank's executor and its gradient sums, kept from step to step.
+struct Runner {
+    exec: CudaExecutor,
+    sums: Vec<Option<HoldId>>,
+    sums_weight: Vec<Option<HoldId>>,
 }
 
 impl std::fmt::Debug for CudaTrainer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaTrainer").field("exec", &self.exec).field("step", &self.step).finish()
+        f.debug_struct("CudaTrainer").field("pipeline_ranks", &self.runners.len()).field("step", &self.step).finish()
     }
 }
 
+/// Where one pipeline rank is in a step: its next item, the instructions of the one it runs
+/// (stopped at a receive that waits), and what it holds per micro-batch.
+#[derive(Default)]
+struct Walk {
+    position: usize,
+    /// (instructions, how many have run, the item; `None`: the step section).
+    running: Option<(Vec<usize>, usize, Option<crate::schedule::Item>)>,
+    step_started: bool,
+    done: bool,
+    kept_forward: HashMap<(usize, usize), HoldId>,
+    kept_backward: HashMap<(usize, usize), HoldId>,
+    summing: Vec<bool>,
+    summing_weight: Vec<bool>,
+}
+
 impl CudaTrainer {
-    /// Loads `program` onto `placement` and writes its state on every local rank: `state`'s
-    /// global tensors (from step `state.step`), or parameters and master copies initialised
-    /// from `seed` and zero moments (step 0).
-    pub fn new(program: &Program, placement: &Placement, seed: u64, layers: usize, state: Option<&crate::train::TrainState>) -> Result<CudaTrainer, RuntimeError> {
-        let mut exec = CudaExecutor::new(program.clone(), placement)?;
-        let mesh = exec.mesh.clone();
-        let tokens = program.arg("tokens").ok_or_else(|| RuntimeError::Binding("the program has no `tokens` input".into()))?;
-        let (rows, seq) = match &tokens.layout {
-            Some(l) => (l.global_shape[0], l.global_shape[1]),
-            None => (program.buffers[tokens.buffer].shape[0], program.buffers[tokens.buffer].shape[1]),
-        };
-        let local_ranks = exec.ranks();
-        let stateful: Vec<_> = program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)).cloned().collect();
-        for a in &stateful {
-            let global_shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
-            let global = match state {
-                Some(state) => state.for_program(a, &global_shape)?,
-                // Parameters and their fp32 master copies start from the seed; moments at 0.
-                None if matches!(a.role, Some(Role::Param | Role::Master)) => crate::init::init_binding(a, &global_shape, seed, layers),
-                None => vec![0.0; global_shape.iter().product()],
-            };
-            for (local, &rank) in local_ranks.iter().enumerate() {
-                let shard = match &a.layout {
-                    Some(layout) => crate::layout::local_shard(&global, layout, &mesh, rank),
-                    None => global.clone(),
-                };
-                exec.write(local, &a.name, &shard)?;
-            }
+    /// Loads `programs` (one training step, or one program per pipeline rank) onto
+    /// `placement` and writes their state on every local rank: `state`'s global tensors (from
+    /// step `state.step`), or parameters and master copies initialised from `seed` and zero
+    /// moments (step 0).
+    pub fn new(programs: &[Program], placement: &Placement, seed: u64, layers: usize, state: Option<&crate::train::TrainState>) -> Result<CudaTrainer, RuntimeError> {
+        let first = programs.first().ok_or_else(|| err("no programs to run"))?;
+        let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
+        let schedule = if first.pipeline.is_some() { Some(crate::pipeline::schedule_of(programs)?) } else { None };
+        if schedule.is_none() && programs.len() > 1 {
+            return Err(err("several programs that are not pipeline ranks"));
         }
-        let pipeline = match &program.pipeline {
-            Some(plan) => Some((crate::pipeline::schedule_of(std::slice::from_ref(program))?, vec![None; plan.chunks.len()], vec![None; plan.chunks.len()])),
-            None => None,
-        };
-        Ok(CudaTrainer { exec, mesh, seed, step: state.map_or(0, |s| s.step), rows, seq, pipeline })
+        let mailbox = SharedMailbox::default();
+        let mut runners = Vec::new();
+        for program in programs {
+            let mut exec = CudaExecutor::new(program.clone(), placement)?;
+            exec.set_mailbox(mailbox.clone());
+            let chunks = program.pipeline.as_ref().map_or(0, |p| p.chunks.len());
+            for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
+                let global_shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
+                let global = match state {
+                    Some(state) => state.for_program(a, &global_shape)?,
+                    // Parameters and their fp32 master copies start from the seed; moments at 0.
+                    None if matches!(a.role, Some(Role::Param | Role::Master)) => crate::init::init_binding(a, &global_shape, seed, layers),
+                    None => vec![0.0; global_shape.iter().product()],
+                };
+                for (local, rank) in exec.ranks().into_iter().enumerate() {
+                    let shard = match &a.layout {
+                        Some(layout) => crate::layout::local_shard(&global, layout, &mesh, rank),
+                        None => global.clone(),
+                    };
+                    exec.write(local, &a.name, &shard)?;
+                }
+            }
+            runners.push(Runner { exec, sums: vec![None; chunks], sums_weight: vec![None; chunks] });
+        }
+        let batch = programs.iter().find_map(|p| p.arg("tokens").or_else(|| p.arg("targets"))).ok_or_else(|| RuntimeError::Binding("no program reads `tokens` or `targets`".into()))?;
+        let shape = batch.layout.as_ref().map_or_else(|| programs[0].buffers[batch.buffer].shape.clone(), |l| l.global_shape.clone());
+        Ok(CudaTrainer { runners, programs: programs.to_vec(), mesh, seed, step: state.map_or(0, |s| s.step), rows: shape[0], seq: shape[1], schedule })
     }
 
     /// Optimizer steps taken (from the start of training).
@@ -699,13 +866,13 @@ impl CudaTrainer {
 
     /// The GPU, or its emulation.
     pub fn device_name(&self) -> String {
-        self.exec.device_name()
+        self.runners[0].exec.device_name()
     }
 
     /// Whether this process holds every rank (one device, or its emulation), and so the
     /// whole state; a process of a multi-process NCCL run holds its own shards only.
     pub fn holds_every_rank(&self) -> bool {
-        self.exec.ranks().len() == self.mesh.ranks()
+        self.runners.iter().map(|r| r.exec.ranks().len()).sum::<usize>() == self.mesh.ranks()
     }
 
     /// Runs one optimizer step on the next batch of `corpus` (the batch the CPU backend takes
@@ -714,120 +881,199 @@ impl CudaTrainer {
         corpus.check_seq(self.seq)?;
         let step = self.step + 1;
         let counter = i32::try_from(step).map_err(|_| RuntimeError::Binding("step counter overflow".into()))?;
-        let microbatches = self.pipeline.as_ref().map_or(1, |(schedule, ..)| schedule.microbatches);
+        let microbatches = self.schedule.as_ref().map_or(1, |s| s.microbatches);
         let (t, g) = corpus.batch(self.seed, step, self.rows * microbatches);
         let (t, g): (Vec<f64>, Vec<f64>) = (t.iter().map(|&v| v as f64).collect(), g.iter().map(|&v| v as f64).collect());
-        for local in 0..self.exec.ranks().len() {
-            self.exec.write(local, "step", &[counter as f64])?;
+        for runner in &mut self.runners {
+            if runner.exec.program().arg("step").is_some() {
+                for local in 0..runner.exec.ranks().len() {
+                    runner.exec.write(local, "step", &[counter as f64])?;
+                }
+            }
         }
         let began = std::time::Instant::now();
-        let loss = if self.pipeline.is_some() {
-            self.accumulating_step(&t, &g)?
+        let loss = if self.schedule.is_some() {
+            self.scheduled_step(step, &t, &g)?
         } else {
-            self.write_batch(&t, &g, 0)?;
-            self.exec.run()?;
-            self.exec.read(0, "loss")?[0]
+            self.write_batch(0, &t, &g, 0)?;
+            self.runners[0].exec.run()?;
+            self.runners[0].exec.read(0, "loss")?[0]
         };
-        self.exec.carry_state()?;
-        self.exec.synchronize()?;
+        for runner in &mut self.runners {
+            runner.exec.carry_state()?;
+            runner.exec.reclaim_sends();
+            runner.exec.synchronize()?;
+        }
         let seconds = began.elapsed().as_secs_f64();
         self.step = step;
         Ok((loss, seconds))
     }
 
-    /// Writes micro-batch `j` of the step's tokens and targets (`t`, `g`) on every local rank.
-    fn write_batch(&mut self, t: &[f64], g: &[f64], j: usize) -> Result<(), RuntimeError> {
+    /// Writes micro-batch `j` of the step's tokens and targets (`t`, `g`) on every local rank
+    /// of pipeline rank `s`, as far as its program reads them.
+    fn write_batch(&mut self, s: usize, t: &[f64], g: &[f64], j: usize) -> Result<(), RuntimeError> {
         let size = self.rows * self.seq;
-        let (t, g) = (&t[j * size..(j + 1) * size], &g[j * size..(j + 1) * size]);
-        let layout = self.exec.program().arg("tokens").and_then(|b| b.layout.clone());
-        for (local, rank) in self.exec.ranks().into_iter().enumerate() {
-            let (ts, gs) = match &layout {
-                Some(layout) => (crate::layout::local_shard(t, layout, &self.mesh, rank), crate::layout::local_shard(g, layout, &self.mesh, rank)),
-                None => (t.to_vec(), g.to_vec()),
-            };
-            self.exec.write(local, "tokens", &ts)?;
-            self.exec.write(local, "targets", &gs)?;
+        let exec = &mut self.runners[s].exec;
+        for (name, values) in [("tokens", &t[j * size..(j + 1) * size]), ("targets", &g[j * size..(j + 1) * size])] {
+            let Some(layout) = exec.program().arg(name).map(|b| b.layout.clone()) else { continue };
+            for (local, rank) in exec.ranks().into_iter().enumerate() {
+                let shard = match &layout {
+                    Some(layout) => crate::layout::local_shard(values, layout, &self.mesh, rank),
+                    None => values.to_vec(),
+                };
+                exec.write(local, name, &shard)?;
+            }
         }
         Ok(())
     }
 
-    /// One step of a program that accumulates gradients over micro-batches (one pipeline
-    /// rank), as the CPU pipeline runtime runs it: the schedule's items in order, each
-    /// forward's kept values held on the device until its backward, the gradients summed into
-    /// holds, then the step section once on the sums. Returns the mean loss.
-    fn accumulating_step(&mut self, t: &[f64], g: &[f64]) -> Result<f64, RuntimeError> {
-        let program = self.exec.program().clone();
-        let plan = program.pipeline.clone().ok_or_else(|| err("not a pipeline program"))?;
-        let (schedule, mut sums, mut sums_weight) = self.pipeline.take().ok_or_else(|| err("no schedule"))?;
-        let result = (|| {
-            let items = &schedule.ranks[0];
-            let splits_w = items.iter().any(|i| i.work == crate::schedule::Work::W);
-            let mut kept_forward: HashMap<(usize, usize), HoldId> = HashMap::new();
-            let mut kept_backward: HashMap<(usize, usize), HoldId> = HashMap::new();
-            let (mut summing, mut summing_weight) = (vec![false; plan.chunks.len()], vec![false; plan.chunks.len()]);
-            let loss_buffer = program.result("loss").map(|l| l.buffer);
-            let mut loss_sum = 0.0;
-            // Sums a chunk's gradient buffers into its hold (the first micro-batch copies).
-            let sum_into = |exec: &mut CudaExecutor, buffers: &[BufferId], hold: &mut Option<HoldId>, started: &mut bool| -> Result<(), RuntimeError> {
-                match *hold {
-                    Some(id) => exec.fill(id, std::mem::replace(started, true)),
-                    None => {
-                        *started = true;
-                        *hold = Some(exec.hold(buffers)?);
-                        Ok(())
+    /// One step of programs that run in micro-batches, as the CPU pipeline runtime runs
+    /// them: each pipeline rank's items in order (a forward's kept values held until its
+    /// backward, gradients summed into holds), then its step section once on the sums; the
+    /// pipeline ranks take turns, each running until a receive waits. Returns the mean loss.
+    fn scheduled_step(&mut self, step: u64, t: &[f64], g: &[f64]) -> Result<f64, RuntimeError> {
+        let schedule = self.schedule.clone().ok_or_else(|| err("no schedule"))?;
+        let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == crate::schedule::Work::W);
+        let mut walks: Vec<Walk> = self
+            .runners
+            .iter()
+            .map(|r| {
+                let chunks = r.sums.len();
+                Walk { summing: vec![false; chunks], summing_weight: vec![false; chunks], ..Walk::default() }
+            })
+            .collect();
+        let mut loss_sum = 0.0;
+        loop {
+            let mut progressed = false;
+            for s in 0..self.runners.len() {
+                let plan = self.programs[s].pipeline.clone().ok_or_else(|| err("not a pipeline program"))?;
+                let items = &schedule.ranks[plan.rank];
+                loop {
+                    if walks[s].done {
+                        break;
                     }
-                }
-            };
-            for item in items {
-                let (c, j) = (item.chunk, item.microbatch);
-                let chunk = &plan.chunks[c];
-                self.write_batch(t, g, j)?;
-                match item.work {
-                    crate::schedule::Work::F => {
-                        self.exec.run_range(chunk.range(Section::Forward))?;
-                        kept_forward.insert((c, j), self.exec.hold(&chunk.keep_forward)?);
-                        if loss_buffer.is_some_and(|l| program.instrs[chunk.range(Section::Forward)].iter().any(|i| i.outputs.contains(&l))) {
-                            loss_sum += self.exec.read(0, "loss")?[0];
-                        }
-                    }
-                    crate::schedule::Work::B => {
-                        let kept = *kept_forward.get(&(c, j)).ok_or_else(|| err(format!("backward of micro-batch {j} before its forward")))?;
-                        self.exec.restore(kept)?;
-                        self.exec.run_range(chunk.range(Section::Backward))?;
-                        sum_into(&mut self.exec, &chunk.sum_backward, &mut sums[c], &mut summing[c])?;
-                        if splits_w {
-                            kept_backward.insert((c, j), self.exec.hold(&chunk.keep_backward)?);
+                    if walks[s].running.is_none() {
+                        if walks[s].position < items.len() {
+                            let item = items[walks[s].position];
+                            let instructions = self.begin_item(s, &mut walks[s], item, step, t, g, splits_w)?;
+                            walks[s].running = Some((instructions, 0, Some(item)));
+                        } else if !walks[s].step_started {
+                            let runner = &mut self.runners[s];
+                            for id in runner.sums.iter().chain(&runner.sums_weight).flatten() {
+                                runner.exec.restore(*id)?;
+                            }
+                            // Step sections exchange once per step: their transfers carry
+                            // micro-batch 0.
+                            runner.exec.set_transfer_context(step, 0);
+                            walks[s].step_started = true;
+                            walks[s].running = Some((self.programs[s].step_order(&plan.chunks), 0, None));
                         } else {
-                            self.exec.run_range(chunk.range(Section::Weight))?;
-                            sum_into(&mut self.exec, &chunk.sum_weight, &mut sums_weight[c], &mut summing_weight[c])?;
-                            self.exec.release(kept);
-                            kept_forward.remove(&(c, j));
+                            walks[s].done = true;
+                            break;
                         }
                     }
-                    crate::schedule::Work::W => {
-                        let kept = kept_forward.remove(&(c, j)).ok_or_else(|| err(format!("weight gradient of micro-batch {j} before its forward")))?;
-                        self.exec.restore(kept)?;
-                        self.exec.release(kept);
-                        let kept = kept_backward.remove(&(c, j)).ok_or_else(|| err(format!("weight gradient of micro-batch {j} before its backward")))?;
-                        self.exec.restore(kept)?;
-                        self.exec.release(kept);
-                        self.exec.run_range(chunk.range(Section::Weight))?;
-                        sum_into(&mut self.exec, &chunk.sum_weight, &mut sums_weight[c], &mut summing_weight[c])?;
+                    let (instructions, ran, item) = walks[s].running.take().ok_or_else(|| err("nothing running"))?;
+                    let left = self.runners[s].exec.run_until_blocked(&instructions[ran..])?;
+                    let now = instructions.len() - left;
+                    progressed |= now > ran;
+                    if left > 0 {
+                        walks[s].running = Some((instructions, now, item));
+                        break;
+                    }
+                    if let Some(item) = item {
+                        loss_sum += self.finish_item(s, &mut walks[s], item, splits_w)?;
+                        walks[s].position += 1;
+                    }
+                    progressed = true;
+                }
+            }
+            if walks.iter().all(|w| w.done) {
+                break;
+            }
+            if !progressed {
+                let waiting: Vec<String> = walks.iter().enumerate().filter(|(_, w)| !w.done).map(|(s, w)| format!("pipeline rank {s} at item {}", w.position)).collect();
+                return Err(err(format!("the pipeline ranks wait on each other's sends: {}", waiting.join(", "))));
+            }
+        }
+        Ok(loss_sum / schedule.microbatches as f64)
+    }
+
+    /// Starts `item` on pipeline rank `s`: its micro-batch's data, its transfers' tags and
+    /// the values it needs put back; returns the instructions it runs.
+    #[allow(clippy::too_many_arguments)]
+    fn begin_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, step: u64, t: &[f64], g: &[f64], splits_w: bool) -> Result<Vec<usize>, RuntimeError> {
+        use crate::schedule::Work;
+        let (c, j) = (item.chunk, item.microbatch);
+        self.write_batch(s, t, g, j)?;
+        let plan = self.programs[s].pipeline.as_ref().ok_or_else(|| err("not a pipeline program"))?;
+        let chunk = &plan.chunks[c];
+        let exec = &mut self.runners[s].exec;
+        exec.set_transfer_context(step, j as u64);
+        Ok(match item.work {
+            Work::F => chunk.range(Section::Forward).collect(),
+            Work::B => {
+                let kept = *walk.kept_forward.get(&(c, j)).ok_or_else(|| err(format!("backward of micro-batch {j} before its forward")))?;
+                exec.restore(kept)?;
+                let mut instructions: Vec<usize> = chunk.range(Section::Backward).collect();
+                if !splits_w {
+                    instructions.extend(chunk.range(Section::Weight));
+                }
+                instructions
+            }
+            Work::W => {
+                for kept in [walk.kept_forward.remove(&(c, j)), walk.kept_backward.remove(&(c, j))] {
+                    let kept = kept.ok_or_else(|| err(format!("weight gradient of micro-batch {j} before its forward and backward")))?;
+                    exec.restore(kept)?;
+                    exec.release(kept);
+                }
+                chunk.range(Section::Weight).collect()
+            }
+        })
+    }
+
+    /// Ends `item` on pipeline rank `s`: holds what later sections read, sums the gradients;
+    /// returns the loss it made (0 where it made none).
+    fn finish_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, splits_w: bool) -> Result<f64, RuntimeError> {
+        use crate::schedule::Work;
+        let (c, j) = (item.chunk, item.microbatch);
+        let program = &self.programs[s];
+        let plan = program.pipeline.as_ref().ok_or_else(|| err("not a pipeline program"))?;
+        let chunk = &plan.chunks[c];
+        let runner = &mut self.runners[s];
+        // Sums a chunk's gradient buffers into its hold (the step's first micro-batch copies).
+        let sum_into = |exec: &mut CudaExecutor, buffers: &[BufferId], hold: &mut Option<HoldId>, started: &mut bool| -> Result<(), RuntimeError> {
+            match *hold {
+                Some(id) => exec.fill(id, std::mem::replace(started, true)),
+                None => {
+                    *started = true;
+                    *hold = Some(exec.hold(buffers)?);
+                    Ok(())
+                }
+            }
+        };
+        let mut loss = 0.0;
+        match item.work {
+            Work::F => {
+                walk.kept_forward.insert((c, j), runner.exec.hold(&chunk.keep_forward)?);
+                let makes_loss = program.result("loss").is_some_and(|l| program.instrs[chunk.range(Section::Forward)].iter().any(|i| i.outputs.contains(&l.buffer)));
+                if makes_loss {
+                    loss = runner.exec.read(0, "loss")?[0];
+                }
+            }
+            Work::B => {
+                sum_into(&mut runner.exec, &chunk.sum_backward, &mut runner.sums[c], &mut walk.summing[c])?;
+                if splits_w {
+                    walk.kept_backward.insert((c, j), runner.exec.hold(&chunk.keep_backward)?);
+                } else {
+                    sum_into(&mut runner.exec, &chunk.sum_weight, &mut runner.sums_weight[c], &mut walk.summing_weight[c])?;
+                    if let Some(kept) = walk.kept_forward.remove(&(c, j)) {
+                        runner.exec.release(kept);
                     }
                 }
             }
-            for (c, _) in plan.chunks.iter().enumerate() {
-                for id in [sums[c], sums_weight[c]].into_iter().flatten() {
-                    self.exec.restore(id)?;
-                }
-            }
-            for index in program.step_order(&plan.chunks) {
-                self.exec.run_range(index..index + 1)?;
-            }
-            Ok(loss_sum / schedule.microbatches as f64)
-        })();
-        self.pipeline = Some((schedule, sums, sums_weight));
-        result
+            Work::W => sum_into(&mut runner.exec, &chunk.sum_weight, &mut runner.sums_weight[c], &mut walk.summing_weight[c])?,
+        }
+        Ok(loss)
     }
 
     /// Where the run stands: steps taken, and every parameter and optimizer-state tensor,
@@ -836,33 +1082,42 @@ impl CudaTrainer {
         if !self.holds_every_rank() {
             return Err(err("this process holds only its own shards (one rank of a multi-process run): the global state is not here"));
         }
-        let program = self.exec.program();
-        let values = (0..self.mesh.ranks())
-            .map(|local| program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)).map(|a| Ok((a.name.clone(), self.exec.read(local, &a.name)?))).collect::<Result<HashMap<_, _>, RuntimeError>>())
-            .collect::<Result<Vec<_>, _>>()?;
-        crate::train::TrainState::collect(std::slice::from_ref(program), &self.mesh, &values, self.step)
+        let mut values = vec![HashMap::new(); self.mesh.ranks()];
+        for runner in &self.runners {
+            let program = runner.exec.program();
+            for (local, rank) in runner.exec.ranks().into_iter().enumerate() {
+                for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
+                    values[rank].insert(a.name.clone(), runner.exec.read(local, &a.name)?);
+                }
+            }
+        }
+        crate::train::TrainState::collect(&self.programs, &self.mesh, &values, self.step)
     }
 
     /// Every parameter this process can assemble: (name, global shape, values), as the model
     /// has them (a padded vocabulary's real rows); a tensor this process holds only a shard
     /// of is left out.
     pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f64>)>, RuntimeError> {
-        let program = self.exec.program();
-        let local_ranks = self.exec.ranks().len();
-        let mut parameters = Vec::new();
-        for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
-            let shards = (0..local_ranks).map(|local| self.exec.read(local, &p.name)).collect::<Result<Vec<_>, _>>()?;
-            match &p.layout {
-                Some(layout) if shards.len() == self.mesh.ranks() => {
-                    let global = crate::layout::assemble(&shards, layout, &self.mesh);
-                    parameters.push((p.name.clone(), p.logical_shape(&layout.global_shape), p.from_program(&global, &layout.global_shape)));
-                }
-                Some(_) => {}
-                None => {
-                    let shape = &program.buffers[p.buffer].shape;
-                    parameters.push((p.name.clone(), p.logical_shape(shape), p.from_program(&shards[0], shape)));
+        let mut parameters: Vec<(String, Vec<usize>, Vec<f64>)> = Vec::new();
+        if self.holds_every_rank() {
+            let state = self.state()?;
+            for program in &self.programs {
+                for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+                    if parameters.iter().any(|(n, _, _)| *n == p.name) {
+                        continue;
+                    }
+                    let (shape, values) = state.tensors.get(&p.name).cloned().ok_or_else(|| err(format!("no state for `{}`", p.name)))?;
+                    parameters.push((p.name.clone(), shape, values));
                 }
             }
+            return Ok(parameters);
+        }
+        // One rank of a multi-process run: the tensors it holds whole.
+        let exec = &self.runners[0].exec;
+        let program = exec.program();
+        for p in program.args.iter().filter(|a| a.role == Some(Role::Param) && a.layout.is_none()) {
+            let shape = &program.buffers[p.buffer].shape;
+            parameters.push((p.name.clone(), p.logical_shape(shape), p.from_program(&exec.read(0, &p.name)?, shape)));
         }
         Ok(parameters)
     }
