@@ -46,18 +46,48 @@ pub fn normal(key: u64, i: u64) -> f64 {
 
 /// The initial value of every element of parameter `name` with `len` elements.
 pub fn init_param(name: &str, len: usize, seed: u64, layers: usize) -> Vec<f64> {
-    if name.ends_with(".bias") {
-        return vec![0.0; len];
-    }
-    if name.ends_with("norm.weight") {
-        return vec![1.0; len];
-    }
-    let mut std = 0.02;
-    if name.ends_with("attn.out.weight") || name.ends_with("mlp.down.weight") {
-        std /= (2.0 * layers.max(1) as f64).sqrt();
-    }
+    let value = element_initializer(name, seed, layers);
+    (0..len as u64).map(value).collect()
+}
+
+/// Element `i` (in the global tensor) of parameter `name`'s initial value.
+fn element_initializer(name: &str, seed: u64, layers: usize) -> impl Fn(u64) -> f64 {
+    let (constant, std) = if name.ends_with(".bias") {
+        (Some(0.0), 0.0)
+    } else if name.ends_with("norm.weight") {
+        (Some(1.0), 0.0)
+    } else if name.ends_with("attn.out.weight") || name.ends_with("mlp.down.weight") {
+        (None, 0.02 / (2.0 * layers.max(1) as f64).sqrt())
+    } else {
+        (None, 0.02)
+    };
     let k = key(seed, name);
-    (0..len as u64).map(|i| std * normal(k, i)).collect()
+    move |i| constant.unwrap_or_else(|| std * normal(k, i))
+}
+
+/// The initial value of `rank`'s shard of the program argument `binding` (global shape
+/// `shape`, cut by its layout over `mesh`), element by element from global indices: the
+/// shard of [`init_binding`]'s tensor, without making that tensor (a process of a large
+/// model holds only its own shards). Without a layout, the whole tensor.
+pub fn init_shard(binding: &crate::program::Binding, shape: &[usize], mesh: &crate::collectives::MeshShape, rank: usize, seed: u64, layers: usize) -> Vec<f64> {
+    let Some(layout) = &binding.layout else { return init_binding(binding, shape, seed, layers) };
+    let logical = binding.logical_shape(shape);
+    let name = crate::program::master_of(&binding.name).unwrap_or(&binding.name);
+    let value = element_initializer(name, seed, layers);
+    // A padded tensor's real elements sit at the start of each dimension; the rest are 0.
+    crate::layout::shard_from(layout, mesh, rank, |g| {
+        let (mut rest, mut unpadded, mut stride) = (g, 0u64, 1u64);
+        for (&n, &real) in shape.iter().zip(&logical).rev() {
+            let i = rest % n;
+            rest /= n;
+            if i >= real {
+                return 0.0;
+            }
+            unpadded += i as u64 * stride;
+            stride *= real as u64;
+        }
+        value(unpadded)
+    })
 }
 
 /// The initial global value of the program argument `binding` (global shape `shape`): the

@@ -52,6 +52,15 @@ pub fn local_shard<T: Copy + Default>(global: &[T], layout: &Layout, mesh: &Mesh
     out
 }
 
+/// `rank`'s shard of a tensor whose global element `g` is `value(g)`, made element by element
+/// (the global tensor is never materialised).
+pub fn shard_from<T: Copy + Default>(layout: &Layout, mesh: &MeshShape, rank: usize, value: impl Fn(usize) -> T) -> Vec<T> {
+    let len = layout.global_shape.iter().zip(parts(layout, mesh, rank)).map(|(&g, (n, _))| g / n.max(1)).product();
+    let mut out = vec![T::default(); len];
+    for_each(layout, mesh, rank, |g, l| out[l] = value(g));
+    out
+}
+
 /// The global tensor from every rank's shard (`shards[rank]`); replicas overwrite each other
 /// with what must be the same values.
 pub fn assemble<T: Copy + Default>(shards: &[Vec<T>], layout: &Layout, mesh: &MeshShape) -> Vec<T> {

@@ -295,12 +295,13 @@ pub(crate) fn on_every_rank_of<R: Send>(
                         let mut exec = CpuExecutor::with_communicator(program.clone(), comm, algorithm)?;
                         for p in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
                             let layout = p.layout.as_ref().ok_or_else(|| RuntimeError::Binding(format!("`{}` has no layout", p.name)))?;
-                            let global = match start {
-                                Some(state) => state.for_program(p, &layout.global_shape)?,
-                                None if matches!(p.role, Some(Role::Param | Role::Master)) => init_binding(p, &layout.global_shape, seed, layers),
+                            let shard = match start {
+                                Some(state) => crate::layout::local_shard(&state.for_program(p, &layout.global_shape)?, layout, mesh, rank),
+                                // Each rank makes only its own shard, from global indices.
+                                None if matches!(p.role, Some(Role::Param | Role::Master)) => crate::init::init_shard(p, &layout.global_shape, mesh, rank, seed, layers),
                                 None => continue,
                             };
-                            write_f64(&mut exec, &p.name, &crate::layout::local_shard(&global, layout, mesh, rank))?;
+                            write_f64(&mut exec, &p.name, &shard)?;
                         }
                         body(&mut exec, mesh, rank)
                     };

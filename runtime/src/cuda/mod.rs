@@ -839,15 +839,17 @@ impl CudaTrainer {
             for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
                 let global_shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
                 let global = match state {
-                    Some(state) => state.for_program(a, &global_shape)?,
-                    // Parameters and their fp32 master copies start from the seed; moments at 0.
-                    None if matches!(a.role, Some(Role::Param | Role::Master)) => crate::init::init_binding(a, &global_shape, seed, layers),
-                    None => vec![0.0; global_shape.iter().product()],
+                    Some(state) => Some(state.for_program(a, &global_shape)?),
+                    None => None,
                 };
                 for (local, rank) in exec.ranks().into_iter().enumerate() {
-                    let shard = match &a.layout {
-                        Some(layout) => crate::layout::local_shard(&global, layout, &mesh, rank),
-                        None => global.clone(),
+                    let shard = match (&global, &a.layout) {
+                        (Some(global), Some(layout)) => crate::layout::local_shard(global, layout, &mesh, rank),
+                        (Some(global), None) => global.clone(),
+                        // Parameters and their fp32 master copies start from the seed, each
+                        // rank's shard made from global indices alone; moments at 0.
+                        (None, _) if matches!(a.role, Some(Role::Param | Role::Master)) => crate::init::init_shard(a, &global_shape, &mesh, rank, seed, layers),
+                        (None, _) => vec![0.0; program.buffers[a.buffer].len()],
                     };
                     exec.write(local, &a.name, &shard)?;
                 }
