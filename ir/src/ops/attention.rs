@@ -33,9 +33,10 @@ impl OpDef for Attention {
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
         let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
         args.extend(attention_args(&q, hk, cx.attrs)?);
-        // One block per query row (x) of each sequence's head (y).
+        // One block per query row (x) of each sequence's head (y); shared memory for one
+        // chunk of keys and the row's output, whatever the sequence length.
         let grid = [u32::try_from(s).map_err(|_| format!("a sequence of {s} is too long for attention_fwd"))?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
-        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: 128, shared: s, workspace: 0, args }]))
+        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: KEY_CHUNK as u32, shared: KEY_CHUNK + q[3], workspace: 0, args }]))
     }
     fn summary(&self) -> &'static str {
         "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads"
@@ -129,7 +130,7 @@ impl OpDef for AttentionGrad {
         let rows = u32::try_from(s).map_err(|_| format!("a sequence of {s} is too long for attention_grad"))?;
         let (q_grid, kv_grid) = ([rows, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [rows, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
         Ok(DeviceKernel::Launches(vec![
-            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: q_grid, block: 128, shared: 2 * s, workspace, args: q_args },
+            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: q_grid, block: KEY_CHUNK as u32, shared: 2 * KEY_CHUNK + 2 * d, workspace, args: q_args },
             Launch { kernel: "attention_grad_kv", source: ATTENTION_CUDA, grid: kv_grid, block: 128, shared: 2 * d, workspace, args: kv_args },
         ]))
     }
@@ -190,63 +191,99 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64) -> Kernel
     }
 }
 
+/// Keys per chunk of the attention kernels' online softmax (and their threads per block).
+const KEY_CHUNK: usize = 128;
+
 /// CUDA C of this file's ops (see [`crate::kernel`]).
-const ATTENTION_CUDA: &str = r#"// p[j] = exp(q_i . k_j * scale - max) for the visible keys, by the whole block; the row's max
-// and sum of p come back (p is not normalised).
-__device__ void softmax_row(acc_t* p, const T* qi, const T* k, i64 visible, i64 d, acc_t scale, acc_t* mx_out, acc_t* sum_out) {
-  acc_t mx = NEG_INF, sum = 0;
-  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
+const ATTENTION_CUDA: &str = r#"// Keys are visited in chunks of KEY_CHUNK (the block size: one score per thread), so shared
+// memory holds one chunk's probabilities and per-row vectors of the head dim, whatever the
+// sequence length (no S x S or S-long buffer anywhere).
+#define KEY_CHUNK 128
+// Scores of keys [j0, j0 + n) against query row qi (times scale) into p; returns the block's
+// largest.
+__device__ acc_t chunk_scores(acc_t* p, const T* qi, const T* k, i64 j0, i64 n, i64 d, acc_t scale) {
+  acc_t mx = NEG_INF;
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
     acc_t dot = 0;
-    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[j * d + c]);
+    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[(j0 + j) * d + c]);
     p[j] = dot * scale;
     mx = fmax(mx, p[j]);
   }
-  mx = block_max(mx);
-  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) { p[j] = exp(p[j] - mx); sum += p[j]; }
-  *mx_out = mx;
-  *sum_out = block_sum(sum);
+  return block_max(mx);
 }
-// One block per (query row, batch x head): scores in shared memory, softmax, weighted values.
+// One block per (query row, batch x head), an online softmax over the key chunks (flash
+// attention's running max and sum; the output rescaled whenever the max grows).
 extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
   extern __shared__ unsigned char shared_raw[];
   acc_t* p = (acc_t*)shared_raw;
+  acc_t* o = p + KEY_CHUNK;
   i64 i = blockIdx.x, bh = blockIdx.y, b = bh / hq, h = bh % hq;
   i64 kv = (b * hk + h / (hq / hk)) * s * d;
   const T* qi = q + (bh * s + i) * d;
   i64 visible = causal ? i + 1 : s;
-  acc_t mx, sum;
-  softmax_row(p, qi, k + kv, visible, d, (acc_t)scale_, &mx, &sum);
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-    acc_t o = 0;
-    for (i64 j = 0; j < visible; j++) o += p[j] * load(v[kv + j * d + c]);
-    out[(bh * s + i) * d + c] = store(o / sum);
+  acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0;
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) o[c] = 0;
+  for (i64 j0 = 0; j0 < visible; j0 += KEY_CHUNK) {
+    i64 n = visible - j0 < KEY_CHUNK ? visible - j0 : KEY_CHUNK;
+    acc_t grown = fmax(mx, chunk_scores(p, qi, k + kv, j0, n, d, scale));
+    acc_t rescale = exp(mx - grown), part = 0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) { p[j] = exp(p[j] - grown); part += p[j]; }
+    sum = sum * rescale + block_sum(part);
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+      acc_t acc = 0;
+      for (i64 j = 0; j < n; j++) acc += p[j] * load(v[kv + (j0 + j) * d + c]);
+      o[c] = o[c] * rescale + acc;
+    }
+    mx = grown;
+    __syncthreads();
   }
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) out[(bh * s + i) * d + c] = store(o[c] / sum);
 }
-// Backward, per query row: dq, and the row's (max, sum, rowdot) into `stats` for the keys.
+// Backward, per query row, in two passes over the key chunks: the row's max and sum (online),
+// then with p = exp(score - max) / sum and dp = dout . v: rowdot = sum p dp, and
+// dq = scale (sum p dp k - rowdot sum p k). The row's (max, sum, rowdot) go to `stats` for the
+// keys' kernel.
 extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
   extern __shared__ unsigned char shared_raw[];
   acc_t* p = (acc_t*)shared_raw;
-  acc_t* dp = p + s;
+  acc_t* dp = p + KEY_CHUNK;
+  acc_t* pdpk = dp + KEY_CHUNK;
+  acc_t* pk = pdpk + d;
   i64 i = blockIdx.x, bh = blockIdx.y, b = bh / hq, h = bh % hq;
   i64 kv = (b * hk + h / (hq / hk)) * s * d;
   const T* qi = q + (bh * s + i) * d;
   const T* doi = dout + (bh * s + i) * d;
   i64 visible = causal ? i + 1 : s;
-  acc_t scale = (acc_t)scale_, mx, sum, rowdot = 0;
-  softmax_row(p, qi, k + kv, visible, d, scale, &mx, &sum);
-  for (i64 j = threadIdx.x; j < visible; j += blockDim.x) {
-    acc_t dot = 0;
-    for (i64 c = 0; c < d; c++) dot += load(doi[c]) * load(v[kv + j * d + c]);
-    p[j] /= sum;
-    dp[j] = dot;
-    rowdot += p[j] * dot;
+  acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0, rowdot = 0;
+  for (i64 j0 = 0; j0 < visible; j0 += KEY_CHUNK) {
+    i64 n = visible - j0 < KEY_CHUNK ? visible - j0 : KEY_CHUNK;
+    acc_t grown = fmax(mx, chunk_scores(p, qi, k + kv, j0, n, d, scale)), part = 0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) part += exp(p[j] - grown);
+    sum = sum * exp(mx - grown) + block_sum(part);
+    mx = grown;
   }
-  rowdot = block_sum(rowdot);
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-    acc_t acc = 0;
-    for (i64 j = 0; j < visible; j++) acc += p[j] * (dp[j] - rowdot) * load(k[kv + j * d + c]);
-    dq[(bh * s + i) * d + c] = store(acc * scale);
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) { pdpk[c] = 0; pk[c] = 0; }
+  for (i64 j0 = 0; j0 < visible; j0 += KEY_CHUNK) {
+    i64 n = visible - j0 < KEY_CHUNK ? visible - j0 : KEY_CHUNK;
+    chunk_scores(p, qi, k + kv, j0, n, d, scale);
+    acc_t part = 0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+      acc_t dot = 0;
+      for (i64 c = 0; c < d; c++) dot += load(doi[c]) * load(v[kv + (j0 + j) * d + c]);
+      p[j] = exp(p[j] - mx) / sum;
+      dp[j] = dot;
+      part += p[j] * dot;
+    }
+    rowdot += block_sum(part);
+    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+      acc_t a = 0, bsum = 0;
+      for (i64 j = 0; j < n; j++) { acc_t kc = load(k[kv + (j0 + j) * d + c]); a += p[j] * dp[j] * kc; bsum += p[j] * kc; }
+      pdpk[c] += a;
+      pk[c] += bsum;
+    }
+    __syncthreads();
   }
+  for (i64 c = threadIdx.x; c < d; c += blockDim.x) dq[(bh * s + i) * d + c] = store((pdpk[c] - rowdot * pk[c]) * scale);
   if (threadIdx.x == 0) { acc_t* st = stats + (bh * s + i) * 3; st[0] = mx; st[1] = sum; st[2] = rowdot; }
 }
 // Backward, per key row of a kv head: dk and dv summed over the heads sharing it and the
