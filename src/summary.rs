@@ -362,7 +362,7 @@ impl Summary {
                     gb(m.parameters),
                     // A step without a pipeline frees activations as it makes gradients:
                     // its peak holds only some of them.
-                    if m.all_gradients > m.gradients + 0.05e9 { format!("{} at the peak (of {} per step)", gb(m.gradients), gb(m.all_gradients)) } else { gb(m.gradients) },
+                    if (m.all_gradients - m.gradients).abs() > 0.05e9 { format!("{} at the peak ({} per step as reduced)", gb(m.gradients), gb(m.all_gradients)) } else { gb(m.gradients) },
                     gb(m.optimizer),
                     if m.kept_per_microbatch * m.in_flight as f64 > m.activations + 0.05e9 {
                         format!("{} at the peak (of {} kept per micro-batch)", gb(m.activations), gb(m.kept_per_microbatch))

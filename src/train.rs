@@ -681,6 +681,9 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
 /// The iterations left to run: `--steps` is the total from the start of training (as
 /// Megatron-LM's `--train-iters`), so a resumed run stops where the uninterrupted one would.
 fn steps_to_run(args: &RunArgs, first_step: u64) -> Result<u64> {
+    if args.steps == 0 && first_step == 0 {
+        return Err(miette!(help = "give --steps 1 or more", "--steps 0: the run would train nothing"));
+    }
     if args.steps <= first_step {
         return Err(miette!(
             help = format!("--steps counts iterations from the start of training (as Megatron-LM's --train-iters): give more than {first_step} to train on"),
@@ -951,7 +954,8 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     let rows = args.step.batch(spec, mesh)?.global_batch as usize;
     let mut trainer = cuda::CudaTrainer::new(&programs, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?;
     let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
-    println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}, {} steps, seed {seed}", spec.name, args.steps);
+    let schedule = programs[0].pipeline.as_ref().map_or_else(String::new, |p| format!(", {} schedule, {} micro-batches per step", p.kind.label(), p.microbatches));
+    println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}{schedule}, {} steps, seed {seed}", spec.name, args.steps);
     print_data(&corpus, evaluation.as_ref());
     let tokens = rows * spec.seq_len() as usize;
     let (mut losses, mut seconds) = (LossSummary::default(), Vec::new());

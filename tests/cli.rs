@@ -498,6 +498,8 @@ fn optimizer_and_split_flags_are_checked_by_name() {
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
         assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
     }
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "0"]);
+    assert!(out.status.code() == Some(1) && unwrapped(&stderr(&out)).contains("--steps 0: the run would train nothing"), "{}", stderr(&out));
 }
 
 /// The plan's best configuration, as the command it prints, compiles and trains: the tiny

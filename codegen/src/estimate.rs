@@ -360,7 +360,9 @@ pub struct MemoryEstimate {
     /// Bytes of every gradient of the step, as above (the model-states term of Rajbhandari et
     /// al.). A pipelined rank holds them all (its sums over micro-batches), so `gradients`
     /// is this; a step without a pipeline makes them in its arena as the backward pass frees
-    /// activations, and `gradients` is the part alive at the arena's peak.
+    /// activations, and `gradients` is the gradient values alive at the arena's peak: fewer,
+    /// or more where unreduced copies (before a cast, a sum or a reduce-scatter) are alive
+    /// there too.
     #[serde(default)]
     pub all_gradients: f64,
     /// Bytes of fp32 master weights, first and second moments, as the program's optimizer
@@ -522,7 +524,16 @@ pub fn arena_peak(program: &Program) -> ArenaPeak {
         program.instrs[from..to].iter().filter(|i| which(i)).flat_map(|i| i.inputs.iter().copied()).collect()
     };
     let kept_set = read_by(seed, n, &|_| true);
-    let gradient_set = read_by(0, n, &|i| i.loc.starts_with("optimizer."));
+    // Gradients: what the optimizer section reads, and what reaches it through sums, casts and
+    // collectives (a tied embedding's two partial gradients, a bf16 gradient before its
+    // fp32 cast, a gradient before its reduction).
+    let mut gradient_set = read_by(0, n, &|i| i.loc.starts_with("optimizer."));
+    for instr in program.instrs[seed.min(n)..].iter().rev() {
+        let carries = matches!(instr.op.as_str(), "xf.add" | "xf.cast") || instr.op.starts_with("shard.") || instr.op == "xf.wait";
+        if carries && !instr.loc.starts_with("optimizer.") && instr.outputs.iter().any(|b| gradient_set.contains(b)) {
+            gradient_set.extend(instr.inputs.iter().copied());
+        }
+    }
     for b in (0..program.buffers.len()).filter(|&b| alive(b)) {
         if first[b] < seed && kept_set.contains(&b) {
             peak.kept += bytes(b);

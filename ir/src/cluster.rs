@@ -269,6 +269,12 @@ impl Cluster {
                             _ => Err(format!("placement: unknown axis {n}; use dp, tp and pp")),
                         })
                         .collect::<Result<_, _>>()?;
+                    // The runtimes number ranks tp fastest, then dp, then pp (Megatron-LM's
+                    // order): a node holds whole tp groups first. Another order would price
+                    // programs that no run places that way.
+                    if cluster.placement != [1, 0, 2] {
+                        return Err("placement: shardc places ranks as Megatron-LM does, tp innermost, then dp, then pp; give [\"tp\", \"dp\", \"pp\"] or leave it out".into());
+                    }
                 }
                 "intra_node" | "inter_node" => {
                     let t = value.as_table().ok_or_else(|| format!("{key}: expected a table with alpha and bandwidth"))?;

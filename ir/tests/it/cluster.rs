@@ -151,10 +151,12 @@ fn cluster_toml_round_trips_and_refuses_the_old_efficiency() {
     c.shared_host = true;
     c.shared_slowdown = 1.0625;
     c.shared_pool_slowdown = 1.09;
-    c.placement = vec![0, 2, 1];
     c.intra_node = Link { alpha: 3.3e-6, bandwidth: 5.5e9 };
     let text = c.to_toml();
     assert_eq!(Cluster::from_toml(&text).unwrap(), c, "{text}");
+    // Ranks are placed tp innermost, then dp, then pp: no other order describes a run.
+    let other = Cluster::from_toml("placement = [\"dp\", \"tp\", \"pp\"]").unwrap_err();
+    assert!(other.contains("placement: shardc places ranks as Megatron-LM does"), "{other}");
     let old = Cluster::from_toml("compute_efficiency = 0.7").unwrap_err();
     assert!(old.contains("gemm_efficiency"), "{old}");
     assert!(Cluster::from_toml("[gpu]\ngemm_efficiency = 1.5").unwrap_err().contains("at most 1"));
