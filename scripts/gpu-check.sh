@@ -3,27 +3,38 @@
 #
 #   scripts/gpu-check.sh prepare [DIR]   on the build machine (default DIR: out/gpu-check):
 #       release-builds the runtime-only binary `shardc-gpu` (CUDA backend, cudarc loading
-#       CUDA 13 libraries at run time), compiles the plans it runs with `--target cuda`, and
-#       stages binary, plans, corpus, manifest and this script in DIR (checked: < 50 MB).
+#       CUDA 13 libraries at run time), compiles the plans it runs with `--target cuda`
+#       (pipeline ranks get their device plans from examples/gpu-check-plans.rs, which also
+#       builds the one-op attention programs and prices them), and stages binary, plans,
+#       corpus, manifest and this script in DIR (checked: < 50 MB).
 #   DIR/gpu-check.sh run [DIR]           on the GPU machine (the staged copy of this script):
 #       puts the CUDA libraries found under Python's site-packages on LD_LIBRARY_PATH (with
 #       the libnccl.so symlink cudarc needs), then
-#         1. checks tiny and gpt2-small at tp=1 and at tp=2 (both ranks on the one GPU), in
-#            f32 and bf16, against the CPU backend: loss at every step and first-step
+#         1. checks tiny at (dp,tp,pp) = (1,1,1), (2,2,1) and (1,1,2) (1F1B over 4
+#            micro-batches), every rank on the one GPU, in f32 and in bf16 mixed precision,
+#            tiny with gradient accumulation (4 micro-batches at (1,1,1)), and gpt2-small at
+#            tp=1 and tp=2, against the CPU backend: loss at every step and first-step
 #            gradients. Tolerances (relative): f32 loss 1e-4, gradients 1e-3 (summation
 #            order differs: cuBLAS, block reductions); bf16 loss 3e-2 (8-bit mantissa,
 #            against the f32 CPU run), gradients not compared (a bf16 parameter cannot
 #            resolve one small SGD step);
-#         2. times a gpt2-small training step and a wide GEMM-bound layer, and prints the
-#            achieved GEMM TFLOP/s against cuBLAS's measured peak and the h200 preset's
-#            prediction;
+#         2. times a gpt2-small training step (s=1024, micro-batch 8, bf16 and f32), a wide
+#            GEMM-bound layer, and attention forward+backward at s=4096 and 16384, each
+#            beside the cluster model's prediction (h200 preset), with MFU, achieved GEMM
+#            TFLOP/s against cuBLAS's measured peak, and attention TFLOP/s;
 #         3. times every distinct kernel of gpt2-small's bf16 step (s=1024, 1 and 4 sequences),
 #            a streaming add and a chain of tiny kernels (`shardc-gpu calibrate`): what
-#            `shardc calibrate --measured` fits the cluster model on.
-#       Exits non-zero on any mismatch. Budget: well under 8 minutes on one H200.
+#            `shardc calibrate --measured` fits the cluster model on;
+#         4. prints one table of every case: measured, predicted, their ratio, and the
+#            verdict, MFU or TFLOP/s (`shardc-gpu table`).
+#       Exits non-zero on any mismatch. Budget: under 8 minutes on one H200, by the sizing
+#       notes at each workload below: numerics 1-2 minutes (mostly the CPU oracle of
+#       gpt2-small), speed about a minute, calibration 1-2 minutes (an NVRTC compile per
+#       kernel program); the run prints its wall time.
 #   scripts/gpu-check.sh report [DIR]    back on the build machine, with DIR as the GPU run
 #       left it: fits the h200 cluster model to the measured kernels (DIR/h200-calibrated.toml)
-#       and prints each timed step beside the preset's and the calibrated model's prediction.
+#       and prints each timed step and attention case beside the preset's and the calibrated
+#       model's prediction.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 mode="${1:-}"
@@ -33,8 +44,10 @@ prepare() {
   cd "$here/.."
   dir="${dir:-out/gpu-check}"
   scripts/setup
-  echo "gpu-check: building shardc (compiler) and shardc-gpu (runtime only, release)"
-  cargo build --locked --bin shardc
+  echo "gpu-check: building shardc (compiler), its plan helper and shardc-gpu (runtime only, release)"
+  # With the CUDA backend, as scripts/test builds shardc: one debug binary, not two that
+  # replace each other under a test run in the same checkout.
+  cargo build --locked --features cuda --bin shardc --example gpu-check-plans
   cargo build --locked --release -p shardc-runtime --features cuda --bin shardc-gpu
   rm -rf "$dir" && mkdir -p "$dir/plans"
   cp target/release/shardc-gpu "$dir/"
@@ -43,40 +56,63 @@ prepare() {
   cp scripts/gpu-check.sh "$dir/"
   local shardc=./target/debug/shardc
   # Checked cases train with SGD so that first-step gradients can be read off the update.
-  # One micro-batch per step: the CUDA backend runs no gradient accumulation yet.
-  local check=(--target cuda --optimizer sgd --lr 0.1 --microbatches 1)
+  local check=(--target cuda --optimizer sgd --lr 0.1)
   plan() { local out="$1"; shift; "$shardc" compile "$@" -o "$dir/plans/$out.json" >/dev/null; echo "  plans/$out.json"; }
-  plan tiny-f32-tp1 models/tiny.toml "${check[@]}" --dtype f32
-  plan tiny-f32-tp2 models/tiny.toml "${check[@]}" --dtype f32 --mesh tp=2
-  plan tiny-bf16-tp1 models/tiny.toml "${check[@]}" --dtype bf16
-  plan tiny-bf16-tp2 models/tiny.toml "${check[@]}" --dtype bf16 --mesh tp=2
-  local gpt=(models/gpt2-small.toml --seq 128 --micro-batch 2)
+  # tiny (2 layers, hidden 16, micro-batch 2, global batch 8, 0.8 MFLOP a micro-batch): a
+  # few seconds per case on the GPU (module compile, 5 steps, the gradient step) and less on
+  # the CPU oracle. (1,1,1) and dp=2,tp=2 take one micro-batch per step (one train_step
+  # program, the four ranks of dp x tp on the one GPU); pp=2 runs 1F1B over the spec's 4
+  # micro-batches (a program per pipeline rank, both on the GPU); "accum" is the
+  # single-device step of 4 micro-batches (gradient accumulation, one pipeline rank).
+  for dtype in f32 bf16; do
+    plan "tiny-$dtype-111" models/tiny.toml "${check[@]}" --dtype "$dtype" --microbatches 1
+    plan "tiny-$dtype-dp2tp2" models/tiny.toml "${check[@]}" --dtype "$dtype" --mesh dp=2,tp=2 --microbatches 1
+    plan "tiny-$dtype-pp2" models/tiny.toml "${check[@]}" --dtype "$dtype" --mesh pp=2 --schedule 1f1b
+    "$helper" device-plans "$dir/plans/tiny-$dtype-pp2.json"
+  done
+  plan tiny-f32-accum models/tiny.toml "${check[@]}" --dtype f32
+  "$helper" device-plans "$dir/plans/tiny-f32-accum.json"
+  # gpt2-small at s=128, micro-batch 2 (256 tokens, 0.2 TFLOP a step): the CPU oracle takes
+  # about a second a step on 16 cores, 3 steps and the gradient step per case.
+  local gpt=(models/gpt2-small.toml --seq 128 --micro-batch 2 --microbatches 1)
   plan gpt2-f32-tp1 "${gpt[@]}" "${check[@]}" --dtype f32
   plan gpt2-f32-tp2 "${gpt[@]}" "${check[@]}" --dtype f32 --mesh tp=2
   plan gpt2-bf16-tp1 "${gpt[@]}" "${check[@]}" --dtype bf16
   # Timed workloads: AdamW, as in training.
-  # Priced for the H200 the check runs on: `bench` prints the cluster model's prediction
-  # (the h200 preset) beside the measured step.
+  # Priced for the H200 the check runs on: the plans carry the cluster model's prediction
+  # (the h200 preset) for `bench` to print beside the measured step.
   bench_plans plan --gpu h200
+  # Attention forward and backward, one op each, priced by the h200 preset.
+  local entries=()
+  for shape in "${attention_shapes[@]}"; do
+    # shellcheck disable=SC2086
+    entries+=("$("$helper" attention $shape "${attention_dims[@]}" --gpu h200 --emit "$dir/plans")")
+  done
   # The kernels `shardc-gpu calibrate` times on the GPU, for `report` to fit on.
   "$shardc" calibrate "${calibration[@]}" --emit "$dir/calibration"
-  cat > "$dir/manifest.json" <<'JSON'
+  local attention
+  attention=$(IFS=,; echo "${entries[*]}")
+  cat > "$dir/manifest.json" <<JSON
 {
   "data": "corpus.txt",
   "cases": [
-    {"name": "tiny f32 tp=1", "program": "plans/tiny-f32-tp1.json", "reference": "plans/tiny-f32-tp1.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
-    {"name": "tiny f32 tp=2 (1 GPU)", "program": "plans/tiny-f32-tp2.json", "reference": "plans/tiny-f32-tp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
-    {"name": "tiny bf16 tp=1", "program": "plans/tiny-bf16-tp1.json", "reference": "plans/tiny-f32-tp1.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
-    {"name": "tiny bf16 tp=2 (1 GPU)", "program": "plans/tiny-bf16-tp2.json", "reference": "plans/tiny-f32-tp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
-    {"name": "gpt2-small f32 tp=1", "program": "plans/gpt2-f32-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
-    {"name": "gpt2-small f32 tp=2 (1 GPU)", "program": "plans/gpt2-f32-tp2.json", "reference": "plans/gpt2-f32-tp2.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
-    {"name": "gpt2-small bf16 tp=1", "program": "plans/gpt2-bf16-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 3e-2}
+    {"name": "tiny f32", "program": "plans/tiny-f32-111.json", "reference": "plans/tiny-f32-111.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "tiny bf16", "program": "plans/tiny-bf16-111.json", "reference": "plans/tiny-f32-111.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
+    {"name": "tiny f32", "program": "plans/tiny-f32-dp2tp2.json", "reference": "plans/tiny-f32-dp2tp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "tiny bf16", "program": "plans/tiny-bf16-dp2tp2.json", "reference": "plans/tiny-f32-dp2tp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
+    {"name": "tiny f32", "program": "plans/tiny-f32-pp2.json", "reference": "plans/tiny-f32-pp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "tiny bf16", "program": "plans/tiny-bf16-pp2.json", "reference": "plans/tiny-f32-pp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
+    {"name": "tiny f32 accumulation", "program": "plans/tiny-f32-accum.json", "reference": "plans/tiny-f32-accum.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "gpt2-small f32", "program": "plans/gpt2-f32-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "gpt2-small f32", "program": "plans/gpt2-f32-tp2.json", "reference": "plans/gpt2-f32-tp2.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "gpt2-small bf16", "program": "plans/gpt2-bf16-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 3e-2}
   ],
   "bench": [
     {"name": "gpt2-small step (s=1024, b=8)", "program": "plans/bench-gpt2-bf16.json", "steps": 6},
     {"name": "gpt2-small step (s=1024, b=8)", "program": "plans/bench-gpt2-f32.json", "steps": 4},
     {"name": "wide layer h=4096 (s=512, b=8)", "program": "plans/bench-wide-bf16.json", "steps": 6}
-  ]
+  ],
+  "attention": [$attention]
 }
 JSON
   local size
@@ -89,13 +125,26 @@ JSON
   echo "gpu-check: on the GPU machine run: $dir/gpu-check.sh run $dir"
 }
 
+# The plan helper (examples/gpu-check-plans.rs), built beside shardc.
+helper=./target/debug/examples/gpu-check-plans
 # The timed plans, compiled by `$1` (plan, or a pricing function) with extra arguments.
+# gpt2-small at s=1024, micro-batch 8 (8192 tokens, 7.2 TFLOP a step by the registry; the
+# h200 preset predicts 25 ms in bf16): well under a second a step even in f32 and with slow
+# attention, 6 steps in bf16 and 4 in f32. The wide layer (hidden 4096, ffn 16384, 4096
+# tokens: GEMMs of 4096 x 4096 x 16384) is GEMM-bound, 5.1 TFLOP a step, 6 steps.
 bench_plans() {
   local how="$1"; shift
   "$how" bench-gpt2-bf16 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype bf16 "$@"
   "$how" bench-gpt2-f32 models/gpt2-small.toml --seq 1024 --micro-batch 8 --microbatches 1 --target cuda --dtype f32 "$@"
   "$how" bench-wide-bf16 models/wide-layer.toml --microbatches 1 --target cuda "$@"
 }
+# Attention: 16384 tokens a run at each sequence (batch 4 at 4096, 1 at 16384, as flash
+# attention's benchmarks hold tokens fixed), 16 heads of 128 (hidden 2048), causal, bf16.
+# Forward and backward do 1.9 TFLOP at s=4096 and 7.8 TFLOP at s=16384 (the registry counts
+# the causal half in full); `shardc-gpu bench` runs each a warm-up and 3 timed times, so
+# even at 2 TFLOP/s the two sequences take about 20 s, and q, k, v take 64 MB each.
+attention_shapes=("--seq 4096 --batch 4" "--seq 16384 --batch 1")
+attention_dims=(--heads 16 --head-dim 128 --dtype bf16)
 # The calibration workload: gpt2-small's bf16 step at the benchmark's sequence length.
 calibration=(models/gpt2-small.toml --backend cuda --gpu h200 --seq 1024 --dtype bf16)
 
@@ -103,19 +152,34 @@ report() {
   cd "$here/.."
   dir="${dir:-out/gpu-check}"
   [ -f "$dir/calibration/measured.json" ] || { echo "gpu-check: no $dir/calibration/measured.json: run gpu-check.sh run on the GPU machine first" >&2; exit 1; }
-  cargo build --locked --bin shardc
+  cargo build --locked --features cuda --bin shardc --example gpu-check-plans
   local shardc=./target/debug/shardc
   "$shardc" calibrate "${calibration[@]}" --measured "$dir/calibration/measured.json" -o "$dir/h200-calibrated.toml"
-  printf "\n%-20s %12s %16s %18s\n" "workload" "measured ms" "h200 preset ms" "calibrated ms"
+  printf "\n%-60s %12s %16s %18s\n" "workload" "measured ms" "h200 preset ms" "calibrated ms"
+  measured() { # seconds of the given programs in bench-measured.json, summed, in ms
+    python3 -c "import json,sys; m = json.load(open(sys.argv[1])); print('%.3f' % (1e3 * sum(m[k] for k in sys.argv[2:])))" "$dir/bench-measured.json" "$@"
+  }
   price() { # name, then compile arguments
     local name="$1"; shift
-    local measured preset calibrated
-    measured=$(python3 -c "import json,sys; print(1e3 * json.load(open(sys.argv[1]))['plans/$name.json'])" "$dir/bench-measured.json")
+    local preset calibrated
     preset=$("$shardc" compile "$@" --gpu h200 2>&1 | awk '/^  estimate/ {print $2}')
     calibrated=$("$shardc" compile "$@" --cluster "$dir/h200-calibrated.toml" 2>&1 | awk '/^  estimate/ {print $2}')
-    printf "%-20s %12.2f %16s %18s\n" "$name" "$measured" "$preset" "$calibrated"
+    printf "%-60s %12s %16s %18s\n" "$name" "$(measured "plans/$name.json")" "$preset" "$calibrated"
   }
   bench_plans price
+  predicted() { # ms of forward + backward in the helper's JSON
+    python3 -c "import json,sys; a = json.loads(sys.argv[1]); print('%.3f' % (1e3 * (a['forward']['predicted_seconds'] + a['backward']['predicted_seconds'])))" "$1"
+  }
+  for shape in "${attention_shapes[@]}"; do
+    local preset calibrated seq
+    # shellcheck disable=SC2086
+    preset=$("$helper" attention $shape "${attention_dims[@]}" --gpu h200)
+    # shellcheck disable=SC2086
+    calibrated=$("$helper" attention $shape "${attention_dims[@]}" --cluster "$dir/h200-calibrated.toml")
+    seq=$(python3 -c "import sys; a = sys.argv[1].split(); print(a[a.index('--seq') + 1])" "$shape")
+    printf "%-60s %12s %16s %18s\n" "$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['name'])" "$preset")" \
+      "$(measured "plans/attention-s$seq-fwd.json" "plans/attention-s$seq-bwd.json")" "$(predicted "$preset")" "$(predicted "$calibrated")"
+  done
 }
 
 run() {
@@ -141,12 +205,16 @@ run() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   ./shardc-gpu available
   local status=0
+  rm -f results-check.json results-bench.json
   echo "== numerics: GPU against the CPU backend =="
   ./shardc-gpu check manifest.json || status=1
   echo "== speed =="
   ./shardc-gpu bench manifest.json || status=1
   echo "== calibration: the step's kernels, one at a time (fit with gpu-check.sh report) =="
   ./shardc-gpu calibrate calibration || status=1
+  echo "== gpu-check: every case =="
+  ./shardc-gpu table manifest.json || status=1
+  echo "gpu-check: run took ${SECONDS} s (budget 480 s)"
   exit $status
 }
 

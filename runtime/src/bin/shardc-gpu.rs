@@ -1,23 +1,32 @@
 //! `shardc-gpu`: the runtime-only binary of the GPU check (no MLIR, no compiler), for a GPU
 //! machine that has no Rust toolchain. It reads compiled plans (`shardc compile --target
-//! cuda -o`) listed in a manifest and
+//! cuda -o`; pipeline ranks given their device plans by `examples/gpu-check-plans.rs`) and
+//! one-op programs listed in a manifest, and
 //!
 //! * `check MANIFEST`: trains each case on the GPU and on the CPU backend (the oracle) from
-//!   the same seed and batches, and compares losses and first-step gradients;
+//!   the same seed and batches, and compares losses and first-step gradients; a plan with
+//!   pipeline ranks (pipeline stages, or gradient accumulation over micro-batches) runs them
+//!   all, every rank of the mesh on the one GPU, and on the CPU through the pipeline runtime;
 //! * `bench MANIFEST`: times each workload's training step and cuBLAS on a large GEMM, and
-//!   prints achieved TFLOP/s against that measured peak (and writes the step times beside the
-//!   manifest, `bench-measured.json`, for `scripts/gpu-check.sh report`);
+//!   prints achieved TFLOP/s against that measured peak and MFU, each beside the cluster
+//!   model's prediction that `shardc compile --gpu` left in the plan; then times each
+//!   attention case's forward and backward programs and prints their TFLOP/s (FLOPs from the
+//!   op registry, staged in the manifest) beside the predicted times. It writes the times
+//!   beside the manifest, `bench-measured.json`, for `scripts/gpu-check.sh report`;
+//! * `table MANIFEST`: the one table of every row `check` and `bench` left beside the
+//!   manifest (`results-check.json`, `results-bench.json`): case, measured, predicted, their
+//!   ratio, and the verdict, MFU or TFLOP/s;
 //! * `calibrate DIR`: times each single-kernel program that `shardc calibrate --backend cuda
 //!   --emit DIR` listed in `DIR/kernels.json` and writes `DIR/measured.json`, from which
 //!   `shardc calibrate --measured` fits the cluster model on the build machine.
 //!
 //! Exit status 1 when a case does not match (or anything fails). With
 //! `SHARDC_GPU_EMULATE=1` the device is the CPU emulation (for trying the check without a
-//! GPU; slow beyond tiny models).
+//! GPU; slow beyond tiny models; no cuBLAS peak, so no GEMM share).
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use shardc_runtime::cuda::{self, Placement};
 use shardc_runtime::data::ByteCorpus;
 use shardc_runtime::{DType, Program};
@@ -30,6 +39,8 @@ struct Manifest {
     cases: Vec<Case>,
     #[serde(default)]
     bench: Vec<Workload>,
+    #[serde(default)]
+    attention: Vec<AttentionCase>,
 }
 
 /// A GPU run compared with a CPU run.
@@ -57,25 +68,73 @@ struct Workload {
     steps: u64,
 }
 
+/// Attention forward and backward at one shape, as `gpu-check-plans attention` staged them.
+#[derive(Deserialize)]
+struct AttentionCase {
+    name: String,
+    forward: OneOp,
+    backward: OneOp,
+    /// Timed runs of each (the fastest counts), after a warm-up run.
+    #[serde(default = "three")]
+    repeats: usize,
+}
+
+fn three() -> usize {
+    3
+}
+
+/// A one-op program, its FLOPs (the op registry's cost) and the cluster model's seconds.
+#[derive(Deserialize)]
+struct OneOp {
+    program: PathBuf,
+    flops: f64,
+    predicted_seconds: f64,
+}
+
+/// One line of the final table.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct Row {
+    pub case: String,
+    pub measured: String,
+    pub predicted: String,
+    /// Predicted over measured time.
+    pub ratio: String,
+    pub result: String,
+    pub ok: bool,
+}
+
+/// What `check` or `bench` leaves beside the manifest for `table`.
+#[derive(Serialize, Deserialize, Default, Debug)]
+pub struct Results {
+    pub device: String,
+    pub notes: Vec<String>,
+    pub rows: Vec<Row>,
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.as_slice() {
-        [command, manifest] if command == "check" => load(manifest).and_then(|(m, dir)| check(&m, &dir)),
-        [command, manifest] if command == "bench" => load(manifest).and_then(|(m, dir)| bench(&m, &dir)),
-        [command, dir] if command == "calibrate" => calibrate(Path::new(dir)),
-        [command] if command == "available" => match Placement::first_gpu_or_emulated() {
-            Placement::Emulated => Ok(true),
-            _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
-        },
-        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | calibrate DIR | available".into()),
-    };
-    match result {
+    match cli(&args, &Placement::first_gpu_or_emulated()) {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),
         Err(e) => {
             eprintln!("shardc-gpu: {e}");
             std::process::exit(1);
         }
+    }
+}
+
+/// The command line on `placement`: whether everything matched.
+pub fn cli(args: &[String], placement: &Placement) -> Result<bool, String> {
+    match args {
+        [command, manifest] if command == "check" => load(manifest).and_then(|(m, dir)| check(&m, &dir, placement)),
+        [command, manifest] if command == "bench" => load(manifest).and_then(|(m, dir)| bench(&m, &dir, placement)),
+        [command, manifest] if command == "table" => table(Path::new(manifest).parent().unwrap_or(Path::new(""))),
+        [command, dir] if command == "calibrate" => calibrate(Path::new(dir), placement),
+        [command] if command == "available" => match placement {
+            Placement::Emulated => Ok(true),
+            _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
+        },
+        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | table MANIFEST | calibrate DIR | available".into()),
     }
 }
 
@@ -86,47 +145,76 @@ fn load(path: &str) -> Result<(Manifest, PathBuf), String> {
     Ok((manifest, dir))
 }
 
-/// The `train_step` program of a plan file written by `shardc compile -o`.
-fn train_step(path: &Path) -> Result<Program, String> {
+fn read_json(path: &Path) -> Result<serde_json::Value, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-    let plan: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The programs a plan file written by `shardc compile -o` trains with: its pipeline ranks
+/// (pipeline stages or several micro-batches per step), in rank order, or else its
+/// `train_step`. With `device`, each must carry its device plan.
+fn step_programs(path: &Path, device: bool) -> Result<Vec<Program>, String> {
+    let plan = read_json(path)?;
     let programs = plan.get("programs").and_then(|p| p.as_array()).ok_or_else(|| format!("{}: not a shardc plan", path.display()))?;
-    let step = programs.iter().find(|p| p.get("name").and_then(|n| n.as_str()) == Some("train_step")).ok_or_else(|| format!("{}: no train_step", path.display()))?;
-    serde_json::from_value(step.clone()).map_err(|e| format!("{}: {e}", path.display()))
+    let parse = |p: &serde_json::Value| serde_json::from_value::<Program>(p.clone()).map_err(|e| format!("{}: {e}", path.display()));
+    let ranks = programs.iter().filter(|p| p.get("pipeline").is_some_and(|x| !x.is_null())).map(parse).collect::<Result<Vec<_>, _>>()?;
+    let mut chosen = if ranks.is_empty() {
+        let step = programs.iter().find(|p| p.get("name").and_then(|n| n.as_str()) == Some("train_step")).ok_or_else(|| format!("{}: no train_step", path.display()))?;
+        vec![parse(step)?]
+    } else {
+        ranks
+    };
+    chosen.sort_by_key(|p| p.pipeline.as_ref().map_or(0, |x| x.rank));
+    if device && let Some(p) = chosen.iter().find(|p| p.device.is_none()) {
+        return Err(format!(
+            "{}: program `{}` has no device code (compile with `shardc compile --target cuda`; pipeline ranks get theirs from `cargo run --example gpu-check-plans -- device-plans PLAN`)",
+            path.display(),
+            p.name
+        ));
+    }
+    Ok(chosen)
 }
 
-/// The step time the compiler's cluster model predicted for the plan (`shardc compile --gpu`),
-/// in seconds, if the plan carries one.
-fn predicted_step(path: &Path) -> Option<f64> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let plan: serde_json::Value = serde_json::from_str(&text).ok()?;
-    plan.get("summary")?.get("estimate")?.get("step_seconds")?.as_f64()
+/// The compiler's estimate for the plan (`shardc compile --gpu`), if the plan carries one.
+fn estimate(path: &Path) -> Option<serde_json::Value> {
+    read_json(path).ok()?.get("summary")?.get("estimate").cloned()
 }
 
-/// Layers of the model, from its parameter names (`layers.N.`), for the initialisation scale.
-fn layers(program: &Program) -> usize {
-    program.args.iter().filter_map(|a| a.name.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(1, |l| l + 1)
+/// Layers of the model, from its parameter names (`layers.N.`) in any program, for the
+/// initialisation scale.
+fn layers(programs: &[Program]) -> usize {
+    programs.iter().flat_map(|p| &p.args).filter_map(|a| a.name.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(1, |l| l + 1)
 }
 
-fn corpus(manifest: &Manifest, dir: &Path, program: &Program) -> Result<ByteCorpus, String> {
-    let tokens = program.arg("tokens").ok_or("no tokens input")?;
-    let seq = tokens.layout.as_ref().map_or(program.buffers[tokens.buffer].shape[1], |l| l.global_shape[1]);
+fn global_shape(program: &Program, binding: &shardc_runtime::program::Binding) -> Vec<usize> {
+    binding.layout.as_ref().map_or_else(|| program.buffers[binding.buffer].shape.clone(), |l| l.global_shape.clone())
+}
+
+fn corpus(manifest: &Manifest, dir: &Path, programs: &[Program]) -> Result<ByteCorpus, String> {
+    let seq = programs.iter().find_map(|p| p.arg("tokens").or_else(|| p.arg("targets")).map(|a| global_shape(p, a)[1])).ok_or("no tokens input")?;
     // The model's vocabulary: the embedding table's rows before padding.
-    let vocab = program
-        .args
+    let vocab = programs
         .iter()
-        .find(|a| a.name == "embed.tokens.weight")
-        .map(|a| a.logical_shape(&a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone()))[0])
+        .find_map(|p| p.args.iter().find(|a| a.name == "embed.tokens.weight").map(|a| a.logical_shape(&global_shape(p, a))[0]))
         .ok_or("no embedding table")?;
     let bytes = std::fs::read(dir.join(&manifest.data)).map_err(|e| format!("reading the corpus: {e}"))?;
     ByteCorpus::new(bytes, seq, vocab).map_err(|e| e.to_string())
 }
 
-/// Losses and parameters of a CPU run (the oracle).
-fn cpu_run(program: &Program, corpus: &ByteCorpus, steps: u64) -> Result<(Vec<f64>, Vec<(String, Vec<f64>)>), String> {
-    let layers = layers(program);
+type Parameters = Vec<(String, Vec<f64>)>;
+
+/// Losses and parameters of a CPU run (the oracle): the pipeline runtime for pipeline ranks,
+/// rank threads for a mesh, one trainer otherwise.
+fn cpu_run(programs: &[Program], corpus: &ByteCorpus, steps: u64) -> Result<(Vec<f64>, Parameters), String> {
+    let layers = layers(programs);
+    let timeout = std::time::Duration::from_secs(600);
+    let program = &programs[0];
+    if program.pipeline.is_some() {
+        let run = shardc_runtime::pipeline::train_pipeline(programs, 0, layers, corpus, steps, timeout, shardc_runtime::collectives::Algorithm::Ring).map_err(|e| e.to_string())?;
+        return Ok((run.losses, run.parameters.into_iter().map(|(n, _, v)| (n, v)).collect()));
+    }
     if program.mesh.iter().product::<usize>() > 1 {
-        let run = shardc_runtime::train::train_spmd(program, 0, layers, corpus, steps, std::time::Duration::from_secs(600)).map_err(|e| e.to_string())?;
+        let run = shardc_runtime::train::train_spmd(program, 0, layers, corpus, steps, timeout).map_err(|e| e.to_string())?;
         return Ok((run.losses, run.parameters.into_iter().map(|(n, _, v)| (n, v)).collect()));
     }
     let mut trainer = shardc_runtime::train::Trainer::new(program.clone(), 0, layers).map_err(|e| e.to_string())?;
@@ -141,83 +229,244 @@ fn relative(a: &[f64], b: &[f64]) -> f64 {
     diff / a.iter().map(|x| x.abs()).fold(0.01, f64::max)
 }
 
-fn check(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
+/// What a plan runs: mesh (dp, tp, pp) and, with pipeline ranks, schedule and micro-batches.
+fn layout_note(programs: &[Program]) -> String {
+    let mesh = &programs[0].mesh;
+    let at = |i: usize| mesh.get(i).copied().unwrap_or(1);
+    let mut note = format!("({},{},{})", at(0), at(1), at(2));
+    if let Some(p) = &programs[0].pipeline {
+        note += &format!(" {} x{}", p.kind.label(), p.microbatches);
+    }
+    note
+}
+
+fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool, String> {
     let mut all = true;
-    println!("{:<28} {:>10} {:>10} {:>10} {:>12} {:>8}", "case (CPU vs GPU)", "loss CPU", "loss GPU", "loss rel", "grad rel", "match");
+    let mut results = Results::default();
+    println!("{:<40} {:>10} {:>10} {:>10} {:>12} {:>8}", "case (CPU vs GPU)", "loss CPU", "loss GPU", "loss rel", "grad rel", "match");
     for case in &manifest.cases {
-        let (program, reference) = (train_step(&dir.join(&case.program))?, train_step(&dir.join(&case.reference))?);
-        let corpus = corpus(manifest, dir, &program)?;
-        let layers = layers(&program);
-        let gpu = cuda::train(&program, 0, layers, &corpus, case.steps, &Placement::first_gpu_or_emulated()).map_err(|e| format!("{}: {e}", case.name))?;
-        let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps)?;
+        let (programs, reference) = (step_programs(&dir.join(&case.program), true)?, step_programs(&dir.join(&case.reference), false)?);
+        let corpus = corpus(manifest, dir, &programs)?;
+        let layers = layers(&programs);
+        let label = format!("{} {}", case.name, layout_note(&programs));
+        let gpu = cuda::train_programs(&programs, 0, layers, &corpus, case.steps, placement).map_err(|e| format!("{label}: {e}"))?;
+        results.device = gpu.device.clone();
+        let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps).map_err(|e| format!("{label} (CPU): {e}"))?;
         let loss_rel = cpu_losses.iter().zip(&gpu.losses).map(|(c, g)| (c - g).abs() / c.abs().max(1e-12)).fold(0.0, f64::max);
-        let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.iter().all(|l| l.is_finite());
+        let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.len() == cpu_losses.len() && gpu.losses.iter().all(|l| l.is_finite());
+        let mut why = if ok { String::new() } else { format!("loss rel {loss_rel:.2e} > {:.0e}", case.loss_tolerance) };
         let mut grad_text = "n/a".to_string();
         if let Some(tolerance) = case.gradient_tolerance {
             // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
-            let gpu_one = cuda::train(&program, 0, layers, &corpus, 1, &Placement::first_gpu_or_emulated()).map_err(|e| format!("{}: {e}", case.name))?;
-            let (_, cpu_one) = cpu_run(&reference, &corpus, 1)?;
-            let mut worst = (0.0f64, String::new());
+            let gpu_one = cuda::train_programs(&programs, 0, layers, &corpus, 1, placement).map_err(|e| format!("{label}: {e}"))?;
+            let (_, cpu_one) = cpu_run(&reference, &corpus, 1).map_err(|e| format!("{label} (CPU): {e}"))?;
+            let mut worst: Option<(f64, String)> = None;
             for (name, shape, after_gpu) in &gpu_one.parameters {
                 let Some((_, after_cpu)) = cpu_one.iter().find(|(n, _)| n == name) else { continue };
                 let initial = shardc_runtime::init::init_param(name, shape.iter().product(), 0, layers);
                 let grad = |after: &[f64]| initial.iter().zip(after).map(|(p0, p1)| (p0 - p1) / case.lr).collect::<Vec<f64>>();
                 let rel = relative(&grad(after_cpu), &grad(after_gpu));
-                if rel > worst.0 {
-                    worst = (rel, name.clone());
+                if worst.as_ref().is_none_or(|(w, _)| rel > *w) {
+                    worst = Some((rel, name.clone()));
                 }
             }
+            let Some(worst) = worst else {
+                return Err(format!("{label}: no parameter of the GPU run is in the CPU run"));
+            };
             grad_text = format!("{:.2e}", worst.0);
             if worst.0 > tolerance {
                 ok = false;
                 grad_text.push_str(&format!(" ({})", worst.1));
+                why = format!("{why}{}gradient of {} rel {:.2e} > {tolerance:.0e}", if why.is_empty() { "" } else { "; " }, worst.1, worst.0);
             }
         }
         all &= ok;
         println!(
-            "{:<28} {:>10.5} {:>10.5} {:>10.2e} {:>12} {:>8}",
-            case.name,
+            "{:<40} {:>10.5} {:>10.5} {:>10.2e} {:>12} {:>8}",
+            label,
             cpu_losses.last().copied().unwrap_or(f64::NAN),
             gpu.losses.last().copied().unwrap_or(f64::NAN),
             loss_rel,
             grad_text,
             if ok { "yes" } else { "NO" }
         );
+        let tolerances = match case.gradient_tolerance {
+            Some(g) => format!("loss {:.0e}, grad {g:.0e}", case.loss_tolerance),
+            None => format!("loss {:.0e}", case.loss_tolerance),
+        };
+        results.rows.push(Row {
+            case: label,
+            measured: if case.gradient_tolerance.is_some() { format!("loss rel {loss_rel:.1e}, grad rel {grad_text}") } else { format!("loss rel {loss_rel:.1e}") },
+            predicted: "-".into(),
+            ratio: "-".into(),
+            result: if ok { format!("match ({tolerances})") } else { format!("MISMATCH: {why}") },
+            ok,
+        });
     }
+    results.notes.push(format!("numerics: {} steps per case from seed 0, GPU against the CPU backend (the bf16 cases against the f32 plan)", manifest.cases.iter().map(|c| c.steps).max().unwrap_or(0)));
+    write_results(dir, "check", &results)?;
     Ok(all)
 }
 
-fn bench(manifest: &Manifest, dir: &Path) -> Result<bool, String> {
-    let peak_bf16 = cuda::gemm_peak(0, 8192, DType::Bf16, 20).map_err(|e| e.to_string())?;
-    let peak_f32 = cuda::gemm_peak(0, 8192, DType::F32, 5).map_err(|e| e.to_string())?;
-    println!("cuBLAS peak (8192^3 GEMM): bf16 {peak_bf16:.1} TFLOP/s, f32 {peak_f32:.1} TFLOP/s");
+fn write_results(dir: &Path, what: &str, results: &Results) -> Result<(), String> {
+    let out = dir.join(format!("results-{what}.json"));
+    std::fs::write(&out, serde_json::to_string_pretty(results).map_err(|e| e.to_string())?).map_err(|e| format!("writing {}: {e}", out.display()))
+}
+
+/// Milliseconds, with as many decimals as a small time needs.
+fn ms(seconds: f64) -> String {
+    let ms = 1e3 * seconds;
+    if ms >= 100.0 { format!("{ms:.1} ms") } else if ms >= 1.0 { format!("{ms:.2} ms") } else { format!("{ms:.4} ms") }
+}
+
+fn bench(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool, String> {
+    let mut results = Results::default();
+    // cuBLAS on one large square GEMM: the reference for achieved GEMM throughput. The
+    // emulated device has no cuBLAS to measure.
+    let peaks = match placement {
+        Placement::SingleDevice { device } => {
+            let bf16 = cuda::gemm_peak(*device, 8192, DType::Bf16, 20).map_err(|e| e.to_string())?;
+            let f32 = cuda::gemm_peak(*device, 8192, DType::F32, 5).map_err(|e| e.to_string())?;
+            println!("cuBLAS peak (8192^3 GEMM): bf16 {bf16:.1} TFLOP/s, f32 {f32:.1} TFLOP/s");
+            results.notes.push(format!("cuBLAS measured peak (8192^3 GEMM): bf16 {bf16:.1} TFLOP/s, f32 {f32:.1} TFLOP/s"));
+            Some((bf16, f32))
+        }
+        _ => {
+            results.notes.push("cuBLAS peak not measured (no GPU of this process's own): no GEMM shares".into());
+            None
+        }
+    };
     println!("{:<34} {:>6} {:>10} {:>14} {:>12} {:>8} {:>14} {:>10}", "workload", "dtype", "ms/step", "GEMM TFLOP/s", "peak", "ratio", "predicted ms", "pred/meas");
     let mut measured = serde_json::Map::new();
     for w in &manifest.bench {
-        let program = train_step(&dir.join(&w.program))?;
-        let plan = program.device.clone().ok_or("the plan has no device code")?;
-        let corpus = corpus(manifest, dir, &program)?;
-        let run = cuda::train(&program, 0, layers(&program), &corpus, w.steps.max(2), &Placement::first_gpu_or_emulated()).map_err(|e| format!("{}: {e}", w.name))?;
+        let path = dir.join(&w.program);
+        let programs = step_programs(&path, true)?;
+        let corpus = corpus(manifest, dir, &programs)?;
+        let run = cuda::train_programs(&programs, 0, layers(&programs), &corpus, w.steps.max(2), placement).map_err(|e| format!("{}: {e}", w.name))?;
+        results.device = run.device.clone();
         // The first step compiles nothing but warms caches and cuBLAS heuristics.
-        let timed = &run.step_seconds[1..];
-        let mut sorted = timed.to_vec();
+        let mut sorted = run.step_seconds[1..].to_vec();
         sorted.sort_by(f64::total_cmp);
         let median = sorted[sorted.len() / 2];
-        let ranks = program.mesh.iter().product::<usize>().max(1) as f64;
-        let achieved = cuda::gemm_flops(&plan) * ranks / median / 1e12;
-        let peak = if plan.dtype == DType::Bf16 { peak_bf16 } else { peak_f32 };
-        // The compiler's prediction for this GPU (the preset the plan was compiled with).
-        let (predicted, ratio) = match predicted_step(&dir.join(&w.program)) {
-            Some(p) => (format!("{:.2}", 1e3 * p), format!("{:.2}", p / median)),
-            None => ("-".into(), "-".into()),
+        let dtype = programs[0].device.as_ref().map_or(DType::F32, |d| d.dtype);
+        // GEMM throughput of a one-program step: every rank runs the plan's products once.
+        let gemm = match programs.as_slice() {
+            [program] if program.pipeline.is_none() => {
+                let ranks = program.mesh.iter().product::<usize>().max(1) as f64;
+                program.device.as_ref().map(|plan| cuda::gemm_flops(plan) * ranks / median / 1e12)
+            }
+            _ => None,
         };
-        println!("{:<34} {:>6} {:>10.2} {:>14.1} {:>12.1} {:>7.0}% {:>14} {:>10}", w.name, format!("{:?}", plan.dtype).to_lowercase(), 1e3 * median, achieved, peak, 100.0 * achieved / peak, predicted, ratio);
+        let peak = peaks.map(|(bf16, f32)| if dtype == DType::Bf16 { bf16 } else { f32 });
+        // The compiler's prediction for this GPU (the preset the plan was compiled with), and
+        // MFU: model FLOPs over the GPU's nominal peak, which the estimate's MFU fixes.
+        let estimate = estimate(&path);
+        let field = |name: &str| estimate.as_ref().and_then(|e| e.get(name)).and_then(|v| v.as_f64());
+        let (predicted, model_mfu) = (field("step_seconds"), field("mfu"));
+        let fmt = |x: Option<f64>, f: &dyn Fn(f64) -> String| x.map_or_else(|| "-".to_string(), f);
+        println!(
+            "{:<34} {:>6} {:>10.2} {:>14} {:>12} {:>8} {:>14} {:>10}",
+            w.name,
+            format!("{dtype:?}").to_lowercase(),
+            1e3 * median,
+            fmt(gemm, &|g| format!("{g:.1}")),
+            fmt(peak, &|p| format!("{p:.1}")),
+            fmt(gemm.zip(peak).map(|(g, p)| g / p), &|r| format!("{:.0}%", 100.0 * r)),
+            fmt(predicted, &|p| format!("{:.2}", 1e3 * p)),
+            fmt(predicted, &|p| format!("{:.2}", p / median)),
+        );
+        let mut result = Vec::new();
+        if let (Some(p), Some(m)) = (predicted, model_mfu) {
+            result.push(format!("MFU {:.1}% (model {:.1}%)", 100.0 * m * p / median, 100.0 * m));
+        }
+        if let Some(g) = gemm {
+            result.push(match peak {
+                Some(p) => format!("GEMM {g:.1} TFLOP/s = {:.0}% of cuBLAS", 100.0 * g / p),
+                None => format!("GEMM {g:.1} TFLOP/s"),
+            });
+        }
+        results.rows.push(Row {
+            case: format!("{} {}", w.name, format!("{dtype:?}").to_lowercase()),
+            measured: format!("{} /step", ms(median)),
+            predicted: fmt(predicted, &ms),
+            ratio: fmt(predicted, &|p| format!("{:.2}", p / median)),
+            result: result.join(", "),
+            ok: true,
+        });
         measured.insert(w.program.display().to_string(), serde_json::json!(median));
     }
+    if !manifest.attention.is_empty() {
+        println!("{:<58} {:>12} {:>12} {:>12} {:>14} {:>10}", "attention", "fwd ms", "bwd ms", "TFLOP/s", "predicted ms", "pred/meas");
+    }
+    for a in &manifest.attention {
+        let mut times = Vec::new();
+        for op in [&a.forward, &a.backward] {
+            let program: Program = serde_json::from_value(read_json(&dir.join(&op.program))?).map_err(|e| format!("{}: {e}", op.program.display()))?;
+            let seconds = cuda::time_program(program, placement, a.repeats).map_err(|e| format!("{}: {e}", a.name))?;
+            measured.insert(op.program.display().to_string(), serde_json::json!(seconds));
+            times.push(seconds);
+        }
+        let (fwd, bwd) = (times[0], times[1]);
+        let (total, predicted) = (fwd + bwd, a.forward.predicted_seconds + a.backward.predicted_seconds);
+        let tflops = |flops: f64, seconds: f64| flops / seconds / 1e12;
+        // Three significant figures down to a tiny (emulated) rate.
+        let fmt = |x: f64| if x >= 100.0 { format!("{x:.0}") } else if x >= 1.0 { format!("{x:.1}") } else { format!("{x:.3}") };
+        let rate = tflops(a.forward.flops + a.backward.flops, total);
+        println!("{:<58} {:>12.3} {:>12.3} {:>12.1} {:>14.3} {:>10.2}", a.name, 1e3 * fwd, 1e3 * bwd, rate, 1e3 * predicted, predicted / total);
+        let share = peaks.map_or_else(String::new, |(bf16, _)| format!(", {:.0}% of cuBLAS bf16", 100.0 * rate / bf16));
+        results.rows.push(Row {
+            case: a.name.clone(),
+            measured: format!("{} + {} = {}", ms(fwd), ms(bwd), ms(total)),
+            predicted: ms(predicted),
+            ratio: format!("{:.2}", predicted / total),
+            result: format!("{} TFLOP/s (fwd {}, bwd {}){share}", fmt(rate), fmt(tflops(a.forward.flops, fwd)), fmt(tflops(a.backward.flops, bwd))),
+            ok: true,
+        });
+    }
+    results.notes.push("predicted: the cluster model's h200 preset (`shardc compile --gpu h200`); pred/meas below 1: the GPU is slower than the model".into());
     // For `scripts/gpu-check.sh report`: the calibrated model's prediction beside these.
     let out = dir.join("bench-measured.json");
     std::fs::write(&out, serde_json::to_string_pretty(&measured).map_err(|e| e.to_string())?).map_err(|e| format!("writing {}: {e}", out.display()))?;
+    write_results(dir, "bench", &results)?;
     Ok(true)
+}
+
+/// `table MANIFEST`: one table of the rows `check` and `bench` wrote beside the manifest;
+/// whether every row is good (a missing file is a row that is not).
+fn table(dir: &Path) -> Result<bool, String> {
+    let mut rows = Vec::new();
+    let mut notes = Vec::new();
+    let mut device = String::new();
+    for what in ["check", "bench"] {
+        let path = dir.join(format!("results-{what}.json"));
+        match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let results: Results = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+                if device.is_empty() {
+                    device = results.device;
+                }
+                notes.extend(results.notes);
+                rows.extend(results.rows);
+            }
+            Err(_) => rows.push(Row { case: format!("({what})"), measured: "-".into(), predicted: "-".into(), ratio: "-".into(), result: format!("did not finish: no {}", path.display()), ok: false }),
+        }
+    }
+    let header = Row { case: "case".into(), measured: "measured".into(), predicted: "predicted".into(), ratio: "pred/meas".into(), result: "result".into(), ok: true };
+    let width = |f: fn(&Row) -> &String| rows.iter().chain([&header]).map(|r| f(r).chars().count()).max().unwrap_or(0);
+    let (c, m, p, r) = (width(|r| &r.case), width(|r| &r.measured), width(|r| &r.predicted), width(|r| &r.ratio));
+    println!("gpu-check on {}", if device.is_empty() { "(no device recorded)" } else { &device });
+    for note in &notes {
+        println!("  {note}");
+    }
+    let line = |row: &Row| println!("{:<c$}  {:>m$}  {:>p$}  {:>r$}  {}", row.case, row.measured, row.predicted, row.ratio, row.result);
+    line(&header);
+    println!("{}", "-".repeat(c + m + p + r + 8 + width(|r| &r.result)));
+    for row in &rows {
+        line(row);
+    }
+    let bad = rows.iter().filter(|r| !r.ok).count();
+    println!("{}", if bad == 0 { "gpu-check: every case matches".to_string() } else { format!("gpu-check: {bad} rows failed") });
+    Ok(bad == 0)
 }
 
 /// One single-kernel program to time, as `shardc calibrate --emit` lists it.
@@ -229,17 +478,15 @@ struct Kernel {
 
 /// `calibrate DIR`: times every program of `DIR/kernels.json` (the fastest of 5 runs) and
 /// writes `DIR/measured.json` (name -> seconds).
-fn calibrate(dir: &Path) -> Result<bool, String> {
+fn calibrate(dir: &Path, placement: &Placement) -> Result<bool, String> {
     let list = dir.join("kernels.json");
     let text = std::fs::read_to_string(&list).map_err(|e| format!("reading {}: {e} (write it with `shardc calibrate --backend cuda --emit DIR`)", list.display()))?;
     let kernels: Vec<Kernel> = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", list.display()))?;
-    let placement = Placement::first_gpu_or_emulated();
     let mut measured = serde_json::Map::new();
     for k in &kernels {
         let path = dir.join(&k.program);
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-        let program: Program = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let seconds = cuda::time_program(program, &placement, 5).map_err(|e| format!("{}: {e}", k.name))?;
+        let program: Program = serde_json::from_value(read_json(&path)?).map_err(|e| format!("{}: {e}", path.display()))?;
+        let seconds = cuda::time_program(program, placement, 5).map_err(|e| format!("{}: {e}", k.name))?;
         if seconds > 1e-3 {
             println!("  {:<78} {:>9.3} ms", k.name, 1e3 * seconds);
         }

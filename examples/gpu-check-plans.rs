@@ -1,0 +1,132 @@
+//! Build-machine half of `scripts/gpu-check.sh prepare`: what the staged runtime-only binary
+//! (`shardc-gpu`, no compiler) needs beyond `shardc compile --target cuda -o`.
+//!
+//! ```text
+//! cargo run --example gpu-check-plans -- device-plans PLAN.json...
+//! cargo run --example gpu-check-plans -- attention --seq S --batch B --heads H --head-dim D
+//!     [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR]
+//! ```
+//!
+//! * `device-plans` gives every pipeline-rank program of each plan file its device plan, in
+//!   place (`shardc compile --target cuda` gives one to `train_step` only; `shardc run
+//!   --backend cuda` makes the pipeline ranks' the same way before it runs them).
+//! * `attention` builds the two one-op programs of causal attention at that shape
+//!   (`xf.attention` and its backward `xf.attention_grad`, as `shardc calibrate` builds its
+//!   kernel programs), writes them with their device plans to `DIR` (with `--emit`), and prints
+//!   one JSON object: for each, the program's path (`DIR`'s last component joined with the
+//!   file name: relative to the folder that holds `DIR`, where the manifest lies), its FLOPs
+//!   (the op registry's cost, as every estimate counts them) and the cluster model's predicted
+//!   seconds for one run (`Cluster::op_time`: launch plus the flash-attention block model).
+
+use std::path::{Path, PathBuf};
+
+use shardc_ir::cluster::Cluster;
+use shardc_ir::ops::lookup;
+use shardc_ir::{ArgRole, AttrValue, Attrs, DType, FuncBuilder, TensorTy};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("device-plans") if args.len() > 1 => args[1..].iter().try_for_each(|p| {
+            let planned = device_plans(Path::new(p))?;
+            eprintln!("gpu-check-plans: {p}: device plans for {planned} pipeline ranks");
+            Ok(())
+        }),
+        Some("attention") => attention(&args[1..]).map(|entry| println!("{entry}")),
+        _ => Err("usage: gpu-check-plans device-plans PLAN.json... | attention --seq S --batch B --heads H --head-dim D [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR]".into()),
+    };
+    if let Err(e) = result {
+        eprintln!("gpu-check-plans: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Adds a device plan to every pipeline-rank program of the plan file at `path` that has none;
+/// returns how many it planned (none is an error: the plan has no pipeline ranks to give one).
+pub fn device_plans(path: &Path) -> Result<usize, String> {
+    let at = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let text = std::fs::read_to_string(path).map_err(|e| at(&e))?;
+    let mut plan: serde_json::Value = serde_json::from_str(&text).map_err(|e| at(&e))?;
+    let programs = plan.get_mut("programs").and_then(|p| p.as_array_mut()).ok_or_else(|| at(&"not a shardc plan"))?;
+    let mut planned = 0;
+    for entry in programs.iter_mut().filter(|p| p.get("pipeline").is_some_and(|x| !x.is_null()) && p.get("device").is_none_or(|x| x.is_null())) {
+        let program: shardc_runtime::Program = serde_json::from_value(entry.clone()).map_err(|e| at(&e))?;
+        let program = shardc_codegen::device::with_device_plan(program).map_err(|e| at(&e))?;
+        *entry = serde_json::to_value(&program).map_err(|e| at(&e))?;
+        planned += 1;
+    }
+    if planned == 0 {
+        return Err(at(&"no pipeline-rank program without a device plan"));
+    }
+    std::fs::write(path, serde_json::to_string(&plan).map_err(|e| at(&e))?).map_err(|e| at(&e))?;
+    Ok(planned)
+}
+
+/// `attention ARGS`: the manifest entry of one attention shape (see the module comment),
+/// the programs written with `--emit DIR`.
+pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
+    let mut options = std::collections::HashMap::new();
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} wants a value"))?;
+        if !matches!(flag.as_str(), "--seq" | "--batch" | "--heads" | "--head-dim" | "--dtype" | "--gpu" | "--cluster" | "--emit") {
+            return Err(format!("unknown option {flag}"));
+        }
+        options.insert(flag.trim_start_matches('-').to_string(), value.clone());
+    }
+    let number = |name: &str| -> Result<i64, String> {
+        let text = options.get(name).ok_or_else(|| format!("--{name} is required"))?;
+        text.parse::<i64>().ok().filter(|&n| n > 0).ok_or_else(|| format!("--{name} {text}: not a positive integer"))
+    };
+    let (seq, batch, heads, head_dim) = (number("seq")?, number("batch")?, number("heads")?, number("head-dim")?);
+    let dtype = match options.get("dtype").map_or("bf16", String::as_str) {
+        "bf16" => DType::Bf16,
+        "f32" => DType::F32,
+        other => return Err(format!("--dtype {other}: use bf16 or f32")),
+    };
+    let cluster = match (options.get("gpu"), options.get("cluster")) {
+        (Some(gpu), None) => Cluster::preset(gpu).ok_or_else(|| format!("--gpu {gpu}: use one of {}", shardc_ir::cluster::GPU_PRESETS.join(", ")))?,
+        (None, Some(file)) => Cluster::from_toml(&std::fs::read_to_string(file).map_err(|e| format!("--cluster {file}: {e}"))?).map_err(|e| format!("--cluster {file}: {e}"))?,
+        _ => return Err("give one of --gpu NAME and --cluster FILE".into()),
+    };
+    let emit = options.get("emit").map(PathBuf::from);
+    let qkv = TensorTy::new([batch, heads, seq, head_dim], dtype);
+    let attrs = Attrs::new().with("causal", AttrValue::Bool(true)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt()));
+    let mut out = serde_json::Map::new();
+    for (key, short, op, operands) in [("forward", "fwd", "xf.attention", 3), ("backward", "bwd", "xf.attention_grad", 4)] {
+        let types = vec![qkv.clone(); operands];
+        let (flops, seconds) = price(&cluster, op, &types, &attrs)?;
+        let file = format!("attention-s{seq}-{short}.json");
+        let mut entry = serde_json::json!({ "flops": flops, "predicted_seconds": seconds });
+        if let Some(dir) = &emit {
+            std::fs::create_dir_all(dir).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
+            let program = one_op_program(op, &types, &attrs)?;
+            std::fs::write(dir.join(&file), serde_json::to_string(&program).map_err(|e| e.to_string())?).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
+            let relative = dir.file_name().map_or_else(|| PathBuf::from(&file), |d| Path::new(d).join(&file));
+            entry["program"] = serde_json::json!(relative);
+        }
+        out.insert(key.to_string(), entry);
+    }
+    let dims = format!("b={batch}, {heads} heads of {head_dim}, causal, {}", if dtype == DType::Bf16 { "bf16" } else { "f32" });
+    out.insert("name".into(), serde_json::json!(format!("attention fwd+bwd s={seq} ({dims})")));
+    out.insert("gpu".into(), serde_json::json!(cluster.gpu.name));
+    Ok(serde_json::Value::Object(out))
+}
+
+/// FLOPs (the registry's cost) and the cluster's predicted seconds of one `op` on `types`.
+fn price(cluster: &Cluster, op: &str, types: &[TensorTy], attrs: &Attrs) -> Result<(f64, f64), String> {
+    let def = lookup(op).ok_or_else(|| format!("no op `{op}` in the registry"))?;
+    let refs: Vec<&TensorTy> = types.iter().collect();
+    let outputs = def.infer(&refs, attrs).map_err(|e| format!("{op}: {e}"))?;
+    Ok((def.cost(&refs, &outputs, attrs).flops, cluster.op_time(def, &refs, &outputs, attrs)))
+}
+
+/// A program of one `op` on inputs of `types`, with its device plan.
+fn one_op_program(op: &str, types: &[TensorTy], attrs: &Attrs) -> Result<shardc_runtime::Program, String> {
+    let mut fb = FuncBuilder::new("attention");
+    let inputs: Vec<_> = types.iter().enumerate().map(|(i, t)| fb.arg(&format!("in{i}"), t.clone(), ArgRole::Input)).collect();
+    let results = fb.op_multi(op, &inputs, attrs.clone(), "gpu-check").map_err(|e| format!("{op}: {e}"))?;
+    let names: Vec<String> = (0..results.len()).map(|i| format!("out{i}")).collect();
+    let program = shardc_codegen::lower_func(&fb.finish(&results, &names)).map_err(|e| format!("{op}: {e}"))?;
+    shardc_codegen::device::with_device_plan(program).map_err(|e| format!("{op}: {e}"))
+}

@@ -1,0 +1,115 @@
+//! The GPU check's two halves on the emulated device (the generated kernels compiled as C++
+//! and run on CPU fibers): plans compiled by `shardc compile --target cuda`, pipeline ranks
+//! given device plans and attention programs built as `examples/gpu-check-plans.rs` does for
+//! `scripts/gpu-check.sh prepare`, and a manifest run by `shardc-gpu check`, `bench` and
+//! `table` (the binary's own code, built into this test so it is never a stale copy).
+#![cfg(feature = "cuda")]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[allow(dead_code)]
+#[path = "../runtime/src/bin/shardc-gpu.rs"]
+mod shardc_gpu;
+
+#[allow(dead_code)]
+#[path = "../examples/gpu-check-plans.rs"]
+mod plans;
+
+use shardc_runtime::cuda::Placement;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardc-gpu-check-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("plans")).unwrap();
+    dir
+}
+
+/// `shardc compile models/tiny.toml ARGS --target cuda -o DIR/plans/NAME.json`.
+fn compile(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
+    let out = dir.join("plans").join(format!("{name}.json"));
+    let status = Command::new(env!("CARGO_BIN_EXE_shardc"))
+        .args(["compile", "models/tiny.toml", "--target", "cuda", "--optimizer", "sgd", "--gpu", "h200"])
+        .args(args)
+        .arg("-o")
+        .arg(&out)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    out
+}
+
+fn cli(args: &[&str]) -> Result<bool, String> {
+    shardc_gpu::cli(&args.iter().map(|a| a.to_string()).collect::<Vec<_>>(), &Placement::Emulated)
+}
+
+fn results(dir: &Path, what: &str) -> shardc_gpu::Results {
+    serde_json::from_str(&std::fs::read_to_string(dir.join(format!("results-{what}.json"))).unwrap()).unwrap()
+}
+
+#[test]
+fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
+    let dir = tempdir("manifest");
+    std::fs::copy(root().join("data/kjv-genesis-exodus.txt"), dir.join("corpus.txt")).unwrap();
+    compile(&dir, "one", &["--lr", "0.1", "--microbatches", "1"]);
+    compile(&dir, "dp2tp2", &["--lr", "0.1", "--microbatches", "1", "--mesh", "dp=2,tp=2"]);
+    let pp2 = compile(&dir, "pp2", &["--lr", "0.1", "--mesh", "pp=2", "--schedule", "1f1b"]);
+    // `compile` gives the training step its device plan, not the pipeline ranks: the check
+    // refuses such a plan by name, and the helper plans them.
+    std::fs::copy(&pp2, dir.join("plans/pp2-bare.json")).unwrap();
+    assert_eq!(plans::device_plans(&pp2), Ok(2));
+    assert!(plans::device_plans(&dir.join("plans/one.json")).is_err(), "a plan without pipeline ranks has nothing to plan");
+    compile(&dir, "one-lr2", &["--lr", "0.2", "--microbatches", "1"]);
+    let attention = plans::attention(&["--seq", "40", "--batch", "1", "--heads", "2", "--head-dim", "8", "--gpu", "h200", "--emit"].map(String::from).into_iter().chain([dir.join("plans").display().to_string()]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(attention["forward"]["program"], "plans/attention-s40-fwd.json");
+    // FLOPs are the registry's: 4 b h s^2 d + 5 b h s^2 forward.
+    assert_eq!(attention["forward"]["flops"], 4.0 * 2.0 * 1600.0 * 8.0 + 5.0 * 2.0 * 1600.0);
+    assert!(attention["backward"]["predicted_seconds"].as_f64().unwrap() > 0.0);
+
+    let case = |name: &str, program: &str, reference: &str| {
+        serde_json::json!({"name": name, "program": format!("plans/{program}.json"), "reference": format!("plans/{reference}.json"), "steps": 2, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3})
+    };
+    let manifest = |file: &str, cases: Vec<serde_json::Value>, bench: Vec<serde_json::Value>, attention: Vec<serde_json::Value>| {
+        let path = dir.join(file);
+        std::fs::write(&path, serde_json::json!({"data": "corpus.txt", "cases": cases, "bench": bench, "attention": attention}).to_string()).unwrap();
+        path.display().to_string()
+    };
+    let good = manifest(
+        "manifest.json",
+        vec![case("tiny f32", "one", "one"), case("tiny f32", "dp2tp2", "dp2tp2"), case("tiny f32", "pp2", "pp2")],
+        vec![serde_json::json!({"name": "tiny step", "program": "plans/one.json", "steps": 2})],
+        vec![attention],
+    );
+    assert_eq!(cli(&["check", &good]), Ok(true));
+    let check = results(&dir, "check");
+    let cases: Vec<&str> = check.rows.iter().map(|r| r.case.as_str()).collect();
+    assert_eq!(cases, ["tiny f32 (1,1,1)", "tiny f32 (2,2,1)", "tiny f32 (1,1,2) 1F1B x4"], "{check:?}");
+    assert!(check.rows.iter().all(|r| r.ok && r.result.starts_with("match")), "{check:?}");
+    assert_eq!(cli(&["bench", &good]), Ok(true));
+    let bench = results(&dir, "bench");
+    assert_eq!(bench.rows.len(), 2, "{bench:?}");
+    // The plan's own prediction (compiled with --gpu h200) beside the measured step, and the
+    // attention row's TFLOP/s.
+    assert!(bench.rows[0].predicted.ends_with("ms") && bench.rows[0].result.contains("MFU"), "{bench:?}");
+    assert!(bench.rows[1].case.starts_with("attention fwd+bwd s=40") && bench.rows[1].result.contains("TFLOP/s"), "{bench:?}");
+    let measured: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("bench-measured.json")).unwrap()).unwrap();
+    assert!(measured["plans/one.json"].as_f64().unwrap() > 0.0 && measured["plans/attention-s40-bwd.json"].as_f64().unwrap() > 0.0, "{measured}");
+    assert_eq!(cli(&["table", &good]), Ok(true));
+
+    // A reference that trains differently (twice the learning rate) is a mismatch, in the
+    // table too; a pipeline plan without device plans is refused by name.
+    let bad = manifest("bad.json", vec![case("tiny f32", "one", "one-lr2")], vec![], vec![]);
+    assert_eq!(cli(&["check", &bad]), Ok(false));
+    let row = &results(&dir, "check").rows[0];
+    assert!(!row.ok && row.result.contains("MISMATCH") && row.result.contains("gradient"), "{row:?}");
+    assert_eq!(cli(&["table", &bad]), Ok(false));
+    let bare = manifest("bare.json", vec![case("tiny f32", "pp2-bare", "pp2-bare")], vec![], vec![]);
+    let err = cli(&["check", &bare]).unwrap_err();
+    assert!(err.contains("pipeline_rank0") && err.contains("no device code") && err.contains("device-plans"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
