@@ -385,10 +385,13 @@ pub struct MemoryEstimate {
     /// Bytes of data-parallel gradient buckets: the reduced gradients of every `xf.async`
     /// all-reduce, held from the bucket's issue to its `xf.wait` at the end of the step.
     /// Not added to `total`: no backend stages a bucket in device memory of its own. The
-    /// CUDA backend copies each member into that all-reduce's output buffer (a buffer of the
-    /// memory plan, so within `temporaries`, and the gradient term's bytes: the input
-    /// gradient dies at the issue) and reduces it there in place; only the CPU backend
-    /// concatenates a bucket, in host memory.
+    /// memory plan lays a bucket's all-reduce outputs back to back (a [`BucketRegion`] of
+    /// the arena, so within `temporaries` and the gradient term's bytes: the input gradients
+    /// die at the issue); the CUDA backend copies each member into its place and reduces
+    /// the whole region with one collective, in place; only the CPU backend concatenates a
+    /// bucket, in host memory.
+    ///
+    /// [`BucketRegion`]: shardc_runtime::program::BucketRegion
     #[serde(default)]
     pub buckets: f64,
     /// Bytes of gradient buckets beyond the above, staged in separate device buffers: 0 for

@@ -24,7 +24,7 @@ use shardc_ir::ops::lookup;
 use shardc_ir::{ArgRole, AttrValue, Func, Value};
 use shardc_runtime::schedule::{simulate, Costs, Kind, Schedule, Work};
 use shardc_runtime::DType;
-use shardc_runtime::program::{Attr, Binding, Buffer, FORMAT_VERSION, Instr, Layout, MemoryPlan, PipelinePlan, Program, Role};
+use shardc_runtime::program::{Attr, Binding, Buffer, BucketRegion, FORMAT_VERSION, Instr, Layout, MemoryPlan, PipelinePlan, Program, Role};
 
 /// Why a function cannot become a rank program.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -259,11 +259,58 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
             free.push(buffers[b].slot);
         }
     }
-    let live_bound_bytes = live_bound(buffers, &is_arg, instrs, &buffer_last, end);
-    let (offsets, arena_bytes) = plan_arena(buffers, &is_arg, instrs, &buffer_last, end);
+    let groups = bucket_groups(buffers, &is_arg, instrs, &buffer_last, end);
+    let live_bound_bytes = live_bound(buffers, &is_arg, instrs, &buffer_last, end, &groups);
+    let (offsets, arena_bytes, buckets) = plan_arena(buffers, &is_arg, instrs, &buffer_last, end, &groups);
     // The plan's peak is the arena's: the CPU backend keeps typed slots (reused by size),
     // a device allocates the arena.
-    MemoryPlan { slots, argument_bytes, temporary_bytes: arena_bytes, temporary_bytes_without_reuse: without_reuse, live_bound_bytes, arena_bytes, offsets }
+    MemoryPlan { slots, argument_bytes, temporary_bytes: arena_bytes, temporary_bytes_without_reuse: without_reuse, live_bound_bytes, arena_bytes, offsets, buckets }
+}
+
+/// The members of one data-parallel gradient bucket of one element type, which the arena lays
+/// back to back: (instruction, output buffer) in program order, alive from the first write
+/// of any member to the last reader of any.
+struct BucketGroup {
+    bucket: i64,
+    dtype: DType,
+    members: Vec<(usize, usize)>,
+    first: usize,
+    last: usize,
+}
+
+/// The bucket groups of a program: the outputs of its asynchronous bucketed all-reduces, by
+/// (bucket, element type), in the order of their first members.
+fn bucket_groups(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> Vec<BucketGroup> {
+    let mut by_key: std::collections::HashMap<(i64, DType), Vec<(usize, usize)>> = std::collections::HashMap::new();
+    let mut in_bucket = vec![false; buffers.len()];
+    for (i, instr) in instrs.iter().enumerate() {
+        if let (true, Ok(true), Ok(bucket), Some(&b)) = (instr.op == "shard.all_reduce", instr.bool("xf.async"), instr.int("xf.bucket"), instr.outputs.first())
+            && !is_arg[b]
+            && !in_bucket[b]
+        {
+            in_bucket[b] = true;
+            by_key.entry((bucket, buffers[b].dtype)).or_default().push((i, b));
+        }
+    }
+    // A buffer's first writer may come before its bucket's all-reduce (none does today: a
+    // collective's output is a buffer of its own), so a region's life starts at the first
+    // instruction writing any member.
+    let mut first_write = vec![usize::MAX; buffers.len()];
+    for (i, instr) in instrs.iter().enumerate() {
+        for &b in &instr.outputs {
+            first_write[b] = first_write[b].min(i);
+        }
+    }
+    let mut groups: Vec<BucketGroup> = by_key
+        .into_iter()
+        .map(|((bucket, dtype), members)| {
+            let first = members.iter().map(|&(_, b)| first_write[b]).min().unwrap_or(0);
+            let last = members.iter().map(|&(i, b)| buffer_last[b].min(end).max(i)).max().unwrap_or(0);
+            BucketGroup { bucket, dtype, members, first, last }
+        })
+        .collect();
+    groups.sort_by_key(|g| (g.bucket, g.members[0].0));
+    groups
 }
 
 /// Alignment of a temporary in the arena: 256 bytes for large ones (what cuBLAS likes), 16
@@ -279,43 +326,84 @@ fn arena_align(bytes: usize) -> usize {
 /// never share memory unless they are one buffer). Returns the offsets by buffer and the
 /// arena's size. [`arena::place`] finds each offset without listing the buffers alive with
 /// it, which would be quadratic in the depth of the model.
-fn plan_arena(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> (Vec<Option<usize>>, usize) {
-    // (buffer, bytes, first, last)
-    let mut items: Vec<(usize, usize, usize, usize)> = Vec::new();
+///
+/// The outputs of a data-parallel gradient bucket's members (of one element type) are
+/// placed as one item, back to back, alive from the first member's birth to the last one's
+/// death: the bucket's [`BucketRegion`], which a backend reduces with one collective.
+fn plan_arena(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize, groups: &[BucketGroup]) -> (Vec<Option<usize>>, usize, Vec<BucketRegion>) {
     let mut seen = vec![false; buffers.len()];
-    for (i, instr) in instrs.iter().enumerate() {
-        for &b in &instr.outputs {
-            if is_arg[b] || std::mem::replace(&mut seen[b], true) {
-                continue;
-            }
-            let bytes = buffers[b].len().saturating_mul(buffers[b].dtype.bytes());
-            let aligned = bytes.div_ceil(16).saturating_mul(16).max(16);
-            items.push((b, aligned, i, buffer_last[b].min(end).max(i)));
+    let mut in_bucket = vec![false; buffers.len()];
+    for g in groups {
+        for &(_, b) in &g.members {
+            in_bucket[b] = true;
         }
     }
-    items.sort_by(|x, y| y.1.cmp(&x.1).then(x.2.cmp(&y.2)));
-    let to_place: Vec<arena::Item> = items.iter().map(|&(_, bytes, first, last)| arena::Item { bytes, first, last, align: arena_align(bytes) }).collect();
+    // (buffers with their offsets within the item, bytes, first, last)
+    let mut items: Vec<(Vec<(usize, usize)>, usize, usize, usize)> = Vec::new();
+    for (i, instr) in instrs.iter().enumerate() {
+        for &b in &instr.outputs {
+            if is_arg[b] || in_bucket[b] || std::mem::replace(&mut seen[b], true) {
+                continue;
+            }
+            items.push((vec![(b, 0)], padded_bytes(&buffers[b]), i, buffer_last[b].min(end).max(i)));
+        }
+    }
+    let mut regions = Vec::new();
+    for g in groups {
+        let mut within = Vec::with_capacity(g.members.len());
+        let mut bytes = 0usize;
+        for &(_, b) in &g.members {
+            within.push((b, bytes));
+            bytes = bytes.saturating_add(padded_bytes(&buffers[b]));
+        }
+        regions.push((items.len(), g.bucket, g.dtype, bytes, g.members.iter().map(|m| m.0).collect::<Vec<_>>()));
+        items.push((within, bytes, g.first, g.last));
+    }
+    // Greedy by size, except that bucket regions (alive to the step's end) go first, at the
+    // bottom of the arena: placed among the shorter-lived temporaries they fragment it.
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    let is_region = |k: usize| k >= items.len() - regions.len();
+    order.sort_by(|&x, &y| is_region(y).cmp(&is_region(x)).then(items[y].1.cmp(&items[x].1)).then(items[x].2.cmp(&items[y].2)));
+    let to_place: Vec<arena::Item> = order.iter().map(|&k| arena::Item { bytes: items[k].1, first: items[k].2, last: items[k].3, align: arena_align(items[k].1) }).collect();
     let (placed, arena_bytes) = arena::place(&to_place);
     let mut offsets = vec![None; buffers.len()];
-    for (&(b, ..), offset) in items.iter().zip(placed) {
-        offsets[b] = Some(offset);
+    let mut item_offset = vec![0; items.len()];
+    for (&k, offset) in order.iter().zip(placed) {
+        item_offset[k] = offset;
+        for &(b, within) in &items[k].0 {
+            offsets[b] = Some(offset + within);
+        }
     }
-    (offsets, arena_bytes)
+    let buckets = regions.into_iter().map(|(k, bucket, dtype, bytes, members)| BucketRegion { bucket, dtype, offset: item_offset[k], bytes, members }).collect();
+    (offsets, arena_bytes, buckets)
+}
+
+/// A temporary's bytes in the arena: rounded up to 16 (vector loads), at least 16.
+fn padded_bytes(buffer: &Buffer) -> usize {
+    buffer.len().saturating_mul(buffer.dtype.bytes()).div_ceil(16).saturating_mul(16).max(16)
 }
 
 /// The lower bound of any plan of temporaries: the most bytes of temporaries alive at one
 /// instruction (each from the instruction that makes it to its last reader, as the plan
 /// keeps them).
-fn live_bound(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> usize {
+fn live_bound(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize, groups: &[BucketGroup]) -> usize {
     let mut delta = vec![0i128; end + 2];
     let mut seen = vec![false; buffers.len()];
+    // A bucket's members are alive from the bucket region's first write: the region is one
+    // range of memory, so any plan holds all of it from then on.
+    let mut born = vec![usize::MAX; buffers.len()];
+    for g in groups {
+        for &(_, b) in &g.members {
+            born[b] = g.first;
+        }
+    }
     for (i, instr) in instrs.iter().enumerate() {
         for &b in &instr.outputs {
             if is_arg[b] || std::mem::replace(&mut seen[b], true) {
                 continue;
             }
             let bytes = buffers[b].len().saturating_mul(buffers[b].dtype.bytes()) as i128;
-            delta[i] += bytes;
+            delta[born[b].min(i)] += bytes;
             delta[buffer_last[b].min(end).max(i) + 1] -= bytes;
         }
     }

@@ -122,6 +122,11 @@ pub fn describe(program: &Program, instrs: bool) -> String {
         m.temporary_bytes as f64 / m.live_bound_bytes.max(1) as f64
     ));
     line(format!("  peak         {}", bytes(program.peak_bytes() as u64)));
+    if !m.buckets.is_empty() {
+        let members: usize = m.buckets.iter().map(|r| r.members.len()).sum();
+        let total: usize = m.buckets.iter().map(|r| r.bytes).sum();
+        line(format!("  dp buckets   {} region{} of the arena ({} gradients, {}), one all-reduce each", m.buckets.len(), if m.buckets.len() == 1 { "" } else { "s" }, members, bytes(total as u64)));
+    }
     let mut counts = std::collections::BTreeMap::new();
     for i in &program.instrs {
         *counts.entry(shown(&i.op)).or_insert(0) += 1;

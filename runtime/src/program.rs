@@ -252,6 +252,40 @@ pub struct MemoryPlan {
     /// without an arena.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub offsets: Vec<Option<usize>>,
+    /// Data-parallel gradient buckets laid out as one range of the arena each, so that a
+    /// backend reduces a bucket with one collective over contiguous memory. Empty in plans
+    /// without an arena or without buckets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketRegion>,
+}
+
+/// One gradient bucket's range of the arena: the outputs of its members (asynchronous
+/// all-reduces of one element type, over the same grid axes) back to back, each at a 16-byte
+/// boundary. The gaps between members are reduced too and never read.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketRegion {
+    /// The members' `xf.bucket`.
+    pub bucket: i64,
+    /// Element type of every member.
+    pub dtype: DType,
+    /// Byte offset in the arena.
+    pub offset: usize,
+    /// Bytes, a multiple of the element size.
+    pub bytes: usize,
+    /// The members' instruction indices, in program order.
+    pub members: Vec<usize>,
+}
+
+impl BucketRegion {
+    /// Elements the region's one collective reduces.
+    pub fn len(&self) -> usize {
+        self.bytes / self.dtype.bytes()
+    }
+
+    /// Whether the region holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
 }
 
 /// A program for one rank.
@@ -543,6 +577,66 @@ impl Program {
     /// and temporaries without reuse are exact sums of buffer bytes; the peak of temporaries
     /// lies between the largest temporary and their unreused sum plus alignment padding.
     /// Buffers, slots and indices must be in range (checked first).
+    /// Each bucket region lies in the arena and holds exactly its members' outputs: members
+    /// are asynchronous all-reduces of that bucket, of the region's type, over one set of
+    /// axes, and each member's output lies inside the region; regions alive at once do not overlap.
+    fn check_bucket_regions(&self) -> Result<(), String> {
+        let mut claimed = std::collections::HashSet::new();
+        for region in &self.memory.buckets {
+            let name = format!("gradient bucket {}", region.bucket);
+            if self.memory.offsets.is_empty() {
+                return Err(format!("{name} has a region but the plan has no arena"));
+            }
+            let end = region.offset.checked_add(region.bytes).filter(|&e| e <= self.memory.arena_bytes).ok_or(format!("{name}'s region lies outside the arena"))?;
+            if region.bytes % region.dtype.bytes() != 0 || region.members.is_empty() {
+                return Err(format!("{name}'s region is not whole elements of its members"));
+            }
+            let mut axes = None;
+            for &m in &region.members {
+                let instr = self.instrs.get(m).ok_or(format!("{name} names instruction {m}, out of range"))?;
+                if instr.op != "shard.all_reduce" || instr.bool("xf.async") != Ok(true) || instr.int("xf.bucket") != Ok(region.bucket) || !claimed.insert(m) {
+                    return Err(format!("{name} names instruction {m} ({}), not an asynchronous all-reduce of the bucket once", instr.op));
+                }
+                if axes.get_or_insert_with(|| instr.ints("grid_axes").ok()) != &instr.ints("grid_axes").ok() {
+                    return Err(format!("{name}'s members reduce over different axes"));
+                }
+                let out = *instr.outputs.first().ok_or(format!("{name}: instruction {m} has no output"))?;
+                let (at, bytes) = self.arena_range(out).ok_or(format!("{name}: the output of instruction {m} is not in the arena"))?;
+                if self.buffers[out].dtype != region.dtype || at < region.offset || at + bytes > end {
+                    return Err(format!("{name}: the output of instruction {m} lies outside the bucket's region or has another type"));
+                }
+            }
+        }
+        // Regions may share storage only at different times (comm-opt's pairs are awaited
+        // at once, long before the step's buckets): a region is alive from its first member
+        // to the last reader of a member's output.
+        let mut last_read = vec![0usize; self.buffers.len()];
+        for (i, instr) in self.instrs.iter().enumerate() {
+            for &b in &instr.inputs {
+                last_read[b] = i;
+            }
+        }
+        let mut regions: Vec<(usize, usize, usize, usize, i64)> = self
+            .memory
+            .buckets
+            .iter()
+            .map(|r| {
+                let first = r.members.iter().copied().min().unwrap_or(0);
+                let last = r.members.iter().map(|&m| last_read[self.instrs[m].outputs[0]].max(m)).max().unwrap_or(0);
+                (r.offset, r.offset + r.bytes, first, last, r.bucket)
+            })
+            .collect();
+        regions.sort_unstable();
+        for (k, a) in regions.iter().enumerate() {
+            for b in regions[k + 1..].iter().take_while(|b| b.0 < a.1) {
+                if a.2 <= b.3 && b.2 <= a.3 {
+                    return Err(format!("gradient bucket regions {} and {} overlap while both are alive", a.4, b.4));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn check_memory_totals(&self) -> Result<(), String> {
         let m = &self.memory;
         let mut is_arg = vec![false; self.buffers.len()];
@@ -686,6 +780,9 @@ impl Program {
                     return bad(format!("buffer {i} ({}) lies outside the arena of {} bytes", b.name, self.memory.arena_bytes));
                 }
             }
+        }
+        if let Err(m) = self.check_bucket_regions() {
+            return bad(m);
         }
         for b in &self.args {
             let global = b.layout.as_ref().map_or(&self.buffers[b.buffer].shape, |l| &l.global_shape);

@@ -241,3 +241,63 @@ fn arena_matches_the_quadratic_scan() {
         assert_eq!(place(&items), place_by_scan(&items), "case {case}: {items:?}");
     }
 }
+
+/// A plan's gradient bucket regions are checked when it is loaded: a region naming an
+/// instruction that is not one of its bucket's asynchronous all-reduces, reaching past the
+/// arena, missing a member's output, or overlapping another region is refused.
+#[test]
+fn edited_bucket_regions_are_refused() {
+    use shardc_ir::mesh::Mesh;
+    let spec = {
+        let mut spec = spec_with_dtype("tiny", "f32");
+        spec.training.micro_batch = 4;
+        spec
+    };
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, grad_bucket_bytes: 4096, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap();
+    program.validate().unwrap();
+    assert!(program.memory.buckets.len() >= 2, "{} regions", program.memory.buckets.len());
+    let refused = |what: &str, edit: &dyn Fn(&mut Program)| {
+        let mut p = program.clone();
+        edit(&mut p);
+        let e = p.validate().expect_err(what).to_string();
+        assert!(e.contains("bucket"), "{what}: {e}");
+    };
+    refused("a member that is not an all-reduce", &|p| p.memory.buckets[0].members[0] = 0);
+    refused("a member out of range", &|p| p.memory.buckets[0].members.push(usize::MAX));
+    refused("a member twice", &|p| {
+        let m = p.memory.buckets[0].members[0];
+        p.memory.buckets[0].members.push(m);
+    });
+    refused("past the arena", &|p| p.memory.buckets[0].offset = p.memory.arena_bytes);
+    refused("an overflowing size", &|p| p.memory.buckets[0].bytes = usize::MAX);
+    refused("a member outside", &|p| p.memory.buckets[0].bytes = 16);
+    refused("overlapping regions", &|p| {
+        let first = p.memory.buckets[0].clone();
+        p.memory.buckets[1].offset = first.offset;
+    });
+    refused("no members", &|p| p.memory.buckets[0].members.clear());
+}
+
+/// comm-opt's bucketed pairs (awaited at once, early in the backward) may share storage with
+/// the step's gradient buckets, which live to the end of the step: regions that are never
+/// alive together are accepted, as the arena placed them (tiny at dp=2, tp=2 overlaps a
+/// pair's region with a later bucket's).
+#[test]
+fn bucket_regions_alive_at_different_times_may_share_storage() {
+    use shardc_ir::mesh::Mesh;
+    let mut spec = spec_with_dtype("tiny", "f32");
+    spec.training.micro_batch = 4;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 2, 1]).unwrap();
+    program.validate().unwrap();
+    let regions = &program.memory.buckets;
+    let shared = regions.iter().enumerate().any(|(k, a)| regions[k + 1..].iter().any(|b| a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes));
+    assert!(shared, "no two regions share storage: {regions:?}");
+}

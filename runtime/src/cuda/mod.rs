@@ -138,6 +138,11 @@ pub struct CudaExecutor {
     mailbox: Option<SharedMailbox>,
     transfer_context: (u64, u64),
     send_copies: Vec<(u64, usize)>,
+    /// Gradient buckets with a region of the arena: instruction -> (region, whether it is the
+    /// region's last member, which sends the whole region with one collective).
+    bucket_regions: HashMap<usize, (usize, bool)>,
+    /// Collectives issued (one per instruction or bucket region, whatever the local ranks).
+    collectives_issued: usize,
 }
 
 /// Device copies of some buffers of every local rank: values a pipeline keeps from one
@@ -233,7 +238,8 @@ impl CudaExecutor {
             Some(b) => Some(nccl::Comms::new(&b, &program, &mesh)?),
             None => None,
         };
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new() })
+        let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0 })
     }
 
     /// The program.
@@ -558,6 +564,70 @@ impl CudaExecutor {
         Ok(self.staging.map_or(0, |s| s.0))
     }
 
+    /// Collectives issued so far: one per collective instruction, or one per gradient
+    /// bucket whose members share a region of the arena.
+    pub fn collectives_issued(&self) -> usize {
+        self.collectives_issued
+    }
+
+    /// Every group of ranks along `axes`, once, as local ranks (a pipeline rank's executor
+    /// holds its dp x tp ranks, so its groups).
+    fn local_groups(&self, axes: &[usize], op: &str) -> Result<Vec<Vec<usize>>, RuntimeError> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for rank in self.ranks() {
+            let g = self.mesh.group(rank, axes).iter().map(|r| self.ranks.iter().position(|m| m.rank == *r)).collect::<Option<Vec<usize>>>();
+            let g = g.ok_or_else(|| err(format!("`{op}` spans ranks this device does not hold")))?;
+            if !groups.contains(&g) {
+                groups.push(g);
+            }
+        }
+        Ok(groups)
+    }
+
+    /// A member of a gradient bucket with a region: its value moves into its place in the
+    /// region (the input's storage may be reused at once); the last member reduces the whole
+    /// region with one collective, on the communication stream under NCCL (joined at the
+    /// bucket's `xf.wait`), in place among the ranks of this device otherwise.
+    fn bucket_member(&mut self, index: usize, region: usize, last: bool) -> Result<(), RuntimeError> {
+        let instr = &self.program.instrs[index];
+        let (input, output) = (instr.inputs[0], instr.outputs[0]);
+        let bytes = self.program.buffers[input].len() * self.program.buffers[input].dtype.bytes();
+        let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+        for local in 0..self.ranks.len() {
+            self.copy_raw(self.buffer_ptr(local, output), self.buffer_ptr(local, input), bytes)?;
+        }
+        if !last {
+            return Ok(());
+        }
+        self.collectives_issued += 1;
+        let r = self.program.memory.buckets[region].clone();
+        if let Some(comms) = &self.nccl {
+            let stream = self.device.stream().cloned().ok_or_else(|| err("NCCL needs a GPU stream"))?;
+            let comm_stream = self.device.comm_stream().cloned().unwrap_or_else(|| stream.clone());
+            let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+            comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
+            let at = self.ranks[0].arena.0 + r.offset as u64;
+            comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, &comm_stream)?;
+            let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+            self.buckets.entry(r.bucket).or_default().push(done);
+            return Ok(());
+        }
+        // Sum in rank order into the staging buffer, then hand out: every rank gets the same
+        // bits, as from an instruction's own all-reduce.
+        let staging = self.staging(r.bytes)?;
+        for group in self.local_groups(&axes, "shard.all_reduce")? {
+            let at = |local: usize| self.ranks[local].arena.0 + r.offset as u64;
+            self.copy_raw(staging, at(group[0]), r.bytes)?;
+            for &l in &group[1..] {
+                self.accumulate(staging, at(l), r.len(), false, r.dtype)?;
+            }
+            for &l in &group {
+                self.copy_raw(at(l), staging, r.bytes)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Runs a collective (or `tensor.empty`) of every local rank.
     fn collective(&mut self, index: usize) -> Result<(), RuntimeError> {
         let instr = self.program.instrs[index].clone();
@@ -568,6 +638,10 @@ impl CudaExecutor {
             }
             return Ok(());
         }
+        if let Some(&(region, last)) = self.bucket_regions.get(&index) {
+            return self.bucket_member(index, region, last);
+        }
+        self.collectives_issued += 1;
         if self.nccl.is_some() {
             return self.collective_nccl(&instr);
         }
@@ -580,16 +654,7 @@ impl CudaExecutor {
         let (in_shape, out_shape) = (input.shape.clone(), output.shape.clone());
         let (in_bytes, out_bytes) = (input.len() * es, output.len() * es);
         let split = |axis: usize| -> (usize, usize) { (in_shape[..axis].iter().product(), in_shape[axis + 1..].iter().product::<usize>() * es) };
-        // Every group of ranks along `axes`, once, as local ranks (a pipeline rank's executor
-        // holds its dp x tp ranks, so its groups).
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        for rank in self.ranks() {
-            let g = self.mesh.group(rank, &axes).iter().map(|r| self.ranks.iter().position(|m| m.rank == *r)).collect::<Option<Vec<usize>>>();
-            let g = g.ok_or_else(|| err(format!("`{}` spans ranks this device does not hold", instr.op)))?;
-            if !groups.contains(&g) {
-                groups.push(g);
-            }
-        }
+        let groups = self.local_groups(&axes, &instr.op)?;
         match instr.op.as_str() {
             "shard.all_reduce" | "shard.reduce_scatter" => {
                 let max = matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k == "max");

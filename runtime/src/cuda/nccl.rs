@@ -148,6 +148,16 @@ impl Comms {
         Ok(())
     }
 
+    /// Sums `len` elements of `dtype` at `ptr` over the group of `rank` along `axes`, in
+    /// place, on `stream` (a gradient bucket's region).
+    pub fn all_reduce_in_place(&self, axes: &[usize], ptr: u64, len: usize, dtype: DType, rank: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
+        let comm = *self.groups.get(axes).ok_or_else(|| err(format!("no communicator for axes {axes:?}")))?;
+        let s = stream.cu_stream() as ns::cudaStream_t;
+        // SAFETY: `ptr` is `len` elements of this rank's arena (a bucket region the program
+        // validated); every rank of the group issues the same call for the same bucket.
+        unsafe { nr::all_reduce(ptr as *const _, ptr as *mut _, len, nccl_type(dtype), ns::ncclRedOp_t::ncclSum, comm, s) }.map(|_| ()).map_err(|e| err(format!("ncclAllReduce of a gradient bucket on rank {rank}: {e:?}")))
+    }
+
     /// Runs one collective of this rank on `stream`. `staging` holds at least the group's
     /// whole tensor; `copy_blocks` rearranges blocks on the device.
     #[allow(clippy::too_many_arguments)]
@@ -169,12 +179,7 @@ impl Comms {
         let group = mesh.group(rank, &axes);
         let n = group.len();
         let position = group.iter().position(|&r| r == rank).unwrap_or(0);
-        let ty = match input.dtype {
-            DType::F32 => ns::ncclDataType_t::ncclFloat32,
-            DType::F64 => ns::ncclDataType_t::ncclFloat64,
-            DType::I32 => ns::ncclDataType_t::ncclInt32,
-            DType::Bf16 => ns::ncclDataType_t::ncclBfloat16,
-        };
+        let ty = nccl_type(input.dtype);
         let es = input.dtype.bytes();
         let s = stream.cu_stream() as ns::cudaStream_t;
         let check = |r: Result<nr::NcclStatus, nr::NcclError>, what: &str| r.map(|_| ()).map_err(|e| err(format!("{what} on rank {rank}: {e:?}")));
@@ -220,6 +225,16 @@ impl Comms {
             }
             other => Err(err(format!("`{other}` is not supported over NCCL"))),
         }
+    }
+}
+
+/// NCCL's name for an element type.
+fn nccl_type(dtype: DType) -> ns::ncclDataType_t {
+    match dtype {
+        DType::F32 => ns::ncclDataType_t::ncclFloat32,
+        DType::F64 => ns::ncclDataType_t::ncclFloat64,
+        DType::I32 => ns::ncclDataType_t::ncclInt32,
+        DType::Bf16 => ns::ncclDataType_t::ncclBfloat16,
     }
 }
 
