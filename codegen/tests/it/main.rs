@@ -8,6 +8,7 @@ mod common;
 mod gradcheck;
 mod memory;
 mod mixed;
+mod norm_kernels;
 mod padding;
 mod pipeline;
 mod spmd;
