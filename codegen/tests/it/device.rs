@@ -282,21 +282,31 @@ mod emulated {
         }
     }
 
-    /// Attention forward and backward over several key chunks of the kernels' online softmax
-    /// (sequences of 1, 127 and 260: one key, a part chunk, two chunks and a ragged end),
-    /// causal and not, grouped-query (2 query heads on 1 kv head), an odd head dim, in f32
-    /// and f64: the device equals the CPU backend's kernels on the same one-op programs.
-    /// (Small: the emulated device runs a block's threads as fibers.)
+    /// Attention forward and backward over many tiles of the flash kernels' online softmax
+    /// (sequences of 1, 127 and 260: one key, ragged tiles, many tiles; 8192 with causal tile
+    /// skipping), causal and not, grouped-query (2 query heads on 1 kv head, and 4 on 2), odd
+    /// head dims and the head dims where the tiles change (64: 32 x 32; 128: 16 x 16; 200: 8
+    /// rows of 16 threads), in f32 and f64: the device equals the CPU backend's kernels on the
+    /// same one-op programs. (Small widths: the emulated device runs a block's threads as
+    /// fibers.)
     #[test]
-    fn attention_over_many_key_chunks_equals_the_cpu() {
+    fn attention_over_many_tiles_equals_the_cpu() {
         use shardc_ir::attrs::{AttrValue, Attrs};
         use shardc_ir::graph::{ArgRole, FuncBuilder};
         use shardc_ir::types::{DType, TensorTy};
+        let mut cases = vec![];
         for (dtype, s, causal) in [(DType::F32, 1i64, true), (DType::F32, 127, false), (DType::F32, 260, true), (DType::F32, 260, false), (DType::F64, 260, true)] {
+            cases.push((dtype, s, causal, (1i64, 2i64, 1i64, 5i64)));
+        }
+        for d in [64, 128, 200] {
+            cases.push((DType::F32, 70, true, (1, 2, 1, d)));
+        }
+        cases.push((DType::F32, 45, false, (2, 4, 2, 33)));
+        cases.push((DType::F32, 8192, true, (1, 1, 1, 4)));
+        for (dtype, s, causal, (b, hq, hk, d)) in cases {
             {
                 {
-                    let (b, hq, hk, d) = (1i64, 2i64, 1i64, 5i64);
-                    let what = format!("{dtype:?} s={s} causal={causal}");
+                    let what = format!("{dtype:?} s={s} causal={causal} b={b} hq={hq} hk={hk} d={d}");
                     let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (d as f64).sqrt()));
                     let (qt, kt) = (TensorTy::new(vec![b, hq, s, d], dtype), TensorTy::new(vec![b, hk, s, d], dtype));
                     let mut fb = FuncBuilder::new("attention");

@@ -31,12 +31,14 @@ impl OpDef for Attention {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
+        let tiles = flash_tiles(q[3], s, cx.inputs[0].dtype)?;
         let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
         args.extend(attention_args(&q, hk, cx.attrs)?);
-        // One block per query row (x) of each sequence's head (y); shared memory for one
-        // chunk of keys and the row's output, whatever the sequence length.
-        let grid = [u32::try_from(s).map_err(|_| format!("a sequence of {s} is too long for attention_fwd"))?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
-        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: KEY_CHUNK as u32, shared: KEY_CHUNK + q[3], workspace: 0, args }]))
+        args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
+        // One block per tile of query rows (x) of each sequence's head (y).
+        let grid = [query_tiles(s, tiles.0, "attention_fwd")?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
+        let shared = flash_shared(q[3], tiles, 1, 2, 1);
+        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: FLASH_THREADS as u32, shared, workspace: 0, args }]))
     }
     fn summary(&self) -> &'static str {
         "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads"
@@ -121,17 +123,20 @@ impl OpDef for AttentionGrad {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, d, hk) = (q[0], q[1], q[2], q[3], k[1]);
-        let shape_args = attention_args(&q, hk, cx.attrs)?;
+        let tiles = flash_tiles(d, s, cx.inputs[0].dtype)?;
+        let mut shape_args = attention_args(&q, hk, cx.attrs)?;
+        shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
         let workspace = b * hq * s * 3;
         let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
         q_args.extend(shape_args.iter().cloned());
         let mut kv_args = vec![Arg::Out(1), Arg::Out(2), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
         kv_args.extend(shape_args);
-        let rows = u32::try_from(s).map_err(|_| format!("a sequence of {s} is too long for attention_grad"))?;
-        let (q_grid, kv_grid) = ([rows, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [rows, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
+        let row_tiles = query_tiles(s, tiles.0, "attention_grad")?;
+        let (q_grid, kv_grid) = ([row_tiles, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [row_tiles, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
+        let shared = flash_shared(d, tiles, 2, 2, 2);
         Ok(DeviceKernel::Launches(vec![
-            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: q_grid, block: KEY_CHUNK as u32, shared: 2 * KEY_CHUNK + 2 * d, workspace, args: q_args },
-            Launch { kernel: "attention_grad_kv", source: ATTENTION_CUDA, grid: kv_grid, block: 128, shared: 2 * d, workspace, args: kv_args },
+            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: q_grid, block: FLASH_THREADS as u32, shared, workspace, args: q_args },
+            Launch { kernel: "attention_grad_kv", source: ATTENTION_CUDA, grid: kv_grid, block: FLASH_THREADS as u32, shared, workspace, args: kv_args },
         ]))
     }
     fn summary(&self) -> &'static str {
@@ -191,133 +196,294 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64) -> Kernel
     }
 }
 
-/// Keys per chunk of the attention kernels' online softmax (and their threads per block).
-const KEY_CHUNK: usize = 128;
+/// Threads per block of the attention kernels.
+const FLASH_THREADS: usize = 128;
+
+/// Head-dim columns one thread accumulates in registers, at most (`FA_COLS` below).
+const FLASH_COLS: usize = 16;
+
+/// Outer rows per block, at most (queries forward and for `dq`, keys for `dk`/`dv`).
+const FLASH_MAX_ROWS: usize = 32;
+
+/// Inner rows per tile, at most (keys forward and for `dq`, queries for `dk`/`dv`).
+const FLASH_MAX_INNER: usize = 64;
+
+/// Shared memory a block may have without opting in, in bytes.
+const FLASH_SHARED_BYTES: usize = 48 * 1024;
+
+/// The attention kernels' tiles for a head dim: `rows` outer rows per block (so
+/// `FLASH_THREADS / rows` threads per row, each owning at most [`FLASH_COLS`] of the head
+/// dim in registers) and `inner` rows per tile of the other side, staged in shared memory
+/// once for all the block's rows. Every kernel's shared memory, at a row stride of `d + 1`
+/// (no bank conflicts), fits in 48 KiB: two `[rows][d]` and two `[inner][d]` matrices and two
+/// `[rows][inner]` tiles of scores. Powers of two, as large as fit: fp32 d=64 gives 32 x 32,
+/// d=128 16 x 16.
+fn flash_tiles(d: usize, s: usize, dtype: crate::types::DType) -> Result<(usize, usize), String> {
+    let acc = if dtype == crate::types::DType::F64 { 8 } else { 4 };
+    // No larger than the sequence needs (a short sequence gets more threads per row).
+    let longest = s.max(1).next_power_of_two();
+    let mut rows = FLASH_MAX_ROWS.min(longest);
+    while rows > 1 && (FLASH_THREADS / rows) * FLASH_COLS < d {
+        rows /= 2;
+    }
+    let fits = |rows: usize, inner: usize| (2 * rows + 2 * inner) * (d + 1) + 2 * rows * inner <= FLASH_SHARED_BYTES / acc;
+    while rows > 1 && !fits(rows, 1) {
+        rows /= 2;
+    }
+    let fits = |inner: usize| fits(rows, inner);
+    let mut inner = FLASH_MAX_INNER.min(longest);
+    while inner > 1 && !fits(inner) {
+        inner /= 2;
+    }
+    if (FLASH_THREADS / rows) * FLASH_COLS < d || !fits(inner) {
+        return Err(format!("a head dim of {d} is too large for the attention kernels (their tiles must fit 48 KiB of shared memory): use a smaller head dim"));
+    }
+    Ok((rows, inner))
+}
+
+/// `acc_t` elements of shared memory of a kernel with tiles `(rows, inner)`: `matrices` of
+/// `[rows][d + 1]` and of `[inner][d + 1]`, and `scores` tiles of `[rows][inner]`.
+fn flash_shared(d: usize, (rows, inner): (usize, usize), outer_matrices: usize, inner_matrices: usize, scores: usize) -> usize {
+    (outer_matrices * rows + inner_matrices * inner) * (d + 1) + scores * rows * inner
+}
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
-const ATTENTION_CUDA: &str = r#"// Keys are visited in chunks of KEY_CHUNK (the block size: one score per thread), so shared
-// memory holds one chunk's probabilities and per-row vectors of the head dim, whatever the
-// sequence length (no S x S or S-long buffer anywhere).
-#define KEY_CHUNK 128
-// Scores of keys [j0, j0 + n) against query row qi (times scale) into p; returns the block's
-// largest.
-__device__ acc_t chunk_scores(acc_t* p, const T* qi, const T* k, i64 j0, i64 n, i64 d, acc_t scale) {
-  acc_t mx = NEG_INF;
-  for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-    acc_t dot = 0;
-    for (i64 c = 0; c < d; c++) dot += load(qi[c]) * load(k[(j0 + j) * d + c]);
-    p[j] = dot * scale;
-    mx = fmax(mx, p[j]);
+const ATTENTION_CUDA: &str = r#"// Flash attention (FlashAttention-2's loop order) without tensor cores: a block of FA_THREADS
+// threads holds `rows` outer rows (queries forward and for dq, keys for dk and dv), each row
+// shared by tpr = FA_THREADS / rows threads that own the head-dim columns lane, lane + tpr, ...
+// (at most FA_COLS, in registers). The other side is walked in tiles of `inner` rows, staged in
+// shared memory once for all the block's rows; scores live only as one [rows][inner] tile, with
+// an online softmax (running max and sum) across tiles, so nothing grows with the sequence.
+// Causal tiles wholly above the diagonal are skipped, and partly masked ones masked by element.
+// Grouped-query heads read their kv head's tiles. Shared matrices have a row stride of d + 1,
+// so the threads of a warp reading different rows hit different banks. Every sum runs in a
+// fixed order: results repeat bit for bit.
+#define FA_THREADS 128
+#define FA_COLS 16
+// Rows [first, first + count) of a [limit][d] matrix into dst (stride d + 1); zeros past limit.
+__device__ void fa_load(acc_t* dst, const T* src, i64 first, i64 count, i64 limit, i64 d) {
+  for (i64 e = threadIdx.x; e < count * d; e += blockDim.x) {
+    i64 r = e / d, c = e % d;
+    dst[r * (d + 1) + c] = first + r < limit ? load(src[(first + r) * d + c]) : (acc_t)0;
   }
-  return block_max(mx);
 }
-// One block per (query row, batch x head), an online softmax over the key chunks (flash
-// attention's running max and sum; the output rescaled whenever the max grows).
-extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
+__device__ acc_t fa_dot(const acc_t* a, const acc_t* b, i64 d) {
+  acc_t dot = 0;
+  for (i64 c = 0; c < d; c++) dot += a[c] * b[c];
+  return dot;
+}
+// Whether query i sees key j.
+__device__ bool fa_visible(i64 i, i64 j, i64 s, i64 causal) { return i < s && j < s && (!causal || j <= i); }
+// Forward: grid (query tiles, batch x query heads).
+extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
-  acc_t* p = (acc_t*)shared_raw;
-  acc_t* o = p + KEY_CHUNK;
-  i64 i = blockIdx.x, bh = blockIdx.y, b = bh / hq, h = bh % hq;
+  i64 ld = d + 1;
+  acc_t* qs = (acc_t*)shared_raw;
+  acc_t* ks = qs + rows * ld;
+  acc_t* vs = ks + inner * ld;
+  acc_t* ps = vs + inner * ld;
+  int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+  i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
   i64 kv = (b * hk + h / (hq / hk)) * s * d;
-  const T* qi = q + (bh * s + i) * d;
-  i64 visible = causal ? i + 1 : s;
+  i64 i0 = (i64)blockIdx.x * rows, i = i0 + r;
   acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0;
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) o[c] = 0;
-  for (i64 j0 = 0; j0 < visible; j0 += KEY_CHUNK) {
-    i64 n = visible - j0 < KEY_CHUNK ? visible - j0 : KEY_CHUNK;
-    acc_t grown = fmax(mx, chunk_scores(p, qi, k + kv, j0, n, d, scale));
-    acc_t rescale = exp(mx - grown), part = 0;
-    for (i64 j = threadIdx.x; j < n; j += blockDim.x) { p[j] = exp(p[j] - grown); part += p[j]; }
-    sum = sum * rescale + block_sum(part);
-    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+  acc_t o[FA_COLS];
+  for (int c = 0; c < FA_COLS; c++) o[c] = 0;
+  fa_load(qs, q + bh * s * d, i0, rows, s, d);
+  i64 keys = causal && i0 + rows < s ? i0 + rows : s;
+  for (i64 j0 = 0; j0 < keys; j0 += inner) {
+    i64 n = keys - j0 < inner ? keys - j0 : inner;
+    __syncthreads();
+    fa_load(ks, k + kv, j0, n, s, d);
+    fa_load(vs, v + kv, j0, n, s, d);
+    __syncthreads();
+    acc_t* pr = ps + r * inner;
+    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
+    __syncthreads();
+    acc_t grown = mx;
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, causal)) grown = fmax(grown, pr[j]);
+    acc_t rescale = grown == NEG_INF ? (acc_t)1 : exp(mx - grown);
+    __syncthreads();
+    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_visible(i, j0 + j, s, causal) ? exp(pr[j] - grown) : (acc_t)0;
+    __syncthreads();
+    acc_t part = 0;
+    for (i64 j = 0; j < n; j++) part += pr[j];
+    sum = sum * rescale + part;
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+      i64 col = lane + (i64)c * tpr;
       acc_t acc = 0;
-      for (i64 j = 0; j < n; j++) acc += p[j] * load(v[kv + (j0 + j) * d + c]);
+      for (i64 j = 0; j < n; j++) acc += pr[j] * vs[j * ld + col];
       o[c] = o[c] * rescale + acc;
     }
     mx = grown;
-    __syncthreads();
   }
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) out[(bh * s + i) * d + c] = store(o[c] / sum);
+  if (i < s)
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) out[(bh * s + i) * d + lane + (i64)c * tpr] = store(o[c] / sum);
 }
-// Backward, per query row, in two passes over the key chunks: the row's max and sum (online),
-// then with p = exp(score - max) / sum and dp = dout . v: rowdot = sum p dp, and
-// dq = scale (sum p dp k - rowdot sum p k). The row's (max, sum, rowdot) go to `stats` for the
-// keys' kernel.
-extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
+// Backward for dq, grid (query tiles, batch x query heads), in two walks over the key tiles:
+// the rows' max and sum (online), then with p = exp(score - max) / sum and dp = dout . v:
+// rowdot = sum p dp, and dq = scale (sum p dp k - rowdot sum p k). Each row's (max, sum,
+// rowdot) goes to `stats` for the keys' kernel.
+extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
-  acc_t* p = (acc_t*)shared_raw;
-  acc_t* dp = p + KEY_CHUNK;
-  acc_t* pdpk = dp + KEY_CHUNK;
-  acc_t* pk = pdpk + d;
-  i64 i = blockIdx.x, bh = blockIdx.y, b = bh / hq, h = bh % hq;
+  i64 ld = d + 1;
+  acc_t* qs = (acc_t*)shared_raw;
+  acc_t* dos = qs + rows * ld;
+  acc_t* ks = dos + rows * ld;
+  acc_t* vs = ks + inner * ld;
+  acc_t* ps = vs + inner * ld;
+  acc_t* dps = ps + rows * inner;
+  int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+  i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
   i64 kv = (b * hk + h / (hq / hk)) * s * d;
-  const T* qi = q + (bh * s + i) * d;
-  const T* doi = dout + (bh * s + i) * d;
-  i64 visible = causal ? i + 1 : s;
+  i64 i0 = (i64)blockIdx.x * rows, i = i0 + r;
   acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0, rowdot = 0;
-  for (i64 j0 = 0; j0 < visible; j0 += KEY_CHUNK) {
-    i64 n = visible - j0 < KEY_CHUNK ? visible - j0 : KEY_CHUNK;
-    acc_t grown = fmax(mx, chunk_scores(p, qi, k + kv, j0, n, d, scale)), part = 0;
-    for (i64 j = threadIdx.x; j < n; j += blockDim.x) part += exp(p[j] - grown);
-    sum = sum * exp(mx - grown) + block_sum(part);
+  fa_load(qs, q + bh * s * d, i0, rows, s, d);
+  fa_load(dos, dout + bh * s * d, i0, rows, s, d);
+  i64 keys = causal && i0 + rows < s ? i0 + rows : s;
+  acc_t* pr = ps + r * inner;
+  acc_t* dpr = dps + r * inner;
+  for (i64 j0 = 0; j0 < keys; j0 += inner) {
+    i64 n = keys - j0 < inner ? keys - j0 : inner;
+    __syncthreads();
+    fa_load(ks, k + kv, j0, n, s, d);
+    __syncthreads();
+    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
+    __syncthreads();
+    acc_t grown = mx, part = 0;
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, causal)) grown = fmax(grown, pr[j]);
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, causal)) part += exp(pr[j] - grown);
+    sum = (grown == NEG_INF ? (acc_t)0 : sum * exp(mx - grown)) + part;
     mx = grown;
   }
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) { pdpk[c] = 0; pk[c] = 0; }
-  for (i64 j0 = 0; j0 < visible; j0 += KEY_CHUNK) {
-    i64 n = visible - j0 < KEY_CHUNK ? visible - j0 : KEY_CHUNK;
-    chunk_scores(p, qi, k + kv, j0, n, d, scale);
-    acc_t part = 0;
-    for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-      acc_t dot = 0;
-      for (i64 c = 0; c < d; c++) dot += load(doi[c]) * load(v[kv + (j0 + j) * d + c]);
-      p[j] = exp(p[j] - mx) / sum;
-      dp[j] = dot;
-      part += p[j] * dot;
-    }
-    rowdot += block_sum(part);
-    for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
-      acc_t a = 0, bsum = 0;
-      for (i64 j = 0; j < n; j++) { acc_t kc = load(k[kv + (j0 + j) * d + c]); a += p[j] * dp[j] * kc; bsum += p[j] * kc; }
-      pdpk[c] += a;
-      pk[c] += bsum;
+  acc_t a[FA_COLS], pk[FA_COLS];
+  for (int c = 0; c < FA_COLS; c++) { a[c] = 0; pk[c] = 0; }
+  for (i64 j0 = 0; j0 < keys; j0 += inner) {
+    i64 n = keys - j0 < inner ? keys - j0 : inner;
+    __syncthreads();
+    fa_load(ks, k + kv, j0, n, s, d);
+    fa_load(vs, v + kv, j0, n, s, d);
+    __syncthreads();
+    for (i64 j = lane; j < n; j += tpr) {
+      bool seen = fa_visible(i, j0 + j, s, causal);
+      pr[j] = seen ? exp(fa_dot(qs + r * ld, ks + j * ld, d) * scale - mx) / sum : (acc_t)0;
+      dpr[j] = fa_dot(dos + r * ld, vs + j * ld, d);
     }
     __syncthreads();
-  }
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) dq[(bh * s + i) * d + c] = store((pdpk[c] - rowdot * pk[c]) * scale);
-  if (threadIdx.x == 0) { acc_t* st = stats + (bh * s + i) * 3; st[0] = mx; st[1] = sum; st[2] = rowdot; }
-}
-// Backward, per key row of a kv head: dk and dv summed over the heads sharing it and the
-// query rows that see it, in order.
-extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) {
-  extern __shared__ unsigned char shared_raw[];
-  acc_t* dk_acc = (acc_t*)shared_raw;
-  acc_t* dv_acc = dk_acc + d;
-  i64 j = blockIdx.x, bg = blockIdx.y, b = bg / hk, g = bg % hk, group = hq / hk;
-  const T* kj = k + (bg * s + j) * d;
-  const T* vj = v + (bg * s + j) * d;
-  acc_t scale = (acc_t)scale_;
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) { dk_acc[c] = 0; dv_acc[c] = 0; }
-  for (i64 gh = 0; gh < group; gh++) {
-    i64 bh = b * hq + g * group + gh;
-    for (i64 i = causal ? j : 0; i < s; i++) {
-      const T* qi = q + (bh * s + i) * d;
-      const T* doi = dout + (bh * s + i) * d;
-      acc_t score = 0, dpij = 0;
-      for (i64 c = threadIdx.x; c < d; c += blockDim.x) { score += load(qi[c]) * load(kj[c]); dpij += load(doi[c]) * load(vj[c]); }
-      score = block_sum(score);
-      dpij = block_sum(dpij);
-      const acc_t* st = stats + (bh * s + i) * 3;
-      acc_t pij = exp(score * scale - st[0]) / st[1];
-      acc_t ds = pij * (dpij - st[2]) * scale;
-      for (i64 c = threadIdx.x; c < d; c += blockDim.x) { dk_acc[c] += ds * load(qi[c]); dv_acc[c] += pij * load(doi[c]); }
+    for (i64 j = 0; j < n; j++) rowdot += pr[j] * dpr[j];
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+      i64 col = lane + (i64)c * tpr;
+      acc_t x = 0, y = 0;
+      for (i64 j = 0; j < n; j++) { acc_t kc = ks[j * ld + col]; x += pr[j] * dpr[j] * kc; y += pr[j] * kc; }
+      a[c] += x;
+      pk[c] += y;
     }
   }
-  for (i64 c = threadIdx.x; c < d; c += blockDim.x) { dk[(bg * s + j) * d + c] = store(dk_acc[c]); dv[(bg * s + j) * d + c] = store(dv_acc[c]); }
+  if (i < s) {
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) dq[(bh * s + i) * d + lane + (i64)c * tpr] = store((a[c] - rowdot * pk[c]) * scale);
+    if (lane == 0) { acc_t* st = stats + (bh * s + i) * 3; st[0] = mx; st[1] = sum; st[2] = rowdot; }
+  }
+}
+// Backward for dk and dv, grid (key tiles, batch x kv heads): each key row's gradients summed
+// over the query heads sharing its kv head and the query tiles that see it, in order, with
+// p and ds = p (dp - rowdot) scale from the query rows' stats.
+extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 rows, i64 inner) {
+  extern __shared__ unsigned char shared_raw[];
+  i64 ld = d + 1;
+  acc_t* ks = (acc_t*)shared_raw;
+  acc_t* vs = ks + rows * ld;
+  acc_t* qs = vs + rows * ld;
+  acc_t* dos = qs + inner * ld;
+  acc_t* ps = dos + inner * ld;
+  acc_t* dss = ps + rows * inner;
+  int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+  i64 bg = blockIdx.y, b = bg / hk, g = bg % hk, group = hq / hk;
+  i64 j0 = (i64)blockIdx.x * rows, j = j0 + r;
+  acc_t scale = (acc_t)scale_;
+  fa_load(ks, k + bg * s * d, j0, rows, s, d);
+  fa_load(vs, v + bg * s * d, j0, rows, s, d);
+  acc_t dk_acc[FA_COLS], dv_acc[FA_COLS];
+  for (int c = 0; c < FA_COLS; c++) { dk_acc[c] = 0; dv_acc[c] = 0; }
+  acc_t* pr = ps + r * inner;
+  acc_t* dsr = dss + r * inner;
+  // Causal: the first query tile holding a query that sees key j0.
+  i64 first = causal ? j0 / inner * inner : 0;
+  for (i64 gh = 0; gh < group; gh++) {
+    i64 bh = b * hq + g * group + gh;
+    for (i64 i0 = first; i0 < s; i0 += inner) {
+      i64 n = s - i0 < inner ? s - i0 : inner;
+      __syncthreads();
+      fa_load(qs, q + bh * s * d, i0, n, s, d);
+      fa_load(dos, dout + bh * s * d, i0, n, s, d);
+      __syncthreads();
+      for (i64 x = lane; x < n; x += tpr) {
+        i64 i = i0 + x;
+        const acc_t* st = stats + (bh * s + i) * 3;
+        acc_t p = fa_visible(i, j, s, causal) ? exp(fa_dot(qs + x * ld, ks + r * ld, d) * scale - st[0]) / st[1] : (acc_t)0;
+        pr[x] = p;
+        dsr[x] = p * (fa_dot(dos + x * ld, vs + r * ld, d) - st[2]) * scale;
+      }
+      __syncthreads();
+      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+        i64 col = lane + (i64)c * tpr;
+        acc_t x_k = 0, x_v = 0;
+        for (i64 x = 0; x < n; x++) { x_k += dsr[x] * qs[x * ld + col]; x_v += pr[x] * dos[x * ld + col]; }
+        dk_acc[c] += x_k;
+        dv_acc[c] += x_v;
+      }
+    }
+  }
+  if (j < s)
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+      i64 col = lane + (i64)c * tpr;
+      dk[(bg * s + j) * d + col] = store(dk_acc[c]);
+      dv[(bg * s + j) * d + col] = store(dv_acc[c]);
+    }
 }
 "#;
+
+/// Blocks of `rows` outer rows over a sequence of `s`.
+fn query_tiles(s: usize, rows: usize, kernel: &str) -> Result<u32, String> {
+    u32::try_from(s.div_ceil(rows).max(1)).map_err(|_| format!("a sequence of {s} is too long for {kernel}"))
+}
 
 /// The shape and attribute arguments the attention kernels share.
 fn attention_args(q: &[usize], hk: usize, attrs: &Attrs) -> Result<Vec<Arg>, String> {
     let (hq, s, d) = (q[1], q[2], q[3]);
     Ok(vec![Arg::Int(hq as i64), Arg::Int(hk as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(attrs.float("scale")?), Arg::Int(attrs.bool("causal")? as i64)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::DType;
+
+    /// Every head dim up to 2048 gets tiles whose every kernel fits 48 KiB of shared memory,
+    /// with each thread owning at most `FLASH_COLS` columns; larger head dims are refused by
+    /// name, never launched with too little shared memory.
+    #[test]
+    fn tiles_fit_shared_memory_or_the_head_dim_is_refused() {
+        for dtype in [DType::F32, DType::Bf16, DType::F64] {
+            let acc = if dtype == DType::F64 { 8 } else { 4 };
+            for d in 1..=2048 {
+                match flash_tiles(d, 1 << 20, dtype) {
+                    Ok((rows, inner)) => {
+                        assert!(rows.is_power_of_two() && inner.is_power_of_two() && rows <= FLASH_MAX_ROWS && inner <= FLASH_MAX_INNER, "d={d}: {rows} x {inner}");
+                        assert!((FLASH_THREADS / rows) * FLASH_COLS >= d, "d={d}: {rows} rows leave too few threads per row");
+                        assert!(flash_shared(d, (rows, inner), 2, 2, 2) * acc <= FLASH_SHARED_BYTES, "d={d} {dtype:?}");
+                    }
+                    Err(e) => {
+                        assert!(dtype == DType::F64 && d > 1500, "d={d} {dtype:?} refused: {e}");
+                        assert!(e.contains("head dim"), "{e}");
+                    }
+                }
+            }
+            assert!(flash_tiles(2049, 4096, dtype).unwrap_err().contains("head dim of 2049"));
+        }
+        assert_eq!(flash_tiles(64, 1024, DType::F32), Ok((32, 32)));
+        assert_eq!(flash_tiles(128, 1024, DType::F32), Ok((16, 16)));
+        assert_eq!(flash_tiles(128, 1024, DType::Bf16), Ok((16, 16)));
+        // A sequence of 5 in tiles of 8 (16 threads per row).
+        assert_eq!(flash_tiles(64, 5, DType::F32), Ok((8, 8)));
+    }
 }
