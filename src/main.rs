@@ -165,6 +165,7 @@ enum Command {
 
 fn main() -> Result<()> {
     sigpipe::reset();
+    report::install_terminal_safe_reports();
     let cli = Cli::parse();
     match cli.command {
         Command::Ir { spec, generic, no_locations } => {

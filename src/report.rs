@@ -108,3 +108,113 @@ pub fn mesh_report(errors: Vec<MeshError>) -> miette::Report {
     let help = errors.iter().map(|e| e.help.clone()).collect::<Vec<_>>().join("; ");
     miette::Report::new(MeshDiagnostic { messages: errors.into_iter().map(|e| e.message).collect(), help })
 }
+
+/// Longest line of an error report, in characters; the middle of a longer one (a 15 MB value
+/// quoted by a parser) is elided.
+const MAX_REPORT_LINE: usize = 2000;
+
+/// Most lines of a report made safe; the rest are counted, not shown.
+const MAX_REPORT_LINES: usize = 400;
+
+/// The report hook of the CLI: miette's own rendering (colours on a terminal), unless the
+/// report holds control characters of its own (terminal escapes from a spec, a config or a
+/// plan) or a line longer than [`MAX_REPORT_LINE`]. Then it is rendered without colours,
+/// every control character but newline and tab written as `\u{..}`, and long lines cut, so
+/// no input can move the cursor, clear the screen or flood the terminal.
+pub fn install_terminal_safe_reports() {
+    let _ = miette::set_hook(Box::new(|_| Box::new(TerminalSafe { styled: miette::MietteHandlerOpts::new().build() })));
+}
+
+struct TerminalSafe {
+    styled: miette::MietteHandler,
+}
+
+/// A rendering by one handler, as `Display`.
+struct Rendered<'a>(&'a dyn miette::ReportHandler, &'a dyn Diagnostic);
+
+impl std::fmt::Display for Rendered<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.debug(self.1, f)
+    }
+}
+
+impl miette::ReportHandler for TerminalSafe {
+    fn debug(&self, diagnostic: &dyn Diagnostic, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // A message too long to show (a parser quoting a huge value) is shown cut, with its
+        // help, before any rendering: wrapping megabytes of text would take long.
+        let message = diagnostic.to_string();
+        if message.len() > MAX_REPORT_LINE * 4 {
+            let help = diagnostic.help().map(|h| h.to_string());
+            let short = make_terminal_safe(&message);
+            let cut: miette::Report = match help {
+                Some(help) => miette::miette!(help = make_terminal_safe(&help), "{short}"),
+                None => miette::miette!("{short}"),
+            };
+            return self.debug(cut.as_ref(), f);
+        }
+        let plain_handler = miette::GraphicalReportHandler::new_themed(miette::GraphicalTheme::unicode_nocolor());
+        let plain = Rendered(&plain_handler, diagnostic).to_string();
+        if terminal_safe(&plain) {
+            return self.styled.debug(diagnostic, f);
+        }
+        f.write_str(&make_terminal_safe(&plain))
+    }
+}
+
+/// Whether text holds no control character but newline and tab, and no line longer than
+/// [`MAX_REPORT_LINE`] characters.
+fn terminal_safe(text: &str) -> bool {
+    text.lines().all(|line| line.chars().count() <= MAX_REPORT_LINE && !line.chars().any(|c| c.is_control() && c != '\t'))
+}
+
+/// `text` with control characters (but newline and tab) escaped and over-long lines cut in
+/// the middle.
+pub fn make_terminal_safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(1 << 20));
+    let lines = text.split('\n').count();
+    for (k, line) in text.split('\n').enumerate() {
+        if k > 0 {
+            out.push('\n');
+        }
+        if k == MAX_REPORT_LINES {
+            out.push_str(&format!("… ({} more lines)", lines - k));
+            break;
+        }
+        let mut escaped = String::new();
+        for c in line.chars() {
+            if c.is_control() && c != '\t' {
+                escaped.extend(c.escape_unicode());
+            } else {
+                escaped.push(c);
+            }
+        }
+        let count = escaped.chars().count();
+        if count > MAX_REPORT_LINE {
+            let keep = MAX_REPORT_LINE / 2;
+            let head: String = escaped.chars().take(keep).collect();
+            let tail: String = escaped.chars().skip(count - keep).collect();
+            out.push_str(&format!("{head} … ({} characters elided) … {tail}", count - 2 * keep));
+        } else {
+            out.push_str(&escaped);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_and_long_lines_are_made_safe() {
+        assert!(terminal_safe("plain\ttext\nline two"));
+        assert!(!terminal_safe("x\u{1b}[2Jy"));
+        assert_eq!(make_terminal_safe("x\u{1b}[2Jy\nnext\u{7}"), "x\\u{1b}[2Jy\nnext\\u{7}");
+        let long = "v".repeat(10 * MAX_REPORT_LINE);
+        assert!(!terminal_safe(&long));
+        let cut = make_terminal_safe(&format!("invalid type: string \"{long}\""));
+        assert!(cut.chars().count() < MAX_REPORT_LINE + 100 && cut.contains("characters elided") && cut.starts_with("invalid type"), "{}", cut.len());
+        let many = "line\n".repeat(10 * MAX_REPORT_LINES);
+        assert!(make_terminal_safe(&many).ends_with(&format!("… ({} more lines)", 9 * MAX_REPORT_LINES + 1)));
+    }
+}

@@ -1325,6 +1325,68 @@ fn unprintable_names_and_non_finite_logits_are_errors() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Terminal escapes anywhere in an input (any spec field, a comment shown in a parse error's
+/// excerpt, a Hugging Face config, a plan file) reach the terminal escaped, never raw, and a
+/// parser quoting a 15 MiB value prints a cut message, not the value (issue 17).
+#[test]
+fn escapes_and_huge_values_in_errors_never_reach_the_terminal_raw() {
+    let dir = tempdir("escapes");
+    let text = std::fs::read_to_string(root().join("models/tiny.toml")).unwrap();
+    let norm_line = text.lines().find(|l| l.trim_start().starts_with("norm")).map(str::to_string);
+    let mut inputs: Vec<(&str, String)> = vec![("comment.toml", format!("# comment \u{1b}[2J\nname = 5\n"))];
+    if let Some(line) = norm_line {
+        inputs.push(("field.toml", text.replace(&line, "norm = \"x\\u001b[2Jy\"")));
+    } else {
+        inputs.push(("field.toml", text.replacen("[model]", "[model]\nnorm = \"x\\u001b[2Jy\"", 1)));
+    }
+    for (file, body) in &inputs {
+        let spec = dir.join(file);
+        std::fs::write(&spec, body).unwrap();
+        let out = shardc(&["compile", spec.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{file}: {err}");
+        assert!(!err.contains('\u{1b}') && !stdout(&out).contains('\u{1b}'), "{file}: an escape reached the terminal: {err:?}");
+        assert!(err.contains("\\u{1b}"), "{file}: the escape is not shown escaped: {err}");
+    }
+    // A Hugging Face config naming an escape as its model type.
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    std::fs::write(hf.join("config.json"), "{\"model_type\": \"x\\u001b[2Jy\"}").unwrap();
+    let out = shardc(&["compile", "--hf", hf.to_str().unwrap()]);
+    assert!(!out.status.success() && !stderr(&out).contains('\u{1b}'), "{:?}", stderr(&out));
+    // A plan whose buffer type is an escape.
+    let plan = dir.join("plan.json");
+    let out = shardc(&["compile", "models/tiny.toml", "-o", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let edited = std::fs::read_to_string(&plan).unwrap().replace("\"dtype\":\"f32\"", "\"dtype\":\"z\\u001b[31mq\"");
+    assert!(edited.contains("\\u001b[31mq"), "the plan's buffer types are not written as expected");
+    std::fs::write(&plan, edited).unwrap();
+    let out = shardc(&["inspect", plan.to_str().unwrap()]);
+    assert!(!out.status.success() && !stderr(&out).contains('\u{1b}') && !stdout(&out).contains('\u{1b}'), "{:?}", stderr(&out));
+    // A 15 MiB string where a number belongs, in TOML and in JSON.
+    for (file, body) in [
+        ("huge-value.toml", format!("name = \"x\"\n[model]\nvocab = \"{}\"\n", "x".repeat(15 << 20))),
+        ("huge-value.json", format!("{{\"name\": \"x\", \"model\": {{\"vocab\": \"{}\"}}}}", "x".repeat(15 << 20))),
+    ] {
+        let spec = dir.join(file);
+        std::fs::write(&spec, body).unwrap();
+        let out = shardc(&["compile", spec.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert!(!out.status.success() && err.len() < 20_000, "{file}: {} bytes of error", err.len());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `schedule` simulates in time linear in the work items: a million stages with one
+/// micro-batch (the quadratic scan ran for hours) finishes in seconds (issue 17).
+#[test]
+fn schedules_of_many_stages_simulate_in_linear_time() {
+    let started = std::time::Instant::now();
+    let out = shardc(&["schedule", "--pp", "1048576", "--microbatches", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(started.elapsed().as_secs() < 60, "took {:?}", started.elapsed());
+}
+
 /// A loss or state that stops being finite ends the run at that step on every layout, and
 /// nothing of it is checkpointed: the last good checkpoint stays the one to resume from.
 #[test]

@@ -229,27 +229,35 @@ pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) ->
     let mut out: Vec<Vec<(Item, f64, f64)>> = vec![Vec::new(); p];
     let total: usize = schedule.ranks.iter().map(Vec::len).sum();
     let mut placed = 0;
-    while placed < total {
-        let mut progressed = false;
-        for rank in 0..p {
-            while let Some(item) = schedule.ranks[rank].get(next[rank]).copied() {
-                let stage = schedule.stage_of(rank, item.chunk);
-                let Some(ready) = dependencies(schedule, rank, &item).iter().map(|d| done.get(d).copied()).try_fold(0f64, |acc, t| t.map(|t| acc.max(t))) else {
-                    break;
-                };
-                let cost = cost(rank, &item);
-                let start = ready.max(free[rank]);
-                free[rank] = start + cost;
-                done.insert((item.work, item.microbatch, stage), start + cost);
-                out[rank].push((item, start, start + cost));
-                next[rank] += 1;
-                placed += 1;
-                progressed = true;
+    // Ranks to try, and ranks blocked on a missing (work, micro-batch, stage): a finished item
+    // wakes only the ranks waiting for it, so the simulation is linear in the items (a scan
+    // of every rank per round was quadratic in the stages).
+    let mut ready_ranks: Vec<usize> = (0..p).rev().collect();
+    let mut waiting: HashMap<(Work, usize, usize), Vec<usize>> = HashMap::new();
+    while let Some(rank) = ready_ranks.pop() {
+        while let Some(item) = schedule.ranks[rank].get(next[rank]).copied() {
+            let stage = schedule.stage_of(rank, item.chunk);
+            let deps = dependencies(schedule, rank, &item);
+            if let Some(missing) = deps.iter().find(|d| !done.contains_key(d)) {
+                waiting.entry(*missing).or_default().push(rank);
+                break;
             }
+            let ready = deps.iter().map(|d| done[d]).fold(0f64, f64::max);
+            let cost = cost(rank, &item);
+            let start = ready.max(free[rank]);
+            free[rank] = start + cost;
+            let key = (item.work, item.microbatch, stage);
+            done.insert(key, start + cost);
+            if let Some(woken) = waiting.remove(&key) {
+                ready_ranks.extend(woken);
+            }
+            out[rank].push((item, start, start + cost));
+            next[rank] += 1;
+            placed += 1;
         }
-        if !progressed {
-            return Err(deadlock(schedule, &next));
-        }
+    }
+    if placed < total {
+        return Err(deadlock(schedule, &next));
     }
     let makespan = free.iter().copied().fold(0f64, f64::max);
     Ok(timeline(out, makespan))
