@@ -313,8 +313,9 @@ fn compile(
         programs.extend(shardc_codegen::lower_pipeline(&module, &grid, &schedule).into_diagnostic()?);
     }
     if target == "cuda" {
-        // Device code for the training step (pipeline ranks run on the CPU backend only).
-        for program in programs.iter_mut().filter(|p| p.name == "train_step") {
+        // Device code for the training step and every pipeline rank (the CUDA backend runs
+        // pipeline schedules too).
+        for program in programs.iter_mut().filter(|p| p.name == "train_step" || p.pipeline.is_some()) {
             *program = shardc_codegen::device::with_device_plan(program.clone()).into_diagnostic()?;
         }
     }

@@ -555,6 +555,13 @@ fn compile_for_cuda_writes_device_code() {
     assert_eq!(step["device"]["dtype"], "bf16");
     assert!(step["device"]["source"].as_str().unwrap().contains("#define BF16"));
     assert_eq!(step["device"]["calls"].as_array().unwrap().len(), step["instrs"].as_array().unwrap().len());
+    // Pipeline ranks get device code too (the CUDA backend runs pipeline schedules).
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "pp=2", "--microbatches", "4", "--target", "cuda", "-o", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let ranks: Vec<&serde_json::Value> = plan["programs"].as_array().unwrap().iter().filter(|p| !p["pipeline"].is_null()).collect();
+    assert_eq!(ranks.len(), 2);
+    assert!(ranks.iter().all(|p| p["device"]["source"].as_str().is_some_and(|s| s.contains("__global__"))), "a pipeline rank has no device code");
     let _ = std::fs::remove_dir_all(dir);
     let bad = shardc(&["compile", "models/tiny.toml", "--target", "tpu"]);
     assert!(!bad.status.success() && stderr(&bad).contains("unknown target"), "{}", stderr(&bad));
