@@ -36,7 +36,9 @@ pub struct StepArgs {
     /// Activation recomputation: none, full or selective-attention.
     #[arg(long, default_value = "none")]
     pub recompute: String,
-    /// Optimizer: adamw or sgd.
+    /// Optimizer: adamw or sgd. AdamW uses betas 0.9 and 0.95, epsilon 1e-8 and weight decay
+    /// 0.1 on matrices only (never on norm scales or biases), as Megatron-LM and Hugging Face
+    /// do; sgd has no weight decay.
     #[arg(long, default_value = "adamw")]
     pub optimizer: String,
     /// Peak learning rate.

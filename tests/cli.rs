@@ -262,6 +262,36 @@ fn help_explains_each_command_with_an_example() {
     assert!(text.contains("Example: shardc compile") && text.contains("--dump-dir"), "{text}");
 }
 
+/// `run --help` states the optimizer's defaults: AdamW's betas, epsilon and weight decay
+/// (matrices only), as the README does (issue 17).
+#[test]
+fn run_help_states_the_optimizer_defaults() {
+    let help = stdout(&shardc(&["run", "--help"]));
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    for default in ["betas 0.9 and 0.95", "epsilon 1e-8", "weight decay 0.1 on matrices only (never on norm scales or biases)", "sgd has no weight decay", "[default: adamw]", "[default: 0.003]", "Default: --lr / 10"] {
+        assert!(help.contains(default), "run --help does not state `{default}`: {help}");
+    }
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    assert!(readme.contains("betas 0.9, 0.95, eps 1e-8, weight decay 0.1 on matrices only: never on norm scales or biases"), "the README states other defaults");
+}
+
+/// `--resume` continues a checkpoint and `--load` starts fresh from parameters: both at once
+/// is refused, naming both, before any work (issue 17).
+#[test]
+fn resume_with_load_is_refused_naming_both() {
+    let dir = tempdir("resume-load");
+    let ckpt = dir.join("ckpt");
+    let weights = dir.join("tiny.safetensors");
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "2", "--micro-batch", "2", "--checkpoint", ckpt.to_str().unwrap(), "--save", weights.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "4", "--micro-batch", "2", "--resume", ckpt.to_str().unwrap(), "--load", weights.to_str().unwrap()]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(err.contains("--load") && err.contains("--resume"), "{err}");
+    assert!(!stdout(&out).contains("step 3"), "trained before refusing: {}", stdout(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn tempdir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("shardc-cli-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
