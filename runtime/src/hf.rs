@@ -40,31 +40,59 @@ pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 /// the folder; their size is what is read.
 pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
     let index = dir.join("model.safetensors.index.json");
+    // With an index, where its weight_map says each tensor is.
+    let mut weight_map: Option<BTreeMap<String, String>> = None;
     let files: Vec<std::path::PathBuf> = if index.exists() {
         let text = read_regular(&index, MAX_INDEX_BYTES)?;
         let json: serde_json::Value = serde_json::from_slice(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
         let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad(format!("{}: no weight_map", index.display())))?;
-        let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+        let map: BTreeMap<String, String> = map
+            .iter()
+            .map(|(name, file)| file.as_str().map(|f| (name.clone(), f.to_string())).ok_or_else(|| bad(format!("{}: the weight_map's entry for `{name}` is not a file name", index.display()))))
+            .collect::<Result<_, _>>()?;
+        let mut files: Vec<String> = map.values().cloned().collect();
         files.sort();
         files.dedup();
         if let Some(outside) = files.iter().find(|f| f.is_empty() || f.contains(['/', '\\']) || *f == "." || *f == "..") {
             return Err(bad(format!("{}: the weight_map names `{outside}`, which is not a file of the folder", index.display())));
         }
+        weight_map = Some(map);
         files.into_iter().map(|f| dir.join(f)).collect()
     } else {
         vec![dir.join("model.safetensors")]
     };
     let mut out = Tensors::new();
+    // The file each tensor was read from.
+    let mut found_in: BTreeMap<String, String> = BTreeMap::new();
     for file in files {
         let bytes = read_regular(&file, u64::MAX).map_err(|e| bad(format!("{e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)")))?;
+        let file_name = file.file_name().map_or_else(String::new, |n| n.to_string_lossy().to_string());
         for (name, tensor) in parse_safetensors(&bytes).map_err(|e| bad(format!("{}: {e}", file.display())))? {
-            if out.contains_key(&name) {
-                return Err(bad(format!("{}: tensor `{name}` is also in another file of the folder: keep one copy", file.display())));
+            if let Some(first) = found_in.get(&name) {
+                return Err(bad(format!("{}: tensor `{name}` is also in {first}, another file of the folder: keep one copy", file.display())));
             }
+            if let Some(map) = &weight_map {
+                match map.get(&name) {
+                    Some(listed) if *listed == file_name => {}
+                    Some(listed) => return Err(bad(format!("{}: tensor `{name}` is in {file_name}, but the index's weight_map puts it in {listed}", index.display()))),
+                    None => return Err(bad(format!("{}: tensor `{name}` is in {file_name}, but the index's weight_map does not list it", index.display()))),
+                }
+            }
+            found_in.insert(name.clone(), file_name.clone());
             out.insert(name, tensor);
         }
     }
+    if let Some(map) = &weight_map
+        && let Some((name, listed)) = map.iter().find(|(name, _)| !found_in.contains_key(*name) && !is_mask_buffer(name))
+    {
+        return Err(bad(format!("{}: the weight_map puts tensor `{name}` in {listed}, which does not hold it", index.display())));
+    }
     Ok(out)
+}
+
+/// GPT-2's causal-mask buffers (bool or integer), which are not parameters: read past.
+fn is_mask_buffer(name: &str) -> bool {
+    name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
 }
 
 /// Reads `path` whole if it is a regular file of at most `limit` bytes (a device such as
@@ -97,7 +125,7 @@ pub fn parse_safetensors(bytes: &[u8]) -> Result<Tensors, RuntimeError> {
             Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
             Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
             // GPT-2's causal-mask buffers (bool or integer) are not parameters.
-            _ if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") => continue,
+            _ if is_mask_buffer(&name) => continue,
             other => {
                 return Err(bad(format!("tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)")));
             }
@@ -246,8 +274,17 @@ pub fn import(family: Family, hf: &Tensors, tied: bool, expected: &BTreeMap<Stri
             return Err(bad(format!("tensors `{other}` and `{name}` are the same weight under two prefixes: keep one")));
         }
     }
+    // Layers of the model the config describes, and the config key that says so.
+    let layers = expected.keys().filter_map(|k| k.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
+    let layers_key = match family {
+        Family::Gpt2 => "n_layer",
+        Family::Llama => "num_hidden_layers",
+    };
     let target = |name: &str, ours: &str| {
-        expected.get(ours).ok_or_else(|| bad(format!("Hugging Face tensor `{name}` would be `{ours}`, which the model its config.json describes does not have (check the number of layers)")))
+        expected.get(ours).ok_or_else(|| match ours.strip_prefix("layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok()) {
+            Some(layer) if layer >= layers => bad(format!("Hugging Face tensor `{name}` is in layer {layer}, past config.json's `{layers_key}` = {layers} (layers 0 to {}): the config and the weights disagree", layers.saturating_sub(1))),
+            _ => bad(format!("Hugging Face tensor `{name}` would be `{ours}`, which the model its config.json describes does not have")),
+        })
     };
     let wrong_shape = |name: &str, shape: &[usize], wanted: &[usize]| bad(format!("Hugging Face tensor `{name}` has shape {shape:?}; its config.json makes it {wanted:?}"));
     for (name, (shape, values)) in hf {
@@ -372,9 +409,81 @@ mod tests {
         dir
     }
 
+    fn floats(n: usize) -> Vec<u8> {
+        (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect()
+    }
+
+    /// A folder of several safetensors files (name -> tensors), with `index` as its weight_map.
+    fn sharded(tag: &str, files: &[(&str, &[&str])], index: &[(&str, &str)]) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("shardc-hf-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let data = floats(2);
+        for (file, names) in files {
+            let views: Vec<(String, TensorView)> = names.iter().map(|n| (n.to_string(), TensorView::new(Dtype::F32, vec![2], &data).unwrap())).collect();
+            std::fs::write(dir.join(file), safetensors::serialize(views, None).unwrap()).unwrap();
+        }
+        let map: serde_json::Map<String, serde_json::Value> = index.iter().map(|(n, f)| (n.to_string(), serde_json::Value::String(f.to_string()))).collect();
+        std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+        dir
+    }
+
+    /// The index and the files must agree on where each tensor is: a tensor in another file
+    /// than its weight_map entry, in two files, in no entry, or an entry its file lacks, is an
+    /// error naming the tensor and the files (issue 17).
+    #[test]
+    fn a_sharded_folder_whose_index_and_files_disagree_is_an_error() {
+        let (a, b) = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors");
+        let dir = sharded("index-ok", &[(a, &["h.0.ln_1.weight"]), (b, &["h.0.ln_1.bias"])], &[("h.0.ln_1.weight", a), ("h.0.ln_1.bias", b)]);
+        assert_eq!(read_dir(&dir).unwrap().len(), 2);
+        let _ = std::fs::remove_dir_all(&dir);
+        let cases: [(&str, &[(&str, &[&str])], &[(&str, &str)], &[&str]); 4] = [
+            // In b, the index says a.
+            ("index-elsewhere", &[(a, &["h.0.ln_1.weight"]), (b, &["h.0.ln_1.bias", "h.0.ln_2.weight"])], &[("h.0.ln_1.weight", a), ("h.0.ln_1.bias", a), ("h.0.ln_2.weight", b)], &["`h.0.ln_1.bias`", "is in model-00002-of-00002", "puts it in model-00001-of-00002"]),
+            // In both files.
+            ("index-twice", &[(a, &["h.0.ln_1.weight"]), (b, &["h.0.ln_1.weight", "h.0.ln_1.bias"])], &[("h.0.ln_1.weight", a), ("h.0.ln_1.bias", b)], &["`h.0.ln_1.weight`", "is also in model-00001-of-00002", "keep one copy"]),
+            // In a file, not in the index.
+            ("index-unlisted", &[(a, &["h.0.ln_1.weight", "h.0.ln_2.weight"]), (b, &["h.0.ln_1.bias"])], &[("h.0.ln_1.weight", a), ("h.0.ln_1.bias", b)], &["`h.0.ln_2.weight`", "does not list it"]),
+            // In the index, in no file.
+            ("index-missing", &[(a, &["h.0.ln_1.weight"]), (b, &["h.0.ln_1.bias"])], &[("h.0.ln_1.weight", a), ("h.0.ln_1.bias", b), ("h.0.ln_2.weight", b)], &["`h.0.ln_2.weight`", "in model-00002-of-00002", "does not hold it"]),
+        ];
+        for (tag, files, index, says) in cases {
+            let dir = sharded(tag, files, index);
+            let e = read_dir(&dir).unwrap_err().to_string();
+            for s in says {
+                assert!(e.contains(s), "{tag}: `{s}` not in: {e}");
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    /// A tensor whose name has no place in the family, or lies in a layer past the config's
+    /// layer count, is an error naming it (and the config key) rather than dropped (issue 17).
+    #[test]
+    fn tensors_with_no_place_in_the_model_are_named() {
+        let t = |name: &str, shape: Vec<usize>| -> Tensors { [(name.to_string(), (shape.clone(), vec![0.0; shape.iter().product()]))].into() };
+        for (family, name, says) in [
+            (Family::Gpt2, "transformer.h.0.attn.c_attn.scale", "has no place in a GPT-2 model"),
+            (Family::Gpt2, "transformer.wte.extra", "has no place in a GPT-2 model"),
+            (Family::Gpt2, "score.weight", "has no place in a GPT-2 model"),
+            (Family::Llama, "model.layers.0.self_attn.q_proj.bias", "has no place in a Llama model"),
+            (Family::Llama, "model.layers.0", "has no place in a Llama model"),
+        ] {
+            let e = import(family, &t(name, vec![2]), true, &BTreeMap::new()).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{name}`")) && e.contains(says), "{name}: {e}");
+        }
+        // Two layers in the config (layers 0 and 1): layer 2 is past them.
+        let expected: BTreeMap<String, Vec<usize>> = (0..2).flat_map(|l| [(format!("layers.{l}.attn_norm.weight"), vec![2]), (format!("layers.{l}.mlp_norm.weight"), vec![2])]).collect();
+        for (family, name, key) in [(Family::Gpt2, "transformer.h.2.ln_1.weight", "`n_layer` = 2"), (Family::Llama, "model.layers.2.input_layernorm.weight", "`num_hidden_layers` = 2")] {
+            let e = import(family, &t(name, vec![2]), true, &expected).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{name}`")) && e.contains("layer 2") && e.contains(key), "{name}: {e}");
+        }
+        let e = import(Family::Gpt2, &t("transformer.h.1.ln_1.weight", vec![2]), true, &expected).map(|t| t.len());
+        assert_eq!(e.unwrap(), 1);
+    }
+
     #[test]
     fn integer_weights_and_one_weight_under_two_prefixes_are_errors() {
-        let floats = |n: usize| (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect::<Vec<u8>>();
         // GPT-2's mask buffer is skipped; an integer weight is an error naming it.
         let dir = folder("int", &[("h.0.attn.bias", Dtype::U8, vec![4], vec![1; 4]), ("h.0.ln_1.weight", Dtype::I64, vec![2], vec![0; 16])]);
         let e = read_dir(&dir).unwrap_err().to_string();
