@@ -300,13 +300,16 @@ impl StepArgs {
     /// Loads a spec (or a Hugging Face config) and applies `--seq` / `--micro-batch` /
     /// `--dtype`.
     pub fn load_spec(&self, path: Option<&Path>) -> Result<Spec> {
+        // With a Hugging Face folder: its config, and the family that names its keys.
+        let mut hf = None;
         let mut spec = match (self.hf_dir(path), path) {
             (Some(dir), _) => {
                 let config = dir.join("config.json");
                 let text = crate::input::read_text("--hf", &config, crate::input::MAX_TEXT_BYTES)?;
                 let name = dir.file_name().map_or_else(|| "hf-model".into(), |n| n.to_string_lossy().to_string());
-                let (spec, _) = spec::hf::from_hf_config(&text, &name, self.seq.unwrap_or(128), self.micro_batch.unwrap_or(1))
+                let (spec, family) = spec::hf::from_hf_config(&text, &name, self.seq.unwrap_or(128), self.micro_batch.unwrap_or(1))
                     .map_err(|e| miette!(help = "shardc reads GPT-2 and Llama configurations", "{}: {e}", dir.display()))?;
+                hf = Some((config, family));
                 spec
             }
             (None, Some(path)) => spec::parse_file(path).map_err(report::spec_report)?,
@@ -334,8 +337,76 @@ impl StepArgs {
         }
         let errors = spec::check(&spec);
         if let Some(e) = errors.first() {
-            return Err(miette!(help = e.help.clone().unwrap_or_default(), "with the command-line overrides, {e}"));
+            return Err(self.check_report(e, hf.as_ref().map(|(config, family)| (config.as_path(), *family))));
         }
         Ok(spec)
+    }
+
+    /// The flags given that change a loaded spec or config (`--seq`, `--micro-batch`,
+    /// `--global-batch`, `--microbatches`, `--dtype`).
+    fn overrides_given(&self) -> Vec<&'static str> {
+        [
+            ("--seq", self.seq.is_some()),
+            ("--micro-batch", self.micro_batch.is_some()),
+            ("--global-batch", self.global_batch.is_some()),
+            ("--microbatches", self.microbatches.is_some()),
+            ("--dtype", self.dtype.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect()
+    }
+
+    /// A spec check's error on the loaded model, in the words of where its values came from:
+    /// a Hugging Face config's field by its key in `config.json`, and the command-line
+    /// overrides only when some were given.
+    fn check_report(&self, e: &spec::SpecError, hf: Option<(&Path, spec::hf::HfFamily)>) -> miette::Report {
+        let keys = hf.map_or(&[][..], |(_, family)| hf_config_keys(family));
+        // Spec field names in the message and help become the config's keys.
+        let rename = |text: &str| keys.iter().fold(text.to_string(), |text, (ours, theirs)| text.replace(ours, &format!("`{theirs}`")));
+        let overrides = self.overrides_given();
+        let subject = match (hf, keys.iter().find(|(ours, _)| *ours == e.field)) {
+            (Some((config, _)), Some((_, key))) => format!("{}: `{key}`", config.display()),
+            _ if e.field.is_empty() => String::new(),
+            _ => match [("training.seq_len", "--seq"), ("training.micro_batch", "--micro-batch"), ("training.global_batch", "--global-batch")].iter().find(|(field, flag)| *field == e.field && overrides.contains(flag)) {
+                Some((field, flag)) => format!("{field} ({flag})"),
+                None => e.field.clone(),
+            },
+        };
+        let subject = if subject.is_empty() { String::new() } else { format!("{subject}: ") };
+        // A subject naming the one flag given says it already.
+        let named = overrides.len() == 1 && subject.contains(&format!("({})", overrides[0]));
+        let context = if overrides.is_empty() || named { String::new() } else { format!(" (with {} given)", overrides.join(", ")) };
+        miette!(help = rename(e.help.as_deref().unwrap_or_default()), "{subject}{}{context}", rename(&e.message))
+    }
+}
+
+/// The `config.json` key of each spec field a Hugging Face config of `family` sets.
+fn hf_config_keys(family: spec::hf::HfFamily) -> &'static [(&'static str, &'static str)] {
+    match family {
+        spec::hf::HfFamily::Gpt2 => &[
+            ("model.vocab", "vocab_size"),
+            ("model.max_seq", "n_positions"),
+            ("model.hidden", "n_embd"),
+            ("model.layers", "n_layer"),
+            // GPT-2 has no grouped-query attention: its kv heads are its heads.
+            ("model.kv_heads", "n_head"),
+            ("model.heads", "n_head"),
+            ("model.ffn_hidden", "n_inner"),
+            ("model.norm_eps", "layer_norm_epsilon"),
+            ("model.tied_embeddings", "tie_word_embeddings"),
+        ],
+        spec::hf::HfFamily::Llama => &[
+            ("model.vocab", "vocab_size"),
+            ("model.max_seq", "max_position_embeddings"),
+            ("model.hidden", "hidden_size"),
+            ("model.layers", "num_hidden_layers"),
+            ("model.kv_heads", "num_key_value_heads"),
+            ("model.heads", "num_attention_heads"),
+            ("model.ffn_hidden", "intermediate_size"),
+            ("model.norm_eps", "rms_norm_eps"),
+            ("model.rope_theta", "rope_theta"),
+            ("model.tied_embeddings", "tie_word_embeddings"),
+        ],
     }
 }

@@ -1061,7 +1061,7 @@ fn sizes_past_the_tensor_limit_are_refused_naming_the_field() {
     fields.insert("hidden_size".into(), (1u64 << 31).into());
     std::fs::write(hf.join("config.json"), config.to_string()).unwrap();
     let out = shardc(&["compile", "--hf", hf.to_str().unwrap()]);
-    assert!(!out.status.success() && stderr(&out).contains("model.hidden") && stderr(&out).contains("(2^48)"), "{}", stderr(&out));
+    assert!(!out.status.success() && stderr(&out).contains("`hidden_size`") && stderr(&out).contains("(2^48)"), "{}", stderr(&out));
     assert!(!stderr(&out).contains("panicked"));
     // Device code: attention's grid has one block per (sequence, head) pair in y, where CUDA
     // allows 65535; more were cast to u32 and launched (or failed at launch).
@@ -1577,6 +1577,48 @@ fn save_hf_round_trips() {
         assert!(max_relative(&after, &before) < 1e-6, "{family}: the exported model computes other logits");
     }
     let _ = std::fs::remove_dir_all(tmp);
+}
+
+/// A Hugging Face config's bad value is named by its key in config.json (`num_hidden_layers`,
+/// not shardc's `model.layers`), and the command-line overrides are mentioned only when some
+/// were given (issue 17).
+#[test]
+fn hugging_face_config_errors_name_the_config_key() {
+    let dir = tempdir("hf-config-keys");
+    let edited = |family: &str, key: &str, value: serde_json::Value| {
+        let hf = dir.join(format!("{family}-{key}"));
+        std::fs::create_dir_all(&hf).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(root().join(format!("tests/data/hf-tiny-{family}/config.json"))).unwrap()).unwrap();
+        config[key] = value;
+        std::fs::write(hf.join("config.json"), config.to_string()).unwrap();
+        hf.to_str().unwrap().to_string()
+    };
+    for (family, key, value, says) in [
+        ("llama", "num_hidden_layers", serde_json::json!(5000), "`num_hidden_layers`: 5000 layers exceed the supported maximum of 4096"),
+        ("gpt2", "n_layer", serde_json::json!(5000), "`n_layer`: 5000 layers exceed the supported maximum of 4096"),
+        ("gpt2", "n_head", serde_json::json!(3), "`n_head`: hidden (16) must be divisible by heads (3)"),
+        ("llama", "num_key_value_heads", serde_json::json!(3), "`num_key_value_heads`: heads (4) must be a multiple of kv_heads (3)"),
+    ] {
+        let hf = edited(family, key, value);
+        let out = shardc(&["compile", "--hf", &hf]);
+        let err = unwrapped(&stderr(&out));
+        assert!(!out.status.success() && err.contains(says) && err.contains("config.json"), "{key}: {err}");
+        assert!(!err.contains("override") && !err.contains("given") && !err.contains("model."), "{key}: {err}");
+    }
+    // An override that breaks the model is named, as the flag, and the config's key in the help.
+    let out = shardc(&["compile", "--hf", "tests/data/hf-tiny-gpt2", "--seq", "100"]);
+    let err = unwrapped(&stderr(&out));
+    assert!(!out.status.success() && err.contains("training.seq_len (--seq): seq_len (100) exceeds the model's max_seq (16)") && err.contains("`n_positions`"), "{err}");
+    let out = shardc(&["compile", "--hf", "tests/data/hf-tiny-gpt2", "--seq", "100", "--micro-batch", "2"]);
+    assert!(unwrapped(&stderr(&out)).contains("(with --seq, --micro-batch given)"), "{}", stderr(&out));
+    // A layer in the weights past the config's layer count is named with the key.
+    let hf = edited("gpt2", "n_layer", serde_json::json!(1));
+    std::fs::copy(root().join("tests/data/hf-tiny-gpt2/model.safetensors"), std::path::Path::new(&hf).join("model.safetensors")).unwrap();
+    let out = shardc(&["logits", "--hf", &hf, "--tokens", "1,2,3"]);
+    let err = unwrapped(&stderr(&out));
+    assert!(!out.status.success() && err.contains("is in layer 1, past config.json's `n_layer` = 1 (layers 0 to 0)"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Architectures and fields shardc does not model are refused by name.
