@@ -122,6 +122,7 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     let acc = acc_bytes(dtype);
     let kernels: Vec<Option<DeviceKernel>> = (0..program.instrs.len()).map(|i| device_kernel(program, i).map_err(|e| fail(i, e))).collect::<Result<_, _>>()?;
     let groups = elementwise_groups(program, &kernels);
+    let batches = multi_tensor_batches(program, &groups);
     let readers = Readers::of(program);
 
     let mut sources: Vec<&'static str> = Vec::new();
@@ -133,6 +134,18 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     let mut index = 0;
     while index < program.instrs.len() {
         let instr = &program.instrs[index];
+        if let Some(batch) = batches.get(&index) {
+            let members: Vec<Vec<usize>> = batch.iter().map(|first| groups[first].clone()).collect();
+            let (name, text, args, n) = fuse_multi(program, &members, &kernels, &readers, dtype).map_err(|e| fail(index, e))?;
+            generated.push_str(&text);
+            calls[index] = vec![DeviceCall::Launch { kernel: name, grid: [shardc_ir::kernel::blocks_for(n), 1, 1], block: shardc_ir::kernel::ROW_BLOCK, shared_bytes: 0, args }];
+            let all: Vec<usize> = members.iter().flatten().copied().collect();
+            for &member in &all[1..] {
+                calls[member] = vec![DeviceCall::Fused { into: index }];
+            }
+            index = all.last().copied().unwrap_or(index) + 1;
+            continue;
+        }
         if let Some(group) = groups.get(&index) {
             let (name, text, args, n) = fuse(program, group, &kernels, &readers, dtype).map_err(|e| fail(index, e))?;
             generated.push_str(&text);
@@ -292,6 +305,57 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
     groups
 }
 
+/// Most kernel groups in one multi-tensor launch (each brings a handful of pointer
+/// parameters; CUDA passes at most 4 KiB of them on older drivers).
+const MAX_MULTI_TENSOR: usize = 16;
+
+/// Runs of consecutive kernel groups that each update a parameter (`xf.adamw`, `xf.sgd`) and
+/// that one multi-tensor launch computes, keyed by their first group's first instruction,
+/// as the groups' first instructions: at most [`MAX_MULTI_TENSOR`] each, within one pipeline
+/// section, and independent (no member writes storage another reads or writes, so their
+/// threads may run in any order). The updates of a step follow one another once clipping or
+/// gradient buckets hold them to the step's end, so a bucket's updates become one launch.
+fn multi_tensor_batches(program: &Program, groups: &HashMap<usize, Vec<usize>>) -> HashMap<usize, Vec<usize>> {
+    use shardc_runtime::program::Alias;
+    let section_starts: HashSet<usize> = program.pipeline.iter().flat_map(|p| &p.chunks).flat_map(|c| c.sections.iter().flat_map(|&(start, end)| [start, end])).collect();
+    let updates = |group: &[usize]| group.iter().any(|&i| matches!(program.instrs[i].op.as_str(), "xf.adamw" | "xf.sgd"));
+    let mut firsts: Vec<usize> = groups.keys().copied().filter(|f| updates(&groups[f])).collect();
+    firsts.sort_unstable();
+    let buffers_of = |group: &[usize]| -> (Vec<BufferId>, Vec<BufferId>) {
+        let ins = group.iter().flat_map(|&i| program.instrs[i].inputs.iter().copied()).collect();
+        let outs = group.iter().flat_map(|&i| program.instrs[i].outputs.iter().copied()).collect();
+        (ins, outs)
+    };
+    let apart = |a: &[BufferId], b: &[BufferId]| a.iter().all(|&x| b.iter().all(|&y| x != y && program.alias(x, y) == Alias::None));
+    let mut batches: HashMap<usize, Vec<usize>> = HashMap::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut close = |current: &mut Vec<usize>| {
+        if current.len() >= 2 {
+            batches.insert(current[0], current.clone());
+        }
+        current.clear();
+    };
+    for &first in &firsts {
+        let joins = current.last().is_some_and(|last| {
+            let previous = &groups[last];
+            let (ins, outs) = buffers_of(&groups[&first]);
+            previous.last().copied() == Some(first - 1)
+                && !section_starts.contains(&first)
+                && current.len() < MAX_MULTI_TENSOR
+                && current.iter().all(|m| {
+                    let (m_ins, m_outs) = buffers_of(&groups[m]);
+                    apart(&outs, &m_ins) && apart(&outs, &m_outs) && apart(&m_outs, &ins)
+                })
+        });
+        if !joins {
+            close(&mut current);
+        }
+        current.push(first);
+    }
+    close(&mut current);
+    batches
+}
+
 /// A fused element-wise kernel: its name, CUDA C, arguments and element count.
 /// Who reads each buffer, counted once per program rather than once per kernel group (a walk
 /// of every instruction per group is quadratic in the depth of the model).
@@ -330,6 +394,69 @@ impl Readers {
 }
 
 fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], readers: &Readers, module: DType) -> Result<(String, String, Vec<KernelArg>, usize), String> {
+    let mut params: Vec<BufferId> = Vec::new();
+    let body = fuse_body(program, group, kernels, readers, module, &mut params, "i")?;
+    let n = program.buffers[program.instrs[group[0]].outputs[0]].len();
+    let ops: Vec<&str> = group.iter().map(|&i| program.instrs[i].op.as_str()).collect();
+    let kernel = format!("fused_{}", group[0]);
+    let text = format!("// {}\nextern \"C\" __global__ void {kernel}(i64 n, {}) {{\n  GRID_STRIDE(i, n) {{\n{body}  }}\n}}\n", ops.join(" -> "), signature(program, group, &params, module).join(", "));
+    let mut args = vec![KernelArg::Int(n as i64)];
+    args.extend(params.iter().map(|&b| KernelArg::Buffer(b)));
+    Ok((kernel, text, args, n))
+}
+
+/// Several kernel groups of optimizer updates (each an update and what fuses with it, such as
+/// the cast of a new master weight to bf16) in one launch, as a multi-tensor apply: the
+/// launch's index space is the members' elements one after the other, and each thread runs
+/// the member its index falls in. Members are independent (see [`multi_tensor_batches`]), so
+/// no order among their threads matters.
+fn fuse_multi(program: &Program, members: &[Vec<usize>], kernels: &[Option<DeviceKernel>], readers: &Readers, module: DType) -> Result<(String, String, Vec<KernelArg>, usize), String> {
+    let mut params: Vec<BufferId> = Vec::new();
+    let mut body = String::new();
+    let mut offset = 0usize;
+    for (k, group) in members.iter().enumerate() {
+        let n = program.buffers[program.instrs[group[0]].outputs[0]].len();
+        let member = fuse_body(program, group, kernels, readers, module, &mut params, "e")?;
+        let test = if k + 1 == members.len() { String::new() } else { format!("if (i < {}) ", offset + n) };
+        let _ = writeln!(body, "    {}{test}{{\n    i64 e = i - {offset};\n{member}    }}", if k == 0 { "" } else { "else " });
+        offset += n;
+    }
+    let all: Vec<usize> = members.iter().flatten().copied().collect();
+    let kernel = format!("multi_tensor_{}", all[0]);
+    let text = format!(
+        "// multi-tensor: {} members ({})\nextern \"C\" __global__ void {kernel}(i64 n, {}) {{\n  GRID_STRIDE(i, n) {{\n{body}  }}\n}}\n",
+        members.len(),
+        members.iter().map(|g| program.instrs[g[0]].loc.as_str()).collect::<Vec<_>>().join(", "),
+        signature(program, &all, &params, module).join(", ")
+    );
+    let mut args = vec![KernelArg::Int(offset as i64)];
+    args.extend(params.iter().map(|&b| KernelArg::Buffer(b)));
+    Ok((kernel, text, args, offset))
+}
+
+/// The pointer parameters of a fused kernel over `params`: written buffers mutable.
+fn signature(program: &Program, group: &[usize], params: &[BufferId], module: DType) -> Vec<String> {
+    let fp32 = |b: BufferId| module == DType::Bf16 && program.buffers[b].dtype == DType::F32;
+    let written: HashSet<BufferId> = group.iter().flat_map(|&i| program.instrs[i].outputs.iter().copied()).collect();
+    params
+        .iter()
+        .enumerate()
+        .map(|(p, &b)| {
+            let base = if program.buffers[b].dtype == DType::I32 {
+                "int"
+            } else if fp32(b) {
+                "float"
+            } else {
+                "T"
+            };
+            if written.contains(&b) { format!("{base}* p{p}") } else { format!("const {base}* p{p}") }
+        })
+        .collect()
+}
+
+/// The statements of one kernel group for element `index` (a variable of the kernel), with
+/// its buffers added to `params` (the kernel's pointer parameters, `p0`, `p1`, ...).
+fn fuse_body(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], readers: &Readers, module: DType, params: &mut Vec<BufferId>, index_var: &str) -> Result<String, String> {
     // fp32 buffers of a bf16 module (mixed precision) are `float`: loaded and stored as is.
     let fp32 = |b: BufferId| module == DType::Bf16 && program.buffers[b].dtype == DType::F32;
     let first = group[0];
@@ -342,10 +469,8 @@ fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], re
         }
     }
     let read_outside = |b: BufferId| readers.outside(b) || readers.reads[b] > reads_in_group.get(&b).copied().unwrap_or(0);
-    let written: HashSet<BufferId> = group.iter().flat_map(|&i| program.instrs[i].outputs.iter().copied()).collect();
 
     // Pointer parameters, one per buffer, in first-use order.
-    let mut params: Vec<BufferId> = Vec::new();
     let param_of = |b: BufferId, params: &mut Vec<BufferId>| match params.iter().position(|&p| p == b) {
         Some(p) => p,
         None => {
@@ -367,10 +492,10 @@ fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], re
             let value = match register.get(&b) {
                 Some(r) => r.clone(),
                 None => {
-                    let p = param_of(b, &mut params);
+                    let p = param_of(b, params);
                     let name = format!("v{next}");
                     next += 1;
-                    let index = if program.buffers[b].len() == n { "i".to_string() } else { format!("i % {}", program.buffers[b].len().max(1)) };
+                    let index = if program.buffers[b].len() == n { index_var.to_string() } else { format!("{index_var} % {}", program.buffers[b].len().max(1)) };
                     let _ = writeln!(body, "    acc_t {name} = load(p{p}[{index}]);");
                     register.insert(b, name.clone());
                     name
@@ -408,33 +533,14 @@ fn fuse(program: &Program, group: &[usize], kernels: &[Option<DeviceKernel>], re
         }
     }
     for (b, name) in &stores {
-        let p = param_of(*b, &mut params);
+        let p = param_of(*b, params);
         if fp32(*b) {
-            let _ = writeln!(body, "    p{p}[i] = {name};");
+            let _ = writeln!(body, "    p{p}[{index_var}] = {name};");
         } else {
-            let _ = writeln!(body, "    p{p}[i] = store({name});");
+            let _ = writeln!(body, "    p{p}[{index_var}] = store({name});");
         }
     }
-    let kernel = format!("fused_{first}");
-    let signature: Vec<String> = params
-        .iter()
-        .enumerate()
-        .map(|(p, &b)| {
-            let base = if program.buffers[b].dtype == DType::I32 {
-                "int"
-            } else if fp32(b) {
-                "float"
-            } else {
-                "T"
-            };
-            if written.contains(&b) { format!("{base}* p{p}") } else { format!("const {base}* p{p}") }
-        })
-        .collect();
-    let ops: Vec<&str> = group.iter().map(|&i| program.instrs[i].op.as_str()).collect();
-    let text = format!("// {}\nextern \"C\" __global__ void {kernel}(i64 n, {}) {{\n  GRID_STRIDE(i, n) {{\n{body}  }}\n}}\n", ops.join(" -> "), signature.join(", "));
-    let mut args = vec![KernelArg::Int(n as i64)];
-    args.extend(params.iter().map(|&b| KernelArg::Buffer(b)));
-    Ok((kernel, text, args, n))
+    Ok(body)
 }
 
 /// Attaches the device plan to `program` (for `--target cuda` and the CUDA backend).

@@ -93,8 +93,49 @@ fn elementwise_chains_fuse_and_keep_only_what_others_read() {
     let at = plan.source.find("// xf.add -> xf.add\n").expect("a fused bias and residual add");
     let kernel = &plan.source[at..at + plan.source[at..].find("\n}\n").unwrap()];
     assert_eq!(kernel.matches("] = store(").count(), 1, "{kernel}");
-    // The AdamW updates of a norm's weight and bias share one kernel, in place.
-    assert!(plan.source.contains("// xf.adamw -> xf.adamw"), "{}", plan.source);
+    // The AdamW updates run as multi-tensor launches, in place: all of them in launches of
+    // at most 16 kernel groups each (a norm's weight and bias, of one length, are one group).
+    let updates: Vec<usize> = program.instrs.iter().enumerate().filter(|(_, i)| i.op == "xf.adamw").map(|(k, _)| k).collect();
+    let launches: std::collections::BTreeSet<usize> = updates
+        .iter()
+        .map(|&k| match &plan.calls[k][0] {
+            DeviceCall::Fused { into } => *into,
+            DeviceCall::Launch { .. } => k,
+            other => panic!("update {k} runs as {other:?}"),
+        })
+        .collect();
+    assert!(launches.len() <= updates.len().div_ceil(8) && launches.len() < updates.len(), "{} updates in {} launches", updates.len(), launches.len());
+    for &first in &launches {
+        let DeviceCall::Launch { kernel, .. } = &plan.calls[first][0] else { unreachable!() };
+        assert!(kernel.starts_with("multi_tensor_"), "{kernel}");
+        let at = plan.source.find(&format!("void {kernel}(")).unwrap();
+        let text = &plan.source[at..at + plan.source[at..].find("\n}\n").unwrap()];
+        assert!(text.contains("i64 e = i - 0;") && text.contains("else "), "{text}");
+    }
+}
+
+/// A multi-tensor launch equals its members run one by one: the emulated device trains tiny
+/// with AdamW through the launches exactly as the CPU backend does (see `emulated`), and a
+/// member's elements are only its own: each branch indexes its buffers by `e`, its offset
+/// within the member, never past the member's length.
+#[test]
+fn multi_tensor_members_index_only_their_own_elements() {
+    let program = train_step("tiny", "f32", Mesh::default(), false);
+    let plan = device_plan(&program).unwrap();
+    let mut seen = 0;
+    for at in plan.source.match_indices("extern \"C\" __global__ void multi_tensor_").map(|(at, _)| at) {
+        let text = &plan.source[at..at + plan.source[at..].find("\n}\n").unwrap()];
+        // Branch k covers [offset_k, offset_k + n_k): the offsets subtracted are the running
+        // sums of the tests' bounds.
+        let bounds: Vec<usize> = text.match_indices("if (i < ").map(|(k, _)| text[k + 8..].split(')').next().unwrap().parse().unwrap()).collect();
+        let offsets: Vec<usize> = text.match_indices("i64 e = i - ").map(|(k, _)| text[k + 12..].split(';').next().unwrap().parse().unwrap()).collect();
+        assert_eq!(offsets.len(), bounds.len() + 1, "{text}");
+        assert_eq!(offsets[0], 0);
+        assert_eq!(&offsets[1..], &bounds[..], "{text}");
+        assert!(!text.contains("[i]") && !text.contains("[i %"), "a member indexes by the launch's index: {text}");
+        seen += 1;
+    }
+    assert!(seen >= 1, "no multi-tensor launch");
 }
 
 /// A fused kernel never stores into the storage of an operand it reads at a broadcast index
@@ -119,8 +160,9 @@ fn fused_kernels_never_overwrite_an_operand_read_at_a_broadcast_index() {
                 continue;
             }
             let group: Vec<usize> = std::iter::once(first).chain((first + 1..plan.calls.len()).filter(|&i| matches!(plan.calls[i].first(), Some(DeviceCall::Fused { into }) if *into == first))).collect();
-            let n = program.buffers[program.instrs[first].outputs[0]].len();
             for &i in &group {
+                // An instruction's own length (a multi-tensor launch's members differ in it).
+                let n = program.buffers[program.instrs[i].outputs[0]].len();
                 for &b in program.instrs[i].inputs.iter().filter(|&&b| program.buffers[b].len() != n) {
                     for &j in &group {
                         for &o in &program.instrs[j].outputs {
