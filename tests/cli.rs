@@ -1108,15 +1108,30 @@ fn edited_checkpoint_manifests_are_refused_by_name() {
         ("huge shape", Box::new(|m| m["tensors"][0]["global_shape"] = serde_json::json!([1u64 << 40, 1u64 << 40])), "elements a tensor may have"),
         ("shape", Box::new(|m| m["tensors"][0]["global_shape"] = serde_json::json!([1u64 << 31, 16])), "makes shards of [1073741824, 16]"),
         ("swapped mesh", Box::new(|m| m["mesh"] = serde_json::json!([1, 4, 1])), "over the mesh [1, 4, 1] makes shards of"),
+        // The optimizer record: a resume's advice would name `--optimizer lion` or `--lr -1`.
+        ("optimizer", Box::new(|m| m["optimizer"]["update"] = serde_json::json!("lion")), "`optimizer.update` is `lion`, which is not an optimizer shardc has (adamw or sgd)"),
+        ("lr", Box::new(|m| m["optimizer"]["lr"] = serde_json::json!(-1.0)), "`optimizer.lr` is -1, not a positive learning rate"),
+        ("zero lr", Box::new(|m| m["optimizer"]["lr"] = serde_json::json!(0.0)), "`optimizer.lr` is 0, not a positive learning rate"),
+        ("min-lr", Box::new(|m| m["optimizer"]["min_lr"] = serde_json::json!(1.0)), "`optimizer.min_lr` is 1, outside 0..=`optimizer.lr`"),
+        ("negative min-lr", Box::new(|m| m["optimizer"]["min_lr"] = serde_json::json!(-0.5)), "`optimizer.min_lr` is -0.5"),
+        ("warmup", Box::new(|m| m["optimizer"]["warmup_steps"] = serde_json::json!(-3)), "`optimizer.warmup_steps` is -3, outside 0..=2147483647"),
+        ("decay", Box::new(|m| m["optimizer"]["decay_steps"] = serde_json::json!(1i64 << 40)), "`optimizer.decay_steps` is 1099511627776, outside 0..=2147483647"),
+        ("decay before warmup", Box::new(|m| { m["optimizer"]["warmup_steps"] = serde_json::json!(10); m["optimizer"]["decay_steps"] = serde_json::json!(5) }), "`optimizer.decay_steps` 5 does not exceed `optimizer.warmup_steps` 10"),
+        ("clip", Box::new(|m| m["optimizer"]["clip_grad"] = serde_json::json!(-1.0)), "`optimizer.clip_grad` is -1, not a finite norm of at least 0"),
     ];
+    assert!(original["optimizer"]["update"] == "adamw", "the run records its optimizer: {original}");
     for (what, edit, says) in edits {
         let mut manifest = original.clone();
         edit(&mut manifest);
         std::fs::write(saved.join("manifest.json"), manifest.to_string()).unwrap();
         let out = shardc(&["run", "models/tiny.toml", "--steps", "4", "--mesh", "dp=2,tp=2", "--resume", ckpt.to_str().unwrap()]);
         assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{what}: {}", stderr(&out));
-        assert!(!stderr(&out).contains("panicked"), "{what}");
+        assert!(!stderr(&out).contains("panicked") && !stderr(&out).contains("--optimizer lion") && !stderr(&out).contains("--lr -1"), "{what}: {}", stderr(&out));
     }
+    // The record as written resumes.
+    std::fs::write(saved.join("manifest.json"), original.to_string()).unwrap();
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "3", "--mesh", "dp=2,tp=2", "--resume", ckpt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -115,6 +115,36 @@ impl OptimizerRecord {
         })
     }
 
+    /// Checks the record holds what `run`'s options accept (so a resume's advice never names
+    /// a flag value that does not exist): a known update rule, a finite positive `lr`, a
+    /// `min_lr` in `0..=lr`, warmup and decay within the step counter (a decay ending after
+    /// the warmup), and a finite `clip_grad` of at least 0. Errors name the manifest field.
+    pub fn check(&self) -> Result<(), String> {
+        let edited = "the manifest was edited or is corrupt";
+        if !matches!(self.update.as_str(), "adamw" | "sgd") {
+            return Err(format!("`optimizer.update` is `{}`, which is not an optimizer shardc has (adamw or sgd): {edited}", self.update.escape_debug()));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(format!("`optimizer.lr` is {}, not a positive learning rate: {edited}", self.lr));
+        }
+        if !(self.min_lr.is_finite() && (0.0..=self.lr).contains(&self.min_lr)) {
+            return Err(format!("`optimizer.min_lr` is {}, outside 0..=`optimizer.lr` ({}): {edited}", self.min_lr, self.lr));
+        }
+        let limit = i32::MAX as i64;
+        for (field, value) in [("warmup_steps", self.warmup_steps), ("decay_steps", self.decay_steps)] {
+            if !(0..=limit).contains(&value) {
+                return Err(format!("`optimizer.{field}` is {value}, outside 0..={limit} (the step counter's range): {edited}"));
+            }
+        }
+        if self.decay_steps > 0 && self.decay_steps <= self.warmup_steps {
+            return Err(format!("`optimizer.decay_steps` {} does not exceed `optimizer.warmup_steps` {}: {edited}", self.decay_steps, self.warmup_steps));
+        }
+        if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
+            return Err(format!("`optimizer.clip_grad` is {}, not a finite norm of at least 0: {edited}", self.clip_grad));
+        }
+        Ok(())
+    }
+
     /// The settings that differ from `other`'s, as `name saved (this run: now)`.
     pub fn differences(&self, now: &OptimizerRecord) -> Vec<String> {
         let mut out = Vec::new();
@@ -471,7 +501,8 @@ impl Manifest {
     /// [`MAX_CHECKPOINT_RANKS`] ranks), one plain file name per rank, one checksum per file,
     /// and for every tensor a unique name, a shape of at most [`MAX_CHECKPOINT_ELEMENTS`]
     /// elements, and a split over existing grid axes, each used once, into parts that divide
-    /// the dimensions they split. Errors name the field and the tensor.
+    /// the dimensions they split, and an optimizer record `run` could have written (see
+    /// [`OptimizerRecord::check`]). Errors name the field and the tensor.
     pub fn check(&self) -> Result<(), RuntimeError> {
         let bad = |m: String| Err(RuntimeError::Binding(m));
         // Format 1 numbered rank files row-major (pp fastest); they are read in that order.
@@ -499,6 +530,9 @@ impl Manifest {
         }
         if let Some(data) = &self.data {
             data.check().map_err(|m| RuntimeError::Binding(format!("`data`: {m}")))?;
+        }
+        if let Some(optimizer) = &self.optimizer {
+            optimizer.check().map_err(RuntimeError::Binding)?;
         }
         let mut names = std::collections::HashSet::new();
         for (i, t) in self.tensors.iter().enumerate() {
