@@ -341,8 +341,8 @@ fn compile(
     }
     println!("shardc: compiled {} ({})", spec.name, source.display());
     print!("{}", summary.render(&spec, &mesh, &report.passes.iter().map(|p| p.name).collect::<Vec<_>>()));
-    for plan in programs.iter().filter_map(|p| p.device.as_ref()) {
-        println!("  device      {}", summary::device_line(plan));
+    for line in programs.iter().filter_map(summary::device_line) {
+        println!("  device      {line}");
     }
     if let Some(line) = fit::zero_gaps(&programs, step.zero, mesh.dp) {
         println!("  warning     {line}");

@@ -426,18 +426,29 @@ fn communication(program: &shardc_runtime::Program) -> Vec<CommSummary> {
     groups.into_iter().map(|((op, axes), (count, bytes))| CommSummary { op, axes, count, bytes }).collect()
 }
 
-/// One line about a program's device code: launches, fusion, GEMMs, module size.
-pub fn device_line(plan: &shardc_runtime::program::DevicePlan) -> String {
+/// One line about a program's device code: launches, fusion, GEMMs, what the runtime issues,
+/// module size. Collectives are counted as the backend issues them: one per instruction
+/// (never a `tensor.empty`, which only allocates) and one per gradient bucket region, not one
+/// per member; sends and receives between pipeline stages apart. A pipeline rank's line
+/// names its program.
+pub fn device_line(program: &shardc_runtime::Program) -> Option<String> {
     use shardc_runtime::program::DeviceCall;
+    let plan = program.device.as_ref()?;
     let calls = plan.calls.iter().flatten();
     let launches = calls.clone().filter(|c| matches!(c, DeviceCall::Launch { .. })).count();
     let fused = calls.clone().filter(|c| matches!(c, DeviceCall::Fused { .. })).count();
-    let gemms = calls.clone().filter(|c| matches!(c, DeviceCall::Gemm(_))).count();
-    let collectives = calls.filter(|c| matches!(c, DeviceCall::Runtime)).count();
-    format!(
-        "cuda ({:?}): {launches} kernel launches ({fused} element-wise ops fused into others), {gemms} cuBLAS GEMMs, {collectives} collectives; module {}, scratch {}",
+    let gemms = calls.filter(|c| matches!(c, DeviceCall::Gemm(_))).count();
+    let runtime: Vec<&str> = plan.calls.iter().zip(&program.instrs).filter(|(c, _)| matches!(c.first(), Some(DeviceCall::Runtime))).map(|(_, i)| i.op.as_str()).collect();
+    let transfers = runtime.iter().filter(|op| matches!(**op, "shard.send" | "shard.recv")).count();
+    let per_instruction = runtime.iter().filter(|op| !matches!(**op, "shard.send" | "shard.recv" | "tensor.empty")).count();
+    let members: usize = program.memory.buckets.iter().map(|r| r.members.len()).sum();
+    let collectives = per_instruction.saturating_sub(members) + program.memory.buckets.len();
+    let who = if program.pipeline.is_some() { format!("{}: ", program.name) } else { String::new() };
+    let transfers = if transfers > 0 { format!(", {transfers} sends and receives") } else { String::new() };
+    Some(format!(
+        "{who}cuda ({:?}): {launches} kernel launches ({fused} element-wise ops fused into others), {gemms} cuBLAS GEMMs, {collectives} collectives{transfers}; module {}, scratch {}",
         plan.dtype,
         bytes(plan.source.len() as u64),
         bytes(plan.workspace_bytes as u64)
-    )
+    ))
 }

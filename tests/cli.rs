@@ -343,7 +343,7 @@ fn run_errors_are_clear() {
     // An override that breaks the spec is refused, not silently adjusted.
     let out = shardc(&["run", "models/tiny.toml", "--micro-batch", "3"]);
     assert_eq!(out.status.code(), Some(1));
-    let err = stderr(&out);
+    let err = unwrapped(&stderr(&out));
     assert!(err.contains("global_batch (8)") && err.contains("micro_batch (3)"), "{err}");
 }
 
@@ -585,6 +585,18 @@ fn compile_for_cuda_writes_device_code() {
     assert_eq!(step["device"]["dtype"], "bf16");
     assert!(step["device"]["source"].as_str().unwrap().contains("#define BF16"));
     assert_eq!(step["device"]["calls"].as_array().unwrap().len(), step["instrs"].as_array().unwrap().len());
+    // The device line counts a gradient bucket's region as one collective, as the backend
+    // issues it, and never a `tensor.empty`.
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=2", "--microbatches", "1", "--target", "cuda", "-o", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let step = plan["programs"].as_array().unwrap().iter().find(|p| p["name"] == "train_step").unwrap();
+    let regions = step["memory"]["buckets"].as_array().unwrap();
+    let members: usize = regions.iter().map(|r| r["members"].as_array().unwrap().len()).sum();
+    let collectives = step["instrs"].as_array().unwrap().iter().filter(|i| i["op"].as_str().unwrap().starts_with("shard.")).count();
+    assert!(members > 1, "tiny at dp=2 has one bucket of many gradients");
+    let expected = format!("{} collectives;", collectives - members + regions.len());
+    assert!(stdout(&out).contains(&expected), "{expected} in {}", stdout(&out));
     // Pipeline ranks get device code too (the CUDA backend runs pipeline schedules).
     let out = shardc(&["compile", "models/tiny.toml", "--mesh", "pp=2", "--microbatches", "4", "--target", "cuda", "-o", path.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -1970,7 +1982,7 @@ fn the_largest_batch_sizes_end_in_a_plan_or_an_error_never_a_crash() {
         let err = unwrapped(&stderr(&out));
         assert_eq!(out.status.code(), Some(1), "{err}");
         assert!(!err.contains("panicked") && !err.contains("memory allocation of"), "{err}");
-        assert!(err.contains("training.micro_batch: a micro-batch's activations") && err.contains("(2^48)"), "{err}");
+        assert!(err.contains("training.micro_batch (--micro-batch): a micro-batch's activations") && err.contains("(2^48)"), "{err}");
     }
     let out = shardc(&["compile", "models/gpt3-175b.toml", "--mesh", "tp=8,pp=16", "--micro-batch", "2048", "--global-batch", "2048"]);
     assert!(out.status.success(), "{}", stderr(&out));

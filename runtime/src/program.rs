@@ -581,6 +581,11 @@ impl Program {
     /// are asynchronous all-reduces of that bucket, of the region's type, over one set of
     /// axes, and each member's output lies inside the region; regions alive at once do not overlap.
     fn check_bucket_regions(&self) -> Result<(), String> {
+        // A region's collective is issued by its last member in program order: only a
+        // program that runs straight through (no pipeline sections) has one.
+        if !self.memory.buckets.is_empty() && self.pipeline.is_some() {
+            return Err("a pipeline rank's program has gradient bucket regions; only a program without pipeline sections may".into());
+        }
         let mut claimed = std::collections::HashSet::new();
         for region in &self.memory.buckets {
             let name = format!("gradient bucket {}", region.bucket);
@@ -605,6 +610,11 @@ impl Program {
                 if self.buffers[out].dtype != region.dtype || at < region.offset || at + bytes > end {
                     return Err(format!("{name}: the output of instruction {m} lies outside the bucket's region or has another type"));
                 }
+            }
+            // Every wait of the bucket comes after the member that issues its collective.
+            let last = region.members.iter().copied().max().unwrap_or(0);
+            if let Some(w) = self.instrs[..last].iter().position(|i| i.op == "xf.wait" && i.int("xf.bucket") == Ok(region.bucket)) {
+                return Err(format!("{name}: instruction {w} waits for it before its last member (instruction {last}) is sent"));
             }
         }
         // Regions may share storage only at different times (comm-opt's pairs are awaited

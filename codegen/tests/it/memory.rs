@@ -280,6 +280,19 @@ fn edited_bucket_regions_are_refused() {
         p.memory.buckets[1].offset = first.offset;
     });
     refused("no members", &|p| p.memory.buckets[0].members.clear());
+    refused("a wait before the last member", &|p| {
+        let region = p.memory.buckets[0].clone();
+        let first = region.members[0];
+        // An instruction before the last member becomes a wait of the bucket.
+        p.instrs[first].op = "xf.wait".into();
+        p.instrs[first].attrs.insert("xf.bucket".into(), shardc_runtime::program::Attr::Int(region.bucket));
+        p.memory.buckets[0].members.remove(0);
+        p.memory.buckets[0].offset = p.arena_range(p.instrs[p.memory.buckets[0].members[0]].outputs[0]).unwrap().0;
+        p.memory.buckets[0].bytes = region.offset + region.bytes - p.memory.buckets[0].offset;
+    });
+    refused("regions in a pipeline program", &|p| {
+        p.pipeline = Some(shardc_runtime::program::PipelinePlan { rank: 0, ranks: 1, chunks: vec![], kind: shardc_runtime::schedule::Kind::OneFOneB, microbatches: 1, items: vec![] });
+    });
 }
 
 /// comm-opt's bucketed pairs (awaited at once, early in the backward) may share storage with
