@@ -2,14 +2,10 @@
 //! (`shardc-gpu`, no compiler) needs beyond `shardc compile --target cuda -o`.
 //!
 //! ```text
-//! cargo run --example gpu-check-plans -- device-plans PLAN.json...
 //! cargo run --example gpu-check-plans -- attention --seq S --batch B --heads H --head-dim D
 //!     [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR]
 //! ```
 //!
-//! * `device-plans` gives every pipeline-rank program of each plan file its device plan, in
-//!   place (`shardc compile --target cuda` gives one to `train_step` only; `shardc run
-//!   --backend cuda` makes the pipeline ranks' the same way before it runs them).
 //! * `attention` builds the two one-op programs of causal attention at that shape
 //!   (`xf.attention` and its backward `xf.attention_grad`, as `shardc calibrate` builds its
 //!   kernel programs), writes them with their device plans to `DIR` (with `--emit`), and prints
@@ -27,39 +23,13 @@ use shardc_ir::{ArgRole, AttrValue, Attrs, DType, FuncBuilder, TensorTy};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
-        Some("device-plans") if args.len() > 1 => args[1..].iter().try_for_each(|p| {
-            let planned = device_plans(Path::new(p))?;
-            eprintln!("gpu-check-plans: {p}: device plans for {planned} pipeline ranks");
-            Ok(())
-        }),
         Some("attention") => attention(&args[1..]).map(|entry| println!("{entry}")),
-        _ => Err("usage: gpu-check-plans device-plans PLAN.json... | attention --seq S --batch B --heads H --head-dim D [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR]".into()),
+        _ => Err("usage: gpu-check-plans attention --seq S --batch B --heads H --head-dim D [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR]".into()),
     };
     if let Err(e) = result {
         eprintln!("gpu-check-plans: {e}");
         std::process::exit(1);
     }
-}
-
-/// Adds a device plan to every pipeline-rank program of the plan file at `path` that has none;
-/// returns how many it planned (none is an error: the plan has no pipeline ranks to give one).
-pub fn device_plans(path: &Path) -> Result<usize, String> {
-    let at = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-    let text = std::fs::read_to_string(path).map_err(|e| at(&e))?;
-    let mut plan: serde_json::Value = serde_json::from_str(&text).map_err(|e| at(&e))?;
-    let programs = plan.get_mut("programs").and_then(|p| p.as_array_mut()).ok_or_else(|| at(&"not a shardc plan"))?;
-    let mut planned = 0;
-    for entry in programs.iter_mut().filter(|p| p.get("pipeline").is_some_and(|x| !x.is_null()) && p.get("device").is_none_or(|x| x.is_null())) {
-        let program: shardc_runtime::Program = serde_json::from_value(entry.clone()).map_err(|e| at(&e))?;
-        let program = shardc_codegen::device::with_device_plan(program).map_err(|e| at(&e))?;
-        *entry = serde_json::to_value(&program).map_err(|e| at(&e))?;
-        planned += 1;
-    }
-    if planned == 0 {
-        return Err(at(&"no pipeline-rank program without a device plan"));
-    }
-    std::fs::write(path, serde_json::to_string(&plan).map_err(|e| at(&e))?).map_err(|e| at(&e))?;
-    Ok(planned)
 }
 
 /// `attention ARGS`: the manifest entry of one attention shape (see the module comment),

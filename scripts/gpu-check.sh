@@ -4,8 +4,8 @@
 #   scripts/gpu-check.sh prepare [DIR]   on the build machine (default DIR: out/gpu-check):
 #       release-builds the runtime-only binary `shardc-gpu` (CUDA backend, cudarc loading
 #       CUDA 13 libraries at run time), compiles the plans it runs with `--target cuda`
-#       (pipeline ranks get their device plans from examples/gpu-check-plans.rs, which also
-#       builds the one-op attention programs and prices them), and stages binary, plans,
+#       (examples/gpu-check-plans.rs builds the one-op attention programs and prices
+#       them), and stages binary, plans,
 #       corpus, manifest and this script in DIR (checked: < 50 MB).
 #   DIR/gpu-check.sh run [DIR]           on the GPU machine (the staged copy of this script):
 #       puts the CUDA libraries found under Python's site-packages on LD_LIBRARY_PATH (with
@@ -68,10 +68,8 @@ prepare() {
     plan "tiny-$dtype-111" models/tiny.toml "${check[@]}" --dtype "$dtype" --microbatches 1
     plan "tiny-$dtype-dp2tp2" models/tiny.toml "${check[@]}" --dtype "$dtype" --mesh dp=2,tp=2 --microbatches 1
     plan "tiny-$dtype-pp2" models/tiny.toml "${check[@]}" --dtype "$dtype" --mesh pp=2 --schedule 1f1b
-    "$helper" device-plans "$dir/plans/tiny-$dtype-pp2.json"
   done
   plan tiny-f32-accum models/tiny.toml "${check[@]}" --dtype f32
-  "$helper" device-plans "$dir/plans/tiny-f32-accum.json"
   # gpt2-small at s=128, micro-batch 2 (256 tokens, 0.2 TFLOP a step): the CPU oracle takes
   # about a second a step on 16 cores, 3 steps and the gradient step per case.
   local gpt=(models/gpt2-small.toml --seq 128 --micro-batch 2 --microbatches 1)

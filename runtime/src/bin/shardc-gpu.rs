@@ -167,7 +167,7 @@ fn step_programs(path: &Path, device: bool) -> Result<Vec<Program>, String> {
     chosen.sort_by_key(|p| p.pipeline.as_ref().map_or(0, |x| x.rank));
     if device && let Some(p) = chosen.iter().find(|p| p.device.is_none()) {
         return Err(format!(
-            "{}: program `{}` has no device code (compile with `shardc compile --target cuda`; pipeline ranks get theirs from `cargo run --example gpu-check-plans -- device-plans PLAN`)",
+            "{}: program `{}` has no device code (compile with `shardc compile --target cuda`, which gives every training step and pipeline rank its device code)",
             path.display(),
             p.name
         ));
