@@ -172,6 +172,9 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     // Bucket -> (staged members' bytes, axes, members left); bucket -> done time.
     let mut staging: BTreeMap<i64, (f64, Vec<usize>, i64)> = BTreeMap::new();
     let mut done: BTreeMap<i64, (f64, String)> = BTreeMap::new();
+    // Buckets go out on one communication stream (NCCL runs a stream's collectives one after
+    // another): a bucket starts when it is complete and the one before it has finished.
+    let mut stream_free = 0f64;
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
     for instr in &program.instrs[range] {
         if let (Ok(bucket), true) = (instr.int("xf.bucket"), instr.bool("xf.async").unwrap_or(false)) {
@@ -185,7 +188,9 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
                 let t = cluster.time(Collective::AllReduce, b, &grid, &axes);
                 w.communication += t;
                 *w.breakdown.entry(format!("all_reduce {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
-                done.insert(bucket, (w.clock + t, axis_names(&axes)));
+                let start = w.clock.max(stream_free);
+                stream_free = start + t;
+                done.insert(bucket, (stream_free, axis_names(&axes)));
             }
             continue;
         }

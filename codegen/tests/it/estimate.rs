@@ -244,3 +244,24 @@ fn a_step_without_a_pipeline_counts_its_gradients_once() {
         assert!(peak.live <= program.memory.arena_bytes as f64 && peak.kept + peak.gradients <= peak.live, "{peak:?}");
     }
 }
+
+/// Gradient buckets go out on one communication stream, one after another: over a network so
+/// slow that every bucket outlasts the backward pass, the step takes at least the buckets'
+/// time end to end (priced as overlapping each other, the step took little more than the
+/// longest bucket), and the part not hidden behind compute is reported as exposed.
+#[test]
+fn gradient_buckets_are_priced_one_after_another_on_one_stream() {
+    let program = tiny_dp2("f32", 0, 2048);
+    let buckets: std::collections::BTreeSet<i64> = program.instrs.iter().filter(|i| i.bool("xf.async") == Ok(true)).filter_map(|i| i.int("xf.bucket").ok()).collect();
+    assert!(buckets.len() >= 4, "{} buckets", buckets.len());
+    let mut cluster = shardc_ir::cluster::Cluster::preset("h100-sxm").unwrap();
+    cluster.intra_node.bandwidth = 1e6;
+    cluster.inter_node.bandwidth = 1e6;
+    let model = shardc_codegen::estimate::ModelShape { parameters: 1e5, layers: 2.0, hidden: 64.0, seq: 8.0, tokens_per_step: 32.0 };
+    let e = shardc_codegen::estimate::estimate(std::slice::from_ref(&program), &cluster, model);
+    let bucketed = e.breakdown.iter().filter(|(k, _)| k.contains("(bucketed)")).map(|(_, t)| t).sum::<f64>();
+    assert!(bucketed > 10.0 * e.compute_seconds, "the network is not slow enough: {bucketed} s of buckets, {} s of compute", e.compute_seconds);
+    assert!(e.step_seconds >= bucketed, "step {} s, buckets {bucketed} s end to end", e.step_seconds);
+    let exposed = e.exposed_communication.get("dp").copied().unwrap_or(0.0);
+    assert!(exposed >= bucketed - e.compute_seconds, "exposed {exposed} s of {bucketed} s");
+}
