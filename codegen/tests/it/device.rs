@@ -256,6 +256,11 @@ mod emulated {
 
     /// With `vocab_multiple`, the vocabulary padded for the mesh's tp, as `shardc` pads it.
     fn sgd_step_padded(name: &str, dtype: &str, mesh: Mesh, vocab_multiple: Option<u64>) -> (Program, shardc_ir::spec::Spec) {
+        sgd_step_with(name, dtype, mesh, vocab_multiple, CompileOptions::default().grad_bucket_bytes)
+    }
+
+    /// The same, with data-parallel gradient buckets of about `grad_bucket_bytes`.
+    fn sgd_step_with(name: &str, dtype: &str, mesh: Mesh, vocab_multiple: Option<u64>, grad_bucket_bytes: u64) -> (Program, shardc_ir::spec::Spec) {
         let mut spec = spec_with_dtype(name, dtype);
         spec.training.micro_batch = 4;
         let padded_vocab = match vocab_multiple {
@@ -276,6 +281,7 @@ mod emulated {
             mesh,
             vocab: padded_vocab as i64,
             kv_heads: spec.model.kv_heads() as i64,
+            grad_bucket_bytes,
             ..Default::default()
         };
         let cx = shardc_ir::mlir::IrContext::new().unwrap();
@@ -427,26 +433,7 @@ mod emulated {
     fn gradient_buckets_are_contiguous_and_reduced_with_one_collective_each() {
         const STEPS: u64 = 3;
         for (name, mesh) in [("tiny", Mesh { dp: 2, tp: 1, pp: 1 }), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1 })] {
-            let bucketed = |bucket_bytes: u64| {
-                let mut spec = spec_with_dtype(name, "f32");
-                spec.training.micro_batch = 4;
-                let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab: spec.model.vocab }).unwrap();
-                let options = CompileOptions {
-                    optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
-                    schedule: SCHEDULE,
-                    clip_grad: CLIP,
-                    mesh,
-                    vocab: spec.model.vocab as i64,
-                    kv_heads: spec.model.kv_heads() as i64,
-                    grad_bucket_bytes: bucket_bytes,
-                    ..Default::default()
-                };
-                let cx = shardc_ir::mlir::IrContext::new().unwrap();
-                compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-                let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
-                let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &grid).unwrap();
-                (shardc_codegen::device::with_device_plan(program).unwrap(), spec)
-            };
+            let bucketed = |bucket_bytes: u64| sgd_step_with(name, "f32", mesh, None, bucket_bytes);
             let (program, spec) = bucketed(4096);
             let regions = &program.memory.buckets;
             let members: usize = regions.iter().map(|r| r.members.len()).sum();
