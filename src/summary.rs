@@ -415,12 +415,17 @@ pub fn flops(n: f64) -> String {
     format!("{value:.2} {}", units[unit])
 }
 
-/// Collectives of `program` grouped by op and axes, for rank 0.
+/// Collectives of `program` grouped by op and axes, for rank 0: a gradient bucket counts as
+/// the one collective every backend issues for it, not one per member.
 fn communication(program: &shardc_runtime::Program) -> Vec<CommSummary> {
     let mut groups: std::collections::BTreeMap<(String, String), (usize, u64)> = std::collections::BTreeMap::new();
+    let mut buckets_seen = std::collections::HashSet::new();
     for r in shardc_runtime::report::comm_records(program, 0) {
         let entry = groups.entry((r.op.trim_start_matches("shard.").to_string(), axis_names(&r.axes))).or_insert((0, 0));
-        entry.0 += 1;
+        let bucket = program.instrs[r.index].int("xf.bucket").ok();
+        if bucket.is_none_or(|b| buckets_seen.insert(b)) {
+            entry.0 += 1;
+        }
         entry.1 += r.bytes;
     }
     groups.into_iter().map(|((op, axes), (count, bytes))| CommSummary { op, axes, count, bytes }).collect()

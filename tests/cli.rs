@@ -597,6 +597,13 @@ fn compile_for_cuda_writes_device_code() {
     assert!(members > 1, "tiny at dp=2 has one bucket of many gradients");
     let expected = format!("{} collectives;", collectives - members + regions.len());
     assert!(stdout(&out).contains(&expected), "{expected} in {}", stdout(&out));
+    // So does the comm/rank line: one all-reduce over dp per bucket, plus the unbucketed ones.
+    let dp_all_reduces: Vec<&serde_json::Value> = step["instrs"].as_array().unwrap().iter().filter(|i| i["op"] == "shard.all_reduce" && i["attrs"]["grid_axes"] == serde_json::json!([0])).collect();
+    let buckets: std::collections::BTreeSet<i64> = dp_all_reduces.iter().filter_map(|i| i["attrs"]["xf.bucket"].as_i64()).collect();
+    let unbucketed = dp_all_reduces.iter().filter(|i| i["attrs"]["xf.bucket"].is_null()).count();
+    assert!(!buckets.is_empty(), "{:?}", dp_all_reduces.first());
+    let expected = format!(" {} all_reduce over dp (", unbucketed + buckets.len());
+    assert!(stdout(&out).contains(&expected), "{expected} in {}", stdout(&out));
     // Pipeline ranks get device code too (the CUDA backend runs pipeline schedules).
     let out = shardc(&["compile", "models/tiny.toml", "--mesh", "pp=2", "--microbatches", "4", "--target", "cuda", "-o", path.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
