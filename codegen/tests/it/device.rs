@@ -470,6 +470,85 @@ mod emulated {
         }
     }
 
+    /// One process per rank, as under torchrun, with NCCL emulated by the CPU collectives
+    /// between threads (each thread an executor on its own emulated device): the NCCL paths
+    /// (a bucket region's one all-reduce, tensor-parallel all-reduces, ZeRO-3's reduce-scatters
+    /// and gathers and sequence parallelism's, with their staging) train as the CPU backend
+    /// does: every process's losses, and the whole parameters it holds, after three steps.
+    #[test]
+    fn processes_over_emulated_nccl_equal_the_cpu_backend() {
+        const STEPS: u64 = 3;
+        let compile = |name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool, grad_bucket_bytes: u64| {
+            let mut spec = spec_with_dtype(name, "f32");
+            spec.training.micro_batch = 4;
+            let mut module = model(&spec);
+            let options = CompileOptions {
+                optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
+                schedule: SCHEDULE,
+                clip_grad: CLIP,
+                mesh,
+                zero,
+                sequence_parallel,
+                grad_bucket_bytes,
+                vocab: spec.model.vocab as i64,
+                kv_heads: spec.model.kv_heads() as i64,
+                ..Default::default()
+            };
+            let cx = shardc_ir::mlir::IrContext::new().unwrap();
+            compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+            let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
+            (shardc_codegen::device::with_device_plan(program).unwrap(), spec)
+        };
+        let default_buckets = CompileOptions::default().grad_bucket_bytes;
+        for (name, mesh, zero, sequence_parallel, buckets) in [
+            ("tiny", Mesh { dp: 2, tp: 1, pp: 1 }, 0, false, 4096),
+            ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1 }, 0, false, default_buckets),
+            ("tiny", Mesh { dp: 2, tp: 1, pp: 1 }, 3, false, default_buckets),
+            ("tiny", Mesh { dp: 1, tp: 2, pp: 1 }, 0, true, default_buckets),
+        ] {
+            let what = format!("{name} {mesh} ZeRO-{zero} sp={sequence_parallel}");
+            let (program, spec) = compile(name, mesh, zero, sequence_parallel, buckets);
+            let layers = spec.model.layers as usize;
+            let cpu = shardc_runtime::train::train_spmd(&program, 0, layers, &corpus(&spec), STEPS, std::time::Duration::from_secs(60)).unwrap();
+            let worlds = cuda::nccl::EmulatedWorld::world(mesh.ranks() as usize, std::time::Duration::from_secs(60));
+            let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = std::thread::scope(|scope| {
+                let handles: Vec<_> = worlds
+                    .into_iter()
+                    .map(|world| {
+                        let (program, spec) = (&program, &spec);
+                        scope.spawn(move || {
+                            let rank = world.rank();
+                            let mut trainer = cuda::CudaTrainer::new(std::slice::from_ref(program), &Placement::EmulatedNccl(world), 0, layers, None).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                            assert!(!trainer.holds_every_rank());
+                            let corpus = corpus(spec);
+                            let losses = (0..STEPS).map(|_| trainer.step(&corpus).unwrap_or_else(|e| panic!("rank {rank}: {e}")).0).collect();
+                            (losses, trainer.parameter_shards().unwrap())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, (losses, parameters)) in runs.iter().enumerate() {
+                for (step, (c, g)) in cpu.losses.iter().zip(losses).enumerate() {
+                    assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} rank {rank} step {}: CPU loss {c}, process {g}", step + 1);
+                }
+                assert!(!parameters.is_empty(), "{what} rank {rank}: no parameters");
+                let grid = shardc_runtime::collectives::MeshShape(program.mesh.clone());
+                for (held, name_p, values) in parameters {
+                    assert_eq!(*held, rank, "{what}: a process holds rank {held}'s shards");
+                    let (_, _, global) = cpu.parameters.iter().find(|(n, _, _)| n == name_p).unwrap();
+                    let arg = program.arg(name_p).unwrap();
+                    let expected = match &arg.layout {
+                        Some(layout) => shardc_runtime::layout::local_shard(global, layout, &grid, rank),
+                        None => global.clone(),
+                    };
+                    let rel = relative(&expected, values);
+                    assert!(rel <= 1e-4, "{what} rank {rank}: `{name_p}` differs by {rel:.2e} after {STEPS} steps");
+                }
+            }
+        }
+    }
+
     #[test]
     fn tiny_gpt_f32_single_device() {
         check("tiny", "f32", Mesh::default(), 1e-5, 1e-4);

@@ -190,9 +190,14 @@ impl Emulated {
         std::fs::create_dir_all(&dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
         let library_path = dir.join(format!("module-{hash:016x}.so"));
         if !library_path.exists() {
-            let source_path = dir.join(format!("module-{hash:016x}.cpp"));
+            // Names of this attempt alone: threads of one process (the emulated processes of a
+            // multi-process test) may build the same module at once; the last rename wins,
+            // with identical bytes.
+            static ATTEMPTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let attempt = format!("{}-{}", std::process::id(), ATTEMPTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            let source_path = dir.join(format!("module-{hash:016x}.{attempt}.cpp"));
             std::fs::write(&source_path, &cpp).map_err(|e| err(format!("{}: {e}", source_path.display())))?;
-            let partial = dir.join(format!("module-{hash:016x}.{}.so", std::process::id()));
+            let partial = dir.join(format!("module-{hash:016x}.{attempt}.so"));
             let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
             let output = std::process::Command::new(&compiler)
                 .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o"])
@@ -204,6 +209,7 @@ impl Emulated {
                 return Err(err(format!("the emulated module does not compile:\n{}", String::from_utf8_lossy(&output.stderr))));
             }
             std::fs::rename(&partial, &library_path).map_err(|e| err(e.to_string()))?;
+            let _ = std::fs::remove_file(&source_path);
         }
         // SAFETY: a library this function just built from the module and the shim; loading
         // runs no initialisers of ours beyond static zero-initialised arrays.

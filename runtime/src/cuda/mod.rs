@@ -90,6 +90,10 @@ pub enum Placement {
     Nccl(nccl::Bootstrap),
     /// Every rank on the CPU emulation of a device ([`emulate`]): tests without a GPU.
     Emulated,
+    /// This thread is one rank of an emulated multi-process run: its own emulated device and
+    /// NCCL emulated by the CPU collectives ([`nccl::EmulatedWorld`]): the NCCL paths in
+    /// tests without GPUs.
+    EmulatedNccl(nccl::EmulatedWorld),
 }
 
 impl Placement {
@@ -191,7 +195,7 @@ impl CudaExecutor {
             return Err(err("the device plan does not match the program's instructions"));
         }
         let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
-        if pipeline_rank.is_some() && matches!(placement, Placement::Nccl(_)) {
+        if pipeline_rank.is_some() && matches!(placement, Placement::Nccl(_) | Placement::EmulatedNccl(_)) {
             return Err(err("pipeline stages across processes (NCCL send and receive) are not implemented: run every rank on one GPU, or the pipeline on the CPU backend"));
         }
         for (instr, calls) in program.instrs.iter().zip(&plan.calls) {
@@ -204,14 +208,25 @@ impl CudaExecutor {
         kernels.extend(HELPERS.iter().map(|h| h.to_string()));
         kernels.sort();
         kernels.dedup();
-        let (mut device, local_ranks, bootstrap): (Box<dyn Device>, Vec<usize>, Option<nccl::Bootstrap>) = match placement {
-            Placement::SingleDevice { device } => (Box::new(device::Gpu::new(*device, &plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), None),
-            Placement::Emulated => (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), None),
+        enum Comm<'a> {
+            None,
+            Nccl(&'a nccl::Bootstrap),
+            Emulated(&'a nccl::EmulatedWorld),
+        }
+        let (mut device, local_ranks, comm): (Box<dyn Device>, Vec<usize>, Comm<'_>) = match placement {
+            Placement::SingleDevice { device } => (Box::new(device::Gpu::new(*device, &plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), Comm::None),
+            Placement::Emulated => (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), Comm::None),
             Placement::Nccl(b) => {
                 if b.world != mesh.ranks() {
                     return Err(err(format!("WORLD_SIZE is {} but the program's mesh {:?} has {} ranks", b.world, mesh.0, mesh.ranks())));
                 }
-                (Box::new(device::Gpu::new(b.local_rank, &plan.source, &kernels)?), vec![b.rank], Some(b.clone()))
+                (Box::new(device::Gpu::new(b.local_rank, &plan.source, &kernels)?), vec![b.rank], Comm::Nccl(b))
+            }
+            Placement::EmulatedNccl(w) => {
+                if w.size() != mesh.ranks() {
+                    return Err(err(format!("the emulated world has {} ranks but the program's mesh {:?} has {}", w.size(), mesh.0, mesh.ranks())));
+                }
+                (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), vec![w.rank()], Comm::Emulated(w))
             }
         };
         // With an arena plan, temporaries live in one arena of the plan's size; arguments keep
@@ -234,9 +249,10 @@ impl CudaExecutor {
             let workspace = (device.alloc(plan.workspace_bytes)?, plan.workspace_bytes);
             ranks.push(RankMemory { rank, slots, arena, workspace });
         }
-        let nccl = match bootstrap {
-            Some(b) => Some(nccl::Comms::new(&b, &program, &mesh)?),
-            None => None,
+        let nccl = match comm {
+            Comm::Nccl(b) => Some(nccl::Comms::new(b, &program, &mesh)?),
+            Comm::Emulated(w) => Some(nccl::Comms::emulated(w.clone(), &mesh)),
+            Comm::None => None,
         };
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
         Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0 })
@@ -602,12 +618,15 @@ impl CudaExecutor {
         self.collectives_issued += 1;
         let r = self.program.memory.buckets[region].clone();
         if let Some(comms) = &self.nccl {
-            let stream = self.device.stream().cloned().ok_or_else(|| err("NCCL needs a GPU stream"))?;
+            let at = self.ranks[0].arena.0 + r.offset as u64;
+            let Some(stream) = self.device.stream().cloned() else {
+                // The emulated device: no streams, the collective runs at once.
+                return comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, None);
+            };
             let comm_stream = self.device.comm_stream().cloned().unwrap_or_else(|| stream.clone());
             let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
             comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
-            let at = self.ranks[0].arena.0 + r.offset as u64;
-            comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, &comm_stream)?;
+            comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, Some(&comm_stream))?;
             let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
             self.buckets.entry(r.bucket).or_default().push(done);
             return Ok(());
@@ -726,10 +745,11 @@ impl CudaExecutor {
         let in_buffer = self.program.buffers[instr.inputs[0]].clone();
         let out_buffer = self.program.buffers[instr.outputs[0]].clone();
         let staging = self.staging(in_buffer.len().max(out_buffer.len()) * in_buffer.dtype.bytes() * self.mesh.ranks())?;
-        let stream = self.device.stream().cloned().ok_or_else(|| err("NCCL needs a GPU stream"))?;
+        // None on the emulated device: its collectives run at once.
+        let stream = self.device.stream().cloned();
         let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
         let bucket = instr.int("xf.bucket").ok().filter(|_| instr.bool("xf.async").unwrap_or(false) && instr.op == "shard.all_reduce");
-        if let (Some(bucket), Some(comm_stream)) = (bucket, self.device.comm_stream().cloned()) {
+        if let (Some(bucket), Some(stream), Some(comm_stream)) = (bucket, &stream, self.device.comm_stream().cloned()) {
             // A gradient bucket member: its value moves to the output now (the input's slot
             // may be reused at once), and the all-reduce runs in place on the communication
             // stream while the compute stream goes on; the bucket's `xf.wait` joins them.
@@ -737,12 +757,12 @@ impl CudaExecutor {
             self.copy_raw(output, input, bytes)?;
             let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
             comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
-            comms.run(instr, rank, &self.mesh, &out_buffer, &out_buffer, output, output, staging, &comm_stream, |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))?;
+            comms.run(instr, rank, &self.mesh, &out_buffer, &out_buffer, output, output, staging, Some(&comm_stream), |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))?;
             let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
             self.buckets.entry(bucket).or_default().push(done);
             return Ok(());
         }
-        comms.run(instr, rank, &self.mesh, &in_buffer, &out_buffer, input, output, staging, &stream, |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))
+        comms.run(instr, rank, &self.mesh, &in_buffer, &out_buffer, input, output, staging, stream.as_deref(), |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))
     }
 
     /// Before an `xf.wait`: the compute stream waits for its bucket's all-reduces.
@@ -1159,6 +1179,22 @@ impl CudaTrainer {
             }
         }
         crate::train::TrainState::collect(&self.programs, &self.mesh, &values, self.step)
+    }
+
+    /// The parameter shards this process holds: (rank, name, values) of every local rank's
+    /// parameters, in the program's layout (what a multi-process run's process can check or
+    /// save without the others).
+    pub fn parameter_shards(&self) -> Result<Vec<(usize, String, Vec<f64>)>, RuntimeError> {
+        let mut shards = Vec::new();
+        for runner in &self.runners {
+            let program = runner.exec.program();
+            for (local, rank) in runner.exec.ranks().into_iter().enumerate() {
+                for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+                    shards.push((rank, p.name.clone(), runner.exec.read(local, &p.name)?));
+                }
+            }
+        }
+        Ok(shards)
     }
 
     /// Every parameter this process can assemble: (name, global shape, values), as the model

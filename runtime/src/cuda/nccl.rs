@@ -109,10 +109,58 @@ impl Bootstrap {
     }
 }
 
-/// NCCL communicators: the world and one per set of grid axes.
+/// One "process" of an emulated multi-process run: the CPU backend's collectives between
+/// threads stand in for NCCL, so the NCCL paths of the executor (one rank per process, a
+/// bucket's one collective, the staging around gathers and scatters) run in tests without
+/// GPUs, each thread an executor on the emulated device.
+#[derive(Clone)]
+pub struct EmulatedWorld {
+    rank: usize,
+    size: usize,
+    comm: std::sync::Arc<std::sync::Mutex<crate::collectives::Communicator>>,
+}
+
+impl EmulatedWorld {
+    /// A world of `size` emulated processes, by rank; a collective waits up to `timeout` for
+    /// the others.
+    pub fn world(size: usize, timeout: Duration) -> Vec<EmulatedWorld> {
+        crate::collectives::world(size, timeout).into_iter().enumerate().map(|(rank, c)| EmulatedWorld { rank, size, comm: std::sync::Arc::new(std::sync::Mutex::new(c)) }).collect()
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in all.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl std::fmt::Debug for EmulatedWorld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EmulatedWorld(rank {} of {})", self.rank, self.size)
+    }
+}
+
+/// NCCL communicators: the world and one per set of grid axes; or their emulation.
 pub struct Comms {
-    world: ns::ncclComm_t,
-    groups: HashMap<Vec<usize>, ns::ncclComm_t>,
+    backend: Backend,
+}
+
+enum Backend {
+    Nccl { world: ns::ncclComm_t, groups: HashMap<Vec<usize>, ns::ncclComm_t> },
+    Emulated { world: EmulatedWorld, mesh: MeshShape },
+}
+
+/// A collective as NCCL names it, with what differs between them.
+#[derive(Clone, Copy)]
+enum Call {
+    AllReduce { max: bool },
+    AllGather,
+    ReduceScatter,
+    Broadcast { root: usize },
 }
 
 impl Comms {
@@ -126,7 +174,7 @@ impl Comms {
         let mut world = std::ptr::null_mut();
         // SAFETY: a fresh communicator handle; every rank calls this with the same id.
         unsafe { nr::comm_init_rank(&mut world, bootstrap.world as i32, id, bootstrap.rank as i32) }.map_err(|e| err(format!("ncclCommInitRank: {e:?}")))?;
-        let mut comms = Comms { world, groups: HashMap::new() };
+        let mut groups = HashMap::new();
         let mut axis_sets: Vec<Vec<usize>> = program.instrs.iter().filter_map(|i| i.ints("grid_axes").ok()).map(|a| a.iter().map(|&x| x as usize).collect()).collect();
         axis_sets.sort();
         axis_sets.dedup();
@@ -137,10 +185,52 @@ impl Comms {
             let mut comm = std::ptr::null_mut();
             // SAFETY: collective over the world communicator; every rank splits the same sets
             // in the same (sorted) order.
-            unsafe { ns::ncclCommSplit(comms.world, color, key, &mut comm, std::ptr::null_mut()) }.result().map_err(|e| err(format!("ncclCommSplit: {e:?}")))?;
-            comms.groups.insert(axes, comm);
+            unsafe { ns::ncclCommSplit(world, color, key, &mut comm, std::ptr::null_mut()) }.result().map_err(|e| err(format!("ncclCommSplit: {e:?}")))?;
+            groups.insert(axes, comm);
         }
-        Ok(comms)
+        Ok(Comms { backend: Backend::Nccl { world, groups } })
+    }
+
+    /// The emulation of NCCL for one process of an emulated world (see [`EmulatedWorld`]).
+    pub fn emulated(world: EmulatedWorld, mesh: &MeshShape) -> Comms {
+        Comms { backend: Backend::Emulated { world, mesh: mesh.clone() } }
+    }
+
+    /// Runs one NCCL call of `rank` over its group along `axes`: `count` elements of `dtype`
+    /// (sent, for a gather; received, for a scatter), on `stream` (NCCL), or at once in host
+    /// memory (the emulation, whose device pointers are addresses).
+    #[allow(clippy::too_many_arguments)]
+    fn call(&self, call: Call, axes: &[usize], send: u64, recv: u64, count: usize, dtype: DType, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
+        match &self.backend {
+            Backend::Nccl { groups, .. } => {
+                let comm = *groups.get(axes).ok_or_else(|| err(format!("no communicator for axes {axes:?}")))?;
+                let s = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?.cu_stream() as ns::cudaStream_t;
+                let ty = nccl_type(dtype);
+                let check = |r: Result<nr::NcclStatus, nr::NcclError>, what: &str| r.map(|_| ()).map_err(|e| err(format!("{what} on rank {rank}: {e:?}")));
+                // SAFETY: pointers into this rank's device memory or staging, sized by the
+                // caller from the buffers' shapes; every rank of the group issues the same call.
+                match call {
+                    Call::AllReduce { max } => {
+                        let op = if max { ns::ncclRedOp_t::ncclMax } else { ns::ncclRedOp_t::ncclSum };
+                        check(unsafe { nr::all_reduce(send as *const _, recv as *mut _, count, ty, op, comm, s) }, "ncclAllReduce")
+                    }
+                    Call::AllGather => check(unsafe { nr::all_gather(send as *const _, recv as *mut _, count, ty, comm, s) }, "ncclAllGather"),
+                    Call::ReduceScatter => check(unsafe { nr::reduce_scatter(send as *const _, recv as *mut _, count, ty, ns::ncclRedOp_t::ncclSum, comm, s) }, "ncclReduceScatter"),
+                    Call::Broadcast { root } => check(unsafe { nr::broadcast(send as *const _, recv as *mut _, count, ty, root as i32, comm, s) }, "ncclBroadcast"),
+                }
+            }
+            Backend::Emulated { world, mesh } => {
+                let group = mesh.group(rank, axes);
+                let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
+                let result = match dtype {
+                    DType::F32 => emulated_call::<f32>(call, &mut comm, &group, send, recv, count),
+                    DType::F64 => emulated_call::<f64>(call, &mut comm, &group, send, recv, count),
+                    DType::I32 => emulated_call::<i32>(call, &mut comm, &group, send, recv, count),
+                    DType::Bf16 => emulated_call::<half::bf16>(call, &mut comm, &group, send, recv, count),
+                };
+                result.map_err(|e| err(format!("emulated NCCL on rank {rank}: {e}")))
+            }
+        }
     }
 
     /// Nothing is queued outside the stream; present for symmetry with other backends.
@@ -150,12 +240,10 @@ impl Comms {
 
     /// Sums `len` elements of `dtype` at `ptr` over the group of `rank` along `axes`, in
     /// place, on `stream` (a gradient bucket's region).
-    pub fn all_reduce_in_place(&self, axes: &[usize], ptr: u64, len: usize, dtype: DType, rank: usize, stream: &CudaStream) -> Result<(), RuntimeError> {
-        let comm = *self.groups.get(axes).ok_or_else(|| err(format!("no communicator for axes {axes:?}")))?;
-        let s = stream.cu_stream() as ns::cudaStream_t;
-        // SAFETY: `ptr` is `len` elements of this rank's arena (a bucket region the program
+    pub fn all_reduce_in_place(&self, axes: &[usize], ptr: u64, len: usize, dtype: DType, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
+        // `ptr` is `len` elements of this rank's arena (a bucket region the program
         // validated); every rank of the group issues the same call for the same bucket.
-        unsafe { nr::all_reduce(ptr as *const _, ptr as *mut _, len, nccl_type(dtype), ns::ncclRedOp_t::ncclSum, comm, s) }.map(|_| ()).map_err(|e| err(format!("ncclAllReduce of a gradient bucket on rank {rank}: {e:?}")))
+        self.call(Call::AllReduce { max: false }, axes, ptr, ptr, len, dtype, rank, stream).map_err(|e| err(format!("a gradient bucket's all-reduce: {e}")))
     }
 
     /// Runs one collective of this rank on `stream`. `staging` holds at least the group's
@@ -171,31 +259,27 @@ impl Comms {
         in_ptr: u64,
         out_ptr: u64,
         staging: u64,
-        stream: &CudaStream,
+        stream: Option<&CudaStream>,
         copy_blocks: impl Fn(u64, usize, u64, usize, usize, usize) -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
         let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
-        let comm = *self.groups.get(&axes).ok_or_else(|| err(format!("no communicator for axes {axes:?}")))?;
         let group = mesh.group(rank, &axes);
         let n = group.len();
         let position = group.iter().position(|&r| r == rank).unwrap_or(0);
-        let ty = nccl_type(input.dtype);
+        let dtype = input.dtype;
         let es = input.dtype.bytes();
-        let s = stream.cu_stream() as ns::cudaStream_t;
-        let check = |r: Result<nr::NcclStatus, nr::NcclError>, what: &str| r.map(|_| ()).map_err(|e| err(format!("{what} on rank {rank}: {e:?}")));
         let split = |axis: usize| -> (usize, usize) { (input.shape[..axis].iter().product(), input.shape[axis + 1..].iter().product::<usize>() * es) };
-        // SAFETY (all calls below): pointers into this rank's slots or the staging buffer,
-        // sized by the buffers' shapes; every rank of the group issues the same call.
+        // Pointers into this rank's slots or the staging buffer, sized by the buffers' shapes.
         match instr.op.as_str() {
             "shard.all_reduce" => {
-                let op = if matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k == "max") { ns::ncclRedOp_t::ncclMax } else { ns::ncclRedOp_t::ncclSum };
-                check(unsafe { nr::all_reduce(in_ptr as *const _, out_ptr as *mut _, input.len(), ty, op, comm, s) }, "ncclAllReduce")
+                let max = matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k == "max");
+                self.call(Call::AllReduce { max }, &axes, in_ptr, out_ptr, input.len(), dtype, rank, stream)
             }
             "shard.all_gather" => {
                 let axis = instr.int("gather_axis").map_err(err)? as usize;
                 let (outer, inner) = split(axis);
                 let block = input.shape[axis] * inner;
-                check(unsafe { nr::all_gather(in_ptr as *const _, staging as *mut _, input.len(), ty, comm, s) }, "ncclAllGather")?;
+                self.call(Call::AllGather, &axes, in_ptr, staging, input.len(), dtype, rank, stream)?;
                 // staging is [n][local]; interleave along the axis.
                 for r in 0..n {
                     copy_blocks(out_ptr + (r * block) as u64, output.shape[axis] * inner, staging + (r * input.len() * es) as u64, block, outer, block)?;
@@ -209,7 +293,7 @@ impl Comms {
                 for r in 0..n {
                     copy_blocks(staging + (r * output.len() * es) as u64, block, in_ptr + (r * block) as u64, input.shape[axis] * inner, outer, block)?;
                 }
-                check(unsafe { nr::reduce_scatter(staging as *const _, out_ptr as *mut _, output.len(), ty, ns::ncclRedOp_t::ncclSum, comm, s) }, "ncclReduceScatter")
+                self.call(Call::ReduceScatter, &axes, staging, out_ptr, output.len(), dtype, rank, stream)
             }
             "shard.all_slice" => {
                 let axis = instr.int("slice_axis").map_err(err)? as usize;
@@ -221,7 +305,7 @@ impl Comms {
                 let root = instr.ints("root").map_err(err)?;
                 let extents: Vec<usize> = axes.iter().map(|&a| mesh.0[a]).collect();
                 let root = root.iter().zip(&extents).fold(0usize, |acc, (&r, &e)| acc * e + r as usize);
-                check(unsafe { nr::broadcast(in_ptr as *const _, out_ptr as *mut _, input.len(), ty, root as i32, comm, s) }, "ncclBroadcast")
+                self.call(Call::Broadcast { root }, &axes, in_ptr, out_ptr, input.len(), dtype, rank, stream)
             }
             other => Err(err(format!("`{other}` is not supported over NCCL"))),
         }
@@ -238,13 +322,43 @@ fn nccl_type(dtype: DType) -> ns::ncclDataType_t {
     }
 }
 
+/// One collective of the emulation over host memory: `count` elements sent (a gather) or
+/// received (a scatter), as NCCL counts them.
+fn emulated_call<T: crate::collectives::Elem + Default>(call: Call, comm: &mut crate::collectives::Communicator, group: &[usize], send: u64, recv: u64, count: usize) -> Result<(), crate::collectives::CommError> {
+    use crate::collectives::{Algorithm, ReduceOp};
+    let n = group.len();
+    let (send_len, recv_len) = match call {
+        Call::AllGather => (count, count * n),
+        Call::ReduceScatter => (count * n, count),
+        _ => (count, count),
+    };
+    // SAFETY: the emulated device's pointers are host addresses of allocations at least this
+    // long (the caller sized them from the buffers' shapes, as for NCCL); the input is copied
+    // out before the output is written, so the two may be one buffer.
+    let input: Vec<T> = unsafe { std::slice::from_raw_parts(send as *const T, send_len) }.to_vec();
+    let out: &mut [T] = unsafe { std::slice::from_raw_parts_mut(recv as *mut T, recv_len) };
+    match call {
+        Call::AllReduce { max } => {
+            out.copy_from_slice(&input);
+            comm.all_reduce(group, out, if max { ReduceOp::Max } else { ReduceOp::Sum }, Algorithm::Ring)
+        }
+        Call::AllGather => comm.all_gather(group, &input, out),
+        Call::ReduceScatter => comm.reduce_scatter(group, &input, out, ReduceOp::Sum),
+        Call::Broadcast { root } => {
+            out.copy_from_slice(&input);
+            comm.broadcast(group, out, root)
+        }
+    }
+}
+
 impl Drop for Comms {
     fn drop(&mut self) {
-        for comm in self.groups.values() {
+        let Backend::Nccl { world, groups } = &self.backend else { return };
+        for comm in groups.values() {
             // SAFETY: communicators this struct created.
             let _ = unsafe { nr::comm_destroy(*comm) };
         }
         // SAFETY: as above.
-        let _ = unsafe { nr::comm_destroy(self.world) };
+        let _ = unsafe { nr::comm_destroy(*world) };
     }
 }
