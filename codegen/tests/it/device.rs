@@ -256,11 +256,11 @@ mod emulated {
 
     /// With `vocab_multiple`, the vocabulary padded for the mesh's tp, as `shardc` pads it.
     fn sgd_step_padded(name: &str, dtype: &str, mesh: Mesh, vocab_multiple: Option<u64>) -> (Program, shardc_ir::spec::Spec) {
-        sgd_step_with(name, dtype, mesh, vocab_multiple, CompileOptions::default().grad_bucket_bytes)
+        sgd_step_tuned(name, dtype, mesh, vocab_multiple, |_| {})
     }
 
-    /// The same, with data-parallel gradient buckets of about `grad_bucket_bytes`.
-    fn sgd_step_with(name: &str, dtype: &str, mesh: Mesh, vocab_multiple: Option<u64>, grad_bucket_bytes: u64) -> (Program, shardc_ir::spec::Spec) {
+    /// The same, with `tune` changing the options (ZeRO, sequence parallelism, bucket size).
+    fn sgd_step_tuned(name: &str, dtype: &str, mesh: Mesh, vocab_multiple: Option<u64>, tune: impl FnOnce(&mut CompileOptions)) -> (Program, shardc_ir::spec::Spec) {
         let mut spec = spec_with_dtype(name, dtype);
         spec.training.micro_batch = 4;
         let padded_vocab = match vocab_multiple {
@@ -274,16 +274,16 @@ mod emulated {
         // Warmup, cosine decay and a clipping norm small enough to clip every step: the
         // device's kernels for the schedule, the sums of squares and the coefficient are
         // checked against the CPU's.
-        let options = CompileOptions {
+        let mut options = CompileOptions {
             optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
             schedule: SCHEDULE,
             clip_grad: CLIP,
             mesh,
             vocab: padded_vocab as i64,
             kv_heads: spec.model.kv_heads() as i64,
-            grad_bucket_bytes,
             ..Default::default()
         };
+        tune(&mut options);
         let cx = shardc_ir::mlir::IrContext::new().unwrap();
         compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
         let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
@@ -433,7 +433,7 @@ mod emulated {
     fn gradient_buckets_are_contiguous_and_reduced_with_one_collective_each() {
         const STEPS: u64 = 3;
         for (name, mesh) in [("tiny", Mesh { dp: 2, tp: 1, pp: 1 }), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1 })] {
-            let bucketed = |bucket_bytes: u64| sgd_step_with(name, "f32", mesh, None, bucket_bytes);
+            let bucketed = |bucket_bytes: u64| sgd_step_tuned(name, "f32", mesh, None, |o| o.grad_bucket_bytes = bucket_bytes);
             let (program, spec) = bucketed(4096);
             let regions = &program.memory.buckets;
             let members: usize = regions.iter().map(|r| r.members.len()).sum();
@@ -479,25 +479,11 @@ mod emulated {
     fn processes_over_emulated_nccl_equal_the_cpu_backend() {
         const STEPS: u64 = 3;
         let compile = |name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool, grad_bucket_bytes: u64| {
-            let mut spec = spec_with_dtype(name, "f32");
-            spec.training.micro_batch = 4;
-            let mut module = model(&spec);
-            let options = CompileOptions {
-                optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
-                schedule: SCHEDULE,
-                clip_grad: CLIP,
-                mesh,
-                zero,
-                sequence_parallel,
-                grad_bucket_bytes,
-                vocab: spec.model.vocab as i64,
-                kv_heads: spec.model.kv_heads() as i64,
-                ..Default::default()
-            };
-            let cx = shardc_ir::mlir::IrContext::new().unwrap();
-            compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-            let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
-            (shardc_codegen::device::with_device_plan(program).unwrap(), spec)
+            sgd_step_tuned(name, "f32", mesh, None, |o| {
+                o.zero = zero;
+                o.sequence_parallel = sequence_parallel;
+                o.grad_bucket_bytes = grad_bucket_bytes;
+            })
         };
         let default_buckets = CompileOptions::default().grad_bucket_bytes;
         for (name, mesh, zero, sequence_parallel, buckets) in [
@@ -590,22 +576,7 @@ mod emulated {
     #[test]
     fn tiny_gpt_zero3_on_one_device() {
         let mesh = Mesh { dp: 2, tp: 1, pp: 1 };
-        let mut spec = spec_with_dtype("tiny", "f32");
-        spec.training.micro_batch = 4;
-        let mut module = model(&spec);
-        let options = CompileOptions {
-            optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
-            schedule: SCHEDULE,
-            clip_grad: CLIP,
-            mesh,
-            zero: 3,
-            vocab: spec.model.vocab as i64,
-            kv_heads: spec.model.kv_heads() as i64,
-            ..Default::default()
-        };
-        let cx = shardc_ir::mlir::IrContext::new().unwrap();
-        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-        let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap()).unwrap();
+        let (program, spec) = sgd_step_tuned("tiny", "f32", mesh, None, |o| o.zero = 3);
         let run = cuda::train(&program, 0, 2, &corpus(&spec), 3, &Placement::Emulated).unwrap();
         let (losses, params) = cpu("tiny", mesh, 3);
         for (step, (c, g)) in losses.iter().zip(&run.losses).enumerate() {
