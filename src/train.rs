@@ -507,12 +507,22 @@ struct Checkpoints {
     /// the process after writing rank R's file.
     fault: Option<(usize, usize)>,
     saved: usize,
-    /// This run's hold on `dir`.
+    /// This run's hold on `dir` (rank 0's, in a multi-process run).
     _lock: Option<shardc_runtime::checkpoint::FolderLock>,
+    /// Whether this process prints what it saves and resumes (rank 0 of a multi-process
+    /// run, or the one process).
+    speaks: bool,
 }
 
 impl Checkpoints {
     fn new(args: &RunArgs, spec: &Spec) -> Result<Checkpoints> {
+        Checkpoints::for_process(args, spec, None)
+    }
+
+    /// The checkpoints of one process of a multi-process run (`process_rank`; `None`: the
+    /// only one): rank 0 holds the folder for the run, and speaks for it.
+    fn for_process(args: &RunArgs, spec: &Spec, process_rank: Option<usize>) -> Result<Checkpoints> {
+        let leads = process_rank.is_none_or(|r| r == 0);
         let fault = match std::env::var("SHARDC_FAULT_CHECKPOINT") {
             Ok(text) => {
                 let parsed = text.split_once(':').and_then(|(n, r)| Some((n.parse::<usize>().ok()?, r.parse::<usize>().ok()?)));
@@ -524,10 +534,10 @@ impl Checkpoints {
             return Err(miette!(help = "give a positive number of steps", "--checkpoint-every 0"));
         }
         let lock = match &args.checkpoint {
-            Some(dir) => Some(shardc_runtime::checkpoint::lock_folder(dir).map_err(|e| miette!("--checkpoint {e}"))?),
-            None => None,
+            Some(dir) if leads => Some(shardc_runtime::checkpoint::lock_folder(dir).map_err(|e| miette!("--checkpoint {e}"))?),
+            _ => None,
         };
-        Ok(Checkpoints { dir: args.checkpoint.clone(), every: args.checkpoint_every.unwrap_or(args.steps.max(1)), spec: serde_json::to_value(&spec.model).into_diagnostic()?, fault, saved: 0, _lock: lock })
+        Ok(Checkpoints { dir: args.checkpoint.clone(), every: args.checkpoint_every.unwrap_or(args.steps.max(1)), spec: serde_json::to_value(&spec.model).into_diagnostic()?, fault, saved: 0, _lock: lock, speaks: leads })
     }
 
     /// The run's starting state from `--resume`, checked against this spec and `corpus`
@@ -544,12 +554,31 @@ impl Checkpoints {
             // A Hugging Face model starts from its weights.
             if let Some(hf) = args.step.hf_dir(args.spec.as_deref()) {
                 let params = crate::hf::load_weights(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
-                println!("  weights     {} tensors from {}", params.len(), hf.display());
+                if self.speaks {
+                    println!("  weights     {} tensors from {}", params.len(), hf.display());
+                }
                 return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));
             }
             return Ok((None, args.seed.unwrap_or(0)));
         };
         let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
+        self.check_resume(args, dir, &manifest, programs, corpus)?;
+        Ok((Some(state), manifest.seed))
+    }
+
+    /// `--resume DIR`'s manifest, checked as [`Checkpoints::resume`] checks it, `corpus`
+    /// moved to its place in the data order: what a process of a multi-process run resumes
+    /// from, reading its own shards only.
+    fn resume_manifest(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<Option<shardc_runtime::checkpoint::Manifest>> {
+        let Some(dir) = &args.resume else { return Ok(None) };
+        let manifest = shardc_runtime::checkpoint::read_manifest(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
+        self.check_resume(args, dir, &manifest, programs, corpus)?;
+        Ok(Some(manifest))
+    }
+
+    /// Refuses to resume `manifest` (of the checkpoint `dir`) with another model, seed,
+    /// optimizer or schedule; moves `corpus` to the checkpoint's place in the data order.
+    fn check_resume(&self, args: &RunArgs, dir: &std::path::Path, manifest: &shardc_runtime::checkpoint::Manifest, programs: &[Program], corpus: &mut Corpus) -> Result<()> {
         // Checkpoints hold real-shaped tensors and, in mixed precision, fp32 masters: the
         // padding and the precision may change between runs, the model may not.
         let differing: Vec<String> = match (&manifest.spec, &self.spec) {
@@ -580,7 +609,9 @@ impl Checkpoints {
             let differing = saved.differences(&now);
             let rule_changed = saved.update != now.update;
             if !differing.is_empty() && args.override_schedule && !rule_changed {
-                println!("  schedule    overridden (--override-schedule): {}", differing.join(", "));
+                if self.speaks {
+                    println!("  schedule    overridden (--override-schedule): {}", differing.join(", "));
+                }
             } else if !differing.is_empty() {
                 let decay = if saved.decay_steps == 0 { "constant" } else if saved.cosine { "cosine" } else { "linear" };
                 return Err(miette!(
@@ -600,8 +631,10 @@ impl Checkpoints {
             }
         }
         crate::data::resume_data(dir, manifest.data.as_ref(), corpus, manifest.step)?;
-        println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
-        Ok((Some(state), manifest.seed))
+        if self.speaks {
+            println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
+        }
+        Ok(())
     }
 
     /// Steps between checkpoints, when the run writes them.
@@ -629,6 +662,20 @@ impl Checkpoints {
         let abort = self.fault.filter(|(n, _)| *n == self.saved).map(|(_, rank)| rank);
         let path = shardc_runtime::checkpoint::save_sharded(dir, state, programs, self.spec.clone(), seed, Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
         println!("  checkpoint  step {} in {}", state.step, path.display());
+        Ok(())
+    }
+
+    /// One process of a multi-process GPU run checkpoints its own shards from device memory;
+    /// rank 0 commits the checkpoint once every rank's file is written.
+    #[cfg(feature = "cuda")]
+    fn save_own_shards(&mut self, trainer: &mut shardc_runtime::cuda::CudaTrainer, data: shardc_runtime::data::DataRecord) -> Result<()> {
+        let Some(dir) = &self.dir else { return Ok(()) };
+        self.saved += 1;
+        let abort = self.fault.is_some_and(|(n, rank)| n == self.saved && trainer.process_rank() == Some(rank));
+        let committed = trainer.checkpoint_own_shards(dir, self.spec.clone(), Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        if let Some(path) = committed {
+            println!("  checkpoint  step {} in {} (each process wrote its own rank file)", trainer.steps_taken(), path.display());
+        }
         Ok(())
     }
 }
@@ -907,13 +954,14 @@ fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     if args.check_numerics {
         return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
     }
-    // A process of a multi-process run holds its own shards only: whole files need them all.
-    if std::env::var_os("RANK").is_some() {
-        for (flag, given) in [("--checkpoint", args.checkpoint.is_some()), ("--save", args.save.is_some()), ("--save-hf", args.save_hf.is_some())] {
+    // A process of a multi-process run holds its own shards only: whole files need them all
+    // (a checkpoint is one rank file per process).
+    if std::env::var_os("RANK").is_some() || std::env::var_os("SHARDC_EMULATE_PROCESSES").is_some() {
+        for (flag, given) in [("--save", args.save.is_some()), ("--save-hf", args.save_hf.is_some())] {
             if given {
                 return Err(miette!(
-                    help = "run every rank on one GPU (without RANK and WORLD_SIZE) to write it, or train on the CPU backend",
-                    "{flag}: each process of a multi-process GPU run holds only its own shards, and shardc does not yet write a checkpoint or file from shards spread over processes"
+                    help = "checkpoint with --checkpoint DIR (each process writes its own rank file), then write the file on one host from a run that resumes it; or run every rank on one GPU",
+                    "{flag}: each process of a multi-process GPU run holds only its own shards, and a whole file needs them all"
                 ));
             }
         }
@@ -926,17 +974,55 @@ fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
 /// starts as the CPU backend does (from `--resume`, `--load`, Hugging Face weights or the
 /// seed), takes the same batches, checkpoints and evaluates at the same steps, and saves the
 /// same files; what a GPU run cannot do yet is refused before any work, with the reason.
+/// `SHARDC_EMULATE_PROCESSES=N` (with `SHARDC_GPU_EMULATE=1`) runs the N processes of a
+/// multi-process run as threads of this one, each on its own emulated device, NCCL emulated
+/// by the CPU collectives: the multi-process path end to end without GPUs.
 #[cfg(feature = "cuda")]
 fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     use shardc_runtime::cuda::{self, Placement};
+    let timeout = std::time::Duration::from_secs(args.timeout.max(1));
+    if let Ok(text) = std::env::var("SHARDC_EMULATE_PROCESSES") {
+        let processes: usize = text.trim().parse().ok().filter(|&n| n >= 1).ok_or_else(|| miette!(help = "give the number of processes, the mesh's ranks", "SHARDC_EMULATE_PROCESSES={text}: not a positive number"))?;
+        if !emulating_the_gpu() || std::env::var_os("RANK").is_some() {
+            return Err(miette!(help = "set SHARDC_GPU_EMULATE=1 and leave RANK and WORLD_SIZE unset", "SHARDC_EMULATE_PROCESSES={text}: emulated processes run on emulated devices, as threads of this process"));
+        }
+        if processes != mesh.ranks() as usize {
+            return Err(miette!(help = format!("set SHARDC_EMULATE_PROCESSES={}", mesh.ranks()), "SHARDC_EMULATE_PROCESSES={processes}: the mesh {mesh} has {} ranks, one per process", mesh.ranks()));
+        }
+        let worlds = cuda::nccl::EmulatedWorld::world(processes, timeout);
+        let results: Vec<Result<()>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = worlds.into_iter().map(|world| scope.spawn(move || run_cuda_process(args, spec, mesh, Placement::EmulatedNccl(world)))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(miette!("an emulated process panicked")))).collect()
+        });
+        // Every rank ends with the run's error; the lowest failing rank's is reported.
+        return match results.into_iter().enumerate().find(|(_, r)| r.is_err()) {
+            Some((rank, Err(e))) => Err(e.wrap_err(format!("emulated process of rank {rank}"))),
+            _ => Ok(()),
+        };
+    }
     let placement = if std::env::var_os("RANK").is_some() {
-        Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?.with_timeout(std::time::Duration::from_secs(args.timeout.max(1))))
+        Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?.with_timeout(timeout))
     } else if emulating_the_gpu() {
         Placement::Emulated
     } else {
         Placement::SingleDevice { device: 0 }
     };
-    if mesh.pp > 1 && matches!(placement, Placement::Nccl(_)) {
+    run_cuda_process(args, spec, mesh, placement)
+}
+
+/// One process of `run --backend cuda`: every rank on one device, or one rank of a
+/// multi-process run (which reads and writes only its own shards, and whose rank 0 alone
+/// prints).
+#[cfg(feature = "cuda")]
+fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, placement: shardc_runtime::cuda::Placement) -> Result<()> {
+    use shardc_runtime::cuda::{self, Placement};
+    let process_rank = match &placement {
+        Placement::Nccl(b) => Some(b.rank),
+        Placement::EmulatedNccl(w) => Some(w.rank()),
+        Placement::SingleDevice { .. } | Placement::Emulated => None,
+    };
+    let speaks = process_rank.is_none_or(|r| r == 0);
+    if mesh.pp > 1 && process_rank.is_some() {
         return Err(miette!(
             help = "run every rank on one GPU (without RANK and WORLD_SIZE), use dp, tp and micro-batches across processes, or run the pipeline on the CPU backend",
             "--mesh {mesh}: pipeline stages across processes (NCCL send and receive) are not implemented yet"
@@ -947,16 +1033,27 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     let programs = if args.step.compile_options(spec, mesh)?.pipeline.is_some() { compile_pipeline_programs(spec, &args.step, mesh)? } else { vec![compile_train_step_on(spec, &args.step, mesh)?] };
     let programs = programs.into_iter().map(shardc_codegen::device::with_device_plan).collect::<Result<Vec<_>, _>>().into_diagnostic()?;
     let mut corpus = training_corpus(args, spec)?;
-    let mut checkpoints = Checkpoints::new(args, spec)?;
-    let (resumed, seed) = checkpoints.resume(args, &programs, &mut corpus)?;
-    let first_step = resumed.as_ref().map_or(0, |s| s.step);
+    let mut checkpoints = Checkpoints::for_process(args, spec, process_rank)?;
+    // A process of a multi-process run resumes from its own shards of the checkpoint alone.
+    let mut trainer = match process_rank.and(args.resume.as_ref()) {
+        Some(dir) => {
+            checkpoints.resume_manifest(args, &programs, &mut corpus)?;
+            cuda::CudaTrainer::resume(&programs, &placement, dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
+        }
+        None => {
+            let (resumed, seed) = checkpoints.resume(args, &programs, &mut corpus)?;
+            cuda::CudaTrainer::new(&programs, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?
+        }
+    };
+    let (first_step, seed) = (trainer.steps_taken(), trainer.seed());
     let to_run = steps_to_run(args, first_step)?;
     let rows = args.step.batch(spec, mesh)?.global_batch as usize;
-    let mut trainer = cuda::CudaTrainer::new(&programs, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?;
     let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
     let schedule = programs[0].pipeline.as_ref().map_or_else(String::new, |p| format!(", {} schedule, {} micro-batches per step", p.kind.label(), p.microbatches));
-    println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}{schedule}, {} steps, seed {seed}", spec.name, args.steps);
-    print_data(&corpus, evaluation.as_ref());
+    if speaks {
+        println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}{schedule}, {} steps, seed {seed}", spec.name, args.steps);
+        print_data(&corpus, evaluation.as_ref());
+    }
     let tokens = rows * spec.seq_len() as usize;
     let (mut losses, mut seconds) = (LossSummary::default(), Vec::new());
     let mut unevaluated = false;
@@ -968,12 +1065,16 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
         }
         losses.push(loss);
         seconds.push(took);
-        if args.log_every > 0 && at % args.log_every == 0 {
+        if speaks && args.log_every > 0 && at % args.log_every == 0 {
             println!("step {at} loss {loss:.6}");
         }
         let end = first_step + to_run;
         if checkpoints.due(at, end) {
-            checkpoints.save(&trainer.state().into_diagnostic()?, &programs, seed, corpus.record(at, rows))?;
+            if process_rank.is_some() {
+                checkpoints.save_own_shards(&mut trainer, corpus.record(at, rows))?;
+            } else {
+                checkpoints.save(&trainer.state().into_diagnostic()?, &programs, seed, corpus.record(at, rows))?;
+            }
         }
         if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {
             // The held-out loss is computed on the CPU from the state read back.
@@ -983,6 +1084,9 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
                 unevaluated = true;
             }
         }
+    }
+    if !speaks {
+        return Ok(());
     }
     if let Some(first) = losses.first {
         let last = losses.tail.iter().sum::<f64>() / losses.tail.len() as f64;

@@ -2322,6 +2322,16 @@ fn resumed_runs_continue_the_checkpoints_schedule_and_refuse_other_settings() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `shardc run --backend cuda ARGS` on the emulated device, with the variables `env`.
+fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_shardc"));
+    command.args(["run", "--backend", "cuda"]).args(args).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_GPU_EMULATE", "1");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.output().expect("shardc runs")
+}
+
 /// `run --backend cuda`, here on the emulated device (`SHARDC_GPU_EMULATE=1`: the generated
 /// kernels compiled as C++), takes every option the CPU backend takes, or refuses it with
 /// the reason before any work: the same losses as the CPU backend from the seed, from
@@ -2332,14 +2342,7 @@ fn resumed_runs_continue_the_checkpoints_schedule_and_refuse_other_settings() {
 fn gpu_runs_take_every_run_option_or_refuse_it() {
     let dir = tempdir("gpu-run-options");
     let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
-    let gpu = |args: &[&str], env: &[(&str, &str)]| {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_shardc"));
-        command.args(["run", "--backend", "cuda"]).args(args).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_GPU_EMULATE", "1");
-        for (name, value) in env {
-            command.env(name, value);
-        }
-        command.output().expect("shardc runs")
-    };
+    let gpu = run_on_emulated_gpu;
     let cpu = |args: &[&str]| shardc(&[&["run"][..], args].concat());
     let close = |want: &std::collections::BTreeMap<u64, f64>, got: &std::collections::BTreeMap<u64, f64>, what: &str| {
         assert!(!got.is_empty() && got.keys().all(|k| want.contains_key(k)), "{what}: steps {:?} of {:?}", got.keys(), want.keys());
@@ -2391,13 +2394,64 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save", "x.safetensors"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "--save: each process of a multi-process GPU run holds only its own shards"),
-        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--checkpoint", "ck"], vec![("RANK", "1"), ("WORLD_SIZE", "2")], "--checkpoint: each process of a multi-process GPU run holds only its own shards"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save-hf", "hf-x"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--save-hf: each process of a multi-process GPU run holds only its own shards"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--checkpoint", "ck"], vec![("SHARDC_EMULATE_PROCESSES", "3")], "SHARDC_EMULATE_PROCESSES=3: the mesh dp=2,tp=1,pp=1 has 2 ranks, one per process"),
     ] {
         let out = gpu(&args, &env);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
         assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
     }
-    assert!(!root().join("t.json").exists() && !root().join("x.safetensors").exists() && !root().join("ck").exists());
+    assert!(!root().join("t.json").exists() && !root().join("x.safetensors").exists() && !root().join("hf-x").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The processes of a multi-process GPU run (here emulated: `SHARDC_EMULATE_PROCESSES=N`,
+/// one thread per process, each on its own emulated device, NCCL emulated) checkpoint each
+/// its own rank file from device memory, rank 0 the manifest; processes on another mesh
+/// resume from it reading only their own shards, and so does the CPU backend, with the
+/// uninterrupted run's losses. A process killed after writing its file leaves the previous
+/// checkpoint to resume from. Only rank 0 prints.
+#[test]
+fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
+    let dir = tempdir("gpu-processes-checkpoint");
+    let ckpt = dir.join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let processes = run_on_emulated_gpu;
+    let close = |want: &std::collections::BTreeMap<u64, f64>, got: &std::collections::BTreeMap<u64, f64>, what: &str| {
+        assert!(!got.is_empty() && got.keys().all(|k| want.contains_key(k)), "{what}: steps {:?} of {:?}", got.keys(), want.keys());
+        for (step, loss) in got {
+            assert!((loss - want[step]).abs() <= 1e-4 * want[step].abs(), "{what}: step {step} loss {loss}, uninterrupted {}", want[step]);
+        }
+    };
+    let base = ["models/tiny.toml", "--microbatches", "1", "--log-every", "1", "--lr-decay-steps", "4", "--optimizer", "adamw"];
+    let reference = losses_by_step(&shardc(&[&["run"][..], &base[..], &["--mesh", "dp=2,tp=2", "--steps", "4"]].concat()));
+    let first = processes(&[&base[..], &["--mesh", "dp=2,tp=2", "--zero", "1", "--steps", "2", "--checkpoint", ckpt_arg]].concat(), &[("SHARDC_EMULATE_PROCESSES", "4")]);
+    close(&reference, &losses_by_step(&first), "four processes, ZeRO-1");
+    let said = stdout(&first);
+    assert_eq!(said.matches("shardc: training").count(), 1, "rank 0 alone prints: {said}");
+    assert!(said.contains("each process wrote its own rank file"), "{said}");
+    let step2 = ckpt.join("step-00000002");
+    let files: Vec<_> = (0..4).map(|r| step2.join(format!("rank-{r:05}.safetensors"))).collect();
+    assert!(files.iter().all(|f| f.is_file()) && step2.join("manifest.json").is_file(), "{said}");
+    // Two processes at dp=2 without tensor parallelism or ZeRO (the same global batch), and
+    // the CPU backend, resume from it.
+    let resumed = processes(&[&base[..], &["--mesh", "dp=2", "--steps", "4", "--resume", ckpt_arg]].concat(), &[("SHARDC_EMULATE_PROCESSES", "2")]);
+    assert!(stdout(&resumed).contains("resume      step 2"), "{}", stdout(&resumed));
+    close(&reference, &losses_by_step(&resumed), "two processes at dp=2 resumed at step 2");
+    let on_cpu = shardc(&[&["run"][..], &base[..], &["--mesh", "dp=2,tp=2", "--steps", "4", "--resume", ckpt_arg]].concat());
+    close(&reference, &losses_by_step(&on_cpu), "the CPU backend resumed from the processes' checkpoint");
+    // Rank 1 killed after writing its file of the second checkpoint (step 3): step 2 stays
+    // the latest, and the next run clears what the crashed one left.
+    let crashed = processes(
+        &[&base[..], &["--mesh", "dp=2,tp=2", "--zero", "1", "--steps", "4", "--resume", ckpt_arg, "--checkpoint", ckpt_arg, "--checkpoint-every", "1"]].concat(),
+        &[("SHARDC_EMULATE_PROCESSES", "4"), ("SHARDC_FAULT_CHECKPOINT", "2:1")],
+    );
+    assert!(!crashed.status.success(), "{}", stdout(&crashed));
+    assert_eq!(std::fs::read_to_string(ckpt.join("LATEST")).unwrap().trim(), "step-00000003");
+    assert!(ckpt.join(".partial-step-00000004-processes").is_dir(), "the crashed checkpoint's rank files stay until the next run");
+    let again = processes(&[&base[..], &["--mesh", "dp=2,tp=2", "--steps", "4", "--resume", ckpt_arg, "--checkpoint", ckpt_arg]].concat(), &[("SHARDC_EMULATE_PROCESSES", "4")]);
+    close(&reference, &losses_by_step(&again), "resumed after the crash");
+    assert!(!ckpt.join(".partial-step-00000004-processes").exists() && ckpt.join("step-00000004").is_dir());
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -278,55 +278,94 @@ pub fn save_sharded(
     data: Option<crate::data::DataRecord>,
     abort_after_rank: Option<usize>,
 ) -> Result<std::path::PathBuf, RuntimeError> {
-    let first = programs.first().ok_or_else(|| RuntimeError::Program("no programs to checkpoint".into()))?;
-    let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
-    let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
-    let tensors = layouts(programs);
+    let mesh = checkpoint_mesh(programs)?;
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    let name = format!("step-{:08}", state.step);
-    let partial = dir.join(format!(".partial-{name}-{}", std::process::id()));
+    let partial = dir.join(format!(".partial-{}-{}", step_folder(state.step), std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
-    let (mut files, mut checksums) = (Vec::new(), Vec::new());
+    let mut checksums = Vec::new();
     for rank in 0..mesh.ranks() {
-        let mut shards = Vec::new();
-        for (tensor, layout, holder) in &tensors {
-            if *holder != program_of(rank) && programs.len() > 1 {
-                // Mirrored tensors are saved by their first holder only.
-                continue;
-            }
+        let crc = write_rank_file(&partial, programs, rank, |tensor, layout| {
             let global = state.for_program(tensor, &layout.global_shape)?;
-            let local = crate::layout::local_shard(&global, layout, &mesh, rank);
-            let shape = crate::layout::local_shape(layout, &mesh);
-            shards.push((tensor.name.clone(), shape, local));
-        }
-        let file = format!("rank-{rank:05}.safetensors");
-        let bytes = f64_bytes(&shards)?;
-        write_synced(&partial.join(&file), &bytes)?;
-        files.push(file);
-        checksums.push(crc32fast::hash(&bytes));
+            Ok(crate::layout::local_shard(&global, layout, &mesh, rank))
+        })?;
+        checksums.push(crc);
         if abort_after_rank == Some(rank) {
             std::process::abort();
         }
     }
+    commit(dir, &partial, programs, state.step, spec, seed, data, checksums)
+}
+
+/// The folder a checkpoint of step `step` is kept in.
+fn step_folder(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// The mesh of the programs' ranks (one rank without one).
+fn checkpoint_mesh(programs: &[Program]) -> Result<MeshShape, RuntimeError> {
+    let first = programs.first().ok_or_else(|| RuntimeError::Program("no programs to checkpoint".into()))?;
+    Ok(MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() }))
+}
+
+/// The name of rank `rank`'s file.
+fn rank_file_name(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+/// Writes rank `rank`'s file into `folder`: each state tensor the rank holds (mirrored
+/// tensors of a pipeline by their first holder only), its values `shard(binding, layout)`
+/// (the rank's shard, in the program's form); returns the file's CRC-32.
+fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, shard: impl Fn(&crate::program::Binding, &crate::program::Layout) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
+    let mesh = checkpoint_mesh(programs)?;
+    let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
+    let mut shards = Vec::new();
+    for (tensor, layout, holder) in layouts(programs) {
+        if holder != program_of(rank) && programs.len() > 1 {
+            continue;
+        }
+        let local = shard(&tensor, &layout)?;
+        let shape = crate::layout::local_shape(&layout, &mesh);
+        if local.len() != shape.iter().product::<usize>() {
+            return Err(RuntimeError::Program(format!("rank {rank}'s shard of `{}` has {} values, its shape {shape:?} holds {}", tensor.name, local.len(), shape.iter().product::<usize>())));
+        }
+        if let Some(bad) = local.iter().find(|v| !v.is_finite()) {
+            return Err(RuntimeError::Binding(format!("`{}` holds {bad} on rank {rank}: not checkpointed", tensor.name)));
+        }
+        shards.push((tensor.name.clone(), shape, local));
+    }
+    let bytes = f64_bytes(&shards)?;
+    write_synced(&folder.join(rank_file_name(rank)), &bytes)?;
+    Ok(crc32fast::hash(&bytes))
+}
+
+/// Writes the manifest of the rank files in `partial` (their CRC-32s `checksums`, in rank
+/// order), then makes the checkpoint visible atomically: `partial` is renamed to
+/// `step-NNNNNNNN` and `LATEST` replaced (write, sync, rename); the newest checkpoint before
+/// it stays and older ones go.
+#[allow(clippy::too_many_arguments)]
+fn commit(dir: &std::path::Path, partial: &std::path::Path, programs: &[Program], step: u64, spec: serde_json::Value, seed: u64, data: Option<crate::data::DataRecord>, checksums: Vec<u32>) -> Result<std::path::PathBuf, RuntimeError> {
+    let mesh = checkpoint_mesh(programs)?;
+    let tensors = layouts(programs);
     let manifest = Manifest {
         format_version: CHECKPOINT_VERSION,
-        step: state.step,
+        step,
         seed,
         mesh: mesh.0.clone(),
         spec,
         tensors: tensors.iter().map(|(b, l, _)| ManifestTensor { name: b.name.clone(), global_shape: l.global_shape.clone(), split: l.split.clone(), unpadded: b.unpadded.clone() }).collect(),
-        files,
+        files: (0..mesh.ranks()).map(rank_file_name).collect(),
         checksums,
         data,
         optimizer: OptimizerRecord::of(programs),
     };
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| RuntimeError::Program(e.to_string()))?;
     write_synced(&partial.join("manifest.json"), &text)?;
-    sync_dir(&partial)?;
+    sync_dir(partial)?;
+    let name = step_folder(step);
     let done = dir.join(&name);
     let _ = std::fs::remove_dir_all(&done);
-    std::fs::rename(&partial, &done).map_err(|e| io(&done, e))?;
+    std::fs::rename(partial, &done).map_err(|e| io(&done, e))?;
     sync_dir(dir)?;
     let latest = dir.join("LATEST");
     let latest_partial = dir.join(format!(".LATEST-{}", std::process::id()));
@@ -340,13 +379,49 @@ pub fn save_sharded(
         .map_err(|e| io(dir, e))?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter_map(|n| Some((n.strip_prefix("step-")?.parse::<u64>().ok()?, n)))
-        .filter(|(step, _)| *step < state.step)
+        .filter(|(s, _)| *s < step)
         .collect();
     older.sort();
     for (_, old) in older.iter().rev().skip(1) {
         let _ = std::fs::remove_dir_all(dir.join(old));
     }
     Ok(done)
+}
+
+/// The folder the processes of a multi-process run write step `step`'s rank files into
+/// before rank 0 commits them (one name for all: the processes share no process id, and
+/// rank 0's [`lock_folder`] keeps other runs out and clears what a crashed run left).
+pub fn partial_folder(dir: &std::path::Path, step: u64) -> std::path::PathBuf {
+    dir.join(format!(".partial-{}-processes", step_folder(step)))
+}
+
+/// One process of a multi-process run writes its rank's file of step `step`'s checkpoint
+/// into [`partial_folder`] from its own shards alone: `shard(binding)` is the rank's local
+/// value of a state tensor, read from device memory. Returns the file's CRC-32, which rank 0
+/// needs for the manifest ([`commit_processes`]), after every rank's file is written.
+pub fn write_own_rank_file(dir: &std::path::Path, step: u64, programs: &[Program], rank: usize, shard: impl Fn(&crate::program::Binding) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
+    let partial = partial_folder(dir, step);
+    std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
+    write_rank_file(&partial, programs, rank, |binding, _| shard(binding))
+}
+
+/// Rank 0 of a multi-process run, once every rank has written its file
+/// ([`write_own_rank_file`], CRC-32s `checksums` in rank order), writes the manifest and
+/// makes the checkpoint visible, atomically as [`save_sharded`] does.
+#[allow(clippy::too_many_arguments)]
+pub fn commit_processes(dir: &std::path::Path, step: u64, programs: &[Program], spec: serde_json::Value, seed: u64, data: Option<crate::data::DataRecord>, checksums: Vec<u32>) -> Result<std::path::PathBuf, RuntimeError> {
+    let mesh = checkpoint_mesh(programs)?;
+    if checksums.len() != mesh.ranks() {
+        return Err(RuntimeError::Program(format!("{} checksums for the {} rank files of mesh {:?}", checksums.len(), mesh.ranks(), mesh.0)));
+    }
+    let partial = partial_folder(dir, step);
+    for rank in 0..mesh.ranks() {
+        let file = partial.join(rank_file_name(rank));
+        if !file.is_file() {
+            return Err(RuntimeError::Binding(format!("{}: rank {rank} did not write its file (is the checkpoint folder shared by every node?)", file.display())));
+        }
+    }
+    commit(dir, &partial, programs, step, spec, seed, data, checksums)
 }
 
 /// The manifest of the checkpoint `dir` names (a checkpoint folder, or a folder of them
@@ -442,6 +517,195 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
         tensors.insert(t.name.clone(), tensor);
     }
     Ok((manifest.clone(), TrainState { step: manifest.step, tensors }))
+}
+
+/// One rank's shards of the state arguments, by name, in the program's form.
+pub type RankShards = HashMap<String, Vec<f64>>;
+
+/// A rank file's tensors by name: (shape, byte range in the file).
+type FileHeader = HashMap<String, (Vec<usize>, std::ops::Range<u64>)>;
+
+/// What one process of a multi-process run resumes from: the checkpoint `dir` names (as
+/// [`load_sharded`] finds it), read for `ranks` of `program` (on `mesh`, which may differ
+/// from the mesh the checkpoint was saved on) without assembling any tensor whole: for each
+/// state argument, the rank's shard in the program's form (padded as the program pads it;
+/// a parameter takes its fp32 master where the checkpoint keeps one, a master its parameter
+/// where it does not). Only the rank files holding a needed shard are read, each streamed
+/// once with its CRC-32 checked, one tensor's bytes in memory at a time.
+pub fn load_own_shards(dir: &std::path::Path, program: &Program, mesh: &MeshShape, ranks: &[usize]) -> Result<(Manifest, Vec<RankShards>), RuntimeError> {
+    let (folder, manifest) = read_manifest_in(dir)?;
+    let saved_mesh = MeshShape(manifest.mesh.clone());
+    let listed: HashMap<&str, &ManifestTensor> = manifest.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    // Each rank file's tensors, from its header: (file index, rank) -> name -> byte range.
+    let mut headers = Vec::new();
+    for (index, file) in manifest.files.iter().enumerate() {
+        let rank = if manifest.format_version == 1 { saved_mesh.rank(&saved_mesh.row_major_coords(index)) } else { index };
+        headers.push((rank, rank_file_header(&folder.join(file))?));
+    }
+    // What each local rank needs: (local, argument, source tensor, target block, region).
+    struct Need {
+        local: usize,
+        arg: String,
+        target_box: Vec<(usize, usize)>,
+        region: Vec<std::ops::Range<usize>>,
+    }
+    // needs[file index][source tensor] -> the pieces of it that local ranks need.
+    let mut needs: Vec<HashMap<String, Vec<Need>>> = (0..manifest.files.len()).map(|_| HashMap::new()).collect();
+    let mut out: Vec<RankShards> = vec![HashMap::new(); ranks.len()];
+    for (local, &rank) in ranks.iter().enumerate() {
+        for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
+            let buffer_shape = program.buffers[a.buffer].shape.clone();
+            let layout = a.layout.clone().unwrap_or_else(|| crate::program::Layout { split: vec![Vec::new(); buffer_shape.len()], global_shape: buffer_shape.clone() });
+            let logical = a.logical_shape(&layout.global_shape);
+            let master = crate::program::master_name(&a.name);
+            let name = match crate::program::master_of(&a.name) {
+                Some(param) if !listed.contains_key(a.name.as_str()) => param.to_string(),
+                None if a.role == Some(Role::Param) && listed.contains_key(master.as_str()) => master,
+                _ => a.name.clone(),
+            };
+            let tensor = listed.get(name.as_str()).ok_or_else(|| RuntimeError::Binding(format!("the checkpoint has no `{name}`: it was saved from another model or with another optimizer")))?;
+            let saved_logical = tensor.unpadded.clone().unwrap_or_else(|| tensor.global_shape.clone());
+            if saved_logical != logical {
+                return Err(RuntimeError::Binding(format!("checkpoint tensor `{name}` has shape {saved_logical:?}, the model needs {logical:?}")));
+            }
+            let target_box = crate::layout::shard_box(&layout, mesh, rank);
+            out[local].insert(a.name.clone(), vec![0.0; target_box.iter().map(|b| b.1).product()]);
+            // The real (unpadded) part of the target block, in global indices.
+            let wanted: Vec<std::ops::Range<usize>> = target_box.iter().zip(&logical).map(|(&(o, n), &l)| o.min(l)..(o + n).min(l)).collect();
+            if wanted.iter().any(|r| r.is_empty()) {
+                continue;
+            }
+            // Every distinct saved shard that overlaps it, from the first file that holds it.
+            let saved_layout = manifest_layout(tensor);
+            let mut taken: Vec<Vec<usize>> = Vec::new();
+            for (index, (saved_rank, header)) in headers.iter().enumerate() {
+                if !header.contains_key(&name) {
+                    continue;
+                }
+                let shard = crate::layout::shard_index(&saved_layout, &saved_mesh, *saved_rank);
+                if taken.contains(&shard) {
+                    continue;
+                }
+                let source_box = crate::layout::shard_box(&saved_layout, &saved_mesh, *saved_rank);
+                let region: Vec<std::ops::Range<usize>> = wanted.iter().zip(&source_box).map(|(w, &(o, n))| w.start.max(o)..w.end.min(o + n)).collect();
+                taken.push(shard);
+                if region.iter().all(|r| !r.is_empty()) {
+                    needs[index].entry(name.clone()).or_default().push(Need { local, arg: a.name.clone(), target_box: target_box.clone(), region });
+                }
+            }
+            let covered = taken.len() == crate::layout::shard_count(&saved_layout, &saved_mesh);
+            if !covered {
+                return Err(RuntimeError::Binding(format!("{}: the rank files hold {} of the {} shards of `{name}`: a rank file is missing it", folder.display(), taken.len(), crate::layout::shard_count(&saved_layout, &saved_mesh))));
+            }
+        }
+    }
+    for (index, pieces) in needs.into_iter().enumerate() {
+        if pieces.is_empty() {
+            continue;
+        }
+        let (saved_rank, header) = &headers[index];
+        let path = folder.join(&manifest.files[index]);
+        // Each needed tensor's shape in the file must be the saved layout's shard shape.
+        for name in pieces.keys() {
+            let expected = crate::layout::local_shape(&manifest_layout(listed[name.as_str()]), &saved_mesh);
+            let (shape, _) = &header[name];
+            if *shape != expected {
+                return Err(RuntimeError::Binding(format!("{}: `{name}` has shape {shape:?}, but the manifest's layout over the mesh {:?} makes shards of {expected:?}", path.display(), manifest.mesh)));
+            }
+        }
+        let source_box = |name: &str| crate::layout::shard_box(&manifest_layout(listed[name]), &saved_mesh, *saved_rank);
+        let crc = stream_tensors(&path, header, &pieces.keys().cloned().collect::<Vec<_>>(), |name, values| {
+            let from = source_box(name);
+            for need in &pieces[name] {
+                let target = out[need.local].get_mut(&need.arg).expect("allocated above");
+                crate::layout::copy_region(values, &from, target, &need.target_box, &need.region);
+            }
+        })?;
+        if let Some(&expected) = manifest.checksums.get(index)
+            && crc != expected
+        {
+            return Err(RuntimeError::Binding(format!("{}: the file changed after it was written (CRC-32 {crc:08x}, the manifest says {expected:08x}); resume from another checkpoint folder, or start again", path.display())));
+        }
+    }
+    Ok((manifest, out))
+}
+
+/// A rank file's tensors from its safetensors header alone: name -> (shape, byte range in
+/// the file). Every tensor must be f64, its range inside the file and as long as its shape.
+fn rank_file_header(path: &std::path::Path) -> Result<FileHeader, RuntimeError> {
+    use std::io::Read;
+    let bad = |what: String| RuntimeError::Binding(format!("{}: {what}", path.display()));
+    let meta = std::fs::metadata(path).map_err(|e| io(path, e))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let header_len = u64::from_le_bytes(length);
+    if header_len > MAX_MANIFEST_BYTES || 8 + header_len > meta.len() {
+        return Err(bad(format!("not a safetensors file: a header of {header_len} bytes in a file of {}", meta.len())));
+    }
+    let mut text = vec![0u8; header_len as usize];
+    file.read_exact(&mut text).map_err(|e| io(path, e))?;
+    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&text).map_err(|e| bad(format!("not a safetensors header: {e}")))?;
+    let data_start = 8 + header_len;
+    let mut out = HashMap::new();
+    for (name, entry) in json.into_iter().filter(|(n, _)| n != "__metadata__") {
+        let dtype = entry.get("dtype").and_then(|d| d.as_str()).unwrap_or("");
+        if dtype != "F64" {
+            return Err(bad(format!("`{name}` is not f64")));
+        }
+        let numbers = |key: &str| -> Option<Vec<u64>> { entry.get(key)?.as_array()?.iter().map(|v| v.as_u64()).collect() };
+        let (Some(shape), Some(offsets)) = (numbers("shape"), numbers("data_offsets")) else {
+            return Err(bad(format!("`{name}` has no shape or data_offsets")));
+        };
+        let elements = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&n| n <= MAX_CHECKPOINT_ELEMENTS as u64);
+        let range = match (elements, offsets.as_slice()) {
+            (Some(n), &[begin, end]) if end >= begin && end - begin == n * 8 && data_start + end <= meta.len() => data_start + begin..data_start + end,
+            _ => return Err(bad(format!("`{name}`'s data_offsets {offsets:?} do not hold its shape {shape:?} of f64 inside the file"))),
+        };
+        out.insert(name, (shape.iter().map(|&d| d as usize).collect(), range));
+    }
+    Ok(out)
+}
+
+/// Reads `path` once from start to end, computing its CRC-32, and hands each of `names`
+/// (tensors of its `header`) to `take` as f64 values when its bytes have passed; returns the
+/// CRC-32.
+fn stream_tensors(path: &std::path::Path, header: &FileHeader, names: &[String], mut take: impl FnMut(&str, &[f64])) -> Result<u32, RuntimeError> {
+    use std::io::Read;
+    let mut order: Vec<(&str, std::ops::Range<u64>)> = names.iter().map(|n| (n.as_str(), header[n].1.clone())).collect();
+    order.sort_by_key(|(_, r)| r.start);
+    let mut file = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(|e| io(path, e))?);
+    let mut hasher = crc32fast::Hasher::new();
+    let mut at = 0u64;
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut read_into = |buf: &mut [u8], at: &mut u64, hasher: &mut crc32fast::Hasher| -> Result<(), RuntimeError> {
+        file.read_exact(buf).map_err(|e| io(path, e))?;
+        hasher.update(buf);
+        *at += buf.len() as u64;
+        Ok(())
+    };
+    for (name, range) in order {
+        // Tensors of one file do not overlap (safetensors' writer lays them end to end).
+        if range.start < at {
+            return Err(RuntimeError::Binding(format!("{}: `{name}` overlaps another tensor", path.display())));
+        }
+        while at < range.start {
+            let n = ((range.start - at) as usize).min(chunk.len());
+            read_into(&mut chunk[..n], &mut at, &mut hasher)?;
+        }
+        let mut bytes = vec![0u8; (range.end - range.start) as usize];
+        read_into(&mut bytes, &mut at, &mut hasher)?;
+        let values: Vec<f64> = bytes.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
+        drop(bytes);
+        take(name, &values);
+    }
+    let mut rest = Vec::new();
+    file.read_to_end(&mut rest).map_err(|e| io(path, e))?;
+    hasher.update(&rest);
+    Ok(hasher.finalize())
 }
 
 /// Largest `manifest.json` read: a manifest lists names and shapes, a few megabytes for the

@@ -94,6 +94,56 @@ pub fn shard_index(layout: &Layout, mesh: &MeshShape, rank: usize) -> Vec<usize>
     parts(layout, mesh, rank).into_iter().map(|(_, index)| index).collect()
 }
 
+/// Where `rank`'s shard lies in the global tensor: (first index, extent) along each
+/// dimension (shards are blocks).
+pub fn shard_box(layout: &Layout, mesh: &MeshShape, rank: usize) -> Vec<(usize, usize)> {
+    layout.global_shape.iter().zip(parts(layout, mesh, rank)).map(|(&g, (n, i))| (i * (g / n.max(1)), g / n.max(1))).collect()
+}
+
+/// Copies the elements of `region` (a range per dimension, in global indices) from `src`, a
+/// block of the global tensor at `src_box` ((first index, extent) per dimension), into `dst`,
+/// another block at `dst_box`; both blocks hold the whole region.
+pub fn copy_region<T: Copy>(src: &[T], src_box: &[(usize, usize)], dst: &mut [T], dst_box: &[(usize, usize)], region: &[std::ops::Range<usize>]) {
+    let rank = region.len();
+    if rank == 0 {
+        if let (Some(d), Some(s)) = (dst.first_mut(), src.first()) {
+            *d = *s;
+        }
+        return;
+    }
+    if region.iter().any(|r| r.is_empty()) {
+        return;
+    }
+    let strides = |b: &[(usize, usize)]| {
+        let mut st = vec![1usize; rank];
+        for d in (0..rank.saturating_sub(1)).rev() {
+            st[d] = st[d + 1] * b[d + 1].1;
+        }
+        st
+    };
+    let (ss, ds) = (strides(src_box), strides(dst_box));
+    let row = region[rank - 1].len();
+    let mut index: Vec<usize> = region.iter().map(|r| r.start).collect();
+    loop {
+        let at = |b: &[(usize, usize)], st: &[usize]| index.iter().zip(b).zip(st).map(|((&x, &(o, _)), &s)| (x - o) * s).sum::<usize>();
+        let (s0, d0) = (at(src_box, &ss), at(dst_box, &ds));
+        dst[d0..d0 + row].copy_from_slice(&src[s0..s0 + row]);
+        // The next row: the last dimension is copied whole, the others count up.
+        let mut d = rank - 1;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < region[d].end {
+                break;
+            }
+            index[d] = region[d].start;
+        }
+    }
+}
+
 /// How many distinct shards the layout cuts the tensor into.
 pub fn shard_count(layout: &Layout, mesh: &MeshShape) -> usize {
     parts(layout, mesh, 0).into_iter().map(|(n, _)| n).product()

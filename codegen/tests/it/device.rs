@@ -535,6 +535,93 @@ mod emulated {
         }
     }
 
+    /// One process per rank (emulated NCCL) checkpoints from device memory: each writes its
+    /// own rank file, rank 0 the manifest once every file is written. The checkpoint equals
+    /// the one a single device saves from the whole state, and processes on another mesh
+    /// (another padding, no ZeRO) resume from it, each reading only its own shards, and take
+    /// the step the uninterrupted run takes.
+    #[test]
+    fn processes_checkpoint_their_own_shards_and_resume_from_them_on_any_mesh() {
+        let adamw = OptimizerKind::AdamW { lr: 0.1, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
+        let compile = |mesh: Mesh, zero: u8| {
+            sgd_step_tuned("tiny-llama", "f32", mesh, Some(3), |o| {
+                o.optimizer = adamw;
+                o.zero = zero;
+            })
+        };
+        let in_processes = |program: &Program, spec: &shardc_ir::spec::Spec, run: &(dyn Fn(usize, &mut cuda::CudaTrainer, &ByteCorpus) -> f64 + Sync), resume: Option<&std::path::Path>| -> Vec<f64> {
+            let worlds = cuda::nccl::EmulatedWorld::world(program.mesh.iter().product(), std::time::Duration::from_secs(60));
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = worlds
+                    .into_iter()
+                    .map(|world| {
+                        scope.spawn(move || {
+                            let rank = world.rank();
+                            let placement = Placement::EmulatedNccl(world);
+                            let mut trainer = match resume {
+                                Some(dir) => cuda::CudaTrainer::resume(std::slice::from_ref(program), &placement, dir).unwrap_or_else(|e| panic!("rank {rank}: {e}")).0,
+                                None => cuda::CudaTrainer::new(std::slice::from_ref(program), &placement, 0, spec.model.layers as usize, None).unwrap(),
+                            };
+                            run(rank, &mut trainer, &corpus(spec))
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let (program, spec) = compile(Mesh { dp: 2, tp: 2, pp: 1 }, 1);
+        // Every rank on one device: two steps, the whole state, the third step's loss.
+        let mut single = cuda::CudaTrainer::new(std::slice::from_ref(&program), &Placement::Emulated, 0, spec.model.layers as usize, None).unwrap();
+        let corpus = corpus(&spec);
+        single.step(&corpus).unwrap();
+        single.step(&corpus).unwrap();
+        let whole = single.state().unwrap();
+        let third = single.step(&corpus).unwrap().0;
+        let dir = crate::checkpoint::TempDir::new();
+        let saved = dir.path().to_path_buf();
+        let losses = in_processes(
+            &program,
+            &spec,
+            &|rank, trainer, corpus| {
+                trainer.step(corpus).unwrap();
+                trainer.step(corpus).unwrap();
+                let committed = trainer.checkpoint_own_shards(&saved, serde_json::Value::Null, None, false).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                assert_eq!(committed.is_some(), rank == 0, "rank 0 commits the checkpoint, and only rank 0");
+                trainer.step(corpus).unwrap().0
+            },
+            None,
+        );
+        for (rank, loss) in losses.iter().enumerate() {
+            assert!((loss - third).abs() <= 1e-5 * third.abs(), "rank {rank}: step 3 loss {loss}, one device {third}");
+        }
+        let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir.path()).unwrap();
+        assert_eq!((manifest.step, manifest.files.len(), manifest.checksums.len()), (2, 4, 4));
+        assert_eq!(state.tensors.keys().collect::<Vec<_>>(), whole.tensors.keys().collect::<Vec<_>>());
+        for (name, (shape, values)) in &whole.tensors {
+            let (saved_shape, saved_values) = &state.tensors[name];
+            assert_eq!(saved_shape, shape, "`{name}`");
+            assert!(relative(values, saved_values) <= 1e-5, "`{name}` differs by {:.2e} from the one device's", relative(values, saved_values));
+        }
+        assert!(!dir.path().join(".partial-step-00000002-processes").exists(), "the rank files' folder became the checkpoint");
+        // Resumed: on the same mesh, and at tp=2 without ZeRO (258 vocabulary rows either way,
+        // but other shards: the optimizer state whole on every data-parallel rank).
+        for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1 }, 1), (Mesh { dp: 1, tp: 2, pp: 1 }, 0), (Mesh { dp: 2, tp: 1, pp: 1 }, 3)] {
+            let (resumed, spec) = compile(mesh, zero);
+            let losses = in_processes(
+                &resumed,
+                &spec,
+                &|rank, trainer, corpus| {
+                    assert_eq!(trainer.steps_taken(), 2, "rank {rank}");
+                    trainer.step(corpus).unwrap().0
+                },
+                Some(dir.path()),
+            );
+            for (rank, loss) in losses.iter().enumerate() {
+                assert!((loss - third).abs() <= 1e-5 * third.abs(), "{mesh} ZeRO-{zero} rank {rank}: resumed step 3 loss {loss}, uninterrupted {third}");
+            }
+        }
+    }
+
     #[test]
     fn tiny_gpt_f32_single_device() {
         check("tiny", "f32", Mesh::default(), 1e-5, 1e-4);

@@ -1,5 +1,6 @@
 //! Numeric tests: IR -> passes -> codegen -> CPU runtime, in one binary.
 
+mod checkpoint;
 mod clipping;
 mod comm_opt;
 mod device;

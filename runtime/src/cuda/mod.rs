@@ -580,6 +580,28 @@ impl CudaExecutor {
         Ok(self.staging.map_or(0, |s| s.0))
     }
 
+    /// `values` of every process of a multi-process run, in rank order (each gives as many):
+    /// an all-gather over the world communicator, the device synchronised. It is how the
+    /// processes agree outside the program, e.g. that every rank file of a checkpoint is
+    /// written, with its checksum.
+    pub fn gather_from_every_process(&mut self, values: &[i32]) -> Result<Vec<i32>, RuntimeError> {
+        let world = match &self.nccl {
+            Some(_) => self.mesh.ranks(),
+            None => return Err(err("this executor is not one process of a multi-process run")),
+        };
+        let count = values.len();
+        let staging = self.staging(count * 4 * (world + 1))?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.device.upload(staging, &bytes)?;
+        let stream = self.device.stream().cloned();
+        let rank = self.ranks[0].rank;
+        self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?.all_gather_world(staging, staging + (count * 4) as u64, count, DType::I32, rank, stream.as_deref())?;
+        self.device.synchronize()?;
+        let mut out = vec![0u8; count * 4 * world];
+        self.device.download(&mut out, staging + (count * 4) as u64)?;
+        Ok(out.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
     /// Collectives issued so far: one per collective instruction, or one per gradient
     /// bucket whose members share a region of the arena.
     pub fn collectives_issued(&self) -> usize {
@@ -911,6 +933,54 @@ impl CudaTrainer {
     pub fn new(programs: &[Program], placement: &Placement, seed: u64, layers: usize, state: Option<&crate::train::TrainState>) -> Result<CudaTrainer, RuntimeError> {
         let first = programs.first().ok_or_else(|| err("no programs to run"))?;
         let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
+        CudaTrainer::load(programs, placement, state.map_or(0, |s| s.step), |program, a, global_shape, rank| {
+            Ok(match (state, &a.layout) {
+                (Some(state), Some(layout)) => crate::layout::local_shard(&state.for_program(a, global_shape)?, layout, &mesh, rank),
+                (Some(state), None) => state.for_program(a, global_shape)?,
+                // Parameters and their fp32 master copies start from the seed, each rank's
+                // shard made from global indices alone; moments at 0.
+                (None, _) if matches!(a.role, Some(Role::Param | Role::Master)) => crate::init::init_shard(a, global_shape, &mesh, rank, seed, layers),
+                (None, _) => vec![0.0; program.buffers[a.buffer].len()],
+            })
+        })
+        .map(|t| CudaTrainer { seed, ..t })
+    }
+
+    /// Loads `programs` onto `placement` and resumes from the checkpoint `dir` names at its
+    /// step, each local rank reading only its own shards from the rank files that hold them
+    /// ([`crate::checkpoint::load_own_shards`]; the checkpoint's mesh may differ): what a
+    /// process of a multi-process run does, which never holds a whole tensor it shards.
+    /// Returns the checkpoint's manifest too.
+    pub fn resume(programs: &[Program], placement: &Placement, dir: &std::path::Path) -> Result<(CudaTrainer, crate::checkpoint::Manifest), RuntimeError> {
+        let first = programs.first().ok_or_else(|| err("no programs to run"))?;
+        let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
+        let manifest = crate::checkpoint::read_manifest(dir)?;
+        // Which programs this placement runs, and their ranks, as the executors will hold them.
+        let mut shards: HashMap<usize, HashMap<String, Vec<f64>>> = HashMap::new();
+        for program in programs {
+            let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
+            let ranks: Vec<usize> = match placement {
+                Placement::Nccl(b) => vec![b.rank],
+                Placement::EmulatedNccl(w) => vec![w.rank()],
+                Placement::SingleDevice { .. } | Placement::Emulated => own_ranks(&mesh, pipeline_rank),
+            };
+            let ranks: Vec<usize> = ranks.into_iter().filter(|r| pipeline_rank.is_none_or(|p| mesh.coords(*r).get(2) == Some(&p))).collect();
+            let (_, values) = crate::checkpoint::load_own_shards(dir, program, &mesh, &ranks)?;
+            for (rank, v) in ranks.into_iter().zip(values) {
+                shards.entry(rank).or_default().extend(v);
+            }
+        }
+        let trainer = CudaTrainer::load(programs, placement, manifest.step, |_, a, _, rank| {
+            shards.get(&rank).and_then(|s| s.get(&a.name)).cloned().ok_or_else(|| err(format!("no shard of `{}` was read for rank {rank}", a.name)))
+        })?;
+        Ok((CudaTrainer { seed: manifest.seed, ..trainer }, manifest))
+    }
+
+    /// Loads `programs` onto `placement` at step `step`, every state argument of every local
+    /// rank written with `value(program, argument, global shape, rank)` (the rank's shard).
+    fn load(programs: &[Program], placement: &Placement, step: u64, value: impl Fn(&Program, &crate::program::Binding, &[usize], usize) -> Result<Vec<f64>, RuntimeError>) -> Result<CudaTrainer, RuntimeError> {
+        let first = programs.first().ok_or_else(|| err("no programs to run"))?;
+        let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
         let schedule = if first.pipeline.is_some() { Some(crate::pipeline::schedule_of(programs)?) } else { None };
         if schedule.is_none() && programs.len() > 1 {
             return Err(err("several programs that are not pipeline ranks"));
@@ -923,19 +993,8 @@ impl CudaTrainer {
             let chunks = program.pipeline.as_ref().map_or(0, |p| p.chunks.len());
             for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
                 let global_shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
-                let global = match state {
-                    Some(state) => Some(state.for_program(a, &global_shape)?),
-                    None => None,
-                };
                 for (local, rank) in exec.ranks().into_iter().enumerate() {
-                    let shard = match (&global, &a.layout) {
-                        (Some(global), Some(layout)) => crate::layout::local_shard(global, layout, &mesh, rank),
-                        (Some(global), None) => global.clone(),
-                        // Parameters and their fp32 master copies start from the seed, each
-                        // rank's shard made from global indices alone; moments at 0.
-                        (None, _) if matches!(a.role, Some(Role::Param | Role::Master)) => crate::init::init_shard(a, &global_shape, &mesh, rank, seed, layers),
-                        (None, _) => vec![0.0; program.buffers[a.buffer].len()],
-                    };
+                    let shard = value(program, a, &global_shape, rank)?;
                     exec.write(local, &a.name, &shard)?;
                 }
             }
@@ -943,7 +1002,71 @@ impl CudaTrainer {
         }
         let batch = programs.iter().find_map(|p| p.arg("tokens").or_else(|| p.arg("targets"))).ok_or_else(|| RuntimeError::Binding("no program reads `tokens` or `targets`".into()))?;
         let shape = batch.layout.as_ref().map_or_else(|| programs[0].buffers[batch.buffer].shape.clone(), |l| l.global_shape.clone());
-        Ok(CudaTrainer { runners, programs: programs.to_vec(), mesh, seed, step: state.map_or(0, |s| s.step), rows: shape[0], seq: shape[1], schedule })
+        Ok(CudaTrainer { runners, programs: programs.to_vec(), mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule })
+    }
+
+    /// This process's rank when it is one process of a multi-process run (NCCL, or its
+    /// emulation); `None` when it holds every rank.
+    pub fn process_rank(&self) -> Option<usize> {
+        if self.holds_every_rank() { None } else { self.runners.first().and_then(|r| r.exec.ranks().first().copied()) }
+    }
+
+    /// `values` of every process of a multi-process run, in rank order
+    /// ([`CudaExecutor::gather_from_every_process`]).
+    pub fn gather_from_every_process(&mut self, values: &[i32]) -> Result<Vec<i32>, RuntimeError> {
+        self.runners.first_mut().ok_or_else(|| err("no programs"))?.exec.gather_from_every_process(values)
+    }
+
+    /// One process of a multi-process run checkpoints into `dir`: it writes its rank's file
+    /// from device memory, the processes exchange their files' checksums (and whether they
+    /// wrote them), and rank 0 writes the manifest and commits the checkpoint; then every
+    /// process learns whether rank 0 did. A failure on any rank ends every rank with an error
+    /// naming it. `abort` kills this process after its file is written (fault injection).
+    pub fn checkpoint_own_shards(&mut self, dir: &std::path::Path, spec: serde_json::Value, data: Option<crate::data::DataRecord>, abort: bool) -> Result<Option<std::path::PathBuf>, RuntimeError> {
+        let rank = self.process_rank().ok_or_else(|| err("this process holds every rank: save the global state with checkpoint::save_sharded"))?;
+        let program_index = if self.programs.len() == 1 { 0 } else { self.mesh.coords(rank).get(2).copied().unwrap_or(0) };
+        // Every rank has reached the checkpoint before any writes (rank 0 cleared the folder
+        // of what crashed runs left when it took it).
+        self.gather_from_every_process(&[0])?;
+        let runner = &self.runners[0];
+        let written = crate::checkpoint::write_own_rank_file(dir, self.step, &self.programs, rank, |binding| {
+            let program = runner.exec.program();
+            if program.arg(&binding.name).is_none() {
+                return Err(err(format!("rank {rank}'s program (pipeline rank {program_index}) has no `{}`", binding.name)));
+            }
+            runner.exec.read(0, &binding.name)
+        });
+        if abort && written.is_ok() {
+            std::process::abort();
+        }
+        // [ok, crc] from every rank: a rank that failed says so instead of leaving the others
+        // waiting for its file.
+        let (ok, crc) = match &written {
+            Ok(crc) => (1, *crc as i32),
+            Err(_) => (0, 0),
+        };
+        let all = self.gather_from_every_process(&[ok, crc])?;
+        written.map_err(|e| err(format!("rank {rank} could not write its checkpoint file: {e}")))?;
+        if let Some(failed) = all.chunks_exact(2).position(|p| p[0] == 0) {
+            return Err(err(format!("rank {failed} could not write its checkpoint file; the checkpoint of step {} is not kept", self.step)));
+        }
+        let committed = if rank == 0 {
+            let checksums = all.chunks_exact(2).map(|p| p[1] as u32).collect();
+            Some(crate::checkpoint::commit_processes(dir, self.step, &self.programs, spec, self.seed, data, checksums))
+        } else {
+            None
+        };
+        let done = self.gather_from_every_process(&[i32::from(committed.as_ref().is_none_or(|c| c.is_ok()))])?;
+        match committed {
+            Some(path) => path.map(Some),
+            None if done[0] == 1 => Ok(None),
+            None => Err(err(format!("rank 0 could not commit the checkpoint of step {}", self.step))),
+        }
+    }
+
+    /// The run's seed (initialisation and data order; a resumed run's is its checkpoint's).
+    pub fn seed(&self) -> u64 {
+        self.seed
     }
 
     /// Optimizer steps taken (from the start of training).

@@ -233,6 +233,30 @@ impl Comms {
         }
     }
 
+    /// Gathers `count` elements of `dtype` at `send` from every rank of the world into
+    /// `recv` (rank order), on `stream`: what the processes of a run tell each other outside
+    /// the program (a checkpoint's rank files written, and their checksums).
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_gather_world(&self, send: u64, recv: u64, count: usize, dtype: DType, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
+        match &self.backend {
+            Backend::Nccl { world, .. } => {
+                let s = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?.cu_stream() as ns::cudaStream_t;
+                // SAFETY: `send` holds `count` and `recv` `count` x world elements of this
+                // rank's device memory (the caller's staging); every rank issues the same call.
+                unsafe { nr::all_gather(send as *const _, recv as *mut _, count, nccl_type(dtype), *world, s) }.map(|_| ()).map_err(|e| err(format!("ncclAllGather over the world on rank {rank}: {e:?}")))
+            }
+            Backend::Emulated { world, .. } => {
+                let group: Vec<usize> = (0..world.size).collect();
+                let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
+                let result = match dtype {
+                    DType::I32 => emulated_call::<i32>(Call::AllGather, &mut comm, &group, send, recv, count),
+                    other => return Err(err(format!("the world's all-gather carries i32, not {other:?}"))),
+                };
+                result.map_err(|e| err(format!("emulated NCCL on rank {rank}: {e}")))
+            }
+        }
+    }
+
     /// Nothing is queued outside the stream; present for symmetry with other backends.
     pub fn synchronize(&self) -> Result<(), RuntimeError> {
         Ok(())
