@@ -26,6 +26,56 @@ pub fn load_weights(dir: &Path, spec: &Spec) -> Result<Tensors> {
     Ok(params)
 }
 
+/// A Hugging Face folder's weights as shardc parameters read one at a time, for a process
+/// that keeps only its own shards: the folder's headers and names are checked at once (as
+/// [`load_weights`] checks them), each tensor's values when a parameter asks for it.
+pub struct LazyWeights {
+    folder: rhf::HfFolder,
+    family: Family,
+    tied: bool,
+    expected: std::collections::BTreeMap<String, Vec<usize>>,
+    /// Every parameter's Hugging Face tensor.
+    source: std::collections::BTreeMap<String, String>,
+    /// The parameters the tensor read last became (GPT-2's fused q, k, v come together).
+    last: Vec<(String, (Vec<usize>, Vec<f64>))>,
+}
+
+impl LazyWeights {
+    pub fn open(dir: &Path, spec: &Spec) -> Result<LazyWeights> {
+        let folder = rhf::HfFolder::open(dir).into_diagnostic()?;
+        let (family, tied, expected) = (family(spec)?, spec.model.tied_embeddings, parameter_shapes(spec)?);
+        let context = || format!("reading the weights of {}", dir.display());
+        rhf::check_names(folder.names()).into_diagnostic().wrap_err_with(context)?;
+        let mut source = std::collections::BTreeMap::new();
+        for name in folder.names() {
+            for ours in rhf::parameters_of(family, name, tied).into_diagnostic().wrap_err_with(context)? {
+                if !expected.contains_key(&ours) {
+                    // The error import gives a tensor with no place in the model.
+                    rhf::import_tensor(family, name, &[], &[], tied, &expected).into_diagnostic().wrap_err_with(context)?;
+                }
+                source.insert(ours, name.clone());
+            }
+        }
+        Ok(LazyWeights { folder, family, tied, expected, source, last: Vec::new() })
+    }
+
+    /// How many parameters the folder holds.
+    pub fn len(&self) -> usize {
+        self.source.len()
+    }
+
+    /// Parameter `name` (shardc's name and layout), or `None` when the folder lacks it.
+    pub fn parameter(&mut self, name: &str) -> Result<Option<(Vec<usize>, Vec<f64>)>, shardc_runtime::RuntimeError> {
+        if let Some((_, tensor)) = self.last.iter().find(|(n, _)| n == name) {
+            return Ok(Some(tensor.clone()));
+        }
+        let Some(hf_name) = self.source.get(name) else { return Ok(None) };
+        let Some((shape, values)) = self.folder.read(hf_name)? else { return Ok(None) };
+        self.last = rhf::import_tensor(self.family, hf_name, &shape, &values, self.tied, &self.expected)?;
+        Ok(self.last.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone()))
+    }
+}
+
 /// The shape of every parameter of the spec's model, as the frontend declares it (a padded
 /// vocabulary's real size).
 fn parameter_shapes(spec: &Spec) -> Result<std::collections::BTreeMap<String, Vec<usize>>> {

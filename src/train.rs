@@ -1040,6 +1040,23 @@ fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, pl
             checkpoints.resume_manifest(args, &programs, &mut corpus)?;
             cuda::CudaTrainer::resume(&programs, &placement, dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
         }
+        // Nor does it hold a whole tensor of `--load` or Hugging Face weights: it keeps its
+        // shards of each parameter as it reads them.
+        None if process_rank.is_some() && args.load.is_some() => {
+            let path = args.load.as_ref().expect("matched");
+            let file = shardc_runtime::tensor_file::TensorFile::open(path).map_err(|e| miette!("--load {e}"))?;
+            let mut parameter = |name: &str| if file.info(name).is_some() { file.read_f64(name) } else { Ok(None) };
+            cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?
+        }
+        None if process_rank.is_some() && args.step.hf_dir(args.spec.as_deref()).is_some() => {
+            let hf = args.step.hf_dir(args.spec.as_deref()).expect("matched");
+            let mut weights = crate::hf::LazyWeights::open(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
+            if speaks {
+                println!("  weights     {} tensors from {} (each process reads its own shards)", weights.len(), hf.display());
+            }
+            let mut parameter = |name: &str| weights.parameter(name);
+            cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).into_diagnostic().wrap_err_with(|| format!("reading the weights of {}", hf.display()))?
+        }
         None => {
             let (resumed, seed) = checkpoints.resume(args, &programs, &mut corpus)?;
             cuda::CudaTrainer::new(&programs, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?

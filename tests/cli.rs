@@ -2452,6 +2452,18 @@ fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     let again = processes(&[&base[..], &["--mesh", "dp=2,tp=2", "--steps", "4", "--resume", ckpt_arg, "--checkpoint", ckpt_arg]].concat(), &[("SHARDC_EMULATE_PROCESSES", "4")]);
     close(&reference, &losses_by_step(&again), "resumed after the crash");
     assert!(!ckpt.join(".partial-step-00000004-processes").exists() && ckpt.join("step-00000004").is_dir());
+    // `--load` and Hugging Face weights: each process reads its own shards of each tensor.
+    let file = dir.join("params.safetensors");
+    let saved = shardc(&[&["run"][..], &base[..], &["--steps", "1", "--save", file.to_str().unwrap()]].concat());
+    assert!(saved.status.success(), "{}", stderr(&saved));
+    let load = ["models/tiny.toml", "--microbatches", "1", "--log-every", "1", "--steps", "2", "--mesh", "dp=2,tp=2", "--load", file.to_str().unwrap()];
+    close(&losses_by_step(&shardc(&[&["run"][..], &load[..]].concat())), &losses_by_step(&processes(&load, &[("SHARDC_EMULATE_PROCESSES", "4")])), "--load in four processes");
+    let ids = dir.join("ids.u16");
+    std::fs::write(&ids, (0..4000u32).map(|i| ((i * 7 + i / 13) % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    let hf = ["--hf", "tests/data/hf-tiny-gpt2", "--seq", "8", "--micro-batch", "2", "--steps", "2", "--log-every", "1", "--data", ids.to_str().unwrap(), "--data-format", "u16", "--mesh", "tp=2"];
+    let hf_processes = processes(&hf, &[("SHARDC_EMULATE_PROCESSES", "2")]);
+    assert!(stdout(&hf_processes).contains("each process reads its own shards"), "{}", stdout(&hf_processes));
+    close(&losses_by_step(&shardc(&[&["run"][..], &hf[..]].concat())), &losses_by_step(&hf_processes), "--hf in two processes");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -522,9 +522,6 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
 /// One rank's shards of the state arguments, by name, in the program's form.
 pub type RankShards = HashMap<String, Vec<f64>>;
 
-/// A rank file's tensors by name: (shape, byte range in the file).
-type FileHeader = HashMap<String, (Vec<usize>, std::ops::Range<u64>)>;
-
 /// What one process of a multi-process run resumes from: the checkpoint `dir` names (as
 /// [`load_sharded`] finds it), read for `ranks` of `program` (on `mesh`, which may differ
 /// from the mesh the checkpoint was saved on) without assembling any tensor whole: for each
@@ -579,7 +576,7 @@ pub fn load_own_shards(dir: &std::path::Path, program: &Program, mesh: &MeshShap
             let saved_layout = manifest_layout(tensor);
             let mut taken: Vec<Vec<usize>> = Vec::new();
             for (index, (saved_rank, header)) in headers.iter().enumerate() {
-                if !header.contains_key(&name) {
+                if header.info(&name).is_none() {
                     continue;
                 }
                 let shard = crate::layout::shard_index(&saved_layout, &saved_mesh, *saved_rank);
@@ -608,13 +605,13 @@ pub fn load_own_shards(dir: &std::path::Path, program: &Program, mesh: &MeshShap
         // Each needed tensor's shape in the file must be the saved layout's shard shape.
         for name in pieces.keys() {
             let expected = crate::layout::local_shape(&manifest_layout(listed[name.as_str()]), &saved_mesh);
-            let (shape, _) = &header[name];
-            if *shape != expected {
+            let shape = header.info(name).map(|i| i.shape.clone()).unwrap_or_default();
+            if shape != expected {
                 return Err(RuntimeError::Binding(format!("{}: `{name}` has shape {shape:?}, but the manifest's layout over the mesh {:?} makes shards of {expected:?}", path.display(), manifest.mesh)));
             }
         }
         let source_box = |name: &str| crate::layout::shard_box(&manifest_layout(listed[name]), &saved_mesh, *saved_rank);
-        let crc = stream_tensors(&path, header, &pieces.keys().cloned().collect::<Vec<_>>(), |name, values| {
+        let crc = stream_tensors(header, &pieces.keys().cloned().collect::<Vec<_>>(), |name, values| {
             let from = source_box(name);
             for need in &pieces[name] {
                 let target = out[need.local].get_mut(&need.arg).expect("allocated above");
@@ -630,52 +627,22 @@ pub fn load_own_shards(dir: &std::path::Path, program: &Program, mesh: &MeshShap
     Ok((manifest, out))
 }
 
-/// A rank file's tensors from its safetensors header alone: name -> (shape, byte range in
-/// the file). Every tensor must be f64, its range inside the file and as long as its shape.
-fn rank_file_header(path: &std::path::Path) -> Result<FileHeader, RuntimeError> {
-    use std::io::Read;
-    let bad = |what: String| RuntimeError::Binding(format!("{}: {what}", path.display()));
-    let meta = std::fs::metadata(path).map_err(|e| io(path, e))?;
-    if !meta.is_file() {
-        return Err(bad("not a regular file".into()));
+/// A rank file's header, every tensor f64.
+fn rank_file_header(path: &std::path::Path) -> Result<crate::tensor_file::TensorFile, RuntimeError> {
+    let file = crate::tensor_file::TensorFile::open(path)?;
+    if let Some(name) = file.names().into_iter().find(|n| file.info(n).is_some_and(|i| i.dtype != Dtype::F64)) {
+        return Err(RuntimeError::Binding(format!("{}: `{name}` is not f64", path.display())));
     }
-    let mut file = std::fs::File::open(path).map_err(|e| io(path, e))?;
-    let mut length = [0u8; 8];
-    file.read_exact(&mut length).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let header_len = u64::from_le_bytes(length);
-    if header_len > MAX_MANIFEST_BYTES || 8 + header_len > meta.len() {
-        return Err(bad(format!("not a safetensors file: a header of {header_len} bytes in a file of {}", meta.len())));
-    }
-    let mut text = vec![0u8; header_len as usize];
-    file.read_exact(&mut text).map_err(|e| io(path, e))?;
-    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&text).map_err(|e| bad(format!("not a safetensors header: {e}")))?;
-    let data_start = 8 + header_len;
-    let mut out = HashMap::new();
-    for (name, entry) in json.into_iter().filter(|(n, _)| n != "__metadata__") {
-        let dtype = entry.get("dtype").and_then(|d| d.as_str()).unwrap_or("");
-        if dtype != "F64" {
-            return Err(bad(format!("`{name}` is not f64")));
-        }
-        let numbers = |key: &str| -> Option<Vec<u64>> { entry.get(key)?.as_array()?.iter().map(|v| v.as_u64()).collect() };
-        let (Some(shape), Some(offsets)) = (numbers("shape"), numbers("data_offsets")) else {
-            return Err(bad(format!("`{name}` has no shape or data_offsets")));
-        };
-        let elements = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).filter(|&n| n <= MAX_CHECKPOINT_ELEMENTS as u64);
-        let range = match (elements, offsets.as_slice()) {
-            (Some(n), &[begin, end]) if end >= begin && end - begin == n * 8 && data_start + end <= meta.len() => data_start + begin..data_start + end,
-            _ => return Err(bad(format!("`{name}`'s data_offsets {offsets:?} do not hold its shape {shape:?} of f64 inside the file"))),
-        };
-        out.insert(name, (shape.iter().map(|&d| d as usize).collect(), range));
-    }
-    Ok(out)
+    Ok(file)
 }
 
 /// Reads `path` once from start to end, computing its CRC-32, and hands each of `names`
 /// (tensors of its `header`) to `take` as f64 values when its bytes have passed; returns the
 /// CRC-32.
-fn stream_tensors(path: &std::path::Path, header: &FileHeader, names: &[String], mut take: impl FnMut(&str, &[f64])) -> Result<u32, RuntimeError> {
+fn stream_tensors(header: &crate::tensor_file::TensorFile, names: &[String], mut take: impl FnMut(&str, &[f64])) -> Result<u32, RuntimeError> {
     use std::io::Read;
-    let mut order: Vec<(&str, std::ops::Range<u64>)> = names.iter().map(|n| (n.as_str(), header[n].1.clone())).collect();
+    let path = header.path();
+    let mut order: Vec<(&str, std::ops::Range<u64>)> = names.iter().filter_map(|n| Some((n.as_str(), header.byte_range(n)?))).collect();
     order.sort_by_key(|(_, r)| r.start);
     let mut file = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path).map_err(|e| io(path, e))?);
     let mut hasher = crc32fast::Hasher::new();

@@ -12,7 +12,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
 
 use crate::RuntimeError;
 
@@ -35,57 +34,96 @@ fn bad(message: String) -> RuntimeError {
 /// Largest `model.safetensors.index.json` read (a weight map of names, a few hundred KB).
 pub const MAX_INDEX_BYTES: u64 = 64 << 20;
 
-/// Every tensor of a Hugging Face model folder (`model.safetensors`, or the files
-/// `model.safetensors.index.json` lists), as f64. Weight files must be regular files inside
-/// the folder; their size is what is read.
-pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
-    let index = dir.join("model.safetensors.index.json");
-    // With an index, where its weight_map says each tensor is.
-    let mut weight_map: Option<BTreeMap<String, String>> = None;
-    let files: Vec<std::path::PathBuf> = if index.exists() {
-        let text = read_regular(&index, MAX_INDEX_BYTES)?;
-        let json: serde_json::Value = serde_json::from_slice(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
-        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad(format!("{}: no weight_map", index.display())))?;
-        let map: BTreeMap<String, String> = map
-            .iter()
-            .map(|(name, file)| file.as_str().map(|f| (name.clone(), f.to_string())).ok_or_else(|| bad(format!("{}: the weight_map's entry for `{name}` is not a file name", index.display()))))
-            .collect::<Result<_, _>>()?;
-        let mut files: Vec<String> = map.values().cloned().collect();
-        files.sort();
-        files.dedup();
-        if let Some(outside) = files.iter().find(|f| f.is_empty() || f.contains(['/', '\\']) || *f == "." || *f == "..") {
-            return Err(bad(format!("{}: the weight_map names `{outside}`, which is not a file of the folder", index.display())));
-        }
-        weight_map = Some(map);
-        files.into_iter().map(|f| dir.join(f)).collect()
-    } else {
-        vec![dir.join("model.safetensors")]
-    };
-    let mut out = Tensors::new();
-    // The file each tensor was read from.
-    let mut found_in: BTreeMap<String, String> = BTreeMap::new();
-    for file in files {
-        let bytes = read_regular(&file, u64::MAX).map_err(|e| bad(format!("{e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)")))?;
-        let file_name = file.file_name().map_or_else(String::new, |n| n.to_string_lossy().to_string());
-        for (name, tensor) in parse_safetensors(&bytes).map_err(|e| bad(format!("{}: {e}", file.display())))? {
-            if let Some(first) = found_in.get(&name) {
-                return Err(bad(format!("{}: tensor `{name}` is also in {first}, another file of the folder: keep one copy", file.display())));
+/// A Hugging Face model folder's weight files (`model.safetensors`, or the files
+/// `model.safetensors.index.json` lists), their headers read and checked: each tensor in
+/// one file, where the index says; the tensors themselves are read one at a time. Weight
+/// files must be regular files inside the folder.
+#[derive(Debug)]
+pub struct HfFolder {
+    files: Vec<crate::tensor_file::TensorFile>,
+    /// Every tensor's file (an index into `files`).
+    tensors: BTreeMap<String, usize>,
+}
+
+impl HfFolder {
+    /// Reads the index (if any) and the header of every weight file of `dir`.
+    pub fn open(dir: &Path) -> Result<HfFolder, RuntimeError> {
+        let index = dir.join("model.safetensors.index.json");
+        // With an index, where its weight_map says each tensor is.
+        let mut weight_map: Option<BTreeMap<String, String>> = None;
+        let paths: Vec<std::path::PathBuf> = if index.exists() {
+            let text = read_regular(&index, MAX_INDEX_BYTES)?;
+            let json: serde_json::Value = serde_json::from_slice(&text).map_err(|e| bad(format!("{}: {e}", index.display())))?;
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad(format!("{}: no weight_map", index.display())))?;
+            let map: BTreeMap<String, String> = map
+                .iter()
+                .map(|(name, file)| file.as_str().map(|f| (name.clone(), f.to_string())).ok_or_else(|| bad(format!("{}: the weight_map's entry for `{name}` is not a file name", index.display()))))
+                .collect::<Result<_, _>>()?;
+            let mut files: Vec<String> = map.values().cloned().collect();
+            files.sort();
+            files.dedup();
+            if let Some(outside) = files.iter().find(|f| f.is_empty() || f.contains(['/', '\\']) || *f == "." || *f == "..") {
+                return Err(bad(format!("{}: the weight_map names `{outside}`, which is not a file of the folder", index.display())));
             }
-            if let Some(map) = &weight_map {
-                match map.get(&name) {
-                    Some(listed) if *listed == file_name => {}
-                    Some(listed) => return Err(bad(format!("{}: tensor `{name}` is in {file_name}, but the index's weight_map puts it in {listed}", index.display()))),
-                    None => return Err(bad(format!("{}: tensor `{name}` is in {file_name}, but the index's weight_map does not list it", index.display()))),
+            weight_map = Some(map);
+            files.into_iter().map(|f| dir.join(f)).collect()
+        } else {
+            vec![dir.join("model.safetensors")]
+        };
+        let mut files = Vec::new();
+        let mut tensors: BTreeMap<String, usize> = BTreeMap::new();
+        for path in paths {
+            let file = crate::tensor_file::TensorFile::open(&path).map_err(|e| bad(format!("{e} (a Hugging Face folder holds model.safetensors or model.safetensors.index.json)")))?;
+            let file_name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().to_string());
+            for name in file.names() {
+                if let Some(&first) = tensors.get(&name) {
+                    let first = files.get(first).map_or_else(String::new, |f: &crate::tensor_file::TensorFile| f.path().file_name().map_or_else(String::new, |n| n.to_string_lossy().to_string()));
+                    return Err(bad(format!("{}: tensor `{name}` is also in {first}, another file of the folder: keep one copy", path.display())));
                 }
+                if let Some(map) = &weight_map {
+                    match map.get(&name) {
+                        Some(listed) if *listed == file_name => {}
+                        Some(listed) => return Err(bad(format!("{}: tensor `{name}` is in {file_name}, but the index's weight_map puts it in {listed}", index.display()))),
+                        None => return Err(bad(format!("{}: tensor `{name}` is in {file_name}, but the index's weight_map does not list it", index.display()))),
+                    }
+                }
+                tensors.insert(name, files.len());
             }
-            found_in.insert(name.clone(), file_name.clone());
-            out.insert(name, tensor);
+            files.push(file);
+        }
+        if let Some(map) = &weight_map
+            && let Some((name, listed)) = map.iter().find(|(name, _)| !tensors.contains_key(*name) && !is_mask_buffer(name))
+        {
+            return Err(bad(format!("{}: the weight_map puts tensor `{name}` in {listed}, which does not hold it", index.display())));
+        }
+        Ok(HfFolder { files, tensors })
+    }
+
+    /// Every tensor's name.
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.tensors.keys()
+    }
+
+    /// One tensor as f64 (shape, values); `None` for GPT-2's mask buffers (bool or integer),
+    /// which are not parameters; any other integer tensor is an error naming it.
+    pub fn read(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f64>)>, RuntimeError> {
+        let file = &self.files[*self.tensors.get(name).ok_or_else(|| bad(format!("the folder has no tensor `{name}`")))?];
+        match file.read_f64(name)? {
+            Some(tensor) => Ok(Some(tensor)),
+            None if is_mask_buffer(name) => Ok(None),
+            None => Err(bad(format!("{}: tensor `{name}` is {:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)", file.path().display(), file.info(name).map(|i| i.dtype)))),
         }
     }
-    if let Some(map) = &weight_map
-        && let Some((name, listed)) = map.iter().find(|(name, _)| !found_in.contains_key(*name) && !is_mask_buffer(name))
-    {
-        return Err(bad(format!("{}: the weight_map puts tensor `{name}` in {listed}, which does not hold it", index.display())));
+}
+
+/// Every tensor of a Hugging Face model folder (see [`HfFolder`]), as f64.
+pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
+    let folder = HfFolder::open(dir)?;
+    let mut out = Tensors::new();
+    for name in folder.names() {
+        if let Some(tensor) = folder.read(name)? {
+            out.insert(name.clone(), tensor);
+        }
     }
     Ok(out)
 }
@@ -107,49 +145,6 @@ fn read_regular(path: &Path, limit: u64) -> Result<Vec<u8>, RuntimeError> {
         return Err(fail(format!("{} bytes, more than the {limit} this file may have", meta.len())));
     }
     std::fs::read(path).map_err(|e| fail(e.to_string()))
-}
-
-/// The tensors of one safetensors file (its bytes: the header's length, the JSON header, the
-/// data), as f64: floating-point tensors (f32, f64, bf16, f16) are read; GPT-2's mask buffers
-/// (bool or integer) are skipped; any other integer tensor is an error naming it. The header
-/// is checked by the `safetensors` crate (offsets within the data, sizes matching shapes), so
-/// every tensor returned has as many values as its shape has elements.
-pub fn parse_safetensors(bytes: &[u8]) -> Result<Tensors, RuntimeError> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let mut out = Tensors::new();
-    for (name, view) in st.tensors() {
-        let data = view.data();
-        let values: Vec<f64> = match view.dtype() {
-            Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
-            Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
-            Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
-            Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
-            // GPT-2's causal-mask buffers (bool or integer) are not parameters.
-            _ if is_mask_buffer(&name) => continue,
-            other => {
-                return Err(bad(format!("tensor `{name}` is {other:?}: weights are floating point (only GPT-2's attention-mask buffers may be otherwise)")));
-            }
-        };
-        out.insert(name, (view.shape().to_vec(), values));
-    }
-    Ok(out)
-}
-
-fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h >> 15) as u32) << 31;
-    let exponent = ((h >> 10) & 0x1f) as u32;
-    let mantissa = (h & 0x3ff) as u32;
-    let bits = match exponent {
-        0 if mantissa == 0 => sign,
-        0 => {
-            // Subnormal: normalise.
-            let shift = mantissa.leading_zeros() - 21;
-            sign | ((127 - 15 - shift + 1) << 23) | (((mantissa << shift) & 0x3ff) << 13)
-        }
-        0x1f => sign | 0x7f80_0000 | (mantissa << 13),
-        e => sign | ((e + 127 - 15) << 23) | (mantissa << 13),
-    };
-    f32::from_bits(bits)
 }
 
 /// `[rows, cols]` transposed.
@@ -264,66 +259,89 @@ fn mapping(family: Family, name: &str, tied: bool) -> Result<Mapping, RuntimeErr
 /// tensor that maps to a parameter the model does not have (a layer past `num_hidden_layers`),
 /// is an error naming it.
 pub fn import(family: Family, hf: &Tensors, tied: bool, expected: &BTreeMap<String, Vec<usize>>) -> Result<Tensors, RuntimeError> {
+    check_names(hf.keys())?;
     let mut out = Tensors::new();
-    // `transformer.h.0.x` and `h.0.x` (or `model.layers.0.x` and `layers.0.x`) are one weight:
-    // two of them would silently overwrite each other.
+    for (name, (shape, values)) in hf {
+        out.extend(import_tensor(family, name, shape, values, tied, expected)?);
+    }
+    Ok(out)
+}
+
+/// Refuses a folder holding one weight under two prefixes: `transformer.h.0.x` and `h.0.x`
+/// (or `model.layers.0.x` and `layers.0.x`) would silently overwrite each other.
+pub fn check_names<'a>(names: impl Iterator<Item = &'a String>) -> Result<(), RuntimeError> {
     let mut bare_names: HashMap<&str, &str> = HashMap::new();
-    for name in hf.keys() {
+    for name in names {
         let bare = name.strip_prefix("transformer.").or_else(|| name.strip_prefix("model.")).unwrap_or(name);
         if let Some(other) = bare_names.insert(bare, name) {
             return Err(bad(format!("tensors `{other}` and `{name}` are the same weight under two prefixes: keep one")));
         }
     }
+    Ok(())
+}
+
+/// The shardc parameters Hugging Face tensor `name` becomes (none for one shardc does not
+/// model), by name only.
+pub fn parameters_of(family: Family, name: &str, tied: bool) -> Result<Vec<String>, RuntimeError> {
+    Ok(match mapping(family, name, tied)? {
+        Mapping::Skipped => Vec::new(),
+        Mapping::Same(ours) | Mapping::Transposed(ours) => vec![ours],
+        Mapping::Fused(parts) => parts.to_vec(),
+    })
+}
+
+/// The shardc parameters one Hugging Face tensor (`name`, `shape`, `values`) becomes, checked
+/// as [`import`] checks them.
+pub fn import_tensor(family: Family, name: &str, shape: &[usize], values: &[f64], tied: bool, expected: &BTreeMap<String, Vec<usize>>) -> Result<Vec<(String, (Vec<usize>, Vec<f64>))>, RuntimeError> {
     // Layers of the model the config describes, and the config key that says so.
     let layers = expected.keys().filter_map(|k| k.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
     let layers_key = match family {
         Family::Gpt2 => "n_layer",
         Family::Llama => "num_hidden_layers",
     };
-    let target = |name: &str, ours: &str| {
+    let target = |ours: &str| {
         expected.get(ours).ok_or_else(|| match ours.strip_prefix("layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok()) {
             Some(layer) if layer >= layers => bad(format!("Hugging Face tensor `{name}` is in layer {layer}, past config.json's `{layers_key}` = {layers} (layers 0 to {}): the config and the weights disagree", layers.saturating_sub(1))),
             _ => bad(format!("Hugging Face tensor `{name}` would be `{ours}`, which the model its config.json describes does not have")),
         })
     };
-    let wrong_shape = |name: &str, shape: &[usize], wanted: &[usize]| bad(format!("Hugging Face tensor `{name}` has shape {shape:?}; its config.json makes it {wanted:?}"));
-    for (name, (shape, values)) in hf {
-        match mapping(family, name, tied)? {
-            Mapping::Skipped => {}
-            Mapping::Same(ours) => {
-                let wanted = target(name, &ours)?;
-                if shape != wanted {
-                    return Err(wrong_shape(name, shape, wanted));
-                }
-                out.insert(ours, (shape.clone(), values.clone()));
+    let wrong_shape = |wanted: &[usize]| bad(format!("Hugging Face tensor `{name}` has shape {shape:?}; its config.json makes it {wanted:?}"));
+    Ok(match mapping(family, name, tied)? {
+        Mapping::Skipped => Vec::new(),
+        Mapping::Same(ours) => {
+            let wanted = target(&ours)?;
+            if shape != wanted.as_slice() {
+                return Err(wrong_shape(wanted));
             }
-            Mapping::Transposed(ours) => {
-                let wanted: Vec<usize> = target(name, &ours)?.iter().rev().copied().collect();
-                if *shape != wanted || shape.len() != 2 {
-                    return Err(wrong_shape(name, shape, &wanted));
-                }
-                out.insert(ours, transpose(shape, values));
-            }
-            Mapping::Fused(parts) => {
-                let shapes = parts.iter().map(|ours| target(name, ours)).collect::<Result<Vec<_>, _>>()?;
-                // Each part's shape with the fused dimension (the last) summed over q, k, v.
-                let mut wanted = shapes[0].clone();
-                let widths: Vec<usize> = shapes.iter().map(|s| s.last().copied().unwrap_or(0)).collect();
-                if let Some(last) = wanted.last_mut() {
-                    *last = widths.iter().sum();
-                }
-                if *shape != wanted || shapes.iter().any(|s| s.len() != wanted.len() || s[..s.len() - 1] != wanted[..wanted.len() - 1]) || !matches!(shape.len(), 1 | 2) {
-                    return Err(wrong_shape(name, shape, &wanted));
-                }
-                let mut start = 0;
-                for (ours, width) in parts.into_iter().zip(widths) {
-                    out.insert(ours, columns(shape, values, start, width));
-                    start += width;
-                }
-            }
+            vec![(ours, (shape.to_vec(), values.to_vec()))]
         }
-    }
-    Ok(out)
+        Mapping::Transposed(ours) => {
+            let wanted: Vec<usize> = target(&ours)?.iter().rev().copied().collect();
+            if shape != wanted.as_slice() || shape.len() != 2 {
+                return Err(wrong_shape(&wanted));
+            }
+            vec![(ours, transpose(shape, values))]
+        }
+        Mapping::Fused(parts) => {
+            let shapes = parts.iter().map(|ours| target(ours)).collect::<Result<Vec<_>, _>>()?;
+            // Each part's shape with the fused dimension (the last) summed over q, k, v.
+            let mut wanted = shapes[0].clone();
+            let widths: Vec<usize> = shapes.iter().map(|s| s.last().copied().unwrap_or(0)).collect();
+            if let Some(last) = wanted.last_mut() {
+                *last = widths.iter().sum();
+            }
+            if shape != wanted.as_slice() || shapes.iter().any(|s| s.len() != wanted.len() || s[..s.len() - 1] != wanted[..wanted.len() - 1]) || !matches!(shape.len(), 1 | 2) {
+                return Err(wrong_shape(&wanted));
+            }
+            let mut start = 0;
+            let mut out = Vec::new();
+            for (ours, width) in parts.into_iter().zip(widths) {
+                out.push((ours, columns(shape, values, start, width)));
+                start += width;
+            }
+            out
+        }
+    })
 }
 
 /// shardc parameters in the Hugging Face layout and names of `family` (f32), the inverse

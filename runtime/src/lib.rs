@@ -30,6 +30,7 @@ pub mod pipeline;
 pub mod program;
 pub mod report;
 pub mod schedule;
+pub mod tensor_file;
 pub mod train;
 
 pub use error::RuntimeError;

@@ -976,9 +976,42 @@ impl CudaTrainer {
         Ok((CudaTrainer { seed: manifest.seed, ..trainer }, manifest))
     }
 
+    /// Loads `programs` onto `placement` at step 0 from parameters given whole one at a time:
+    /// `parameter(name)` is a parameter's (shape, values) as the model has them (a padded
+    /// vocabulary's real rows), or `None` when the source lacks it. Each local rank keeps only
+    /// its shard; fp32 masters start as their parameter and moments at zero. What a process of
+    /// a multi-process run does with `--load` or Hugging Face weights: no tensor stays whole.
+    pub fn from_parameters(programs: &[Program], placement: &Placement, seed: u64, parameter: &mut dyn FnMut(&str) -> Result<Option<(Vec<usize>, Vec<f64>)>, RuntimeError>) -> Result<CudaTrainer, RuntimeError> {
+        let first = programs.first().ok_or_else(|| err("no programs to run"))?;
+        let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
+        // The parameter last read: its master and every local rank take it next.
+        let mut last: Option<(String, Vec<f64>)> = None;
+        let trainer = CudaTrainer::load(programs, placement, 0, |program, a, global_shape, rank| {
+            let name = match (a.role, crate::program::master_of(&a.name)) {
+                (Some(Role::Master), Some(param)) => param.to_string(),
+                (Some(Role::Param), _) => a.name.clone(),
+                _ => return Ok(vec![0.0; program.buffers[a.buffer].len()]),
+            };
+            let logical = a.logical_shape(global_shape);
+            if last.as_ref().is_none_or(|(n, _)| *n != name) {
+                let (shape, values) = parameter(&name)?.ok_or_else(|| RuntimeError::Binding(format!("the weights have no `{name}`, a parameter of this model")))?;
+                if shape != logical {
+                    return Err(RuntimeError::Binding(format!("`{name}` has shape {shape:?} in the weights, the model needs {logical:?}")));
+                }
+                last = Some((name, a.to_program(&values, global_shape)));
+            }
+            let global = &last.as_ref().expect("read above").1;
+            Ok(match &a.layout {
+                Some(layout) => crate::layout::local_shard(global, layout, &mesh, rank),
+                None => global.clone(),
+            })
+        })?;
+        Ok(CudaTrainer { seed, ..trainer })
+    }
+
     /// Loads `programs` onto `placement` at step `step`, every state argument of every local
     /// rank written with `value(program, argument, global shape, rank)` (the rank's shard).
-    fn load(programs: &[Program], placement: &Placement, step: u64, value: impl Fn(&Program, &crate::program::Binding, &[usize], usize) -> Result<Vec<f64>, RuntimeError>) -> Result<CudaTrainer, RuntimeError> {
+    fn load(programs: &[Program], placement: &Placement, step: u64, mut value: impl FnMut(&Program, &crate::program::Binding, &[usize], usize) -> Result<Vec<f64>, RuntimeError>) -> Result<CudaTrainer, RuntimeError> {
         let first = programs.first().ok_or_else(|| err("no programs to run"))?;
         let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
         let schedule = if first.pipeline.is_some() { Some(crate::pipeline::schedule_of(programs)?) } else { None };

@@ -1,0 +1,192 @@
+//! A safetensors file read one tensor at a time: its header parsed and checked by the
+//! `safetensors` crate (offsets end to end, sizes matching shapes and dtypes, the data
+//! exactly filling the file), the data left on disk until a tensor is asked for. What lets a
+//! process take its own shards of a large model without ever holding the whole of it.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
+
+use crate::RuntimeError;
+
+/// Largest safetensors header read (names, dtypes, shapes and offsets: the crate's limit).
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// An open safetensors file's header.
+#[derive(Debug)]
+pub struct TensorFile {
+    path: PathBuf,
+    /// Where the data begins (after the header's length and the header).
+    data_start: u64,
+    metadata: Metadata,
+}
+
+fn bad(path: &Path, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Binding(format!("{}: {what}", path.display()))
+}
+
+impl TensorFile {
+    /// Reads and checks the header of the regular file `path`.
+    pub fn open(path: &Path) -> Result<TensorFile, RuntimeError> {
+        let meta = std::fs::metadata(path).map_err(|e| bad(path, e))?;
+        if !meta.is_file() {
+            return Err(bad(path, "not a regular file"));
+        }
+        let mut file = std::fs::File::open(path).map_err(|e| bad(path, e))?;
+        let mut length = [0u8; 8];
+        file.read_exact(&mut length).map_err(|_| bad(path, "not a safetensors file: shorter than a header"))?;
+        let header_len = u64::from_le_bytes(length);
+        if header_len > MAX_HEADER_BYTES || header_len.saturating_add(8) > meta.len() {
+            return Err(bad(path, format!("not a safetensors file: a header of {header_len} bytes in a file of {}", meta.len())));
+        }
+        let mut text = vec![0u8; header_len as usize];
+        file.read_exact(&mut text).map_err(|e| bad(path, e))?;
+        let metadata = check_header(&text, meta.len()).map_err(|e| bad(path, e))?;
+        Ok(TensorFile { path: path.to_path_buf(), data_start: 8 + header_len, metadata })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The tensors' names, in the order of their data.
+    pub fn names(&self) -> Vec<String> {
+        self.metadata.offset_keys()
+    }
+
+    /// A tensor's dtype, shape and offsets within the data.
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.metadata.info(name)
+    }
+
+    /// The tensor's bytes in the file (the header's offsets into the data, made absolute).
+    pub fn byte_range(&self, name: &str) -> Option<std::ops::Range<u64>> {
+        let (begin, end) = self.info(name)?.data_offsets;
+        Some(self.data_start + begin as u64..self.data_start + end as u64)
+    }
+
+    /// Reads one tensor's bytes.
+    pub fn read_bytes(&self, name: &str) -> Result<Vec<u8>, RuntimeError> {
+        let range = self.byte_range(name).ok_or_else(|| bad(&self.path, format!("holds no tensor `{name}`")))?;
+        let mut file = std::fs::File::open(&self.path).map_err(|e| bad(&self.path, e))?;
+        file.seek(SeekFrom::Start(range.start)).map_err(|e| bad(&self.path, e))?;
+        let mut bytes = vec![0u8; (range.end - range.start) as usize];
+        file.read_exact(&mut bytes).map_err(|e| bad(&self.path, format!("reading `{name}`: {e}")))?;
+        Ok(bytes)
+    }
+
+    /// Reads one floating-point tensor (f32, f64, bf16 or f16) as f64: (shape, values).
+    /// `None` for a tensor of another dtype.
+    pub fn read_f64(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f64>)>, RuntimeError> {
+        let info = self.info(name).ok_or_else(|| bad(&self.path, format!("holds no tensor `{name}`")))?;
+        let (dtype, shape) = (info.dtype, info.shape.clone());
+        if !matches!(dtype, Dtype::F32 | Dtype::F64 | Dtype::BF16 | Dtype::F16) {
+            return Ok(None);
+        }
+        let bytes = self.read_bytes(name)?;
+        Ok(float_values(dtype, &bytes).map(|values| (shape, values)))
+    }
+}
+
+/// The header `text` of a safetensors file of `file_len` bytes, parsed and checked: offsets
+/// end to end, sizes matching shapes and dtypes, the data filling the rest of the file.
+fn check_header(text: &[u8], file_len: u64) -> Result<Metadata, String> {
+    let text = std::str::from_utf8(text).map_err(|e| format!("not a safetensors file: {e}"))?;
+    let metadata: Metadata = serde_json::from_str(text).map_err(|e| format!("not a safetensors file: {e}"))?;
+    let data_start = 8 + text.len() as u64;
+    if data_start.saturating_add(metadata.data_len() as u64) != file_len {
+        return Err(format!("not a safetensors file: its header places {} bytes of data after itself, and the file holds {}", metadata.data_len(), file_len.saturating_sub(data_start)));
+    }
+    Ok(metadata)
+}
+
+/// Every tensor of a whole safetensors file's `bytes`, checked as [`TensorFile::open`]
+/// checks a file: (name, shape, values as f64, `None` for a tensor that is not floating
+/// point). What the fuzzer drives.
+pub fn tensors_of_bytes(bytes: &[u8]) -> Result<Vec<(String, Vec<usize>, Option<Vec<f64>>)>, String> {
+    let length: [u8; 8] = bytes.get(..8).and_then(|b| b.try_into().ok()).ok_or("not a safetensors file: shorter than a header")?;
+    let header_len = u64::from_le_bytes(length);
+    if header_len > MAX_HEADER_BYTES || header_len.saturating_add(8) > bytes.len() as u64 {
+        return Err(format!("not a safetensors file: a header of {header_len} bytes in a file of {}", bytes.len()));
+    }
+    let data_start = 8 + header_len as usize;
+    let metadata = check_header(&bytes[8..data_start], bytes.len() as u64)?;
+    Ok(metadata
+        .offset_keys()
+        .into_iter()
+        .filter_map(|name| {
+            let info = metadata.info(&name)?;
+            let (begin, end) = info.data_offsets;
+            let values = float_values(info.dtype, &bytes[data_start + begin..data_start + end]);
+            Some((name, info.shape.clone(), values))
+        })
+        .collect())
+}
+
+/// The values of a floating-point tensor's little-endian bytes as f64; `None` for other
+/// dtypes.
+pub fn float_values(dtype: Dtype, data: &[u8]) -> Option<Vec<f64>> {
+    Some(match dtype {
+        Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect(),
+        Dtype::F64 => data.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect(),
+        Dtype::BF16 => data.chunks_exact(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) as f64).collect(),
+        Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])) as f64).collect(),
+        _ => return None,
+    })
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exponent = ((h >> 10) & 0x1f) as u32;
+    let mantissa = (h & 0x3ff) as u32;
+    let bits = match exponent {
+        0 if mantissa == 0 => sign,
+        0 => {
+            // Subnormal: normalise.
+            let shift = mantissa.leading_zeros() - 21;
+            sign | ((127 - 15 - shift + 1) << 23) | (((mantissa << shift) & 0x3ff) << 13)
+        }
+        0x1f => sign | 0x7f80_0000 | (mantissa << 13),
+        e => sign | ((e + 127 - 15) << 23) | (mantissa << 13),
+    };
+    f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_bytes() -> Vec<u8> {
+        crate::checkpoint::to_bytes(&[("a".into(), vec![2, 3], (0..6).map(|i| i as f32).collect()), ("b".into(), vec![4], vec![1.5; 4])]).unwrap()
+    }
+
+    #[test]
+    fn a_file_reads_one_tensor_at_a_time_and_as_its_bytes_say() {
+        let path = std::env::temp_dir().join(format!("shardc-tensor-file-{}.safetensors", std::process::id()));
+        std::fs::write(&path, file_bytes()).unwrap();
+        let file = TensorFile::open(&path).unwrap();
+        assert_eq!(file.names(), ["a", "b"]);
+        assert_eq!(file.read_f64("b").unwrap(), Some((vec![4], vec![1.5; 4])));
+        assert_eq!(file.read_f64("a").unwrap().unwrap().1, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert!(file.read_f64("c").unwrap_err().to_string().contains("holds no tensor `c`"));
+        let whole = tensors_of_bytes(&file_bytes()).unwrap();
+        assert_eq!(whole.len(), 2);
+        // Cut short, or with data past what the header places: refused when opened.
+        let bytes = file_bytes();
+        for (edited, says) in [(bytes[..bytes.len() - 1].to_vec(), "places 40 bytes of data after itself, and the file holds 39"), ([&bytes[..], &[0]].concat(), "the file holds 41"), (bytes[..5].to_vec(), "shorter than a header")] {
+            std::fs::write(&path, &edited).unwrap();
+            let error = TensorFile::open(&path).unwrap_err().to_string();
+            assert!(error.contains(says), "{error}");
+            assert!(tensors_of_bytes(&edited).unwrap_err().contains(says), "{says}");
+        }
+        // A header length of 2^63.
+        let mut huge = bytes.clone();
+        huge[..8].copy_from_slice(&(1u64 << 63).to_le_bytes());
+        std::fs::write(&path, &huge).unwrap();
+        assert!(TensorFile::open(&path).unwrap_err().to_string().contains("a header of 9223372036854775808 bytes"));
+        assert!(tensors_of_bytes(&huge).is_err());
+        std::fs::remove_file(&path).ok();
+    }
+}
