@@ -37,7 +37,7 @@ pub struct LazyWeights {
     /// Every parameter's Hugging Face tensor.
     source: std::collections::BTreeMap<String, String>,
     /// The parameters the tensor read last became (GPT-2's fused q, k, v come together).
-    last: Vec<(String, (Vec<usize>, Vec<f64>))>,
+    last: Vec<(String, shardc_runtime::tensor_file::Tensor)>,
 }
 
 impl LazyWeights {
@@ -65,7 +65,7 @@ impl LazyWeights {
     }
 
     /// Parameter `name` (shardc's name and layout), or `None` when the folder lacks it.
-    pub fn parameter(&mut self, name: &str) -> Result<Option<(Vec<usize>, Vec<f64>)>, shardc_runtime::RuntimeError> {
+    pub fn parameter(&mut self, name: &str) -> Result<Option<shardc_runtime::tensor_file::Tensor>, shardc_runtime::RuntimeError> {
         if let Some((_, tensor)) = self.last.iter().find(|(n, _)| n == name) {
             return Ok(Some(tensor.clone()));
         }

@@ -1022,12 +1022,6 @@ fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, pl
         Placement::SingleDevice { .. } | Placement::Emulated => None,
     };
     let speaks = process_rank.is_none_or(|r| r == 0);
-    if mesh.pp > 1 && process_rank.is_some() {
-        return Err(miette!(
-            help = "run every rank on one GPU (without RANK and WORLD_SIZE), use dp, tp and micro-batches across processes, or run the pipeline on the CPU backend",
-            "--mesh {mesh}: pipeline stages across processes (NCCL send and receive) are not implemented yet"
-        ));
-    }
     // Pipeline stages or more than one micro-batch per step: one program per pipeline rank,
     // run by its schedule.
     let programs = if args.step.compile_options(spec, mesh)?.pipeline.is_some() { compile_pipeline_programs(spec, &args.step, mesh)? } else { vec![compile_train_step_on(spec, &args.step, mesh)?] };

@@ -2389,7 +2389,6 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     close(&reference, &losses_by_step(&cpu(&[&pipelined[..], &["--steps", "3", "--resume", &pp_checkpoint]].concat())), "pp=2 resumed on the CPU");
     // What a GPU run cannot do is refused before any work, with the reason.
     for (args, env, says) in [
-        (vec!["models/tiny.toml", "--steps", "2", "--mesh", "pp=2"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "--mesh dp=1,tp=1,pp=2: pipeline stages across processes (NCCL send and receive) are not implemented yet"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes a pipeline schedule's measured timeline, and GPU runs have no pipeline stages"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
@@ -2410,7 +2409,8 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
 /// its own rank file from device memory, rank 0 the manifest; processes on another mesh
 /// resume from it reading only their own shards, and so does the CPU backend, with the
 /// uninterrupted run's losses. A process killed after writing its file leaves the previous
-/// checkpoint to resume from. Only rank 0 prints.
+/// checkpoint to resume from. `--load` and Hugging Face weights are read shard by shard,
+/// and pipeline stages run across processes. Only rank 0 prints.
 #[test]
 fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     let dir = tempdir("gpu-processes-checkpoint");
@@ -2464,6 +2464,16 @@ fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     let hf_processes = processes(&hf, &[("SHARDC_EMULATE_PROCESSES", "2")]);
     assert!(stdout(&hf_processes).contains("each process reads its own shards"), "{}", stdout(&hf_processes));
     close(&losses_by_step(&shardc(&[&["run"][..], &hf[..]].concat())), &losses_by_step(&hf_processes), "--hf in two processes");
+    // Pipeline stages across processes (interleaved, 2 virtual stages, at dp=2): the CPU
+    // backend's losses, checkpointed by every process (the tied embedding by its first
+    // holder) and resumed on the CPU.
+    let (pipelined, pp_checkpoint) = (["models/tiny.toml", "--mesh", "dp=2,pp=2", "--schedule", "interleaved", "--virtual-stages", "2", "--log-every", "1", "--lr-decay-steps", "3"], dir.join("pp-ckpt"));
+    let pp_arg = pp_checkpoint.to_str().unwrap();
+    let reference = losses_by_step(&shardc(&[&["run"][..], &pipelined[..], &["--steps", "3"]].concat()));
+    let staged = processes(&[&pipelined[..], &["--steps", "2", "--checkpoint", pp_arg]].concat(), &[("SHARDC_EMULATE_PROCESSES", "4")]);
+    close(&reference, &losses_by_step(&staged), "dp=2, pp=2 interleaved in four processes");
+    close(&reference, &losses_by_step(&shardc(&[&["run"][..], &pipelined[..], &["--steps", "3", "--resume", pp_arg]].concat())), "resumed on the CPU from the pipeline processes' checkpoint");
+    close(&reference, &losses_by_step(&processes(&[&pipelined[..], &["--steps", "3", "--resume", pp_arg]].concat(), &[("SHARDC_EMULATE_PROCESSES", "4")])), "resumed in four pipeline processes");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -106,7 +106,7 @@ impl HfFolder {
 
     /// One tensor as f64 (shape, values); `None` for GPT-2's mask buffers (bool or integer),
     /// which are not parameters; any other integer tensor is an error naming it.
-    pub fn read(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f64>)>, RuntimeError> {
+    pub fn read(&self, name: &str) -> Result<Option<crate::tensor_file::Tensor>, RuntimeError> {
         let file = &self.files[*self.tensors.get(name).ok_or_else(|| bad(format!("the folder has no tensor `{name}`")))?];
         match file.read_f64(name)? {
             Some(tensor) => Ok(Some(tensor)),
@@ -292,7 +292,7 @@ pub fn parameters_of(family: Family, name: &str, tied: bool) -> Result<Vec<Strin
 
 /// The shardc parameters one Hugging Face tensor (`name`, `shape`, `values`) becomes, checked
 /// as [`import`] checks them.
-pub fn import_tensor(family: Family, name: &str, shape: &[usize], values: &[f64], tied: bool, expected: &BTreeMap<String, Vec<usize>>) -> Result<Vec<(String, (Vec<usize>, Vec<f64>))>, RuntimeError> {
+pub fn import_tensor(family: Family, name: &str, shape: &[usize], values: &[f64], tied: bool, expected: &BTreeMap<String, Vec<usize>>) -> Result<Vec<(String, crate::tensor_file::Tensor)>, RuntimeError> {
     // Layers of the model the config describes, and the config key that says so.
     let layers = expected.keys().filter_map(|k| k.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
     let layers_key = match family {

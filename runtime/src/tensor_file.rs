@@ -10,6 +10,12 @@ use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 
 use crate::RuntimeError;
 
+/// A tensor read as f64: (shape, values).
+pub type Tensor = (Vec<usize>, Vec<f64>);
+
+/// Every tensor of a file: (name, shape, values; `None` for one that is not floating point).
+pub type FileTensors = Vec<(String, Vec<usize>, Option<Vec<f64>>)>;
+
 /// Largest safetensors header read (names, dtypes, shapes and offsets: the crate's limit).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
@@ -79,7 +85,7 @@ impl TensorFile {
 
     /// Reads one floating-point tensor (f32, f64, bf16 or f16) as f64: (shape, values).
     /// `None` for a tensor of another dtype.
-    pub fn read_f64(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f64>)>, RuntimeError> {
+    pub fn read_f64(&self, name: &str) -> Result<Option<Tensor>, RuntimeError> {
         let info = self.info(name).ok_or_else(|| bad(&self.path, format!("holds no tensor `{name}`")))?;
         let (dtype, shape) = (info.dtype, info.shape.clone());
         if !matches!(dtype, Dtype::F32 | Dtype::F64 | Dtype::BF16 | Dtype::F16) {
@@ -105,7 +111,7 @@ fn check_header(text: &[u8], file_len: u64) -> Result<Metadata, String> {
 /// Every tensor of a whole safetensors file's `bytes`, checked as [`TensorFile::open`]
 /// checks a file: (name, shape, values as f64, `None` for a tensor that is not floating
 /// point). What the fuzzer drives.
-pub fn tensors_of_bytes(bytes: &[u8]) -> Result<Vec<(String, Vec<usize>, Option<Vec<f64>>)>, String> {
+pub fn tensors_of_bytes(bytes: &[u8]) -> Result<FileTensors, String> {
     let length: [u8; 8] = bytes.get(..8).and_then(|b| b.try_into().ok()).ok_or("not a safetensors file: shorter than a header")?;
     let header_len = u64::from_le_bytes(length);
     if header_len > MAX_HEADER_BYTES || header_len.saturating_add(8) > bytes.len() as u64 {

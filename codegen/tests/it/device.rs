@@ -426,6 +426,63 @@ mod emulated {
         }
     }
 
+    /// Pipeline stages across processes, one per rank as under torchrun (NCCL emulated, a
+    /// pair's sends and receives matched by their order alone, as NCCL matches them, the
+    /// emulation checking that each receive gets the transfer it expects): each process runs
+    /// its own pipeline rank's items, its sends on streams of their own. Tiny GPT at (1,1,2)
+    /// and tiny Llama at (2,2,2) under 1F1B, interleaved and ZB-H1 equal the CPU pipeline
+    /// runtime: every process's losses, and the shards it holds after two steps.
+    #[test]
+    fn pipeline_stages_in_processes_equal_the_cpu_pipeline_runtime() {
+        use shardc_runtime::schedule::Kind;
+        const STEPS: u64 = 2;
+        for (name, mesh) in [("tiny", Mesh { dp: 1, tp: 1, pp: 2 }), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 2 })] {
+            for kind in [Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble] {
+                let what = format!("{name} {mesh} {kind:?}");
+                let (programs, spec) = crate::pipeline::compile_stages(name, mesh, kind, 4);
+                let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
+                let corpus = corpus(&spec);
+                let layers = spec.model.layers as usize;
+                let cpu = shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, STEPS, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
+                let worlds = cuda::nccl::EmulatedWorld::world(mesh.ranks() as usize, std::time::Duration::from_secs(30));
+                let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = std::thread::scope(|scope| {
+                    let handles: Vec<_> = worlds
+                        .into_iter()
+                        .map(|world| {
+                            let (programs, corpus, what) = (&programs, &corpus, &what);
+                            scope.spawn(move || {
+                                let rank = world.rank();
+                                let mut trainer = cuda::CudaTrainer::new(programs, &Placement::EmulatedNccl(world), 0, layers, None).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}"));
+                                let losses = (0..STEPS).map(|_| trainer.step(corpus).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}")).0).collect();
+                                (losses, trainer.parameter_shards().unwrap())
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                let grid = shardc_runtime::collectives::MeshShape(programs[0].mesh.clone());
+                for (rank, (losses, shards)) in runs.iter().enumerate() {
+                    for (step, (c, g)) in cpu.losses.iter().zip(losses).enumerate() {
+                        assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} rank {rank} step {}: CPU loss {c}, process {g}", step + 1);
+                    }
+                    let program = &programs[grid.coords(rank)[2]];
+                    assert!(!shards.is_empty(), "{what} rank {rank}");
+                    for (held, param, values) in shards {
+                        assert_eq!(*held, rank);
+                        let (_, _, global) = cpu.parameters.iter().find(|(n, _, _)| n == param).unwrap();
+                        let arg = program.arg(param).unwrap();
+                        let expected = match &arg.layout {
+                            Some(layout) => shardc_runtime::layout::local_shard(global, layout, &grid, rank),
+                            None => global.clone(),
+                        };
+                        let rel = relative(&expected, values);
+                        assert!(rel <= 1e-4, "{what} rank {rank}: `{param}` differs by {rel:.2e} after {STEPS} steps");
+                    }
+                }
+            }
+        }
+    }
+
     /// Data-parallel gradients in buckets of about 4 KiB (several buckets of several
     /// gradients each): every bucket is one range of the arena, reduced with one collective,
     /// and training equals the CPU backend (which reduces each bucket's concatenation).

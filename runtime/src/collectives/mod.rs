@@ -28,6 +28,7 @@ pub trait Elem: Copy + Send + Sync + PartialOrd + std::ops::Add<Output = Self> +
 impl Elem for f32 {}
 impl Elem for f64 {}
 impl Elem for i32 {}
+impl Elem for u8 {}
 /// Sums of bf16 values are computed in f32 and rounded, pairwise, as NCCL does.
 impl Elem for half::bf16 {}
 
@@ -260,6 +261,11 @@ impl Communicator {
         out.copy_from_slice(&data);
         pool::recycle(data);
         Ok(())
+    }
+
+    /// Receives the bytes rank `from` sent with `tag`, however many.
+    pub fn recv_raw_bytes(&mut self, from: usize, tag: u64) -> Result<Vec<u8>, CommError> {
+        self.recv_raw(from, (u64::MAX, tag, 0), "recv")
     }
 
     /// Receives what rank `from` sent with `tag`, `len` elements, as the sent buffer itself.

@@ -147,6 +147,17 @@ pub struct CudaExecutor {
     bucket_regions: HashMap<usize, (usize, bool)>,
     /// Collectives issued (one per instruction or bucket region, whatever the local ranks).
     collectives_issued: usize,
+    /// A process's copies of the buffers it sent to other processes' pipeline ranks:
+    /// (pointer, bytes, the send's completion; none when it is done or emulated). A copy is
+    /// reused once its send is complete.
+    sent_copies: Vec<(u64, usize, Option<cudarc::driver::CudaEvent>)>,
+    /// What each peer process sends this one in a step, in the order it sends them (NCCL
+    /// matches a pair's sends and receives by order alone): (global rank) -> (tag, bytes).
+    /// A receive that is not the next one its peer sends first takes the ones before it
+    /// into `stash`, where their own receives find them.
+    expected: HashMap<usize, std::collections::VecDeque<(u64, usize)>>,
+    /// Messages received ahead of their receive: (peer, tag) -> (pointer, bytes).
+    stash: HashMap<(usize, u64), (u64, usize)>,
 }
 
 /// Device copies of some buffers of every local rank: values a pipeline keeps from one
@@ -168,6 +179,8 @@ impl Drop for CudaExecutor {
         pointers.extend(self.staging.map(|s| s.0));
         pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));
         pointers.extend(self.send_copies.iter().map(|c| c.0));
+        pointers.extend(self.sent_copies.iter().map(|c| c.0));
+        pointers.extend(self.stash.values().map(|c| c.0));
         for ptr in pointers {
             self.device.free(ptr);
         }
@@ -195,9 +208,6 @@ impl CudaExecutor {
             return Err(err("the device plan does not match the program's instructions"));
         }
         let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
-        if pipeline_rank.is_some() && matches!(placement, Placement::Nccl(_) | Placement::EmulatedNccl(_)) {
-            return Err(err("pipeline stages across processes (NCCL send and receive) are not implemented: run every rank on one GPU, or the pipeline on the CPU backend"));
-        }
         for (instr, calls) in program.instrs.iter().zip(&plan.calls) {
             if calls.iter().any(|c| matches!(c, DeviceCall::Runtime)) && !RUNTIME_OPS.contains(&instr.op.as_str()) {
                 return Err(err(format!("`{}` (at {}) has no CUDA implementation", instr.op, instr.loc)));
@@ -255,7 +265,7 @@ impl CudaExecutor {
             Comm::None => None,
         };
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0 })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new() })
     }
 
     /// The program.
@@ -327,9 +337,13 @@ impl CudaExecutor {
         self.device.copy(dst, src, bytes)
     }
 
-    /// Waits for the device.
+    /// Waits for the device, and for this process's pipeline sends.
     pub fn synchronize(&self) -> Result<(), RuntimeError> {
-        self.device.synchronize()
+        self.device.synchronize()?;
+        match &self.nccl {
+            Some(comms) => comms.synchronize(),
+            None => Ok(()),
+        }
     }
 
     /// Runs every instruction once on every local rank (in lockstep, so that collectives
@@ -464,7 +478,6 @@ impl CudaExecutor {
     /// receive whose message some local rank does not have yet (nothing is done then).
     fn point_to_point(&mut self, index: usize) -> Result<bool, RuntimeError> {
         let instr = self.program.instrs[index].clone();
-        let mailbox = self.mailbox.clone().ok_or_else(|| err("a pipeline send or receive needs the other pipeline ranks' executors on this device"))?;
         let transfer = instr.int("xf.transfer").map_err(err)? as u64;
         let (step, microbatch) = self.transfer_context;
         if transfer >= 1 << 20 || microbatch >= 1 << 16 || step >= 1 << 28 {
@@ -478,6 +491,45 @@ impl CudaExecutor {
             .into_iter()
             .map(|rank| self.mesh.group(rank, &[2]).get(peer_index as usize).copied().ok_or_else(|| err(format!("peer {peer_index} is outside the pp axis"))))
             .collect::<Result<_, _>>()?;
+        if self.nccl.is_some() {
+            // One process per rank: a send goes from a copy on its own stream (the buffer's
+            // storage may be reused at once, and the compute stream does not wait for the
+            // receiver); a receive holds up the compute stream until its bytes are in.
+            let (buffer, peer, rank) = (if sending { instr.inputs[0] } else { instr.outputs[0] }, peers[0], self.ranks[0].rank);
+            let bytes = self.program.buffers[buffer].len() * self.program.buffers[buffer].dtype.bytes();
+            let stream = self.device.stream().cloned();
+            if !sending {
+                let ptr = self.buffer_ptr(0, buffer);
+                if let Some((stashed, _)) = self.stash.remove(&(peer, tag)) {
+                    self.copy_raw(ptr, stashed, bytes)?;
+                    self.synchronize()?;
+                    self.device.free(stashed);
+                    return Ok(true);
+                }
+                let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
+                // The peer's sends before this one come first, into the stash.
+                while let Some((next, next_bytes)) = self.expected.get_mut(&peer).and_then(|q| q.pop_front()) {
+                    if next == tag {
+                        break;
+                    }
+                    let stashed = self.device.alloc(next_bytes.max(1))?;
+                    comms.recv(stashed, next_bytes, peer, next, rank, stream.as_deref())?;
+                    self.stash.insert((peer, next), (stashed, next_bytes));
+                }
+                comms.recv(ptr, bytes, peer, tag, rank, stream.as_deref())?;
+                return Ok(true);
+            }
+            let free = self.sent_copies.iter().position(|c| c.1 == bytes && c.2.as_ref().is_none_or(|e| e.is_complete()));
+            let (copy, _, _) = match free {
+                Some(at) => self.sent_copies.swap_remove(at),
+                None => (self.device.alloc(bytes.max(1))?, bytes, None),
+            };
+            self.copy_raw(copy, self.buffer_ptr(0, buffer), bytes)?;
+            let done = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?.send(copy, bytes, peer, tag, rank, stream.as_deref())?;
+            self.sent_copies.push((copy, bytes, done));
+            return Ok(true);
+        }
+        let mailbox = self.mailbox.clone().ok_or_else(|| err("a pipeline send or receive needs the other pipeline ranks' executors on this device"))?;
         if sending {
             let buffer = &self.program.buffers[instr.inputs[0]];
             let bytes = buffer.len() * buffer.dtype.bytes();
@@ -522,6 +574,12 @@ impl CudaExecutor {
             mailbox.borrow_mut().received.push((sender, ptr, sent));
         }
         Ok(true)
+    }
+
+    /// What each peer process sends this one in step `step`, in its order: (global rank) ->
+    /// (transfer tag without the step, bytes); see `expected`.
+    pub fn expect_receives(&mut self, step: u64, order: &HashMap<usize, Vec<(u64, usize)>>) {
+        self.expected = order.iter().map(|(&peer, sends)| (peer, sends.iter().map(|&(tag, bytes)| ((step << 36) | tag, bytes)).collect())).collect();
     }
 
     fn call(&self, index: usize, local: usize, call: &DeviceCall) -> Result<(), RuntimeError> {
@@ -885,7 +943,13 @@ pub fn train_programs(programs: &[Program], seed: u64, layers: usize, corpus: &c
 /// pipeline ranks' executors take turns, each running until a receive waits for a send.
 pub struct CudaTrainer {
     runners: Vec<Runner>,
+    /// The programs this process runs, one per runner.
     programs: Vec<Program>,
+    /// Every pipeline rank's program (what a checkpoint's manifest lists).
+    every_program: Vec<Program>,
+    /// A process of a multi-process pipeline: what each peer process sends it in a step, in
+    /// the order it sends (see [`CudaExecutor::expect_receives`]).
+    incoming: HashMap<usize, Vec<(u64, usize)>>,
     mesh: MeshShape,
     seed: u64,
     step: u64,
@@ -981,7 +1045,7 @@ impl CudaTrainer {
     /// vocabulary's real rows), or `None` when the source lacks it. Each local rank keeps only
     /// its shard; fp32 masters start as their parameter and moments at zero. What a process of
     /// a multi-process run does with `--load` or Hugging Face weights: no tensor stays whole.
-    pub fn from_parameters(programs: &[Program], placement: &Placement, seed: u64, parameter: &mut dyn FnMut(&str) -> Result<Option<(Vec<usize>, Vec<f64>)>, RuntimeError>) -> Result<CudaTrainer, RuntimeError> {
+    pub fn from_parameters(programs: &[Program], placement: &Placement, seed: u64, parameter: &mut dyn FnMut(&str) -> Result<Option<crate::tensor_file::Tensor>, RuntimeError>) -> Result<CudaTrainer, RuntimeError> {
         let first = programs.first().ok_or_else(|| err("no programs to run"))?;
         let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
         // The parameter last read: its master and every local rank take it next.
@@ -1020,7 +1084,21 @@ impl CudaTrainer {
         }
         let mailbox = SharedMailbox::default();
         let mut runners = Vec::new();
+        let mut own = Vec::new();
+        // A process of a multi-process run runs its own pipeline rank's program only.
+        let process_rank = match placement {
+            Placement::Nccl(b) => Some(b.rank),
+            Placement::EmulatedNccl(w) => Some(w.rank()),
+            Placement::SingleDevice { .. } | Placement::Emulated => None,
+        };
         for program in programs {
+            let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
+            if let (Some(rank), Some(p)) = (process_rank, pipeline_rank)
+                && mesh.coords(rank).get(2) != Some(&p)
+            {
+                continue;
+            }
+            own.push(program.clone());
             let mut exec = CudaExecutor::new(program.clone(), placement)?;
             exec.set_mailbox(mailbox.clone());
             let chunks = program.pipeline.as_ref().map_or(0, |p| p.chunks.len());
@@ -1035,7 +1113,11 @@ impl CudaTrainer {
         }
         let batch = programs.iter().find_map(|p| p.arg("tokens").or_else(|| p.arg("targets"))).ok_or_else(|| RuntimeError::Binding("no program reads `tokens` or `targets`".into()))?;
         let shape = batch.layout.as_ref().map_or_else(|| programs[0].buffers[batch.buffer].shape.clone(), |l| l.global_shape.clone());
-        Ok(CudaTrainer { runners, programs: programs.to_vec(), mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule })
+        let incoming = match (process_rank, &schedule) {
+            (Some(rank), Some(schedule)) => incoming_sends(programs, schedule, &mesh, rank),
+            _ => HashMap::new(),
+        };
+        Ok(CudaTrainer { runners, programs: own, every_program: programs.to_vec(), incoming, mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule })
     }
 
     /// This process's rank when it is one process of a multi-process run (NCCL, or its
@@ -1057,12 +1139,12 @@ impl CudaTrainer {
     /// naming it. `abort` kills this process after its file is written (fault injection).
     pub fn checkpoint_own_shards(&mut self, dir: &std::path::Path, spec: serde_json::Value, data: Option<crate::data::DataRecord>, abort: bool) -> Result<Option<std::path::PathBuf>, RuntimeError> {
         let rank = self.process_rank().ok_or_else(|| err("this process holds every rank: save the global state with checkpoint::save_sharded"))?;
-        let program_index = if self.programs.len() == 1 { 0 } else { self.mesh.coords(rank).get(2).copied().unwrap_or(0) };
+        let program_index = if self.every_program.len() == 1 { 0 } else { self.mesh.coords(rank).get(2).copied().unwrap_or(0) };
         // Every rank has reached the checkpoint before any writes (rank 0 cleared the folder
         // of what crashed runs left when it took it).
         self.gather_from_every_process(&[0])?;
         let runner = &self.runners[0];
-        let written = crate::checkpoint::write_own_rank_file(dir, self.step, &self.programs, rank, |binding| {
+        let written = crate::checkpoint::write_own_rank_file(dir, self.step, &self.every_program, rank, |binding| {
             let program = runner.exec.program();
             if program.arg(&binding.name).is_none() {
                 return Err(err(format!("rank {rank}'s program (pipeline rank {program_index}) has no `{}`", binding.name)));
@@ -1085,7 +1167,7 @@ impl CudaTrainer {
         }
         let committed = if rank == 0 {
             let checksums = all.chunks_exact(2).map(|p| p[1] as u32).collect();
-            Some(crate::checkpoint::commit_processes(dir, self.step, &self.programs, spec, self.seed, data, checksums))
+            Some(crate::checkpoint::commit_processes(dir, self.step, &self.every_program, spec, self.seed, data, checksums))
         } else {
             None
         };
@@ -1176,6 +1258,11 @@ impl CudaTrainer {
     /// pipeline ranks take turns, each running until a receive waits. Returns the mean loss.
     fn scheduled_step(&mut self, step: u64, t: &[f64], g: &[f64]) -> Result<f64, RuntimeError> {
         let schedule = self.schedule.clone().ok_or_else(|| err("no schedule"))?;
+        if !self.incoming.is_empty() {
+            for runner in &mut self.runners {
+                runner.exec.expect_receives(step, &self.incoming);
+            }
+        }
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == crate::schedule::Work::W);
         let mut walks: Vec<Walk> = self
             .runners
@@ -1238,7 +1325,17 @@ impl CudaTrainer {
                 return Err(err(format!("the pipeline ranks wait on each other's sends: {}", waiting.join(", "))));
             }
         }
-        Ok(loss_sum / schedule.microbatches as f64)
+        let loss = loss_sum / schedule.microbatches as f64;
+        if self.process_rank().is_none() || self.every_program.len() == 1 {
+            return Ok(loss);
+        }
+        // Across processes, the last pipeline rank's processes make the loss: every process
+        // takes the first one's.
+        let makes_loss = self.programs.iter().any(|p| p.result("loss").is_some_and(|l| p.instrs.iter().any(|i| i.outputs.contains(&l.buffer))));
+        let bits = loss.to_bits();
+        let all = self.gather_from_every_process(&[i32::from(makes_loss), (bits >> 32) as u32 as i32, bits as u32 as i32])?;
+        let from = all.chunks_exact(3).find(|p| p[0] == 1).ok_or_else(|| err("no process's pipeline rank makes the loss"))?;
+        Ok(f64::from_bits(((from[1] as u32 as u64) << 32) | from[2] as u32 as u64))
     }
 
     /// Starts `item` on pipeline rank `s`: its micro-batch's data, its transfers' tags and
@@ -1380,6 +1477,46 @@ impl CudaTrainer {
         }
         Ok(parameters)
     }
+}
+
+/// What each other process sends process `rank` in a step of `schedule`, in the order it
+/// sends them: its pipeline rank's items in schedule order (a forward's, backward's and
+/// weight gradient's instructions as [`CudaTrainer`] runs them), then its step section; each
+/// send to `rank`'s pipeline rank as (tag without the step, bytes), by the sender's global rank.
+fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, mesh: &MeshShape, rank: usize) -> HashMap<usize, Vec<(u64, usize)>> {
+    use crate::schedule::Work;
+    let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
+    let mine = mesh.coords(rank).get(2).copied().unwrap_or(0);
+    let mut out: HashMap<usize, Vec<(u64, usize)>> = HashMap::new();
+    for program in programs {
+        let Some(plan) = program.pipeline.as_ref() else { continue };
+        let mut coords = mesh.coords(rank);
+        coords[2] = plan.rank;
+        let sender = mesh.rank(&coords);
+        let mut order: Vec<(usize, u64)> = Vec::new();
+        for item in &schedule.ranks[plan.rank] {
+            let chunk = &plan.chunks[item.chunk];
+            let sections: Vec<Section> = match item.work {
+                Work::F => vec![Section::Forward],
+                Work::B if splits_w => vec![Section::Backward],
+                Work::B => vec![Section::Backward, Section::Weight],
+                Work::W => vec![Section::Weight],
+            };
+            order.extend(sections.into_iter().flat_map(|section| chunk.range(section)).map(|index| (index, item.microbatch as u64)));
+        }
+        order.extend(program.step_order(&plan.chunks).into_iter().map(|index| (index, 0)));
+        for (index, microbatch) in order {
+            let instr = &program.instrs[index];
+            let to_me = instr.op == "shard.send" && instr.ints("destination").ok().and_then(|d| d.first().copied()) == Some(mine as i64);
+            if !to_me || sender == rank {
+                continue;
+            }
+            let (Ok(transfer), Some(&input)) = (instr.int("xf.transfer"), instr.inputs.first()) else { continue };
+            let buffer = &program.buffers[input];
+            out.entry(sender).or_default().push((((transfer as u64) << 16) | microbatch, buffer.len() * buffer.dtype.bytes()));
+        }
+    }
+    out
 }
 
 /// Measures cuBLAS on one square GEMM (`size`^3, `dtype` operands, fp32 accumulation):

@@ -150,8 +150,23 @@ pub struct Comms {
 }
 
 enum Backend {
-    Nccl { world: ns::ncclComm_t, groups: HashMap<Vec<usize>, ns::ncclComm_t> },
-    Emulated { world: EmulatedWorld, mesh: MeshShape },
+    Nccl {
+        world: ns::ncclComm_t,
+        groups: HashMap<Vec<usize>, ns::ncclComm_t>,
+        /// One two-rank communicator per direction of each pipeline edge (sender, receiver):
+        /// its sender only sends and its receiver only receives, in one order.
+        edges: HashMap<(usize, usize), ns::ncclComm_t>,
+        /// A stream per receiving peer that this rank's sends run on, so that a send waiting
+        /// for its receiver never holds up the compute stream (an isend).
+        send_streams: std::sync::Mutex<HashMap<usize, std::sync::Arc<CudaStream>>>,
+    },
+    Emulated {
+        world: EmulatedWorld,
+        mesh: MeshShape,
+        /// Point-to-point messages so far, per (peer, whether sent to it): NCCL matches a
+        /// pair's sends and receives by their order, and so does the emulation.
+        sequence: std::sync::Mutex<HashMap<(usize, bool), u64>>,
+    },
 }
 
 /// A collective as NCCL names it, with what differs between them.
@@ -188,12 +203,13 @@ impl Comms {
             unsafe { ns::ncclCommSplit(world, color, key, &mut comm, std::ptr::null_mut()) }.result().map_err(|e| err(format!("ncclCommSplit: {e:?}")))?;
             groups.insert(axes, comm);
         }
-        Ok(Comms { backend: Backend::Nccl { world, groups } })
+        let edges = pipeline_edges(world, bootstrap.rank, mesh)?;
+        Ok(Comms { backend: Backend::Nccl { world, groups, edges, send_streams: Default::default() } })
     }
 
     /// The emulation of NCCL for one process of an emulated world (see [`EmulatedWorld`]).
     pub fn emulated(world: EmulatedWorld, mesh: &MeshShape) -> Comms {
-        Comms { backend: Backend::Emulated { world, mesh: mesh.clone() } }
+        Comms { backend: Backend::Emulated { world, mesh: mesh.clone(), sequence: Default::default() } }
     }
 
     /// Runs one NCCL call of `rank` over its group along `axes`: `count` elements of `dtype`
@@ -219,7 +235,7 @@ impl Comms {
                     Call::Broadcast { root } => check(unsafe { nr::broadcast(send as *const _, recv as *mut _, count, ty, root as i32, comm, s) }, "ncclBroadcast"),
                 }
             }
-            Backend::Emulated { world, mesh } => {
+            Backend::Emulated { world, mesh, .. } => {
                 let group = mesh.group(rank, axes);
                 let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
                 let result = match dtype {
@@ -257,8 +273,84 @@ impl Comms {
         }
     }
 
-    /// Nothing is queued outside the stream; present for symmetry with other backends.
+    /// Sends `bytes` at `ptr` to global rank `peer` without holding up `stream` (an isend):
+    /// on the stream of this rank's sends to that peer, after what `stream` has queued;
+    /// returns the event of its completion (NCCL; none in the emulation, which posts a copy
+    /// at once). `tag` says which transfer it is: the emulation checks that the receiver
+    /// expects it (NCCL matches a pair's sends and receives by their order alone).
+    pub fn send(&self, ptr: u64, bytes: usize, peer: usize, tag: u64, rank: usize, stream: Option<&CudaStream>) -> Result<Option<cudarc::driver::CudaEvent>, RuntimeError> {
+        match &self.backend {
+            Backend::Nccl { edges, send_streams, .. } => {
+                let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
+                let comm = *edges.get(&(rank, peer)).ok_or_else(|| err(format!("rank {rank} has no pipeline edge to rank {peer}")))?;
+                let sends = {
+                    let mut streams = send_streams.lock().map_err(|_| err("poisoned"))?;
+                    match streams.get(&peer) {
+                        Some(s) => s.clone(),
+                        None => {
+                            let s = stream.context().new_stream().map_err(|e| err(format!("a stream for sends to rank {peer}: {e:?}")))?;
+                            streams.insert(peer, s.clone());
+                            s
+                        }
+                    }
+                };
+                let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+                sends.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
+                // SAFETY: `ptr` holds `bytes` of this rank's device memory (a send copy the
+                // caller keeps until the returned event completes); in the edge's
+                // communicator this rank is 0 and the receiver 1.
+                unsafe { nr::send(ptr as *const _, bytes, ns::ncclDataType_t::ncclUint8, 1, comm, sends.cu_stream() as ns::cudaStream_t) }.map_err(|e| err(format!("ncclSend from rank {rank} to rank {peer}: {e:?}")))?;
+                sends.record_event(None).map(Some).map_err(|e| err(format!("{e:?}")))
+            }
+            Backend::Emulated { world, sequence, .. } => {
+                let k = next_in_sequence(sequence, peer, true)?;
+                // SAFETY: the emulated device's pointers are host addresses of at least
+                // `bytes` (the executor's send copy).
+                let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) };
+                let message: Vec<u8> = tag.to_le_bytes().iter().chain(data).copied().collect();
+                let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
+                comm.send_owned(peer, k, message).map_err(|e| err(format!("emulated NCCL on rank {rank}: {e}")))?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Receives `bytes` from global rank `peer` into `ptr`, on `stream` (what follows on it
+    /// waits for them): the next message of that peer's sends to this rank.
+    pub fn recv(&self, ptr: u64, bytes: usize, peer: usize, tag: u64, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
+        match &self.backend {
+            Backend::Nccl { edges, .. } => {
+                let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
+                let comm = *edges.get(&(peer, rank)).ok_or_else(|| err(format!("rank {rank} has no pipeline edge from rank {peer}")))?;
+                // SAFETY: `ptr` is the receiving buffer of `bytes` in this rank's device
+                // memory; in the edge's communicator the sender is 0.
+                unsafe { nr::recv(ptr as *mut _, bytes, ns::ncclDataType_t::ncclUint8, 0, comm, stream.cu_stream() as ns::cudaStream_t) }.map(|_| ()).map_err(|e| err(format!("ncclRecv on rank {rank} from rank {peer}: {e:?}")))
+            }
+            Backend::Emulated { world, sequence, .. } => {
+                let k = next_in_sequence(sequence, peer, false)?;
+                let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
+                let message = comm.recv_raw_bytes(peer, k).map_err(|e| err(format!("emulated NCCL on rank {rank}: {e}")))?;
+                let sent = u64::from_le_bytes(message.get(..8).and_then(|b| b.try_into().ok()).ok_or_else(|| err("a point-to-point message without its tag"))?);
+                if sent != tag || message.len() - 8 != bytes {
+                    return Err(err(format!(
+                        "rank {rank}'s receive {k} from rank {peer} expects transfer {tag:#x} of {bytes} bytes, and that rank's send {k} to it is transfer {sent:#x} of {} bytes: the two ranks' schedules disagree",
+                        message.len() - 8
+                    )));
+                }
+                // SAFETY: the receiving buffer, a host address of at least `bytes`.
+                unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, bytes) }.copy_from_slice(&message[8..]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for this rank's pipeline sends (their streams).
     pub fn synchronize(&self) -> Result<(), RuntimeError> {
+        if let Backend::Nccl { send_streams, .. } = &self.backend {
+            for stream in send_streams.lock().map_err(|_| err("poisoned"))?.values() {
+                stream.synchronize().map_err(|e| err(format!("{e:?}")))?;
+            }
+        }
         Ok(())
     }
 
@@ -336,6 +428,72 @@ impl Comms {
     }
 }
 
+/// The next number of the emulated messages between this rank and `peer` (sent to it, or
+/// received from it).
+fn next_in_sequence(sequence: &std::sync::Mutex<HashMap<(usize, bool), u64>>, peer: usize, sending: bool) -> Result<u64, RuntimeError> {
+    let mut sequence = sequence.lock().map_err(|_| err("poisoned"))?;
+    let n = sequence.entry((peer, sending)).or_insert(0);
+    *n += 1;
+    Ok(*n - 1)
+}
+
+/// Every directed pipeline edge of `mesh` (a rank to its neighbours along the pp axis, both
+/// ways, wrapping around as interleaved schedules do), in an order every rank computes alike,
+/// each given a round in which neither of its ranks is in another edge.
+pub fn edge_rounds(mesh: &MeshShape) -> Vec<((usize, usize), usize)> {
+    let pp = mesh.0.get(2).copied().unwrap_or(1);
+    if pp < 2 {
+        return Vec::new();
+    }
+    let mut edges: Vec<(usize, usize)> = Vec::new();
+    for rank in 0..mesh.ranks() {
+        let coords = mesh.coords(rank);
+        for step in [1, pp - 1] {
+            let mut to = coords.clone();
+            to[2] = (coords[2] + step) % pp;
+            edges.push((rank, mesh.rank(&to)));
+        }
+    }
+    edges.sort();
+    edges.dedup();
+    let mut busy: Vec<std::collections::HashSet<usize>> = Vec::new();
+    edges
+        .into_iter()
+        .map(|(a, b)| {
+            let round = busy.iter().position(|used| !used.contains(&a) && !used.contains(&b)).unwrap_or(busy.len());
+            if round == busy.len() {
+                busy.push(Default::default());
+            }
+            busy[round].extend([a, b]);
+            ((a, b), round)
+        })
+        .collect()
+}
+
+/// The two-rank communicator of each pipeline edge of `rank` (see [`edge_rounds`]): one
+/// `ncclCommSplit` of the world per round, which every rank calls (those outside the
+/// round's edges with no colour).
+fn pipeline_edges(world: ns::ncclComm_t, rank: usize, mesh: &MeshShape) -> Result<HashMap<(usize, usize), ns::ncclComm_t>, RuntimeError> {
+    let rounds = edge_rounds(mesh);
+    let count = rounds.iter().map(|(_, r)| r + 1).max().unwrap_or(0);
+    let mut edges = HashMap::new();
+    for round in 0..count {
+        let mine = rounds.iter().enumerate().find(|(_, ((a, b), r))| *r == round && (*a == rank || *b == rank));
+        // NCCL_SPLIT_NOCOLOR is -1.
+        let (color, key) = match mine {
+            Some((index, ((a, _), _))) => (index as i32, i32::from(*a != rank)),
+            None => (-1, 0),
+        };
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: collective over the world communicator; every rank makes the same rounds.
+        unsafe { ns::ncclCommSplit(world, color, key, &mut comm, std::ptr::null_mut()) }.result().map_err(|e| err(format!("ncclCommSplit for a pipeline edge: {e:?}")))?;
+        if let Some((_, (edge, _))) = mine {
+            edges.insert(*edge, comm);
+        }
+    }
+    Ok(edges)
+}
+
 /// NCCL's name for an element type.
 fn nccl_type(dtype: DType) -> ns::ncclDataType_t {
     match dtype {
@@ -377,8 +535,8 @@ fn emulated_call<T: crate::collectives::Elem + Default>(call: Call, comm: &mut c
 
 impl Drop for Comms {
     fn drop(&mut self) {
-        let Backend::Nccl { world, groups } = &self.backend else { return };
-        for comm in groups.values() {
+        let Backend::Nccl { world, groups, edges, .. } = &self.backend else { return };
+        for comm in groups.values().chain(edges.values()) {
             // SAFETY: communicators this struct created.
             let _ = unsafe { nr::comm_destroy(*comm) };
         }
