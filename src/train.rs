@@ -114,6 +114,18 @@ pub fn compile_pipeline_programs(spec: &Spec, step: &StepArgs, mesh: shardc_ir::
 }
 
 fn check_backend(backend: &str) -> Result<()> {
+    if let Ok(text) = std::env::var("SHARDC_EMULATE_PROCESSES") {
+        #[cfg(feature = "cuda")]
+        let emulating = emulating_the_gpu();
+        #[cfg(not(feature = "cuda"))]
+        let emulating = false;
+        if backend != "cuda" || !emulating {
+            return Err(miette!(
+                help = "run with --backend cuda and SHARDC_GPU_EMULATE=1, or unset SHARDC_EMULATE_PROCESSES",
+                "SHARDC_EMULATE_PROCESSES={text}: emulated processes are a GPU run's, on emulated devices"
+            ));
+        }
+    }
     match backend {
         "cpu" => Ok(()),
         #[cfg(not(feature = "cuda"))]
@@ -569,11 +581,13 @@ impl Checkpoints {
     /// `--resume DIR`'s manifest, checked as [`Checkpoints::resume`] checks it, `corpus`
     /// moved to its place in the data order: what a process of a multi-process run resumes
     /// from, reading its own shards only.
-    fn resume_manifest(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<Option<shardc_runtime::checkpoint::Manifest>> {
+    /// Returns the checkpoint folder itself (`LATEST` resolved once, so that every later read
+    /// is of the checkpoint checked here).
+    fn resume_manifest(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<Option<PathBuf>> {
         let Some(dir) = &args.resume else { return Ok(None) };
-        let manifest = shardc_runtime::checkpoint::read_manifest(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
+        let (folder, manifest) = shardc_runtime::checkpoint::resolve(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
         self.check_resume(args, dir, &manifest, programs, corpus)?;
-        Ok(Some(manifest))
+        Ok(Some(folder))
     }
 
     /// Refuses to resume `manifest` (of the checkpoint `dir`) with another model, seed,
@@ -994,10 +1008,13 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
             let handles: Vec<_> = worlds.into_iter().map(|world| scope.spawn(move || run_cuda_process(args, spec, mesh, Placement::EmulatedNccl(world)))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(miette!("an emulated process panicked")))).collect()
         });
-        // Every rank ends with the run's error; the lowest failing rank's is reported.
-        return match results.into_iter().enumerate().find(|(_, r)| r.is_err()) {
-            Some((rank, Err(e))) => Err(e.wrap_err(format!("emulated process of rank {rank}"))),
-            _ => Ok(()),
+        // Every rank ends with the run's error: the lowest rank's that failed of itself is
+        // reported (not one that failed because another did).
+        let failed: Vec<(usize, miette::Report)> = results.into_iter().enumerate().filter_map(|(rank, r)| r.err().map(|e| (rank, e))).collect();
+        let first = failed.iter().position(|(_, e)| !format!("{e:?}").contains(cuda::ANOTHER_PROCESS_FAILED)).unwrap_or(0);
+        return match failed.into_iter().nth(first) {
+            Some((rank, e)) => Err(e.wrap_err(format!("emulated process of rank {rank}"))),
+            None => Ok(()),
         };
     }
     let placement = if std::env::var_os("RANK").is_some() {
@@ -1031,8 +1048,8 @@ fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, pl
     // A process of a multi-process run resumes from its own shards of the checkpoint alone.
     let mut trainer = match process_rank.and(args.resume.as_ref()) {
         Some(dir) => {
-            checkpoints.resume_manifest(args, &programs, &mut corpus)?;
-            cuda::CudaTrainer::resume(&programs, &placement, dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
+            let folder = checkpoints.resume_manifest(args, &programs, &mut corpus)?.unwrap_or_else(|| dir.clone());
+            cuda::CudaTrainer::resume(&programs, &placement, &folder).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
         }
         // Nor does it hold a whole tensor of `--load` or Hugging Face weights: it keeps its
         // shards of each parameter as it reads them.

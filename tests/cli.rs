@@ -2322,6 +2322,19 @@ fn resumed_runs_continue_the_checkpoints_schedule_and_refuse_other_settings() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Copies the folder `from` (and what it holds) to `to`.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().map(Result::unwrap) {
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
 /// `shardc run --backend cuda ARGS` on the emulated device, with the variables `env`.
 fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_shardc"));
@@ -2440,6 +2453,21 @@ fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     close(&reference, &losses_by_step(&resumed), "two processes at dp=2 resumed at step 2");
     let on_cpu = shardc(&[&["run"][..], &base[..], &["--mesh", "dp=2,tp=2", "--steps", "4", "--resume", ckpt_arg]].concat());
     close(&reference, &losses_by_step(&on_cpu), "the CPU backend resumed from the processes' checkpoint");
+    // Emulated processes on the CPU backend are refused, not ignored.
+    let on_cpu_backend = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny.toml", "--steps", "1"]).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_EMULATE_PROCESSES", "1").output().unwrap();
+    assert!(unwrapped(&stderr(&on_cpu_backend)).contains("SHARDC_EMULATE_PROCESSES=1: emulated processes are a GPU run's"), "{}", stderr(&on_cpu_backend));
+    // A rank file changed after it was written: the processes that read it say so, and the
+    // others end with them instead of waiting in the first step's collectives.
+    let forged = dir.join("forged");
+    copy_dir(&ckpt, &forged);
+    let file = forged.join("step-00000002/rank-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let refused = processes(&[&base[..], &["--mesh", "dp=2,tp=2", "--steps", "4", "--timeout", "600", "--resume", forged.to_str().unwrap()]].concat(), &[("SHARDC_EMULATE_PROCESSES", "4")]);
+    let said = unwrapped(&stderr(&refused));
+    assert!(!refused.status.success() && said.contains("rank-00001.safetensors: the file changed after it was written"), "{said}");
+    assert!(!said.contains("panicked") && !said.contains("within 600s"), "{said}");
     // Rank 1 killed after writing its file of the second checkpoint (step 3): step 2 stays
     // the latest, and the next run clears what the crashed one left.
     let crashed = processes(

@@ -430,6 +430,13 @@ pub fn read_manifest(dir: &std::path::Path) -> Result<Manifest, RuntimeError> {
     Ok(read_manifest_in(dir)?.1)
 }
 
+/// The checkpoint folder `dir` names (itself when it holds a manifest, else the one its
+/// `LATEST` names), and its manifest, checked: what a run resolves once, so that every read
+/// of a resume is of one checkpoint while another run may move `LATEST`.
+pub fn resolve(dir: &std::path::Path) -> Result<(std::path::PathBuf, Manifest), RuntimeError> {
+    read_manifest_in(dir)
+}
+
 fn read_manifest_in(dir: &std::path::Path) -> Result<(std::path::PathBuf, Manifest), RuntimeError> {
     let folder = if dir.join("manifest.json").exists() {
         dir.to_path_buf()
@@ -537,7 +544,11 @@ pub fn load_own_shards(dir: &std::path::Path, program: &Program, mesh: &MeshShap
     let mut headers = Vec::new();
     for (index, file) in manifest.files.iter().enumerate() {
         let rank = if manifest.format_version == 1 { saved_mesh.rank(&saved_mesh.row_major_coords(index)) } else { index };
-        headers.push((rank, rank_file_header(&folder.join(file))?));
+        let header = rank_file_header(&folder.join(file))?;
+        if let Some(name) = header.names().into_iter().find(|n| !listed.contains_key(n.as_str())) {
+            return Err(RuntimeError::Binding(format!("{}: holds `{name}`, which the manifest does not list", folder.join(file).display())));
+        }
+        headers.push((rank, header));
     }
     // What each local rank needs: (local, argument, source tensor, target block, region).
     struct Need {
@@ -669,9 +680,14 @@ fn stream_tensors(header: &crate::tensor_file::TensorFile, names: &[String], mut
         drop(bytes);
         take(name, &values);
     }
-    let mut rest = Vec::new();
-    file.read_to_end(&mut rest).map_err(|e| io(path, e))?;
-    hasher.update(&rest);
+    // The rest of the file, a chunk at a time.
+    loop {
+        let n = file.read(&mut chunk).map_err(|e| io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&chunk[..n]);
+    }
     Ok(hasher.finalize())
 }
 
@@ -776,6 +792,11 @@ impl Manifest {
             }
             if t.split.len() > t.global_shape.len() {
                 return bad(format!("`tensors[{i}].split` of `{name}` splits {} dimensions of a {}-dimensional tensor", t.split.len(), t.global_shape.len()));
+            }
+            if let Some(unpadded) = &t.unpadded
+                && (unpadded.len() != t.global_shape.len() || unpadded.iter().zip(&t.global_shape).any(|(u, g)| u > g))
+            {
+                return bad(format!("`tensors[{i}].unpadded` of `{name}` is {unpadded:?}, outside its global shape {:?}", t.global_shape));
             }
             let mut used = vec![false; self.mesh.len()];
             for (dim, axes) in t.split.iter().enumerate() {

@@ -132,3 +132,77 @@ fn own_shards_refuse_a_changed_rank_file() {
     let error = load_own_shards(dir.path(), &single, &MeshShape(vec![1]), &[0]).unwrap_err().to_string();
     assert!(error.contains("rank-00001.safetensors: not a safetensors file"), "{error}");
 }
+
+/// Hostile rank files and manifests (CRCs made to match, as a careful forger would) are
+/// refused by a process reading its shards, naming the file or field, as the CPU's whole
+/// read refuses them: a tensor the manifest does not list, bytes past the data, offsets past
+/// the end of memory, an unpadded shape outside the global one.
+#[test]
+fn own_shards_refuse_forged_rank_files_and_manifests() {
+    let saved = program("tiny", "f32", Mesh { dp: 1, tp: 2, pp: 1 }, 0, 1);
+    let single = program("tiny", "f32", Mesh::default(), 0, 1);
+    let read = |dir: &std::path::Path| load_own_shards(dir, &single, &MeshShape(vec![1]), &[0]).map(|_| ()).unwrap_err().to_string();
+    // Rewrites rank 1's file as `edit` makes it and the manifest's checksum to match; `manifest`
+    // edits the manifest too.
+    let forge = |edit: &dyn Fn(Vec<u8>) -> Vec<u8>, manifest: &dyn Fn(&mut serde_json::Value)| {
+        let dir = TempDir::new();
+        let folder = save_sharded(dir.path(), &distinct_state(&saved), std::slice::from_ref(&saved), serde_json::Value::Null, 1, None, None).unwrap();
+        let file = folder.join("rank-00001.safetensors");
+        let bytes = edit(std::fs::read(&file).unwrap());
+        std::fs::write(&file, &bytes).unwrap();
+        let path = folder.join("manifest.json");
+        let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        json["checksums"][1] = serde_json::json!(crc32fast_hash(&bytes));
+        manifest(&mut json);
+        std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+        dir
+    };
+    let header_of = |bytes: &[u8]| -> (serde_json::Map<String, serde_json::Value>, Vec<u8>) {
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        (serde_json::from_slice(&bytes[8..8 + n]).unwrap(), bytes[8 + n..].to_vec())
+    };
+    let with_header = |header: &serde_json::Map<String, serde_json::Value>, data: &[u8]| -> Vec<u8> {
+        let text = serde_json::to_vec(header).unwrap();
+        [&(text.len() as u64).to_le_bytes()[..], &text, data].concat()
+    };
+    let unlisted = forge(
+        &|bytes| {
+            let (mut header, mut data) = header_of(&bytes);
+            header.insert("bogus".into(), serde_json::json!({"dtype": "F64", "shape": [1], "data_offsets": [data.len(), data.len() + 8]}));
+            data.extend(1.0f64.to_le_bytes());
+            with_header(&header, &data)
+        },
+        &|_| {},
+    );
+    let error = read(unlisted.path());
+    assert!(error.contains("rank-00001.safetensors: holds `bogus`, which the manifest does not list"), "{error}");
+    let trailing = forge(&|bytes| [bytes, vec![0; 64]].concat(), &|_| {});
+    let error = read(trailing.path());
+    assert!(error.contains("rank-00001.safetensors: not a safetensors file"), "{error}");
+    let wrapping = forge(
+        &|bytes| {
+            let (mut header, data) = header_of(&bytes);
+            let name = header.keys().find(|k| *k != "__metadata__").unwrap().clone();
+            header[&name]["data_offsets"] = serde_json::json!([u64::MAX - 2255, u64::MAX - 207]);
+            with_header(&header, &data)
+        },
+        &|_| {},
+    );
+    let error = read(wrapping.path());
+    assert!(error.contains("rank-00001.safetensors: not a safetensors file"), "{error}");
+    let outside = forge(&|bytes| bytes, &|json| json["tensors"][0]["unpadded"] = serde_json::json!([1 << 20, 1 << 20]));
+    let error = read(outside.path());
+    assert!(error.contains("`tensors[0].unpadded`") && error.contains("outside its global shape"), "{error}");
+}
+
+fn crc32fast_hash(bytes: &[u8]) -> u32 {
+    // CRC-32 (IEEE), as the manifest's checksums are: bit by bit, independent of the crate.
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
+}

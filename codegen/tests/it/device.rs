@@ -291,6 +291,17 @@ mod emulated {
         (shardc_codegen::device::with_device_plan(program).unwrap(), spec)
     }
 
+    /// `run(rank, placement)` on one thread per process of an emulated world of `ranks`
+    /// processes (NCCL emulated between them); the results by rank.
+    fn in_processes<T: Send>(ranks: usize, run: impl Fn(usize, Placement) -> T + Sync) -> Vec<T> {
+        let worlds = cuda::nccl::EmulatedWorld::world(ranks, std::time::Duration::from_secs(60));
+        std::thread::scope(|scope| {
+            let run = &run;
+            let handles: Vec<_> = worlds.into_iter().map(|world| scope.spawn(move || run(world.rank(), Placement::EmulatedNccl(world)))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     fn corpus(spec: &shardc_ir::spec::Spec) -> ByteCorpus {
         ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap()
     }
@@ -444,21 +455,10 @@ mod emulated {
                 let corpus = corpus(&spec);
                 let layers = spec.model.layers as usize;
                 let cpu = shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, STEPS, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
-                let worlds = cuda::nccl::EmulatedWorld::world(mesh.ranks() as usize, std::time::Duration::from_secs(30));
-                let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = std::thread::scope(|scope| {
-                    let handles: Vec<_> = worlds
-                        .into_iter()
-                        .map(|world| {
-                            let (programs, corpus, what) = (&programs, &corpus, &what);
-                            scope.spawn(move || {
-                                let rank = world.rank();
-                                let mut trainer = cuda::CudaTrainer::new(programs, &Placement::EmulatedNccl(world), 0, layers, None).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}"));
-                                let losses = (0..STEPS).map(|_| trainer.step(corpus).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}")).0).collect();
-                                (losses, trainer.parameter_shards().unwrap())
-                            })
-                        })
-                        .collect();
-                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = in_processes(mesh.ranks() as usize, |rank, placement| {
+                    let mut trainer = cuda::CudaTrainer::new(&programs, &placement, 0, layers, None).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}"));
+                    let losses = (0..STEPS).map(|_| trainer.step(&corpus).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}")).0).collect();
+                    (losses, trainer.parameter_shards().unwrap())
                 });
                 let grid = shardc_runtime::collectives::MeshShape(programs[0].mesh.clone());
                 for (rank, (losses, shards)) in runs.iter().enumerate() {
@@ -553,23 +553,12 @@ mod emulated {
             let (program, spec) = compile(name, mesh, zero, sequence_parallel, buckets);
             let layers = spec.model.layers as usize;
             let cpu = shardc_runtime::train::train_spmd(&program, 0, layers, &corpus(&spec), STEPS, std::time::Duration::from_secs(60)).unwrap();
-            let worlds = cuda::nccl::EmulatedWorld::world(mesh.ranks() as usize, std::time::Duration::from_secs(60));
-            let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = std::thread::scope(|scope| {
-                let handles: Vec<_> = worlds
-                    .into_iter()
-                    .map(|world| {
-                        let (program, spec) = (&program, &spec);
-                        scope.spawn(move || {
-                            let rank = world.rank();
-                            let mut trainer = cuda::CudaTrainer::new(std::slice::from_ref(program), &Placement::EmulatedNccl(world), 0, layers, None).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                            assert!(!trainer.holds_every_rank());
-                            let corpus = corpus(spec);
-                            let losses = (0..STEPS).map(|_| trainer.step(&corpus).unwrap_or_else(|e| panic!("rank {rank}: {e}")).0).collect();
-                            (losses, trainer.parameter_shards().unwrap())
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = in_processes(mesh.ranks() as usize, |rank, placement| {
+                let mut trainer = cuda::CudaTrainer::new(std::slice::from_ref(&program), &placement, 0, layers, None).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                assert!(!trainer.holds_every_rank());
+                let corpus = corpus(&spec);
+                let losses = (0..STEPS).map(|_| trainer.step(&corpus).unwrap_or_else(|e| panic!("rank {rank}: {e}")).0).collect();
+                (losses, trainer.parameter_shards().unwrap())
             });
             for (rank, (losses, parameters)) in runs.iter().enumerate() {
                 for (step, (c, g)) in cpu.losses.iter().zip(losses).enumerate() {
@@ -606,24 +595,13 @@ mod emulated {
                 o.zero = zero;
             })
         };
-        let in_processes = |program: &Program, spec: &shardc_ir::spec::Spec, run: &(dyn Fn(usize, &mut cuda::CudaTrainer, &ByteCorpus) -> f64 + Sync), resume: Option<&std::path::Path>| -> Vec<f64> {
-            let worlds = cuda::nccl::EmulatedWorld::world(program.mesh.iter().product(), std::time::Duration::from_secs(60));
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = worlds
-                    .into_iter()
-                    .map(|world| {
-                        scope.spawn(move || {
-                            let rank = world.rank();
-                            let placement = Placement::EmulatedNccl(world);
-                            let mut trainer = match resume {
-                                Some(dir) => cuda::CudaTrainer::resume(std::slice::from_ref(program), &placement, dir).unwrap_or_else(|e| panic!("rank {rank}: {e}")).0,
-                                None => cuda::CudaTrainer::new(std::slice::from_ref(program), &placement, 0, spec.model.layers as usize, None).unwrap(),
-                            };
-                            run(rank, &mut trainer, &corpus(spec))
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let train_in_processes = |program: &Program, spec: &shardc_ir::spec::Spec, run: &(dyn Fn(usize, &mut cuda::CudaTrainer, &ByteCorpus) -> f64 + Sync), resume: Option<&std::path::Path>| -> Vec<f64> {
+            in_processes(program.mesh.iter().product(), |rank, placement| {
+                let mut trainer = match resume {
+                    Some(dir) => cuda::CudaTrainer::resume(std::slice::from_ref(program), &placement, dir).unwrap_or_else(|e| panic!("rank {rank}: {e}")).0,
+                    None => cuda::CudaTrainer::new(std::slice::from_ref(program), &placement, 0, spec.model.layers as usize, None).unwrap(),
+                };
+                run(rank, &mut trainer, &corpus(spec))
             })
         };
         let (program, spec) = compile(Mesh { dp: 2, tp: 2, pp: 1 }, 1);
@@ -636,7 +614,7 @@ mod emulated {
         let third = single.step(&corpus).unwrap().0;
         let dir = crate::checkpoint::TempDir::new();
         let saved = dir.path().to_path_buf();
-        let losses = in_processes(
+        let losses = train_in_processes(
             &program,
             &spec,
             &|rank, trainer, corpus| {
@@ -664,7 +642,7 @@ mod emulated {
         // but other shards: the optimizer state whole on every data-parallel rank).
         for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1 }, 1), (Mesh { dp: 1, tp: 2, pp: 1 }, 0), (Mesh { dp: 2, tp: 1, pp: 1 }, 3)] {
             let (resumed, spec) = compile(mesh, zero);
-            let losses = in_processes(
+            let losses = train_in_processes(
                 &resumed,
                 &spec,
                 &|rank, trainer, corpus| {

@@ -1018,9 +1018,12 @@ impl CudaTrainer {
     pub fn resume(programs: &[Program], placement: &Placement, dir: &std::path::Path) -> Result<(CudaTrainer, crate::checkpoint::Manifest), RuntimeError> {
         let first = programs.first().ok_or_else(|| err("no programs to run"))?;
         let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
-        let manifest = crate::checkpoint::read_manifest(dir)?;
+        // The checkpoint `LATEST` names now, read from that folder alone.
+        let (dir, manifest) = crate::checkpoint::resolve(dir)?;
+        let dir = dir.as_path();
         // Which programs this placement runs, and their ranks, as the executors will hold them.
         let mut shards: HashMap<usize, HashMap<String, Vec<f64>>> = HashMap::new();
+        let mut failure: Option<RuntimeError> = None;
         for program in programs {
             let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
             let ranks: Vec<usize> = match placement {
@@ -1029,12 +1032,26 @@ impl CudaTrainer {
                 Placement::SingleDevice { .. } | Placement::Emulated => own_ranks(&mesh, pipeline_rank),
             };
             let ranks: Vec<usize> = ranks.into_iter().filter(|r| pipeline_rank.is_none_or(|p| mesh.coords(*r).get(2) == Some(&p))).collect();
-            let (_, values) = crate::checkpoint::load_own_shards(dir, program, &mesh, &ranks)?;
-            for (rank, v) in ranks.into_iter().zip(values) {
-                shards.entry(rank).or_default().extend(v);
+            if ranks.is_empty() {
+                continue;
+            }
+            match crate::checkpoint::load_own_shards(dir, program, &mesh, &ranks) {
+                Ok((_, values)) => {
+                    for (rank, v) in ranks.into_iter().zip(values) {
+                        shards.entry(rank).or_default().extend(v);
+                    }
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
             }
         }
+        // A failure to read is said by `load`, once every process has got that far.
         let trainer = CudaTrainer::load(programs, placement, manifest.step, |_, a, _, rank| {
+            if let Some(e) = failure.take() {
+                return Err(e);
+            }
             shards.get(&rank).and_then(|s| s.get(&a.name)).cloned().ok_or_else(|| err(format!("no shard of `{}` was read for rank {rank}", a.name)))
         })?;
         Ok((CudaTrainer { seed: manifest.seed, ..trainer }, manifest))
@@ -1085,6 +1102,7 @@ impl CudaTrainer {
         let mailbox = SharedMailbox::default();
         let mut runners = Vec::new();
         let mut own = Vec::new();
+        let mut failure: Option<RuntimeError> = None;
         // A process of a multi-process run runs its own pipeline rank's program only.
         let process_rank = match placement {
             Placement::Nccl(b) => Some(b.rank),
@@ -1105,8 +1123,16 @@ impl CudaTrainer {
             for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
                 let global_shape = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
                 for (local, rank) in exec.ranks().into_iter().enumerate() {
-                    let shard = value(program, a, &global_shape, rank)?;
-                    exec.write(local, &a.name, &shard)?;
+                    if failure.is_some() {
+                        break;
+                    }
+                    match value(program, a, &global_shape, rank) {
+                        Ok(shard) => exec.write(local, &a.name, &shard)?,
+                        // One process's failure must reach the others: it is said after every
+                        // process has loaded (or failed to).
+                        Err(e) if process_rank.is_some() => failure = Some(e),
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             runners.push(Runner { exec, sums: vec![None; chunks], sums_weight: vec![None; chunks] });
@@ -1117,7 +1143,21 @@ impl CudaTrainer {
             (Some(rank), Some(schedule)) => incoming_sends(programs, schedule, &mesh, rank),
             _ => HashMap::new(),
         };
-        Ok(CudaTrainer { runners, programs: own, every_program: programs.to_vec(), incoming, mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule })
+        let mut trainer = CudaTrainer { runners, programs: own, every_program: programs.to_vec(), incoming, mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule };
+        if let Some(rank) = process_rank {
+            // Every process learns whether all loaded, and from which step.
+            let all = trainer.gather_from_every_process(&[i32::from(failure.is_none()), (step & 0x7fff_ffff) as i32])?;
+            if let Some(e) = failure {
+                return Err(err(format!("rank {rank} could not load its state: {e}")));
+            }
+            if let Some(failed) = all.chunks_exact(2).position(|p| p[0] == 0) {
+                return Err(err(format!("{ANOTHER_PROCESS_FAILED}rank {failed} could not load its state (its own error says why)")));
+            }
+            if let Some(other) = all.chunks_exact(2).position(|p| p[1] != all[1]) {
+                return Err(err(format!("rank 0 starts at step {} and rank {other} at step {}: the processes read different checkpoints (did another run write into the folder while they read it?)", all[1], all[2 * other + 1])));
+            }
+        }
+        Ok(trainer)
     }
 
     /// This process's rank when it is one process of a multi-process run (NCCL, or its
@@ -1163,7 +1203,7 @@ impl CudaTrainer {
         let all = self.gather_from_every_process(&[ok, crc])?;
         written.map_err(|e| err(format!("rank {rank} could not write its checkpoint file: {e}")))?;
         if let Some(failed) = all.chunks_exact(2).position(|p| p[0] == 0) {
-            return Err(err(format!("rank {failed} could not write its checkpoint file; the checkpoint of step {} is not kept", self.step)));
+            return Err(err(format!("{ANOTHER_PROCESS_FAILED}rank {failed} could not write its checkpoint file; the checkpoint of step {} is not kept", self.step)));
         }
         let committed = if rank == 0 {
             let checksums = all.chunks_exact(2).map(|p| p[1] as u32).collect();
@@ -1175,7 +1215,7 @@ impl CudaTrainer {
         match committed {
             Some(path) => path.map(Some),
             None if done[0] == 1 => Ok(None),
-            None => Err(err(format!("rank 0 could not commit the checkpoint of step {}", self.step))),
+            None => Err(err(format!("{ANOTHER_PROCESS_FAILED}rank 0 could not commit the checkpoint of step {}", self.step))),
         }
     }
 
@@ -1518,6 +1558,10 @@ fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, me
     }
     out
 }
+
+/// How an error of a multi-process run starts when the process failed because another did
+/// (whose own error says why): a launcher reporting one error prefers the others.
+pub const ANOTHER_PROCESS_FAILED: &str = "another process failed: ";
 
 /// Measures cuBLAS on one square GEMM (`size`^3, `dtype` operands, fp32 accumulation):
 /// TFLOP/s over `iterations` calls after a warm-up. The reference the GPU check compares
