@@ -1005,13 +1005,39 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
         }
         let worlds = cuda::nccl::EmulatedWorld::world(processes, timeout);
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = worlds.into_iter().map(|world| scope.spawn(move || run_cuda_process(args, spec, mesh, Placement::EmulatedNccl(world)))).collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(miette!("an emulated process panicked")))).collect()
+            let handles: Vec<_> = worlds
+                .into_iter()
+                .map(|world| {
+                    scope.spawn(move || {
+                        // A process that fails or panics stops the others' waits at once, as
+                        // the end of a real process ends its NCCL connections.
+                        let mut abort = AbortOnDrop(Some(world.abort_flag()));
+                        let result = run_cuda_process(args, spec, mesh, Placement::EmulatedNccl(world));
+                        if result.is_ok() {
+                            abort.0 = None;
+                        }
+                        result
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|payload| {
+                        let message = payload.downcast_ref::<String>().cloned().or_else(|| payload.downcast_ref::<&str>().map(|m| m.to_string())).unwrap_or_default();
+                        Err(miette!("the process panicked: {message}"))
+                    })
+                })
+                .collect()
         });
         // Every rank ends with the run's error: the lowest rank's that failed of itself is
         // reported (not one that failed because another did).
         let failed: Vec<(usize, miette::Report)> = results.into_iter().enumerate().filter_map(|(rank, r)| r.err().map(|e| (rank, e))).collect();
-        let first = failed.iter().position(|(_, e)| !format!("{e:?}").contains(cuda::ANOTHER_PROCESS_FAILED)).unwrap_or(0);
+        let secondary = |e: &miette::Report| {
+            let text = format!("{e:?}");
+            text.contains(cuda::ANOTHER_PROCESS_FAILED) || text.contains("because another rank failed") || text.contains(" left during ") || text.contains("emulated communicator was poisoned")
+        };
+        let first = failed.iter().position(|(_, e)| !secondary(e)).unwrap_or(0);
         return match failed.into_iter().nth(first) {
             Some((rank, e)) => Err(e.wrap_err(format!("emulated process of rank {rank}"))),
             None => Ok(()),
@@ -1025,6 +1051,19 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
         Placement::SingleDevice { device: 0 }
     };
     run_cuda_process(args, spec, mesh, placement)
+}
+
+/// Sets the emulated world's abort flag when dropped (unless forgotten).
+#[cfg(feature = "cuda")]
+struct AbortOnDrop(Option<std::sync::Arc<std::sync::atomic::AtomicBool>>);
+
+#[cfg(feature = "cuda")]
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(flag) = self.0.take() {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
 }
 
 /// One process of `run --backend cuda`: every rank on one device, or one rank of a

@@ -2505,6 +2505,28 @@ fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A process of a multi-process GPU run that panics, fails a kernel or stops answering
+/// (emulated processes, `SHARDC_FAULT`) ends every process: the run exits non-zero with the
+/// failing process's rank and cause, and never hangs (a silent one within `--timeout`).
+#[test]
+fn gpu_process_faults_end_every_process_with_the_cause_named() {
+    for (kind, says) in [("panic", "rank 1 panics at instruction 30"), ("kernel", "injected kernel failure"), ("hang", "no message from rank 1 within 3s")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["run", "--backend", "cuda", "models/tiny.toml", "--mesh", "dp=2", "--microbatches", "1", "--steps", "3", "--timeout", "3"])
+            .current_dir(root())
+            .env("NO_COLOR", "1")
+            .env("RUST_BACKTRACE", "0")
+            .env("SHARDC_GPU_EMULATE", "1")
+            .env("SHARDC_EMULATE_PROCESSES", "2")
+            .env("SHARDC_FAULT", format!("1:30:{kind}"))
+            .output()
+            .unwrap();
+        let said = unwrapped(&stderr(&out));
+        assert_eq!(out.status.code(), Some(1), "{kind}: {said}");
+        assert!(said.contains(says), "{kind}: {said}");
+    }
+}
+
 /// Checkpoints of format 1 numbered their rank files row-major (pipeline rank fastest);
 /// ranks are now numbered as Megatron-LM does (tensor-parallel fastest). Such a checkpoint
 /// still resumes into the same run: a format-2 checkpoint rewritten the old way (files

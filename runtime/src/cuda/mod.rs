@@ -158,6 +158,9 @@ pub struct CudaExecutor {
     expected: HashMap<usize, std::collections::VecDeque<(u64, usize)>>,
     /// Messages received ahead of their receive: (peer, tag) -> (pointer, bytes).
     stash: HashMap<(usize, u64), (u64, usize)>,
+    /// A fault to inject in this process (`SHARDC_FAULT=RANK:INSTRUCTION:KIND`, one process
+    /// of a multi-process run): how the others end when one fails.
+    fault: Option<crate::cpu::Fault>,
 }
 
 /// Device copies of some buffers of every local rank: values a pipeline keeps from one
@@ -264,8 +267,9 @@ impl CudaExecutor {
             Comm::Emulated(w) => Some(nccl::Comms::emulated(w.clone(), &mesh)),
             Comm::None => None,
         };
+        let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new() })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), fault })
     }
 
     /// The program.
@@ -445,6 +449,9 @@ impl CudaExecutor {
     /// message has not been sent yet; returns how many were left (0: all ran).
     pub fn run_until_blocked(&mut self, indices: &[usize]) -> Result<usize, RuntimeError> {
         for (done, &index) in indices.iter().enumerate() {
+            if let Some(f) = self.fault.filter(|f| f.instruction == index) {
+                self.inject(f)?;
+            }
             let op = self.program.instrs[index].op.as_str();
             if matches!(op, "shard.send" | "shard.recv") {
                 let ran = self.point_to_point(index).map_err(|e| {
@@ -580,6 +587,27 @@ impl CudaExecutor {
     /// (transfer tag without the step, bytes); see `expected`.
     pub fn expect_receives(&mut self, step: u64, order: &HashMap<usize, Vec<(u64, usize)>>) {
         self.expected = order.iter().map(|(&peer, sends)| (peer, sends.iter().map(|&(tag, bytes)| ((step << 36) | tag, bytes)).collect())).collect();
+    }
+
+    /// Fails as `fault` says, at its instruction.
+    fn inject(&self, fault: crate::cpu::Fault) -> Result<(), RuntimeError> {
+        use crate::cpu::FaultKind;
+        let instr = &self.program.instrs[fault.instruction];
+        let (rank, at) = (self.ranks[0].rank, format!("instruction {} (`{}` at {})", fault.instruction, instr.op, instr.loc));
+        let fail = |message: &str| RuntimeError::Kernel { index: fault.instruction, op: instr.op.clone(), loc: instr.loc.clone(), message: message.into() };
+        match fault.kind {
+            FaultKind::Panic => panic!("injected fault: rank {rank} panics at {at}"),
+            FaultKind::Kernel => Err(fail("injected kernel failure (SHARDC_FAULT)")),
+            FaultKind::Hang => {
+                // Silent until the others give up on this process (emulated: the world's abort
+                // flag; under NCCL, for ever, as a hung GPU would be).
+                let abort = self.nccl.as_ref().and_then(|c| c.abort_flag());
+                while !abort.as_ref().is_some_and(|a| a.load(std::sync::atomic::Ordering::SeqCst)) {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(fail("hung (injected) and was stopped once the other processes gave up on it"))
+            }
+        }
     }
 
     fn call(&self, index: usize, local: usize, call: &DeviceCall) -> Result<(), RuntimeError> {

@@ -136,6 +136,14 @@ impl EmulatedWorld {
     pub fn size(&self) -> usize {
         self.size
     }
+
+    /// The world's abort flag: set when a process fails, every emulated wait ends at once.
+    pub fn abort_flag(&self) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+        match self.comm.lock() {
+            Ok(comm) => comm.abort_flag(),
+            Err(poisoned) => poisoned.into_inner().abort_flag(),
+        }
+    }
 }
 
 impl std::fmt::Debug for EmulatedWorld {
@@ -341,6 +349,14 @@ impl Comms {
                 unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, bytes) }.copy_from_slice(&message[8..]);
                 Ok(())
             }
+        }
+    }
+
+    /// The emulated world's abort flag (none under NCCL).
+    pub fn abort_flag(&self) -> Option<std::sync::Arc<std::sync::atomic::AtomicBool>> {
+        match &self.backend {
+            Backend::Emulated { world, .. } => Some(world.abort_flag()),
+            Backend::Nccl { .. } => None,
         }
     }
 
