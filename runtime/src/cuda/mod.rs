@@ -156,8 +156,14 @@ pub struct CudaExecutor {
     /// A receive that is not the next one its peer sends first takes the ones before it
     /// into `stash`, where their own receives find them.
     expected: HashMap<usize, std::collections::VecDeque<(u64, usize)>>,
-    /// Messages received ahead of their receive: (peer, tag) -> (pointer, bytes).
+    /// Messages received ahead of their receive: (peer, tag) -> (pointer, bytes); and stash
+    /// buffers free to reuse (a buffer is refilled only by a later receive on the compute
+    /// stream, after the copy out of it: no synchronisation mid-step).
     stash: HashMap<(usize, u64), (u64, usize)>,
+    stash_free: Vec<(u64, usize)>,
+    /// Transfers between two chunks of this process's own pipeline rank (interleaved
+    /// schedules' step sections): tag -> the sent copy (pointer, bytes), a device copy.
+    to_self: HashMap<u64, (u64, usize)>,
     /// A fault to inject in this process (`SHARDC_FAULT=RANK:INSTRUCTION:KIND`, one process
     /// of a multi-process run): how the others end when one fails.
     fault: Option<crate::cpu::Fault>,
@@ -183,7 +189,7 @@ impl Drop for CudaExecutor {
         pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));
         pointers.extend(self.send_copies.iter().map(|c| c.0));
         pointers.extend(self.sent_copies.iter().map(|c| c.0));
-        pointers.extend(self.stash.values().map(|c| c.0));
+        pointers.extend(self.stash.values().chain(&self.stash_free).chain(self.to_self.values()).map(|c| c.0));
         for ptr in pointers {
             self.device.free(ptr);
         }
@@ -263,13 +269,20 @@ impl CudaExecutor {
             ranks.push(RankMemory { rank, slots, arena, workspace });
         }
         let nccl = match comm {
-            Comm::Nccl(b) => Some(nccl::Comms::new(b, &program, &mesh)?),
+            Comm::Nccl(b) => {
+                let comms = nccl::Comms::new(b, &program, &mesh)?;
+                let byte = device.alloc(1)?;
+                let connected = comms.connect_pipeline_edges(b.rank, &mesh, byte, device.stream().map(|s| s.as_ref()));
+                device.free(byte);
+                connected?;
+                Some(comms)
+            }
             Comm::Emulated(w) => Some(nccl::Comms::emulated(w.clone(), &mesh)),
             Comm::None => None,
         };
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), fault })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
     }
 
     /// The program.
@@ -507,10 +520,15 @@ impl CudaExecutor {
             let stream = self.device.stream().cloned();
             if !sending {
                 let ptr = self.buffer_ptr(0, buffer);
-                if let Some((stashed, _)) = self.stash.remove(&(peer, tag)) {
-                    self.copy_raw(ptr, stashed, bytes)?;
-                    self.synchronize()?;
-                    self.device.free(stashed);
+                if peer == rank {
+                    let (copy, sent) = self.to_self.remove(&tag).ok_or_else(|| err(format!("rank {rank} receives transfer {transfer} from itself before sending it")))?;
+                    self.copy_raw(ptr, copy, bytes.min(sent))?;
+                    self.sent_copies.push((copy, sent, None));
+                    return Ok(true);
+                }
+                if let Some(stashed) = self.stash.remove(&(peer, tag)) {
+                    self.copy_raw(ptr, stashed.0, bytes)?;
+                    self.stash_free.push(stashed);
                     return Ok(true);
                 }
                 let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
@@ -519,7 +537,10 @@ impl CudaExecutor {
                     if next == tag {
                         break;
                     }
-                    let stashed = self.device.alloc(next_bytes.max(1))?;
+                    let stashed = match self.stash_free.iter().position(|b| b.1 == next_bytes) {
+                        Some(at) => self.stash_free.swap_remove(at).0,
+                        None => self.device.alloc(next_bytes.max(1))?,
+                    };
                     comms.recv(stashed, next_bytes, peer, next, rank, stream.as_deref())?;
                     self.stash.insert((peer, next), (stashed, next_bytes));
                 }
@@ -532,6 +553,11 @@ impl CudaExecutor {
                 None => (self.device.alloc(bytes.max(1))?, bytes, None),
             };
             self.copy_raw(copy, self.buffer_ptr(0, buffer), bytes)?;
+            if peer == rank {
+                // To a chunk of this same pipeline rank: the copy waits for its receive.
+                self.to_self.insert(tag, (copy, bytes));
+                return Ok(true);
+            }
             let done = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?.send(copy, bytes, peer, tag, rank, stream.as_deref())?;
             self.sent_copies.push((copy, bytes, done));
             return Ok(true);

@@ -198,9 +198,12 @@ impl Comms {
         // SAFETY: a fresh communicator handle; every rank calls this with the same id.
         unsafe { nr::comm_init_rank(&mut world, bootstrap.world as i32, id, bootstrap.rank as i32) }.map_err(|e| err(format!("ncclCommInitRank: {e:?}")))?;
         let mut groups = HashMap::new();
-        let mut axis_sets: Vec<Vec<usize>> = program.instrs.iter().filter_map(|i| i.ints("grid_axes").ok()).map(|a| a.iter().map(|&x| x as usize).collect()).collect();
-        axis_sets.sort();
-        axis_sets.dedup();
+        // Every set of grid axes (in ascending order, as the programs name them), whatever
+        // this rank's program uses: every rank must split the world alike, and pipeline
+        // ranks' programs differ (a stage's collectives over dp x tp that another lacks).
+        let _ = program;
+        let axes_count = mesh.0.len();
+        let axis_sets: Vec<Vec<usize>> = (1u32..1 << axes_count).map(|bits| (0..axes_count).filter(|a| bits & (1 << a) != 0).collect()).collect();
         for axes in axis_sets {
             let group = mesh.group(bootstrap.rank, &axes);
             let color = group.iter().copied().min().unwrap_or(0) as i32;
@@ -310,6 +313,7 @@ impl Comms {
                 unsafe { nr::send(ptr as *const _, bytes, ns::ncclDataType_t::ncclUint8, 1, comm, sends.cu_stream() as ns::cudaStream_t) }.map_err(|e| err(format!("ncclSend from rank {rank} to rank {peer}: {e:?}")))?;
                 sends.record_event(None).map(Some).map_err(|e| err(format!("{e:?}")))
             }
+            Backend::Emulated { .. } if peer == rank => Err(err(format!("rank {rank} has no pipeline edge to itself"))),
             Backend::Emulated { world, sequence, .. } => {
                 let k = next_in_sequence(sequence, peer, true)?;
                 // SAFETY: the emulated device's pointers are host addresses of at least
@@ -334,6 +338,7 @@ impl Comms {
                 // memory; in the edge's communicator the sender is 0.
                 unsafe { nr::recv(ptr as *mut _, bytes, ns::ncclDataType_t::ncclUint8, 0, comm, stream.cu_stream() as ns::cudaStream_t) }.map(|_| ()).map_err(|e| err(format!("ncclRecv on rank {rank} from rank {peer}: {e:?}")))
             }
+            Backend::Emulated { .. } if peer == rank => Err(err(format!("rank {rank} has no pipeline edge from itself"))),
             Backend::Emulated { world, sequence, .. } => {
                 let k = next_in_sequence(sequence, peer, false)?;
                 let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
@@ -350,6 +355,36 @@ impl Comms {
                 Ok(())
             }
         }
+    }
+
+    /// Connects every pipeline edge with one byte each way of its communicator, round by
+    /// round as the edges were made (each rank in at most one edge per round, so no round
+    /// waits on another): NCCL connects a pair on its first transfer, and a first send that
+    /// blocks the host mid-step could wait on a peer that waits on this rank. `byte` is one
+    /// byte of device memory.
+    pub fn connect_pipeline_edges(&self, rank: usize, mesh: &MeshShape, byte: u64, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
+        let Backend::Nccl { edges, .. } = &self.backend else { return Ok(()) };
+        let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
+        let s = stream.cu_stream() as ns::cudaStream_t;
+        let rounds = edge_rounds(mesh);
+        let count = rounds.iter().map(|(_, r)| r + 1).max().unwrap_or(0);
+        for round in 0..count {
+            for ((from, to), _) in rounds.iter().filter(|(e, r)| *r == round && (e.0 == rank || e.1 == rank)) {
+                let comm = *edges.get(&(*from, *to)).ok_or_else(|| err(format!("no communicator for the pipeline edge {from} -> {to}")))?;
+                // SAFETY: one byte of this rank's device memory; the pair's other rank makes the
+                // matching call in the same round.
+                let result = unsafe {
+                    if *from == rank {
+                        nr::send(byte as *const _, 1, ns::ncclDataType_t::ncclUint8, 1, comm, s)
+                    } else {
+                        nr::recv(byte as *mut _, 1, ns::ncclDataType_t::ncclUint8, 0, comm, s)
+                    }
+                };
+                result.map_err(|e| err(format!("connecting the pipeline edge {from} -> {to} on rank {rank}: {e:?}")))?;
+                stream.synchronize().map_err(|e| err(format!("{e:?}")))?;
+            }
+        }
+        Ok(())
     }
 
     /// The emulated world's abort flag (none under NCCL).
@@ -558,5 +593,37 @@ impl Drop for Comms {
         }
         // SAFETY: as above.
         let _ = unsafe { nr::comm_destroy(*world) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every pipeline neighbour pair has an edge each way (wrapping around), and no rank is
+    /// in two edges of one round: each round's `ncclCommSplit` pairs ranks, and every rank
+    /// computes the same rounds.
+    #[test]
+    fn pipeline_edges_pair_every_neighbour_both_ways_in_rounds() {
+        for extents in [vec![1, 1, 2], vec![2, 2, 2], vec![2, 1, 4], vec![1, 2, 3], vec![2, 2, 1]] {
+            let mesh = MeshShape(extents.clone());
+            let rounds = edge_rounds(&mesh);
+            let pp = extents[2];
+            let expected = if pp < 2 { 0 } else if pp == 2 { mesh.ranks() } else { 2 * mesh.ranks() };
+            assert_eq!(rounds.len(), expected, "{extents:?}");
+            for ((a, b), _) in &rounds {
+                let (ca, cb) = (mesh.coords(*a), mesh.coords(*b));
+                assert_eq!((ca[0], ca[1]), (cb[0], cb[1]), "{extents:?}: an edge between ranks of other dp or tp coordinates");
+                assert!((ca[2] + 1) % pp == cb[2] || (cb[2] + 1) % pp == ca[2], "{extents:?}: {a} -> {b} are not neighbours");
+                assert!(rounds.iter().any(|((x, y), _)| (x, y) == (b, a)), "{extents:?}: {a} -> {b} has no way back");
+            }
+            for round in 0..rounds.iter().map(|(_, r)| r + 1).max().unwrap_or(0) {
+                let mut seen = std::collections::HashSet::new();
+                for ((a, b), _) in rounds.iter().filter(|(_, r)| *r == round) {
+                    assert!(seen.insert(*a) && seen.insert(*b), "{extents:?}: a rank twice in round {round}");
+                }
+            }
+            assert_eq!(rounds, edge_rounds(&mesh), "the rounds are a function of the mesh");
+        }
     }
 }
