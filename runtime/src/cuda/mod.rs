@@ -184,6 +184,9 @@ pub struct HoldId(usize);
 
 impl Drop for CudaExecutor {
     fn drop(&mut self) {
+        // The communicators go first: freeing memory synchronises the device, which must not
+        // wait on a transfer to a peer that failed.
+        drop(self.nccl.take());
         let mut pointers: Vec<u64> = self.ranks.iter().flat_map(|r| r.slots.iter().map(|s| s.0).chain([r.arena.0, r.workspace.0])).filter(|&p| p != 0).collect();
         pointers.extend(self.staging.map(|s| s.0));
         pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));

@@ -587,12 +587,15 @@ fn emulated_call<T: crate::collectives::Elem + Default>(call: Call, comm: &mut c
 impl Drop for Comms {
     fn drop(&mut self) {
         let Backend::Nccl { world, groups, edges, .. } = &self.backend else { return };
+        // Aborted rather than destroyed: a destroy waits for operations in flight, which
+        // after a failure may wait on a peer that is gone; a run that ends well has nothing
+        // in flight (every step ends synchronised).
         for comm in groups.values().chain(edges.values()) {
             // SAFETY: communicators this struct created.
-            let _ = unsafe { nr::comm_destroy(*comm) };
+            let _ = unsafe { nr::comm_abort(*comm) };
         }
         // SAFETY: as above.
-        let _ = unsafe { nr::comm_destroy(*world) };
+        let _ = unsafe { nr::comm_abort(*world) };
     }
 }
 
