@@ -510,6 +510,15 @@ fn report_losses(args: &RunArgs, first_step: u64, losses: &[f64]) {
     }
 }
 
+/// Whether two spec values of a manifest and a run are the same: numbers by value (a
+/// manifest rewritten by a JSON tool may write `10000.0` as `10000`), anything else exactly.
+fn same_value(a: Option<&serde_json::Value>, b: Option<&serde_json::Value>) -> bool {
+    match (a, b) {
+        (Some(serde_json::Value::Number(x)), Some(serde_json::Value::Number(y))) => x == y || x.as_f64().zip(y.as_f64()).is_some_and(|(x, y)| x == y),
+        _ => a == b,
+    }
+}
+
 /// Checkpoint and resume settings of a run.
 struct Checkpoints {
     dir: Option<PathBuf>,
@@ -599,7 +608,7 @@ impl Checkpoints {
             (serde_json::Value::Object(saved), serde_json::Value::Object(now)) => saved
                 .keys()
                 .chain(now.keys())
-                .filter(|k| !matches!(k.as_str(), "vocab_multiple" | "dtype") && saved.get(*k) != now.get(*k))
+                .filter(|k| !matches!(k.as_str(), "vocab_multiple" | "dtype") && !same_value(saved.get(*k), now.get(*k)))
                 .map(|k| format!("{k} {} (this run: {})", saved.get(k).map_or("unset".into(), |v| v.to_string()), now.get(k).map_or("unset".into(), |v| v.to_string())))
                 .collect::<std::collections::BTreeSet<_>>()
                 .into_iter()

@@ -1907,7 +1907,8 @@ fn logits_refuse_token_ids_outside_the_real_vocabulary() {
 /// `model.vocab_multiple` nor `model.dtype` makes it another model: a run resumes under
 /// another padding with the uninterrupted losses, an f32 checkpoint resumes in bf16 (each
 /// master starts as its parameter), and a bf16 checkpoint resumes in f32 from the masters,
-/// not from the bf16-rounded parameters. A real change of model is refused by field.
+/// not from the bf16-rounded parameters. Spec numbers compare by value (`256` and `256.0`).
+/// A real change of model is refused by field.
 #[test]
 fn checkpoints_resume_under_another_padding_and_precision() {
     let dir = tempdir("precision");
@@ -1923,6 +1924,14 @@ fn checkpoints_resume_under_another_padding_and_precision() {
     let resumed = losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "8", "--resume", ckpt.to_str().unwrap()]));
     assert_eq!(resumed.keys().copied().collect::<Vec<_>>(), (5..=8).collect::<Vec<u64>>());
     assert_same_losses(&uninterrupted, &resumed, "resumed with another vocab_multiple");
+    // The manifest rewritten by a JSON tool that writes integers as floats (`256.0`) is the
+    // same model.
+    let manifest = ckpt.join("step-00000004/manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap().replace("\"vocab\": 256", "\"vocab\": 256.0").replace("\"layers\": 2", "\"layers\": 2.0");
+    assert!(text.contains("256.0") && text.contains("2.0"), "{text}");
+    std::fs::write(&manifest, text).unwrap();
+    let rewritten = losses_by_step(&run("models/tiny.toml", &["--mesh", "tp=2", "--steps", "8", "--resume", ckpt.to_str().unwrap()]));
+    assert_same_losses(&uninterrupted, &rewritten, "resumed from a manifest whose integers became floats");
     // f32 -> bf16.
     let ckpt = dir.join("f32");
     losses_by_step(&run("models/tiny.toml", &["--steps", "4", "--checkpoint", ckpt.to_str().unwrap()]));
