@@ -1006,8 +1006,9 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     let timeout = std::time::Duration::from_secs(args.timeout.max(1));
     if let Ok(text) = std::env::var("SHARDC_EMULATE_PROCESSES") {
         let processes: usize = text.trim().parse().ok().filter(|&n| n >= 1).ok_or_else(|| miette!(help = "give the number of processes, the mesh's ranks", "SHARDC_EMULATE_PROCESSES={text}: not a positive number"))?;
-        if !emulating_the_gpu() || std::env::var_os("RANK").is_some() {
-            return Err(miette!(help = "set SHARDC_GPU_EMULATE=1 and leave RANK and WORLD_SIZE unset", "SHARDC_EMULATE_PROCESSES={text}: emulated processes run on emulated devices, as threads of this process"));
+        // (`check_backend` has refused it outside an emulated GPU run.)
+        if std::env::var_os("RANK").is_some() {
+            return Err(miette!(help = "leave RANK and WORLD_SIZE unset", "SHARDC_EMULATE_PROCESSES={text}: emulated processes are threads of this process, not processes of a torchrun world"));
         }
         if processes != mesh.ranks() as usize {
             return Err(miette!(help = format!("set SHARDC_EMULATE_PROCESSES={}", mesh.ranks()), "SHARDC_EMULATE_PROCESSES={processes}: the mesh {mesh} has {} ranks, one per process", mesh.ranks()));
@@ -1062,7 +1063,7 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
     run_cuda_process(args, spec, mesh, placement)
 }
 
-/// Sets the emulated world's abort flag when dropped (unless forgotten).
+/// Sets the emulated world's abort flag when dropped (unless disarmed: its flag taken).
 #[cfg(feature = "cuda")]
 struct AbortOnDrop(Option<std::sync::Arc<std::sync::atomic::AtomicBool>>);
 

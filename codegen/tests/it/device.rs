@@ -302,6 +302,37 @@ mod emulated {
         })
     }
 
+    /// Trains `programs` (one step, or one per pipeline rank) for `steps` in one emulated
+    /// process per rank and checks every process against the CPU backend's `cpu_losses` and
+    /// global `cpu_parameters`: its losses to 1e-5, and the shards it holds to 1e-4.
+    fn processes_equal_the_cpu(what: &str, programs: &[Program], spec: &shardc_ir::spec::Spec, steps: u64, cpu_losses: &[f64], cpu_parameters: &[(String, Vec<usize>, Vec<f64>)]) {
+        let grid = shardc_runtime::collectives::MeshShape(programs[0].mesh.clone());
+        let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = in_processes(grid.ranks(), |rank, placement| {
+            let mut trainer = cuda::CudaTrainer::new(programs, &placement, 0, spec.model.layers as usize, None).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}"));
+            assert!(!trainer.holds_every_rank() || grid.ranks() == 1);
+            let corpus = corpus(spec);
+            let losses = (0..steps).map(|_| trainer.step(&corpus).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}")).0).collect();
+            (losses, trainer.parameter_shards().unwrap())
+        });
+        for (rank, (losses, shards)) in runs.iter().enumerate() {
+            for (step, (c, g)) in cpu_losses.iter().zip(losses).enumerate() {
+                assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} rank {rank} step {}: CPU loss {c}, process {g}", step + 1);
+            }
+            assert!(!shards.is_empty(), "{what} rank {rank}: no parameters");
+            let program = &programs[if programs.len() == 1 { 0 } else { grid.coords(rank)[2] }];
+            for (held, param, values) in shards {
+                assert_eq!(*held, rank, "{what}: a process holds rank {held}'s shards");
+                let (_, _, global) = cpu_parameters.iter().find(|(n, _, _)| n == param).unwrap();
+                let expected = match &program.arg(param).unwrap().layout {
+                    Some(layout) => shardc_runtime::layout::local_shard(global, layout, &grid, rank),
+                    None => global.clone(),
+                };
+                let rel = relative(&expected, values);
+                assert!(rel <= 1e-4, "{what} rank {rank}: `{param}` differs by {rel:.2e} after {steps} steps");
+            }
+        }
+    }
+
     fn corpus(spec: &shardc_ir::spec::Spec) -> ByteCorpus {
         ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap()
     }
@@ -455,30 +486,7 @@ mod emulated {
                 let corpus = corpus(&spec);
                 let layers = spec.model.layers as usize;
                 let cpu = shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, STEPS, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
-                let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = in_processes(mesh.ranks() as usize, |rank, placement| {
-                    let mut trainer = cuda::CudaTrainer::new(&programs, &placement, 0, layers, None).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}"));
-                    let losses = (0..STEPS).map(|_| trainer.step(&corpus).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}")).0).collect();
-                    (losses, trainer.parameter_shards().unwrap())
-                });
-                let grid = shardc_runtime::collectives::MeshShape(programs[0].mesh.clone());
-                for (rank, (losses, shards)) in runs.iter().enumerate() {
-                    for (step, (c, g)) in cpu.losses.iter().zip(losses).enumerate() {
-                        assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} rank {rank} step {}: CPU loss {c}, process {g}", step + 1);
-                    }
-                    let program = &programs[grid.coords(rank)[2]];
-                    assert!(!shards.is_empty(), "{what} rank {rank}");
-                    for (held, param, values) in shards {
-                        assert_eq!(*held, rank);
-                        let (_, _, global) = cpu.parameters.iter().find(|(n, _, _)| n == param).unwrap();
-                        let arg = program.arg(param).unwrap();
-                        let expected = match &arg.layout {
-                            Some(layout) => shardc_runtime::layout::local_shard(global, layout, &grid, rank),
-                            None => global.clone(),
-                        };
-                        let rel = relative(&expected, values);
-                        assert!(rel <= 1e-4, "{what} rank {rank}: `{param}` differs by {rel:.2e} after {STEPS} steps");
-                    }
-                }
+                processes_equal_the_cpu(&what, &programs, &spec, STEPS, &cpu.losses, &cpu.parameters);
             }
         }
     }
@@ -553,31 +561,7 @@ mod emulated {
             let (program, spec) = compile(name, mesh, zero, sequence_parallel, buckets);
             let layers = spec.model.layers as usize;
             let cpu = shardc_runtime::train::train_spmd(&program, 0, layers, &corpus(&spec), STEPS, std::time::Duration::from_secs(60)).unwrap();
-            let runs: Vec<(Vec<f64>, Vec<(usize, String, Vec<f64>)>)> = in_processes(mesh.ranks() as usize, |rank, placement| {
-                let mut trainer = cuda::CudaTrainer::new(std::slice::from_ref(&program), &placement, 0, layers, None).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                assert!(!trainer.holds_every_rank());
-                let corpus = corpus(&spec);
-                let losses = (0..STEPS).map(|_| trainer.step(&corpus).unwrap_or_else(|e| panic!("rank {rank}: {e}")).0).collect();
-                (losses, trainer.parameter_shards().unwrap())
-            });
-            for (rank, (losses, parameters)) in runs.iter().enumerate() {
-                for (step, (c, g)) in cpu.losses.iter().zip(losses).enumerate() {
-                    assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} rank {rank} step {}: CPU loss {c}, process {g}", step + 1);
-                }
-                assert!(!parameters.is_empty(), "{what} rank {rank}: no parameters");
-                let grid = shardc_runtime::collectives::MeshShape(program.mesh.clone());
-                for (held, name_p, values) in parameters {
-                    assert_eq!(*held, rank, "{what}: a process holds rank {held}'s shards");
-                    let (_, _, global) = cpu.parameters.iter().find(|(n, _, _)| n == name_p).unwrap();
-                    let arg = program.arg(name_p).unwrap();
-                    let expected = match &arg.layout {
-                        Some(layout) => shardc_runtime::layout::local_shard(global, layout, &grid, rank),
-                        None => global.clone(),
-                    };
-                    let rel = relative(&expected, values);
-                    assert!(rel <= 1e-4, "{what} rank {rank}: `{name_p}` differs by {rel:.2e} after {STEPS} steps");
-                }
-            }
+            processes_equal_the_cpu(&what, std::slice::from_ref(&program), &spec, STEPS, &cpu.losses, &cpu.parameters);
         }
     }
 

@@ -273,7 +273,7 @@ impl CudaExecutor {
         }
         let nccl = match comm {
             Comm::Nccl(b) => {
-                let comms = nccl::Comms::new(b, &program, &mesh)?;
+                let comms = nccl::Comms::new(b, &mesh)?;
                 let byte = device.alloc(1)?;
                 let connected = comms.connect_pipeline_edges(b.rank, &mesh, byte, device.stream().map(|s| s.as_ref()));
                 device.free(byte);

@@ -11,7 +11,7 @@ use cudarc::driver::CudaStream;
 use cudarc::nccl::{result as nr, sys as ns};
 
 use crate::collectives::MeshShape;
-use crate::program::{Attr, Buffer, Instr, Program};
+use crate::program::{Attr, Buffer, Instr};
 use crate::{DType, RuntimeError};
 
 fn err(message: impl Into<String>) -> RuntimeError {
@@ -187,8 +187,9 @@ enum Call {
 }
 
 impl Comms {
-    /// Joins the world and splits a communicator off for every axis set `program` uses.
-    pub fn new(bootstrap: &Bootstrap, program: &Program, mesh: &MeshShape) -> Result<Comms, RuntimeError> {
+    /// Joins the world, splits a communicator off for every set of the mesh's grid axes,
+    /// and makes the two-rank communicators of the pipeline edges.
+    pub fn new(bootstrap: &Bootstrap, mesh: &MeshShape) -> Result<Comms, RuntimeError> {
         // SAFETY: only dlopens the library.
         if !unsafe { ns::is_culib_present() } {
             return Err(err("NCCL (libnccl.so) was not found: put pip's nvidia-nccl on LD_LIBRARY_PATH with a libnccl.so symlink to libnccl.so.2"));
@@ -201,7 +202,6 @@ impl Comms {
         // Every set of grid axes (in ascending order, as the programs name them), whatever
         // this rank's program uses: every rank must split the world alike, and pipeline
         // ranks' programs differ (a stage's collectives over dp x tp that another lacks).
-        let _ = program;
         let axes_count = mesh.0.len();
         let axis_sets: Vec<Vec<usize>> = (1u32..1 << axes_count).map(|bits| (0..axes_count).filter(|a| bits & (1 << a) != 0).collect()).collect();
         for axes in axis_sets {
