@@ -415,8 +415,9 @@ pub fn flops(n: f64) -> String {
     format!("{value:.2} {}", units[unit])
 }
 
-/// Collectives of `program` grouped by op and axes, for rank 0: a gradient bucket counts as
-/// the one collective every backend issues for it, not one per member.
+/// Collectives of `program` grouped by op and axes, for rank 0: a bucket counts as the one
+/// collective (an all-reduce) or NCCL group (of gathers or scatters) issued for it, not one
+/// per member.
 fn communication(program: &shardc_runtime::Program) -> Vec<CommSummary> {
     let mut groups: std::collections::BTreeMap<(String, String), (usize, u64)> = std::collections::BTreeMap::new();
     let mut buckets_seen = std::collections::HashSet::new();
@@ -433,8 +434,8 @@ fn communication(program: &shardc_runtime::Program) -> Vec<CommSummary> {
 
 /// One line about a program's device code: launches, fusion, GEMMs, what the runtime issues,
 /// module size. Collectives are counted as the backend issues them: one per instruction
-/// (never a `tensor.empty`, which only allocates) and one per gradient bucket region, not one
-/// per member; sends and receives between pipeline stages apart. A pipeline rank's line
+/// (never a `tensor.empty`, which only allocates), one per gradient bucket region and one per
+/// NCCL group of a bucket of gathers or scatters, not one per member; sends and receives between pipeline stages apart. A pipeline rank's line
 /// names its program.
 pub fn device_line(program: &shardc_runtime::Program) -> Option<String> {
     use shardc_runtime::program::DeviceCall;
@@ -447,7 +448,10 @@ pub fn device_line(program: &shardc_runtime::Program) -> Option<String> {
     let transfers = runtime.iter().filter(|op| matches!(**op, "shard.send" | "shard.recv")).count();
     let per_instruction = runtime.iter().filter(|op| !matches!(**op, "shard.send" | "shard.recv" | "tensor.empty")).count();
     let members: usize = program.memory.buckets.iter().map(|r| r.members.len()).sum();
-    let collectives = per_instruction.saturating_sub(members) + program.memory.buckets.len();
+    // A bucket of asynchronous gathers or scatters goes out as one NCCL group.
+    let grouped: Vec<i64> = program.instrs.iter().filter(|i| i.bool("xf.async") == Ok(true) && matches!(i.op.as_str(), "shard.reduce_scatter" | "shard.all_gather")).filter_map(|i| i.int("xf.bucket").ok()).collect();
+    let groups = grouped.iter().collect::<std::collections::HashSet<_>>().len();
+    let collectives = per_instruction.saturating_sub(members + grouped.len()) + program.memory.buckets.len() + groups;
     let who = if program.pipeline.is_some() { format!("{}: ", program.name) } else { String::new() };
     let transfers = if transfers > 0 { format!(", {transfers} sends and receives") } else { String::new() };
     Some(format!(

@@ -171,6 +171,13 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     let mut w = Walk::default();
     // Bucket -> (staged members' bytes, axes, members left); bucket -> done time.
     let mut staging: BTreeMap<i64, (f64, Vec<usize>, i64)> = BTreeMap::new();
+    // A bucket is one collective of its members' bytes: an all-reduce over the concatenated
+    // gradients, or gathers or scatters launched as one NCCL group (one launch, one latency).
+    let kind_of = |op: &str| match op {
+        "shard.reduce_scatter" => (Collective::ReduceScatter, "reduce_scatter"),
+        "shard.all_gather" => (Collective::AllGather, "all_gather"),
+        _ => (Collective::AllReduce, "all_reduce"),
+    };
     let mut done: BTreeMap<i64, (f64, String)> = BTreeMap::new();
     // Buckets go out on one communication stream (NCCL runs a stream's collectives one after
     // another): a bucket starts when it is complete and the one before it has finished.
@@ -181,13 +188,16 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
             let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
             let members = instr.int("xf.bucket_members").unwrap_or(1);
             let e = staging.entry(bucket).or_insert((0.0, axes, members));
-            e.0 += buffer_type(program, instr.inputs[0]).bytes() as f64;
+            // What `price` counts for the op alone: a gather's whole result, else the input.
+            let counted = if instr.op == "shard.all_gather" { instr.outputs[0] } else { instr.inputs[0] };
+            e.0 += buffer_type(program, counted).bytes() as f64;
             e.2 -= 1;
             if e.2 <= 0 {
                 let (b, axes, _) = staging.remove(&bucket).unwrap_or_default();
-                let t = cluster.time(Collective::AllReduce, b, &grid, &axes);
+                let (collective, name) = kind_of(&instr.op);
+                let t = cluster.time(collective, b, &grid, &axes);
                 w.communication += t;
-                *w.breakdown.entry(format!("all_reduce {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
+                *w.breakdown.entry(format!("{name} {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
                 let start = w.clock.max(stream_free);
                 stream_free = start + t;
                 done.insert(bucket, (stream_free, axis_names(&axes)));
@@ -553,12 +563,13 @@ pub fn arena_peak(program: &Program) -> ArenaPeak {
 }
 
 /// Bytes of the members of the program's asynchronous gradient buckets (the outputs of its
-/// `xf.async` all-reduces).
+/// `xf.async` all-reduces). Asynchronous gathers and scatters read and write their own
+/// buffers, which the memory plan keeps alive until their wait: they are in `temporaries`.
 fn bucket_bytes(program: &Program) -> f64 {
     program
         .instrs
         .iter()
-        .filter(|i| i.bool("xf.async").unwrap_or(false) && i.int("xf.bucket").is_ok())
+        .filter(|i| i.op == "shard.all_reduce" && i.bool("xf.async").unwrap_or(false) && i.int("xf.bucket").is_ok())
         .filter_map(|i| i.outputs.first())
         .map(|&b| program.buffers[b].len() as f64 * program.buffers[b].dtype.bytes() as f64)
         .sum()

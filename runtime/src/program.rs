@@ -647,6 +647,69 @@ impl Program {
         Ok(())
     }
 
+    /// What makes an asynchronous reduce-scatter or all-gather sound (backends issue a
+    /// bucket's members together on the communication stream once its last member is
+    /// reached, and join it at the bucket's first `xf.wait`): it splits dimension 0 (each
+    /// rank's block is contiguous, so no staging buffer is shared with other collectives),
+    /// its bucket has as many such members as each member says, of one op over one set of
+    /// axes, in a program without pipeline sections; a wait of the bucket reads each member's
+    /// output and the first comes after the last member; and until then nothing writes
+    /// storage that a member reads or writes, since the transfer may still be using it.
+    fn check_async_collectives(&self) -> Result<(), String> {
+        let mut buckets: BTreeMap<i64, Vec<usize>> = BTreeMap::new();
+        for (i, instr) in self.instrs.iter().enumerate() {
+            if instr.bool("xf.async") != Ok(true) || instr.op == "shard.all_reduce" {
+                continue;
+            }
+            let axis = match instr.op.as_str() {
+                "shard.reduce_scatter" => "scatter_axis",
+                "shard.all_gather" => "gather_axis",
+                other => return Err(format!("instruction {i} (`{other}` at {}) is marked asynchronous; only all-reduces, reduce-scatters and all-gathers may be", instr.loc)),
+            };
+            if instr.int(axis) != Ok(0) {
+                return Err(format!("instruction {i} (`{}` at {}) is asynchronous along dimension {:?}; only dimension 0 needs no staging", instr.op, instr.loc, instr.int(axis)));
+            }
+            if instr.inputs.len() != 1 || instr.outputs.len() != 1 {
+                return Err(format!("instruction {i} (`{}` at {}) has {} inputs and {} outputs, not one each", instr.op, instr.loc, instr.inputs.len(), instr.outputs.len()));
+            }
+            let bucket = instr.int("xf.bucket").map_err(|e| format!("asynchronous instruction {i} at {}: {e}", instr.loc))?;
+            buckets.entry(bucket).or_default().push(i);
+        }
+        if !buckets.is_empty() && self.pipeline.is_some() {
+            return Err("a pipeline rank's program has asynchronous reduce-scatters or all-gathers; only a program without pipeline sections may".into());
+        }
+        for (bucket, members) in &buckets {
+            let first = &self.instrs[members[0]];
+            for &m in members {
+                let instr = &self.instrs[m];
+                if instr.op != first.op || instr.ints("grid_axes").ok() != first.ints("grid_axes").ok() || instr.int("xf.bucket_members") != Ok(members.len() as i64) {
+                    return Err(format!("bucket {bucket}: instruction {m} (`{}` at {}) is not one of {} `{}` members over one set of axes", instr.op, instr.loc, members.len(), first.op));
+                }
+            }
+            let last = *members.last().unwrap_or(&0);
+            let is_wait = |i: &Instr| i.op == "xf.wait" && i.int("xf.bucket") == Ok(*bucket);
+            if let Some(w) = self.instrs[..last].iter().position(is_wait) {
+                return Err(format!("bucket {bucket}: instruction {w} waits for it before its last member (instruction {last}) is issued"));
+            }
+            let first_wait = self.instrs.iter().position(is_wait).ok_or(format!("bucket {bucket} is never waited for"))?;
+            for &m in members {
+                let (input, output) = (self.instrs[m].inputs[0], self.instrs[m].outputs[0]);
+                if !self.instrs[first_wait..].iter().any(|i| is_wait(i) && i.inputs.first() == Some(&output)) {
+                    return Err(format!("bucket {bucket}: no wait of the bucket reads the output of instruction {m} ({})", self.instrs[m].loc));
+                }
+                for (w, writer) in self.instrs.iter().enumerate().take(first_wait).skip(m + 1) {
+                    if let Some(&o) = writer.outputs.iter().find(|&&o| self.alias(o, input) != Alias::None || self.alias(o, output) != Alias::None) {
+                        return Err(format!(
+                            "bucket {bucket}: instruction {w} (`{}` at {}) writes `{}`, whose storage the transfer of instruction {m} ({}) still uses until instruction {first_wait} waits for it",
+                            writer.op, writer.loc, self.buffers[o].name, self.instrs[m].loc
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn check_memory_totals(&self) -> Result<(), String> {
         let m = &self.memory;
         let mut is_arg = vec![false; self.buffers.len()];
@@ -792,6 +855,9 @@ impl Program {
             }
         }
         if let Err(m) = self.check_bucket_regions() {
+            return bad(m);
+        }
+        if let Err(m) = self.check_async_collectives() {
             return bad(m);
         }
         for b in &self.args {

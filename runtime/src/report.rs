@@ -33,13 +33,15 @@ fn chunk_len(len: usize, n: usize, i: usize) -> usize {
     len / n + usize::from(i < len % n)
 }
 
-/// Every collective of `program` for `rank`. Members of a gradient bucket travel as one
-/// all-reduce of their concatenation, counted at the bucket's last member.
+/// Every collective of `program` for `rank`. Members of an all-reduce bucket travel as one
+/// all-reduce of their concatenation, counted at the bucket's last member; a bucket of
+/// reduce-scatters or all-gathers runs its members' own collectives (in one group), each
+/// counted as itself.
 pub fn comm_records(program: &Program, rank: usize) -> Vec<CommRecord> {
     let mut records = collective_records(program, rank);
     let mut buckets: std::collections::BTreeMap<i64, Vec<usize>> = std::collections::BTreeMap::new();
     for (k, r) in records.iter().enumerate() {
-        if let Ok(b) = program.instrs[r.index].int("xf.bucket") {
+        if let (Ok(b), "shard.all_reduce") = (program.instrs[r.index].int("xf.bucket"), r.op.as_str()) {
             buckets.entry(b).or_default().push(k);
         }
     }

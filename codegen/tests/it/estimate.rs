@@ -265,3 +265,30 @@ fn gradient_buckets_are_priced_one_after_another_on_one_stream() {
     let exposed = e.exposed_communication.get("dp").copied().unwrap_or(0.0);
     assert!(exposed >= bucketed - e.compute_seconds, "exposed {exposed} s of {bucketed} s");
 }
+
+/// ZeRO's buckets are priced as what the backends issue: each reduce-scatter or all-gather
+/// bucket one collective of its members' bytes on the one communication stream (the kind in
+/// the breakdown), overlapping the compute after it; the sum of those equals an independent
+/// pricing of each bucket's members joined.
+#[test]
+fn zero_buckets_are_priced_as_one_collective_each_on_the_stream() {
+    use shardc_ir::cluster::Collective;
+    let program = tiny_dp2("f32", 1, 2048);
+    let cluster = shardc_ir::cluster::Cluster::preset("h100-sxm").unwrap();
+    let model = shardc_codegen::estimate::ModelShape { parameters: 1e5, layers: 2.0, hidden: 64.0, seq: 8.0, tokens_per_step: 32.0 };
+    let e = shardc_codegen::estimate::estimate(std::slice::from_ref(&program), &cluster, model);
+    let grid: Vec<i64> = program.mesh.iter().map(|&x| x as i64).collect();
+    for (op, kind, name) in [("shard.reduce_scatter", Collective::ReduceScatter, "reduce_scatter dp (bucketed)"), ("shard.all_gather", Collective::AllGather, "all_gather dp (bucketed)")] {
+        let mut bytes: std::collections::BTreeMap<i64, f64> = Default::default();
+        for i in program.instrs.iter().filter(|i| i.op == op && i.bool("xf.async") == Ok(true)) {
+            let b = if op == "shard.all_gather" { i.outputs[0] } else { i.inputs[0] };
+            *bytes.entry(i.int("xf.bucket").unwrap()).or_default() += (program.buffers[b].len() * program.buffers[b].dtype.bytes()) as f64;
+        }
+        assert!(bytes.len() >= 2, "{op}: {} buckets", bytes.len());
+        let want: f64 = bytes.values().map(|&b| cluster.time(kind, b, &grid, &[0])).sum();
+        let got = e.breakdown.get(name).copied().unwrap_or(0.0);
+        assert!((got - want).abs() <= 1e-12 + 1e-9 * want, "{name}: {got} s priced, {want} s from the buckets");
+        // Not also priced as the members' own collectives.
+        assert!(!e.breakdown.contains_key(&name.replace(" (bucketed)", "")), "{:?}", e.breakdown.keys());
+    }
+}

@@ -295,6 +295,71 @@ fn edited_bucket_regions_are_refused() {
     });
 }
 
+/// ZeRO's asynchronous reduce-scatters read their input on the communication stream until
+/// their bucket's wait: the memory plan keeps every member's input alive until then, and a
+/// plan edited so that something overwrites it in flight, that splits another dimension, or
+/// that miscounts or never waits for a bucket is refused when loaded.
+#[test]
+fn async_scatter_inputs_live_until_their_wait_and_edits_are_refused() {
+    use shardc_ir::mesh::Mesh;
+    use shardc_runtime::program::Attr;
+    let mut spec = spec_with_dtype("tiny", "f32");
+    spec.training.micro_batch = 4;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, zero: 2, grad_bucket_bytes: 4096, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap();
+    program.validate().unwrap();
+    let scatters: Vec<usize> = (0..program.instrs.len()).filter(|&i| program.instrs[i].op == "shard.reduce_scatter" && program.instrs[i].bool("xf.async") == Ok(true)).collect();
+    assert!(scatters.len() > 10, "{} async scatters", scatters.len());
+    // Independently of the validator: nothing between a member and its bucket's first wait
+    // writes storage the member's input occupies.
+    for &m in &scatters {
+        let bucket = program.instrs[m].int("xf.bucket").unwrap();
+        let wait = program.instrs.iter().position(|i| i.op == "xf.wait" && i.int("xf.bucket") == Ok(bucket)).unwrap();
+        let input = program.instrs[m].inputs[0];
+        for w in m + 1..wait {
+            for &o in &program.instrs[w].outputs {
+                assert_eq!(program.alias(o, input), shardc_runtime::program::Alias::None, "instruction {w} overwrites the input of {m} in flight");
+            }
+        }
+    }
+    let refused = |what: &str, edit: &dyn Fn(&mut Program)| {
+        let mut p = program.clone();
+        edit(&mut p);
+        let e = p.validate().expect_err(what).to_string();
+        assert!(e.contains("bucket") || e.contains("asynchronous"), "{what}: {e}");
+    };
+    let first = scatters[0];
+    refused("another dimension", &|p| {
+        p.instrs[first].attrs.insert("scatter_axis".into(), Attr::Int(1));
+    });
+    refused("a miscounted bucket", &|p| {
+        p.instrs[first].attrs.insert("xf.bucket_members".into(), Attr::Int(99));
+    });
+    refused("a bucket never waited for", &|p| {
+        let bucket = p.instrs[first].int("xf.bucket").unwrap();
+        for i in p.instrs.iter_mut().filter(|i| i.op == "xf.wait" && i.int("xf.bucket") == Ok(bucket)) {
+            i.attrs.insert("xf.bucket".into(), Attr::Int(-7));
+        }
+    });
+    refused("an input overwritten in flight", &|p| {
+        // The next kernel after the member writes into the member's input.
+        let input = p.instrs[first].inputs[0];
+        let writer = (first + 1..p.instrs.len()).find(|&w| !p.instrs[w].op.starts_with("shard.") && !p.instrs[w].outputs.is_empty()).unwrap();
+        let out = p.instrs[writer].outputs[0];
+        p.buffers[out].slot = p.buffers[input].slot;
+        if let (Some(a), Some(_)) = (p.memory.offsets.get(input).copied().flatten(), p.memory.offsets.get(out)) {
+            p.memory.offsets[out] = Some(a);
+        }
+    });
+    refused("an async op that is not a collective", &|p| {
+        let update = p.instrs.iter().position(|i| i.op == "xf.adamw").unwrap();
+        p.instrs[update].attrs.insert("xf.async".into(), Attr::Bool(true));
+    });
+}
+
 /// comm-opt's bucketed pairs (awaited at once, early in the backward) may share storage with
 /// the step's gradient buckets, which live to the end of the step: regions that are never
 /// alive together are accepted, as the arena placed them (tiny at dp=2, tp=2 overlaps a

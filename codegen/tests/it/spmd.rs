@@ -384,3 +384,42 @@ fn initial_parameters_do_not_depend_on_the_mesh() {
         }
     }
 }
+
+/// ZeRO's gradient reduce-scatters and gathers of updated shards go out asynchronously in
+/// buckets (several, at 1 KiB) on the CPU backend's communication thread, and the run still
+/// equals one device: losses and every parameter, at every stage; the bytes sent equal the
+/// report's count of the program's collectives.
+#[test]
+fn zero_buckets_are_async_and_equal_single_device() {
+    let spec = {
+        let mut s = crate::common::spec_with_dtype("tiny", "f32");
+        s.training.micro_batch = 4;
+        s
+    };
+    let corpus = corpus(&spec);
+    let (single, _) = compile_with("tiny", Mesh::default(), 0, ADAMW, false);
+    let mut trainer = Trainer::new(single, 5, 2).unwrap();
+    let reference: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
+    let parameters = trainer.parameters().unwrap();
+    for zero in [1u8, 2, 3] {
+        let mut module = model(&spec);
+        let options = CompileOptions { optimizer: ADAMW, mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: 256, kv_heads: 4, zero, grad_bucket_bytes: 1024, ..Default::default() };
+        let cx = shardc_ir::mlir::IrContext::new().unwrap();
+        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap();
+        let buckets = |op: &str| program.instrs.iter().filter(|i| i.op == op && i.bool("xf.async") == Ok(true)).filter_map(|i| i.int("xf.bucket").ok()).collect::<std::collections::BTreeSet<i64>>().len();
+        assert!(buckets("shard.reduce_scatter") > 2, "ZeRO-{zero}: {} scatter buckets", buckets("shard.reduce_scatter"));
+        // ZeRO-3 keeps parameters sharded: nothing to gather after the update.
+        assert_eq!(buckets("shard.all_gather") > 2, zero < 3, "ZeRO-{zero}: {} gather buckets", buckets("shard.all_gather"));
+        let run = train_spmd(&program, 5, 2, &corpus, STEPS, Duration::from_secs(30)).unwrap();
+        for (a, b) in reference.iter().zip(&run.losses) {
+            assert!((a - b).abs() <= TOLERANCE * a.abs(), "ZeRO-{zero}: {a} vs {b}");
+        }
+        for ((name, _, a), (_, _, b)) in parameters.iter().zip(&run.parameters) {
+            let a: Vec<f64> = a.iter().map(|&x| x as f64).collect();
+            assert!(rel(&a, b) <= TOLERANCE, "ZeRO-{zero}: parameter {name} differs by {:e}", rel(&a, b));
+        }
+        let expected: u64 = shardc_runtime::report::comm_records(&program, 0).iter().map(|r| r.bytes).sum::<u64>() * STEPS;
+        assert_eq!(run.bytes_sent[0].values().sum::<u64>(), expected, "ZeRO-{zero}");
+    }
+}

@@ -1,17 +1,28 @@
-//! `bucket-gradients`: data-parallel gradient synchronisation in buckets, asynchronously.
+//! `bucket-gradients`: data-parallel gradient synchronisation (and ZeRO's gathers of the
+//! updated shards) in buckets, asynchronously.
 //!
-//! Input: a partitioned training step. Output: every all-reduce over `dp` alone whose result
-//! an optimizer update reads (a gradient's data-parallel sum) is marked `xf.async`, with
-//! `xf.bucket` = its bucket and `xf.bucket_members` = the bucket's size. Buckets fill in the
-//! order the gradients become ready, up to `bucket_bytes` each, so a bucket can be sent the
-//! moment its last gradient exists while the backward pass goes on. Each update then reads
-//! `xf.wait` of its gradient, and the waits and updates move to the end of the step, as in
-//! PyTorch's DDP (the gradients stay alive until then). Backends send a bucket as one
-//! collective over the concatenated gradients.
+//! Input: a partitioned training step. Output: every collective over `dp` alone of one of
+//! three kinds is marked `xf.async`, with `xf.bucket` = its bucket and `xf.bucket_members` =
+//! the bucket's size:
+//! - an all-reduce whose result an optimizer update reads (a gradient's data-parallel sum);
+//! - a reduce-scatter along dimension 0 whose result an update reads (ZeRO's gradient
+//!   shard);
+//! - an all-gather along dimension 0 of what an update writes (ZeRO-1/2 gathering the
+//!   updated shard back into the whole parameter).
+//!
+//! Buckets hold one kind each and fill in the order the values become ready, up to
+//! `bucket_bytes` (of the collective's larger side), so a bucket can be sent the moment its
+//! last member exists while compute goes on. Each reader then reads `xf.wait` of the value.
+//! The gradient waits and the updates move to the end of the step, as in PyTorch's DDP (the
+//! gradients stay alive until then); a gather is issued right after the update it gathers,
+//! so it overlaps the updates after it, and is waited for where it is first read (the step's
+//! results). Backends send an all-reduce bucket as one collective over the concatenated
+//! gradients and a reduce-scatter or all-gather bucket as its members in one group (one
+//! NCCL launch); dimension 0 keeps each member's blocks contiguous, so none needs staging.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use shardc_ir::{AttrValue, Attrs, Module, Op, Value};
+use shardc_ir::{AttrValue, Attrs, Func, Module, Op, Value};
 
 use crate::{Changed, Pass, PassError};
 
@@ -20,6 +31,83 @@ use crate::{Changed, Pass, PassError};
 pub struct BucketGradients {
     /// Largest bucket, in bytes.
     pub bucket_bytes: u64,
+}
+
+/// What an asynchronous collective of this pass does.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Kind {
+    /// A gradient's sum over dp.
+    GradientSum,
+    /// A gradient's ZeRO shard: its sum over dp, scattered along dimension 0.
+    GradientShard,
+    /// An updated ZeRO shard gathered back into the parameter along dimension 0.
+    ParameterGather,
+}
+
+fn is_update(op: &Op) -> bool {
+    op.name == "xf.adamw" || op.name == "xf.sgd"
+}
+
+fn dp_only(op: &Op) -> bool {
+    matches!(op.attrs.get("grid_axes"), Some(AttrValue::Raw(a)) if a == "array<i16: 0>")
+}
+
+fn along_dimension_0(op: &Op, attr: &str) -> bool {
+    matches!(op.attrs.get(attr), Some(AttrValue::Raw(a)) if a.split(':').next().map(str::trim) == Some("0"))
+}
+
+/// The collectives of `func` this pass makes asynchronous, in program order, with their kind.
+fn candidates(func: &Func) -> Vec<(usize, Kind)> {
+    let grad_of_update: HashSet<Value> = func.ops.iter().filter(|o| is_update(o)).map(|o| o.operands[1]).collect();
+    let written_by_update: HashSet<Value> = func.ops.iter().filter(|o| is_update(o)).flat_map(|o| o.results.first().copied()).collect();
+    (0..func.ops.len())
+        .filter_map(|i| {
+            let op = &func.ops[i];
+            if op.attrs.get("xf.async").is_some() || !dp_only(op) {
+                return None;
+            }
+            let kind = match op.name.as_str() {
+                "shard.all_reduce" if grad_of_update.contains(&op.results[0]) => Kind::GradientSum,
+                "shard.reduce_scatter" if grad_of_update.contains(&op.results[0]) && along_dimension_0(op, "scatter_axis") => Kind::GradientShard,
+                "shard.all_gather" if written_by_update.contains(&op.operands[0]) && along_dimension_0(op, "gather_axis") => Kind::ParameterGather,
+                _ => return None,
+            };
+            Some((i, kind))
+        })
+        .collect()
+}
+
+/// Which ops of `ops` move to the end of the step: those reading a synced gradient
+/// (`gradient_values`), what reads their results, and every member and wait of an existing
+/// bucket one of whose ops moves (with what reads those), until nothing changes.
+fn moved_ops(ops: &[Op], gradient_values: &HashSet<Value>) -> Vec<bool> {
+    let bucket = |op: &Op| match op.attrs.get("xf.bucket") {
+        Some(AttrValue::Int(b)) => Some(*b),
+        _ => None,
+    };
+    let mut moves = vec![false; ops.len()];
+    loop {
+        let mut values: HashSet<Value> = gradient_values.clone();
+        let mut buckets: HashSet<i64> = HashSet::new();
+        for (i, op) in ops.iter().enumerate() {
+            if moves[i] {
+                values.extend(op.results.iter().copied());
+                buckets.extend(bucket(op));
+            }
+        }
+        let mut changed = false;
+        for (i, op) in ops.iter().enumerate() {
+            if !moves[i] && (op.operands.iter().any(|v| values.contains(v)) || bucket(op).is_some_and(|b| buckets.contains(&b))) {
+                moves[i] = true;
+                values.extend(op.results.iter().copied());
+                buckets.extend(bucket(op));
+                changed = true;
+            }
+        }
+        if !changed {
+            return moves;
+        }
+    }
 }
 
 impl Pass for BucketGradients {
@@ -31,73 +119,112 @@ impl Pass for BucketGradients {
         let Some(func) = module.funcs.iter_mut().find(|f| f.name == "train_step") else {
             return Ok(Changed::No);
         };
-        let is_update = |op: &Op| op.name == "xf.adamw" || op.name == "xf.sgd";
-        // Gradient syncs: dp-only all-reduces whose result is an update's gradient.
-        let grad_of_update: std::collections::HashSet<Value> = func.ops.iter().filter(|o| is_update(o)).map(|o| o.operands[1]).collect();
-        let syncs: Vec<usize> = (0..func.ops.len())
-            .filter(|&i| {
-                let op = &func.ops[i];
-                op.name == "shard.all_reduce"
-                    && op.attrs.get("xf.async").is_none()
-                    && matches!(op.attrs.get("grid_axes"), Some(AttrValue::Raw(a)) if a == "array<i16: 0>")
-                    && grad_of_update.contains(&op.results[0])
-            })
-            .collect();
-        if syncs.is_empty() {
+        let found = candidates(func);
+        if found.is_empty() {
             return Ok(Changed::No);
         }
-        // Fill buckets in program order (the order gradients become ready).
-        let mut bucket_of: Vec<(usize, usize)> = Vec::new();
-        let (mut bucket, mut filled) = (0usize, 0u64);
-        for &i in &syncs {
-            let bytes = func.tensor(func.ops[i].results[0]).map_or(0, |t| t.bytes());
-            if filled > 0 && filled + bytes > self.bucket_bytes {
-                bucket += 1;
-                filled = 0;
+        // Fill buckets in program order (the order values become ready), one open bucket
+        // per kind; a bucket's number is the order in which it was opened.
+        let mut bucket_of: Vec<(usize, Kind, usize)> = Vec::new();
+        let mut open: HashMap<Kind, (usize, u64)> = HashMap::new();
+        let mut buckets = 0usize;
+        for &(i, kind) in &found {
+            let op = &func.ops[i];
+            let bytes = func.tensor(op.operands[0]).map_or(0, |t| t.bytes()).max(func.tensor(op.results[0]).map_or(0, |t| t.bytes()));
+            let entry = open.entry(kind).or_insert_with(|| {
+                buckets += 1;
+                (buckets - 1, 0)
+            });
+            if entry.1 > 0 && entry.1 + bytes > self.bucket_bytes {
+                buckets += 1;
+                *entry = (buckets - 1, 0);
             }
-            filled += bytes;
-            bucket_of.push((i, bucket));
+            entry.1 += bytes;
+            bucket_of.push((i, kind, entry.0));
         }
         let mut members: HashMap<usize, i64> = HashMap::new();
-        for (_, b) in &bucket_of {
+        for (_, _, b) in &bucket_of {
             *members.entry(*b).or_insert(0) += 1;
         }
         let mut waited: HashMap<Value, Value> = HashMap::new();
-        let mut waits = Vec::new();
-        for (i, b) in &bucket_of {
-            let op = &mut func.ops[*i];
+        let mut gradient_waits = Vec::new();
+        let mut gather_waits = Vec::new();
+        for &(i, kind, b) in &bucket_of {
+            let op = &mut func.ops[i];
             op.attrs = std::mem::take(&mut op.attrs)
                 .with("xf.async", AttrValue::Bool(true))
-                .with("xf.bucket", AttrValue::Int(*b as i64))
-                .with("xf.bucket_members", AttrValue::Int(members[b]));
+                .with("xf.bucket", AttrValue::Int(b as i64))
+                .with("xf.bucket_members", AttrValue::Int(members[&b]));
             let (value, loc) = (op.results[0], op.loc.clone());
             func.types.push(func.types[value.0 as usize].clone());
             let wait = Value(func.types.len() as u32 - 1);
-            let attrs = Attrs::new().with("xf.bucket", AttrValue::Int(*b as i64));
-            waits.push(Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs, loc: format!("{loc}.wait") });
+            let attrs = Attrs::new().with("xf.bucket", AttrValue::Int(b as i64));
+            let wait_op = Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs, loc: format!("{loc}.wait") };
+            if kind == Kind::ParameterGather { gather_waits.push(wait_op) } else { gradient_waits.push(wait_op) }
             waited.insert(value, wait);
         }
         // Waits, then what reads the synced gradients (the updates, the global norm's sums
         // of squares) and whatever reads those (a ZeRO gather of the updated shard), at the
         // end of the step, in their order: nothing reads a gradient before its wait.
-        let mut moved_values: std::collections::HashSet<Value> = std::collections::HashSet::new();
-        let (mut updates, rest): (Vec<Op>, Vec<Op>) = func.ops.drain(..).partition(|op| {
-            let moved = op.operands.iter().any(|v| waited.contains_key(v) || moved_values.contains(v));
-            if moved {
-                moved_values.extend(op.results.iter().copied());
+        // An earlier bucket (comm-opt's, of an all-reduce that reads a gradient and one that
+        // does not, say the loss's) moves whole, with its waits: its members go out together.
+        let gradient_values: HashSet<Value> = gradient_waits.iter().map(|w| w.operands[0]).collect();
+        let moves = moved_ops(&func.ops, &gradient_values);
+        let (mut moved, mut rest) = (Vec::new(), Vec::new());
+        for (op, moves) in func.ops.drain(..).zip(moves) {
+            if moves { moved.push(op) } else { rest.push(op) }
+        }
+        // A gather goes right after the update whose result it gathers.
+        let gathered: HashSet<Value> = gather_waits.iter().map(|w| w.operands[0]).collect();
+        let is_gather = |op: &Op| op.results.first().is_some_and(|r| gathered.contains(r));
+        let (gathers, others): (Vec<Op>, Vec<Op>) = rest.into_iter().chain(moved).partition(|op| is_gather(op));
+        let mut gathers_of: HashMap<Value, Vec<Op>> = HashMap::new();
+        for op in gathers {
+            gathers_of.entry(op.operands[0]).or_default().push(op);
+        }
+        let mut ops = Vec::with_capacity(others.len() + gradient_waits.len() * 2);
+        let mut gradient_waits = Some(gradient_waits);
+        for op in others {
+            // The gradient waits come before the first reader of a synced gradient.
+            if op.operands.iter().any(|v| gradient_values.contains(v)) {
+                ops.extend(gradient_waits.take().unwrap_or_default());
             }
-            moved
-        });
-        for op in &mut updates {
+            let results = op.results.clone();
+            ops.push(op);
+            for r in results {
+                ops.extend(gathers_of.remove(&r).unwrap_or_default());
+            }
+        }
+        ops.extend(gradient_waits.take().unwrap_or_default());
+        // A gather whose operand no op made (never the case for an update's result) stays
+        // in the step, after everything.
+        ops.extend(gathers_of.into_values().flatten());
+        // Each gather's wait before its first reader, or at the end when only returned.
+        let mut pending: Vec<Op> = gather_waits;
+        let mut placed = Vec::with_capacity(ops.len() + pending.len());
+        for op in ops {
+            let (now, later): (Vec<Op>, Vec<Op>) = pending.into_iter().partition(|w| op.operands.contains(&w.operands[0]));
+            placed.extend(now);
+            pending = later;
+            placed.push(op);
+        }
+        placed.extend(pending);
+        for op in &mut placed {
+            if op.name == "xf.wait" {
+                continue;
+            }
             for operand in &mut op.operands {
                 if let Some(w) = waited.get(operand) {
                     *operand = *w;
                 }
             }
         }
-        func.ops = rest;
-        func.ops.extend(waits);
-        func.ops.extend(updates);
+        for v in &mut func.returns {
+            if let Some(w) = waited.get(v) {
+                *v = *w;
+            }
+        }
+        func.ops = placed;
         Ok(Changed::Yes)
     }
 }

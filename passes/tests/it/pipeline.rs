@@ -380,3 +380,26 @@ fn full_recomputation_keeps_each_layer_on_one_stage() {
     let on = |stage: &str, prefix: &str| module.func(stage).unwrap().ops.iter().any(|op| op.loc.starts_with(prefix));
     assert!(on("stage0", "layers.0.") && on("stage1", "layers.1.attn") && on("stage1", "layers.1.mlp") && !on("stage0", "layers.1."), "layer 1 is cut between stages");
 }
+
+/// `bucket-gradients` under ZeRO-1 at dp=2 with small buckets: the gradients'
+/// reduce-scatters are asynchronous in buckets of one kind, waited for before the first
+/// update; each gather of an updated shard follows its update and is waited for at the end.
+#[test]
+fn bucket_gradients_on_tiny_gpt_dp2_zero1() {
+    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1 }, vocab: 256, kv_heads: 4, zero: 1, grad_bucket_bytes: 4096, ..Default::default() };
+    let mut module = tiny("tiny");
+    let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
+    let (_, ir) = seen.iter().find(|(pass, _)| pass == "bucket-gradients").expect("bucket-gradients ran");
+    assert_mlir_opt_accepts(ir);
+    let lines: Vec<&str> = ir.lines().collect();
+    let position = |needle: &str| lines.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("no `{needle}` in {ir}"));
+    let scatters = lines.iter().filter(|l| l.contains("shard.reduce_scatter") && l.contains("xf.async = true")).count();
+    let gathers = lines.iter().filter(|l| l.contains("shard.all_gather") && l.contains("xf.async = true")).count();
+    assert!(scatters > 20 && gathers > 20, "{scatters} scatters, {gathers} gathers");
+    // No update before the gradient waits; a gather right after its update.
+    assert!(position("reduce_scatter.wait") < position("\"xf.adamw\""));
+    let update = position("%optimizer.layers.1.mlp.up.weight:3 = \"xf.adamw\"");
+    assert!(lines[update + 1].contains("%return.layers.1.mlp.up.weight.all_gather = shard.all_gather %optimizer.layers.1.mlp.up.weight#0"), "{}", lines[update + 1]);
+    assert!(position("all_gather.wait") > position("%return.final_norm.bias.all_gather = "));
+    insta::assert_snapshot!(ir.to_string());
+}

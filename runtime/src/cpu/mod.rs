@@ -773,13 +773,18 @@ impl InFlight {
     }
 }
 
-/// Puts a gradient bucket on the wire: the staged outputs of its members, concatenated, as
-/// one all-reduce over their group, run by the communication thread while this one goes on.
+/// Puts a bucket on the wire, run by the communication thread while this one goes on: an
+/// all-reduce bucket as the staged outputs of its members, concatenated, in one all-reduce
+/// over their group; a reduce-scatter or all-gather bucket as its members' collectives one
+/// after another (along dimension 0, so none needs rearranging), their outputs joined.
 fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm: Option<&mut AsyncComm>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<InFlight, String> {
     let comm = comm.ok_or("a collective needs a communicator")?;
     let first = &program.instrs[members[0]];
     let axes: Vec<usize> = first.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
     let group = mesh.group(rank, &axes);
+    if first.op != "shard.all_reduce" {
+        return send_group(members, program, slots, comm, group);
+    }
     let buffers: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
     fn join<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &[Storage]) -> Result<Vec<T>, String> {
         let mut joined: Vec<T> = crate::collectives::pool::buffer(buffers.iter().map(|b| b.len()).sum());
@@ -806,6 +811,37 @@ fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm
         }
     };
     Ok(InFlight { ticket, dtype, members: buffers.iter().map(|b| (b.slot, b.len())).collect() })
+}
+
+/// A reduce-scatter or all-gather bucket (see [`send_bucket`]): every member's input is
+/// copied now (the memory plan keeps it alive until the wait anyway) and the members run on
+/// the communication thread in program order, as every rank of the group issues them.
+fn send_group(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>) -> Result<InFlight, String> {
+    let gather = program.instrs[members[0]].op == "shard.all_gather";
+    let pairs: Vec<(&Buffer, &Buffer)> = members.iter().map(|&i| (&program.buffers[program.instrs[i].inputs[0]], &program.buffers[program.instrs[i].outputs[0]])).collect();
+    fn submit<T: Element + crate::collectives::Elem>(pairs: &[(&Buffer, &Buffer)], slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>, gather: bool) -> Result<u64, String> {
+        let inputs: Vec<Vec<T>> = pairs.iter().map(|(i, _)| T::slice(&slots[i.slot]).map(|v| crate::collectives::pool::filled(&v[..i.len()])).ok_or("bucket member of another type")).collect::<Result<_, _>>()?;
+        let out_lens: Vec<usize> = pairs.iter().map(|(_, o)| o.len()).collect();
+        Ok(comm.submit(move |c: &mut Communicator| {
+            let mut joined: Vec<T> = crate::collectives::pool::buffer(out_lens.iter().sum());
+            let mut at = 0;
+            for (input, len) in inputs.into_iter().zip(out_lens) {
+                let out = &mut joined[at..at + len];
+                if gather { c.all_gather(&group, &input, out)? } else { c.reduce_scatter(&group, &input, out, ReduceOp::Sum)? }
+                crate::collectives::pool::recycle(input);
+                at += len;
+            }
+            Ok(joined)
+        }))
+    }
+    let dtype = pairs[0].1.dtype;
+    let ticket = match dtype {
+        DType::F64 => submit::<f64>(&pairs, slots, comm, group, gather)?,
+        DType::Bf16 => submit::<half::bf16>(&pairs, slots, comm, group, gather)?,
+        DType::F32 => submit::<f32>(&pairs, slots, comm, group, gather)?,
+        other => return Err(format!("a bucket of {other:?} values: only floats are reduced or gathered asynchronously")),
+    };
+    Ok(InFlight { ticket, dtype, members: pairs.iter().map(|(_, o)| (o.slot, o.len())).collect() })
 }
 
 /// Runs a `shard` collective of this rank.
@@ -881,6 +917,11 @@ fn collective_typed<T: Element + crate::collectives::Elem + Default>(
     let axes: Vec<usize> = instr.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
     let group = mesh.group(rank, &axes);
     let position = group.iter().position(|&r| r == rank).ok_or("rank outside its group")?;
+    if instr.bool("xf.async") == Ok(true) && matches!(instr.op.as_str(), "shard.reduce_scatter" | "shard.all_gather") {
+        // A member of a bucket: it runs with the bucket (see `send_group`), its output
+        // written when the bucket is waited for.
+        return Ok(());
+    }
     let n = group.len();
     let input = ins[0].get::<T>()?;
     let in_shape = ins[0].shape().to_vec();

@@ -135,6 +135,9 @@ pub struct CudaExecutor {
     /// Gradient buckets on the communication stream (NCCL): the event each `xf.wait` of the
     /// bucket makes the compute stream wait for.
     buckets: HashMap<i64, Vec<cudarc::driver::CudaEvent>>,
+    /// Members of reduce-scatter and all-gather buckets reached so far (NCCL): a bucket is
+    /// issued as one group when its last member is reached.
+    pending_groups: HashMap<i64, Vec<nccl::GroupMember>>,
     /// Device copies of buffers a pipeline keeps between sections or sums over micro-batches.
     holds: Vec<Hold>,
     /// Where pipeline sends go and receives come from, with the (step, micro-batch) their
@@ -285,7 +288,7 @@ impl CudaExecutor {
         };
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
     }
 
     /// The program.
@@ -879,6 +882,9 @@ impl CudaExecutor {
     fn collective_nccl(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
         let rank = self.ranks[0].rank;
         let (input, output) = (self.buffer_ptr(0, instr.inputs[0]), self.buffer_ptr(0, instr.outputs[0]));
+        if instr.bool("xf.async") == Ok(true) && matches!(instr.op.as_str(), "shard.reduce_scatter" | "shard.all_gather") {
+            return self.group_member(instr, input, output);
+        }
         let in_buffer = self.program.buffers[instr.inputs[0]].clone();
         let out_buffer = self.program.buffers[instr.outputs[0]].clone();
         let staging = self.staging(in_buffer.len().max(out_buffer.len()) * in_buffer.dtype.bytes() * self.mesh.ranks())?;
@@ -902,11 +908,46 @@ impl CudaExecutor {
         comms.run(instr, rank, &self.mesh, &in_buffer, &out_buffer, input, output, staging, stream.as_deref(), |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))
     }
 
+    /// A member of a reduce-scatter or all-gather bucket (along dimension 0, checked by
+    /// [`Program::validate`]) under NCCL: held until the bucket's last member is reached,
+    /// then the whole bucket goes out as one NCCL group on the communication stream, after
+    /// what the compute stream has queued, and the bucket's `xf.wait` joins it (the memory
+    /// plan keeps every member's input and output alive until then). The emulated device
+    /// runs the group at once.
+    fn group_member(&mut self, instr: &Instr, input: u64, output: u64) -> Result<(), RuntimeError> {
+        let bucket = instr.int("xf.bucket").map_err(err)?;
+        let members = instr.int("xf.bucket_members").map_err(err)?;
+        let gather = instr.op == "shard.all_gather";
+        let (in_buffer, out_buffer) = (&self.program.buffers[instr.inputs[0]], &self.program.buffers[instr.outputs[0]]);
+        let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+        let member = nccl::GroupMember { gather, axes, send: input, recv: output, count: if gather { in_buffer.len() } else { out_buffer.len() }, dtype: in_buffer.dtype };
+        let pending = self.pending_groups.entry(bucket).or_default();
+        pending.push(member);
+        if (pending.len() as i64) < members {
+            return Ok(());
+        }
+        let group = self.pending_groups.remove(&bucket).unwrap_or_default();
+        let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
+        let rank = self.ranks[0].rank;
+        let (Some(stream), Some(comm_stream)) = (self.device.stream().cloned(), self.device.comm_stream().cloned()) else {
+            return comms.run_group(&group, rank, None);
+        };
+        let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+        comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
+        comms.run_group(&group, rank, Some(&comm_stream))?;
+        let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+        self.buckets.entry(bucket).or_default().push(done);
+        Ok(())
+    }
+
     /// Before an `xf.wait`: the compute stream waits for its bucket's all-reduces.
     fn wait_for_bucket(&mut self, index: usize) -> Result<(), RuntimeError> {
         let instr = &self.program.instrs[index];
         if instr.op != "xf.wait" {
             return Ok(());
+        }
+        if instr.int("xf.bucket").is_ok_and(|b| self.pending_groups.contains_key(&b)) {
+            return Err(err(format!("`{}` waits for a bucket whose last member has not been issued", instr.loc)));
         }
         let Some(events) = instr.int("xf.bucket").ok().and_then(|b| self.buckets.remove(&b)) else { return Ok(()) };
         let stream = self.device.stream().cloned().ok_or_else(|| err("no GPU stream"))?;

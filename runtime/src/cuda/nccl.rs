@@ -177,6 +177,25 @@ enum Backend {
     },
 }
 
+/// One member of a bucket of gathers or scatters along dimension 0 (see
+/// [`Comms::run_group`]): device pointers to what it sends and receives, and `count`
+/// elements sent (a gather) or received (a scatter).
+#[derive(Clone, Debug)]
+pub struct GroupMember {
+    /// An all-gather (else a sum reduce-scatter).
+    pub gather: bool,
+    /// The grid axes of its group.
+    pub axes: Vec<usize>,
+    /// What it sends.
+    pub send: u64,
+    /// Where it receives.
+    pub recv: u64,
+    /// Elements sent (a gather) or received (a scatter).
+    pub count: usize,
+    /// Element type.
+    pub dtype: DType,
+}
+
 /// A collective as NCCL names it, with what differs between them.
 #[derive(Clone, Copy)]
 enum Call {
@@ -413,6 +432,25 @@ impl Comms {
         self.call(Call::AllReduce { max: false }, axes, ptr, ptr, len, dtype, rank, stream).map_err(|e| err(format!("a gradient bucket's all-reduce: {e}")))
     }
 
+    /// Runs a bucket of reduce-scatters or all-gathers along dimension 0 (`members`, in
+    /// program order) of this rank on `stream` as one NCCL group, which NCCL launches as one
+    /// kernel; the emulation runs them one after another at once.
+    pub fn run_group(&self, members: &[GroupMember], rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
+        let nccl = matches!(self.backend, Backend::Nccl { .. });
+        if nccl {
+            nr::group_start().map_err(|e| err(format!("ncclGroupStart on rank {rank}: {e:?}")))?;
+        }
+        // Every member is issued, and the group always closed, before an error is reported.
+        let issued: Result<(), RuntimeError> = members.iter().try_for_each(|m| {
+            let call = if m.gather { Call::AllGather } else { Call::ReduceScatter };
+            self.call(call, &m.axes, m.send, m.recv, m.count, m.dtype, rank, stream)
+        });
+        if nccl {
+            nr::group_end().map_err(|e| err(format!("ncclGroupEnd on rank {rank}: {e:?}")))?;
+        }
+        issued.map_err(|e| err(format!("a bucket of {} {}: {e}", members.len(), if members.first().is_some_and(|m| m.gather) { "all-gathers" } else { "reduce-scatters" })))
+    }
+
     /// Runs one collective of this rank on `stream`. `staging` holds at least the group's
     /// whole tensor; `copy_blocks` rearranges blocks on the device.
     #[allow(clippy::too_many_arguments)]
@@ -445,6 +483,10 @@ impl Comms {
             "shard.all_gather" => {
                 let axis = instr.int("gather_axis").map_err(err)? as usize;
                 let (outer, inner) = split(axis);
+                if outer == 1 {
+                    // Each rank's block is contiguous: NCCL's [n][local] is the output.
+                    return self.call(Call::AllGather, &axes, in_ptr, out_ptr, input.len(), dtype, rank, stream);
+                }
                 let block = input.shape[axis] * inner;
                 self.call(Call::AllGather, &axes, in_ptr, staging, input.len(), dtype, rank, stream)?;
                 // staging is [n][local]; interleave along the axis.
@@ -456,6 +498,9 @@ impl Comms {
             "shard.reduce_scatter" => {
                 let axis = instr.int("scatter_axis").map_err(err)? as usize;
                 let (outer, inner) = split(axis);
+                if outer == 1 {
+                    return self.call(Call::ReduceScatter, &axes, in_ptr, out_ptr, output.len(), dtype, rank, stream);
+                }
                 let block = output.shape[axis] * inner;
                 for r in 0..n {
                     copy_blocks(staging + (r * output.len() * es) as u64, block, in_ptr + (r * block) as u64, input.shape[axis] * inner, outer, block)?;
