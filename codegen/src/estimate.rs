@@ -182,6 +182,10 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     // Buckets go out on one communication stream (NCCL runs a stream's collectives one after
     // another): a bucket starts when it is complete and the one before it has finished.
     let mut stream_free = 0f64;
+    // Every operation on a communicator runs on its own stream, in issue order (the CUDA
+    // backend's `Comms`): a synchronous collective over axes with a bucket in flight starts
+    // when that bucket ends. Communicator (its axes) -> when its last operation ends.
+    let mut communicator_free: BTreeMap<Vec<usize>, f64> = BTreeMap::new();
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
     for instr in &program.instrs[range] {
         if let (Ok(bucket), true) = (instr.int("xf.bucket"), instr.bool("xf.async").unwrap_or(false)) {
@@ -198,8 +202,10 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
                 let t = cluster.time(collective, b, &grid, &axes);
                 w.communication += t;
                 *w.breakdown.entry(format!("{name} {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
-                let start = w.clock.max(stream_free);
+                let free = communicator_free.entry(axes.clone()).or_insert(0.0);
+                let start = w.clock.max(stream_free).max(*free);
                 stream_free = start + t;
+                *free = stream_free;
                 done.insert(bucket, (stream_free, axis_names(&axes)));
             }
             continue;
@@ -222,9 +228,20 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
             Priced::Communication(axes, t) => {
                 let kind = instr.op.strip_prefix("shard.").unwrap_or(&instr.op);
                 *w.breakdown.entry(format!("{kind} {axes}")).or_insert(0.0) += t;
-                *w.exposed.entry(axes).or_insert(0.0) += t;
+                // Pipeline transfers have communicators of their own.
+                let queued = match instr.op.as_str() {
+                    "shard.send" | "shard.recv" => 0.0,
+                    _ => {
+                        let group: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
+                        let free = communicator_free.entry(group).or_insert(0.0);
+                        let queued = (*free - w.clock).max(0.0);
+                        *free = w.clock + queued + t;
+                        queued
+                    }
+                };
+                *w.exposed.entry(axes).or_insert(0.0) += queued + t;
                 w.communication += t;
-                w.clock += t;
+                w.clock += queued + t;
             }
         }
     }

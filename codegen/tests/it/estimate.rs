@@ -292,3 +292,26 @@ fn zero_buckets_are_priced_as_one_collective_each_on_the_stream() {
         assert!(!e.breakdown.contains_key(&name.replace(" (bucketed)", "")), "{:?}", e.breakdown.keys());
     }
 }
+
+/// Every operation on a communicator runs on its one stream, in order: under ZeRO-3 the
+/// backward pass's synchronous gathers of parameters over dp wait for the gradient buckets
+/// in flight over dp. Over a network slow enough that communication dominates, the step
+/// takes at least every dp collective's time end to end (priced concurrently, it did not).
+#[test]
+fn collectives_on_one_communicator_are_priced_one_after_another() {
+    let program = tiny_dp2("f32", 3, 2048);
+    let asynchronous = program.instrs.iter().filter(|i| i.bool("xf.async") == Ok(true) && i.op == "shard.reduce_scatter").count();
+    let sync_gathers_after = {
+        let first = program.instrs.iter().position(|i| i.bool("xf.async") == Ok(true)).unwrap();
+        program.instrs[first..].iter().filter(|i| i.op == "shard.all_gather" && i.bool("xf.async").is_err()).count()
+    };
+    assert!(asynchronous > 0 && sync_gathers_after > 0, "{asynchronous} async scatters, {sync_gathers_after} synchronous gathers after the first");
+    let mut cluster = shardc_ir::cluster::Cluster::preset("h100-sxm").unwrap();
+    cluster.intra_node.bandwidth = 1e6;
+    cluster.inter_node.bandwidth = 1e6;
+    let model = shardc_codegen::estimate::ModelShape { parameters: 1e5, layers: 2.0, hidden: 64.0, seq: 8.0, tokens_per_step: 32.0 };
+    let e = shardc_codegen::estimate::estimate(std::slice::from_ref(&program), &cluster, model);
+    let dp: f64 = e.breakdown.iter().filter(|(k, _)| k.contains(" dp")).map(|(_, t)| t).sum();
+    assert!(dp > 10.0 * e.compute_seconds, "{dp} s over dp, {} s of compute", e.compute_seconds);
+    assert!(e.step_seconds >= dp * (1.0 - 1e-9), "step {} s, dp collectives {dp} s end to end", e.step_seconds);
+}

@@ -167,6 +167,11 @@ enum Backend {
         /// A stream per receiving peer that this rank's sends run on, so that a send waiting
         /// for its receiver never holds up the compute stream (an isend).
         send_streams: std::sync::Mutex<HashMap<usize, std::sync::Arc<CudaStream>>>,
+        /// A stream per communicator of `groups`, that every operation on it runs on, in
+        /// the order this rank issues them: NCCL does not allow one communicator's kernels
+        /// to run concurrently from two streams (a synchronous collective on the compute
+        /// stream while a bucket on the communication stream is in flight would).
+        group_streams: std::sync::Mutex<HashMap<Vec<usize>, std::sync::Arc<CudaStream>>>,
     },
     Emulated {
         world: EmulatedWorld,
@@ -234,7 +239,7 @@ impl Comms {
             groups.insert(axes, comm);
         }
         let edges = pipeline_edges(world, bootstrap.rank, mesh)?;
-        Ok(Comms { backend: Backend::Nccl { world, groups, edges, send_streams: Default::default() } })
+        Ok(Comms { backend: Backend::Nccl { world, groups, edges, send_streams: Default::default(), group_streams: Default::default() } })
     }
 
     /// The emulation of NCCL for one process of an emulated world (see [`EmulatedWorld`]).
@@ -248,9 +253,55 @@ impl Comms {
     #[allow(clippy::too_many_arguments)]
     fn call(&self, call: Call, axes: &[usize], send: u64, recv: u64, count: usize, dtype: DType, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
         match &self.backend {
+            Backend::Nccl { .. } => self.on_group_stream(axes, stream, |own| self.nccl_call(call, axes, send, recv, count, dtype, rank, own)),
+            Backend::Emulated { world, mesh, .. } => {
+                let group = mesh.group(rank, axes);
+                let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
+                let result = match dtype {
+                    DType::F32 => emulated_call::<f32>(call, &mut comm, &group, send, recv, count),
+                    DType::F64 => emulated_call::<f64>(call, &mut comm, &group, send, recv, count),
+                    DType::I32 => emulated_call::<i32>(call, &mut comm, &group, send, recv, count),
+                    DType::Bf16 => emulated_call::<half::bf16>(call, &mut comm, &group, send, recv, count),
+                };
+                result.map_err(|e| err(format!("emulated NCCL on rank {rank}: {e}")))
+            }
+        }
+    }
+
+    /// Runs `issue` (NCCL calls on the communicator of `axes`, given its stream) on that
+    /// communicator's own stream, after what `stream` has queued, and makes `stream` wait for
+    /// it: to `stream` the calls are in order, as if issued on it, while every operation of
+    /// the communicator stays on one stream.
+    fn on_group_stream(&self, axes: &[usize], stream: Option<&CudaStream>, issue: impl FnOnce(&CudaStream) -> Result<(), RuntimeError>) -> Result<(), RuntimeError> {
+        let Backend::Nccl { group_streams, .. } = &self.backend else { return Err(err("not an NCCL backend")) };
+        let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
+        let own = {
+            let mut streams = group_streams.lock().map_err(|_| err("poisoned"))?;
+            match streams.get(axes) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = stream.context().new_stream().map_err(|e| err(format!("a stream for the communicator of axes {axes:?}: {e:?}")))?;
+                    streams.insert(axes.to_vec(), s.clone());
+                    s
+                }
+            }
+        };
+        let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+        own.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
+        // Whatever `issue` enqueued (or failed to) is joined, so `stream` never runs ahead.
+        let issued = issue(&own);
+        let done = own.record_event(None).map_err(|e| err(format!("{e:?}")))?;
+        stream.wait(&done).map_err(|e| err(format!("{e:?}")))?;
+        issued
+    }
+
+    /// One NCCL call on the communicator of `axes`, on `own` (its stream).
+    #[allow(clippy::too_many_arguments)]
+    fn nccl_call(&self, call: Call, axes: &[usize], send: u64, recv: u64, count: usize, dtype: DType, rank: usize, own: &CudaStream) -> Result<(), RuntimeError> {
+        match &self.backend {
             Backend::Nccl { groups, .. } => {
                 let comm = *groups.get(axes).ok_or_else(|| err(format!("no communicator for axes {axes:?}")))?;
-                let s = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?.cu_stream() as ns::cudaStream_t;
+                let s = own.cu_stream() as ns::cudaStream_t;
                 let ty = nccl_type(dtype);
                 let check = |r: Result<nr::NcclStatus, nr::NcclError>, what: &str| r.map(|_| ()).map_err(|e| err(format!("{what} on rank {rank}: {e:?}")));
                 // SAFETY: pointers into this rank's device memory or staging, sized by the
@@ -265,17 +316,7 @@ impl Comms {
                     Call::Broadcast { root } => check(unsafe { nr::broadcast(send as *const _, recv as *mut _, count, ty, root as i32, comm, s) }, "ncclBroadcast"),
                 }
             }
-            Backend::Emulated { world, mesh, .. } => {
-                let group = mesh.group(rank, axes);
-                let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
-                let result = match dtype {
-                    DType::F32 => emulated_call::<f32>(call, &mut comm, &group, send, recv, count),
-                    DType::F64 => emulated_call::<f64>(call, &mut comm, &group, send, recv, count),
-                    DType::I32 => emulated_call::<i32>(call, &mut comm, &group, send, recv, count),
-                    DType::Bf16 => emulated_call::<half::bf16>(call, &mut comm, &group, send, recv, count),
-                };
-                result.map_err(|e| err(format!("emulated NCCL on rank {rank}: {e}")))
-            }
+            Backend::Emulated { .. } => Err(err("an NCCL call on the emulation")),
         }
     }
 
@@ -436,19 +477,25 @@ impl Comms {
     /// program order) of this rank on `stream` as one NCCL group, which NCCL launches as one
     /// kernel; the emulation runs them one after another at once.
     pub fn run_group(&self, members: &[GroupMember], rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
-        let nccl = matches!(self.backend, Backend::Nccl { .. });
-        if nccl {
+        let what = || format!("a bucket of {} {}", members.len(), if members.first().is_some_and(|m| m.gather) { "all-gathers" } else { "reduce-scatters" });
+        let call = |m: &GroupMember| if m.gather { Call::AllGather } else { Call::ReduceScatter };
+        let Some(first) = members.first() else { return Ok(()) };
+        if members.iter().any(|m| m.axes != first.axes) {
+            return Err(err(format!("{}: members over different axes", what())));
+        }
+        if !matches!(self.backend, Backend::Nccl { .. }) {
+            return members.iter().try_for_each(|m| self.call(call(m), &m.axes, m.send, m.recv, m.count, m.dtype, rank, stream)).map_err(|e| err(format!("{}: {e}", what())));
+        }
+        // The whole group on its communicator's stream: NCCL enqueues a group's kernel at
+        // ncclGroupEnd, so the completion event is recorded after it.
+        self.on_group_stream(&first.axes, stream, |own| {
             nr::group_start().map_err(|e| err(format!("ncclGroupStart on rank {rank}: {e:?}")))?;
-        }
-        // Every member is issued, and the group always closed, before an error is reported.
-        let issued: Result<(), RuntimeError> = members.iter().try_for_each(|m| {
-            let call = if m.gather { Call::AllGather } else { Call::ReduceScatter };
-            self.call(call, &m.axes, m.send, m.recv, m.count, m.dtype, rank, stream)
-        });
-        if nccl {
-            nr::group_end().map_err(|e| err(format!("ncclGroupEnd on rank {rank}: {e:?}")))?;
-        }
-        issued.map_err(|e| err(format!("a bucket of {} {}: {e}", members.len(), if members.first().is_some_and(|m| m.gather) { "all-gathers" } else { "reduce-scatters" })))
+            // Every member is issued, and the group always closed, before an error is reported.
+            let issued: Result<(), RuntimeError> = members.iter().try_for_each(|m| self.nccl_call(call(m), &m.axes, m.send, m.recv, m.count, m.dtype, rank, own));
+            let ended = nr::group_end().map(|_| ()).map_err(|e| err(format!("ncclGroupEnd on rank {rank}: {e:?}")));
+            issued.and(ended)
+        })
+        .map_err(|e| err(format!("{}: {e}", what())))
     }
 
     /// Runs one collective of this rank on `stream`. `staging` holds at least the group's
