@@ -1044,7 +1044,8 @@ fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<
         // reported (not one that failed because another did).
         let failed: Vec<(usize, miette::Report)> = results.into_iter().enumerate().filter_map(|(rank, r)| r.err().map(|e| (rank, e))).collect();
         let secondary = |e: &miette::Report| {
-            let text = format!("{e:?}");
+            // The messages themselves (the report's rendering wraps lines).
+            let text = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
             text.contains(cuda::ANOTHER_PROCESS_FAILED) || text.contains("because another rank failed") || text.contains(" left during ") || text.contains("emulated communicator was poisoned")
         };
         let first = failed.iter().position(|(_, e)| !secondary(e)).unwrap_or(0);

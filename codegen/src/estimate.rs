@@ -179,11 +179,10 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
         _ => (Collective::AllReduce, "all_reduce"),
     };
     let mut done: BTreeMap<i64, (f64, String)> = BTreeMap::new();
-    // Buckets go out on one communication stream (NCCL runs a stream's collectives one after
-    // another): a bucket starts when it is complete and the one before it has finished.
-    let mut stream_free = 0f64;
-    // Every operation on a communicator runs on its own stream, in issue order (the CUDA
-    // backend's `Comms`): a synchronous collective over axes with a bucket in flight starts
+    // Every operation on a communicator runs on that communicator's stream, in issue order
+    // (the CUDA backend's `Comms`; the CPU backend's communication thread runs them all in
+    // order): a bucket starts when it is complete and its communicator is done with what
+    // came before, and a synchronous collective over axes with a bucket in flight starts
     // when that bucket ends. Communicator (its axes) -> when its last operation ends.
     let mut communicator_free: BTreeMap<Vec<usize>, f64> = BTreeMap::new();
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
@@ -203,10 +202,8 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
                 w.communication += t;
                 *w.breakdown.entry(format!("{name} {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
                 let free = communicator_free.entry(axes.clone()).or_insert(0.0);
-                let start = w.clock.max(stream_free).max(*free);
-                stream_free = start + t;
-                *free = stream_free;
-                done.insert(bucket, (stream_free, axis_names(&axes)));
+                *free = w.clock.max(*free) + t;
+                done.insert(bucket, (*free, axis_names(&axes)));
             }
             continue;
         }
@@ -414,8 +411,8 @@ pub struct MemoryEstimate {
     pub in_flight: usize,
     /// Bytes of the peak of everything else the memory plan holds at once.
     pub temporaries: f64,
-    /// Bytes of data-parallel gradient buckets: the reduced gradients of every `xf.async`
-    /// all-reduce, held from the bucket's issue to its `xf.wait` at the end of the step.
+    /// Bytes of data-parallel gradient buckets: the reduced gradients of every bucketed
+    /// `xf.async` all-reduce, held from the bucket's issue to its `xf.wait` at the end of the step.
     /// Not added to `total`: no backend stages a bucket in device memory of its own. The
     /// memory plan lays a bucket's all-reduce outputs back to back (a [`BucketRegion`] of
     /// the arena, so within `temporaries` and the gradient term's bytes: the input gradients
@@ -579,17 +576,11 @@ pub fn arena_peak(program: &Program) -> ArenaPeak {
     peak
 }
 
-/// Bytes of the members of the program's asynchronous gradient buckets (the outputs of its
-/// `xf.async` all-reduces). Asynchronous gathers and scatters read and write their own
+/// Bytes of the program's gradient bucket regions (the outputs of its bucketed `xf.async`
+/// all-reduces, back to back). Other asynchronous collectives read and write their own
 /// buffers, which the memory plan keeps alive until their wait: they are in `temporaries`.
 fn bucket_bytes(program: &Program) -> f64 {
-    program
-        .instrs
-        .iter()
-        .filter(|i| i.op == "shard.all_reduce" && i.bool("xf.async").unwrap_or(false) && i.int("xf.bucket").is_ok())
-        .filter_map(|i| i.outputs.first())
-        .map(|&b| program.buffers[b].len() as f64 * program.buffers[b].dtype.bytes() as f64)
-        .sum()
+    program.memory.buckets.iter().map(|r| r.bytes as f64).sum()
 }
 
 /// The memory of each rank program (one, or one per pipeline rank) compiled under ZeRO stage

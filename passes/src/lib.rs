@@ -134,10 +134,8 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
             split_weight_grads: stages.split_weight_grads,
         });
     }
-    if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 {
-        return pipeline.then(sharding::BucketGradients { bucket_bytes: options.grad_bucket_bytes });
-    }
-    pipeline
+    let pipeline = if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 { pipeline.then(sharding::BucketGradients { bucket_bytes: options.grad_bucket_bytes }) } else { pipeline };
+    pipeline.then(sharding::OverlapCollectives)
 }
 
 /// The passes for inference (`@logits` from [`shardc_ir::spec::lower_logits`]): checked, then

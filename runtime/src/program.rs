@@ -647,10 +647,58 @@ impl Program {
         Ok(())
     }
 
-    /// What makes an asynchronous reduce-scatter or all-gather sound (backends issue a
-    /// bucket's members together on the communication stream once its last member is
-    /// reached, and join it at the bucket's first `xf.wait`): it splits dimension 0 (each
-    /// rank's block is contiguous, so no staging buffer is shared with other collectives),
+    /// Every collective's buffers are what its group makes of them (backends size transfers
+    /// from the buffers, so a plan edited otherwise would move bytes past a buffer's end):
+    /// one input and one output of one type, over grid axes of the mesh; an all-reduce or
+    /// broadcast keeps the shape; along its axis a reduce-scatter or slice divides the extent
+    /// by the group's size and a gather multiplies it, other dimensions kept.
+    fn check_collective_shapes(&self) -> Result<(), String> {
+        for (i, instr) in self.instrs.iter().enumerate() {
+            let axis_attr = match instr.op.as_str() {
+                "shard.all_reduce" | "shard.broadcast" => None,
+                "shard.reduce_scatter" => Some("scatter_axis"),
+                "shard.all_gather" => Some("gather_axis"),
+                "shard.all_slice" => Some("slice_axis"),
+                _ => continue,
+            };
+            let at = || format!("instruction {i} (`{}` at {})", instr.op, instr.loc);
+            let (&[input], &[output]) = (instr.inputs.as_slice(), instr.outputs.as_slice()) else {
+                return Err(format!("{} has {} inputs and {} outputs, not one each", at(), instr.inputs.len(), instr.outputs.len()));
+            };
+            let (a, b) = (&self.buffers[input], &self.buffers[output]);
+            if a.dtype != b.dtype {
+                return Err(format!("{} turns {:?} into {:?}", at(), a.dtype, b.dtype));
+            }
+            let axes = instr.ints("grid_axes").map_err(|e| format!("{}: {e}", at()))?;
+            let mut n = 1usize;
+            for &g in &axes {
+                let extent = usize::try_from(g).ok().and_then(|g| self.mesh.get(g)).ok_or(format!("{}: grid axis {g} is not one of the mesh's {}", at(), self.mesh.len()))?;
+                n = n.saturating_mul(*extent);
+            }
+            let fits = match axis_attr {
+                None => a.shape == b.shape,
+                Some(attr) => {
+                    let d = instr.int(attr).ok().and_then(|d| usize::try_from(d).ok()).filter(|&d| d < a.shape.len() && a.shape.len() == b.shape.len());
+                    d.is_some_and(|d| {
+                        let others = (0..a.shape.len()).all(|k| k == d || a.shape[k] == b.shape[k]);
+                        let (small, large) = if instr.op == "shard.all_gather" { (a.shape[d], b.shape[d]) } else { (b.shape[d], a.shape[d]) };
+                        others && small.checked_mul(n) == Some(large)
+                    })
+                }
+            };
+            if !fits {
+                return Err(format!("{}: shapes {:?} -> {:?} do not fit a group of {n} along {:?}", at(), a.shape, b.shape, axis_attr.map(|attr| instr.int(attr))));
+            }
+        }
+        Ok(())
+    }
+
+    /// What makes an asynchronous collective sound (backends issue a bucket's members
+    /// together on their communicator's stream once its last member is reached, and join it
+    /// at the bucket's first `xf.wait`): an all-reduce is a sum; a reduce-scatter or
+    /// all-gather splits its first dimension of more than one element (each rank's block is
+    /// contiguous), or, for a reduce-scatter alone in its bucket, another (staged in a buffer
+    /// of its own);
     /// its bucket has as many such members as each member says, of one op over one set of
     /// axes, in a program without pipeline sections; a wait of the bucket reads each member's
     /// output and the first comes after the last member; and until then nothing writes
@@ -658,7 +706,14 @@ impl Program {
     fn check_async_collectives(&self) -> Result<(), String> {
         let mut buckets: BTreeMap<i64, Vec<usize>> = BTreeMap::new();
         for (i, instr) in self.instrs.iter().enumerate() {
-            if instr.bool("xf.async") != Ok(true) || instr.op == "shard.all_reduce" {
+            if instr.bool("xf.async") != Ok(true) {
+                continue;
+            }
+            if instr.op == "shard.all_reduce" {
+                // Buckets are sums: their members are joined into one all-reduce.
+                if matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum") {
+                    return Err(format!("instruction {i} (all-reduce at {}) is asynchronous but not a sum", instr.loc));
+                }
                 continue;
             }
             let axis = match instr.op.as_str() {
@@ -666,11 +721,23 @@ impl Program {
                 "shard.all_gather" => "gather_axis",
                 other => return Err(format!("instruction {i} (`{other}` at {}) is marked asynchronous; only all-reduces, reduce-scatters and all-gathers may be", instr.loc)),
             };
-            if instr.int(axis) != Ok(0) {
-                return Err(format!("instruction {i} (`{}` at {}) is asynchronous along dimension {:?}; only dimension 0 needs no staging", instr.op, instr.loc, instr.int(axis)));
-            }
             if instr.inputs.len() != 1 || instr.outputs.len() != 1 {
                 return Err(format!("instruction {i} (`{}` at {}) has {} inputs and {} outputs, not one each", instr.op, instr.loc, instr.inputs.len(), instr.outputs.len()));
+            }
+            let shape = &self.buffers[instr.inputs[0]].shape;
+            let along = instr.int(axis).ok().and_then(|a| usize::try_from(a).ok()).filter(|&a| a < shape.len());
+            let Some(along) = along else {
+                return Err(format!("instruction {i} (`{}` at {}) is asynchronous along dimension {:?}, which its input of shape {shape:?} lacks", instr.op, instr.loc, instr.int(axis)));
+            };
+            // Blocks of an inner dimension are staged: a gather's after the transfer (which
+            // no backend does asynchronously), a scatter's before it, in a buffer of the
+            // instruction's own, so such a scatter goes alone.
+            let contiguous = shape[..along].iter().all(|&d| d == 1);
+            if !contiguous && (instr.op == "shard.all_gather" || instr.int("xf.bucket_members") != Ok(1)) {
+                return Err(format!(
+                    "instruction {i} (`{}` at {}) is asynchronous along dimension {along} of {shape:?}, whose blocks are not contiguous: only a reduce-scatter alone in its bucket may be",
+                    instr.op, instr.loc
+                ));
             }
             let bucket = instr.int("xf.bucket").map_err(|e| format!("asynchronous instruction {i} at {}: {e}", instr.loc))?;
             buckets.entry(bucket).or_default().push(i);
@@ -696,6 +763,14 @@ impl Program {
                 let (input, output) = (self.instrs[m].inputs[0], self.instrs[m].outputs[0]);
                 if !self.instrs[first_wait..].iter().any(|i| is_wait(i) && i.inputs.first() == Some(&output)) {
                     return Err(format!("bucket {bucket}: no wait of the bucket reads the output of instruction {m} ({})", self.instrs[m].loc));
+                }
+                if self.alias(input, output) != Alias::None {
+                    return Err(format!("bucket {bucket}: instruction {m} ({}) writes storage it reads", self.instrs[m].loc));
+                }
+                // Its output is what the transfer writes: nothing reads it before the wait.
+                if let Some(r) = (m + 1..first_wait).find(|&r| self.instrs[r].inputs.iter().any(|&b| self.alias(b, output) != Alias::None)) {
+                    let reader = &self.instrs[r];
+                    return Err(format!("bucket {bucket}: instruction {r} (`{}` at {}) reads the output of instruction {m} ({}) before instruction {first_wait} waits for it", reader.op, reader.loc, self.instrs[m].loc));
                 }
                 for (w, writer) in self.instrs.iter().enumerate().take(first_wait).skip(m + 1) {
                     if let Some(&o) = writer.outputs.iter().find(|&&o| self.alias(o, input) != Alias::None || self.alias(o, output) != Alias::None) {
@@ -855,6 +930,9 @@ impl Program {
             }
         }
         if let Err(m) = self.check_bucket_regions() {
+            return bad(m);
+        }
+        if let Err(m) = self.check_collective_shapes() {
             return bad(m);
         }
         if let Err(m) = self.check_async_collectives() {

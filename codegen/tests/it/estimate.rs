@@ -315,3 +315,26 @@ fn collectives_on_one_communicator_are_priced_one_after_another() {
     assert!(dp > 10.0 * e.compute_seconds, "{dp} s over dp, {} s of compute", e.compute_seconds);
     assert!(e.step_seconds >= dp * (1.0 - 1e-9), "step {} s, dp collectives {dp} s end to end", e.step_seconds);
 }
+
+/// With sequence parallelism the data gradients' reduce-scatters run behind the weight
+/// gradients' GEMMs: priced as such, part of the tensor-parallel communication is hidden
+/// (exposed less than all of it), and each asynchronous one is priced once.
+#[test]
+fn sequence_parallel_scatters_are_priced_behind_the_weight_gradients() {
+    let mut spec = spec_with_dtype("tiny", "f32");
+    spec.training.micro_batch = 2;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
+    let asynchronous = program.instrs.iter().filter(|i| i.op == "shard.reduce_scatter" && i.bool("xf.async") == Ok(true)).count();
+    assert!(asynchronous >= 2, "{asynchronous} asynchronous scatters");
+    let cluster = shardc_ir::cluster::Cluster::preset("h100-sxm").unwrap();
+    let model = shardc_codegen::estimate::ModelShape { parameters: 1e5, layers: 2.0, hidden: 16.0, seq: 8.0, tokens_per_step: 16.0 };
+    let e = shardc_codegen::estimate::estimate(std::slice::from_ref(&program), &cluster, model);
+    let tp: f64 = e.breakdown.iter().filter(|(k, _)| k.ends_with(" tp") || k.contains(" tp (")).map(|(_, t)| t).sum();
+    let exposed = e.exposed_communication.get("tp").copied().unwrap_or(0.0);
+    assert!(exposed < tp * (1.0 - 1e-6), "exposed {exposed} s of {tp} s over tp");
+    assert!((e.step_seconds - (e.compute_seconds + exposed + e.bubble_seconds)).abs() <= 1e-9 + 1e-6 * e.step_seconds, "step {} = compute {} + exposed {exposed} + bubble {}", e.step_seconds, e.compute_seconds, e.bubble_seconds);
+}

@@ -7,18 +7,21 @@
 //! - an all-reduce whose result an optimizer update reads (a gradient's data-parallel sum);
 //! - a reduce-scatter along dimension 0 whose result an update reads (ZeRO's gradient
 //!   shard);
-//! - an all-gather along dimension 0 of what an update writes (ZeRO-1/2 gathering the
-//!   updated shard back into the whole parameter).
+//! - an all-gather along dimension 0 of what an update writes, or of its bf16 cast (ZeRO-1/2
+//!   gathering the updated shard back into the whole parameter).
 //!
 //! Buckets hold one kind each and fill in the order the values become ready, up to
 //! `bucket_bytes` (of the collective's larger side), so a bucket can be sent the moment its
 //! last member exists while compute goes on. Each reader then reads `xf.wait` of the value.
-//! The gradient waits and the updates move to the end of the step, as in PyTorch's DDP (the
-//! gradients stay alive until then); a gather is issued right after the update it gathers,
-//! so it overlaps the updates after it, and is waited for where it is first read (the step's
-//! results). Backends send an all-reduce bucket as one collective over the concatenated
-//! gradients and a reduce-scatter or all-gather bucket as its members in one group (one
-//! NCCL launch); dimension 0 keeps each member's blocks contiguous, so none needs staging.
+//! The updates move to the end of the step, as in PyTorch's DDP, and the all-reduce waits
+//! with them (the reduced gradients stay alive until then, in their regions). A scatter
+//! bucket reads its whole gradients until its wait, so bucket k is waited for as bucket
+//! k + 2 goes out: at most two are in flight and ZeRO's saving on gradients stays. A gather
+//! bucket goes out right after the update of its last member, overlapping the updates after
+//! it, and is waited for where it is first read (the step's results). Backends send an
+//! all-reduce bucket as one collective over the concatenated gradients and a reduce-scatter
+//! or all-gather bucket as its members in one group (one NCCL launch); dimension 0 keeps
+//! each member's blocks contiguous, so none needs staging.
 
 use std::collections::{HashMap, HashSet};
 
@@ -59,7 +62,10 @@ fn along_dimension_0(op: &Op, attr: &str) -> bool {
 /// The collectives of `func` this pass makes asynchronous, in program order, with their kind.
 fn candidates(func: &Func) -> Vec<(usize, Kind)> {
     let grad_of_update: HashSet<Value> = func.ops.iter().filter(|o| is_update(o)).map(|o| o.operands[1]).collect();
-    let written_by_update: HashSet<Value> = func.ops.iter().filter(|o| is_update(o)).flat_map(|o| o.results.first().copied()).collect();
+    let mut written_by_update: HashSet<Value> = func.ops.iter().filter(|o| is_update(o)).flat_map(|o| o.results.first().copied()).collect();
+    // Mixed precision gathers the bf16 copy of the updated fp32 master shard.
+    let casts: Vec<Value> = func.ops.iter().filter(|o| o.name == "xf.cast" && written_by_update.contains(&o.operands[0])).map(|o| o.results[0]).collect();
+    written_by_update.extend(casts);
     (0..func.ops.len())
         .filter_map(|i| {
             let op = &func.ops[i];
@@ -170,35 +176,79 @@ impl Pass for BucketGradients {
         // does not, say the loss's) moves whole, with its waits: its members go out together.
         let gradient_values: HashSet<Value> = gradient_waits.iter().map(|w| w.operands[0]).collect();
         let moves = moved_ops(&func.ops, &gradient_values);
+        let original_results: Vec<Value> = func.ops.iter().map(|op| op.results.first().copied().unwrap_or(Value(u32::MAX))).collect();
         let (mut moved, mut rest) = (Vec::new(), Vec::new());
         for (op, moves) in func.ops.drain(..).zip(moves) {
             if moves { moved.push(op) } else { rest.push(op) }
         }
-        // A gather goes right after the update whose result it gathers.
+        // A gather bucket goes out together right after the op that makes the last of its
+        // members' operands (backends issue a bucket at its last member anyway), so the updates
+        // between its members stay together for multi-tensor launches.
+        let bucket_attr = |op: &Op| match op.attrs.get("xf.bucket") {
+            Some(AttrValue::Int(b)) => *b,
+            _ => -1,
+        };
         let gathered: HashSet<Value> = gather_waits.iter().map(|w| w.operands[0]).collect();
         let is_gather = |op: &Op| op.results.first().is_some_and(|r| gathered.contains(r));
         let (gathers, others): (Vec<Op>, Vec<Op>) = rest.into_iter().chain(moved).partition(|op| is_gather(op));
-        let mut gathers_of: HashMap<Value, Vec<Op>> = HashMap::new();
+        let mut gather_buckets: Vec<(i64, Vec<Op>)> = Vec::new();
         for op in gathers {
-            gathers_of.entry(op.operands[0]).or_default().push(op);
+            match gather_buckets.iter_mut().find(|(b, _)| *b == bucket_attr(&op)) {
+                Some((_, members)) => members.push(op),
+                None => gather_buckets.push((bucket_attr(&op), vec![op])),
+            }
         }
-        let mut ops = Vec::with_capacity(others.len() + gradient_waits.len() * 2);
-        let mut gradient_waits = Some(gradient_waits);
+        // Each bucket with the operands still to be made before it can go.
+        let mut gathers_of: Vec<(HashSet<Value>, Vec<Op>)> = gather_buckets.into_iter().map(|(_, members)| (members.iter().map(|m| m.operands[0]).collect(), members)).collect();
+        // A scatter bucket's input gradients stay whole until its wait: bucket k is waited
+        // for just before bucket k + 2's last member is issued, so at most two are in flight
+        // (as FSDP and DeepSpeed bound them) and the whole gradients die as the backward
+        // pass goes on. The last two, and the all-reduce buckets (their members are copied
+        // into their region at once), are waited for before the first reader.
+        let scatter_buckets: Vec<usize> = {
+            let mut seen = Vec::new();
+            for &(_, kind, b) in &bucket_of {
+                if kind == Kind::GradientShard && !seen.contains(&b) {
+                    seen.push(b);
+                }
+            }
+            seen
+        };
+        let last_member = |b: usize| bucket_of.iter().rev().find(|(_, _, x)| *x == b).map(|&(i, _, _)| i);
+        let mut early_waits: HashMap<usize, Vec<Op>> = HashMap::new();
+        let mut late_waits = Vec::new();
+        for wait in gradient_waits {
+            let b = bucket_attr(&wait) as usize;
+            let issue_point = scatter_buckets.iter().position(|&x| x == b).and_then(|k| scatter_buckets.get(k + 2)).and_then(|&later| last_member(later));
+            match issue_point {
+                Some(i) => early_waits.entry(i).or_default().push(wait),
+                None => late_waits.push(wait),
+            }
+        }
+        // Members by their result, to find the issue points in the new order.
+        let member_at: HashMap<Value, usize> = early_waits.keys().map(|&i| (original_results[i], i)).collect();
+        let mut ops = Vec::with_capacity(others.len() + gradient_values.len() * 2);
+        let mut late_waits = Some(late_waits);
         for op in others {
-            // The gradient waits come before the first reader of a synced gradient.
+            if let Some(i) = op.results.first().and_then(|r| member_at.get(r)) {
+                ops.extend(early_waits.remove(i).unwrap_or_default());
+            }
+            // The remaining gradient waits come before the first reader of a synced gradient.
             if op.operands.iter().any(|v| gradient_values.contains(v)) {
-                ops.extend(gradient_waits.take().unwrap_or_default());
+                ops.extend(late_waits.take().unwrap_or_default());
             }
             let results = op.results.clone();
             ops.push(op);
-            for r in results {
-                ops.extend(gathers_of.remove(&r).unwrap_or_default());
+            for (remaining, members) in &mut gathers_of {
+                if !members.is_empty() && results.iter().any(|r| remaining.remove(r)) && remaining.is_empty() {
+                    ops.append(members);
+                }
             }
         }
-        ops.extend(gradient_waits.take().unwrap_or_default());
+        ops.extend(late_waits.take().unwrap_or_default());
         // A gather whose operand no op made (never the case for an update's result) stays
         // in the step, after everything.
-        ops.extend(gathers_of.into_values().flatten());
+        ops.extend(gathers_of.into_iter().flat_map(|(_, members)| members));
         // Each gather's wait before its first reader, or at the end when only returned.
         let mut pending: Vec<Op> = gather_waits;
         let mut placed = Vec::with_capacity(ops.len() + pending.len());

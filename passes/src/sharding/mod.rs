@@ -10,6 +10,7 @@ mod bucket;
 mod expand_kv;
 mod megatron;
 mod norm;
+mod overlap;
 mod partition;
 mod propagate;
 
@@ -21,6 +22,7 @@ pub use bucket::BucketGradients;
 pub use expand_kv::ExpandKvHeads;
 pub use megatron::ShardMegatron;
 pub use norm::GroupNormSums;
+pub use overlap::OverlapCollectives;
 pub use partition::Partition;
 pub use propagate::PropagateSharding;
 

@@ -382,8 +382,9 @@ fn full_recomputation_keeps_each_layer_on_one_stage() {
 }
 
 /// `bucket-gradients` under ZeRO-1 at dp=2 with small buckets: the gradients'
-/// reduce-scatters are asynchronous in buckets of one kind, waited for before the first
-/// update; each gather of an updated shard follows its update and is waited for at the end.
+/// reduce-scatters are asynchronous in buckets of one kind, bucket k waited for as bucket
+/// k + 2 goes out (the last two before the first update); each gather bucket follows the
+/// update of its last member and is waited for at the end.
 #[test]
 fn bucket_gradients_on_tiny_gpt_dp2_zero1() {
     let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1 }, vocab: 256, kv_heads: 4, zero: 1, grad_bucket_bytes: 4096, ..Default::default() };
@@ -396,10 +397,37 @@ fn bucket_gradients_on_tiny_gpt_dp2_zero1() {
     let scatters = lines.iter().filter(|l| l.contains("shard.reduce_scatter") && l.contains("xf.async = true")).count();
     let gathers = lines.iter().filter(|l| l.contains("shard.all_gather") && l.contains("xf.async = true")).count();
     assert!(scatters > 20 && gathers > 20, "{scatters} scatters, {gathers} gathers");
-    // No update before the gradient waits; a gather right after its update.
-    assert!(position("reduce_scatter.wait") < position("\"xf.adamw\""));
+    // Early waits in the backward pass; no update before the gradient waits.
+    let last_scatter = lines.iter().rposition(|l| l.contains("shard.reduce_scatter") && l.contains("xf.async = true")).unwrap();
+    assert!(position("reduce_scatter.wait") < last_scatter, "bucket 0 is waited for in the backward pass");
+    let last_wait = lines.iter().rposition(|l| l.contains("= \"xf.wait\"(%") && l.contains("reduce_scatter")).unwrap();
+    assert!(last_wait < position("\"xf.adamw\""));
     let update = position("%optimizer.layers.1.mlp.up.weight:3 = \"xf.adamw\"");
     assert!(lines[update + 1].contains("%return.layers.1.mlp.up.weight.all_gather = shard.all_gather %optimizer.layers.1.mlp.up.weight#0"), "{}", lines[update + 1]);
     assert!(position("all_gather.wait") > position("%return.final_norm.bias.all_gather = "));
+    insta::assert_snapshot!(ir.to_string());
+}
+
+/// `overlap-collectives` on tiny at tp=2 with sequence parallelism: the data gradient's
+/// reduce-scatter of each column-parallel layer moves up to just after its GEMM and runs
+/// asynchronously behind the weight gradient's GEMM, waited for just before the norm's
+/// backward reads it, as Megatron-LM overlaps them; the loss's all-reduce, which only the
+/// step returns, stays where it is.
+#[test]
+fn overlap_collectives_on_tiny_gpt_tp2_sequence_parallel() {
+    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1 }, vocab: 256, kv_heads: 4, sequence_parallel: true, ..Default::default() };
+    let mut module = tiny("tiny");
+    let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
+    let (_, ir) = seen.iter().find(|(pass, _)| pass == "overlap-collectives").expect("overlap-collectives ran");
+    assert_mlir_opt_accepts(ir);
+    let lines: Vec<&str> = ir.lines().collect();
+    let position = |needle: &str| lines.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("no `{needle}` in {ir}"));
+    let dgrad = position("%layers.1.mlp.up.grad = \"xf.matmul\"");
+    assert!(lines[dgrad + 1].contains("%layers.1.mlp_norm.grad.reduce_scatter = shard.reduce_scatter %layers.1.mlp.up.grad on @mesh grid_axes = [1] scatter_axis = 1 {xf.async = true"), "{}", lines[dgrad + 1]);
+    assert!(lines[dgrad + 2].contains("\"xf.matmul_wgrad\""), "{}", lines[dgrad + 2]);
+    assert!(lines[dgrad + 3].contains("%layers.1.mlp_norm.grad.reduce_scatter.wait = \"xf.wait\""), "{}", lines[dgrad + 3]);
+    assert!(lines[dgrad + 4].contains("\"xf.layernorm_grad\"(%layers.1.attn.residual, %layers.1.mlp_norm.weight, %layers.1.mlp_norm.grad.reduce_scatter.wait)"), "{}", lines[dgrad + 4]);
+    assert!(ir.lines().any(|l| l.contains("%return.loss") || l.contains("%loss")), "the loss");
+    assert!(!ir.lines().any(|l| l.contains("xf.wait") && l.contains("loss.all_reduce")), "the returned loss stays synchronous");
     insta::assert_snapshot!(ir.to_string());
 }

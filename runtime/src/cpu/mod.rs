@@ -814,13 +814,37 @@ fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm
 }
 
 /// A reduce-scatter or all-gather bucket (see [`send_bucket`]): every member's input is
-/// copied now (the memory plan keeps it alive until the wait anyway) and the members run on
-/// the communication thread in program order, as every rank of the group issues them.
+/// copied now (staged, for a scatter along an inner dimension; the memory plan keeps it
+/// alive until the wait anyway) and the members run on the communication thread in program
+/// order, as every rank of the group issues them.
 fn send_group(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>) -> Result<InFlight, String> {
     let gather = program.instrs[members[0]].op == "shard.all_gather";
     let pairs: Vec<(&Buffer, &Buffer)> = members.iter().map(|&i| (&program.buffers[program.instrs[i].inputs[0]], &program.buffers[program.instrs[i].outputs[0]])).collect();
-    fn submit<T: Element + crate::collectives::Elem>(pairs: &[(&Buffer, &Buffer)], slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>, gather: bool) -> Result<u64, String> {
-        let inputs: Vec<Vec<T>> = pairs.iter().map(|(i, _)| T::slice(&slots[i.slot]).map(|v| crate::collectives::pool::filled(&v[..i.len()])).ok_or("bucket member of another type")).collect::<Result<_, _>>()?;
+    // A scatter along an inner dimension sends its blocks staged as [n][outer][chunk], as
+    // the synchronous one does; a gather is along its first dimension of more than one
+    // element (validated), so its blocks need no rearranging.
+    let axes: Vec<usize> = members.iter().map(|&i| program.instrs[i].int(if gather { "gather_axis" } else { "scatter_axis" }).map(|a| a as usize)).collect::<Result<_, _>>()?;
+    let n = group.len();
+    fn submit<T: Element + crate::collectives::Elem>(pairs: &[(&Buffer, &Buffer)], axes: &[usize], n: usize, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>, gather: bool) -> Result<u64, String> {
+        let stage = |(i, o): &(&Buffer, &Buffer), axis: usize| -> Result<Vec<T>, String> {
+            let input = &T::slice(&slots[i.slot]).ok_or("bucket member of another type")?[..i.len()];
+            let outer: usize = i.shape[..axis.min(i.shape.len())].iter().product();
+            if gather || outer == 1 {
+                return Ok(crate::collectives::pool::filled(input));
+            }
+            let inner: usize = i.shape[axis + 1..].iter().product();
+            let block = o.shape[axis] * inner;
+            let mut staged = crate::collectives::pool::buffer(input.len());
+            for r in 0..n {
+                for b in 0..outer {
+                    let src = (b * i.shape[axis] + r * o.shape[axis]) * inner;
+                    let dst = (r * outer + b) * block;
+                    staged[dst..dst + block].copy_from_slice(&input[src..src + block]);
+                }
+            }
+            Ok(staged)
+        };
+        let inputs: Vec<Vec<T>> = pairs.iter().zip(axes).map(|(pair, &axis)| stage(pair, axis)).collect::<Result<_, _>>()?;
         let out_lens: Vec<usize> = pairs.iter().map(|(_, o)| o.len()).collect();
         Ok(comm.submit(move |c: &mut Communicator| {
             let mut joined: Vec<T> = crate::collectives::pool::buffer(out_lens.iter().sum());
@@ -836,9 +860,9 @@ fn send_group(members: &[usize], program: &Program, slots: &[Storage], comm: &mu
     }
     let dtype = pairs[0].1.dtype;
     let ticket = match dtype {
-        DType::F64 => submit::<f64>(&pairs, slots, comm, group, gather)?,
-        DType::Bf16 => submit::<half::bf16>(&pairs, slots, comm, group, gather)?,
-        DType::F32 => submit::<f32>(&pairs, slots, comm, group, gather)?,
+        DType::F64 => submit::<f64>(&pairs, &axes, n, slots, comm, group, gather)?,
+        DType::Bf16 => submit::<half::bf16>(&pairs, &axes, n, slots, comm, group, gather)?,
+        DType::F32 => submit::<f32>(&pairs, &axes, n, slots, comm, group, gather)?,
         other => return Err(format!("a bucket of {other:?} values: only floats are reduced or gathered asynchronously")),
     };
     Ok(InFlight { ticket, dtype, members: pairs.iter().map(|(_, o)| (o.slot, o.len())).collect() })

@@ -138,6 +138,9 @@ pub struct CudaExecutor {
     /// Members of reduce-scatter and all-gather buckets reached so far (NCCL): a bucket is
     /// issued as one group when its last member is reached.
     pending_groups: HashMap<i64, Vec<nccl::GroupMember>>,
+    /// Staging of asynchronous reduce-scatters along inner dimensions, by instruction:
+    /// (pointer, bytes), reused every step.
+    async_staging: HashMap<usize, (u64, usize)>,
     /// Device copies of buffers a pipeline keeps between sections or sums over micro-batches.
     holds: Vec<Hold>,
     /// Where pipeline sends go and receives come from, with the (step, micro-batch) their
@@ -192,6 +195,7 @@ impl Drop for CudaExecutor {
         drop(self.nccl.take());
         let mut pointers: Vec<u64> = self.ranks.iter().flat_map(|r| r.slots.iter().map(|s| s.0).chain([r.arena.0, r.workspace.0])).filter(|&p| p != 0).collect();
         pointers.extend(self.staging.map(|s| s.0));
+        pointers.extend(self.async_staging.values().map(|s| s.0));
         pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));
         pointers.extend(self.send_copies.iter().map(|c| c.0));
         pointers.extend(self.sent_copies.iter().map(|c| c.0));
@@ -288,7 +292,7 @@ impl CudaExecutor {
         };
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
     }
 
     /// The program.
@@ -759,16 +763,12 @@ impl CudaExecutor {
         let r = self.program.memory.buckets[region].clone();
         if let Some(comms) = &self.nccl {
             let at = self.ranks[0].arena.0 + r.offset as u64;
-            let Some(stream) = self.device.stream().cloned() else {
-                // The emulated device: no streams, the collective runs at once.
-                return comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, None);
-            };
-            let comm_stream = self.device.comm_stream().cloned().unwrap_or_else(|| stream.clone());
-            let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
-            comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
-            comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, Some(&comm_stream))?;
-            let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
-            self.buckets.entry(r.bucket).or_default().push(done);
+            // On the communicator's stream, joined at the bucket's wait (the emulated device,
+            // without streams, runs it at once).
+            let stream = self.device.stream().cloned();
+            if let Some(done) = comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, stream.as_deref())? {
+                self.buckets.entry(r.bucket).or_default().push(done);
+            }
             return Ok(());
         }
         // Sum in rank order into the staging buffer, then hand out: every rank gets the same
@@ -892,17 +892,17 @@ impl CudaExecutor {
         let stream = self.device.stream().cloned();
         let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
         let bucket = instr.int("xf.bucket").ok().filter(|_| instr.bool("xf.async").unwrap_or(false) && instr.op == "shard.all_reduce");
-        if let (Some(bucket), Some(stream), Some(comm_stream)) = (bucket, &stream, self.device.comm_stream().cloned()) {
-            // A gradient bucket member: its value moves to the output now (the input's slot
-            // may be reused at once), and the all-reduce runs in place on the communication
-            // stream while the compute stream goes on; the bucket's `xf.wait` joins them.
+        if let (Some(bucket), Some(stream)) = (bucket, &stream) {
+            // An asynchronous all-reduce (a bucket member without a region): its value moves
+            // to the output now (the input's slot may be reused at once), and the sum runs
+            // in place on its communicator's stream while the compute stream goes on; the
+            // bucket's `xf.wait` joins them.
             let bytes = in_buffer.len() * in_buffer.dtype.bytes();
             self.copy_raw(output, input, bytes)?;
-            let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
-            comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
-            comms.run(instr, rank, &self.mesh, &out_buffer, &out_buffer, output, output, staging, Some(&comm_stream), |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))?;
-            let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
-            self.buckets.entry(bucket).or_default().push(done);
+            let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+            if let Some(done) = comms.all_reduce_in_place(&axes, output, out_buffer.len(), out_buffer.dtype, rank, Some(stream))? {
+                self.buckets.entry(bucket).or_default().push(done);
+            }
             return Ok(());
         }
         comms.run(instr, rank, &self.mesh, &in_buffer, &out_buffer, input, output, staging, stream.as_deref(), |dst, ds, src, ss, outer, block| self.copy_blocks(dst, ds, src, ss, outer, block))
@@ -920,23 +920,48 @@ impl CudaExecutor {
         let gather = instr.op == "shard.all_gather";
         let (in_buffer, out_buffer) = (&self.program.buffers[instr.inputs[0]], &self.program.buffers[instr.outputs[0]]);
         let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
-        let member = nccl::GroupMember { gather, axes, send: input, recv: output, count: if gather { in_buffer.len() } else { out_buffer.len() }, dtype: in_buffer.dtype };
+        let (in_shape, out_shape, dtype, count) = (in_buffer.shape.clone(), out_buffer.shape.clone(), in_buffer.dtype, if gather { in_buffer.len() } else { out_buffer.len() });
+        let mut send = input;
+        let axis = instr.int(if gather { "gather_axis" } else { "scatter_axis" }).map_err(err)? as usize;
+        if !gather && in_shape[..axis].iter().product::<usize>() > 1 {
+            // A scatter along an inner dimension (alone in its bucket, validated): its blocks
+            // staged as [n][outer][chunk] in a buffer of its own, which nothing else touches
+            // while the transfer reads it.
+            let es = dtype.bytes();
+            let (outer, inner) = (in_shape[..axis].iter().product::<usize>(), in_shape[axis + 1..].iter().product::<usize>() * es);
+            let block = out_shape[axis] * inner;
+            let bytes = in_shape.iter().product::<usize>() * es;
+            let index = self.program.instrs.iter().position(|i| std::ptr::eq(i, instr)).unwrap_or(usize::MAX);
+            let staging = match self.async_staging.get(&index) {
+                Some(&(ptr, size)) if size >= bytes => ptr,
+                _ => {
+                    let ptr = self.device.alloc(bytes)?;
+                    if let Some((old, _)) = self.async_staging.insert(index, (ptr, bytes)) {
+                        self.device.free(old);
+                    }
+                    ptr
+                }
+            };
+            let n = in_shape[axis] / out_shape[axis].max(1);
+            for r in 0..n {
+                self.copy_blocks(staging + (r * count * es) as u64, block, input + (r * block) as u64, in_shape[axis] * inner, outer, block)?;
+            }
+            send = staging;
+        }
+        let member = nccl::GroupMember { gather, axes, send, recv: output, count, dtype };
         let pending = self.pending_groups.entry(bucket).or_default();
         pending.push(member);
+        // A bucket's members count as one collective, issued with the last.
         if (pending.len() as i64) < members {
+            self.collectives_issued -= 1;
             return Ok(());
         }
         let group = self.pending_groups.remove(&bucket).unwrap_or_default();
         let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
-        let rank = self.ranks[0].rank;
-        let (Some(stream), Some(comm_stream)) = (self.device.stream().cloned(), self.device.comm_stream().cloned()) else {
-            return comms.run_group(&group, rank, None);
-        };
-        let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
-        comm_stream.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
-        comms.run_group(&group, rank, Some(&comm_stream))?;
-        let done = comm_stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
-        self.buckets.entry(bucket).or_default().push(done);
+        let stream = self.device.stream().cloned();
+        if let Some(done) = comms.run_group(&group, self.ranks[0].rank, stream.as_deref())? {
+            self.buckets.entry(bucket).or_default().push(done);
+        }
         Ok(())
     }
 

@@ -273,6 +273,14 @@ impl Comms {
     /// it: to `stream` the calls are in order, as if issued on it, while every operation of
     /// the communicator stays on one stream.
     fn on_group_stream(&self, axes: &[usize], stream: Option<&CudaStream>, issue: impl FnOnce(&CudaStream) -> Result<(), RuntimeError>) -> Result<(), RuntimeError> {
+        let done = self.after_on_group_stream(axes, stream, issue)?;
+        let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
+        stream.wait(&done).map_err(|e| err(format!("{e:?}")))
+    }
+
+    /// As [`Comms::on_group_stream`], but `stream` goes on: the completion event is returned
+    /// for whoever waits for it (an asynchronous collective's `xf.wait`).
+    fn after_on_group_stream(&self, axes: &[usize], stream: Option<&CudaStream>, issue: impl FnOnce(&CudaStream) -> Result<(), RuntimeError>) -> Result<cudarc::driver::CudaEvent, RuntimeError> {
         let Backend::Nccl { group_streams, .. } = &self.backend else { return Err(err("not an NCCL backend")) };
         let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
         let own = {
@@ -288,11 +296,10 @@ impl Comms {
         };
         let ready = stream.record_event(None).map_err(|e| err(format!("{e:?}")))?;
         own.wait(&ready).map_err(|e| err(format!("{e:?}")))?;
-        // Whatever `issue` enqueued (or failed to) is joined, so `stream` never runs ahead.
+        // The event follows whatever `issue` enqueued (or failed to).
         let issued = issue(&own);
         let done = own.record_event(None).map_err(|e| err(format!("{e:?}")))?;
-        stream.wait(&done).map_err(|e| err(format!("{e:?}")))?;
-        issued
+        issued.map(|()| done)
     }
 
     /// One NCCL call on the communicator of `axes`, on `own` (its stream).
@@ -466,35 +473,44 @@ impl Comms {
     }
 
     /// Sums `len` elements of `dtype` at `ptr` over the group of `rank` along `axes`, in
-    /// place, on `stream` (a gradient bucket's region).
-    pub fn all_reduce_in_place(&self, axes: &[usize], ptr: u64, len: usize, dtype: DType, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
-        // `ptr` is `len` elements of this rank's arena (a bucket region the program
-        // validated); every rank of the group issues the same call for the same bucket.
-        self.call(Call::AllReduce { max: false }, axes, ptr, ptr, len, dtype, rank, stream).map_err(|e| err(format!("a gradient bucket's all-reduce: {e}")))
+    /// place (a bucket's region, or one asynchronous all-reduce's output), after what
+    /// `stream` has queued, without holding it up: returns the event of its completion
+    /// (NCCL; the emulation runs it at once).
+    pub fn all_reduce_in_place(&self, axes: &[usize], ptr: u64, len: usize, dtype: DType, rank: usize, stream: Option<&CudaStream>) -> Result<Option<cudarc::driver::CudaEvent>, RuntimeError> {
+        let what = |e: RuntimeError| err(format!("a bucket's all-reduce: {e}"));
+        // `ptr` is `len` elements of this rank's memory (a bucket region the program
+        // validated, or an output); every rank of the group issues the same call.
+        match &self.backend {
+            Backend::Nccl { .. } => self.after_on_group_stream(axes, stream, |own| self.nccl_call(Call::AllReduce { max: false }, axes, ptr, ptr, len, dtype, rank, own)).map(Some).map_err(what),
+            Backend::Emulated { .. } => self.call(Call::AllReduce { max: false }, axes, ptr, ptr, len, dtype, rank, stream).map(|()| None).map_err(what),
+        }
     }
 
-    /// Runs a bucket of reduce-scatters or all-gathers along dimension 0 (`members`, in
-    /// program order) of this rank on `stream` as one NCCL group, which NCCL launches as one
-    /// kernel; the emulation runs them one after another at once.
-    pub fn run_group(&self, members: &[GroupMember], rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
+    /// Runs a bucket of reduce-scatters or all-gathers of contiguous blocks (`members`, in
+    /// program order) of this rank as one NCCL group, which NCCL launches as one kernel, on
+    /// their communicator's stream after what `stream` has queued, without holding it up:
+    /// returns the event of its completion. The emulation runs them one after another at
+    /// once.
+    pub fn run_group(&self, members: &[GroupMember], rank: usize, stream: Option<&CudaStream>) -> Result<Option<cudarc::driver::CudaEvent>, RuntimeError> {
         let what = || format!("a bucket of {} {}", members.len(), if members.first().is_some_and(|m| m.gather) { "all-gathers" } else { "reduce-scatters" });
         let call = |m: &GroupMember| if m.gather { Call::AllGather } else { Call::ReduceScatter };
-        let Some(first) = members.first() else { return Ok(()) };
+        let Some(first) = members.first() else { return Ok(None) };
         if members.iter().any(|m| m.axes != first.axes) {
             return Err(err(format!("{}: members over different axes", what())));
         }
         if !matches!(self.backend, Backend::Nccl { .. }) {
-            return members.iter().try_for_each(|m| self.call(call(m), &m.axes, m.send, m.recv, m.count, m.dtype, rank, stream)).map_err(|e| err(format!("{}: {e}", what())));
+            return members.iter().try_for_each(|m| self.call(call(m), &m.axes, m.send, m.recv, m.count, m.dtype, rank, stream)).map(|()| None).map_err(|e| err(format!("{}: {e}", what())));
         }
         // The whole group on its communicator's stream: NCCL enqueues a group's kernel at
         // ncclGroupEnd, so the completion event is recorded after it.
-        self.on_group_stream(&first.axes, stream, |own| {
+        self.after_on_group_stream(&first.axes, stream, |own| {
             nr::group_start().map_err(|e| err(format!("ncclGroupStart on rank {rank}: {e:?}")))?;
             // Every member is issued, and the group always closed, before an error is reported.
             let issued: Result<(), RuntimeError> = members.iter().try_for_each(|m| self.nccl_call(call(m), &m.axes, m.send, m.recv, m.count, m.dtype, rank, own));
             let ended = nr::group_end().map(|_| ()).map_err(|e| err(format!("ncclGroupEnd on rank {rank}: {e:?}")));
             issued.and(ended)
         })
+        .map(Some)
         .map_err(|e| err(format!("{}: {e}", what())))
     }
 
