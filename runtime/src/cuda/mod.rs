@@ -366,10 +366,13 @@ impl CudaExecutor {
 
     /// Waits for the device, and for this process's pipeline sends.
     pub fn synchronize(&self) -> Result<(), RuntimeError> {
-        self.device.synchronize()?;
         match &self.nccl {
-            Some(comms) => comms.synchronize(),
-            None => Ok(()),
+            // Under NCCL's watchdog: a peer that failed or hangs ends the wait with an error.
+            Some(comms) => comms.guard(|| {
+                self.device.synchronize()?;
+                comms.synchronize()
+            }),
+            None => self.device.synchronize(),
         }
     }
 

@@ -172,6 +172,9 @@ enum Backend {
         /// to run concurrently from two streams (a synchronous collective on the compute
         /// stream while a bucket on the communication stream is in flight would).
         group_streams: std::sync::Mutex<HashMap<Vec<usize>, std::sync::Arc<CudaStream>>>,
+        /// Watches the communicators for NCCL's asynchronous errors and for waits on the
+        /// device that outlast the timeout.
+        watchdog: Watchdog,
     },
     Emulated {
         world: EmulatedWorld,
@@ -239,7 +242,9 @@ impl Comms {
             groups.insert(axes, comm);
         }
         let edges = pipeline_edges(world, bootstrap.rank, mesh)?;
-        Ok(Comms { backend: Backend::Nccl { world, groups, edges, send_streams: Default::default(), group_streams: Default::default() } })
+        let handles = Handles(groups.values().chain(edges.values()).copied().chain([world]).collect());
+        let watchdog = Watchdog::start(handles, bootstrap.rank, bootstrap.timeout);
+        Ok(Comms { backend: Backend::Nccl { world, groups, edges, send_streams: Default::default(), group_streams: Default::default(), watchdog } })
     }
 
     /// The emulation of NCCL for one process of an emulated world (see [`EmulatedWorld`]).
@@ -306,7 +311,8 @@ impl Comms {
     #[allow(clippy::too_many_arguments)]
     fn nccl_call(&self, call: Call, axes: &[usize], send: u64, recv: u64, count: usize, dtype: DType, rank: usize, own: &CudaStream) -> Result<(), RuntimeError> {
         match &self.backend {
-            Backend::Nccl { groups, .. } => {
+            Backend::Nccl { groups, watchdog, .. } => {
+                watchdog.live()?;
                 let comm = *groups.get(axes).ok_or_else(|| err(format!("no communicator for axes {axes:?}")))?;
                 let s = own.cu_stream() as ns::cudaStream_t;
                 let ty = nccl_type(dtype);
@@ -459,6 +465,18 @@ impl Comms {
         match &self.backend {
             Backend::Emulated { world, .. } => Some(world.abort_flag()),
             Backend::Nccl { .. } => None,
+        }
+    }
+
+    /// Runs `wait` (a wait on the device, which NCCL transfers may hold up) under the
+    /// watchdog: if a communicator reports an asynchronous error, or the wait outlasts the
+    /// timeout (a peer that died or hangs leaves NCCL's kernels waiting for ever), every
+    /// communicator is aborted, which ends the wait, and this rank's error names why. Not
+    /// under NCCL: `wait` alone.
+    pub fn guard<T>(&self, wait: impl FnOnce() -> Result<T, RuntimeError>) -> Result<T, RuntimeError> {
+        match &self.backend {
+            Backend::Nccl { watchdog, .. } => watchdog.guard(wait),
+            Backend::Emulated { .. } => wait(),
         }
     }
 
@@ -694,7 +712,11 @@ fn emulated_call<T: crate::collectives::Elem + Default>(call: Call, comm: &mut c
 
 impl Drop for Comms {
     fn drop(&mut self) {
-        let Backend::Nccl { world, groups, edges, .. } = &self.backend else { return };
+        let Backend::Nccl { world, groups, edges, watchdog, .. } = &mut self.backend else { return };
+        // The watchdog stops first; if it aborted the communicators, they are gone.
+        if watchdog.stop() {
+            return;
+        }
         // Aborted rather than destroyed: a destroy waits for operations in flight, which
         // after a failure may wait on a peer that is gone; a run that ends well has nothing
         // in flight (every step ends synchronised).
@@ -738,3 +760,112 @@ mod tests {
         }
     }
 }
+
+/// Communicator handles the watchdog thread polls and, on a failure, aborts.
+struct Handles(Vec<ns::ncclComm_t>);
+
+// SAFETY: NCCL allows `ncclCommGetAsyncError` and `ncclCommAbort` from another thread while
+// the communicator is in use; the watchdog aborts only while the owning thread waits on the
+// device (armed), never while it issues calls, and the handles outlive the thread (`stop`
+// joins it before the communicators are dropped).
+unsafe impl Send for Handles {}
+
+/// What the owning thread and the watchdog thread share.
+#[derive(Default)]
+struct WatchState {
+    /// While the owning thread waits on the device: until when it may.
+    armed_until: Option<std::time::Instant>,
+    /// Why the communicators failed, once they did.
+    tripped: Option<String>,
+    /// Whether the watchdog aborted them (they must not be used or aborted again).
+    aborted: bool,
+    stop: bool,
+}
+
+/// A thread that polls a process's NCCL communicators every 50 ms, as PyTorch's NCCL
+/// watchdog does: an asynchronous error (a peer's connection lost, say) or a wait on the
+/// device past the timeout trips it, and while the owner waits it aborts every communicator
+/// so that the wait ends.
+struct Watchdog {
+    state: std::sync::Arc<std::sync::Mutex<WatchState>>,
+    timeout: Duration,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watchdog {
+    fn start(handles: Handles, rank: usize, timeout: Duration) -> Watchdog {
+        let state = std::sync::Arc::new(std::sync::Mutex::new(WatchState::default()));
+        let shared = state.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{rank}"))
+            .spawn(move || {
+                let handles = handles;
+                loop {
+                    std::thread::sleep(Duration::from_millis(50));
+                    let Ok(mut s) = shared.lock() else { return };
+                    if s.stop || s.aborted {
+                        return;
+                    }
+                    if s.tripped.is_none() {
+                        for &comm in &handles.0 {
+                            let mut state = ns::ncclResult_t::ncclSuccess;
+                            // SAFETY: a live communicator of this process (see `Handles`).
+                            let polled = unsafe { ns::ncclCommGetAsyncError(comm, &mut state) };
+                            if !matches!(polled, ns::ncclResult_t::ncclSuccess) || !matches!(state, ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress) {
+                                s.tripped = Some(format!("NCCL reported {state:?} on rank {rank} (a peer process failed or its connection was lost)"));
+                                break;
+                            }
+                        }
+                    }
+                    if s.tripped.is_none() && s.armed_until.is_some_and(|until| std::time::Instant::now() > until) {
+                        s.tripped = Some(format!("rank {rank}: no progress on the device within {timeout:?} (--timeout): a peer process failed or hangs"));
+                    }
+                    if s.tripped.is_some() && s.armed_until.is_some() {
+                        for &comm in &handles.0 {
+                            // SAFETY: as above; the owner is blocked in its wait, not in NCCL.
+                            let _ = unsafe { nr::comm_abort(comm) };
+                        }
+                        s.aborted = true;
+                        return;
+                    }
+                }
+            })
+            .ok();
+        Watchdog { state, timeout, thread }
+    }
+
+    /// An error when the communicators failed or were aborted.
+    fn live(&self) -> Result<(), RuntimeError> {
+        let s = self.state.lock().map_err(|_| err("the NCCL watchdog's state was poisoned"))?;
+        match (&s.tripped, s.aborted) {
+            (Some(why), _) => Err(err(format!("{why}; the communicators are aborted"))),
+            (None, true) => Err(err("the NCCL communicators were aborted")),
+            (None, false) => Ok(()),
+        }
+    }
+
+    fn guard<T>(&self, wait: impl FnOnce() -> Result<T, RuntimeError>) -> Result<T, RuntimeError> {
+        self.live()?;
+        self.state.lock().map_err(|_| err("poisoned"))?.armed_until = Some(std::time::Instant::now() + self.timeout);
+        let result = wait();
+        // Disarmed under the lock: an abort in progress finishes first.
+        let mut s = self.state.lock().map_err(|_| err("poisoned"))?;
+        s.armed_until = None;
+        match &s.tripped {
+            Some(why) => Err(err(format!("{why}; the communicators are aborted"))),
+            None => result,
+        }
+    }
+
+    /// Stops the thread; whether it had aborted the communicators.
+    fn stop(&mut self) -> bool {
+        if let Ok(mut s) = self.state.lock() {
+            s.stop = true;
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.state.lock().map(|s| s.aborted).unwrap_or(true)
+    }
+}
+
