@@ -769,6 +769,8 @@ struct Handles(Vec<ns::ncclComm_t>);
 // device (armed), never while it issues calls, and the handles outlive the thread (`stop`
 // joins it before the communicators are dropped).
 unsafe impl Send for Handles {}
+// SAFETY: as above; the handles are only read (the watchdog's two closures share them).
+unsafe impl Sync for Handles {}
 
 /// What the owning thread and the watchdog thread share.
 #[derive(Default)]
@@ -794,40 +796,52 @@ struct Watchdog {
 
 impl Watchdog {
     fn start(handles: Handles, rank: usize, timeout: Duration) -> Watchdog {
+        let handles = std::sync::Arc::new(handles);
+        let polled = handles.clone();
+        let poll = move || {
+            for &comm in &polled.0 {
+                let mut state = ns::ncclResult_t::ncclSuccess;
+                // SAFETY: a live communicator of this process (see `Handles`).
+                let result = unsafe { ns::ncclCommGetAsyncError(comm, &mut state) };
+                if !matches!(result, ns::ncclResult_t::ncclSuccess) || !matches!(state, ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress) {
+                    return Some(format!("NCCL reported {state:?} on rank {rank} (a peer process failed or its connection was lost)"));
+                }
+            }
+            None
+        };
+        let abort = move || {
+            for &comm in &handles.0 {
+                // SAFETY: as above; the owner is blocked in its wait, not in NCCL.
+                let _ = unsafe { nr::comm_abort(comm) };
+            }
+        };
+        Watchdog::start_with(rank, timeout, Duration::from_millis(50), poll, abort)
+    }
+
+    /// The watchdog over `poll` (an asynchronous error, if any) and `abort`, checked every
+    /// `every`.
+    fn start_with(rank: usize, timeout: Duration, every: Duration, poll: impl Fn() -> Option<String> + Send + 'static, abort: impl Fn() + Send + 'static) -> Watchdog {
         let state = std::sync::Arc::new(std::sync::Mutex::new(WatchState::default()));
         let shared = state.clone();
         let thread = std::thread::Builder::new()
             .name(format!("nccl-watchdog-{rank}"))
-            .spawn(move || {
-                let handles = handles;
-                loop {
-                    std::thread::sleep(Duration::from_millis(50));
-                    let Ok(mut s) = shared.lock() else { return };
-                    if s.stop || s.aborted {
-                        return;
-                    }
-                    if s.tripped.is_none() {
-                        for &comm in &handles.0 {
-                            let mut state = ns::ncclResult_t::ncclSuccess;
-                            // SAFETY: a live communicator of this process (see `Handles`).
-                            let polled = unsafe { ns::ncclCommGetAsyncError(comm, &mut state) };
-                            if !matches!(polled, ns::ncclResult_t::ncclSuccess) || !matches!(state, ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress) {
-                                s.tripped = Some(format!("NCCL reported {state:?} on rank {rank} (a peer process failed or its connection was lost)"));
-                                break;
-                            }
-                        }
-                    }
-                    if s.tripped.is_none() && s.armed_until.is_some_and(|until| std::time::Instant::now() > until) {
-                        s.tripped = Some(format!("rank {rank}: no progress on the device within {timeout:?} (--timeout): a peer process failed or hangs"));
-                    }
-                    if s.tripped.is_some() && s.armed_until.is_some() {
-                        for &comm in &handles.0 {
-                            // SAFETY: as above; the owner is blocked in its wait, not in NCCL.
-                            let _ = unsafe { nr::comm_abort(comm) };
-                        }
-                        s.aborted = true;
-                        return;
-                    }
+            .spawn(move || loop {
+                std::thread::sleep(every);
+                let Ok(mut s) = shared.lock() else { return };
+                if s.stop || s.aborted {
+                    return;
+                }
+                if s.tripped.is_none() {
+                    s.tripped = poll();
+                }
+                if s.tripped.is_none() && s.armed_until.is_some_and(|until| std::time::Instant::now() > until) {
+                    s.tripped = Some(format!("rank {rank}: no progress on the device within {timeout:?} (--timeout): a peer process failed or hangs"));
+                }
+                // Aborted only while the owner waits on the device, never while it calls NCCL.
+                if s.tripped.is_some() && s.armed_until.is_some() {
+                    abort();
+                    s.aborted = true;
+                    return;
                 }
             })
             .ok();
@@ -866,6 +880,70 @@ impl Watchdog {
             let _ = t.join();
         }
         self.state.lock().map(|s| s.aborted).unwrap_or(true)
+    }
+}
+
+#[cfg(test)]
+mod watchdog_tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    fn watchdog(timeout_ms: u64, error: Arc<AtomicBool>, aborts: Arc<AtomicUsize>) -> Watchdog {
+        let poll = move || error.load(Ordering::SeqCst).then(|| "NCCL reported ncclRemoteError on rank 3".to_string());
+        let abort = move || {
+            aborts.fetch_add(1, Ordering::SeqCst);
+        };
+        Watchdog::start_with(3, Duration::from_millis(timeout_ms), Duration::from_millis(5), poll, abort)
+    }
+
+    #[test]
+    fn a_wait_past_the_timeout_aborts_the_communicators_and_says_why() {
+        let aborts = Arc::new(AtomicUsize::new(0));
+        let mut w = watchdog(50, Arc::new(AtomicBool::new(false)), aborts.clone());
+        assert_eq!(w.guard(|| Ok(1)).unwrap(), 1, "a quick wait passes");
+        // A wait that only ends once the communicators are aborted (as a hung NCCL kernel).
+        let seen = aborts.clone();
+        let e = w.guard(|| {
+            while seen.load(Ordering::SeqCst) == 0 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok(())
+        });
+        let e = e.expect_err("tripped").to_string();
+        assert!(e.contains("rank 3: no progress on the device within 50ms"), "{e}");
+        assert_eq!(aborts.load(Ordering::SeqCst), 1);
+        assert!(w.live().is_err() && w.guard(|| Ok(())).is_err(), "nothing runs on aborted communicators");
+        assert!(w.stop(), "the drop must not abort them again");
+    }
+
+    #[test]
+    fn an_asynchronous_error_between_waits_is_reported_and_left_to_the_drop_to_abort() {
+        let (error, aborts) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let mut w = watchdog(10_000, error.clone(), aborts.clone());
+        error.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(50));
+        // Not waiting on the device: recorded, not aborted (the owner may be inside NCCL).
+        assert_eq!(aborts.load(Ordering::SeqCst), 0);
+        let e = w.live().expect_err("tripped").to_string();
+        assert!(e.contains("ncclRemoteError on rank 3"), "{e}");
+        assert!(!w.stop(), "not aborted: the drop aborts them");
+    }
+
+    #[test]
+    fn an_error_during_a_wait_aborts_at_once() {
+        let (error, aborts) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        let mut w = watchdog(10_000, error.clone(), aborts.clone());
+        let (flag, seen) = (error.clone(), aborts.clone());
+        let e = w.guard(|| {
+            flag.store(true, Ordering::SeqCst);
+            while seen.load(Ordering::SeqCst) == 0 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok(())
+        });
+        assert!(e.expect_err("tripped").to_string().contains("ncclRemoteError"));
+        assert!(w.stop());
     }
 }
 
