@@ -69,7 +69,10 @@ pub struct StepArgs {
     /// Sequence parallelism: split the residual stream and norms along the sequence over tp.
     #[arg(long)]
     pub sequence_parallel: bool,
-    /// Data-parallel gradient bucket size in MiB (0: one synchronous all-reduce per gradient).
+    /// Data-parallel bucket size in MiB: gradient all-reduces, ZeRO's gradient scatters and
+    /// gathers of updated shards go out asynchronously in buckets of this size, and ZeRO-3
+    /// prefetches up to this much of its parameter gathers (0: none of these; each
+    /// collective on its own).
     #[arg(long, default_value_t = 25)]
     pub grad_bucket_mb: u64,
     /// Partition naively (gather every column-parallel matmul's result), to see what the

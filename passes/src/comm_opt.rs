@@ -331,7 +331,8 @@ fn coll_pair(axes: &[u16], x: Id, y: Id) -> Term {
 const BUCKET_BYTES: u64 = 4 << 20;
 
 /// Pairs `(i, j)` of consecutive sum all-reduces (each op in at most one pair) over the same
-/// axes, small, where `j` does not depend on `i`'s result.
+/// axes, of one element type (a pair travels as one message of both), small, where `j`
+/// does not depend on `i`'s result.
 fn bucket_pairs(func: &Func) -> Vec<(usize, usize)> {
     // Gradient syncs that feed updates are left to the gradient buckets, which overlap them
     // with the rest of the backward pass.
@@ -348,7 +349,8 @@ fn bucket_pairs(func: &Func) -> Vec<(usize, usize)> {
     let mut k = 0;
     while k + 1 < reduces.len() {
         let (i, j) = (reduces[k], reduces[k + 1]);
-        if axes(i) == axes(j) && !depends_on(func, j, i) {
+        let dtype = |i: usize| func.tensor(func.ops[i].results[0]).map(|t| t.dtype);
+        if axes(i) == axes(j) && dtype(i) == dtype(j) && !depends_on(func, j, i) {
             pairs.push((i, j));
             k += 2;
         } else {

@@ -135,7 +135,8 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
         });
     }
     let pipeline = if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 { pipeline.then(sharding::BucketGradients { bucket_bytes: options.grad_bucket_bytes }) } else { pipeline };
-    pipeline.then(sharding::OverlapCollectives)
+    // Parameter gathers run ahead by up to a gradient bucket's bytes.
+    pipeline.then(sharding::OverlapCollectives { prefetch_bytes: options.grad_bucket_bytes })
 }
 
 /// The passes for inference (`@logits` from [`shardc_ir::spec::lower_logits`]): checked, then

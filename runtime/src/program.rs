@@ -714,7 +714,12 @@ impl Program {
                 if matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum") {
                     return Err(format!("instruction {i} (all-reduce at {}) is asynchronous but not a sum", instr.loc));
                 }
+                let bucket = instr.int("xf.bucket").map_err(|e| format!("asynchronous instruction {i} at {}: {e}", instr.loc))?;
+                buckets.entry(bucket).or_default().push(i);
                 continue;
+            }
+            if instr.op == "shard.reduce_scatter" && matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum") {
+                return Err(format!("instruction {i} (reduce-scatter at {}) is asynchronous but not a sum", instr.loc));
             }
             let axis = match instr.op.as_str() {
                 "shard.reduce_scatter" => "scatter_axis",
@@ -759,12 +764,15 @@ impl Program {
                 return Err(format!("bucket {bucket}: instruction {w} waits for it before its last member (instruction {last}) is issued"));
             }
             let first_wait = self.instrs.iter().position(is_wait).ok_or(format!("bucket {bucket} is never waited for"))?;
+            // An all-reduce's input is copied into its output (or region) when it is
+            // reached, so only its output is the transfer's until the wait.
+            let reduces = first.op == "shard.all_reduce";
             for &m in members {
                 let (input, output) = (self.instrs[m].inputs[0], self.instrs[m].outputs[0]);
                 if !self.instrs[first_wait..].iter().any(|i| is_wait(i) && i.inputs.first() == Some(&output)) {
                     return Err(format!("bucket {bucket}: no wait of the bucket reads the output of instruction {m} ({})", self.instrs[m].loc));
                 }
-                if self.alias(input, output) != Alias::None {
+                if !reduces && self.alias(input, output) != Alias::None {
                     return Err(format!("bucket {bucket}: instruction {m} ({}) writes storage it reads", self.instrs[m].loc));
                 }
                 // Its output is what the transfer writes: nothing reads it before the wait.
@@ -773,7 +781,7 @@ impl Program {
                     return Err(format!("bucket {bucket}: instruction {r} (`{}` at {}) reads the output of instruction {m} ({}) before instruction {first_wait} waits for it", reader.op, reader.loc, self.instrs[m].loc));
                 }
                 for (w, writer) in self.instrs.iter().enumerate().take(first_wait).skip(m + 1) {
-                    if let Some(&o) = writer.outputs.iter().find(|&&o| self.alias(o, input) != Alias::None || self.alias(o, output) != Alias::None) {
+                    if let Some(&o) = writer.outputs.iter().find(|&&o| (!reduces && self.alias(o, input) != Alias::None) || self.alias(o, output) != Alias::None) {
                         return Err(format!(
                             "bucket {bucket}: instruction {w} (`{}` at {}) writes `{}`, whose storage the transfer of instruction {m} ({}) still uses until instruction {first_wait} waits for it",
                             writer.op, writer.loc, self.buffers[o].name, self.instrs[m].loc

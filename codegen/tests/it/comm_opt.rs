@@ -412,3 +412,27 @@ fn saturation_stops_at_its_limits_and_reports_them() {
         assert!((a.losses[0] - b.losses[0]).abs() <= 1e-6 * b.losses[0].abs(), "{stop}: {} vs {}", a.losses[0], b.losses[0]);
     }
 }
+
+/// A bucketed pair travels as one message of both, so its members share an element type:
+/// in bf16 mixed precision with sequence parallelism on dp x tp, the fp32 norm-gradient and
+/// bf16 activation-gradient all-reduces are never paired (they were, and the step failed
+/// with "bucket member of another type"), and the step trains.
+#[test]
+fn bucket_pairs_share_an_element_type() {
+    let mut spec = spec_with_dtype("tiny", "bf16");
+    spec.training.micro_batch = 4;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let p = program(&module);
+    let mut types: std::collections::BTreeMap<i64, std::collections::BTreeSet<String>> = Default::default();
+    for i in p.instrs.iter().filter(|i| i.op == "shard.all_reduce" && i.bool("xf.async") == Ok(true)) {
+        types.entry(i.int("xf.bucket").unwrap()).or_default().insert(format!("{:?}", p.buffers[i.outputs[0]].dtype));
+    }
+    assert!(types.keys().any(|&b| b >= 1 << 20 && b < 1 << 21), "comm-opt bucketed something: {types:?}");
+    assert!(types.values().all(|t| t.len() == 1), "{types:?}");
+    let corpus = shardc_runtime::data::ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, 256).unwrap();
+    let run = train_spmd(&p, 0, spec.model.layers as usize, &corpus, 2, Duration::from_secs(30)).unwrap();
+    assert!(run.losses.iter().all(|l| l.is_finite()), "{:?}", run.losses);
+}

@@ -425,3 +425,42 @@ fn bucket_regions_alive_at_different_times_may_share_storage() {
     let shared = regions.iter().enumerate().any(|(k, a)| regions[k + 1..].iter().any(|b| a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes));
     assert!(shared, "no two regions share storage: {regions:?}");
 }
+
+/// ZeRO-3's parameter gathers go out ahead of their readers, asynchronously, with at most a
+/// bucket's bytes out ahead at once (or the one gather a reader needs, when larger), and
+/// the peak of temporaries grows by no more than that.
+#[test]
+fn parameter_gathers_are_prefetched_within_their_budget() {
+    use shardc_ir::mesh::Mesh;
+    let mut spec = spec_with_dtype("tiny", "f32");
+    spec.training.micro_batch = 4;
+    let compile = |bucket_bytes: u64| {
+        let mut module = model(&spec);
+        let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, zero: 3, grad_bucket_bytes: bucket_bytes, ..Default::default() };
+        let cx = shardc_ir::mlir::IrContext::new().unwrap();
+        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap()
+    };
+    let budget = 4096usize;
+    let (plain, prefetched) = (compile(0), compile(budget as u64));
+    let args: std::collections::HashSet<usize> = prefetched.args.iter().map(|a| a.buffer).collect();
+    let gathers: Vec<usize> = (0..prefetched.instrs.len()).filter(|&i| prefetched.instrs[i].op == "shard.all_gather" && args.contains(&prefetched.instrs[i].inputs[0])).collect();
+    let asynchronous = gathers.iter().filter(|&&i| prefetched.instrs[i].bool("xf.async") == Ok(true)).count();
+    assert!(asynchronous * 2 > gathers.len(), "{asynchronous} of {} parameter gathers asynchronous", gathers.len());
+    let bytes = |b: usize| prefetched.buffers[b].len() * prefetched.buffers[b].dtype.bytes();
+    let largest = gathers.iter().map(|&i| bytes(prefetched.instrs[i].outputs[0])).max().unwrap();
+    // Out ahead: issued, and its wait (the value's first read) not yet reached.
+    let mut ahead: Vec<(usize, usize)> = Vec::new();
+    for (i, instr) in prefetched.instrs.iter().enumerate() {
+        if instr.op == "xf.wait" {
+            ahead.retain(|&(out, _)| instr.inputs[0] != out);
+        }
+        if gathers.contains(&i) && instr.bool("xf.async") == Ok(true) {
+            ahead.push((instr.outputs[0], bytes(instr.outputs[0])));
+            let total: usize = ahead.iter().map(|a| a.1).sum();
+            assert!(total <= budget.max(largest), "instruction {i}: {total} bytes of gathers out ahead");
+        }
+    }
+    let (a, b) = (plain.memory.temporary_bytes, prefetched.memory.temporary_bytes);
+    assert!(b <= a + budget.max(largest) * 2, "{b} bytes of temporaries prefetching, {a} without");
+}

@@ -8,16 +8,18 @@
 //! (gathered along its first dimension of more than one element) first moves up to just
 //! after the op that makes its operand: nothing between them reads its result, and what
 //! stood between now runs while it is on the wire. If any compute op then lies between it
-//! and its first reader (or the next collective over the same axes, which its
-//! communicator's stream runs after it anyway: one in flight per communicator), it is marked
+//! and its first reader (for a scatter, which holds its whole input until its wait, or the
+//! next collective over the same axes: one in flight per communicator), it is marked
 //! `xf.async` as a bucket of its own (`xf.bucket`, `xf.bucket_members = 1`) and its readers
 //! read an `xf.wait` placed just before that point.
 //! Backends run it on its communicator's stream (a reduce-scatter along an inner dimension
 //! stages its blocks in a buffer of its own) and join it at the wait; the CPU backend on its
 //! communication thread. A gather along an inner dimension would need its blocks rearranged
-//! after the wait, so it stays synchronous.
+//! after the wait, so it stays synchronous. Gathers of arguments (ZeRO-3's parameter
+//! shards, gathered where they are read) are prefetched: each goes out as early as the bytes
+//! of those out ahead of their first reader stay within `prefetch_bytes`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use shardc_ir::{AttrValue, Attrs, Func, Module, Op, Value};
 
@@ -25,7 +27,10 @@ use crate::{Changed, Pass, PassError};
 
 /// The `overlap-collectives` pass.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct OverlapCollectives;
+pub struct OverlapCollectives {
+    /// Most bytes of parameter gathers out ahead of their first reader (0: none ahead).
+    pub prefetch_bytes: u64,
+}
 
 /// Whether `op` is a collective this pass may make asynchronous.
 fn candidate(func: &Func, op: &Op) -> bool {
@@ -69,50 +74,30 @@ impl Pass for OverlapCollectives {
         let Some(func) = module.funcs.iter_mut().find(|f| f.name == "train_step") else {
             return Ok(Changed::No);
         };
-        // Move each candidate up to just after the op that makes its operand. One whose
-        // result only the step returns (the loss, for the report) stays: nothing waits on it
-        // but the step's end, and its result would live through the step in the arena.
-        let read: std::collections::HashSet<Value> = func.ops.iter().flat_map(|o| o.operands.iter().copied()).collect();
-        let candidate = |func: &Func, op: &Op| candidate(func, op) && read.contains(&op.results[0]);
-        let mut ops: Vec<Op> = Vec::with_capacity(func.ops.len());
-        let mut hoisted = false;
-        for op in std::mem::take(&mut func.ops) {
-            if candidate(func, &op) {
-                let operand = op.operands[0];
-                if let Some(maker) = ops.iter().rposition(|o| o.results.contains(&operand)) {
-                    // After the maker and any collective already moved there (their order kept).
-                    let mut at = maker + 1;
-                    while at < ops.len() && candidate_or_moved(&ops[at], operand) {
-                        at += 1;
-                    }
-                    if at < ops.len() {
-                        hoisted = true;
-                    }
-                    ops.insert(at, op);
-                    continue;
-                }
-            }
-            ops.push(op);
+        // One whose result only the step returns (the loss, for the report) stays: nothing
+        // waits on it but the step's end, and its result would live through the step.
+        let original = std::mem::take(&mut func.ops);
+        let read: HashSet<Value> = original.iter().flat_map(|o| o.operands.iter().copied()).collect();
+        let args: HashSet<Value> = func.args.iter().map(|a| a.value).collect();
+        let is_candidate = |op: &Op| candidate(func, op) && read.contains(&op.results[0]);
+        // A trial with every candidate moved shows which would have compute to hide behind;
+        // then only those move (a move that gains nothing would only lengthen a value's life).
+        let trial = self.prefetch(func, hoist(original.clone(), &is_candidate), &args, &is_candidate);
+        let chosen: HashSet<Value> = overlapped(&trial, &is_candidate).into_iter().map(|(i, _)| trial[i].results[0]).collect();
+        let is_chosen = |op: &Op| is_candidate(op) && chosen.contains(&op.results[0]);
+        let ops = self.prefetch(func, hoist(original.clone(), &is_chosen), &args, &is_chosen);
+        let marked = overlapped(&ops, &is_chosen);
+        if marked.is_empty() {
+            func.ops = original;
+            return Ok(Changed::No);
         }
-        // Then mark those with compute before their first reader.
+        let mut ops = ops;
         let mut next_bucket = ops.iter().filter_map(|o| match o.attrs.get("xf.bucket") { Some(AttrValue::Int(b)) => Some(*b + 1), _ => None }).max().unwrap_or(0).max(1 << 21);
         let mut waits: HashMap<usize, Vec<Op>> = HashMap::new();
         let mut waited: HashMap<Value, Value> = HashMap::new();
         let mut at_end = Vec::new();
-        for i in 0..ops.len() {
-            if !candidate(func, &ops[i]) {
-                continue;
-            }
+        for (i, until) in marked {
             let result = ops[i].results[0];
-            // Waited for before its first reader, or before the next collective over the same
-            // axes (which its communicator's stream would run after it anyway): one in flight
-            // per communicator, so what it holds (a scatter's whole input) is not held long.
-            let axes = ops[i].attrs.get("grid_axes").cloned();
-            let first_reader = (i + 1..ops.len()).find(|&j| ops[j].operands.contains(&result) || (ops[j].name.starts_with("shard.") && ops[j].attrs.get("grid_axes").cloned() == axes));
-            let window = &ops[i + 1..first_reader.unwrap_or(ops.len())];
-            if !window.iter().any(computes) {
-                continue;
-            }
             let bucket = next_bucket;
             next_bucket += 1;
             let op = &mut ops[i];
@@ -120,15 +105,11 @@ impl Pass for OverlapCollectives {
             func.types.push(func.types[result.0 as usize].clone());
             let wait = Value(func.types.len() as u32 - 1);
             let wait_op = Op { name: "xf.wait".into(), operands: vec![result], results: vec![wait], attrs: Attrs::new().with("xf.bucket", AttrValue::Int(bucket)), loc: format!("{}.wait", op.loc) };
-            match first_reader {
+            match until {
                 Some(j) => waits.entry(j).or_default().push(wait_op),
                 None => at_end.push(wait_op),
             }
             waited.insert(result, wait);
-        }
-        if waited.is_empty() && !hoisted {
-            func.ops = ops;
-            return Ok(Changed::No);
         }
         let mut placed = Vec::with_capacity(ops.len() + waited.len());
         for (j, mut op) in ops.into_iter().enumerate() {
@@ -149,6 +130,87 @@ impl Pass for OverlapCollectives {
         func.ops = placed;
         Ok(Changed::Yes)
     }
+}
+
+impl OverlapCollectives {
+    /// Gathers of arguments (ZeRO-3's parameter shards, gathered where they are read) among
+    /// `movable`, prefetched: each goes out as early as the bytes of those already out and
+    /// not yet read stay within `prefetch_bytes` (as FSDP limits its all-gathers ahead), and
+    /// always before its first reader.
+    fn prefetch(&self, func: &Func, ops: Vec<Op>, args: &HashSet<Value>, movable: &dyn Fn(&Op) -> bool) -> Vec<Op> {
+        let is_prefetch = |op: &Op| op.name == "shard.all_gather" && movable(op) && args.contains(&op.operands[0]);
+        if self.prefetch_bytes == 0 || !ops.iter().any(is_prefetch) {
+            return ops;
+        }
+        let (gathers, rest): (Vec<Op>, Vec<Op>) = ops.into_iter().partition(is_prefetch);
+        let bytes = |op: &Op| func.tensor(op.results[0]).map_or(0, |t| t.bytes());
+        let position: HashMap<Value, usize> = gathers.iter().enumerate().map(|(k, g)| (g.results[0], k)).collect();
+        let mut gathers = gathers.into_iter().map(Some).collect::<Vec<_>>();
+        let (mut next, mut ahead) = (0usize, Vec::<(Value, u64)>::new());
+        let mut placed = Vec::with_capacity(rest.len() + gathers.len());
+        for op in rest {
+            // Whatever this op reads goes out first, then what the budget allows.
+            let needed = op.operands.iter().filter_map(|v| position.get(v)).map(|&k| k + 1).max().unwrap_or(0);
+            while next < gathers.len() {
+                let size = gathers[next].as_ref().map_or(0, bytes);
+                let within = ahead.iter().map(|(_, b)| b).sum::<u64>() + size <= self.prefetch_bytes;
+                if next >= needed && !within {
+                    break;
+                }
+                let g = gathers[next].take().expect("each gather goes out once");
+                ahead.push((g.results[0], size));
+                placed.push(g);
+                next += 1;
+            }
+            ahead.retain(|(v, _)| !op.operands.contains(v));
+            placed.push(op);
+        }
+        placed.extend(gathers.into_iter().flatten());
+        placed
+    }
+}
+
+/// `ops` with each op that `movable` accepts moved up to just after the op that makes its
+/// operand (nothing between reads its result, so what stood between runs while it is on
+/// the wire); one whose operand is an argument stays.
+fn hoist(original: Vec<Op>, movable: &dyn Fn(&Op) -> bool) -> Vec<Op> {
+    let mut ops: Vec<Op> = Vec::with_capacity(original.len());
+    for op in original {
+        if movable(&op) {
+            let operand = op.operands[0];
+            if let Some(maker) = ops.iter().rposition(|o| o.results.contains(&operand)) {
+                // After the maker and any collective already moved there (their order kept).
+                let mut at = maker + 1;
+                while at < ops.len() && candidate_or_moved(&ops[at], operand) {
+                    at += 1;
+                }
+                ops.insert(at, op);
+                continue;
+            }
+        }
+        ops.push(op);
+    }
+    ops
+}
+
+/// The ops of `ops` that `movable` accepts with compute between them and where they must
+/// be waited for, with that point (`None`: the end): the first reader; for a scatter, which
+/// holds its whole input until its wait, the next collective over the same axes at the
+/// latest (its communicator's stream runs that after it anyway), so one scatter is in
+/// flight per communicator. A gather's input and output live that long regardless, and an
+/// all-reduce's input is copied into its output at once.
+fn overlapped(ops: &[Op], movable: &dyn Fn(&Op) -> bool) -> Vec<(usize, Option<usize>)> {
+    let communicates = |op: &Op| op.name.starts_with("shard.") && op.name != "shard.all_slice";
+    (0..ops.len())
+        .filter(|&i| movable(&ops[i]))
+        .filter_map(|i| {
+            let result = ops[i].results[0];
+            let axes = ops[i].attrs.get("grid_axes");
+            let scatter = ops[i].name == "shard.reduce_scatter";
+            let until = (i + 1..ops.len()).find(|&j| ops[j].operands.contains(&result) || (scatter && communicates(&ops[j]) && ops[j].attrs.get("grid_axes") == axes));
+            ops[i + 1..until.unwrap_or(ops.len())].iter().any(computes).then_some((i, until))
+        })
+        .collect()
 }
 
 /// Whether `op` is a collective reading `operand` (one moved up behind its maker before).

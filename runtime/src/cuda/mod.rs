@@ -380,6 +380,11 @@ impl CudaExecutor {
     /// among ranks on this device find every input ready).
     pub fn run(&mut self) -> Result<(), RuntimeError> {
         self.run_range(0..self.program.instrs.len())?;
+        // Every bucket issued was waited for (validated; a bucket left here would be a
+        // transfer nothing joined).
+        if let Some(bucket) = self.pending_groups.keys().chain(self.buckets.keys()).next() {
+            return Err(err(format!("bucket {bucket} was never completed and waited for")));
+        }
         self.synchronize()
     }
 
@@ -805,7 +810,7 @@ impl CudaExecutor {
         }
         self.collectives_issued += 1;
         if self.nccl.is_some() {
-            return self.collective_nccl(&instr);
+            return self.collective_nccl(index, &instr);
         }
         let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
         let (input, output) = (self.program.buffers[instr.inputs[0]].clone(), self.program.buffers[instr.outputs[0]].clone());
@@ -882,11 +887,11 @@ impl CudaExecutor {
         }
     }
 
-    fn collective_nccl(&mut self, instr: &Instr) -> Result<(), RuntimeError> {
+    fn collective_nccl(&mut self, index: usize, instr: &Instr) -> Result<(), RuntimeError> {
         let rank = self.ranks[0].rank;
         let (input, output) = (self.buffer_ptr(0, instr.inputs[0]), self.buffer_ptr(0, instr.outputs[0]));
         if instr.bool("xf.async") == Ok(true) && matches!(instr.op.as_str(), "shard.reduce_scatter" | "shard.all_gather") {
-            return self.group_member(instr, input, output);
+            return self.group_member(index, instr, input, output);
         }
         let in_buffer = self.program.buffers[instr.inputs[0]].clone();
         let out_buffer = self.program.buffers[instr.outputs[0]].clone();
@@ -917,7 +922,7 @@ impl CudaExecutor {
     /// what the compute stream has queued, and the bucket's `xf.wait` joins it (the memory
     /// plan keeps every member's input and output alive until then). The emulated device
     /// runs the group at once.
-    fn group_member(&mut self, instr: &Instr, input: u64, output: u64) -> Result<(), RuntimeError> {
+    fn group_member(&mut self, index: usize, instr: &Instr, input: u64, output: u64) -> Result<(), RuntimeError> {
         let bucket = instr.int("xf.bucket").map_err(err)?;
         let members = instr.int("xf.bucket_members").map_err(err)?;
         let gather = instr.op == "shard.all_gather";
@@ -934,7 +939,6 @@ impl CudaExecutor {
             let (outer, inner) = (in_shape[..axis].iter().product::<usize>(), in_shape[axis + 1..].iter().product::<usize>() * es);
             let block = out_shape[axis] * inner;
             let bytes = in_shape.iter().product::<usize>() * es;
-            let index = self.program.instrs.iter().position(|i| std::ptr::eq(i, instr)).unwrap_or(usize::MAX);
             let staging = match self.async_staging.get(&index) {
                 Some(&(ptr, size)) if size >= bytes => ptr,
                 _ => {
