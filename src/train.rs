@@ -74,7 +74,8 @@ pub struct RunArgs {
     /// Seconds a rank waits for another before the run stops with an error that names the
     /// rank that stopped answering and the collective that waited. Under NCCL, where a
     /// collective's wait happens on the device: the most a wait on the device (one per step)
-    /// may last before every communicator is aborted (raise it for steps that take longer).
+    /// may last before every communicator is aborted, and at least ten minutes (PyTorch's
+    /// default NCCL timeout).
     #[arg(long, default_value_t = 60, value_name = "SECONDS")]
     pub timeout: u64,
     /// Write the trained model as a Hugging Face folder (config.json, model.safetensors) of

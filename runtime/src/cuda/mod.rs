@@ -329,6 +329,7 @@ impl CudaExecutor {
         if b.len() != values.len() {
             return Err(RuntimeError::Binding(format!("`{name}` takes {} elements (shape {:?}), got {}", b.len(), b.shape, values.len())));
         }
+        self.wait_for_device()?;
         self.device.upload(self.buffer_ptr(local, buffer), &encode(values, b.dtype))
     }
 
@@ -337,6 +338,7 @@ impl CudaExecutor {
         let buffer = self.binding(name)?;
         let b = &self.program.buffers[buffer];
         let mut bytes = vec![0u8; b.len() * b.dtype.bytes()];
+        self.wait_for_device()?;
         self.device.download(&mut bytes, self.buffer_ptr(local, buffer))?;
         Ok(decode(&bytes, b.dtype))
     }
@@ -372,6 +374,16 @@ impl CudaExecutor {
                 self.device.synchronize()?;
                 comms.synchronize()
             }),
+            None => self.device.synchronize(),
+        }
+    }
+
+    /// Waits for the device's queued work (not pipeline sends, which may wait for their
+    /// receivers), under NCCL's watchdog: queued work may wait on a peer that failed, and
+    /// that wait ends with an error instead of never.
+    fn wait_for_device(&self) -> Result<(), RuntimeError> {
+        match &self.nccl {
+            Some(comms) => comms.guard(|| self.device.synchronize()),
             None => self.device.synchronize(),
         }
     }
@@ -722,11 +734,12 @@ impl CudaExecutor {
         let count = values.len();
         let staging = self.staging(count * 4 * (world + 1))?;
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.wait_for_device()?;
         self.device.upload(staging, &bytes)?;
         let stream = self.device.stream().cloned();
         let rank = self.ranks[0].rank;
         self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?.all_gather_world(staging, staging + (count * 4) as u64, count, DType::I32, rank, stream.as_deref())?;
-        self.device.synchronize()?;
+        self.wait_for_device()?;
         let mut out = vec![0u8; count * 4 * world];
         self.device.download(&mut out, staging + (count * 4) as u64)?;
         Ok(out.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())

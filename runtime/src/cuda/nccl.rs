@@ -243,7 +243,9 @@ impl Comms {
         }
         let edges = pipeline_edges(world, bootstrap.rank, mesh)?;
         let handles = Handles(groups.values().chain(edges.values()).copied().chain([world]).collect());
-        let watchdog = Watchdog::start(handles, bootstrap.rank, bootstrap.timeout);
+        // A step's device work is queued ahead of its one wait, so that wait may last a
+        // step: at least PyTorch's default NCCL timeout of ten minutes.
+        let watchdog = Watchdog::start(handles, bootstrap.rank, bootstrap.timeout.max(Duration::from_secs(600)));
         Ok(Comms { backend: Backend::Nccl { world, groups, edges, send_streams: Default::default(), group_streams: Default::default(), watchdog } })
     }
 
@@ -286,7 +288,9 @@ impl Comms {
     /// As [`Comms::on_group_stream`], but `stream` goes on: the completion event is returned
     /// for whoever waits for it (an asynchronous collective's `xf.wait`).
     fn after_on_group_stream(&self, axes: &[usize], stream: Option<&CudaStream>, issue: impl FnOnce(&CudaStream) -> Result<(), RuntimeError>) -> Result<cudarc::driver::CudaEvent, RuntimeError> {
-        let Backend::Nccl { group_streams, .. } = &self.backend else { return Err(err("not an NCCL backend")) };
+        let Backend::Nccl { group_streams, watchdog, .. } = &self.backend else { return Err(err("not an NCCL backend")) };
+        // Inside NCCL until the calls are enqueued (a group's at its end): no abort meanwhile.
+        let _in_nccl = watchdog.enter()?;
         let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
         let own = {
             let mut streams = group_streams.lock().map_err(|_| err("poisoned"))?;
@@ -339,7 +343,8 @@ impl Comms {
     #[allow(clippy::too_many_arguments)]
     pub fn all_gather_world(&self, send: u64, recv: u64, count: usize, dtype: DType, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
         match &self.backend {
-            Backend::Nccl { world, .. } => {
+            Backend::Nccl { world, watchdog, .. } => {
+                let _in_nccl = watchdog.enter()?;
                 let s = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?.cu_stream() as ns::cudaStream_t;
                 // SAFETY: `send` holds `count` and `recv` `count` x world elements of this
                 // rank's device memory (the caller's staging); every rank issues the same call.
@@ -364,7 +369,8 @@ impl Comms {
     /// expects it (NCCL matches a pair's sends and receives by their order alone).
     pub fn send(&self, ptr: u64, bytes: usize, peer: usize, tag: u64, rank: usize, stream: Option<&CudaStream>) -> Result<Option<cudarc::driver::CudaEvent>, RuntimeError> {
         match &self.backend {
-            Backend::Nccl { edges, send_streams, .. } => {
+            Backend::Nccl { edges, send_streams, watchdog, .. } => {
+                let _in_nccl = watchdog.enter()?;
                 let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
                 let comm = *edges.get(&(rank, peer)).ok_or_else(|| err(format!("rank {rank} has no pipeline edge to rank {peer}")))?;
                 let sends = {
@@ -404,7 +410,8 @@ impl Comms {
     /// waits for them): the next message of that peer's sends to this rank.
     pub fn recv(&self, ptr: u64, bytes: usize, peer: usize, tag: u64, rank: usize, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
         match &self.backend {
-            Backend::Nccl { edges, .. } => {
+            Backend::Nccl { edges, watchdog, .. } => {
+                let _in_nccl = watchdog.enter()?;
                 let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
                 let comm = *edges.get(&(peer, rank)).ok_or_else(|| err(format!("rank {rank} has no pipeline edge from rank {peer}")))?;
                 // SAFETY: `ptr` is the receiving buffer of `bytes` in this rank's device
@@ -436,7 +443,8 @@ impl Comms {
     /// blocks the host mid-step could wait on a peer that waits on this rank. `byte` is one
     /// byte of device memory.
     pub fn connect_pipeline_edges(&self, rank: usize, mesh: &MeshShape, byte: u64, stream: Option<&CudaStream>) -> Result<(), RuntimeError> {
-        let Backend::Nccl { edges, .. } = &self.backend else { return Ok(()) };
+        let Backend::Nccl { edges, watchdog, .. } = &self.backend else { return Ok(()) };
+        let _in_nccl = watchdog.enter()?;
         let stream = stream.ok_or_else(|| err("NCCL needs a GPU stream"))?;
         let s = stream.cu_stream() as ns::cudaStream_t;
         let rounds = edge_rounds(mesh);
@@ -781,7 +789,20 @@ struct WatchState {
     tripped: Option<String>,
     /// Whether the watchdog aborted them (they must not be used or aborted again).
     aborted: bool,
+    /// Whether the owner is inside an NCCL call (no abort may run then).
+    in_call: bool,
     stop: bool,
+}
+
+/// The owner's stay inside NCCL calls (see [`Watchdog::enter`]).
+struct InNccl<'a>(&'a std::sync::Mutex<WatchState>);
+
+impl Drop for InNccl<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.0.lock() {
+            s.in_call = false;
+        }
+    }
 }
 
 /// A thread that polls a process's NCCL communicators every 50 ms, as PyTorch's NCCL
@@ -837,8 +858,9 @@ impl Watchdog {
                 if s.tripped.is_none() && s.armed_until.is_some_and(|until| std::time::Instant::now() > until) {
                     s.tripped = Some(format!("rank {rank}: no progress on the device within {timeout:?} (--timeout): a peer process failed or hangs"));
                 }
-                // Aborted only while the owner waits on the device, never while it calls NCCL.
-                if s.tripped.is_some() && s.armed_until.is_some() {
+                // Aborted at once unless the owner is inside an NCCL call (then at its next
+                // wait or call): a wait anywhere else on the device ends.
+                if s.tripped.is_some() && (s.armed_until.is_some() || !s.in_call) {
                     abort();
                     s.aborted = true;
                     return;
@@ -846,6 +868,18 @@ impl Watchdog {
             })
             .ok();
         Watchdog { state, timeout, thread }
+    }
+
+    /// Marks the owner inside NCCL calls until the returned guard drops; an error (and no
+    /// call) when the communicators failed or were aborted.
+    fn enter(&self) -> Result<InNccl<'_>, RuntimeError> {
+        let mut s = self.state.lock().map_err(|_| err("the NCCL watchdog's state was poisoned"))?;
+        match (&s.tripped, s.aborted) {
+            (Some(why), _) => return Err(err(format!("{why}; the communicators are aborted"))),
+            (None, true) => return Err(err("the NCCL communicators were aborted")),
+            (None, false) => s.in_call = true,
+        }
+        Ok(InNccl(&self.state))
     }
 
     /// An error when the communicators failed or were aborted.
@@ -918,16 +952,22 @@ mod watchdog_tests {
     }
 
     #[test]
-    fn an_asynchronous_error_between_waits_is_reported_and_left_to_the_drop_to_abort() {
+    fn an_asynchronous_error_aborts_at_once_unless_the_owner_is_inside_nccl() {
         let (error, aborts) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
         let mut w = watchdog(10_000, error.clone(), aborts.clone());
+        // Inside an NCCL call: recorded, not aborted (the call may be using them).
+        let inside = w.enter().unwrap();
         error.store(true, Ordering::SeqCst);
         std::thread::sleep(Duration::from_millis(50));
-        // Not waiting on the device: recorded, not aborted (the owner may be inside NCCL).
         assert_eq!(aborts.load(Ordering::SeqCst), 0);
         let e = w.live().expect_err("tripped").to_string();
         assert!(e.contains("ncclRemoteError on rank 3"), "{e}");
-        assert!(!w.stop(), "not aborted: the drop aborts them");
+        // Out of it (waiting on the device anywhere, say): aborted, and no call enters.
+        drop(inside);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(aborts.load(Ordering::SeqCst), 1);
+        assert!(w.enter().is_err());
+        assert!(w.stop(), "the drop must not abort them again");
     }
 
     #[test]
