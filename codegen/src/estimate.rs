@@ -754,7 +754,11 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     let mut u = UnitCosts::default();
     let seed = program.instrs.iter().position(|i| i.loc == "loss.seed").unwrap_or(program.instrs.len());
     for (index, instr) in program.instrs.iter().enumerate() {
-        if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || instr.bool("xf.async").unwrap_or(false) {
+        // Data-parallel gradient syncs (buckets over dp) are the planner's to price for each
+        // data-parallel degree; every other collective counts, asynchronous or not (the
+        // planner adds a layer's costs up without overlap).
+        let dp_bucket = instr.bool("xf.async").unwrap_or(false) && instr.ints("grid_axes").is_ok_and(|a| a == [0]);
+        if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || dp_bucket {
             continue;
         }
         let priced = price(program, instr, cluster);

@@ -338,3 +338,25 @@ fn sequence_parallel_scatters_are_priced_behind_the_weight_gradients() {
     assert!(exposed < tp * (1.0 - 1e-6), "exposed {exposed} s of {tp} s over tp");
     assert!((e.step_seconds - (e.compute_seconds + exposed + e.bubble_seconds)).abs() <= 1e-9 + 1e-6 * e.step_seconds, "step {} = compute {} + exposed {exposed} + bubble {}", e.step_seconds, e.compute_seconds, e.bubble_seconds);
 }
+
+/// A layer's unit costs count its tensor-parallel collectives whether or not they run
+/// asynchronously (the planner adds a layer up without overlap): the layer's priced tp
+/// communication equals every tp collective of the layer priced alone.
+#[test]
+fn unit_costs_count_asynchronous_tensor_parallel_collectives() {
+    let cluster = shardc_ir::cluster::Cluster::preset("a100-80g").unwrap();
+    let mut spec = spec_with_dtype("tiny", "f32");
+    spec.model.layers = 1;
+    spec.training.micro_batch = 2;
+    let mut module = model(&spec);
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
+    let layer_tp: Vec<&shardc_runtime::program::Instr> = program.instrs.iter().filter(|i| i.loc.starts_with("layers.") && i.op.starts_with("shard.") && i.op != "shard.all_slice").collect();
+    assert!(layer_tp.iter().any(|i| i.bool("xf.async") == Ok(true)), "some of the layer's collectives are asynchronous");
+    let want: f64 = layer_tp.iter().map(|i| shardc_codegen::estimate::instruction_cost(&program, i, &cluster).1).sum();
+    let u = shardc_codegen::estimate::unit_costs(&program, &cluster);
+    let got: f64 = u.layer_breakdown.iter().filter(|(k, _)| k.ends_with(" tp")).map(|(_, t)| t).sum();
+    close("the layer's tp collectives", got, want);
+}
