@@ -121,11 +121,10 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
     let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
     let collective = |kind: Collective, b: f64| Priced::Communication(axis_names(&axes), cluster.time(kind, b, &grid, &axes));
     let copy = |b: f64| cluster.gpu.kernel_launch + b / (cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency);
+    if let Some((kind, b)) = collective_of(program, instr) {
+        return collective(kind, b);
+    }
     match instr.op.as_str() {
-        "shard.all_reduce" => collective(Collective::AllReduce, bytes(&input)),
-        "shard.all_gather" => collective(Collective::AllGather, bytes(&output)),
-        "shard.reduce_scatter" => collective(Collective::ReduceScatter, bytes(&input)),
-        "shard.broadcast" => collective(Collective::Broadcast, bytes(&input)),
         "shard.send" => Priced::Communication("pp".into(), cluster.time(Collective::Send, bytes(&input), &grid, &[2])),
         "shard.recv" => Priced::Communication("pp".into(), 0.0),
         "shard.all_slice" | "tensor.empty" => Priced::Compute("memory-bound", copy(bytes(&output))),
@@ -143,6 +142,20 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
             Priced::Compute(class, cluster.op_time(def, &refs, &outputs, &instr_attrs(instr)))
         }
     }
+}
+
+/// The collective an instruction runs and the bytes it is priced by: a gather's whole
+/// result, else its input (a bucket is priced as one collective of its members' sum).
+fn collective_of(program: &Program, instr: &Instr) -> Option<(Collective, f64)> {
+    let kind = match instr.op.as_str() {
+        "shard.all_reduce" => Collective::AllReduce,
+        "shard.all_gather" => Collective::AllGather,
+        "shard.reduce_scatter" => Collective::ReduceScatter,
+        "shard.broadcast" => Collective::Broadcast,
+        _ => return None,
+    };
+    let counted = if kind == Collective::AllGather { instr.outputs[0] } else { instr.inputs[0] };
+    Some((kind, buffer_type(program, counted).bytes() as f64))
 }
 
 /// What one instruction costs on `cluster`: its class (`gemm`, `attention`,
@@ -171,13 +184,6 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     let mut w = Walk::default();
     // Bucket -> (staged members' bytes, axes, members left); bucket -> done time.
     let mut staging: BTreeMap<i64, (f64, Vec<usize>, i64)> = BTreeMap::new();
-    // A bucket is one collective of its members' bytes: an all-reduce over the concatenated
-    // gradients, or gathers or scatters launched as one NCCL group (one launch, one latency).
-    let kind_of = |op: &str| match op {
-        "shard.reduce_scatter" => (Collective::ReduceScatter, "reduce_scatter"),
-        "shard.all_gather" => (Collective::AllGather, "all_gather"),
-        _ => (Collective::AllReduce, "all_reduce"),
-    };
     let mut done: BTreeMap<i64, (f64, String)> = BTreeMap::new();
     // Every operation on a communicator runs on that communicator's stream, in issue order
     // (the CUDA backend's `Comms`; the CPU backend's communication thread runs them all in
@@ -190,14 +196,15 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
         if let (Ok(bucket), true) = (instr.int("xf.bucket"), instr.bool("xf.async").unwrap_or(false)) {
             let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
             let members = instr.int("xf.bucket_members").unwrap_or(1);
+            // A bucket is one collective of its members' bytes: an all-reduce over the
+            // concatenated gradients, or gathers or scatters launched as one NCCL group.
+            let (collective, bytes) = collective_of(program, instr).unwrap_or((Collective::AllReduce, 0.0));
             let e = staging.entry(bucket).or_insert((0.0, axes, members));
-            // What `price` counts for the op alone: a gather's whole result, else the input.
-            let counted = if instr.op == "shard.all_gather" { instr.outputs[0] } else { instr.inputs[0] };
-            e.0 += buffer_type(program, counted).bytes() as f64;
+            e.0 += bytes;
             e.2 -= 1;
             if e.2 <= 0 {
                 let (b, axes, _) = staging.remove(&bucket).unwrap_or_default();
-                let (collective, name) = kind_of(&instr.op);
+                let name = instr.op.strip_prefix("shard.").unwrap_or(&instr.op);
                 let t = cluster.time(collective, b, &grid, &axes);
                 w.communication += t;
                 *w.breakdown.entry(format!("{name} {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;

@@ -50,3 +50,13 @@ pub fn init_params(exec: &mut CpuExecutor, seed: u64, layers: usize) {
 pub fn model(spec: &Spec) -> Module {
     lower(spec, StepShape { rows: spec.training.micro_batch, padded_vocab: spec.model.vocab }).unwrap()
 }
+
+/// The rank program of `spec`'s training step compiled by the whole pipeline under
+/// `options` (on the mesh's grid).
+pub fn compiled_step(spec: &Spec, options: &shardc_passes::CompileOptions) -> shardc_runtime::Program {
+    let mut module = model(spec);
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    shardc_passes::compile_pipeline(options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &grid).unwrap()
+}

@@ -102,11 +102,8 @@ fn unit_costs_read_bytes_per_parameter_from_the_program() {
 fn tiny_dp2(dtype: &str, zero: u8, bucket_bytes: u64) -> shardc_runtime::Program {
     let mut spec = spec_with_dtype("tiny", dtype);
     spec.training.micro_batch = 2;
-    let mut module = model(&spec);
     let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero, comm_opt: false, grad_bucket_bytes: bucket_bytes, ..Default::default() };
-    let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap()
+    compiled_step(&spec, &options)
 }
 
 /// What the data-parallel collectives of a compiled step move per parameter, against an
@@ -191,11 +188,8 @@ fn unit_cost_breakdown_sums_to_the_layer() {
     let mut spec = spec_with_dtype("tiny", "bf16");
     spec.model.layers = 1;
     spec.training.micro_batch = 1;
-    let mut module = model(&spec);
     let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, comm_opt: false, ..Default::default() };
-    let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
+    let program = compiled_step(&spec, &options);
     let u = shardc_codegen::estimate::unit_costs(&program, &cluster);
     let sum: f64 = u.layer_breakdown.values().sum();
     close("layer breakdown", sum, u.layer_forward + u.layer_backward);
@@ -323,11 +317,8 @@ fn collectives_on_one_communicator_are_priced_one_after_another() {
 fn sequence_parallel_scatters_are_priced_behind_the_weight_gradients() {
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 2;
-    let mut module = model(&spec);
     let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
-    let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
+    let program = compiled_step(&spec, &options);
     let asynchronous = program.instrs.iter().filter(|i| i.op == "shard.reduce_scatter" && i.bool("xf.async") == Ok(true)).count();
     assert!(asynchronous >= 2, "{asynchronous} asynchronous scatters");
     let cluster = shardc_ir::cluster::Cluster::preset("h100-sxm").unwrap();
@@ -348,11 +339,8 @@ fn unit_costs_count_asynchronous_tensor_parallel_collectives() {
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.model.layers = 1;
     spec.training.micro_batch = 2;
-    let mut module = model(&spec);
     let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
-    let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &module.grids[0].shape).unwrap();
+    let program = compiled_step(&spec, &options);
     let layer_tp: Vec<&shardc_runtime::program::Instr> = program.instrs.iter().filter(|i| i.loc.starts_with("layers.") && i.op.starts_with("shard.") && i.op != "shard.all_slice").collect();
     assert!(layer_tp.iter().any(|i| i.bool("xf.async") == Ok(true)), "some of the layer's collectives are asynchronous");
     let want: f64 = layer_tp.iter().map(|i| shardc_codegen::estimate::instruction_cost(&program, i, &cluster).1).sum();

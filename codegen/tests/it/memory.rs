@@ -253,11 +253,8 @@ fn edited_bucket_regions_are_refused() {
         spec.training.micro_batch = 4;
         spec
     };
-    let mut module = model(&spec);
     let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, grad_bucket_bytes: 4096, ..Default::default() };
-    let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap();
+    let program = compiled_step(&spec, &options);
     program.validate().unwrap();
     assert!(program.memory.buckets.len() >= 2, "{} regions", program.memory.buckets.len());
     let refused = |what: &str, edit: &dyn Fn(&mut Program)| {
@@ -305,11 +302,8 @@ fn async_scatter_inputs_live_until_their_wait_and_edits_are_refused() {
     use shardc_runtime::program::Attr;
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 4;
-    let mut module = model(&spec);
     let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, zero: 2, grad_bucket_bytes: 4096, ..Default::default() };
-    let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap();
+    let program = compiled_step(&spec, &options);
     program.validate().unwrap();
     let scatters: Vec<usize> = (0..program.instrs.len()).filter(|&i| program.instrs[i].op == "shard.reduce_scatter" && program.instrs[i].bool("xf.async") == Ok(true)).collect();
     assert!(scatters.len() > 10, "{} async scatters", scatters.len());
@@ -385,11 +379,8 @@ fn scatter_buckets_hold_whole_gradients_only_while_in_flight() {
     spec.model.layers = 8;
     for zero in [2u8, 3] {
         let peak = |bucket_bytes: u64| {
-            let mut module = model(&spec);
             let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, zero, grad_bucket_bytes: bucket_bytes, ..Default::default() };
-            let cx = shardc_ir::mlir::IrContext::new().unwrap();
-            compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-            shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap()
+            compiled_step(&spec, &options)
         };
         let (plain, bucketed) = (peak(0), peak(2048));
         let mut inputs: std::collections::BTreeMap<i64, usize> = Default::default();
@@ -415,11 +406,8 @@ fn bucket_regions_alive_at_different_times_may_share_storage() {
     use shardc_ir::mesh::Mesh;
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 4;
-    let mut module = model(&spec);
     let options = CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1 }, vocab: spec.model.vocab as i64, ..Default::default() };
-    let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 2, 1]).unwrap();
+    let program = compiled_step(&spec, &options);
     program.validate().unwrap();
     let regions = &program.memory.buckets;
     let shared = regions.iter().enumerate().any(|(k, a)| regions[k + 1..].iter().any(|b| a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes));
@@ -435,11 +423,8 @@ fn parameter_gathers_are_prefetched_within_their_budget() {
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 4;
     let compile = |bucket_bytes: u64| {
-        let mut module = model(&spec);
         let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: spec.model.vocab as i64, zero: 3, grad_bucket_bytes: bucket_bytes, ..Default::default() };
-        let cx = shardc_ir::mlir::IrContext::new().unwrap();
-        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-        shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap()
+        compiled_step(&spec, &options)
     };
     let budget = 4096usize;
     let (plain, prefetched) = (compile(0), compile(budget as u64));

@@ -212,11 +212,8 @@ fn gpt2_small_sequence_parallel_trades_all_reduces_for_reduce_scatter_and_all_ga
     spec.training.seq_len = Some(128);
     spec.training.micro_batch = 1;
     let records = |sequence_parallel: bool| {
-        let mut module = model(&spec);
         let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, sequence_parallel, clip_grad: 0.0, ..Default::default() };
-        let cx = shardc_ir::mlir::IrContext::new().unwrap();
-        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-        let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[1, 4, 1]).unwrap();
+        let program = compiled_step(&spec, &options);
         shardc_runtime::report::comm_records(&program, 0)
     };
     let (plain, sp) = (records(false), records(true));
@@ -402,11 +399,8 @@ fn zero_buckets_are_async_and_equal_single_device() {
     let reference: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let parameters = trainer.parameters().unwrap();
     for zero in [1u8, 2, 3] {
-        let mut module = model(&spec);
         let options = CompileOptions { optimizer: ADAMW, mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: 256, kv_heads: 4, zero, grad_bucket_bytes: 1024, ..Default::default() };
-        let cx = shardc_ir::mlir::IrContext::new().unwrap();
-        compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
-        let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[2, 1, 1]).unwrap();
+        let program = compiled_step(&spec, &options);
         let buckets = |op: &str| program.instrs.iter().filter(|i| i.op == op && i.bool("xf.async") == Ok(true)).filter_map(|i| i.int("xf.bucket").ok()).collect::<std::collections::BTreeSet<i64>>().len();
         assert!(buckets("shard.reduce_scatter") > 2, "ZeRO-{zero}: {} scatter buckets", buckets("shard.reduce_scatter"));
         assert!(buckets("shard.all_gather") > 2, "ZeRO-{zero}: {} gather buckets", buckets("shard.all_gather"));
