@@ -330,6 +330,13 @@ pub struct DevicePlan {
     pub calls: Vec<Vec<DeviceCall>>,
 }
 
+impl DevicePlan {
+    /// The kernels the calls launch, in call order (with repeats).
+    pub fn kernels(&self) -> Vec<String> {
+        self.calls.iter().flatten().filter_map(|c| if let DeviceCall::Launch { kernel, .. } = c { Some(kernel.clone()) } else { None }).collect()
+    }
+}
+
 /// One device call of an instruction.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]

@@ -210,6 +210,48 @@ fn the_generated_module_is_stable() {
     insta::assert_snapshot!("tiny_device_calls", calls.join("\n"));
 }
 
+/// The device program of `xf.attention` and `xf.attention_grad` on `q [b, hq, s, d]` and
+/// `k, v [b, hk, s, d]`, with `dout`, returning `out`, `dq`, `dk` and `dv`.
+fn attention_program(dtype: shardc_ir::types::DType, s: i64, causal: bool, (b, hq, hk, d): (i64, i64, i64, i64)) -> Program {
+    use shardc_ir::attrs::{AttrValue, Attrs};
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::TensorTy;
+    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (d as f64).sqrt()));
+    let (qt, kt) = (TensorTy::new(vec![b, hq, s, d], dtype), TensorTy::new(vec![b, hk, s, d], dtype));
+    let mut fb = FuncBuilder::new("attention");
+    let args: Vec<_> = [("q", &qt), ("k", &kt), ("v", &kt), ("dout", &qt)].iter().map(|(n, t)| fb.arg(n, (*t).clone(), ArgRole::Input)).collect();
+    let out = fb.op_multi("xf.attention", &args[..3], attrs.clone(), "fwd").unwrap();
+    let grads = fb.op_multi("xf.attention_grad", &args, attrs, "bwd").unwrap();
+    let results = [out[0], grads[0], grads[1], grads[2]];
+    let func = fb.finish(&results, &["out".to_string(), "dq".to_string(), "dk".to_string(), "dv".to_string()]);
+    shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap()
+}
+
+/// The tensor-core attention kernels compile to `mma.sync` for an sm_90 GPU (an H100 or
+/// H200), and to the shuffle fallback for NVRTC's default architecture; skipped (loudly) only
+/// where NVRTC is missing outside CI.
+#[cfg(feature = "cuda")]
+#[test]
+fn tensor_core_attention_compiles_to_mma_for_sm_90() {
+    let required = std::env::var("SHARDC_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    let program = attention_program(shardc_ir::types::DType::Bf16, 256, true, (1, 2, 1, 64));
+    let source = &program.device.as_ref().unwrap().source;
+    match shardc_runtime::cuda::compile_ptx_for(source, Some((9, 0))) {
+        Ok(ptx) => {
+            assert!(ptx.contains(".target sm_90"), "not compiled for sm_90");
+            assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "no tensor-core products in the sm_90 PTX");
+            assert!(ptx.contains(".entry attention_fwd_mma64"));
+        }
+        Err(e) if !required && e.to_string().contains("was not found") => {
+            eprintln!("SKIPPED: the tensor-core PTX check needs NVRTC: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    }
+    let fallback = shardc_runtime::cuda::compile_ptx_for(source, Some((7, 5))).unwrap();
+    assert!(!fallback.contains("mma.sync") && fallback.contains("shfl.sync"), "sm_75 has no bf16 mma.sync: the kernel must gather fragments by shuffles");
+}
+
 /// NVRTC compiles every generated module. CI sets SHARDC_REQUIRE_NVRTC=1 with pip's NVRTC on
 /// the library path, so there a missing library fails instead of skipping.
 #[cfg(feature = "cuda")]
@@ -381,9 +423,7 @@ mod emulated {
     /// fibers.)
     #[test]
     fn attention_over_many_tiles_equals_the_cpu() {
-        use shardc_ir::attrs::{AttrValue, Attrs};
-        use shardc_ir::graph::{ArgRole, FuncBuilder};
-        use shardc_ir::types::{DType, TensorTy};
+        use shardc_ir::types::DType;
         let mut cases = vec![];
         for (dtype, s, causal) in [(DType::F32, 1i64, true), (DType::F32, 127, false), (DType::F32, 260, true), (DType::F32, 260, false), (DType::F64, 260, true)] {
             cases.push((dtype, s, causal, (1i64, 2i64, 1i64, 5i64)));
@@ -393,41 +433,62 @@ mod emulated {
         }
         cases.push((DType::F32, 45, false, (2, 4, 2, 33)));
         cases.push((DType::F32, 8192, true, (1, 1, 1, 4)));
-        for (dtype, s, causal, (b, hq, hk, d)) in cases {
-            {
-                {
-                    let what = format!("{dtype:?} s={s} causal={causal} b={b} hq={hq} hk={hk} d={d}");
-                    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (d as f64).sqrt()));
-                    let (qt, kt) = (TensorTy::new(vec![b, hq, s, d], dtype), TensorTy::new(vec![b, hk, s, d], dtype));
-                    let mut fb = FuncBuilder::new("attention");
-                    let args: Vec<_> = [("q", &qt), ("k", &kt), ("v", &kt), ("dout", &qt)].iter().map(|(n, t)| fb.arg(n, (*t).clone(), ArgRole::Input)).collect();
-                    let out = fb.op_multi("xf.attention", &args[..3], attrs.clone(), "fwd").unwrap();
-                    let grads = fb.op_multi("xf.attention_grad", &args, attrs, "bwd").unwrap();
-                    let results = [out[0], grads[0], grads[1], grads[2]];
-                    let func = fb.finish(&results, &["out".to_string(), "dq".to_string(), "dk".to_string(), "dv".to_string()]);
-                    let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap();
-                    let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
-                    let mut device = cuda::CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
-                    for (i, name) in ["q", "k", "v", "dout"].iter().enumerate() {
-                        let len = program.buffers[program.arg(name).unwrap().buffer].len();
-                        // Scores of a few units, so the softmax has real peaks to track.
-                        let values: Vec<f64> = (0..len).map(|j| 2.0 * (shardc_runtime::init::uniform(i as u64 + 11, j as u64) - 0.5) * if *name == "dout" { 1.0 } else { 3.0 }).collect();
-                        cpu.write_f64(name, &values).unwrap();
-                        device.write(0, name, &values).unwrap();
-                    }
-                    cpu.run().unwrap();
-                    device.run().unwrap();
-                    for name in ["out", "dq", "dk", "dv"] {
-                        let (c, g) = (cpu.read_f64(name).unwrap(), device.read(0, name).unwrap());
-                        // Against the values' scale, at least 1: with one key, dk is 0 up to
-                        // rounding.
-                        let rel = c.iter().zip(&g).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / c.iter().map(|x| x.abs()).fold(1.0, f64::max);
-                        let tolerance = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
-                        assert!(rel <= tolerance, "{what}: `{name}` differs by {rel:.2e}");
-                    }
-                }
+        for (dtype, s, causal, shape) in cases {
+            let (what, _, errors) = attention_against_the_cpu(dtype, s, causal, shape);
+            let tolerance = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+            for (name, rel) in errors {
+                assert!(rel <= tolerance, "{what}: `{name}` differs by {rel:.2e}");
             }
         }
+    }
+
+    /// bf16 attention forward on tensor cores (`mma.m16n8k16` fragments, which the emulated
+    /// device gathers by warp shuffles as pre-sm_80 GPUs do): every head dim it is built for
+    /// at the smallest and largest, ragged query and key tiles (s = 1, 70, 200), causal and
+    /// not, grouped-query heads, equal to the CPU backend to bf16's resolution (a wrong
+    /// fragment layout is off by the values' own scale). The backward pass stays on the
+    /// scalar kernels and is checked too.
+    #[test]
+    fn attention_on_tensor_cores_equals_the_cpu() {
+        use shardc_ir::types::DType;
+        let cases = [(1i64, true, (1i64, 1i64, 1i64, 16i64)), (70, true, (1, 2, 1, 64)), (200, false, (2, 4, 2, 32)), (70, false, (1, 2, 2, 128)), (130, true, (1, 1, 1, 48))];
+        for (s, causal, shape) in cases {
+            let (what, kernels, errors) = attention_against_the_cpu(DType::Bf16, s, causal, shape);
+            assert!(kernels.iter().any(|k| *k == format!("attention_fwd_mma{}", shape.3)), "{what}: the forward pass is not on tensor cores: {kernels:?}");
+            for (name, rel) in errors {
+                assert!(rel <= 1e-2, "{what}: `{name}` differs by {rel:.2e}");
+            }
+        }
+    }
+
+    /// Runs `xf.attention` and `xf.attention_grad` on `q [b, hq, s, d]`, `k, v [b, hk, s, d]`
+    /// on the CPU and the emulated device; the case's name, the device's kernels and each
+    /// result's largest difference against the values' scale (at least 1: with one key, dk
+    /// is 0 up to rounding).
+    fn attention_against_the_cpu(dtype: shardc_ir::types::DType, s: i64, causal: bool, shape: (i64, i64, i64, i64)) -> (String, Vec<String>, Vec<(&'static str, f64)>) {
+        let (b, hq, hk, d) = shape;
+        let what = format!("{dtype:?} s={s} causal={causal} b={b} hq={hq} hk={hk} d={d}");
+        let program = attention_program(dtype, s, causal, shape);
+        let kernels = program.device.as_ref().unwrap().kernels();
+        let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
+        let mut device = cuda::CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
+        for (i, name) in ["q", "k", "v", "dout"].iter().enumerate() {
+            let len = program.buffers[program.arg(name).unwrap().buffer].len();
+            // Scores of a few units, so the softmax has real peaks to track.
+            let values: Vec<f64> = (0..len).map(|j| 2.0 * (shardc_runtime::init::uniform(i as u64 + 11, j as u64) - 0.5) * if *name == "dout" { 1.0 } else { 3.0 }).collect();
+            cpu.write_f64(name, &values).unwrap();
+            device.write(0, name, &values).unwrap();
+        }
+        cpu.run().unwrap();
+        device.run().unwrap();
+        let errors = ["out", "dq", "dk", "dv"]
+            .into_iter()
+            .map(|name| {
+                let (c, g) = (cpu.read_f64(name).unwrap(), device.read(0, name).unwrap());
+                (name, c.iter().zip(&g).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / c.iter().map(|x| x.abs()).fold(1.0, f64::max))
+            })
+            .collect();
+        (what, kernels, errors)
     }
 
     /// Pipelines and gradient accumulation on the device equal the CPU pipeline runtime on

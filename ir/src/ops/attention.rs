@@ -31,6 +31,12 @@ impl OpDef for Attention {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
+        if let Some(kernel) = mma_forward_kernel(cx) {
+            let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
+            args.extend(attention_args(&q, hk, cx.attrs)?);
+            let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
+            return Ok(DeviceKernel::Launches(vec![Launch { kernel, source: ATTENTION_MMA_CUDA, grid, block: FLASH_THREADS as u32, shared: 0, workspace: 0, args }]));
+        }
         let tiles = flash_tiles(q[3], s, cx.inputs[0].dtype)?;
         let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
         args.extend(attention_args(&q, hk, cx.attrs)?);
@@ -440,6 +446,172 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
       dv[(bg * s + j) * d + col] = store(dv_acc[c]);
     }
 }
+"#;
+
+/// Head dims the tensor-core forward kernel is instantiated for (`attention_fwd_mma{D}`).
+const MMA_HEAD_DIMS: [(usize, &str); 8] = [(16, "attention_fwd_mma16"), (32, "attention_fwd_mma32"), (48, "attention_fwd_mma48"), (64, "attention_fwd_mma64"), (80, "attention_fwd_mma80"), (96, "attention_fwd_mma96"), (112, "attention_fwd_mma112"), (128, "attention_fwd_mma128")];
+
+/// Query rows per block of the tensor-core kernel (four warps of 16).
+const MMA_ROWS: usize = 64;
+
+/// The tensor-core forward kernel for these operands, if it has one: bf16 storage and a head
+/// dim that is a multiple of 16 up to 128 (the fragments of `mma.m16n8k16`, and the
+/// accumulators that fit in registers).
+fn mma_forward_kernel(cx: &KernelCx<'_>) -> Option<&'static str> {
+    use crate::types::DType;
+    let d = dims(cx.inputs[0])[3];
+    let bf16 = cx.inputs.iter().all(|t| t.dtype == DType::Bf16) && cx.outputs.iter().all(|t| t.dtype == DType::Bf16);
+    MMA_HEAD_DIMS.iter().find(|(dim, _)| bf16 && *dim == d).map(|(_, name)| *name)
+}
+
+/// CUDA C of the tensor-core forward pass (bf16 modules only; see [`mma_forward_kernel`]).
+const ATTENTION_MMA_CUDA: &str = r#"#if defined(BF16)
+// Flash attention forward on tensor cores, for bf16 with fp32 accumulation (FlashAttention-2's
+// layout): a block of four warps holds 64 query rows, 16 per warp, as mma A fragments in
+// registers; keys and values come in tiles of 64 rows through shared memory (bf16 bits, row
+// stride D + 8 against bank conflicts). Scores S = Q K^T and the update O += P V are
+// m16n8k16 products; P passes from the scores' accumulator fragments straight into A fragments
+// (their layouts line up), rounded to bf16. The online softmax runs per row across tiles: the
+// four threads of a quad that share a row exchange its max by shuffles and keep partial sums,
+// added up at the end. Causal tiles past the block's last row are skipped.
+#define FA_MMA_ROWS 64
+#define FA_MMA_KEYS 64
+__device__ __forceinline__ float fa_lo(unsigned u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float fa_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ unsigned fa_pair(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
+__device__ __forceinline__ unsigned fa_round_pair(float lo, float hi) { return fa_pair(::store(lo).bits, ::store(hi).bits); }
+// d += a b for one warp: a 16x16 bf16, b 16x8 bf16, d 16x8 fp32, in the fragment layouts of
+// PTX's mma.m16n8k16 (g = lane / 4, t = lane % 4; a register's low half holds the lower index):
+// a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9];
+// b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; d[0..1] = D[g][2t, 2t+1], d[2..3] = D[g+8][2t, 2t+1].
+// Before sm_80 (and on the emulated device) the warp gathers the same fragments by shuffles.
+__device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  unsigned lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+  float rows[2][16], cols[2][16];
+  for (unsigned src = 0; src < 4; src++) {
+    unsigned k = 2 * src;
+    for (unsigned x = 0; x < 4; x++) {
+      unsigned u = __shfl_sync(0xffffffffu, a[x], (int)(4 * g + src));
+      rows[x & 1][k + (x >> 1) * 8] = fa_lo(u);
+      rows[x & 1][k + (x >> 1) * 8 + 1] = fa_hi(u);
+    }
+    for (unsigned c = 0; c < 2; c++)
+      for (unsigned x = 0; x < 2; x++) {
+        unsigned u = __shfl_sync(0xffffffffu, b[x], (int)(8 * t + 4 * c + src));
+        cols[c][k + x * 8] = fa_lo(u);
+        cols[c][k + x * 8 + 1] = fa_hi(u);
+      }
+  }
+  for (int r = 0; r < 2; r++)
+    for (int c = 0; c < 2; c++) {
+      float acc = 0;
+      for (int k = 0; k < 16; k++) acc += rows[r][k] * cols[c][k];
+      d[2 * r + c] += acc;
+    }
+#endif
+}
+template <int D>
+__device__ void fa_mma_forward(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+  __shared__ unsigned short ks[FA_MMA_KEYS][D + 8];
+  __shared__ unsigned short vs[FA_MMA_KEYS][D + 8];
+  const int KSTEPS = D / 16, NTILES = D / 8;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
+  i64 kv = (b * hk + h / (hq / hk)) * s * D;
+  i64 i0 = (i64)blockIdx.x * FA_MMA_ROWS;
+  // The two query rows of this thread's fragments.
+  i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+  const unsigned short* qb = q + bh * s * D;
+  unsigned qa[KSTEPS][4];
+  for (int kk = 0; kk < KSTEPS; kk++)
+    for (int x = 0; x < 4; x++) {
+      i64 row = rows[x & 1];
+      int col = kk * 16 + 2 * t + (x >> 1) * 8;
+      qa[kk][x] = row < s ? fa_pair(qb[row * D + col], qb[row * D + col + 1]) : 0u;
+    }
+  float o[NTILES][4];
+  for (int n = 0; n < NTILES; n++)
+    for (int x = 0; x < 4; x++) o[n][x] = 0;
+  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, scale = (float)scale_;
+  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
+  for (i64 j0 = 0; j0 < keys; j0 += FA_MMA_KEYS) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < FA_MMA_KEYS * D; e += blockDim.x) {
+      int r = e / D, c = e % D;
+      bool in = j0 + r < s;
+      ks[r][c] = in ? k[kv + (j0 + r) * D + c] : (unsigned short)0;
+      vs[r][c] = in ? v[kv + (j0 + r) * D + c] : (unsigned short)0;
+    }
+    __syncthreads();
+    // Scores of this warp's 16 rows against the tile's 64 keys: 8 tiles of 8 keys.
+    float sc[FA_MMA_KEYS / 8][4];
+    for (int n = 0; n < FA_MMA_KEYS / 8; n++) {
+      for (int x = 0; x < 4; x++) sc[n][x] = 0;
+      for (int kk = 0; kk < KSTEPS; kk++) {
+        const unsigned short* key = ks[n * 8 + g] + kk * 16 + 2 * t;
+        unsigned bf[2] = {fa_pair(key[0], key[1]), fa_pair(key[8], key[9])};
+        fa_mma(sc[n], qa[kk], bf);
+      }
+    }
+    float grown[2] = {mx[0], mx[1]};
+    for (int n = 0; n < FA_MMA_KEYS / 8; n++)
+      for (int x = 0; x < 4; x++) {
+        i64 i = rows[x >> 1], j = j0 + n * 8 + 2 * t + (x & 1);
+        sc[n][x] = i < s && j < s && (!causal || j <= i) ? sc[n][x] * scale : NEG_INF;
+        grown[x >> 1] = fmax(grown[x >> 1], sc[n][x]);
+      }
+    float rescale[2];
+    for (int half = 0; half < 2; half++) {
+      grown[half] = fmax(grown[half], __shfl_xor_sync(0xffffffffu, grown[half], 1));
+      grown[half] = fmax(grown[half], __shfl_xor_sync(0xffffffffu, grown[half], 2));
+      rescale[half] = grown[half] == NEG_INF ? 1.0f : exp(mx[half] - grown[half]);
+      mx[half] = grown[half];
+      sum[half] *= rescale[half];
+    }
+    for (int n = 0; n < FA_MMA_KEYS / 8; n++)
+      for (int x = 0; x < 4; x++) {
+        float m = mx[x >> 1];
+        sc[n][x] = m == NEG_INF ? 0.0f : exp(sc[n][x] - m);
+        sum[x >> 1] += sc[n][x];
+      }
+    for (int n = 0; n < NTILES; n++)
+      for (int x = 0; x < 4; x++) o[n][x] *= rescale[x >> 1];
+    // O += P V, 16 keys at a time: P's A fragment is two score tiles' accumulators.
+    for (int kk = 0; kk < FA_MMA_KEYS / 16; kk++) {
+      unsigned pa[4] = {fa_round_pair(sc[2 * kk][0], sc[2 * kk][1]), fa_round_pair(sc[2 * kk][2], sc[2 * kk][3]),
+                        fa_round_pair(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), fa_round_pair(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+      int key = kk * 16 + 2 * t;
+      for (int n = 0; n < NTILES; n++) {
+        int col = n * 8 + g;
+        unsigned bf[2] = {fa_pair(vs[key][col], vs[key + 1][col]), fa_pair(vs[key + 8][col], vs[key + 9][col])};
+        fa_mma(o[n], pa, bf);
+      }
+    }
+  }
+  for (int half = 0; half < 2; half++) {
+    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+  }
+  for (int n = 0; n < NTILES; n++)
+    for (int x = 0; x < 4; x++) {
+      i64 i = rows[x >> 1];
+      if (i < s) out[(bh * s + i) * D + n * 8 + 2 * t + (x & 1)] = ::store(o[n][x] / sum[x >> 1]).bits;
+    }
+}
+extern "C" __global__ void attention_fwd_mma16(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<16>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma32(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<32>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma48(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<48>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma64(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<64>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma80(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<80>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma96(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<96>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma112(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<112>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma128(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<128>(out, q, k, v, hq, hk, s, scale_, causal); }
+#endif
 "#;
 
 /// Blocks of `rows` outer rows over a sequence of `s`.

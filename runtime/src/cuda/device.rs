@@ -136,7 +136,8 @@ impl Gpu {
         // SAFETY: the executor passes raw pointers only, so cudarc's per-slice events are unused.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        let ptx = super::compile_ptx(source)?;
+        let capability = ctx.compute_capability().map_err(|e| err(format!("reading GPU {device}'s compute capability: {e:?}")))?;
+        let ptx = super::compile_ptx_for(source, Some(capability))?;
         let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| err(format!("loading the module: {e:?}")))?;
         let mut functions = HashMap::new();
         for kernel in kernels {

@@ -63,6 +63,16 @@ template <class V> V __shfl_down_sync(unsigned, V v, int offset) {
   shim_wait(shim_warp_barriers[t >> 5]);
   return r;
 }
+// A value from lane `src` of the warp (every lane names its own source).
+template <class V> V __shfl_sync(unsigned, V v, int src) {
+  unsigned t = threadIdx.x;
+  shim_lanes[t] = (double)v;
+  shim_wait(shim_warp_barriers[t >> 5]);
+  V r = (V)shim_lanes[(t & ~31u) + ((unsigned)src & 31u)];
+  shim_wait(shim_warp_barriers[t >> 5]);
+  return r;
+}
+template <class V> V __shfl_xor_sync(unsigned mask, V v, int lane_mask) { return __shfl_sync(mask, v, (int)((threadIdx.x & 31u) ^ (unsigned)lane_mask)); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }

@@ -53,13 +53,25 @@ pub fn check_available() -> Result<(), RuntimeError> {
     }
 }
 
-/// Compiles a device module to PTX with NVRTC (checks that NVRTC is present first).
+/// Compiles a device module to PTX with NVRTC (checks that NVRTC is present first), for
+/// NVRTC's default architecture.
 pub fn compile_ptx(source: &str) -> Result<String, RuntimeError> {
+    compile_ptx_for(source, None)
+}
+
+/// Compiles a device module to PTX for a compute capability `(major, minor)` (NVRTC's default
+/// architecture when `None`). Kernels take their tensor-core paths (`mma.sync`, sm_80 on) only
+/// when compiled for a GPU that has them, so a GPU's module is compiled for that GPU.
+pub fn compile_ptx_for(source: &str, capability: Option<(i32, i32)>) -> Result<String, RuntimeError> {
     // SAFETY: only tries to dlopen the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(err("NVRTC (libnvrtc.so.13) was not found: put pip's nvidia-cuda-nvrtc (nvidia/cu13/lib) on LD_LIBRARY_PATH"));
     }
-    let options = cudarc::nvrtc::CompileOptions { name: Some("shardc.cu".into()), ..Default::default() };
+    let options = cudarc::nvrtc::CompileOptions {
+        name: Some("shardc.cu".into()),
+        options: capability.map(|(major, minor)| format!("--gpu-architecture=compute_{major}{minor}")).into_iter().collect(),
+        ..Default::default()
+    };
     match cudarc::nvrtc::compile_ptx_with_opts(source, options) {
         Ok(ptx) => Ok(ptx.to_src()),
         Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => Err(err(format!("NVRTC rejected the module:\n{}", log.to_string_lossy()))),
@@ -233,7 +245,7 @@ impl CudaExecutor {
             }
         }
         let mesh = MeshShape(if program.mesh.is_empty() { vec![1] } else { program.mesh.clone() });
-        let mut kernels: Vec<String> = plan.calls.iter().flatten().filter_map(|c| if let DeviceCall::Launch { kernel, .. } = c { Some(kernel.clone()) } else { None }).collect();
+        let mut kernels = plan.kernels();
         kernels.extend(HELPERS.iter().map(|h| h.to_string()));
         kernels.sort();
         kernels.dedup();
