@@ -452,7 +452,8 @@ impl Cluster {
                 let tile_flops = 2.0 * tile_rows * tile_cols * (k / splits + g.gemm_k_overhead);
                 waves * tile_flops / (peak * g.gemm_efficiency / sms)
             }
-            KernelClass::Attention { batch_heads, queries, keys, head_dim, causal, products } => {
+            KernelClass::Attention { batch_heads, queries, keys, head_dim, causal, products, tensor_cores } => {
+                let peak = if bf16 && tensor_cores { g.bf16_flops } else { g.fp32_flops };
                 let blocks = batch_heads * (queries / tile_rows).ceil();
                 // A causal block of query rows sees the keys before it: half of them on
                 // average, plus its own diagonal block.

@@ -240,7 +240,9 @@ fn tensor_core_attention_compiles_to_mma_for_sm_90() {
         Ok(ptx) => {
             assert!(ptx.contains(".target sm_90"), "not compiled for sm_90");
             assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "no tensor-core products in the sm_90 PTX");
-            assert!(ptx.contains(".entry attention_fwd_mma64"));
+            for kernel in ["attention_fwd_mma64", "attention_grad_q_mma64", "attention_grad_kv_mma64"] {
+                assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} is not in the PTX");
+            }
         }
         Err(e) if !required && e.to_string().contains("was not found") => {
             eprintln!("SKIPPED: the tensor-core PTX check needs NVRTC: {e}");
@@ -442,19 +444,21 @@ mod emulated {
         }
     }
 
-    /// bf16 attention forward on tensor cores (`mma.m16n8k16` fragments, which the emulated
-    /// device gathers by warp shuffles as pre-sm_80 GPUs do): every head dim it is built for
-    /// at the smallest and largest, ragged query and key tiles (s = 1, 70, 200), causal and
-    /// not, grouped-query heads, equal to the CPU backend to bf16's resolution (a wrong
-    /// fragment layout is off by the values' own scale). The backward pass stays on the
-    /// scalar kernels and is checked too.
+    /// bf16 attention forward and backward on tensor cores (`mma.m16n8k16` fragments, which
+    /// the emulated device gathers by warp shuffles as pre-sm_80 GPUs do): head dims from the
+    /// smallest to the largest built, both tile sizes (64 rows up to d = 64, 32 past it),
+    /// ragged tiles (s = 1, 70, 130, 200), causal and not, grouped-query heads, equal to the
+    /// CPU backend to bf16's resolution (a wrong fragment layout is off by the values' own
+    /// scale).
     #[test]
     fn attention_on_tensor_cores_equals_the_cpu() {
         use shardc_ir::types::DType;
-        let cases = [(1i64, true, (1i64, 1i64, 1i64, 16i64)), (70, true, (1, 2, 1, 64)), (200, false, (2, 4, 2, 32)), (70, false, (1, 2, 2, 128)), (130, true, (1, 1, 1, 48))];
+        let cases = [(1i64, true, (1i64, 1i64, 1i64, 16i64)), (70, true, (1, 2, 1, 64)), (200, false, (2, 4, 2, 32)), (70, false, (1, 2, 2, 128)), (130, true, (1, 1, 1, 48)), (150, true, (1, 2, 1, 96))];
         for (s, causal, shape) in cases {
             let (what, kernels, errors) = attention_against_the_cpu(DType::Bf16, s, causal, shape);
-            assert!(kernels.iter().any(|k| *k == format!("attention_fwd_mma{}", shape.3)), "{what}: the forward pass is not on tensor cores: {kernels:?}");
+            for kernel in ["attention_fwd_mma", "attention_grad_q_mma", "attention_grad_kv_mma"] {
+                assert!(kernels.iter().any(|k| *k == format!("{kernel}{}", shape.3)), "{what}: `{kernel}` is not on tensor cores: {kernels:?}");
+            }
             for (name, rel) in errors {
                 assert!(rel <= 1e-2, "{what}: `{name}` differs by {rel:.2e}");
             }

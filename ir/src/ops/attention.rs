@@ -31,7 +31,7 @@ impl OpDef for Attention {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
-        if let Some(kernel) = mma_forward_kernel(cx) {
+        if let Some([kernel, _, _]) = mma_kernels(cx) {
             let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
             args.extend(attention_args(&q, hk, cx.attrs)?);
             let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
@@ -129,20 +129,26 @@ impl OpDef for AttentionGrad {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, d, hk) = (q[0], q[1], q[2], q[3], k[1]);
-        let tiles = flash_tiles(d, s, cx.inputs[0].dtype)?;
         let mut shape_args = attention_args(&q, hk, cx.attrs)?;
-        shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
+        // The tensor-core kernels' tiles are compile-time; the scalar ones take theirs.
+        let (names, source, rows, shared) = match mma_kernels(cx) {
+            Some([_, q_kernel, kv_kernel]) => ([q_kernel, kv_kernel], ATTENTION_MMA_CUDA, MMA_ROWS, 0),
+            None => {
+                let tiles = flash_tiles(d, s, cx.inputs[0].dtype)?;
+                shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
+                (["attention_grad_q", "attention_grad_kv"], ATTENTION_CUDA, tiles.0, flash_shared(d, tiles, 2, 2, 2))
+            }
+        };
         let workspace = b * hq * s * 3;
         let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
         q_args.extend(shape_args.iter().cloned());
         let mut kv_args = vec![Arg::Out(1), Arg::Out(2), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
         kv_args.extend(shape_args);
-        let row_tiles = query_tiles(s, tiles.0, "attention_grad")?;
+        let row_tiles = query_tiles(s, rows, "attention_grad")?;
         let (q_grid, kv_grid) = ([row_tiles, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [row_tiles, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
-        let shared = flash_shared(d, tiles, 2, 2, 2);
         Ok(DeviceKernel::Launches(vec![
-            Launch { kernel: "attention_grad_q", source: ATTENTION_CUDA, grid: q_grid, block: FLASH_THREADS as u32, shared, workspace, args: q_args },
-            Launch { kernel: "attention_grad_kv", source: ATTENTION_CUDA, grid: kv_grid, block: FLASH_THREADS as u32, shared, workspace, args: kv_args },
+            Launch { kernel: names[0], source, grid: q_grid, block: FLASH_THREADS as u32, shared, workspace, args: q_args },
+            Launch { kernel: names[1], source, grid: kv_grid, block: FLASH_THREADS as u32, shared, workspace, args: kv_args },
         ]))
     }
     fn summary(&self) -> &'static str {
@@ -179,7 +185,10 @@ impl OpDef for AttentionGrad {
         Cost { flops: 10.0 * b * h * s * s * d + 8.0 * b * h * s * s, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
-        attention_class(inputs, attrs, 5.0)
+        // The dq kernel walks the keys twice (scores and dp; then scores, dp and dq) and the
+        // keys' kernel does scores, dp, dk and dv: nine products, where FlashAttention-2's
+        // one kernel with atomic dq does five.
+        attention_class(inputs, attrs, 9.0)
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         ShardingRule::elementwise(4, 4, 3, Linearity::None).block(2).block(3)
@@ -199,6 +208,7 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64) -> Kernel
         head_dim: q.shape[3] as f64,
         causal: attrs.bool("causal").unwrap_or(true),
         products,
+        tensor_cores: q.dtype == crate::types::DType::Bf16 && mma_head_dim(q.shape[3] as usize).is_some(),
     }
 }
 
@@ -448,34 +458,40 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
 }
 "#;
 
-/// Head dims the tensor-core forward kernel is instantiated for (`attention_fwd_mma{D}`).
-const MMA_HEAD_DIMS: [(usize, &str); 8] = [(16, "attention_fwd_mma16"), (32, "attention_fwd_mma32"), (48, "attention_fwd_mma48"), (64, "attention_fwd_mma64"), (80, "attention_fwd_mma80"), (96, "attention_fwd_mma96"), (112, "attention_fwd_mma112"), (128, "attention_fwd_mma128")];
+/// Head dims the tensor-core kernels are instantiated for, with their forward, `dq` and
+/// `dk`/`dv` kernels.
+const MMA_HEAD_DIMS: [(usize, [&str; 3]); 8] = [(16, ["attention_fwd_mma16", "attention_grad_q_mma16", "attention_grad_kv_mma16"]), (32, ["attention_fwd_mma32", "attention_grad_q_mma32", "attention_grad_kv_mma32"]), (48, ["attention_fwd_mma48", "attention_grad_q_mma48", "attention_grad_kv_mma48"]), (64, ["attention_fwd_mma64", "attention_grad_q_mma64", "attention_grad_kv_mma64"]), (80, ["attention_fwd_mma80", "attention_grad_q_mma80", "attention_grad_kv_mma80"]), (96, ["attention_fwd_mma96", "attention_grad_q_mma96", "attention_grad_kv_mma96"]), (112, ["attention_fwd_mma112", "attention_grad_q_mma112", "attention_grad_kv_mma112"]), (128, ["attention_fwd_mma128", "attention_grad_q_mma128", "attention_grad_kv_mma128"])];
 
-/// Query rows per block of the tensor-core kernel (four warps of 16).
+/// Rows per block of the tensor-core kernels (four warps of 16).
 const MMA_ROWS: usize = 64;
 
-/// The tensor-core forward kernel for these operands, if it has one: bf16 storage and a head
-/// dim that is a multiple of 16 up to 128 (the fragments of `mma.m16n8k16`, and the
-/// accumulators that fit in registers).
-fn mma_forward_kernel(cx: &KernelCx<'_>) -> Option<&'static str> {
+/// The tensor-core kernels (forward, `dq`, `dk`/`dv`) for these operands, if they have them:
+/// bf16 storage throughout and a head dim that is a multiple of 16 up to 128 (the fragments
+/// of `mma.m16n8k16`, and accumulators that fit in registers).
+fn mma_kernels(cx: &KernelCx<'_>) -> Option<[&'static str; 3]> {
     use crate::types::DType;
     let d = dims(cx.inputs[0])[3];
     let bf16 = cx.inputs.iter().all(|t| t.dtype == DType::Bf16) && cx.outputs.iter().all(|t| t.dtype == DType::Bf16);
-    MMA_HEAD_DIMS.iter().find(|(dim, _)| bf16 && *dim == d).map(|(_, name)| *name)
+    mma_head_dim(d).filter(|_| bf16)
 }
 
-/// CUDA C of the tensor-core forward pass (bf16 modules only; see [`mma_forward_kernel`]).
+/// The tensor-core kernels of a head dim, if they are built for it.
+fn mma_head_dim(d: usize) -> Option<[&'static str; 3]> {
+    MMA_HEAD_DIMS.iter().find(|(dim, _)| *dim == d).map(|(_, names)| *names)
+}
+
+/// CUDA C of the tensor-core kernels (bf16 modules only; see [`mma_kernels`]).
 const ATTENTION_MMA_CUDA: &str = r#"#if defined(BF16)
-// Flash attention forward on tensor cores, for bf16 with fp32 accumulation (FlashAttention-2's
-// layout): a block of four warps holds 64 query rows, 16 per warp, as mma A fragments in
-// registers; keys and values come in tiles of 64 rows through shared memory (bf16 bits, row
-// stride D + 8 against bank conflicts). Scores S = Q K^T and the update O += P V are
-// m16n8k16 products; P passes from the scores' accumulator fragments straight into A fragments
-// (their layouts line up), rounded to bf16. The online softmax runs per row across tiles: the
-// four threads of a quad that share a row exchange its max by shuffles and keep partial sums,
-// added up at the end. Causal tiles past the block's last row are skipped.
+// Flash attention on tensor cores, bf16 with fp32 accumulation, in FlashAttention-2's layout:
+// a block of four warps owns 64 rows (queries forward and for dq, keys for dk and dv), 16 per
+// warp, held as mma A fragments in registers; the other side comes in tiles of rows staged in
+// shared memory (bf16 bits, row stride D + 8 against bank conflicts). Every product is an
+// m16n8k16 mma whose B operand is read straight from the staged rows, so nothing is transposed:
+// the keys' kernel computes S^T = K Q^T and dP^T = V dO^T. A product's accumulators become the
+// next product's A fragments (their layouts line up), rounded to bf16. Online softmax per row
+// across tiles: the four threads of a quad that share a row exchange its max by shuffles and
+// keep partial sums, added up at the end. Causal tiles wholly past the diagonal are skipped.
 #define FA_MMA_ROWS 64
-#define FA_MMA_KEYS 64
 __device__ __forceinline__ float fa_lo(unsigned u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float fa_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ unsigned fa_pair(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
@@ -515,102 +531,275 @@ __device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsign
     }
 #endif
 }
+// A fragments of the 16 rows from `row0` of a [s][D] matrix (zeros past s).
 template <int D>
-__device__ void fa_mma_forward(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
-  __shared__ unsigned short ks[FA_MMA_KEYS][D + 8];
-  __shared__ unsigned short vs[FA_MMA_KEYS][D + 8];
-  const int KSTEPS = D / 16, NTILES = D / 8;
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 kv = (b * hk + h / (hq / hk)) * s * D;
-  i64 i0 = (i64)blockIdx.x * FA_MMA_ROWS;
-  // The two query rows of this thread's fragments.
-  i64 rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
-  const unsigned short* qb = q + bh * s * D;
-  unsigned qa[KSTEPS][4];
-  for (int kk = 0; kk < KSTEPS; kk++)
+__device__ void fa_fragments(unsigned (*a)[4], const unsigned short* m, i64 row0, i64 s) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int kk = 0; kk < D / 16; kk++)
     for (int x = 0; x < 4; x++) {
-      i64 row = rows[x & 1];
+      i64 row = row0 + g + (x & 1) * 8;
       int col = kk * 16 + 2 * t + (x >> 1) * 8;
-      qa[kk][x] = row < s ? fa_pair(qb[row * D + col], qb[row * D + col + 1]) : 0u;
-    }
-  float o[NTILES][4];
-  for (int n = 0; n < NTILES; n++)
-    for (int x = 0; x < 4; x++) o[n][x] = 0;
-  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, scale = (float)scale_;
-  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
-  for (i64 j0 = 0; j0 < keys; j0 += FA_MMA_KEYS) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < FA_MMA_KEYS * D; e += blockDim.x) {
-      int r = e / D, c = e % D;
-      bool in = j0 + r < s;
-      ks[r][c] = in ? k[kv + (j0 + r) * D + c] : (unsigned short)0;
-      vs[r][c] = in ? v[kv + (j0 + r) * D + c] : (unsigned short)0;
-    }
-    __syncthreads();
-    // Scores of this warp's 16 rows against the tile's 64 keys: 8 tiles of 8 keys.
-    float sc[FA_MMA_KEYS / 8][4];
-    for (int n = 0; n < FA_MMA_KEYS / 8; n++) {
-      for (int x = 0; x < 4; x++) sc[n][x] = 0;
-      for (int kk = 0; kk < KSTEPS; kk++) {
-        const unsigned short* key = ks[n * 8 + g] + kk * 16 + 2 * t;
-        unsigned bf[2] = {fa_pair(key[0], key[1]), fa_pair(key[8], key[9])};
-        fa_mma(sc[n], qa[kk], bf);
-      }
-    }
-    float grown[2] = {mx[0], mx[1]};
-    for (int n = 0; n < FA_MMA_KEYS / 8; n++)
-      for (int x = 0; x < 4; x++) {
-        i64 i = rows[x >> 1], j = j0 + n * 8 + 2 * t + (x & 1);
-        sc[n][x] = i < s && j < s && (!causal || j <= i) ? sc[n][x] * scale : NEG_INF;
-        grown[x >> 1] = fmax(grown[x >> 1], sc[n][x]);
-      }
-    float rescale[2];
-    for (int half = 0; half < 2; half++) {
-      grown[half] = fmax(grown[half], __shfl_xor_sync(0xffffffffu, grown[half], 1));
-      grown[half] = fmax(grown[half], __shfl_xor_sync(0xffffffffu, grown[half], 2));
-      rescale[half] = grown[half] == NEG_INF ? 1.0f : exp(mx[half] - grown[half]);
-      mx[half] = grown[half];
-      sum[half] *= rescale[half];
-    }
-    for (int n = 0; n < FA_MMA_KEYS / 8; n++)
-      for (int x = 0; x < 4; x++) {
-        float m = mx[x >> 1];
-        sc[n][x] = m == NEG_INF ? 0.0f : exp(sc[n][x] - m);
-        sum[x >> 1] += sc[n][x];
-      }
-    for (int n = 0; n < NTILES; n++)
-      for (int x = 0; x < 4; x++) o[n][x] *= rescale[x >> 1];
-    // O += P V, 16 keys at a time: P's A fragment is two score tiles' accumulators.
-    for (int kk = 0; kk < FA_MMA_KEYS / 16; kk++) {
-      unsigned pa[4] = {fa_round_pair(sc[2 * kk][0], sc[2 * kk][1]), fa_round_pair(sc[2 * kk][2], sc[2 * kk][3]),
-                        fa_round_pair(sc[2 * kk + 1][0], sc[2 * kk + 1][1]), fa_round_pair(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-      int key = kk * 16 + 2 * t;
-      for (int n = 0; n < NTILES; n++) {
-        int col = n * 8 + g;
-        unsigned bf[2] = {fa_pair(vs[key][col], vs[key + 1][col]), fa_pair(vs[key + 8][col], vs[key + 9][col])};
-        fa_mma(o[n], pa, bf);
-      }
-    }
-  }
-  for (int half = 0; half < 2; half++) {
-    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
-    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
-  }
-  for (int n = 0; n < NTILES; n++)
-    for (int x = 0; x < 4; x++) {
-      i64 i = rows[x >> 1];
-      if (i < s) out[(bh * s + i) * D + n * 8 + 2 * t + (x & 1)] = ::store(o[n][x] / sum[x >> 1]).bits;
+      a[kk][x] = row < s ? fa_pair(m[row * D + col], m[row * D + col + 1]) : 0u;
     }
 }
+// Rows [first, first + n) of a [s][D] matrix into a shared tile of stride D + 8 (zeros past s).
+template <int D>
+__device__ void fa_stage(unsigned short* tile, const unsigned short* m, i64 first, int n, i64 s) {
+  for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+    int r = e / D, c = e % D;
+    tile[r * (D + 8) + c] = first + r < s ? m[(first + r) * D + c] : (unsigned short)0;
+  }
+}
+// out[n] = A times rows n*8 .. n*8+7 of the tile (A B^T: the tile's rows are B's columns),
+// for N tiles of 8 rows.
+template <int D, int N>
+__device__ __forceinline__ void fa_products(float (*out)[4], const unsigned (*a)[4], const unsigned short* tile) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int n = 0; n < N; n++) {
+    for (int x = 0; x < 4; x++) out[n][x] = 0;
+    for (int kk = 0; kk < D / 16; kk++) {
+      const unsigned short* row = tile + (n * 8 + g) * (D + 8) + kk * 16 + 2 * t;
+      unsigned bf[2] = {fa_pair(row[0], row[1]), fa_pair(row[8], row[9])};
+      fa_mma(out[n], a[kk], bf);
+    }
+  }
+}
+// acc += P times the tile (8N rows of D), P being N accumulator tiles of 8 columns rounded to
+// bf16 A fragments, 16 columns at a time.
+template <int D, int N>
+__device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const unsigned short* tile) {
+  int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int kk = 0; kk < N / 2; kk++) {
+    unsigned pa[4] = {fa_round_pair(p[2 * kk][0], p[2 * kk][1]), fa_round_pair(p[2 * kk][2], p[2 * kk][3]),
+                      fa_round_pair(p[2 * kk + 1][0], p[2 * kk + 1][1]), fa_round_pair(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    const unsigned short* rows = tile + (kk * 16 + 2 * t) * (D + 8);
+    for (int n = 0; n < D / 8; n++) {
+      int col = n * 8 + g;
+      unsigned bf[2] = {fa_pair(rows[col], rows[(D + 8) + col]), fa_pair(rows[8 * (D + 8) + col], rows[9 * (D + 8) + col])};
+      fa_mma(acc[n], pa, bf);
+    }
+  }
+}
+// A quad's maximum and sum of a row's values (the four threads sharing a fragment row).
+__device__ __forceinline__ float fa_quad_max(float v) {
+  v = fmax(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmax(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float fa_quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+// One tile's online-softmax step on scores `sc` (N tiles of 8 columns from key j0; this
+// thread's rows rows[0], rows[1]): masks and scales them, grows the rows' maxima, rescales
+// `sum` and `carried` by the growth, and leaves sc = exp(score - max) (0 where masked).
+template <int N>
+__device__ void fa_online(float (*sc)[4], float* mx, float* sum, float* carried, const i64* rows, i64 j0, i64 s, i64 causal, float scale) {
+  int t = threadIdx.x & 3;
+  float grown[2] = {mx[0], mx[1]};
+  for (int n = 0; n < N; n++)
+    for (int x = 0; x < 4; x++) {
+      i64 i = rows[x >> 1], j = j0 + n * 8 + 2 * t + (x & 1);
+      sc[n][x] = i < s && j < s && (!causal || j <= i) ? sc[n][x] * scale : NEG_INF;
+      grown[x >> 1] = fmax(grown[x >> 1], sc[n][x]);
+    }
+  for (int half = 0; half < 2; half++) {
+    grown[half] = fa_quad_max(grown[half]);
+    float rescale = grown[half] == NEG_INF ? 1.0f : exp(mx[half] - grown[half]);
+    mx[half] = grown[half];
+    sum[half] *= rescale;
+    carried[half] = rescale;
+  }
+  for (int n = 0; n < N; n++)
+    for (int x = 0; x < 4; x++) {
+      float m = mx[x >> 1];
+      sc[n][x] = m == NEG_INF ? 0.0f : exp(sc[n][x] - m);
+      sum[x >> 1] += sc[n][x];
+    }
+}
+// Writes a warp's 16 rows of D accumulators (scaled by `by` per row) to a [s][D] matrix.
+template <int D>
+__device__ void fa_write(unsigned short* m, const float (*acc)[4], const i64* rows, const float* by, i64 s) {
+  int t = threadIdx.x & 3;
+  for (int n = 0; n < D / 8; n++)
+    for (int x = 0; x < 4; x++)
+      if (rows[x >> 1] < s) m[rows[x >> 1] * D + n * 8 + 2 * t + (x & 1)] = ::store(acc[n][x] * by[x >> 1]).bits;
+}
+// Forward: grid (query tiles of 64, batch x query heads); key tiles of 64.
+template <int D>
+__device__ void fa_mma_forward(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+  const int KT = 64;
+  __shared__ unsigned short ks[KT * (D + 8)];
+  __shared__ unsigned short vs[KT * (D + 8)];
+  int warp = threadIdx.x >> 5;
+  i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
+  i64 kv = (b * hk + h / (hq / hk)) * s * D;
+  i64 i0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = i0 + warp * 16;
+  i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
+  unsigned qa[D / 16][4];
+  fa_fragments<D>(qa, q + bh * s * D, row0, s);
+  float o[D / 8][4];
+  for (int n = 0; n < D / 8; n++)
+    for (int x = 0; x < 4; x++) o[n][x] = 0;
+  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, rescale[2];
+  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
+  for (i64 j0 = 0; j0 < keys; j0 += KT) {
+    __syncthreads();
+    fa_stage<D>(ks, k + kv, j0, KT, s);
+    fa_stage<D>(vs, v + kv, j0, KT, s);
+    __syncthreads();
+    float sc[KT / 8][4];
+    fa_products<D, KT / 8>(sc, qa, ks);
+    fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, (float)scale_);
+    for (int n = 0; n < D / 8; n++)
+      for (int x = 0; x < 4; x++) o[n][x] *= rescale[x >> 1];
+    fa_accumulate<D, KT / 8>(o, sc, vs);
+  }
+  float inverse[2] = {1.0f / fa_quad_sum(sum[0]), 1.0f / fa_quad_sum(sum[1])};
+  fa_write<D>(out + bh * s * D, o, rows, inverse, s);
+}
+// Backward for dq: grid (query tiles of 64, batch x query heads), key tiles of KT, two walks.
+// The first finds each row's max, sum and rowdot = sum p dp (dp = dout . v) online; the
+// second, with p = exp(score - max) / sum and ds = p (dp - rowdot) scale, sums dq = ds k.
+// Each row's (max, sum, rowdot) goes to `stats` for the keys' kernel.
+template <int D, int KT>
+__device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+  __shared__ unsigned short ks[KT * (D + 8)];
+  __shared__ unsigned short vs[KT * (D + 8)];
+  int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
+  i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
+  i64 kv = (b * hk + h / (hq / hk)) * s * D;
+  i64 i0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = i0 + warp * 16;
+  i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
+  float scale = (float)scale_;
+  unsigned qa[D / 16][4], da[D / 16][4];
+  fa_fragments<D>(qa, q + bh * s * D, row0, s);
+  fa_fragments<D>(da, dout + bh * s * D, row0, s);
+  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, dot[2] = {0, 0}, rescale[2];
+  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
+  for (i64 j0 = 0; j0 < keys; j0 += KT) {
+    __syncthreads();
+    fa_stage<D>(ks, k + kv, j0, KT, s);
+    fa_stage<D>(vs, v + kv, j0, KT, s);
+    __syncthreads();
+    float sc[KT / 8][4], dp[KT / 8][4];
+    fa_products<D, KT / 8>(sc, qa, ks);
+    fa_products<D, KT / 8>(dp, da, vs);
+    fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, scale);
+    for (int half = 0; half < 2; half++) dot[half] *= rescale[half];
+    for (int n = 0; n < KT / 8; n++)
+      for (int x = 0; x < 4; x++) dot[x >> 1] += sc[n][x] * dp[n][x];
+  }
+  float rowdot[2];
+  for (int half = 0; half < 2; half++) {
+    sum[half] = fa_quad_sum(sum[half]);
+    dot[half] = fa_quad_sum(dot[half]);
+    rowdot[half] = sum[half] > 0 ? dot[half] / sum[half] : 0.0f;
+  }
+  float acc[D / 8][4];
+  for (int n = 0; n < D / 8; n++)
+    for (int x = 0; x < 4; x++) acc[n][x] = 0;
+  for (i64 j0 = 0; j0 < keys; j0 += KT) {
+    __syncthreads();
+    fa_stage<D>(ks, k + kv, j0, KT, s);
+    fa_stage<D>(vs, v + kv, j0, KT, s);
+    __syncthreads();
+    float sc[KT / 8][4], dp[KT / 8][4];
+    fa_products<D, KT / 8>(sc, qa, ks);
+    fa_products<D, KT / 8>(dp, da, vs);
+    for (int n = 0; n < KT / 8; n++)
+      for (int x = 0; x < 4; x++) {
+        int half = x >> 1;
+        i64 i = rows[half], j = j0 + n * 8 + 2 * t + (x & 1);
+        float p = i < s && j < s && (!causal || j <= i) ? exp(sc[n][x] * scale - mx[half]) / sum[half] : 0.0f;
+        sc[n][x] = p * (dp[n][x] - rowdot[half]) * scale;
+      }
+    fa_accumulate<D, KT / 8>(acc, sc, ks);
+  }
+  float one[2] = {1.0f, 1.0f};
+  fa_write<D>(dq + bh * s * D, acc, rows, one, s);
+  if (t == 0)
+    for (int half = 0; half < 2; half++)
+      if (rows[half] < s) {
+        float* st = stats + (bh * s + rows[half]) * 3;
+        st[0] = mx[half];
+        st[1] = sum[half];
+        st[2] = rowdot[half];
+      }
+}
+// Backward for dk and dv: grid (key tiles of 64, batch x kv heads), query tiles of QT. Each
+// warp's 16 keys hold K and V as A fragments, so S^T = K Q^T and dP^T = V dO^T come out with
+// keys as rows; p^T and ds^T follow from the query rows' stats, and dv += p^T dout and
+// dk += ds^T q, summed over the query heads sharing the kv head and the query tiles that see
+// the keys, in order.
+template <int D, int QT>
+__device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+  __shared__ unsigned short qs[QT * (D + 8)];
+  __shared__ unsigned short dos[QT * (D + 8)];
+  __shared__ float st[QT][3];
+  int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
+  i64 bg = blockIdx.y, b = bg / hk, gk = bg % hk, group = hq / hk;
+  i64 j0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = j0 + warp * 16;
+  i64 keys[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
+  float scale = (float)scale_;
+  unsigned ka[D / 16][4], va[D / 16][4];
+  fa_fragments<D>(ka, k + bg * s * D, row0, s);
+  fa_fragments<D>(va, v + bg * s * D, row0, s);
+  float dka[D / 8][4], dva[D / 8][4];
+  for (int n = 0; n < D / 8; n++)
+    for (int x = 0; x < 4; x++) { dka[n][x] = 0; dva[n][x] = 0; }
+  // Causal: the first query tile holding a query that sees key j0.
+  i64 first = causal ? j0 / QT * QT : 0;
+  for (i64 gh = 0; gh < group; gh++) {
+    i64 bh = b * hq + gk * group + gh;
+    for (i64 i0 = first; i0 < s; i0 += QT) {
+      __syncthreads();
+      fa_stage<D>(qs, q + bh * s * D, i0, QT, s);
+      fa_stage<D>(dos, dout + bh * s * D, i0, QT, s);
+      for (int e = threadIdx.x; e < QT * 3; e += blockDim.x) st[e / 3][e % 3] = i0 + e / 3 < s ? stats[(bh * s + i0) * 3 + e] : (e % 3 == 1 ? 1.0f : 0.0f);
+      __syncthreads();
+      float sc[QT / 8][4], dp[QT / 8][4];
+      fa_products<D, QT / 8>(sc, ka, qs);
+      fa_products<D, QT / 8>(dp, va, dos);
+      for (int n = 0; n < QT / 8; n++)
+        for (int x = 0; x < 4; x++) {
+          int c = n * 8 + 2 * t + (x & 1);
+          i64 i = i0 + c, j = keys[x >> 1];
+          float p = i < s && j < s && (!causal || j <= i) ? exp(sc[n][x] * scale - st[c][0]) / st[c][1] : 0.0f;
+          sc[n][x] = p;
+          dp[n][x] = p * (dp[n][x] - st[c][2]) * scale;
+        }
+      fa_accumulate<D, QT / 8>(dva, sc, dos);
+      fa_accumulate<D, QT / 8>(dka, dp, qs);
+    }
+  }
+  float one[2] = {1.0f, 1.0f};
+  fa_write<D>(dk + bg * s * D, dka, keys, one, s);
+  fa_write<D>(dv + bg * s * D, dva, keys, one, s);
+}
 extern "C" __global__ void attention_fwd_mma16(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<16>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma16(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<16, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma16(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<16, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_fwd_mma32(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<32>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma32(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<32, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma32(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<32, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_fwd_mma48(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<48>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma48(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<48, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma48(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<48, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_fwd_mma64(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<64>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma64(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<64, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma64(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<64, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_fwd_mma80(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<80>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma80(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<80, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma80(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<80, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_fwd_mma96(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<96>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma96(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<96, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma96(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<96, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_fwd_mma112(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<112>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma112(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<112, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma112(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<112, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_fwd_mma128(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<128>(out, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma128(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<128, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_kv_mma128(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<128, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 #endif
 "#;
 

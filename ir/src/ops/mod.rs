@@ -165,7 +165,7 @@ pub enum KernelClass {
     },
     /// Fused attention (the flash-attention algorithm): blocks of query rows of each (batch,
     /// head) stream over the keys they see; `products` score-sized matrix products per
-    /// visible (query, key) pair (2 forward: `q k^T`, `p v`; 5 backward).
+    /// visible (query, key) pair (2 forward: `q k^T`, `p v`; 9 backward, as its kernels walk).
     Attention {
         /// Batch times query heads.
         batch_heads: f64,
@@ -179,6 +179,9 @@ pub enum KernelClass {
         causal: bool,
         /// Matrix products per visible score.
         products: f64,
+        /// Whether the kernels run their products on tensor cores (bf16 at the head dims
+        /// they are built for); otherwise at the fp32 peak whatever the storage.
+        tensor_cores: bool,
     },
     /// Element-wise, normalisation, reduction and optimizer kernels: bound by memory traffic
     /// or vector arithmetic.

@@ -120,13 +120,17 @@ fn few_tiles_split_the_contracted_dimension() {
 #[test]
 fn causal_flash_attention_does_about_half_the_work_and_memory_kernels_follow_the_roofline() {
     let c = tiles_only();
-    let attention = |causal: bool| KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal, products: 2.0 };
+    let attention = |causal: bool| KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal, products: 2.0, tensor_cores: true };
     let (full, causal) = (c.kernel_time(&attention(false), &cost(0.0, 0.0), true), c.kernel_time(&attention(true), &cost(0.0, 0.0), true));
     let ratio = causal / full;
     assert!((ratio - (4096.0 + 128.0) / 2.0 / 4096.0).abs() < 1e-12, "causal / full = {ratio}");
     // The backward's five products cost 2.5 forwards.
-    let backward = KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal: true, products: 5.0 };
+    let backward = KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal: true, products: 5.0, tensor_cores: true };
     assert!((c.kernel_time(&backward, &cost(0.0, 0.0), true) / causal - 2.5).abs() < 1e-12);
+    // bf16 storage whose kernels have no tensor-core path (an odd head dim) runs at the fp32 peak.
+    let scalar = KernelClass::Attention { batch_heads: 32.0 * 16.0, queries: 4096.0, keys: 4096.0, head_dim: 128.0, causal: true, products: 2.0, tensor_cores: false };
+    let ratio = (c.kernel_time(&scalar, &cost(0.0, 0.0), true) - c.gpu.kernel_launch) / (causal - c.gpu.kernel_launch);
+    assert!((ratio - c.gpu.bf16_flops / c.gpu.fp32_flops).abs() < 1e-9, "scalar / tensor cores = {ratio}");
     // Memory-bound: bytes at the achievable bandwidth, plus the launch.
     let h = Cluster::preset("h100-sxm").unwrap();
     let bytes = 1e9;
