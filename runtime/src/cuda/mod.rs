@@ -1301,10 +1301,13 @@ impl CudaTrainer {
         let mut trainer = CudaTrainer { runners, programs: own, every_program: programs.to_vec(), incoming, mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule };
         if let Some(rank) = process_rank {
             // Every process learns whether all loaded, and from which step.
-            let all = trainer.gather_from_every_process(&[i32::from(failure.is_none()), (step & 0x7fff_ffff) as i32])?;
+            let all = trainer.gather_from_every_process(&[i32::from(failure.is_none()), (step & 0x7fff_ffff) as i32]);
+            // A process's own failure is its error even when the gather fails too (the
+            // others, having learnt of it, may end before the gather does).
             if let Some(e) = failure {
                 return Err(err(format!("rank {rank} could not load its state: {e}")));
             }
+            let all = all?;
             if let Some(failed) = all.chunks_exact(2).position(|p| p[0] == 0) {
                 return Err(err(format!("{ANOTHER_PROCESS_FAILED}rank {failed} could not load its state (its own error says why)")));
             }
@@ -1355,8 +1358,10 @@ impl CudaTrainer {
             Ok(crc) => (1, *crc as i32),
             Err(_) => (0, 0),
         };
-        let all = self.gather_from_every_process(&[ok, crc])?;
+        let all = self.gather_from_every_process(&[ok, crc]);
+        // As when loading: a failed write is this rank's own error, whatever the gather did.
         written.map_err(|e| err(format!("rank {rank} could not write its checkpoint file: {e}")))?;
+        let all = all?;
         if let Some(failed) = all.chunks_exact(2).position(|p| p[0] == 0) {
             return Err(err(format!("{ANOTHER_PROCESS_FAILED}rank {failed} could not write its checkpoint file; the checkpoint of step {} is not kept", self.step)));
         }
