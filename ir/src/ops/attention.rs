@@ -847,4 +847,22 @@ mod tests {
         // A sequence of 5 in tiles of 8 (16 threads per row).
         assert_eq!(flash_tiles(64, 5, DType::F32), Ok((8, 8)));
     }
+
+    /// Every tensor-core kernel the table names is an entry of the module text (spelled out,
+    /// since the emulated device finds kernels by their literal signatures), with the tile
+    /// size its head dim takes, and no entry is left out of the table.
+    #[test]
+    fn every_tensor_core_kernel_in_the_table_is_instantiated() {
+        for (d, names) in MMA_HEAD_DIMS {
+            assert!(d % 16 == 0 && d <= 128, "d={d}");
+            for name in names {
+                assert_eq!(ATTENTION_MMA_CUDA.matches(&format!("extern \"C\" __global__ void {name}(")).count(), 1, "{name}");
+            }
+            let tile = if d <= 64 { 64 } else { 32 };
+            for template in ["fa_mma_grad_q", "fa_mma_grad_kv"] {
+                assert!(ATTENTION_MMA_CUDA.contains(&format!("{template}<{d}, {tile}>(")), "{template}<{d}, {tile}>");
+            }
+        }
+        assert_eq!(ATTENTION_MMA_CUDA.matches("extern \"C\" __global__ void ").count(), 3 * MMA_HEAD_DIMS.len());
+    }
 }
