@@ -56,7 +56,34 @@ pub struct CalibrateArgs {
     #[arg(long)]
     pub quick: bool,
     #[command(flatten)]
-    pub step: StepArgs,
+    pub model: crate::options::ModelArgs,
+    #[command(flatten)]
+    pub batch: crate::options::BatchArgs,
+    #[command(flatten)]
+    pub hardware: crate::options::HardwareArgs,
+}
+
+impl CalibrateArgs {
+    /// The step arguments calibration reads (the model, the sequence, the hardware).
+    fn step(&self) -> StepArgs {
+        StepArgs { model: self.model.clone(), batch: self.batch.clone(), hardware: self.hardware.clone(), ..StepArgs::default() }
+    }
+
+    /// Sequences per micro-batch at which the step's kernels are timed: one and
+    /// `--micro-batch` (default four; one alone with --quick).
+    fn micro_batches(&self) -> Result<Vec<u64>> {
+        for (flag, given) in [("--global-batch", self.batch.global_batch.is_some()), ("--microbatches", self.batch.microbatches.is_some())] {
+            if given {
+                return Err(miette!(help = "give --micro-batch B to time the kernels of micro-batches of B sequences as well as of one", "{flag}: calibration times the kernels of one micro-batch, whatever the global batch"));
+            }
+        }
+        Ok(match (self.batch.micro_batch, self.quick) {
+            (Some(0), _) => return Err(miette!(help = "use 1 or more", "--micro-batch must be at least 1")),
+            (Some(1), _) | (None, true) => vec![1],
+            (Some(b), _) => vec![1, b],
+            (None, false) => vec![1, 4],
+        })
+    }
 }
 
 /// Bytes written between timed runs to push a kernel's data out of the caches (more than
@@ -233,7 +260,7 @@ fn step_program(spec: &shardc_ir::spec::Spec, step: &StepArgs, micro_batch: u64)
     let mut spec = spec.clone();
     spec.training.micro_batch = micro_batch;
     spec.training.global_batch = None;
-    crate::train::compile_train_step(&spec, &StepArgs { microbatches: Some(1), global_batch: None, ..step.clone() })
+    crate::train::compile_train_step(&spec, &step.one_microbatch())
 }
 
 /// The distinct kernels (op, operand types, attributes) of `program`.
@@ -257,6 +284,7 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
         return Err(miette!(help = "use --repeats 1 or more", "--repeats must be at least 1"));
     }
     match args.backend.as_str() {
+        "cpu" if args.step().hardware_given() => Err(miette!(help = "the CPU backend measures this machine; add --backend cuda to calibrate a GPU preset", "--gpu and --cluster name the GPU that --backend cuda calibrates")),
         "cpu" if args.emit.is_some() || args.measured.is_some() => Err(miette!(help = "add --backend cuda --gpu NAME", "--emit and --measured calibrate a GPU (--backend cuda)")),
         "cpu" => calibrate_cpu(args),
         "cuda" => calibrate_cuda(args),
@@ -266,7 +294,9 @@ pub fn calibrate(args: &CalibrateArgs) -> Result<()> {
 
 /// `shardc calibrate --backend cpu`.
 fn calibrate_cpu(args: &CalibrateArgs) -> Result<()> {
-    let spec = args.step.load_spec(Some(&args.spec))?;
+    let step = args.step();
+    let micro_batches = args.micro_batches()?;
+    let spec = step.load_spec(Some(&args.spec))?;
     let repeats = args.repeats;
     let started = Instant::now();
     let threads = shardc_runtime::cpu::worker_threads();
@@ -284,10 +314,9 @@ fn calibrate_cpu(args: &CalibrateArgs) -> Result<()> {
     // Every distinct kernel of the step, at one and (unless quick) four sequences per
     // micro-batch.
     let mut samples: Vec<Sample> = Vec::new();
-    let one_sequence = step_program(&spec, &args.step, 1)?;
-    let micro_batches: &[u64] = if args.quick { &[1] } else { &[1, 4] };
-    for &b in micro_batches {
-        let program = if b == 1 { one_sequence.clone() } else { step_program(&spec, &args.step, b)? };
+    let one_sequence = step_program(&spec, &step, 1)?;
+    for &b in &micro_batches {
+        let program = if b == 1 { one_sequence.clone() } else { step_program(&spec, &step, b)? };
         for (types, attrs, op) in step_kernels(&program) {
             let sample = time_op(&op, &types, attrs, repeats)?;
             // A kernel too short for the clock says nothing the fit can use.
@@ -447,14 +476,16 @@ const MEASURED_SECONDS: std::ops::RangeInclusive<f64> = 1e-9..=3600.0;
 
 /// `shardc calibrate --backend cuda`.
 fn calibrate_cuda(args: &CalibrateArgs) -> Result<()> {
-    if !args.step.hardware_given() {
+    let step = args.step();
+    let micro_batches = args.micro_batches()?;
+    if !step.hardware_given() {
         return Err(miette!(help = format!("add --gpu NAME (one of {}) or --cluster FILE", shardc_ir::cluster::GPU_PRESETS.join(", ")), "--backend cuda calibrates a GPU: name its preset"));
     }
     if args.emit.is_some() && args.measured.is_some() {
         return Err(miette!(help = "emit on the build machine, time with shardc-gpu on the GPU machine, then fit with --measured", "--emit and --measured are two halves of one calibration: give one"));
     }
-    let spec = args.step.load_spec(Some(&args.spec))?;
-    let base = args.step.cluster_model()?;
+    let spec = step.load_spec(Some(&args.spec))?;
+    let base = step.cluster_model()?;
     // The kernels to time, each a program with its device code: the streaming add, the chain
     // of tiny kernels, then every distinct kernel of the step at one and four sequences.
     let quick_sides = if args.quick { 1 << 16 } else { GPU_STREAM_ELEMENTS };
@@ -462,10 +493,9 @@ fn calibrate_cuda(args: &CalibrateArgs) -> Result<()> {
     let mut kernels: Vec<(shardc_runtime::Program, Sample)> = vec![kernel_program("xf.add", &[stream.clone(), stream], Attrs::new())?];
     let chain = dispatch_program(GPU_DISPATCH_CHAIN)?;
     kernels.push((chain, Sample { what: format!("{GPU_DISPATCH_CHAIN} dependent tiny adds"), class: KernelClass::Memory, cost: Cost::default(), bf16: false, seconds: 0.0 }));
-    let micro_batches: &[u64] = if args.quick { &[1] } else { &[1, 4] };
     let mut seen = std::collections::BTreeSet::new();
-    for &b in micro_batches {
-        for (types, attrs, op) in step_kernels(&step_program(&spec, &args.step, b)?) {
+    for &b in &micro_batches {
+        for (types, attrs, op) in step_kernels(&step_program(&spec, &step, b)?) {
             if seen.insert(format!("{op} {types:?} {attrs:?}")) {
                 kernels.push(kernel_program(&op, &types, attrs)?);
             }

@@ -12,7 +12,7 @@ use crate::options::StepArgs;
 /// estimate.
 pub fn memory_estimate(spec: &Spec, step: &StepArgs, mesh: Mesh) -> Result<Option<MemoryEstimate>> {
     // Rewriting collectives hardly moves memory; skipping it keeps the search quick.
-    let options = StepArgs { no_comm_opt: true, ..step.clone() }.compile_options(spec, mesh)?;
+    let options = step.with(|s| s.strategy.no_comm_opt = true).compile_options(spec, mesh)?;
     let mut module = shardc_ir::spec::lower(spec, spec.step_shape(&mesh)).into_diagnostic()?;
     let cx = crate::ir_context()?;
     shardc_passes::compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).into_diagnostic()?;
@@ -24,7 +24,7 @@ pub fn memory_estimate(spec: &Spec, step: &StepArgs, mesh: Mesh) -> Result<Optio
             vec![shardc_codegen::lower_func_on(func, &grid).into_diagnostic()?]
         }
     };
-    Ok(shardc_codegen::estimate::memory(&programs, step.zero).into_iter().max_by(|a, b| a.total.total_cmp(&b.total)))
+    Ok(shardc_codegen::estimate::memory(&programs, step.strategy.zero).into_iter().max_by(|a, b| a.total.total_cmp(&b.total)))
 }
 
 fn gb(bytes: f64) -> String {
@@ -41,20 +41,20 @@ fn candidates(spec: &Spec, step: &StepArgs, mesh: Mesh) -> Vec<(String, Spec, St
         }
     };
     if mesh.dp > 1 {
-        for zero in step.zero + 1..=3 {
-            push(format!("--zero {zero}"), spec, StepArgs { zero, ..step.clone() }, mesh);
+        for zero in step.strategy.zero + 1..=3 {
+            push(format!("--zero {zero}"), spec, step.with(|s| s.strategy.zero = zero), mesh);
         }
     }
     for (recompute, label) in [("selective-attention", "--recompute selective-attention"), ("full", "--recompute full")] {
-        if step.recompute != recompute && step.recompute != "full" {
-            push(label.into(), spec, StepArgs { recompute: recompute.into(), ..step.clone() }, mesh);
+        if step.strategy.recompute != recompute && step.strategy.recompute != "full" {
+            push(label.into(), spec, step.with(|s| s.strategy.recompute = recompute.into()), mesh);
         }
     }
     let micro = spec.training.micro_batch;
     if micro / 2 >= mesh.dp && micro % 2 == 0 {
         let mut smaller = spec.clone();
         smaller.training.micro_batch = micro / 2;
-        push(format!("--micro-batch {}", micro / 2), &smaller, StepArgs { micro_batch: Some(micro / 2), ..step.clone() }, mesh);
+        push(format!("--micro-batch {}", micro / 2), &smaller, step.with(|s| s.batch.micro_batch = Some(micro / 2)), mesh);
     }
     push(format!("tp={} (twice the GPUs)", mesh.tp * 2), spec, step.clone(), Mesh { tp: mesh.tp * 2, ..mesh });
     push(format!("pp={} (twice the GPUs)", mesh.pp * 2), spec, step.clone(), Mesh { pp: mesh.pp * 2, ..mesh });

@@ -115,7 +115,7 @@ pub struct LogitsArgs {
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     #[command(flatten)]
-    pub step: StepArgs,
+    pub model: crate::options::ModelArgs,
 }
 
 /// `shardc logits --hf DIR --tokens ..`: the model's logits on a batch, on a mesh.
@@ -129,9 +129,10 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
     if seq == 0 || rows.iter().any(|r| r.len() != seq) {
         return Err(miette!(help = "e.g. --tokens '1,2,3;4,5,6'", "--tokens: every row needs the same, non-zero number of ids"));
     }
-    let mut step = args.step.clone();
-    step.seq = Some(seq as u64);
-    step.micro_batch = Some(rows.len() as u64);
+    // The batch is the tokens' shape; the rest of the step does not enter the logits.
+    let mut step = StepArgs { model: args.model.clone(), ..StepArgs::default() };
+    step.batch.seq = Some(seq as u64);
+    step.batch.micro_batch = Some(rows.len() as u64);
     let spec = step.load_spec(None)?;
     let hf = step.hf_dir(None).ok_or_else(|| miette!("shardc logits needs --hf DIR"))?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;

@@ -109,26 +109,33 @@ enum Command {
     ///
     /// Example: shardc calibrate models/gpt2-small.toml -o cpu.toml
     Calibrate(calibrate::CalibrateArgs),
-    /// List every collective the partitioner inserts, with its cause and byte cost.
+    /// List every collective and pipeline transfer the partitioner inserts, with its cause
+    /// and byte cost: in one micro-batch's step, or, with pipeline stages or several
+    /// micro-batches, in each pipeline rank's whole step.
     ///
     /// Example: shardc explain models/tiny.toml --mesh dp=2,tp=2
     Explain {
-        /// Model spec (.toml or .json).
-        spec: PathBuf,
+        /// Model spec (.toml or .json), or a Hugging Face model folder.
+        #[arg(required_unless_present = "hf")]
+        spec: Option<PathBuf>,
         /// Device mesh as axis=size pairs.
         #[arg(long, default_value = "dp=1,tp=1,pp=1")]
         mesh: String,
         #[command(flatten)]
-        step: StepArgs,
+        model: options::ModelArgs,
+        #[command(flatten)]
+        batch: options::BatchArgs,
+        #[command(flatten)]
+        strategy: options::StrategyArgs,
     },
-    /// Generate a pipeline schedule, check it by simulation, and report its bubble and memory.
-    ///
-    /// Example: shardc schedule --pp 4 --microbatches 8 --schedule 1f1b --svg out.svg
     /// Search every strategy for a model on a number of GPUs; list the fastest that fit, and
     /// say what bounds each.
     ///
     /// Example: shardc plan models/gpt3-175b.toml --gpus 1024 --gpu a100-80g --global-batch 1536 --explain
     Plan(plan::PlanArgs),
+    /// Generate a pipeline schedule, check it by simulation, and report its bubble and memory.
+    ///
+    /// Example: shardc schedule --pp 4 --microbatches 8 --schedule 1f1b --svg out.svg
     Schedule {
         /// Pipeline stages (ranks).
         #[arg(long)]
@@ -183,7 +190,7 @@ fn main() -> Result<()> {
         Command::Compile { spec, mesh, print_ir_after_all, print_ir_after, dump_dir, output, target, step } => {
             compile(spec.as_deref(), &mesh, print_ir_after_all, &print_ir_after, dump_dir.as_deref(), output.as_deref(), &target, &step)
         }
-        Command::Explain { spec, mesh, step } => explain(&spec, &mesh, &step),
+        Command::Explain { spec, mesh, model, batch, strategy } => explain(spec.as_deref(), &mesh, &StepArgs { model, batch, strategy, ..StepArgs::default() }),
         Command::Run(args) => train::run(&args),
         Command::Logits(args) => hf::logits(&args),
         Command::Schedule { pp, microbatches, schedule, virtual_stages, svg, trace } => {
@@ -332,7 +339,7 @@ fn compile(
             let cluster = step.cluster_model()?;
             summary.gpu = cluster.gpu.name.clone();
             summary.estimate = Some(shardc_codegen::estimate::estimate(&priced, &cluster, shape));
-            summary.memory_estimate = shardc_codegen::estimate::memory(&priced, step.zero).into_iter().max_by(|a, b| a.total.total_cmp(&b.total));
+            summary.memory_estimate = shardc_codegen::estimate::memory(&priced, step.strategy.zero).into_iter().max_by(|a, b| a.total.total_cmp(&b.total));
             summary.gpu_memory = cluster.gpu.memory_bytes;
             if let Some(m) = &summary.memory_estimate {
                 fit::refuse_if_too_big(&spec, step, mesh, m, &cluster.gpu.name, cluster.gpu.memory_bytes)?;
@@ -344,7 +351,7 @@ fn compile(
     for line in programs.iter().filter_map(summary::device_line) {
         println!("  device      {line}");
     }
-    if let Some(line) = fit::zero_gaps(&programs, step.zero, mesh.dp) {
+    if let Some(line) = fit::zero_gaps(&programs, step.strategy.zero, mesh.dp) {
         println!("  warning     {line}");
     }
     if let Some(path) = output {
@@ -360,33 +367,72 @@ fn compile(
 }
 
 /// `shardc explain`: each collective of the partitioned training step with its cause.
-fn explain(spec_path: &Path, mesh: &str, step: &StepArgs) -> Result<()> {
-    let spec = step.load_spec(Some(spec_path))?;
+fn explain(spec_path: Option<&Path>, mesh: &str, step: &StepArgs) -> Result<()> {
+    use shardc_runtime::program::Section;
+    let spec = step.load_spec(spec_path)?;
     let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);
     if !problems.is_empty() {
         return Err(report::mesh_report(problems));
     }
-    // The collectives of one micro-batch's training step, whatever the global batch.
-    let one = StepArgs { microbatches: Some(1), global_batch: None, ..step.clone() };
-    let program = train::compile_train_step_on(&spec, &one, mesh)?;
-    let records = shardc_runtime::report::comm_records(&program, 0);
-    println!("{} on {mesh}: {} collectives in the training step of one micro-batch (bytes sent by rank 0)", spec.name, records.len());
-    for r in &records {
+    // Without stages or accumulation: the collectives of one micro-batch's training step.
+    // Otherwise each pipeline rank's whole step: every micro-batch's, and the update's.
+    let Some(schedule) = step.schedule(&spec, mesh)? else {
+        let program = train::compile_train_step_on(&spec, step, mesh)?;
+        let records = shardc_runtime::report::comm_records(&program, 0);
+        println!("{} on {mesh}: {} collectives in the training step of one micro-batch (bytes sent by rank 0)", spec.name, records.len());
+        let total = explain_records(&program, &records, |_| 1);
+        println!("  total sent by rank 0: {}", summary::bytes(total));
+        return Ok(());
+    };
+    let programs = train::compile_pipeline_programs(&spec, step, mesh)?;
+    let m = schedule.microbatches;
+    let mut total = 0;
+    for program in &programs {
+        let plan = program.pipeline.as_ref().ok_or_else(|| miette!("a pipeline rank's program has no pipeline plan"))?;
+        // The first rank of the pipeline rank's tp x dp block (ranks are numbered tp fastest,
+        // then dp, then pp).
+        let rank = plan.rank * (mesh.dp * mesh.tp) as usize;
+        let records = shardc_runtime::report::comm_records(program, rank);
+        // Forward, backward and weight sections run once per micro-batch, the step once.
+        let runs = |index: usize| if plan.chunks.iter().any(|c| c.range(Section::Step).contains(&index)) { 1 } else { m };
+        let which = if plan.ranks > 1 { format!(", pipeline rank {} of {}", plan.rank, plan.ranks) } else { String::new() };
         println!(
-            "  {:>5}  {:<18} over {:<6} {:>12} elements {:>12}  at {}\n         cause: {}",
-            r.index,
-            r.op,
-            summary::axis_names(&r.axes),
-            r.elements,
-            summary::bytes(r.bytes),
-            r.loc,
-            r.cause
+            "{} on {mesh}{which}: {} collectives and transfers in the {} step of {m} micro-batches, {} of them once per micro-batch (bytes sent by rank {rank})",
+            spec.name,
+            records.len(),
+            plan.kind.label(),
+            records.iter().filter(|r| runs(r.index) > 1).count(),
         );
+        let sent = explain_records(program, &records, runs);
+        println!("  {}sent by rank {rank}: {}", if programs.len() == 1 { "total " } else { "" }, summary::bytes(sent));
+        total += sent;
     }
-    let total: u64 = records.iter().map(|r| r.bytes).sum();
-    println!("  total sent by rank 0: {}", summary::bytes(total));
+    if programs.len() > 1 {
+        println!("total sent by the first rank of each pipeline rank: {}", summary::bytes(total));
+    }
     Ok(())
+}
+
+/// Prints `records` of `program`, each run `runs(index)` times per step; the bytes they send.
+fn explain_records(program: &shardc_runtime::Program, records: &[shardc_runtime::report::CommRecord], runs: impl Fn(usize) -> usize) -> u64 {
+    let mut sent = 0;
+    for r in records {
+        let instr = &program.instrs[r.index];
+        let group = match r.op.as_str() {
+            "shard.send" => format!("to pp {}", instr.ints("destination").ok().and_then(|d| d.first().copied()).unwrap_or(-1)),
+            "shard.recv" => format!("from pp {}", instr.ints("source").ok().and_then(|d| d.first().copied()).unwrap_or(-1)),
+            _ => format!("over {}", summary::axis_names(&r.axes)),
+        };
+        let n = runs(r.index);
+        let times = if n > 1 { format!(" x{n}") } else { String::new() };
+        println!("  {:>5}  {:<18} {:<11} {:>12} elements {:>12}{times}  at {}", r.index, r.op, group, r.elements, summary::bytes(r.bytes), r.loc);
+        if !r.cause.is_empty() {
+            println!("         cause: {}", r.cause);
+        }
+        sent += r.bytes * n as u64;
+    }
+    sent
 }
 
 /// `shardc schedule`: a pipeline schedule, simulated with unit costs.

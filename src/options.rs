@@ -10,14 +10,42 @@ use shardc_passes::{CompileOptions, OptimizerKind, Recompute, Schedule};
 
 use crate::report;
 
-/// How to build the training step.
+/// How to build the training step: every option group, as `compile`, `run` and `bench` take
+/// them. Commands that use fewer take only their groups, and build the rest from
+/// [`StepArgs::default`] (clap's defaults).
 #[derive(Args, Debug, Clone)]
 pub struct StepArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub batch: BatchArgs,
+    #[command(flatten)]
+    pub strategy: StrategyArgs,
+    #[command(flatten)]
+    pub training: TrainingArgs,
+    #[command(flatten)]
+    pub hardware: HardwareArgs,
+}
+
+/// The model: a spec or a Hugging Face folder, and its element type.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Model")]
+pub struct ModelArgs {
     /// A Hugging Face model folder (config.json and model.safetensors, or sharded files with
     /// their index) of the GPT-2 or Llama family, in place of a spec: the config becomes the
     /// spec, and `run` starts from its weights.
     #[arg(long, value_name = "DIR")]
     pub hf: Option<PathBuf>,
+    /// Override the spec's model.dtype: f32, bf16 (mixed precision: bf16 weights and compute,
+    /// fp32 master weights, Adam moments, gradient reduction and accumulation, and loss) or f64.
+    #[arg(long)]
+    pub dtype: Option<String>,
+}
+
+/// The step's shape: sequence length and batch.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Batch")]
+pub struct BatchArgs {
     /// Override the spec's training.seq_len.
     #[arg(long)]
     pub seq: Option<u64>,
@@ -29,39 +57,19 @@ pub struct StepArgs {
     /// micro-batches (overrides the spec's training.global_batch).
     #[arg(long)]
     pub global_batch: Option<u64>,
-    /// Override the spec's model.dtype: f32, bf16 (mixed precision: bf16 weights and compute,
-    /// fp32 master weights, Adam moments, gradient reduction and accumulation, and loss) or f64.
+    /// Micro-batches per optimizer step (gradient accumulation; the pipeline's m). Default:
+    /// global batch / (micro-batch x dp); given alone, it sets the global batch.
     #[arg(long)]
-    pub dtype: Option<String>,
+    pub microbatches: Option<u64>,
+}
+
+/// How the step is partitioned and what it keeps: recomputation, ZeRO, sequence parallelism, buckets, the pipeline.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Strategy")]
+pub struct StrategyArgs {
     /// Activation recomputation: none, full or selective-attention.
     #[arg(long, default_value = "none")]
     pub recompute: String,
-    /// Optimizer: adamw or sgd. AdamW uses betas 0.9 and 0.95, epsilon 1e-8 and weight decay
-    /// 0.1 on matrices only (never on norm scales or biases), as Megatron-LM and Hugging Face
-    /// do; sgd has no weight decay.
-    #[arg(long, default_value = "adamw")]
-    pub optimizer: String,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 3e-3)]
-    pub lr: f64,
-    /// Iterations of linear learning-rate warmup from 0 to --lr (iteration t of the warmup
-    /// uses lr x t / warmup).
-    #[arg(long, default_value_t = 0)]
-    pub lr_warmup_steps: u64,
-    /// Learning-rate decay after the warmup: cosine, linear or constant.
-    #[arg(long, default_value = "cosine")]
-    pub lr_decay: String,
-    /// Iteration at which the decay reaches --min-lr. Default: `run`'s --steps (as
-    /// Megatron-LM's --lr-decay-iters defaults to --train-iters); other commands: no decay.
-    #[arg(long)]
-    pub lr_decay_steps: Option<u64>,
-    /// Learning rate at the end of the decay. Default: --lr / 10.
-    #[arg(long)]
-    pub min_lr: Option<f64>,
-    /// Clip gradients to this global norm (over every parameter once, across tp, pp, dp and
-    /// ZeRO shards), as Megatron-LM's --clip-grad; 0 turns clipping off.
-    #[arg(long, default_value_t = 1.0)]
-    pub clip_grad: f64,
     /// ZeRO stage with data parallelism: 1-2 shard optimizer state over dp (gradients are
     /// reduce-scattered into the shards), 3 shards parameters too.
     #[arg(long, default_value_t = 0)]
@@ -82,6 +90,55 @@ pub struct StepArgs {
     /// Skip the communication optimizer (`comm-opt`).
     #[arg(long)]
     pub no_comm_opt: bool,
+    /// Pipeline schedule with pp > 1: gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// Model chunks per pipeline rank for the interleaved schedule (default 2).
+    #[arg(long)]
+    pub virtual_stages: Option<u64>,
+    /// Manual pipeline split as layer ranges per stage, e.g. `0-5,6-11` (the embedding goes
+    /// with the first stage, the head with the last); default: balanced by cost.
+    #[arg(long, value_name = "RANGES")]
+    pub stages: Option<String>,
+}
+
+/// The optimizer and its learning-rate schedule.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Optimizer")]
+pub struct TrainingArgs {
+    /// Optimizer: adamw or sgd. AdamW uses betas 0.9 and 0.95, epsilon 1e-8 and weight decay
+    /// 0.1 on matrices only (never on norm scales or biases), as Megatron-LM and Hugging Face
+    /// do; sgd has no weight decay.
+    #[arg(long, default_value = "adamw")]
+    pub optimizer: String,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f64,
+    /// Iterations of linear learning-rate warmup from 0 to --lr (iteration t of the warmup
+    /// uses lr x t / warmup).
+    #[arg(long, default_value_t = 0)]
+    pub lr_warmup_steps: u64,
+    /// Learning-rate decay after the warmup: cosine (the default), linear or constant; it
+    /// needs --lr-decay-steps outside `run`.
+    #[arg(long)]
+    pub lr_decay: Option<String>,
+    /// Iteration at which the decay reaches --min-lr. Default: `run`'s --steps (as
+    /// Megatron-LM's --lr-decay-iters defaults to --train-iters); other commands: no decay.
+    #[arg(long)]
+    pub lr_decay_steps: Option<u64>,
+    /// Learning rate at the end of the decay. Default: --lr / 10.
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Clip gradients to this global norm (over every parameter once, across tp, pp, dp and
+    /// ZeRO shards), as Megatron-LM's --clip-grad; 0 turns clipping off.
+    #[arg(long, default_value_t = 1.0)]
+    pub clip_grad: f64,
+}
+
+/// The cluster model that prices the step and whose memory it must fit.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Hardware")]
+pub struct HardwareArgs {
     /// GPU preset the cluster model prices with: a100-40g, a100-80g, h100-sxm (the default)
     /// or h200. Given (or with --cluster), `compile` refuses a plan that does not fit its
     /// memory, and says which change would.
@@ -91,20 +148,35 @@ pub struct StepArgs {
     /// [intra_node], [inter_node]); see ir/src/cluster.rs.
     #[arg(long, value_name = "FILE")]
     pub cluster: Option<PathBuf>,
-    /// Micro-batches per optimizer step (gradient accumulation; the pipeline's m). Default:
-    /// global batch / (micro-batch x dp); given alone, it sets the global batch.
-    #[arg(long)]
-    pub microbatches: Option<u64>,
-    /// Pipeline schedule with pp > 1: gpipe, 1f1b, interleaved or zb-h1.
-    #[arg(long, default_value = "1f1b")]
-    pub schedule: String,
-    /// Model chunks per pipeline rank for the interleaved schedule.
-    #[arg(long, default_value_t = 2)]
-    pub virtual_stages: u64,
-    /// Manual pipeline split as layer ranges per stage, e.g. `0-5,6-11` (the embedding goes
-    /// with the first stage, the head with the last); default: balanced by cost.
-    #[arg(long, value_name = "RANGES")]
-    pub stages: Option<String>,
+}
+
+/// Every option at clap's default, as if none were given.
+fn defaults<T: Args + clap::FromArgMatches>() -> T {
+    let matches = T::augment_args(clap::Command::new("defaults").no_binary_name(true)).get_matches_from(std::iter::empty::<String>());
+    T::from_arg_matches(&matches).expect("every option has a default or is optional")
+}
+
+impl Default for StepArgs {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl StepArgs {
+    /// These arguments with `change` made to a copy.
+    pub fn with(&self, change: impl FnOnce(&mut StepArgs)) -> StepArgs {
+        let mut step = self.clone();
+        change(&mut step);
+        step
+    }
+
+    /// These arguments for one micro-batch's step, whatever the global batch.
+    pub fn one_microbatch(&self) -> StepArgs {
+        self.with(|s| {
+            s.batch.microbatches = Some(1);
+            s.batch.global_batch = None;
+        })
+    }
 }
 
 /// Parses `0-5,6-11` (a single layer may be written `7`).
@@ -122,29 +194,29 @@ pub fn parse_stage_ranges(text: &str) -> std::result::Result<Vec<(usize, usize)>
 impl StepArgs {
     /// The pipeline options these arguments ask for, for `spec` on `mesh`.
     pub fn compile_options(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<CompileOptions> {
-        let recompute = Recompute::parse(&self.recompute).ok_or_else(|| miette!(help = "use none, full or selective-attention", "--recompute: unknown policy `{}`", self.recompute))?;
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return Err(miette!(help = "a typical value is 3e-3 for the tiny models, 6e-4 for GPT-2", "--lr must be positive, got {}", self.lr));
+        let recompute = Recompute::parse(&self.strategy.recompute).ok_or_else(|| miette!(help = "use none, full or selective-attention", "--recompute: unknown policy `{}`", self.strategy.recompute))?;
+        if !(self.training.lr > 0.0 && self.training.lr.is_finite()) {
+            return Err(miette!(help = "a typical value is 3e-3 for the tiny models, 6e-4 for GPT-2", "--lr must be positive, got {}", self.training.lr));
         }
-        let optimizer = match self.optimizer.as_str() {
-            "adamw" => OptimizerKind::adamw(self.lr),
-            "sgd" => OptimizerKind::Sgd { lr: self.lr, weight_decay: 0.0 },
+        let optimizer = match self.training.optimizer.as_str() {
+            "adamw" => OptimizerKind::adamw(self.training.lr),
+            "sgd" => OptimizerKind::Sgd { lr: self.training.lr, weight_decay: 0.0 },
             other => {
                 return Err(miette!(help = "use adamw or sgd", "--optimizer: unknown optimizer `{other}`"));
             }
         };
-        if self.zero > 3 {
-            return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.zero));
+        if self.strategy.zero > 3 {
+            return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.strategy.zero));
         }
         let schedule = self.lr_schedule()?;
-        if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
-            return Err(miette!(help = "Megatron-LM's default is 1.0; 0 turns clipping off", "--clip-grad must be a finite number >= 0, got {}", self.clip_grad));
+        if !(self.training.clip_grad.is_finite() && self.training.clip_grad >= 0.0) {
+            return Err(miette!(help = "Megatron-LM's default is 1.0; 0 turns clipping off", "--clip-grad must be a finite number >= 0, got {}", self.training.clip_grad));
         }
         // The update runs in f32 unless the whole model is f64: a value that f32 rounds to 0
         // or infinity would train without updating, or blow up, without a word.
         if spec.model.dtype != shardc_ir::spec::SpecDType::F64 {
             let range = f32::MIN_POSITIVE as f64..=f32::MAX as f64;
-            for (flag, value) in [("--lr", self.lr), ("--clip-grad", self.clip_grad)] {
+            for (flag, value) in [("--lr", self.training.lr), ("--clip-grad", self.training.clip_grad)] {
                 if value != 0.0 && !range.contains(&value) {
                     return Err(miette!(
                         help = format!("use a value between {:.3e} and {:.3e}, or train in f64 (`dtype = \"f64\"` in the spec)", range.start(), range.end()),
@@ -155,21 +227,21 @@ impl StepArgs {
         }
         let pipeline = self.pipeline_options(spec, mesh)?;
         // Shifted, 2^44 MiB and more wrapped to 0 bytes: one all-reduce per gradient.
-        let grad_bucket_bytes = self.grad_bucket_mb.checked_mul(1 << 20).ok_or_else(|| miette!(help = "Megatron-LM's default bucket is 40 MiB; 0 reduces each gradient on its own", "--grad-bucket-mb {} is more bytes than a bucket can count", self.grad_bucket_mb))?;
+        let grad_bucket_bytes = self.strategy.grad_bucket_mb.checked_mul(1 << 20).ok_or_else(|| miette!(help = "Megatron-LM's default bucket is 40 MiB; 0 reduces each gradient on its own", "--grad-bucket-mb {} is more bytes than a bucket can count", self.strategy.grad_bucket_mb))?;
         Ok(CompileOptions {
             recompute,
             optimizer,
             schedule,
-            clip_grad: self.clip_grad,
+            clip_grad: self.training.clip_grad,
             mesh,
             vocab: spec.model.padded_vocab(mesh.tp) as i64,
             kv_heads: spec.model.kv_heads() as i64,
-            zero: self.zero,
-            sequence_parallel: self.sequence_parallel,
+            zero: self.strategy.zero,
+            sequence_parallel: self.strategy.sequence_parallel,
             grad_bucket_bytes,
             pipeline,
-            naive_partition: self.naive_partition,
-            comm_opt: !self.no_comm_opt,
+            naive_partition: self.strategy.naive_partition,
+            comm_opt: !self.strategy.no_comm_opt,
             cluster: self.cluster_model()?,
         })
     }
@@ -179,43 +251,51 @@ impl StepArgs {
     pub fn lr_schedule(&self) -> Result<Schedule> {
         // Iterations are i32 in the compiled step.
         let limit = i32::MAX as u64;
-        if self.lr_warmup_steps > limit {
-            return Err(miette!(help = format!("use at most {limit}"), "--lr-warmup-steps {} is more iterations than a step counter holds", self.lr_warmup_steps));
+        if self.training.lr_warmup_steps > limit {
+            return Err(miette!(help = format!("use at most {limit}"), "--lr-warmup-steps {} is more iterations than a step counter holds", self.training.lr_warmup_steps));
         }
-        let min_lr = self.min_lr.unwrap_or(self.lr / 10.0);
-        if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= self.lr) {
-            return Err(miette!(help = format!("use a value between 0 and --lr ({})", self.lr), "--min-lr {min_lr} is outside 0..=--lr"));
+        let min_lr = self.training.min_lr.unwrap_or(self.training.lr / 10.0);
+        if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= self.training.lr) {
+            return Err(miette!(help = format!("use a value between 0 and --lr ({})", self.training.lr), "--min-lr {min_lr} is outside 0..=--lr"));
         }
-        let cosine = match self.lr_decay.as_str() {
+        let decay_steps = self.training.lr_decay_steps.unwrap_or(0);
+        // Without decay steps there is no decay: its shape and floor would be ignored.
+        if decay_steps == 0 {
+            for (flag, given) in [("--lr-decay", self.training.lr_decay.as_deref().is_some_and(|d| d != "constant")), ("--min-lr", self.training.min_lr.is_some())] {
+                if given {
+                    return Err(miette!(help = "add --lr-decay-steps N (run's default is --steps)", "{flag} shapes a decay, and there is none without --lr-decay-steps"));
+                }
+            }
+        }
+        let cosine = match self.training.lr_decay.as_deref().unwrap_or("cosine") {
             "cosine" => true,
             "linear" => false,
-            "constant" => return Ok(Schedule { warmup_steps: self.lr_warmup_steps as i64, ..Schedule::CONSTANT }),
+            "constant" => return Ok(Schedule { warmup_steps: self.training.lr_warmup_steps as i64, ..Schedule::CONSTANT }),
             other => return Err(miette!(help = "use cosine, linear or constant", "--lr-decay: unknown decay `{other}`")),
         };
-        let decay_steps = self.lr_decay_steps.unwrap_or(0);
         if decay_steps > limit {
             return Err(miette!(help = format!("use at most {limit}"), "--lr-decay-steps {decay_steps} is more iterations than a step counter holds"));
         }
-        if decay_steps > 0 && decay_steps <= self.lr_warmup_steps {
+        if decay_steps > 0 && decay_steps <= self.training.lr_warmup_steps {
             return Err(miette!(
                 help = "make --lr-decay-steps larger than --lr-warmup-steps, or use --lr-decay constant",
                 "--lr-decay-steps {decay_steps} must exceed --lr-warmup-steps {}",
-                self.lr_warmup_steps
+                self.training.lr_warmup_steps
             ));
         }
-        Ok(Schedule { warmup_steps: self.lr_warmup_steps as i64, decay_steps: decay_steps as i64, min_lr, cosine })
+        Ok(Schedule { warmup_steps: self.training.lr_warmup_steps as i64, decay_steps: decay_steps as i64, min_lr, cosine })
     }
 
     /// The cluster model: `--cluster FILE` if given, else the `--gpu` preset.
     pub fn cluster_model(&self) -> Result<shardc_ir::cluster::Cluster> {
         use shardc_ir::cluster::{Cluster, GPU_PRESETS};
-        match &self.cluster {
+        match &self.hardware.cluster {
             Some(path) => {
                 let text = crate::input::read_text("--cluster", path, crate::input::MAX_TEXT_BYTES)?;
                 Cluster::from_toml(&text).map_err(|e| miette!(help = "see the cluster fields in ir/src/cluster.rs", "--cluster {}: {e}", path.display()))
             }
             None => {
-                let gpu = self.gpu.as_deref().unwrap_or("h100-sxm");
+                let gpu = self.hardware.gpu.as_deref().unwrap_or("h100-sxm");
                 Cluster::preset(gpu).ok_or_else(|| miette!(help = format!("use one of {}", GPU_PRESETS.join(", ")), "--gpu: unknown GPU `{gpu}`"))
             }
         }
@@ -223,12 +303,12 @@ impl StepArgs {
 
     /// Whether the user named the hardware (`--gpu` or `--cluster`): plans must then fit it.
     pub fn hardware_given(&self) -> bool {
-        self.gpu.is_some() || self.cluster.is_some()
+        self.hardware.gpu.is_some() || self.hardware.cluster.is_some()
     }
 
     /// The schedule `--schedule` names.
     pub fn schedule_kind(&self) -> Result<shardc_runtime::schedule::Kind> {
-        shardc_runtime::schedule::Kind::parse(&self.schedule).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{}`", self.schedule))
+        shardc_runtime::schedule::Kind::parse(&self.strategy.schedule).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{}`", self.strategy.schedule))
     }
 
     /// The pipeline schedule these arguments ask for, when the step has stages or
@@ -243,12 +323,12 @@ impl StepArgs {
     /// The step's batch on `mesh`: micro-batch per replica, dp, micro-batches and global
     /// batch, from the spec and `--micro-batch`, `--microbatches`, `--global-batch`.
     pub fn batch(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<spec::Batch> {
-        if let Some(m) = self.microbatches
+        if let Some(m) = self.batch.microbatches
             && (m == 0 || m > 4096)
         {
             return Err(miette!(help = "use 1 to 4096 micro-batches", "--microbatches must be between 1 and 4096, got {m}"));
         }
-        let batch = spec.batch(mesh.dp, self.microbatches, self.global_batch).map_err(|e| miette!(help = e.help.clone().unwrap_or_default(), "{}", e.message))?;
+        let batch = spec.batch(mesh.dp, self.batch.microbatches, self.batch.global_batch).map_err(|e| miette!(help = e.help.clone().unwrap_or_default(), "{}", e.message))?;
         if batch.microbatches > 4096 {
             return Err(miette!(
                 help = format!("use a larger --micro-batch or a smaller --global-batch (global {} / (micro-batch {} x dp {}))", batch.global_batch, batch.micro_batch, batch.dp),
@@ -276,18 +356,22 @@ impl StepArgs {
                 "--schedule interleaved interleaves model chunks over pipeline ranks, and --mesh {mesh} has one (pp=1)"
             ));
         }
+        let chunks = match (kind, self.strategy.virtual_stages) {
+            (Kind::Interleaved, v) => v.unwrap_or(2),
+            (_, None) => 1,
+            (_, Some(v)) => return Err(miette!(help = "add --schedule interleaved, or leave --virtual-stages out", "--virtual-stages {v} splits ranks into chunks for the interleaved schedule, and the schedule is {}", self.strategy.schedule)),
+        };
         let m = self.microbatches(spec, mesh)?;
-        if mesh.pp == 1 && m == 1 && self.stages.is_none() {
+        if mesh.pp == 1 && m == 1 && self.strategy.stages.is_none() {
             return Ok(None);
         }
-        let chunks = if kind == Kind::Interleaved { self.virtual_stages } else { 1 };
         if chunks == 0 || chunks > 64 {
             return Err(miette!(help = "use 2 to 4 virtual stages per rank", "--virtual-stages must be between 1 and 64, got {chunks}"));
         }
         if kind == Kind::Interleaved && m % mesh.pp != 0 {
             return Err(miette!(help = format!("use a multiple of pp={} micro-batches", mesh.pp), "--microbatches {m}: interleaved 1F1B needs a multiple of pp"));
         }
-        let manual = match &self.stages {
+        let manual = match &self.strategy.stages {
             Some(text) => Some(parse_stage_ranges(text).map_err(|e| miette!(help = "write one layer range per stage, e.g. --stages 0-5,6-11", "--stages: {e}"))?),
             None => None,
         };
@@ -297,7 +381,7 @@ impl StepArgs {
     /// The Hugging Face folder the model comes from: `--hf`, or a spec path that is such a
     /// folder.
     pub fn hf_dir(&self, path: Option<&Path>) -> Option<PathBuf> {
-        self.hf.clone().or_else(|| path.filter(|p| p.join("config.json").is_file()).map(Path::to_path_buf))
+        self.model.hf.clone().or_else(|| path.filter(|p| p.join("config.json").is_file()).map(Path::to_path_buf))
     }
 
     /// Loads a spec (or a Hugging Face config) and applies `--seq` / `--micro-batch` /
@@ -310,7 +394,7 @@ impl StepArgs {
                 let config = dir.join("config.json");
                 let text = crate::input::read_text("--hf", &config, crate::input::MAX_TEXT_BYTES)?;
                 let name = dir.file_name().map_or_else(|| "hf-model".into(), |n| n.to_string_lossy().to_string());
-                let (spec, family) = spec::hf::from_hf_config(&text, &name, self.seq.unwrap_or(128), self.micro_batch.unwrap_or(1))
+                let (spec, family) = spec::hf::from_hf_config(&text, &name, self.batch.seq.unwrap_or(128), self.batch.micro_batch.unwrap_or(1))
                     .map_err(|e| miette!(help = "shardc reads GPT-2 and Llama configurations", "{}: {e}", dir.display()))?;
                 hf = Some((config, family));
                 spec
@@ -318,19 +402,19 @@ impl StepArgs {
             (None, Some(path)) => spec::parse_file(path).map_err(report::spec_report)?,
             (None, None) => return Err(miette!(help = "give a spec file (models/tiny.toml) or --hf DIR", "no model given")),
         };
-        if let Some(seq) = self.seq {
+        if let Some(seq) = self.batch.seq {
             spec.training.seq_len = Some(seq);
         }
-        if let Some(mb) = self.micro_batch {
+        if let Some(mb) = self.batch.micro_batch {
             spec.training.micro_batch = mb;
         }
-        match (self.global_batch, self.microbatches) {
+        match (self.batch.global_batch, self.batch.microbatches) {
             (Some(global), _) => spec.training.global_batch = Some(global),
             // `--microbatches` alone sets the global batch (micro-batch x dp x micro-batches).
             (None, Some(_)) => spec.training.global_batch = None,
             (None, None) => {}
         }
-        if let Some(dtype) = &self.dtype {
+        if let Some(dtype) = &self.model.dtype {
             spec.model.dtype = match dtype.as_str() {
                 "f32" => spec::SpecDType::F32,
                 "bf16" => spec::SpecDType::Bf16,
@@ -349,11 +433,11 @@ impl StepArgs {
     /// `--global-batch`, `--microbatches`, `--dtype`).
     fn overrides_given(&self) -> Vec<&'static str> {
         [
-            ("--seq", self.seq.is_some()),
-            ("--micro-batch", self.micro_batch.is_some()),
-            ("--global-batch", self.global_batch.is_some()),
-            ("--microbatches", self.microbatches.is_some()),
-            ("--dtype", self.dtype.is_some()),
+            ("--seq", self.batch.seq.is_some()),
+            ("--micro-batch", self.batch.micro_batch.is_some()),
+            ("--global-batch", self.batch.global_batch.is_some()),
+            ("--microbatches", self.batch.microbatches.is_some()),
+            ("--dtype", self.model.dtype.is_some()),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))

@@ -54,7 +54,88 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
     #[command(flatten)]
-    pub step: StepArgs,
+    pub model: crate::options::ModelArgs,
+    #[command(flatten)]
+    pub batch: crate::options::BatchArgs,
+    #[command(flatten)]
+    pub hardware: crate::options::HardwareArgs,
+    #[command(flatten)]
+    pub only: PlanConstraints,
+}
+
+/// Constraints on the strategies `plan` lists (with `--micro-batch` and `--microbatches`):
+/// each one left out is searched.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Constraints (each one left out is searched)")]
+pub struct PlanConstraints {
+    /// Only plans at this ZeRO stage (0 to 3).
+    #[arg(long)]
+    pub zero: Option<u8>,
+    /// Only this pipeline schedule where a plan has pipeline stages: gpipe, 1f1b,
+    /// interleaved or zb-h1 (plans without stages stay).
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Only this activation recomputation: none, selective-attention or full.
+    #[arg(long)]
+    pub recompute: Option<String>,
+    /// Only plans with (true) or without (false) sequence parallelism.
+    #[arg(long, value_name = "BOOL")]
+    pub sequence_parallel: Option<bool>,
+}
+
+impl PlanArgs {
+    /// The step arguments `plan` reads: the model, the batch and the hardware.
+    fn step(&self) -> StepArgs {
+        StepArgs { model: self.model.clone(), batch: self.batch.clone(), hardware: self.hardware.clone(), ..StepArgs::default() }
+    }
+
+    /// The constraints as a filter, and their description; refuses unknown values by name.
+    fn constraints(&self) -> Result<(impl Fn(&Plan) -> bool + '_, Vec<String>)> {
+        let only = &self.only;
+        if let Some(z) = only.zero
+            && z > 3
+        {
+            return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {z}"));
+        }
+        let schedule = match &only.schedule {
+            Some(name) => Some(match Kind::parse(name).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{name}`"))? {
+                Kind::Gpipe => "gpipe",
+                Kind::OneFOneB => "1f1b",
+                Kind::Interleaved => "interleaved",
+                Kind::ZeroBubble => "zb-h1",
+            }),
+            None => None,
+        };
+        let recompute = match only.recompute.as_deref() {
+            None => None,
+            Some("none") => Some("none"),
+            Some("selective-attention") => Some("selective"),
+            Some("full") => Some("full"),
+            Some(other) => return Err(miette!(help = "use none, selective-attention or full", "--recompute: unknown policy `{other}`")),
+        };
+        let mut said = Vec::new();
+        for (flag, value) in [
+            ("--micro-batch", self.batch.micro_batch.map(|b| b.to_string())),
+            ("--microbatches", self.batch.microbatches.map(|m| m.to_string())),
+            ("--zero", only.zero.map(|z| z.to_string())),
+            ("--schedule", schedule.map(str::to_string)),
+            ("--recompute", only.recompute.clone()),
+            ("--sequence-parallel", only.sequence_parallel.map(|b| b.to_string())),
+        ] {
+            if let Some(v) = value {
+                said.push(format!("{flag} {v}"));
+            }
+        }
+        let admit = move |p: &Plan| {
+            self.batch.micro_batch.is_none_or(|b| p.micro_batch == b)
+                && self.batch.microbatches.is_none_or(|m| p.microbatches == m)
+                && only.zero.is_none_or(|z| p.zero == z)
+                && schedule.is_none_or(|s| p.pp == 1 || p.schedule == s)
+                && recompute.is_none_or(|r| p.recompute == r)
+                && only.sequence_parallel.is_none_or(|sp| p.sequence_parallel == sp)
+        };
+        Ok((admit, said))
+    }
 }
 
 /// One strategy and what it costs.
@@ -496,8 +577,10 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     if let Some(path) = &args.report {
         crate::train::writable_file("--report", path)?;
     }
-    let spec = args.step.load_spec(args.spec.as_deref())?;
-    let mut cluster = args.step.cluster_model()?;
+    let step = args.step();
+    let (admit, constraints) = args.constraints()?;
+    let spec = step.load_spec(args.spec.as_deref())?;
+    let mut cluster = step.cluster_model()?;
     if let Some(n) = args.gpus_per_node {
         cluster.gpus_per_node = n;
     }
@@ -510,7 +593,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         }
         cluster.gpus_per_node = (args.gpus / nodes) as usize;
     }
-    let global_batch = args.step.global_batch.or(spec.training.global_batch).unwrap_or(spec.training.micro_batch);
+    let global_batch = step.batch.global_batch.or(spec.training.global_batch).unwrap_or(spec.training.micro_batch);
     if global_batch == 0 {
         return Err(miette!(help = "a global batch is at least one sequence", "--global-batch must be at least 1"));
     }
@@ -521,7 +604,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     spinner.enable_steady_tick(std::time::Duration::from_millis(100));
     let searched = search(&spec, &cluster, args.gpus, global_batch);
     spinner.finish_and_clear();
-    let Searched { plans, considered, too_many_microbatches, units, traffic } = searched?;
+    let Searched { mut plans, considered, too_many_microbatches, units, traffic } = searched?;
+    let fitting = plans.len();
+    plans.retain(|p| admit(p));
     let elapsed = start.elapsed().as_secs_f64();
     println!(
         "shardc plan: {} on {} x {} ({} per node), global batch {} x {} tokens: {} strategies considered, {} fit, {:.2} s",
@@ -550,8 +635,19 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
             args.gpus
         ));
     }
-    if plans.is_empty() {
+    if fitting == 0 {
         return Err(miette!(help = "add GPUs, or lower --global-batch / --seq", "no strategy fits in {:.0} GB per GPU", cluster.gpu.memory_bytes / 1e9));
+    }
+    if !constraints.is_empty() {
+        println!("  constrained to {}: {} of the {fitting} that fit", constraints.join(", "), plans.len());
+    }
+    if plans.is_empty() {
+        return Err(miette!(
+            help = "drop a constraint, or add GPUs (the micro-batches searched are 1, 2, 4, 8 and 16 sequences)",
+            "no strategy that fits in {:.0} GB per GPU meets {}",
+            cluster.gpu.memory_bytes / 1e9,
+            constraints.join(", ")
+        ));
     }
     println!("  {:<3} {:<58} {:>10} {:>7} {:>10} {:>10}  {}", "#", "strategy", "step", "MFU", "TFLOP/s", "memory", "bound by (share of the step)");
     for (i, p) in plans.iter().take(args.top).enumerate() {
@@ -567,7 +663,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         );
     }
     // Where the numbers come from: a preset's data-sheet constants, or the user's file.
-    let source = match &args.step.cluster {
+    let source = match &step.hardware.cluster {
         Some(path) => format!("--cluster {}", path.display()),
         None => format!("{} preset, uncalibrated", cluster.gpu.name),
     };
@@ -576,7 +672,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let best = &plans[0];
     let mut command = format!(
         "shardc run {} --mesh dp={},tp={},pp={} --micro-batch {} --microbatches {} --recompute {} --zero {}",
-        args.step.hf_dir(args.spec.as_deref()).or_else(|| args.spec.clone()).unwrap_or_default().display(),
+        step.hf_dir(args.spec.as_deref()).or_else(|| args.spec.clone()).unwrap_or_default().display(),
         best.dp,
         best.tp,
         best.pp,
@@ -594,7 +690,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     if best.sequence_parallel {
         command.push_str(" --sequence-parallel");
     }
-    if args.step.seq.is_some() {
+    if step.batch.seq.is_some() {
         command.push_str(&format!(" --seq {}", spec.seq_len()));
     }
     println!("  best as a command: {command}");

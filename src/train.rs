@@ -163,10 +163,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut args = args.clone();
     // A resumed run continues its checkpoint's decay (its --steps may have been shorter).
     let resumed_decay = args.resume.as_deref().and_then(|dir| shardc_runtime::checkpoint::read_manifest(dir).ok()).and_then(|m| m.optimizer).map(|o| o.decay_steps);
-    if args.step.lr_decay_steps.is_none() {
+    if args.step.training.lr_decay_steps.is_none() {
         match resumed_decay {
-            Some(steps) if steps >= 0 => args.step.lr_decay_steps = Some(steps as u64),
-            _ if args.steps > args.step.lr_warmup_steps && args.steps <= i32::MAX as u64 => args.step.lr_decay_steps = Some(args.steps),
+            Some(steps) if steps >= 0 => args.step.training.lr_decay_steps = Some(steps as u64),
+            _ if args.steps > args.step.training.lr_warmup_steps && args.steps <= i32::MAX as u64 => args.step.training.lr_decay_steps = Some(args.steps),
             _ => {}
         }
     }
@@ -357,10 +357,10 @@ pub fn model_shape(spec: &Spec, parameters: f64, global_batch: u64) -> shardc_co
 }
 
 /// `shardc bench --mesh` with several ranks: one thread per rank on this host.
-fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
-    let step = StepArgs { global_batch: None, ..args.step.clone() };
-    let pipelined = mesh.pp > 1 || step.microbatches.unwrap_or(1) > 1;
-    let programs = if pipelined { compile_pipeline_programs(spec, &step, mesh)? } else { vec![compile_train_step_on(spec, &step, mesh)?] };
+fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, step: &StepArgs) -> Result<()> {
+    let microbatches = step.microbatches(spec, mesh)?;
+    let pipelined = mesh.pp > 1 || microbatches > 1;
+    let programs = if pipelined { compile_pipeline_programs(spec, step, mesh)? } else { vec![compile_train_step_on(spec, step, mesh)?] };
     crate::host::refuse_if_over_memory(&programs, 0)?;
     let corpus = synthetic_corpus(spec)?;
     let timeout = std::time::Duration::from_secs(600);
@@ -376,11 +376,11 @@ fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Res
     };
     times.remove(0);
     let measured = times.iter().copied().fold(f64::INFINITY, f64::min);
-    println!("benchmark: {} training step on mesh {mesh} ({} rank threads on {} cores), seq {}, micro-batch {}, {} micro-batches, {} timed steps", spec.name, mesh.dp * mesh.tp * mesh.pp, shardc_runtime::cpu::worker_threads(), spec.seq_len(), spec.training.micro_batch, step.microbatches.unwrap_or(1), steps);
+    println!("benchmark: {} training step on mesh {mesh} ({} rank threads on {} cores), seq {}, micro-batch {}, {} micro-batches, {} timed steps", spec.name, mesh.dp * mesh.tp * mesh.pp, shardc_runtime::cpu::worker_threads(), spec.seq_len(), spec.training.micro_batch, microbatches, steps);
     println!("{:<22}{:>14}", "", "step time");
     println!("{:<22}{:>12.3} s   (fastest)", "shardc (CPU)", measured);
     if args.step.hardware_given() {
-        let e = predicted_step(spec, &step, mesh, &programs)?;
+        let e = predicted_step(spec, step, mesh, &programs)?;
         println!("{:<22}{:>12.3} s   ({:+.1}% vs the fastest step; {})", "  predicted", e.step_seconds, 100.0 * (e.step_seconds / measured - 1.0), e.bound);
     }
     if args.profile {
@@ -419,18 +419,21 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     check_steps("--steps", args.steps.saturating_add(1))?;
     let spec = args.step.load_spec(Some(&args.spec))?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
-    if mesh.dp * mesh.tp * mesh.pp > 1 {
+    // A benchmark times one micro-batch per replica, whatever the spec's global batch,
+    // unless the mesh has pipeline stages or --microbatches or --global-batch ask for more.
+    let batch_given = args.step.batch.microbatches.is_some() || args.step.batch.global_batch.is_some();
+    let step = if mesh.pp > 1 || batch_given { args.step.clone() } else { args.step.one_microbatch() };
+    let microbatches = step.microbatches(&spec, mesh)?;
+    if mesh.dp * mesh.tp * mesh.pp > 1 || microbatches > 1 {
         if args.torch.is_some() {
-            return Err(miette!(help = "compare with PyTorch on one rank (--mesh dp=1,tp=1,pp=1)", "--torch times one rank only"));
+            return Err(miette!(help = "compare with PyTorch on one rank and one micro-batch (--mesh dp=1,tp=1,pp=1)", "--torch times one rank's step of one micro-batch only"));
         }
-        if args.profile && (mesh.pp > 1 || args.step.microbatches.unwrap_or(1) > 1) {
-            return Err(miette!(help = "profile dp and tp meshes with --microbatches 1", "--profile does not profile pipeline stages"));
+        if args.profile && (mesh.pp > 1 || microbatches > 1) {
+            return Err(miette!(help = "profile dp and tp meshes with --microbatches 1", "--profile does not profile pipeline stages or accumulated micro-batches"));
         }
-        return bench_mesh(args, &spec, mesh);
+        return bench_mesh(args, &spec, mesh, &step);
     }
     let compile_start = Instant::now();
-    // A benchmark times one micro-batch's training step, whatever the global batch.
-    let step = StepArgs { microbatches: Some(1), global_batch: None, ..args.step.clone() };
     let program = compile_train_step(&spec, &step)?;
     crate::host::refuse_if_over_memory(std::slice::from_ref(&program), 0)?;
     let compile_s = compile_start.elapsed().as_secs_f64();
@@ -627,7 +630,7 @@ impl Checkpoints {
         if let Some(seed) = args.seed.filter(|&s| s != manifest.seed) {
             return Err(miette!(help = format!("resume without --seed (or with --seed {})", manifest.seed), "--seed {seed}: the checkpoint's run has seed {}, which fixes its data order", manifest.seed));
         }
-        if args.step.optimizer == "sgd" && manifest.tensors.iter().any(|t| t.name.starts_with("opt.") && !t.name.starts_with("opt.master.")) {
+        if args.step.training.optimizer == "sgd" && manifest.tensors.iter().any(|t| t.name.starts_with("opt.") && !t.name.starts_with("opt.master.")) {
             return Err(miette!(help = "resume with the checkpoint's optimizer (--optimizer adamw)", "--optimizer sgd: {} holds AdamW's moments, which SGD would drop", dir.display()));
         }
         // The schedule and clipping continue the checkpoint's (Megatron-LM checks them too).

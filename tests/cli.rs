@@ -252,14 +252,200 @@ fn checked_in_dialect_is_current() {
     assert!(out.status.success(), "{}", stderr(&out));
 }
 
+/// Every subcommand is listed under its own summary (`schedule`'s text once sat under `plan`
+/// and nothing under `schedule`), and its own help gives an example of it.
 #[test]
 fn help_explains_each_command_with_an_example() {
     let text = stdout(&shardc(&["--help"]));
-    for command in ["ir", "compile", "run", "inspect", "bench", "explain", "schedule", "dialect", "ops"] {
-        assert!(text.contains(&format!("  {command}")), "{text}");
+    let summaries = [
+        ("ir", "Print a spec lowered to MLIR"),
+        ("compile", "Run the pass pipeline"),
+        ("run", "Train a spec"),
+        ("logits", "The logits of a Hugging Face model"),
+        ("inspect", "Print a compiled plan"),
+        ("bench", "Time a training step"),
+        ("calibrate", "Measure this machine's cost-model parameters"),
+        ("explain", "List every collective and pipeline transfer"),
+        ("plan", "Search every strategy"),
+        ("schedule", "Generate a pipeline schedule"),
+        ("dialect", "Print the xf dialect's IRDL"),
+        ("ops", "List the xf ops"),
+    ];
+    for (command, summary) in summaries {
+        let line = text.lines().find(|l| l.trim_start().starts_with(&format!("{command} "))).unwrap_or_else(|| panic!("`{command}` is not listed: {text}"));
+        assert!(line.contains(summary), "`{command}` is listed as `{line}`");
+        let help = stdout(&shardc(&[command, "--help"]));
+        assert!(help.contains(&format!("Example: shardc {command}")), "{command} --help: {help}");
     }
+    let listed = text.lines().skip_while(|l| !l.starts_with("Commands:")).skip(1).take_while(|l| !l.is_empty()).filter(|l| !l.trim_start().starts_with("help ")).count();
+    assert_eq!(listed, summaries.len(), "{text}");
     let text = stdout(&shardc(&["compile", "--help"]));
-    assert!(text.contains("Example: shardc compile") && text.contains("--dump-dir"), "{text}");
+    assert!(text.contains("--dump-dir"), "{text}");
+}
+
+/// The long options `shardc COMMAND --help` lists.
+fn long_options(command: &str) -> Vec<String> {
+    let help = stdout(&shardc(&[command, "--help"]));
+    let mut options: Vec<String> = help
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim_start();
+            let l = l.strip_prefix("-o, ").or_else(|| l.strip_prefix("-h, ")).unwrap_or(l);
+            l.strip_prefix("--").map(|rest| format!("--{}", rest.split([' ', '=']).next().unwrap()))
+        })
+        .filter(|o| o != "--help" && o != "--version")
+        .collect();
+    options.sort();
+    options.dedup();
+    options
+}
+
+/// Every option `compile`, `explain` and `plan` accept changes what they print or write, or
+/// is refused by name: none is accepted and ignored (`plan` once took --lr, --zero and
+/// --schedule and did nothing with them; `--virtual-stages` without the interleaved schedule
+/// and `--lr-decay` without decay steps were dropped). Each option is tried against a base
+/// command where it can matter (a mesh with dp and tp, or pipeline stages on a four-layer
+/// model); a new option without an entry here fails the test.
+#[test]
+fn every_option_of_compile_explain_and_plan_changes_the_result_or_is_refused() {
+    let dir = tempdir("every-option");
+    let spec4 = dir.join("tiny4.toml");
+    std::fs::write(&spec4, std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("layers = 2", "layers = 4")).unwrap();
+    let cluster = dir.join("cluster.toml");
+    std::fs::write(&cluster, "preset = \"h200\"\n").unwrap();
+    let (spec4, cluster) = (spec4.to_str().unwrap().to_string(), cluster.to_str().unwrap().to_string());
+    let out_file = dir.join("out.json");
+    let written = |what: &str| dir.join(what).to_str().unwrap().to_string();
+    // (command, the base's arguments, options tried on it: (option, its arguments)); files
+    // that an option writes are checked to exist instead.
+    type Cases = Vec<(&'static str, Vec<String>, Vec<(&'static str, Vec<String>)>)>;
+    let v = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let out_arg = out_file.to_str().unwrap().to_string();
+    // The batch's options on dp=2 (two micro-batches of the spec's global batch of 8).
+    let batch_options = vec![("--micro-batch", v(&["--micro-batch", "1"])), ("--global-batch", v(&["--global-batch", "4"])), ("--microbatches", v(&["--microbatches", "1"]))];
+    // The model's and the strategy's on dp=2 x tp=2 with one micro-batch (buckets are for
+    // steps without accumulation).
+    let strategy_options = vec![
+        ("--hf", v(&["--hf", "tests/data/hf-tiny-llama"])),
+        ("--dtype", v(&["--dtype", "bf16"])),
+        ("--seq", v(&["--seq", "4"])),
+        ("--recompute", v(&["--recompute", "full"])),
+        ("--zero", v(&["--zero", "1"])),
+        ("--sequence-parallel", v(&["--sequence-parallel"])),
+        ("--grad-bucket-mb", v(&["--grad-bucket-mb", "0"])),
+        ("--naive-partition", v(&["--naive-partition"])),
+        ("--no-comm-opt", v(&["--no-comm-opt"])),
+    ];
+    // The pipeline's, on four layers over two stages.
+    let pipeline_options = vec![("--schedule", v(&["--schedule", "gpipe"])), ("--virtual-stages", v(&["--virtual-stages", "2"])), ("--stages", v(&["--stages", "0-0,1-3"]))];
+    let mut cases: Cases = vec![];
+    let mut compile = strategy_options.clone();
+    compile.extend([
+        ("--print-ir-after-all", v(&["--print-ir-after-all"])),
+        ("--print-ir-after", v(&["--print-ir-after", "input"])),
+        ("--target", v(&["--target", "cuda"])),
+        ("--optimizer", v(&["--optimizer", "sgd"])),
+        ("--lr", v(&["--lr", "0.01"])),
+        ("--lr-warmup-steps", v(&["--lr-warmup-steps", "10"])),
+        ("--lr-decay", v(&["--lr-decay", "linear"])),
+        ("--lr-decay-steps", v(&["--lr-decay-steps", "100"])),
+        ("--min-lr", v(&["--min-lr", "0.0001"])),
+        ("--clip-grad", v(&["--clip-grad", "0"])),
+        ("--gpu", v(&["--gpu", "a100-80g"])),
+        ("--cluster", v(&["--cluster", &cluster])),
+    ]);
+    let one_microbatch = ["models/tiny.toml", "--mesh", "dp=2,tp=2", "--global-batch", "4"];
+    let pipelined = [spec4.as_str(), "--mesh", "pp=2", "--microbatches", "4"];
+    cases.push(("compile", v(&[&one_microbatch[..], &["-o", &out_arg]].concat()), compile));
+    cases.push(("compile", v(&["models/tiny.toml", "--mesh", "dp=2", "-o", &out_arg]), batch_options.clone()));
+    cases.push(("compile", v(&["models/tiny.toml", "-o", &out_arg]), vec![("--mesh", v(&["--mesh", "tp=2"])), ("--dump-dir", v(&["--dump-dir", &written("dump")])), ("--output", v(&[]))]));
+    cases.push(("compile", v(&[&pipelined[..], &["-o", &out_arg]].concat()), pipeline_options.clone()));
+    cases.push(("explain", v(&one_microbatch), strategy_options));
+    cases.push(("explain", v(&["models/tiny.toml", "--mesh", "dp=2"]), batch_options));
+    cases.push(("explain", v(&pipelined), pipeline_options));
+    cases.push(("explain", v(&["models/tiny.toml"]), vec![("--mesh", v(&["--mesh", "tp=2"]))]));
+    cases.push((
+        "plan",
+        v(&["models/tiny.toml", "--gpus", "4", "--top", "3"]),
+        vec![
+            ("--gpus", v(&["--gpus", "8"])),
+            ("--gpus-per-node", v(&["--gpus-per-node", "2"])),
+            ("--nodes", v(&["--nodes", "2"])),
+            ("--top", v(&["--top", "1"])),
+            ("--explain", v(&["--explain"])),
+            ("--report", v(&["--report", &written("plan.html")])),
+            ("--hf", v(&["--hf", "tests/data/hf-tiny-llama"])),
+            ("--dtype", v(&["--dtype", "bf16"])),
+            ("--seq", v(&["--seq", "4"])),
+            ("--micro-batch", v(&["--micro-batch", "2"])),
+            ("--global-batch", v(&["--global-batch", "16"])),
+            ("--microbatches", v(&["--microbatches", "1"])),
+            ("--gpu", v(&["--gpu", "a100-40g"])),
+            ("--cluster", v(&["--cluster", &cluster])),
+            ("--zero", v(&["--zero", "1"])),
+            ("--schedule", v(&["--schedule", "zb-h1"])),
+            ("--recompute", v(&["--recompute", "full"])),
+            ("--sequence-parallel", v(&["--sequence-parallel", "true"])),
+        ],
+    ));
+    // What a run shows: its status, what it printed, and the file it wrote.
+    let result = |command: &str, args: &[String]| -> (bool, String) {
+        let _ = std::fs::remove_file(&out_file);
+        let out = shardc(&[&[command][..], &args.iter().map(String::as_str).collect::<Vec<_>>()].concat());
+        // Without the seconds the search and comm-opt took.
+        let file = match std::fs::read_to_string(&out_file).ok().and_then(|f| serde_json::from_str::<serde_json::Value>(&f).ok()) {
+            Some(mut plan) => {
+                if let Some(c) = plan.pointer_mut("/summary/comm_opt").and_then(|c| c.as_object_mut()) {
+                    c.remove("seconds");
+                }
+                plan.to_string()
+            }
+            None => String::new(),
+        };
+        let text = stdout(&out);
+        let untimed = |l: &str| -> String {
+            if l.starts_with("shardc plan:") {
+                return l.rsplit_once(", ").map_or(l, |(a, _)| a).to_string();
+            }
+            // A number of milliseconds (comm-opt's own time among them) says nothing here.
+            let words: Vec<&str> = l.split(' ').collect();
+            words.iter().enumerate().filter(|(i, w)| !(w.parse::<f64>().is_ok() && words.get(i + 1).is_some_and(|n| n.starts_with("ms")))).map(|(_, w)| *w).collect::<Vec<_>>().join(" ")
+        };
+        let printed = text.lines().map(untimed).collect::<Vec<_>>().join("\n");
+        (out.status.success(), format!("{printed}{}{file}", if out.status.success() { String::new() } else { stderr(&out) }))
+    };
+    for command in ["compile", "explain", "plan"] {
+        let tried: std::collections::BTreeSet<&str> = cases.iter().filter(|c| c.0 == command).flat_map(|c| c.2.iter().map(|(o, _)| *o)).collect();
+        let accepted = long_options(command);
+        assert_eq!(accepted.iter().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), tried, "`{command}`'s options and the options tried differ");
+    }
+    for (command, base, options) in &cases {
+        let (ok, before) = result(command, base);
+        assert!(ok, "{command} {base:?}: {}", &before[..before.len().min(2000)]);
+        assert!(result(command, base).1 == before, "{command} {base:?} prints something else each time");
+        for (option, extra) in options {
+            if extra.is_empty() {
+                assert!(std::fs::metadata(&out_file).is_ok(), "{command} {option}: nothing written");
+                continue;
+            }
+            let (ok, after) = result(command, &[base.clone(), extra.clone()].concat());
+            if let Some(path) = extra.iter().find(|a| a.starts_with(dir.to_str().unwrap()) && !a.ends_with(".toml")) {
+                assert!(ok && std::fs::metadata(path).is_ok(), "{command} {option}: {path} not written: {}", &after[..after.len().min(2000)]);
+                continue;
+            }
+            if ok {
+                assert!(before != after, "{command} {base:?}: {option} {extra:?} changes nothing");
+            } else {
+                assert!(unwrapped(&after).contains(option), "{command} {base:?} {extra:?}: refused without naming {option}: {}", &after[..after.len().min(2000)]);
+            }
+        }
+    }
+    // Options of the training step that plan does not take are refused, not ignored.
+    for option in ["--lr", "--optimizer", "--no-comm-opt", "--grad-bucket-mb", "--stages", "--virtual-stages"] {
+        let out = shardc(&["plan", "models/tiny.toml", "--gpus", "4", option, "1"]);
+        assert!(!out.status.success() && stderr(&out).contains(&format!("unexpected argument '{option}'")), "plan {option}: {}", stderr(&out));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `run --help` states the optimizer's defaults: AdamW's betas, epsilon and weight decay
