@@ -146,9 +146,9 @@ enum Command {
         /// gpipe, 1f1b, interleaved or zb-h1.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
-        /// Model chunks per rank (interleaved).
-        #[arg(long, default_value_t = 2)]
-        virtual_stages: usize,
+        /// Model chunks per rank for the interleaved schedule (default 2).
+        #[arg(long)]
+        virtual_stages: Option<usize>,
         /// Write the timeline as SVG.
         #[arg(long, value_name = "FILE")]
         svg: Option<PathBuf>,
@@ -436,9 +436,15 @@ fn explain_records(program: &shardc_runtime::Program, records: &[shardc_runtime:
 }
 
 /// `shardc schedule`: a pipeline schedule, simulated with unit costs.
-fn pipeline_schedule(pp: usize, microbatches: usize, kind: &str, chunks: usize, svg: Option<&Path>, trace: Option<&Path>) -> Result<()> {
+fn pipeline_schedule(pp: usize, microbatches: usize, kind: &str, virtual_stages: Option<usize>, svg: Option<&Path>, trace: Option<&Path>) -> Result<()> {
     use shardc_runtime::schedule::{generate, simulate, Costs, Kind};
+    let name = kind;
     let kind = Kind::parse(kind).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{kind}`"))?;
+    let chunks = match (kind, virtual_stages) {
+        (Kind::Interleaved, v) => v.unwrap_or(2),
+        (_, None) => 1,
+        (_, Some(v)) => return Err(miette!(help = "add --schedule interleaved, or leave --virtual-stages out", "--virtual-stages {v} splits ranks into chunks for the interleaved schedule, and the schedule is {name}")),
+    };
     if chunks == 0 {
         return Err(miette!(help = "use 1 (no interleaving) or more", "--virtual-stages 0: a rank holds at least one model chunk"));
     }

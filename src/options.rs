@@ -208,6 +208,12 @@ impl StepArgs {
         if self.strategy.zero > 3 {
             return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.strategy.zero));
         }
+        if self.strategy.sequence_parallel && mesh.tp == 1 {
+            return Err(miette!(help = "add tensor parallelism (--mesh tp=2 or more), or leave --sequence-parallel out", "--sequence-parallel splits the sequence over the tensor-parallel ranks, and --mesh {mesh} has one (tp=1)"));
+        }
+        if self.strategy.naive_partition && mesh.tp == 1 {
+            return Err(miette!(help = "add tensor parallelism (--mesh tp=2 or more), or leave --naive-partition out", "--naive-partition changes how the tensor-parallel ranks split the layers, and --mesh {mesh} has one (tp=1)"));
+        }
         let schedule = self.lr_schedule()?;
         if !(self.training.clip_grad.is_finite() && self.training.clip_grad >= 0.0) {
             return Err(miette!(help = "Megatron-LM's default is 1.0; 0 turns clipping off", "--clip-grad must be a finite number >= 0, got {}", self.training.clip_grad));

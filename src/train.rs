@@ -132,13 +132,13 @@ fn check_backend(backend: &str) -> Result<()> {
     match backend {
         "cpu" => Ok(()),
         #[cfg(not(feature = "cuda"))]
-        "cuda" => Err(miette!("the CUDA backend is not built into this shardc: rebuild with `--features cuda` (no CUDA toolkit is needed to build)")),
+        "cuda" => Err(miette!("--backend cuda: the CUDA backend is not built into this shardc: rebuild with `--features cuda` (no CUDA toolkit is needed to build)")),
         // Fails before any compiling when there is no GPU, driver or CUDA library.
         #[cfg(feature = "cuda")]
         "cuda" if emulating_the_gpu() => Ok(()),
         #[cfg(feature = "cuda")]
-        "cuda" => shardc_runtime::cuda::check_available().map_err(|e| miette!("{e}")),
-        other => Err(miette!(help = "use --backend cpu or --backend cuda", "unknown backend `{other}`")),
+        "cuda" => shardc_runtime::cuda::check_available().map_err(|e| miette!("--backend cuda: {e}")),
+        other => Err(miette!(help = "use --backend cpu or --backend cuda", "--backend: unknown backend `{other}`")),
     }
 }
 
@@ -179,12 +179,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return Err(crate::report::mesh_report(problems));
     }
     // With the GPU named, a run that would not fit its memory is refused before any work.
-    if args.step.hardware_given() {
-        let cluster = args.step.cluster_model()?;
-        if let Some(estimate) = crate::fit::memory_estimate(&spec, &args.step, mesh)? {
-            crate::fit::refuse_if_too_big(&spec, &args.step, mesh, &estimate, &cluster.gpu.name, cluster.gpu.memory_bytes)?;
+    let fits = match args.step.hardware_given() {
+        true => {
+            let cluster = args.step.cluster_model()?;
+            match crate::fit::memory_estimate(&spec, &args.step, mesh)? {
+                Some(estimate) => {
+                    crate::fit::refuse_if_too_big(&spec, &args.step, mesh, &estimate, &cluster.gpu.name, cluster.gpu.memory_bytes)?;
+                    Some(format!("  memory/GPU  {} estimated per GPU at the busiest rank; fits in {}'s {}", crate::summary::bytes(estimate.total as u64), cluster.gpu.name, crate::summary::bytes(cluster.gpu.memory_bytes as u64)))
+                }
+                None => None,
+            }
         }
-    }
+        false => None,
+    };
     refuse_load_with_resume(args)?;
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
@@ -200,16 +207,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
+        if let Some(fits) = &fits {
+            println!("{fits}");
+        }
         return run_cuda(args, &spec, mesh);
     }
     if args.step.compile_options(&spec, mesh)?.pipeline.is_some() {
-        return run_pipelined(args, &spec, mesh);
+        return run_pipelined(args, &spec, mesh, fits.as_deref());
     }
     if args.trace.is_some() {
         return Err(miette!(help = "trace a pipeline: add --mesh pp=N, or --microbatches M with M > 1", "--trace writes a pipeline schedule's measured timeline, and this run has one micro-batch and no pipeline stages"));
     }
     if mesh.ranks() > 1 {
-        return run_partitioned(args, &spec, mesh);
+        return run_partitioned(args, &spec, mesh, fits.as_deref());
     }
     let program = compile_train_step(&spec, &args.step)?;
     crate::host::refuse_if_over_memory(std::slice::from_ref(&program), data_bytes(args))?;
@@ -237,6 +247,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         crate::summary::bytes(peak as u64)
     );
     print_data(&corpus, evaluation.as_ref());
+    print_program(args, std::slice::from_ref(&program), mesh, fits.as_deref())?;
     let bar = ProgressBar::new(to_run);
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").into_diagnostic()?);
     let start = Instant::now();
@@ -709,7 +720,41 @@ impl Checkpoints {
     }
 }
 
-fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+/// The compiled step a run executes, in a line: its instructions and collectives (gradient
+/// buckets counted as the one collective each is), and how ranks talk and are checked.
+fn print_program(args: &RunArgs, programs: &[Program], mesh: shardc_ir::mesh::Mesh, fits: Option<&str>) -> Result<()> {
+    let instructions = programs.iter().map(|p| p.instrs.len()).max().unwrap_or(0);
+    let (mut collectives, mut buckets) = (0, std::collections::BTreeSet::new());
+    for (rank, program) in programs.iter().enumerate() {
+        for instr in program.instrs.iter().filter(|i| i.op.starts_with("shard.")) {
+            match instr.int("xf.bucket") {
+                Ok(bucket) => {
+                    if buckets.insert((rank, bucket)) {
+                        collectives += 1;
+                    }
+                }
+                Err(_) => collectives += 1,
+            }
+        }
+    }
+    let mut line = format!("  program     {instructions} instructions per rank, {collectives} collectives and transfers");
+    if !buckets.is_empty() {
+        line += &format!(" ({} gradient bucket{})", buckets.len(), if buckets.len() == 1 { "" } else { "s" });
+    }
+    if mesh.ranks() > 1 {
+        line += &format!("; {} collectives, {} s timeout", collective_algorithm(&args.collectives).map(|a| if a == shardc_runtime::collectives::Algorithm::Ring { "ring" } else { "tree" })?, args.timeout);
+    }
+    if args.check_numerics {
+        line += "; every op's results checked for NaN and infinity";
+    }
+    println!("{line}");
+    if let Some(fits) = fits {
+        println!("{fits}");
+    }
+    Ok(())
+}
+
+fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fits: Option<&str>) -> Result<()> {
     let program = compile_train_step_on(spec, &args.step, mesh)?;
     crate::host::refuse_if_over_memory(std::slice::from_ref(&program), data_bytes(args))?;
     let mut corpus = training_corpus(args, spec)?;
@@ -728,6 +773,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> 
     let (mut state, seed) = checkpoints.resume(args, std::slice::from_ref(&program), &mut corpus)?;
     let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
     print_data(&corpus, evaluation.as_ref());
+    print_program(args, std::slice::from_ref(&program), mesh, fits)?;
     let rows = args.step.batch(spec, mesh)?.global_batch as usize;
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let to_run = steps_to_run(args, first_step)?;
@@ -900,7 +946,7 @@ fn collective_algorithm(name: &str) -> Result<shardc_runtime::collectives::Algor
 }
 
 /// `shardc run` with pipeline stages or several micro-batches per step.
-fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fits: Option<&str>) -> Result<()> {
     let programs = compile_pipeline_programs(spec, &args.step, mesh)?;
     crate::host::refuse_if_over_memory(&programs, data_bytes(args))?;
     let schedule = shardc_runtime::pipeline::schedule_of(&programs).into_diagnostic()?;
@@ -924,6 +970,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Re
     let (mut state, seed) = checkpoints.resume(args, &programs, &mut corpus)?;
     let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
     print_data(&corpus, evaluation.as_ref());
+    print_program(args, &programs, mesh, fits)?;
     let rows = args.step.batch(spec, mesh)?.global_batch as usize;
     let first_step = state.as_ref().map_or(0, |s| s.step);
     let to_run = steps_to_run(args, first_step)?;

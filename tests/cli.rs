@@ -283,6 +283,31 @@ fn help_explains_each_command_with_an_example() {
     assert!(text.contains("--dump-dir"), "{text}");
 }
 
+/// `bench` times pipelines and meshes whose step has several micro-batches (both failed with
+/// "the pipeline produced no @train_step"), says how many it timed, and refuses what it
+/// cannot time; `calibrate` refuses the batch options it does not use and a GPU named for
+/// the CPU backend.
+#[test]
+fn bench_and_calibrate_use_or_refuse_their_options() {
+    for (mesh, extra, says) in [("dp=2", vec![], "1 micro-batches"), ("pp=2", vec![], "4 micro-batches"), ("dp=2", vec!["--microbatches", "2"], "2 micro-batches"), ("dp=1", vec!["--global-batch", "4"], "2 micro-batches")] {
+        let out = shardc(&[&["bench", "models/tiny.toml", "--steps", "1", "--mesh", mesh][..], &extra].concat());
+        assert!(out.status.success() && stdout(&out).contains(says), "bench --mesh {mesh} {extra:?}: {}{}", stdout(&out), stderr(&out));
+    }
+    for (args, says) in [
+        (vec!["bench", "models/tiny.toml", "--mesh", "pp=2", "--profile"], "--profile"),
+        (vec!["bench", "models/tiny.toml", "--mesh", "dp=2", "--torch", "python3"], "--torch"),
+        (vec!["bench", "models/tiny.toml", "--microbatches", "2", "--torch", "python3"], "--torch"),
+        (vec!["bench", "models/tiny.toml", "--sequence-parallel"], "--sequence-parallel"),
+        (vec!["calibrate", "models/tiny.toml", "--quick", "--global-batch", "8"], "--global-batch"),
+        (vec!["calibrate", "models/tiny.toml", "--quick", "--microbatches", "2"], "--microbatches"),
+        (vec!["calibrate", "models/tiny.toml", "--quick", "--gpu", "h100-sxm"], "--gpu"),
+        (vec!["calibrate", "models/tiny.toml", "--quick", "--lr", "1"], "unexpected argument '--lr'"),
+    ] {
+        let out = shardc(&args);
+        assert!(!out.status.success() && unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
+    }
+}
+
 /// The long options `shardc COMMAND --help` lists.
 fn long_options(command: &str) -> Vec<String> {
     let help = stdout(&shardc(&[command, "--help"]));
@@ -300,14 +325,15 @@ fn long_options(command: &str) -> Vec<String> {
     options
 }
 
-/// Every option `compile`, `explain` and `plan` accept changes what they print or write, or
-/// is refused by name: none is accepted and ignored (`plan` once took --lr, --zero and
+/// Every option of every command but the two that time things (`bench` and `calibrate`, whose
+/// options are `run`'s groups and are tried there) changes what it prints or writes, or is
+/// refused by name: none is accepted and ignored (`plan` once took --lr, --zero and
 /// --schedule and did nothing with them; `--virtual-stages` without the interleaved schedule
 /// and `--lr-decay` without decay steps were dropped). Each option is tried against a base
 /// command where it can matter (a mesh with dp and tp, or pipeline stages on a four-layer
 /// model); a new option without an entry here fails the test.
 #[test]
-fn every_option_of_compile_explain_and_plan_changes_the_result_or_is_refused() {
+fn every_option_changes_the_result_or_is_refused() {
     let dir = tempdir("every-option");
     let spec4 = dir.join("tiny4.toml");
     std::fs::write(&spec4, std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("layers = 2", "layers = 4")).unwrap();
@@ -356,10 +382,12 @@ fn every_option_of_compile_explain_and_plan_changes_the_result_or_is_refused() {
     ]);
     let one_microbatch = ["models/tiny.toml", "--mesh", "dp=2,tp=2", "--global-batch", "4"];
     let pipelined = [spec4.as_str(), "--mesh", "pp=2", "--microbatches", "4"];
-    cases.push(("compile", v(&[&one_microbatch[..], &["-o", &out_arg]].concat()), compile));
+    cases.push(("compile", v(&[&one_microbatch[..], &["-o", &out_arg]].concat()), compile.clone()));
     cases.push(("compile", v(&["models/tiny.toml", "--mesh", "dp=2", "-o", &out_arg]), batch_options.clone()));
     cases.push(("compile", v(&["models/tiny.toml", "-o", &out_arg]), vec![("--mesh", v(&["--mesh", "tp=2"])), ("--dump-dir", v(&["--dump-dir", &written("dump")])), ("--output", v(&[]))]));
     cases.push(("compile", v(&[&pipelined[..], &["-o", &out_arg]].concat()), pipeline_options.clone()));
+    let (batch_options_run, pipeline_options_run) = (batch_options.clone(), pipeline_options.clone());
+    let pipelined_run = [spec4.as_str(), "--steps", "1", "--mesh", "pp=2", "--microbatches", "4"];
     cases.push(("explain", v(&one_microbatch), strategy_options));
     cases.push(("explain", v(&["models/tiny.toml", "--mesh", "dp=2"]), batch_options));
     cases.push(("explain", v(&pipelined), pipeline_options));
@@ -388,6 +416,87 @@ fn every_option_of_compile_explain_and_plan_changes_the_result_or_is_refused() {
             ("--sequence-parallel", v(&["--sequence-parallel", "true"])),
         ],
     ));
+    // `run`: the losses, and the lines that say what the run does.
+    let data = dir.join("data.txt");
+    std::fs::write(&data, "In the beginning God created the heaven and the earth. ".repeat(40)).unwrap();
+    let data = data.to_str().unwrap().to_string();
+    let (saved, checkpoint) = (written("saved.safetensors"), written("ckpt"));
+    let run = |args: &[&str]| v(&[&["--log-every", "1"][..], args].concat());
+    // Four steps: a schedule's shape shows from the third loss on.
+    let dp2 = ["models/tiny.toml", "--steps", "4", "--mesh", "dp=2", "--global-batch", "4"];
+    let mut on_dp2 = vec![
+        ("--steps", v(&["--steps", "3"])),
+        ("--seed", v(&["--seed", "1"])),
+        ("--save", v(&["--save", &saved])),
+        ("--load", v(&["--load", &saved])),
+        ("--log-every", v(&["--log-every", "2"])),
+        ("--backend", v(&["--backend", "cuda"])),
+        ("--collectives", v(&["--collectives", "tree"])),
+        ("--timeout", v(&["--timeout", "5"])),
+        ("--check-numerics", v(&["--check-numerics"])),
+        ("--trace", v(&["--trace", &written("trace.json")])),
+        ("--checkpoint", v(&["--checkpoint", &checkpoint])),
+        ("--save-hf", v(&["--save-hf", &written("hf-out")])),
+    ];
+    // The Hugging Face test models have 64 ids: they train on ids below 64.
+    let ids = dir.join("ids.bin");
+    std::fs::write(&ids, (0..4096u16).flat_map(|i| (i * 7 % 64).to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let ids = ids.to_str().unwrap().to_string();
+    // (Tensor parallelism's options are tried on tp=2 below.)
+    on_dp2.extend(compile.iter().filter(|(o, _)| !o.starts_with("--print-ir") && !["--target", "--hf", "--sequence-parallel", "--naive-partition", "--no-comm-opt"].contains(o)).cloned());
+    on_dp2.push(("--hf", v(&["--hf", "tests/data/hf-tiny-llama", "--data", &ids, "--data-format", "u16"])));
+    cases.push(("run", run(&dp2), on_dp2));
+    cases.push(("run", run(&["models/tiny.toml", "--steps", "5", "--mesh", "dp=2", "--global-batch", "4"]), vec![("--resume", v(&["--resume", &checkpoint]))]));
+    cases.push(("run", run(&["models/tiny.toml", "--steps", "5", "--mesh", "dp=2", "--global-batch", "4", "--resume", &checkpoint, "--lr", "0.001"]), vec![("--override-schedule", v(&["--override-schedule"]))]));
+    cases.push(("run", run(&["models/tiny.toml", "--steps", "2", "--checkpoint", &written("ckpt2")]), vec![("--checkpoint-every", v(&["--checkpoint-every", "1"]))]));
+    cases.push(("run", run(&["models/tiny.toml", "--steps", "1", "--mesh", "tp=2", "--global-batch", "2"]), vec![("--sequence-parallel", v(&["--sequence-parallel"])), ("--naive-partition", v(&["--naive-partition"])), ("--no-comm-opt", v(&["--no-comm-opt"]))]));
+    cases.push(("run", run(&["models/tiny.toml", "--steps", "1", "--mesh", "dp=2"]), batch_options_run.clone()));
+    cases.push(("run", run(&["models/tiny.toml", "--steps", "1"]), vec![("--mesh", v(&["--mesh", "dp=2"]))]));
+    let mut on_pipeline = pipeline_options_run.clone();
+    on_pipeline.push(("--trace", v(&["--trace", &written("pipeline-trace.json")])));
+    cases.push(("run", run(&pipelined_run), on_pipeline));
+    cases.push((
+        "run",
+        run(&["models/tiny.toml", "--steps", "1", "--data", &data]),
+        vec![
+            ("--tokenizer", v(&["--tokenizer", &data])),
+            ("--eval-fraction", v(&["--eval-fraction", "0.5"])),
+            ("--eval-every", v(&["--eval-every", "1"])),
+            ("--eval-windows", v(&["--eval-windows", "1", "--eval-every", "1"])),
+        ],
+    ));
+    // Token ids in a `.bin` (read as nanoGPT's uint16), or its bytes read as text.
+    cases.push(("run", run(&["models/tiny.toml", "--steps", "1", "--data", &ids]), vec![("--data", v(&["--data", "data/kjv-genesis-exodus.txt"])), ("--data-format", v(&["--data-format", "text"]))]));
+    // The other commands' options.
+    let plan_file = written("plan.json");
+    assert!(shardc(&["compile", "models/tiny.toml", "-o", &plan_file]).status.success());
+    cases.push(("ir", v(&["models/tiny.toml"]), vec![("--generic", v(&["--generic"])), ("--no-locations", v(&["--no-locations"]))]));
+    cases.push((
+        "schedule",
+        v(&["--pp", "4", "--microbatches", "8"]),
+        vec![
+            ("--pp", v(&["--pp", "2"])),
+            ("--microbatches", v(&["--microbatches", "4"])),
+            ("--schedule", v(&["--schedule", "gpipe"])),
+            ("--virtual-stages", v(&["--virtual-stages", "4"])),
+            ("--svg", v(&["--svg", &written("schedule.svg")])),
+            ("--trace", v(&["--trace", &written("schedule.json")])),
+        ],
+    ));
+    cases.push(("schedule", v(&["--pp", "4", "--microbatches", "8", "--schedule", "interleaved"]), vec![("--virtual-stages", v(&["--virtual-stages", "4"]))]));
+    cases.push((
+        "logits",
+        v(&["--hf", "tests/data/hf-tiny-llama", "--tokens", "1,2,3"]),
+        vec![
+            ("--tokens", v(&["--tokens", "1,2"])),
+            ("--mesh", v(&["--mesh", "tp=2"])),
+            ("--output", v(&["-o", &written("logits.json")])),
+            ("--hf", v(&["--hf", "tests/data/hf-tiny-gpt2"])),
+            ("--dtype", v(&["--dtype", "bf16"])),
+        ],
+    ));
+    cases.push(("inspect", v(&[&plan_file]), vec![("--instrs", v(&["--instrs"]))]));
+    cases.push(("dialect", v(&[]), vec![("--check", v(&["--check", "ir/dialect/xf.irdl.mlir"]))]));
     // What a run shows: its status, what it printed, and the file it wrote.
     let result = |command: &str, args: &[String]| -> (bool, String) {
         let _ = std::fs::remove_file(&out_file);
@@ -411,17 +520,20 @@ fn every_option_of_compile_explain_and_plan_changes_the_result_or_is_refused() {
             let words: Vec<&str> = l.split(' ').collect();
             words.iter().enumerate().filter(|(i, w)| !(w.parse::<f64>().is_ok() && words.get(i + 1).is_some_and(|n| n.starts_with("ms")))).map(|(_, w)| *w).collect::<Vec<_>>().join(" ")
         };
-        let printed = text.lines().map(untimed).collect::<Vec<_>>().join("\n");
+        // A run's measured time and bubble change from run to run.
+        let printed = text.lines().filter(|l| !l.starts_with("  time ") && !l.starts_with("  pipeline    measured")).map(untimed).collect::<Vec<_>>().join("\n");
         (out.status.success(), format!("{printed}{}{file}", if out.status.success() { String::new() } else { stderr(&out) }))
     };
-    for command in ["compile", "explain", "plan"] {
+    for command in ["compile", "explain", "plan", "run", "ir", "schedule", "logits", "inspect", "dialect", "ops"] {
         let tried: std::collections::BTreeSet<&str> = cases.iter().filter(|c| c.0 == command).flat_map(|c| c.2.iter().map(|(o, _)| *o)).collect();
         let accepted = long_options(command);
         assert_eq!(accepted.iter().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), tried, "`{command}`'s options and the options tried differ");
     }
     for (command, base, options) in &cases {
         let (ok, before) = result(command, base);
-        assert!(ok, "{command} {base:?}: {}", &before[..before.len().min(2000)]);
+        // A resume with another learning rate is refused until --override-schedule.
+        let needs_the_option = options.iter().any(|(o, _)| *o == "--override-schedule");
+        assert!(ok != needs_the_option, "{command} {base:?}: {}", &before[..before.len().min(2000)]);
         assert!(result(command, base).1 == before, "{command} {base:?} prints something else each time");
         for (option, extra) in options {
             if extra.is_empty() {
@@ -430,7 +542,11 @@ fn every_option_of_compile_explain_and_plan_changes_the_result_or_is_refused() {
             }
             let (ok, after) = result(command, &[base.clone(), extra.clone()].concat());
             if let Some(path) = extra.iter().find(|a| a.starts_with(dir.to_str().unwrap()) && !a.ends_with(".toml")) {
-                assert!(ok && std::fs::metadata(path).is_ok(), "{command} {option}: {path} not written: {}", &after[..after.len().min(2000)]);
+                if ok {
+                    assert!(std::fs::metadata(path).is_ok(), "{command} {option}: {path} not written: {}", &after[..after.len().min(2000)]);
+                } else {
+                    assert!(unwrapped(&after).contains(option), "{command} {base:?} {extra:?}: refused without naming {option}: {}", &after[..after.len().min(2000)]);
+                }
                 continue;
             }
             if ok {
