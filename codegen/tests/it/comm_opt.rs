@@ -69,19 +69,43 @@ fn values(per_rank: bool) -> impl Fn(usize, &str, usize) -> Vec<f64> + Sync {
     move |rank, name, len| randn(if per_rank && ["x", "y", "dy"].contains(&name) { rank as u64 + 1 } else { 0 }, name, len, 1.0)
 }
 
-/// Builds both sides with `build(side)`, runs them on `grid`, checks every rank's results
-/// agree, and that the optimizer's e-graph applies `rule` to the left side.
-fn check_rule(rule: &str, grid: &[i64], per_rank: bool, build: impl Fn(bool) -> Func) {
-    let (lhs, rhs) = (build(false), build(true));
-    let (a, b) = (run(&lhs, grid, &values(per_rank)), run(&rhs, grid, &values(per_rank)));
-    for (rank, (x, y)) in a.iter().zip(&b).enumerate() {
+/// Checks every rank's results of two runs agree.
+fn assert_same(what: &str, a: &[Vec<Vec<f64>>], b: &[Vec<Vec<f64>>]) {
+    assert_eq!(a.len(), b.len(), "{what}: ranks");
+    for (rank, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.len(), y.len(), "{what}: results");
         for (k, (x, y)) in x.iter().zip(y).enumerate() {
+            assert_eq!(x.len(), y.len(), "{what}: rank {rank} result {k}'s length");
             let err = x.iter().zip(y).fold(0f64, |m, (p, q)| m.max((p - q).abs()));
-            assert!(err < 1e-12, "{rule}: rank {rank} result {k} differs by {err:e}");
+            assert!(err < 1e-12, "{what}: rank {rank} result {k} differs by {err:e}");
         }
     }
-    let (_, report) = optimize_communication(&lhs, grid, "mesh", &CommOpt::default()).unwrap();
+}
+
+/// Runs comm-opt on `func` and checks that what it returns computes what `func` does on
+/// every rank of `grid`; its report.
+fn optimized_agrees(what: &str, func: &Func, grid: &[i64], per_rank: bool) -> shardc_passes::CommOptReport {
+    let (optimized, report) = optimize_communication(func, grid, "mesh", &CommOpt::default()).unwrap();
+    assert!(shardc_ir::verify::verify_func(&optimized).is_empty(), "{what}: comm-opt's output does not verify");
+    assert_same(&format!("{what}: comm-opt's output"), &run(func, grid, &values(per_rank)), &run(&optimized, grid, &values(per_rank)));
+    report
+}
+
+/// Builds both sides with `build(side)`, runs them on `grid`, checks every rank's results
+/// agree, that the optimizer's e-graph applies `rule` to the left side, and that the program
+/// comm-opt extracts from the left side computes what it does.
+fn check_rule(rule: &str, grid: &[i64], per_rank: bool, build: impl Fn(bool) -> Func) {
+    let (lhs, rhs) = (build(false), build(true));
+    assert_same(rule, &run(&lhs, grid, &values(per_rank)), &run(&rhs, grid, &values(per_rank)));
+    let report = optimized_agrees(rule, &lhs, grid, per_rank);
     assert!(report.rules.contains_key(rule), "{rule} did not fire: {:?}", report.rules);
+}
+
+/// `func` fails `rule`'s precondition: the rule does not fire, and comm-opt's output still
+/// computes what `func` does.
+fn check_rule_does_not_fire(rule: &str, why: &str, grid: &[i64], per_rank: bool, func: Func) {
+    let report = optimized_agrees(&format!("{rule} ({why})"), &func, grid, per_rank);
+    assert!(!report.rules.contains_key(rule), "{rule} fired where {why}: {:?}", report.rules);
 }
 
 fn input(fb: &mut FuncBuilder, name: &str, shape: &[i64]) -> Value {
@@ -278,6 +302,78 @@ fn broadcasts_of_replicated_values_vanish_and_small_all_reduces_share_a_message(
         };
         finish(fb, &outs)
     });
+}
+
+/// Each rule beside a program that fails its precondition by one thing: the rule does not
+/// fire there, and comm-opt's output still computes what the program does on every rank.
+#[test]
+fn rules_do_not_fire_where_their_preconditions_fail() {
+    let gelu = |fb: &mut FuncBuilder, v: Value| op(fb, "xf.gelu", &[v], Attrs::new())[0];
+    // A slice over other grid axes than the gather's.
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[2, 3]);
+    let g = coll(&mut fb, "shard.all_gather", x, &[1], Some(1), &[2, 6]);
+    let s = coll(&mut fb, "shard.all_slice", g, &[0], Some(1), &[2, 3]);
+    let y = gelu(&mut fb, s);
+    check_rule_does_not_fire("slice-of-gather", "the slice is over other axes", &[2, 2, 1], true, finish(fb, &[y]));
+    // A gather of a slice of a value that differs across the group.
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[8, 4]);
+    let sharded = coll(&mut fb, "shard.all_slice", x, &[1], Some(1), &[8, 1]);
+    let s = coll(&mut fb, "shard.all_slice", sharded, &[1], Some(0), &[2, 1]);
+    let g = coll(&mut fb, "shard.all_gather", s, &[1], Some(0), &[8, 1]);
+    let y = gelu(&mut fb, g);
+    check_rule_does_not_fire("gather-of-slice", "the sliced value is not replicated", &[1, 4, 1], true, finish(fb, &[y]));
+    // An all-reduce no reader could take in shards (it is only returned).
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[2, 4, 3]);
+    let r = coll(&mut fb, "shard.all_reduce", x, &[1], None, &[2, 4, 3]);
+    check_rule_does_not_fire("split-all-reduce", "no reader runs on shards", &[1, 2, 1], true, finish(fb, &[r]));
+    // A reduce-scatter gathered along another dimension.
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[4, 4]);
+    let r = coll(&mut fb, "shard.reduce_scatter", x, &[1], Some(0), &[2, 4]);
+    let g = coll(&mut fb, "shard.all_gather", r, &[1], Some(1), &[2, 8]);
+    check_rule_does_not_fire("join-all-reduce", "the gather is along another dimension", &[1, 2, 1], true, finish(fb, &[g]));
+    // A norm over the gathered dimension cannot run on its shards.
+    let eps = Attrs::new().with("epsilon", AttrValue::Float(1e-5));
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[2, 4, 4]);
+    let (gamma, beta) = (fb.arg("gamma", ty(&[8]), ArgRole::Param), fb.arg("beta", ty(&[8]), ArgRole::Param));
+    let full = coll(&mut fb, "shard.all_gather", x, &[1], Some(2), &[2, 4, 8]);
+    let n = op(&mut fb, "xf.layernorm", &[full, gamma, beta], eps)[0];
+    check_rule_does_not_fire("commute-gather", "the norm reads the whole gathered dimension", &[1, 2, 1], true, finish(fb, &[n]));
+    // Sums of all-reduces over other axes.
+    let mut fb = FuncBuilder::new("f");
+    let (x, y) = (input(&mut fb, "x", &[4, 3]), input(&mut fb, "y", &[4, 3]));
+    let (a, b) = (coll(&mut fb, "shard.all_reduce", x, &[0], None, &[4, 3]), coll(&mut fb, "shard.all_reduce", y, &[1], None, &[4, 3]));
+    let sum = op(&mut fb, "xf.add", &[a, b], Attrs::new())[0];
+    check_rule_does_not_fire("sum-of-all-reduces", "the all-reduces are over other axes", &[2, 2, 1], true, finish(fb, &[sum]));
+    // Nested all-reduces over the same axis (the outer sums copies of one sum).
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[4, 3]);
+    let a = coll(&mut fb, "shard.all_reduce", x, &[1], None, &[4, 3]);
+    let b = coll(&mut fb, "shard.all_reduce", a, &[1], None, &[4, 3]);
+    check_rule_does_not_fire("merge-axes", "the axes are not disjoint", &[2, 2, 1], true, finish(fb, &[b]));
+    // An all-reduce over an axis of two ranks.
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[4, 3]);
+    let r = coll(&mut fb, "shard.all_reduce", x, &[0], None, &[4, 3]);
+    let y = gelu(&mut fb, r);
+    check_rule_does_not_fire("size-one-axis", "the axis has two ranks", &[2, 1, 1], true, finish(fb, &[y]));
+    // A broadcast of a value that differs across the group.
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[8, 3]);
+    let sharded = coll(&mut fb, "shard.all_slice", x, &[1], Some(0), &[2, 3]);
+    let attrs = Attrs::new().with("grid", AttrValue::Raw("@mesh".into())).with("grid_axes", AttrValue::Raw("array<i16: 1>".into())).with("root", AttrValue::Raw("array<i64: 2>".into()));
+    let b = fb.op_typed("shard.broadcast", &[sharded], attrs, vec![Type::Tensor(ty(&[2, 3]))], "test")[0];
+    let y = gelu(&mut fb, b);
+    check_rule_does_not_fire("broadcast-of-replicated", "the value differs across the group", &[1, 4, 1], true, finish(fb, &[y]));
+    // Two all-reduces over other axes cannot share a message.
+    let mut fb = FuncBuilder::new("f");
+    let (x, y) = (input(&mut fb, "x", &[4, 3]), input(&mut fb, "y", &[5]));
+    let (a, b) = (coll(&mut fb, "shard.all_reduce", x, &[0], None, &[4, 3]), coll(&mut fb, "shard.all_reduce", y, &[1], None, &[5]));
+    check_rule_does_not_fire("bucket", "the all-reduces are over other axes", &[2, 2, 1], true, finish(fb, &[a, b]));
 }
 
 fn compiled(name: &str, mesh: Mesh, naive: bool, comm_opt: bool, cluster: Cluster) -> (shardc_ir::Module, shardc_ir::spec::Spec) {
