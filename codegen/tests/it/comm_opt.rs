@@ -376,6 +376,27 @@ fn rules_do_not_fire_where_their_preconditions_fail() {
     check_rule_does_not_fire("bucket", "the all-reduces are over other axes", &[2, 2, 1], true, finish(fb, &[a, b]));
 }
 
+/// The replicated-axes analysis assumes an op of equal operands gives equal results; an op
+/// that reads its rank's offset into a split vocabulary does not (the max over a padded
+/// vocabulary's shard masks the classes past the real ones, by the shard's position). So the
+/// broadcast of its result is not dropped as a broadcast of a replicated value, though its
+/// operand is the same on every rank, and every rank ends with the root's value.
+#[test]
+fn rank_dependent_ops_are_never_taken_for_replicated() {
+    let mut fb = FuncBuilder::new("f");
+    let x = input(&mut fb, "x", &[4, 8]);
+    let attrs = Attrs::new().with("xf.classes", AttrValue::Int(12)).with("xf.vocab_split_axes", AttrValue::Raw("array<i16: 1>".into()));
+    let local_max = fb.op_typed("xf.row_max", &[x], attrs, vec![Type::Tensor(ty(&[4]))], "test")[0];
+    let root = Attrs::new().with("grid", AttrValue::Raw("@mesh".into())).with("grid_axes", AttrValue::Raw("array<i16: 1>".into())).with("root", AttrValue::Raw("array<i64: 1>".into()));
+    let b = fb.op_typed("shard.broadcast", &[local_max], root, vec![Type::Tensor(ty(&[4]))], "test")[0];
+    let y = op(&mut fb, "xf.gelu", &[b], Attrs::new())[0];
+    let func = finish(fb, &[y]);
+    // The ranks' maxima differ (rank 0's shard has no padding), and the broadcast makes them one.
+    let before = run(&func, &[1, 2, 1], &values(false));
+    assert_same("the broadcast", &before[..1], &before[1..]);
+    check_rule_does_not_fire("broadcast-of-replicated", "the operand is rank-dependent", &[1, 2, 1], false, func);
+}
+
 fn compiled(name: &str, mesh: Mesh, naive: bool, comm_opt: bool, cluster: Cluster) -> (shardc_ir::Module, shardc_ir::spec::Spec) {
     let mut spec = spec_with_dtype(name, "f32");
     spec.training.micro_batch = 4;
