@@ -26,6 +26,7 @@ pub fn load_weights(dir: &Path, spec: &Spec) -> Result<Tensors> {
     Ok(params)
 }
 
+#[cfg(feature = "cuda")]
 /// A Hugging Face folder's weights as shardc parameters read one at a time, for a process
 /// that keeps only its own shards: the folder's headers and names are checked at once (as
 /// [`load_weights`] checks them), each tensor's values when a parameter asks for it.
@@ -40,6 +41,7 @@ pub struct LazyWeights {
     last: Vec<(String, shardc_runtime::tensor_file::Tensor)>,
 }
 
+#[cfg(feature = "cuda")]
 impl LazyWeights {
     pub fn open(dir: &Path, spec: &Spec) -> Result<LazyWeights> {
         let folder = rhf::HfFolder::open(dir).into_diagnostic()?;

@@ -1,0 +1,263 @@
+//! What a run writes: sharded checkpoints (saved, resumed), `--save`, and the checks that
+//! every output path is writable before any work.
+
+use super::*;
+
+/// Whether two spec values of a manifest and a run are the same: numbers by value (a
+/// manifest rewritten by a JSON tool may write `10000.0` as `10000`), anything else exactly.
+pub(super) fn same_value(a: Option<&serde_json::Value>, b: Option<&serde_json::Value>) -> bool {
+    match (a, b) {
+        (Some(serde_json::Value::Number(x)), Some(serde_json::Value::Number(y))) => x == y || x.as_f64().zip(y.as_f64()).is_some_and(|(x, y)| x == y),
+        _ => a == b,
+    }
+}
+
+/// Checkpoint and resume settings of a run.
+pub(super) struct Checkpoints {
+    pub(super) dir: Option<PathBuf>,
+    pub(super) every: u64,
+    pub(super) spec: serde_json::Value,
+    /// Fault injection (`SHARDC_FAULT_CHECKPOINT=N:R`): the N-th checkpoint of this run kills
+    /// the process after writing rank R's file.
+    pub(super) fault: Option<(usize, usize)>,
+    pub(super) saved: usize,
+    /// This run's hold on `dir` (rank 0's, in a multi-process run).
+    pub(super) _lock: Option<shardc_runtime::checkpoint::FolderLock>,
+    /// Whether this process prints what it saves and resumes (rank 0 of a multi-process
+    /// run, or the one process).
+    pub(super) speaks: bool,
+}
+
+impl Checkpoints {
+    pub(super) fn new(args: &RunArgs, spec: &Spec) -> Result<Checkpoints> {
+        Checkpoints::for_process(args, spec, None)
+    }
+
+    /// The checkpoints of one process of a multi-process run (`process_rank`; `None`: the
+    /// only one): rank 0 holds the folder for the run, and speaks for it.
+    pub(super) fn for_process(args: &RunArgs, spec: &Spec, process_rank: Option<usize>) -> Result<Checkpoints> {
+        let leads = process_rank.is_none_or(|r| r == 0);
+        let fault = match std::env::var("SHARDC_FAULT_CHECKPOINT") {
+            Ok(text) => {
+                let parsed = text.split_once(':').and_then(|(n, r)| Some((n.parse::<usize>().ok()?, r.parse::<usize>().ok()?)));
+                Some(parsed.ok_or_else(|| miette!("SHARDC_FAULT_CHECKPOINT={text}: expected CHECKPOINT:RANK, e.g. 2:1"))?)
+            }
+            Err(_) => None,
+        };
+        if args.checkpoint_every == Some(0) {
+            return Err(miette!(help = "give a positive number of steps", "--checkpoint-every 0"));
+        }
+        let lock = match &args.checkpoint {
+            Some(dir) if leads => Some(shardc_runtime::checkpoint::lock_folder(dir).map_err(|e| miette!("--checkpoint {e}"))?),
+            _ => None,
+        };
+        Ok(Checkpoints { dir: args.checkpoint.clone(), every: args.checkpoint_every.unwrap_or(args.steps.max(1)), spec: serde_json::to_value(&spec.model).into_diagnostic()?, fault, saved: 0, _lock: lock, speaks: leads })
+    }
+
+    /// The run's starting state from `--resume`, checked against this spec and `corpus`
+    /// (which continues from the checkpoint's place in the data order); and its seed.
+    pub(super) fn resume(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<(Option<shardc_runtime::train::TrainState>, u64)> {
+        let Some(dir) = &args.resume else {
+            // `--load FILE` starts from its parameters (global tensors by name).
+            if let Some(path) = &args.load {
+                let bytes = crate::input::read_file("--load", path)?;
+                let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
+                let params = tensors.into_iter().map(|(name, (shape, values))| (name, (shape, values.into_iter().map(f64::from).collect()))).collect();
+                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));
+            }
+            // A Hugging Face model starts from its weights.
+            if let Some(hf) = args.step.hf_dir(args.spec.as_deref()) {
+                let params = crate::hf::load_weights(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
+                if self.speaks {
+                    println!("  weights     {} tensors from {}", params.len(), hf.display());
+                }
+                return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));
+            }
+            return Ok((None, args.seed.unwrap_or(0)));
+        };
+        let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
+        self.check_resume(args, dir, &manifest, programs, corpus)?;
+        Ok((Some(state), manifest.seed))
+    }
+
+    #[cfg(feature = "cuda")]
+    /// `--resume DIR`'s manifest, checked as [`Checkpoints::resume`] checks it, `corpus`
+    /// moved to its place in the data order: what a process of a multi-process run resumes
+    /// from, reading its own shards only.
+    /// Returns the checkpoint folder itself (`LATEST` resolved once, so that every later read
+    /// is of the checkpoint checked here).
+    pub(super) fn resume_manifest(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<Option<PathBuf>> {
+        let Some(dir) = &args.resume else { return Ok(None) };
+        let (folder, manifest) = shardc_runtime::checkpoint::resolve(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
+        self.check_resume(args, dir, &manifest, programs, corpus)?;
+        Ok(Some(folder))
+    }
+
+    /// Refuses to resume `manifest` (of the checkpoint `dir`) with another model, seed,
+    /// optimizer or schedule; moves `corpus` to the checkpoint's place in the data order.
+    pub(super) fn check_resume(&self, args: &RunArgs, dir: &std::path::Path, manifest: &shardc_runtime::checkpoint::Manifest, programs: &[Program], corpus: &mut Corpus) -> Result<()> {
+        // Checkpoints hold real-shaped tensors and, in mixed precision, fp32 masters: the
+        // padding and the precision may change between runs, the model may not.
+        let differing: Vec<String> = match (&manifest.spec, &self.spec) {
+            (serde_json::Value::Object(saved), serde_json::Value::Object(now)) => saved
+                .keys()
+                .chain(now.keys())
+                .filter(|k| !matches!(k.as_str(), "vocab_multiple" | "dtype") && !same_value(saved.get(*k), now.get(*k)))
+                .map(|k| format!("{k} {} (this run: {})", saved.get(k).map_or("unset".into(), |v| v.to_string()), now.get(k).map_or("unset".into(), |v| v.to_string())))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+            (saved, now) if saved != now => vec!["the model".into()],
+            _ => Vec::new(),
+        };
+        if !differing.is_empty() {
+            return Err(miette!(help = "resume with the spec the checkpoint was trained with", "{}: the checkpoint was saved from another model: {}", dir.display(), differing.join(", ")));
+        }
+        // The seed fixes the run's data order, the optimizer its state: both come with the
+        // checkpoint.
+        if let Some(seed) = args.seed.filter(|&s| s != manifest.seed) {
+            return Err(miette!(help = format!("resume without --seed (or with --seed {})", manifest.seed), "--seed {seed}: the checkpoint's run has seed {}, which fixes its data order", manifest.seed));
+        }
+        if args.step.training.optimizer == "sgd" && manifest.tensors.iter().any(|t| t.name.starts_with("opt.") && !t.name.starts_with("opt.master.")) {
+            return Err(miette!(help = "resume with the checkpoint's optimizer (--optimizer adamw)", "--optimizer sgd: {} holds AdamW's moments, which SGD would drop", dir.display()));
+        }
+        // The schedule and clipping continue the checkpoint's (Megatron-LM checks them too).
+        if let (Some(saved), Some(now)) = (&manifest.optimizer, shardc_runtime::checkpoint::OptimizerRecord::of(programs)) {
+            let differing = saved.differences(&now);
+            let rule_changed = saved.update != now.update;
+            if !differing.is_empty() && args.override_schedule && !rule_changed {
+                if self.speaks {
+                    println!("  schedule    overridden (--override-schedule): {}", differing.join(", "));
+                }
+            } else if !differing.is_empty() {
+                let decay = if saved.decay_steps == 0 { "constant" } else if saved.cosine { "cosine" } else { "linear" };
+                return Err(miette!(
+                    help = format!(
+                        "resume with the checkpoint's settings: --optimizer {} --lr {} --min-lr {} --lr-warmup-steps {} --lr-decay {decay}{} --clip-grad {} (or add --override-schedule to train on with this run's)",
+                        saved.update,
+                        saved.lr,
+                        saved.min_lr,
+                        saved.warmup_steps,
+                        if saved.decay_steps > 0 { format!(" --lr-decay-steps {}", saved.decay_steps) } else { String::new() },
+                        saved.clip_grad
+                    ),
+                    "{}: the checkpoint's run trained with other optimizer settings: {}",
+                    dir.display(),
+                    differing.join(", ")
+                ));
+            }
+        }
+        crate::data::resume_data(dir, manifest.data.as_ref(), corpus, manifest.step)?;
+        if self.speaks {
+            println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
+        }
+        Ok(())
+    }
+
+    /// Steps between checkpoints, when the run writes them.
+    pub(super) fn period(&self) -> Option<u64> {
+        self.dir.as_ref().map(|_| self.every.max(1))
+    }
+
+    /// Whether the run checkpoints after iteration `step` of a run ending at `last`: every
+    /// `every` iterations counted from the start of training, and at the end.
+    pub(super) fn due(&self, step: u64, last: u64) -> bool {
+        self.period().is_some_and(|every| step.is_multiple_of(every) || step == last)
+    }
+
+    pub(super) fn save(&mut self, state: &shardc_runtime::train::TrainState, programs: &[Program], seed: u64, data: shardc_runtime::data::DataRecord) -> Result<()> {
+        let Some(dir) = &self.dir else { return Ok(()) };
+        // A finite loss can precede an update that overflowed: a checkpoint must not keep it.
+        if let Some((name, _)) = state.tensors.iter().find(|(_, (_, values))| values.iter().any(|v| !v.is_finite())) {
+            return Err(miette!(
+                help = "lower --lr; the checkpoints already in the folder are from before this step",
+                "`{name}` is not finite after step {}: not checkpointed",
+                state.step
+            ));
+        }
+        self.saved += 1;
+        let abort = self.fault.filter(|(n, _)| *n == self.saved).map(|(_, rank)| rank);
+        let path = shardc_runtime::checkpoint::save_sharded(dir, state, programs, self.spec.clone(), seed, Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        println!("  checkpoint  step {} in {}", state.step, path.display());
+        Ok(())
+    }
+
+    /// One process of a multi-process GPU run checkpoints its own shards from device memory;
+    /// rank 0 commits the checkpoint once every rank's file is written.
+    #[cfg(feature = "cuda")]
+    pub(super) fn save_own_shards(&mut self, trainer: &mut shardc_runtime::cuda::CudaTrainer, data: shardc_runtime::data::DataRecord) -> Result<()> {
+        let Some(dir) = &self.dir else { return Ok(()) };
+        self.saved += 1;
+        let abort = self.fault.is_some_and(|(n, rank)| n == self.saved && trainer.process_rank() == Some(rank));
+        let committed = trainer.checkpoint_own_shards(dir, self.spec.clone(), Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        if let Some(path) = committed {
+            println!("  checkpoint  step {} in {} (each process wrote its own rank file)", trainer.steps_taken(), path.display());
+        }
+        Ok(())
+    }
+}
+
+/// Every place the run will write, checked before training: a wrong or read-only path found
+/// after the last step would lose the run.
+pub(super) fn check_outputs(args: &RunArgs) -> Result<()> {
+    for (flag, dir) in [("--checkpoint", &args.checkpoint), ("--save-hf", &args.save_hf)] {
+        if let Some(dir) = dir {
+            writable_folder(flag, dir)?;
+        }
+    }
+    for (flag, file) in [("--save", &args.save), ("--trace", &args.trace)] {
+        if let Some(file) = file {
+            writable_file(flag, file)?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `file` can be written (its folder created if needed), before the work that
+/// produces it.
+pub(crate) fn writable_file(flag: &str, file: &std::path::Path) -> Result<()> {
+    if file.is_dir() {
+        return Err(miette!(help = "give a file name", "{flag} {}: is a folder", file.display()));
+    }
+    let parent = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    writable_folder(flag, parent)
+}
+
+/// Creates `dir` (and its parents) if needed and proves a file can be written in it.
+pub(super) fn writable_folder(flag: &str, dir: &std::path::Path) -> Result<()> {
+    let fail = |e: std::io::Error| miette!(help = "give a folder this user can write to", "{flag} {}: {e}", dir.display());
+    if dir.exists() && !dir.is_dir() {
+        return Err(miette!(help = "give a folder, not a file", "{flag} {}: is not a folder", dir.display()));
+    }
+    std::fs::create_dir_all(dir).map_err(fail)?;
+    let probe = dir.join(format!(".shardc-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(fail)?;
+    std::fs::remove_file(&probe).map_err(fail)
+}
+
+/// `--load` starts a fresh run from given parameters; `--resume` continues a saved one.
+pub(super) fn refuse_load_with_resume(args: &RunArgs) -> Result<()> {
+    if args.load.is_some() && args.resume.is_some() {
+        return Err(miette!(help = "give one of them: --resume continues a checkpoint with its optimizer state, --load starts fresh from parameters", "--load and --resume both say where to start"));
+    }
+    Ok(())
+}
+
+/// `--save FILE`: the trained parameters as global tensors, whatever the mesh.
+pub(super) fn save_parameters(args: &RunArgs, state: Option<&shardc_runtime::train::TrainState>, programs: &[Program]) -> Result<()> {
+    let (Some(path), Some(state)) = (&args.save, state) else { return Ok(()) };
+    let mut names: Vec<&str> = programs.iter().flat_map(|p| p.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).map(|a| a.name.as_str())).collect();
+    names.sort_unstable();
+    names.dedup();
+    let tensors: shardc_runtime::checkpoint::NamedTensors = names
+        .into_iter()
+        .map(|name| {
+            let (shape, values) = state.parameter(name).ok_or_else(|| miette!("the run's state has no parameter `{name}`"))?;
+            Ok((name.to_string(), shape.clone(), values.iter().map(|&v| v as f32).collect()))
+        })
+        .collect::<Result<_>>()?;
+    let bytes = shardc_runtime::checkpoint::to_bytes(&tensors).into_diagnostic()?;
+    std::fs::write(path, bytes).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+    println!("  saved       {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,235 @@
+//! `shardc run --backend cuda`: every rank on the GPU, or one process per GPU (torchrun's
+//! environment), and the emulated processes that test it.
+
+use super::*;
+
+/// Whether `--backend cuda` runs on the CPU emulation of the device (`SHARDC_GPU_EMULATE=1`):
+/// the whole GPU path, kernels included, on a machine without a GPU (slow; for tests).
+#[cfg(feature = "cuda")]
+pub(super) fn emulating_the_gpu() -> bool {
+    std::env::var("SHARDC_GPU_EMULATE").is_ok_and(|v| v == "1")
+}
+
+/// What a GPU run cannot do yet, refused before anything is compiled or written (the output
+/// checks create folders).
+#[cfg(feature = "cuda")]
+pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
+    if args.trace.is_some() {
+        return Err(miette!(help = "trace a pipeline on the CPU backend (--backend cpu with --mesh pp=N or --microbatches M)", "--trace writes a pipeline schedule's measured timeline, and GPU runs have no pipeline stages"));
+    }
+    if args.collectives != "ring" {
+        return Err(miette!(help = "leave the choice to NCCL (its NCCL_ALGO variable selects ring or tree), or run on the CPU backend", "--collectives {}: the CPU backend's algorithm; a GPU run's collectives are NCCL's or device copies", args.collectives));
+    }
+    if args.check_numerics {
+        return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
+    }
+    // A process of a multi-process run holds its own shards only: whole files need them all
+    // (a checkpoint is one rank file per process).
+    if std::env::var_os("RANK").is_some() || std::env::var_os("SHARDC_EMULATE_PROCESSES").is_some() {
+        for (flag, given) in [("--save", args.save.is_some()), ("--save-hf", args.save_hf.is_some())] {
+            if given {
+                return Err(miette!(
+                    help = "checkpoint with --checkpoint DIR (each process writes its own rank file), then write the file on one host from a run that resumes it; or run every rank on one GPU",
+                    "{flag}: each process of a multi-process GPU run holds only its own shards, and a whole file needs them all"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `shardc run --backend cuda`: the training step's device plan on one GPU (every rank of the
+/// mesh on it), or one rank per process over NCCL when `RANK`/`WORLD_SIZE` are set. It
+/// starts as the CPU backend does (from `--resume`, `--load`, Hugging Face weights or the
+/// seed), takes the same batches, checkpoints and evaluates at the same steps, and saves the
+/// same files; what a GPU run cannot do yet is refused before any work, with the reason.
+/// `SHARDC_EMULATE_PROCESSES=N` (with `SHARDC_GPU_EMULATE=1`) runs the N processes of a
+/// multi-process run as threads of this one, each on its own emulated device, NCCL emulated
+/// by the CPU collectives: the multi-process path end to end without GPUs.
+#[cfg(feature = "cuda")]
+pub(super) fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+    use shardc_runtime::cuda::{self, Placement};
+    let timeout = std::time::Duration::from_secs(args.timeout.max(1));
+    if let Ok(text) = std::env::var("SHARDC_EMULATE_PROCESSES") {
+        let processes: usize = text.trim().parse().ok().filter(|&n| n >= 1).ok_or_else(|| miette!(help = "give the number of processes, the mesh's ranks", "SHARDC_EMULATE_PROCESSES={text}: not a positive number"))?;
+        // (`check_backend` has refused it outside an emulated GPU run.)
+        if std::env::var_os("RANK").is_some() {
+            return Err(miette!(help = "leave RANK and WORLD_SIZE unset", "SHARDC_EMULATE_PROCESSES={text}: emulated processes are threads of this process, not processes of a torchrun world"));
+        }
+        if processes != mesh.ranks() as usize {
+            return Err(miette!(help = format!("set SHARDC_EMULATE_PROCESSES={}", mesh.ranks()), "SHARDC_EMULATE_PROCESSES={processes}: the mesh {mesh} has {} ranks, one per process", mesh.ranks()));
+        }
+        let worlds = cuda::nccl::EmulatedWorld::world(processes, timeout);
+        let results: Vec<Result<()>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = worlds
+                .into_iter()
+                .map(|world| {
+                    scope.spawn(move || {
+                        // A process that fails or panics stops the others' waits at once, as
+                        // the end of a real process ends its NCCL connections.
+                        let mut abort = AbortOnDrop(Some(world.abort_flag()));
+                        let result = run_cuda_process(args, spec, mesh, Placement::EmulatedNccl(world));
+                        if result.is_ok() {
+                            abort.0 = None;
+                        }
+                        result
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|payload| {
+                        let message = payload.downcast_ref::<String>().cloned().or_else(|| payload.downcast_ref::<&str>().map(|m| m.to_string())).unwrap_or_default();
+                        Err(miette!("the process panicked: {message}"))
+                    })
+                })
+                .collect()
+        });
+        // Every rank ends with the run's error: the lowest rank's that failed of itself is
+        // reported (not one that failed because another did).
+        let failed: Vec<(usize, miette::Report)> = results.into_iter().enumerate().filter_map(|(rank, r)| r.err().map(|e| (rank, e))).collect();
+        let secondary = |e: &miette::Report| {
+            // The messages themselves (the report's rendering wraps lines).
+            let text = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            text.contains(cuda::ANOTHER_PROCESS_FAILED) || text.contains("because another rank failed") || text.contains(" left during ") || text.contains("emulated communicator was poisoned")
+        };
+        let first = failed.iter().position(|(_, e)| !secondary(e)).unwrap_or(0);
+        return match failed.into_iter().nth(first) {
+            Some((rank, e)) => Err(e.wrap_err(format!("emulated process of rank {rank}"))),
+            None => Ok(()),
+        };
+    }
+    let placement = if std::env::var_os("RANK").is_some() {
+        Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?.with_timeout(timeout))
+    } else if emulating_the_gpu() {
+        Placement::Emulated
+    } else {
+        Placement::SingleDevice { device: 0 }
+    };
+    run_cuda_process(args, spec, mesh, placement)
+}
+
+/// Sets the emulated world's abort flag when dropped (unless disarmed: its flag taken).
+#[cfg(feature = "cuda")]
+pub(super) struct AbortOnDrop(Option<std::sync::Arc<std::sync::atomic::AtomicBool>>);
+
+#[cfg(feature = "cuda")]
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(flag) = self.0.take() {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// One process of `run --backend cuda`: every rank on one device, or one rank of a
+/// multi-process run (which reads and writes only its own shards, and whose rank 0 alone
+/// prints).
+#[cfg(feature = "cuda")]
+pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, placement: shardc_runtime::cuda::Placement) -> Result<()> {
+    use shardc_runtime::cuda::{self, Placement};
+    let process_rank = match &placement {
+        Placement::Nccl(b) => Some(b.rank),
+        Placement::EmulatedNccl(w) => Some(w.rank()),
+        Placement::SingleDevice { .. } | Placement::Emulated => None,
+    };
+    let speaks = process_rank.is_none_or(|r| r == 0);
+    // Pipeline stages or more than one micro-batch per step: one program per pipeline rank,
+    // run by its schedule.
+    let programs = if args.step.compile_options(spec, mesh)?.pipeline.is_some() { compile_pipeline_programs(spec, &args.step, mesh)? } else { vec![compile_train_step_on(spec, &args.step, mesh)?] };
+    let programs = programs.into_iter().map(shardc_codegen::device::with_device_plan).collect::<Result<Vec<_>, _>>().into_diagnostic()?;
+    let mut corpus = training_corpus(args, spec)?;
+    let mut checkpoints = Checkpoints::for_process(args, spec, process_rank)?;
+    // A process of a multi-process run resumes from its own shards of the checkpoint alone.
+    let mut trainer = match process_rank.and(args.resume.as_ref()) {
+        Some(dir) => {
+            let folder = checkpoints.resume_manifest(args, &programs, &mut corpus)?.unwrap_or_else(|| dir.clone());
+            cuda::CudaTrainer::resume(&programs, &placement, &folder).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
+        }
+        // Nor does it hold a whole tensor of `--load` or Hugging Face weights: it keeps its
+        // shards of each parameter as it reads them.
+        None if process_rank.is_some() && args.load.is_some() => {
+            let path = args.load.as_ref().expect("matched");
+            let file = shardc_runtime::tensor_file::TensorFile::open(path).map_err(|e| miette!("--load {e}"))?;
+            let mut parameter = |name: &str| if file.info(name).is_some() { file.read_f64(name) } else { Ok(None) };
+            cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?
+        }
+        None if process_rank.is_some() && args.step.hf_dir(args.spec.as_deref()).is_some() => {
+            let hf = args.step.hf_dir(args.spec.as_deref()).expect("matched");
+            let mut weights = crate::hf::LazyWeights::open(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
+            if speaks {
+                println!("  weights     {} tensors from {} (each process reads its own shards)", weights.len(), hf.display());
+            }
+            let mut parameter = |name: &str| weights.parameter(name);
+            cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).into_diagnostic().wrap_err_with(|| format!("reading the weights of {}", hf.display()))?
+        }
+        None => {
+            let (resumed, seed) = checkpoints.resume(args, &programs, &mut corpus)?;
+            cuda::CudaTrainer::new(&programs, &placement, seed, spec.model.layers as usize, resumed.as_ref()).into_diagnostic()?
+        }
+    };
+    let (first_step, seed) = (trainer.steps_taken(), trainer.seed());
+    let to_run = steps_to_run(args, first_step)?;
+    let rows = args.step.batch(spec, mesh)?.global_batch as usize;
+    let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
+    let schedule = programs[0].pipeline.as_ref().map_or_else(String::new, |p| format!(", {} schedule, {} micro-batches per step", p.kind.label(), p.microbatches));
+    if speaks {
+        println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}{schedule}, {} steps, seed {seed}", spec.name, args.steps);
+        print_data(&corpus, evaluation.as_ref());
+    }
+    let tokens = rows * spec.seq_len() as usize;
+    let (mut losses, mut seconds) = (LossSummary::default(), Vec::new());
+    let mut unevaluated = false;
+    for step in 1..=to_run {
+        let (loss, took) = trainer.step(&corpus).into_diagnostic()?;
+        let at = first_step + step;
+        if !loss.is_finite() {
+            return Err(miette!(help = "lower --lr", "the loss became {loss} at step {at}"));
+        }
+        losses.push(loss);
+        seconds.push(took);
+        if speaks && args.log_every > 0 && at % args.log_every == 0 {
+            println!("step {at} loss {loss:.6}");
+        }
+        let end = first_step + to_run;
+        if checkpoints.due(at, end) {
+            if process_rank.is_some() {
+                checkpoints.save_own_shards(&mut trainer, corpus.record(at, rows))?;
+            } else {
+                checkpoints.save(&trainer.state().into_diagnostic()?, &programs, seed, corpus.record(at, rows))?;
+            }
+        }
+        if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {
+            // The held-out loss is computed on the CPU from the state read back.
+            if trainer.holds_every_rank() {
+                evaluation.report(at, &trainer.state().into_diagnostic()?, &corpus)?;
+            } else {
+                unevaluated = true;
+            }
+        }
+    }
+    if !speaks {
+        return Ok(());
+    }
+    if let Some(first) = losses.first {
+        let last = losses.tail.iter().sum::<f64>() / losses.tail.len() as f64;
+        // The first step compiles and loads the kernels: it is not timed.
+        let timed = &seconds[seconds.len().min(1)..];
+        let per_step = if timed.is_empty() { seconds[0] } else { timed.iter().sum::<f64>() / timed.len() as f64 };
+        println!("  device      {}", trainer.device_name());
+        println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {:.1}% lower", first_step + 1, losses.tail.len(), 100.0 * (1.0 - last / first));
+        println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
+    }
+    if unevaluated {
+        println!("  evaluation  skipped: this process holds only its shards of the parameters");
+    }
+    if args.save_hf.is_some() || args.save.is_some() {
+        let state = trainer.state().into_diagnostic()?;
+        if let Some(dir) = &args.save_hf {
+            crate::hf::save(dir, spec, &state)?;
+        }
+        save_parameters(args, Some(&state), &programs)?;
+    }
+    Ok(())
+}
