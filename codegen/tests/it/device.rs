@@ -210,6 +210,19 @@ fn the_generated_module_is_stable() {
     insta::assert_snapshot!("tiny_device_calls", calls.join("\n"));
 }
 
+/// The op registry and the CPU backend's kernel registry cover the same ops: every `xf` op
+/// has a CPU kernel (the reference every other backend is tested against), and every CPU
+/// kernel is of an op the registry defines.
+#[test]
+fn every_op_has_a_cpu_kernel_and_every_cpu_kernel_an_op() {
+    let kernels: std::collections::BTreeSet<&str> = shardc_runtime::cpu::kernel_ops().into_iter().collect();
+    let ops: std::collections::BTreeSet<String> = shardc_ir::ops::REGISTRY.iter().map(|op| format!("xf.{}", op.mnemonic())).collect();
+    let without: Vec<&String> = ops.iter().filter(|op| !kernels.contains(op.as_str())).collect();
+    assert!(without.is_empty(), "ops without a CPU kernel: {without:?}");
+    let strays: Vec<&&str> = kernels.iter().filter(|k| !ops.contains(**k)).collect();
+    assert!(strays.is_empty(), "CPU kernels of no op: {strays:?}");
+}
+
 /// The device program of `xf.attention` and `xf.attention_grad` on `q [b, hq, s, d]` and
 /// `k, v [b, hk, s, d]`, with `dout`, returning `out`, `dq`, `dk` and `dv`.
 fn attention_program(dtype: shardc_ir::types::DType, s: i64, causal: bool, (b, hq, hk, d): (i64, i64, i64, i64)) -> Program {

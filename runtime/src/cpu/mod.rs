@@ -9,6 +9,12 @@ mod gemm;
 mod kernels;
 pub use kernels::learning_rate;
 
+/// The `xf` ops the CPU backend has kernels for (the rest of an op's facts live with it in
+/// the IR's op registry; codegen's tests check the two cover the same ops).
+pub fn kernel_ops() -> Vec<&'static str> {
+    kernels::ops().collect()
+}
+
 use crate::collectives::{Algorithm, AsyncComm, Communicator, MeshShape, ReduceOp};
 use crate::program::{Buffer, BufferId, Instr, Program, Role};
 use crate::{DType, RuntimeError};

@@ -1,0 +1,107 @@
+//! CPU kernels: Head layouts, slices and pads (`ir/src/ops/heads.rs`).
+
+use super::*;
+
+pub(super) const KERNELS: &[CpuKernel] = &[
+    kernel!("xf.split_heads", split_heads_kernel),
+    kernel!("xf.merge_heads", merge_heads_kernel),
+    kernel!("xf.slice", slice_kernel),
+    kernel!("xf.pad", pad_kernel),
+    kernel!("xf.repeat_heads", repeat_heads_kernel),
+    kernel!("xf.sum_heads", sum_heads_kernel),
+];
+
+fn split_heads_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    split_heads::<T>(ins, outs, true)
+}
+fn merge_heads_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    split_heads::<T>(ins, outs, false)
+}
+fn slice_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    slice_or_pad::<T>(instr, ins, outs, false)
+}
+fn pad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    slice_or_pad::<T>(instr, ins, outs, true)
+}
+fn repeat_heads_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    repeat_heads::<T>(instr, ins, outs, false)
+}
+fn sum_heads_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    repeat_heads::<T>(instr, ins, outs, true)
+}
+
+/// `[b, s, h*d] <-> [b, h, s, d]`.
+pub(super) fn split_heads<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], split: bool) -> Result<(), String> {
+    let heads_shape = if split { outs[0].shape().to_vec() } else { ins[0].shape().to_vec() };
+    let (b, h, s, d) = (heads_shape[0], heads_shape[1], heads_shape[2], heads_shape[3]);
+    let x = ins[0].get::<T>()?;
+    let y = outs[0].get::<T>()?;
+    y.par_chunks_mut(d).enumerate().for_each(|(row, y)| {
+        // `row` indexes the output's rows of d elements.
+        let src = if split {
+            let (bi, hi, si) = (row / (h * s), (row / s) % h, row % s);
+            ((bi * s + si) * h + hi) * d
+        } else {
+            let (bi, si, hi) = (row / (s * h), (row / h) % s, row % h);
+            ((bi * h + hi) * s + si) * d
+        };
+        y.copy_from_slice(&x[src..src + d]);
+    });
+    let _ = b;
+    Ok(())
+}
+
+pub(super) fn slice_or_pad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], pad: bool) -> Result<(), String> {
+    let axis = instr.int("axis")? as usize;
+    let start = instr.int("start")? as usize;
+    let (full, part) = if pad { (outs[0].shape().to_vec(), ins[0].shape().to_vec()) } else { (ins[0].shape().to_vec(), outs[0].shape().to_vec()) };
+    let outer: usize = full[..axis].iter().product();
+    let inner: usize = full[axis + 1..].iter().product();
+    let (full_extent, part_extent) = (full[axis], part[axis]);
+    let x = ins[0].get::<T>()?;
+    let y = outs[0].get::<T>()?;
+    if pad {
+        y.fill(T::zero());
+    }
+    for o in 0..outer {
+        let full_at = (o * full_extent + start) * inner;
+        let part_at = o * part_extent * inner;
+        let len = part_extent * inner;
+        if pad {
+            y[full_at..full_at + len].copy_from_slice(&x[part_at..part_at + len]);
+        } else {
+            y[part_at..part_at + len].copy_from_slice(&x[full_at..full_at + len]);
+        }
+    }
+    Ok(())
+}
+
+/// `repeat_heads` (each head copied `times` times) or, with `sum`, its transpose `sum_heads`
+/// (each group of `times` heads summed, in head order).
+pub(super) fn repeat_heads<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sum: bool) -> Result<(), String> {
+    let times = instr.int("times")?.max(1) as usize;
+    let x = ins[0].get::<T>()?;
+    let (small, large) = if sum { (outs[0].shape().to_vec(), ins[0].shape().to_vec()) } else { (ins[0].shape().to_vec(), outs[0].shape().to_vec()) };
+    let block = small[2] * small[3];
+    let heads = small[1];
+    let y = outs[0].get::<T>()?;
+    if sum {
+        y.fill(T::zero());
+    }
+    for b in 0..small[0] {
+        for h in 0..heads {
+            for k in 0..times {
+                let big = ((b * large[1]) + h * times + k) * block;
+                let little = (b * heads + h) * block;
+                if sum {
+                    for i in 0..block {
+                        y[little + i] += x[big + i];
+                    }
+                } else {
+                    y[big..big + block].copy_from_slice(&x[little..little + block]);
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,40 @@
+//! CPU kernels: Rotary position embeddings (`ir/src/ops/rope.rs`).
+
+use super::*;
+
+pub(super) const KERNELS: &[CpuKernel] = &[kernel!("xf.rope", rope_kernel), kernel!("xf.rope_grad", rope_grad_kernel)];
+
+fn rope_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    rope::<T>(instr, ins, outs, 1.0)
+}
+fn rope_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    rope::<T>(instr, ins, outs, -1.0)
+}
+
+/// Rotary embedding on `[b, h, s, d]`; `sign = -1` rotates back (the gradient).
+pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sign: f64) -> Result<(), String> {
+    let theta = instr.float("theta")?;
+    let shape = ins[0].shape();
+    let (s, d) = (shape[2], shape[3]);
+    let half = d / 2;
+    // cos/sin tables per (position, pair), computed in f64.
+    let mut table = Vec::with_capacity(s * half);
+    for pos in 0..s {
+        for i in 0..half {
+            let angle = pos as f64 * theta.powf(-2.0 * i as f64 / d as f64);
+            table.push((T::of(angle.cos()), T::of(sign * angle.sin())));
+        }
+    }
+    let x = ins[0].get::<T>()?;
+    outs[0].get::<T>()?.par_chunks_mut(s * d).zip(x.par_chunks(s * d)).for_each(|(y, x)| {
+        for pos in 0..s {
+            let (y, x) = (&mut y[pos * d..(pos + 1) * d], &x[pos * d..(pos + 1) * d]);
+            for i in 0..half {
+                let (cos, sin) = table[pos * half + i];
+                y[i] = x[i] * cos - x[i + half] * sin;
+                y[i + half] = x[i + half] * cos + x[i] * sin;
+            }
+        }
+    });
+    Ok(())
+}
