@@ -1,0 +1,316 @@
+//! Collectives on the CPU backend: each `shard` op, point-to-point transfers, and gradient
+//! buckets on the wire.
+
+use super::*;
+
+/// The collectives the executor runs itself (everything else is a kernel).
+pub(super) const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "tensor.empty"];
+
+/// A gradient bucket on the wire: its ticket and where its members' values go back.
+pub(super) struct InFlight {
+    pub(super) ticket: u64,
+    pub(super) dtype: DType,
+    /// (slot, elements) of each member, in order.
+    pub(super) members: Vec<(usize, usize)>,
+}
+
+impl InFlight {
+    /// Waits for the bucket and writes the reduced values back into the members' slots.
+    pub(super) fn land(self, comm: &mut AsyncComm, slots: &mut [Storage]) -> Result<(), String> {
+        fn back<T: Element + crate::collectives::Elem>(joined: Vec<T>, members: &[(usize, usize)], slots: &mut [Storage]) -> Result<(), String> {
+            let mut at = 0;
+            for &(slot, len) in members {
+                T::slice_mut(&mut slots[slot]).ok_or("bucket member of another type")?[..len].copy_from_slice(&joined[at..at + len]);
+                at += len;
+            }
+            crate::collectives::pool::recycle(joined);
+            Ok(())
+        }
+        match self.dtype {
+            DType::F64 => back(comm.wait::<Vec<f64>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
+            DType::Bf16 => back(comm.wait::<Vec<half::bf16>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
+            _ => back(comm.wait::<Vec<f32>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
+        }
+    }
+}
+
+/// Puts a bucket on the wire, run by the communication thread while this one goes on: an
+/// all-reduce bucket as the staged outputs of its members, concatenated, in one all-reduce
+/// over their group; a reduce-scatter or all-gather bucket as its members' collectives one
+/// after another (along dimension 0, so none needs rearranging), their outputs joined.
+pub(super) fn send_bucket(members: &[usize], program: &Program, slots: &mut [Storage], comm: Option<&mut AsyncComm>, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<InFlight, String> {
+    let comm = comm.ok_or("a collective needs a communicator")?;
+    let first = &program.instrs[members[0]];
+    let axes: Vec<usize> = first.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    if first.op != "shard.all_reduce" {
+        return send_group(members, program, slots, comm, group);
+    }
+    let buffers: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
+    pub(super) fn join<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &[Storage]) -> Result<Vec<T>, String> {
+        let mut joined: Vec<T> = crate::collectives::pool::buffer(buffers.iter().map(|b| b.len()).sum());
+        let mut at = 0;
+        for b in buffers {
+            joined[at..at + b.len()].copy_from_slice(&T::slice(&slots[b.slot]).ok_or("bucket member of another type")?[..b.len()]);
+            at += b.len();
+        }
+        Ok(joined)
+    }
+    let dtype = buffers[0].dtype;
+    let ticket = match dtype {
+        DType::F64 => {
+            let mut data = join::<f64>(&buffers, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
+        DType::Bf16 => {
+            let mut data = join::<half::bf16>(&buffers, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
+        _ => {
+            let mut data = join::<f32>(&buffers, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
+    };
+    Ok(InFlight { ticket, dtype, members: buffers.iter().map(|b| (b.slot, b.len())).collect() })
+}
+
+/// A reduce-scatter or all-gather bucket (see [`send_bucket`]): every member's input is
+/// copied now (staged, for a scatter along an inner dimension; the memory plan keeps it
+/// alive until the wait anyway) and the members run on the communication thread in program
+/// order, as every rank of the group issues them.
+pub(super) fn send_group(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>) -> Result<InFlight, String> {
+    let gather = program.instrs[members[0]].op == "shard.all_gather";
+    let pairs: Vec<(&Buffer, &Buffer)> = members.iter().map(|&i| (&program.buffers[program.instrs[i].inputs[0]], &program.buffers[program.instrs[i].outputs[0]])).collect();
+    // A scatter along an inner dimension sends its blocks staged as [n][outer][chunk], as
+    // the synchronous one does; a gather is along its first dimension of more than one
+    // element (validated), so its blocks need no rearranging.
+    let axes: Vec<usize> = members.iter().map(|&i| program.instrs[i].int(if gather { "gather_axis" } else { "scatter_axis" }).map(|a| a as usize)).collect::<Result<_, _>>()?;
+    let n = group.len();
+    pub(super) fn submit<T: Element + crate::collectives::Elem>(pairs: &[(&Buffer, &Buffer)], axes: &[usize], n: usize, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>, gather: bool) -> Result<u64, String> {
+        let stage = |(i, o): &(&Buffer, &Buffer), axis: usize| -> Result<Vec<T>, String> {
+            let input = &T::slice(&slots[i.slot]).ok_or("bucket member of another type")?[..i.len()];
+            let outer: usize = i.shape[..axis.min(i.shape.len())].iter().product();
+            if gather || outer == 1 {
+                return Ok(crate::collectives::pool::filled(input));
+            }
+            let inner: usize = i.shape[axis + 1..].iter().product();
+            let block = o.shape[axis] * inner;
+            let mut staged = crate::collectives::pool::buffer(input.len());
+            for r in 0..n {
+                for b in 0..outer {
+                    let src = (b * i.shape[axis] + r * o.shape[axis]) * inner;
+                    let dst = (r * outer + b) * block;
+                    staged[dst..dst + block].copy_from_slice(&input[src..src + block]);
+                }
+            }
+            Ok(staged)
+        };
+        let inputs: Vec<Vec<T>> = pairs.iter().zip(axes).map(|(pair, &axis)| stage(pair, axis)).collect::<Result<_, _>>()?;
+        let out_lens: Vec<usize> = pairs.iter().map(|(_, o)| o.len()).collect();
+        Ok(comm.submit(move |c: &mut Communicator| {
+            let mut joined: Vec<T> = crate::collectives::pool::buffer(out_lens.iter().sum());
+            let mut at = 0;
+            for (input, len) in inputs.into_iter().zip(out_lens) {
+                let out = &mut joined[at..at + len];
+                if gather { c.all_gather(&group, &input, out)? } else { c.reduce_scatter(&group, &input, out, ReduceOp::Sum)? }
+                crate::collectives::pool::recycle(input);
+                at += len;
+            }
+            Ok(joined)
+        }))
+    }
+    let dtype = pairs[0].1.dtype;
+    let ticket = match dtype {
+        DType::F64 => submit::<f64>(&pairs, &axes, n, slots, comm, group, gather)?,
+        DType::Bf16 => submit::<half::bf16>(&pairs, &axes, n, slots, comm, group, gather)?,
+        DType::F32 => submit::<f32>(&pairs, &axes, n, slots, comm, group, gather)?,
+        other => return Err(format!("a bucket of {other:?} values: only floats are reduced or gathered asynchronously")),
+    };
+    Ok(InFlight { ticket, dtype, members: pairs.iter().map(|(_, o)| (o.slot, o.len())).collect() })
+}
+
+/// Runs a `shard` collective of this rank.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], comm: Option<&mut AsyncComm>, mesh: &MeshShape, rank: usize, algorithm: Algorithm, context: (u64, u64)) -> Result<(), String> {
+    let dtype = ins.first().map_or_else(|| outs[0].buffer.dtype, In::dtype);
+    match instr.op.as_str() {
+        "tensor.empty" => match dtype {
+            DType::F64 => Ok(outs[0].get::<f64>()?.fill(0.0)),
+            DType::I32 => Ok(outs[0].get::<i32>()?.fill(0)),
+            DType::Bf16 => Ok(outs[0].get::<half::bf16>()?.fill(half::bf16::ZERO)),
+            _ => Ok(outs[0].get::<f32>()?.fill(0.0)),
+        },
+        "shard.send" | "shard.recv" => match dtype {
+            DType::F64 => point_to_point::<f64>(instr, ins, outs, comm, mesh, rank, context),
+            DType::I32 => point_to_point::<i32>(instr, ins, outs, comm, mesh, rank, context),
+            DType::Bf16 => point_to_point::<half::bf16>(instr, ins, outs, comm, mesh, rank, context),
+            _ => point_to_point::<f32>(instr, ins, outs, comm, mesh, rank, context),
+        },
+        _ => match dtype {
+            DType::F64 => collective_typed::<f64>(instr, ins, outs, comm, mesh, rank, algorithm),
+            DType::I32 => collective_typed::<i32>(instr, ins, outs, comm, mesh, rank, algorithm),
+            DType::Bf16 => collective_typed::<half::bf16>(instr, ins, outs, comm, mesh, rank, algorithm),
+            _ => collective_typed::<f32>(instr, ins, outs, comm, mesh, rank, algorithm),
+        },
+    }
+}
+
+/// A pipeline send or receive between stage ranks along the `pp` axis. The message tag is
+/// the transfer number with the (step, micro-batch) being run, so every send meets the one
+/// receive that expects it, whatever order the schedule runs them in.
+pub(super) fn point_to_point<T: Element + crate::collectives::Elem + Default>(
+    instr: &Instr,
+    ins: &[In<'_>],
+    outs: &mut [Out<'_>],
+    comm: Option<&mut AsyncComm>,
+    mesh: &MeshShape,
+    rank: usize,
+    (step, microbatch): (u64, u64),
+) -> Result<(), String> {
+    let comm = comm.ok_or("a pipeline send or receive needs a communicator: run the program with one rank per mesh position")?;
+    let transfer = instr.int("xf.transfer")? as u64;
+    if transfer >= 1 << 20 || microbatch >= 1 << 16 || step >= 1 << 28 {
+        return Err(format!("transfer {transfer}, micro-batch {microbatch} or step {step} is too large to tag"));
+    }
+    let tag = (step << 36) | (transfer << 16) | microbatch;
+    let group = mesh.group(rank, &[PP_AXIS]);
+    let (peer_attr, peer_name) = if instr.op == "shard.send" { ("destination", "destination") } else { ("source", "source") };
+    let peer = instr.ints(peer_attr)?.first().copied().ok_or_else(|| format!("`{}` has no {peer_name}", instr.op))?;
+    let peer = *group.get(peer as usize).ok_or_else(|| format!("{peer_name} {peer} is outside the pp axis of {} ranks", group.len()))?;
+    if instr.op == "shard.send" {
+        let data = crate::collectives::pool::filled(ins[0].get::<T>()?);
+        comm.call(move |c| c.send_owned(peer, tag, data)).map_err(|e| e.to_string())
+    } else {
+        let out = outs[0].get::<T>()?;
+        let len = out.len();
+        let data: Vec<T> = comm.call(move |c| c.recv_owned(peer, tag, len)).map_err(|e| e.to_string())?;
+        out.copy_from_slice(&data);
+        crate::collectives::pool::recycle(data);
+        Ok(())
+    }
+}
+
+pub(super) fn collective_typed<T: Element + crate::collectives::Elem + Default>(
+    instr: &Instr,
+    ins: &[In<'_>],
+    outs: &mut [Out<'_>],
+    comm: Option<&mut AsyncComm>,
+    mesh: &MeshShape,
+    rank: usize,
+    algorithm: Algorithm,
+) -> Result<(), String> {
+    let axes: Vec<usize> = instr.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    let position = group.iter().position(|&r| r == rank).ok_or("rank outside its group")?;
+    if instr.bool("xf.async") == Ok(true) && matches!(instr.op.as_str(), "shard.reduce_scatter" | "shard.all_gather") {
+        // A member of a bucket: it runs with the bucket (see `send_group`), its output
+        // written when the bucket is waited for.
+        return Ok(());
+    }
+    let n = group.len();
+    let input = ins[0].get::<T>()?;
+    let in_shape = ins[0].shape().to_vec();
+    let out_shape = outs[0].shape().to_vec();
+    let out = outs[0].get::<T>()?;
+    // For gathers and slices along `axis`: outer rows, the axis, inner elements.
+    let split = |axis: usize| {
+        let outer: usize = in_shape[..axis].iter().product();
+        let inner: usize = in_shape[axis + 1..].iter().product();
+        (outer, inner)
+    };
+    match instr.op.as_str() {
+        "shard.all_reduce" => {
+            out.copy_from_slice(input);
+            if instr.bool("xf.async").unwrap_or(false) {
+                // Staged for its bucket; sent when the bucket is complete.
+                return Ok(());
+            }
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            let op = match instr.attrs.get("reduction") {
+                Some(crate::program::Attr::Str(kind)) if kind == "max" => ReduceOp::Max,
+                _ => ReduceOp::Sum,
+            };
+            let mut data = crate::collectives::pool::filled(out);
+            let reduced = comm.call(move |c| c.all_reduce(&group, &mut data, op, algorithm).map(|()| data)).map_err(|e| e.to_string())?;
+            out.copy_from_slice(&reduced);
+            crate::collectives::pool::recycle(reduced);
+            Ok(())
+        }
+        "shard.all_gather" => {
+            let axis = instr.int("gather_axis")? as usize;
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            let local = crate::collectives::pool::filled(input);
+            let gathered: Vec<T> = comm
+                .call(move |c| {
+                    let mut gathered = crate::collectives::pool::buffer(local.len() * n);
+                    let result = c.all_gather(&group, &local, &mut gathered).map(|()| gathered);
+                    crate::collectives::pool::recycle(local);
+                    result
+                })
+                .map_err(|e| e.to_string())?;
+            // gathered is [n][local]; interleave along `axis`.
+            let (outer, inner) = split(axis);
+            let block = in_shape[axis] * inner;
+            for r in 0..n {
+                for o in 0..outer {
+                    let src = r * input.len() + o * block;
+                    let dst = (o * n + r) * block;
+                    out[dst..dst + block].copy_from_slice(&gathered[src..src + block]);
+                }
+            }
+            crate::collectives::pool::recycle(gathered);
+            Ok(())
+        }
+        "shard.reduce_scatter" => {
+            let axis = instr.int("scatter_axis")? as usize;
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            // Stage the chunks along `axis` contiguously, [n][outer][chunk], then reduce-scatter.
+            let (outer, inner) = split(axis);
+            let block = out_shape[axis] * inner;
+            let mut staged = crate::collectives::pool::buffer(input.len());
+            for r in 0..n {
+                for o in 0..outer {
+                    let src = (o * in_shape[axis] + r * out_shape[axis]) * inner;
+                    let dst = (r * outer + o) * block;
+                    staged[dst..dst + block].copy_from_slice(&input[src..src + block]);
+                }
+            }
+            let len = out.len();
+            let part: Vec<T> = comm
+                .call(move |c| {
+                    let mut part = crate::collectives::pool::buffer(len);
+                    let result = c.reduce_scatter(&group, &staged, &mut part, ReduceOp::Sum).map(|()| part);
+                    crate::collectives::pool::recycle(staged);
+                    result
+                })
+                .map_err(|e| e.to_string())?;
+            out.copy_from_slice(&part);
+            crate::collectives::pool::recycle(part);
+            Ok(())
+        }
+        "shard.broadcast" => {
+            // The root is an in-group multi-index; groups here are over the listed axes in
+            // row-major order, so it is the position of that index.
+            let root = instr.ints("root")?;
+            let extents: Vec<usize> = axes.iter().map(|&a| mesh.0[a]).collect();
+            let root = root.iter().zip(&extents).fold(0usize, |acc, (&r, &e)| acc * e + r as usize);
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            let mut data = crate::collectives::pool::filled(input);
+            let data = comm.call(move |c| c.broadcast(&group, &mut data, root).map(|()| data)).map_err(|e| e.to_string())?;
+            out.copy_from_slice(&data);
+            crate::collectives::pool::recycle(data);
+            Ok(())
+        }
+        "shard.all_slice" => {
+            let axis = instr.int("slice_axis")? as usize;
+            let (outer, inner) = split(axis);
+            let block = out_shape[axis] * inner;
+            for o in 0..outer {
+                let src = (o * in_shape[axis] + position * out_shape[axis]) * inner;
+                out[o * block..(o + 1) * block].copy_from_slice(&input[src..src + block]);
+            }
+            Ok(())
+        }
+        other => Err(format!("unknown collective `{other}`")),
+    }
+}
