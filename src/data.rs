@@ -33,6 +33,7 @@ pub enum DataFormat {
 
 /// The data arguments of `shardc run`.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Data")]
 pub struct DataArgs {
     /// Training data: text, flat token ids or a Megatron-LM indexed dataset (see
     /// --data-format). Default: the built-in text, data/kjv-genesis-exodus.txt.

@@ -276,6 +276,7 @@ fn compile(
     if !problems.is_empty() {
         return Err(report::mesh_report(problems));
     }
+    step.refuse_what_the_step_does_not_do(&spec, mesh)?;
     let pipeline = shardc_passes::compile_pipeline(&step.compile_options(&spec, mesh)?);
     let names = pipeline.names();
     for wanted in print_after {
@@ -375,6 +376,7 @@ fn explain(spec_path: Option<&Path>, mesh: &str, step: &StepArgs) -> Result<()> 
     if !problems.is_empty() {
         return Err(report::mesh_report(problems));
     }
+    step.refuse_what_the_step_does_not_do(&spec, mesh)?;
     // Without stages or accumulation: the collectives of one micro-batch's training step.
     // Otherwise each pipeline rank's whole step: every micro-batch's, and the update's.
     let Some(schedule) = step.schedule(&spec, mesh)? else {

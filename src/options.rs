@@ -80,9 +80,10 @@ pub struct StrategyArgs {
     /// Data-parallel bucket size in MiB: gradient all-reduces, ZeRO's gradient scatters and
     /// gathers of updated shards go out asynchronously in buckets of this size, and ZeRO-3
     /// prefetches up to this much of its parameter gathers (0: none of these; each
-    /// collective on its own).
-    #[arg(long, default_value_t = 25)]
-    pub grad_bucket_mb: u64,
+    /// collective on its own). Default 25. Steps of several micro-batches or pipeline stages
+    /// reduce their gradients once per step, unbucketed.
+    #[arg(long)]
+    pub grad_bucket_mb: Option<u64>,
     /// Partition naively (gather every column-parallel matmul's result), to see what the
     /// communication optimizer recovers.
     #[arg(long)]
@@ -162,7 +163,26 @@ impl Default for StepArgs {
     }
 }
 
+/// Gradient bucket size without `--grad-bucket-mb`, in MiB.
+pub const DEFAULT_GRAD_BUCKET_MB: u64 = 25;
+
 impl StepArgs {
+    /// Refuses what the user asked for that this step would not do: buckets and comm-opt's
+    /// choice on a step with several micro-batches or pipeline stages (whose pass pipeline
+    /// reduces gradients once per step and runs no comm-opt). The options are the user's:
+    /// internal callers (the memory estimate skips comm-opt) set fields past this check.
+    pub fn refuse_what_the_step_does_not_do(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+        let Some(pipeline) = self.pipeline_options(spec, mesh)? else { return Ok(()) };
+        let what = if mesh.pp > 1 { format!("pipeline stages (--mesh {mesh})") } else { format!("{} micro-batches", pipeline.microbatches) };
+        if let Some(mb) = self.strategy.grad_bucket_mb {
+            return Err(miette!(help = "leave --grad-bucket-mb out, or give --microbatches 1 at pp=1 to bucket the data-parallel gradients", "--grad-bucket-mb {mb}: a step of {what} reduces its gradients once per step, after the last micro-batch, without buckets"));
+        }
+        if self.strategy.no_comm_opt {
+            return Err(miette!(help = "leave --no-comm-opt out, or give --microbatches 1 at pp=1 to see comm-opt's work", "--no-comm-opt: comm-opt does not run on a step of {what}"));
+        }
+        Ok(())
+    }
+
     /// These arguments with `change` made to a copy.
     pub fn with(&self, change: impl FnOnce(&mut StepArgs)) -> StepArgs {
         let mut step = self.clone();
@@ -233,7 +253,8 @@ impl StepArgs {
         }
         let pipeline = self.pipeline_options(spec, mesh)?;
         // Shifted, 2^44 MiB and more wrapped to 0 bytes: one all-reduce per gradient.
-        let grad_bucket_bytes = self.strategy.grad_bucket_mb.checked_mul(1 << 20).ok_or_else(|| miette!(help = "Megatron-LM's default bucket is 40 MiB; 0 reduces each gradient on its own", "--grad-bucket-mb {} is more bytes than a bucket can count", self.strategy.grad_bucket_mb))?;
+        let grad_bucket_mb = self.strategy.grad_bucket_mb.unwrap_or(DEFAULT_GRAD_BUCKET_MB);
+        let grad_bucket_bytes = grad_bucket_mb.checked_mul(1 << 20).ok_or_else(|| miette!(help = "Megatron-LM's default bucket is 40 MiB; 0 reduces each gradient on its own", "--grad-bucket-mb {grad_bucket_mb} is more bytes than a bucket can count"))?;
         Ok(CompileOptions {
             recompute,
             optimizer,
@@ -376,6 +397,9 @@ impl StepArgs {
         }
         if kind == Kind::Interleaved && m % mesh.pp != 0 {
             return Err(miette!(help = format!("use a multiple of pp={} micro-batches", mesh.pp), "--microbatches {m}: interleaved 1F1B needs a multiple of pp"));
+        }
+        if mesh.pp == 1 && self.strategy.stages.is_some() {
+            return Err(miette!(help = "add pipeline ranks with --mesh pp=N, or leave --stages out", "--stages splits the layers over pipeline stages, and --mesh {mesh} has one (pp=1)"));
         }
         let manual = match &self.strategy.stages {
             Some(text) => Some(parse_stage_ranges(text).map_err(|e| miette!(help = "write one layer range per stage, e.g. --stages 0-5,6-11", "--stages: {e}"))?),

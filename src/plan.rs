@@ -25,6 +25,9 @@ use shardc_runtime::schedule::{generate, simulate, Costs, Kind};
 
 use crate::options::StepArgs;
 
+/// Sequences per micro-batch the search tries.
+const SEARCHED_MICRO_BATCHES: [u64; 5] = [1, 2, 4, 8, 16];
+
 /// Most micro-batches per step a listed plan may have: what `--microbatches` accepts.
 const MAX_MICROBATCHES: u64 = 4096;
 
@@ -84,14 +87,27 @@ pub struct PlanConstraints {
 }
 
 impl PlanArgs {
-    /// The step arguments `plan` reads: the model, the batch and the hardware.
+    /// The step arguments `plan` reads: the model, the sequence and global batch, and the
+    /// hardware. `--micro-batch` and `--microbatches` constrain the search instead of
+    /// overriding the spec (given alone, `--microbatches` would set the global batch).
     fn step(&self) -> StepArgs {
-        StepArgs { model: self.model.clone(), batch: self.batch.clone(), hardware: self.hardware.clone(), ..StepArgs::default() }
+        let batch = crate::options::BatchArgs { micro_batch: None, microbatches: None, ..self.batch.clone() };
+        StepArgs { model: self.model.clone(), batch, hardware: self.hardware.clone(), ..StepArgs::default() }
     }
 
     /// The constraints as a filter, and their description; refuses unknown values by name.
     fn constraints(&self) -> Result<(impl Fn(&Plan) -> bool + '_, Vec<String>)> {
         let only = &self.only;
+        if let Some(b) = self.batch.micro_batch
+            && !SEARCHED_MICRO_BATCHES.contains(&b)
+        {
+            return Err(miette!(help = "use --micro-batch 1, 2, 4, 8 or 16", "--micro-batch {b}: plan searches micro-batches of 1, 2, 4, 8 and 16 sequences"));
+        }
+        if let Some(m) = self.batch.microbatches
+            && !(1..=MAX_MICROBATCHES).contains(&m)
+        {
+            return Err(miette!(help = format!("use 1 to {MAX_MICROBATCHES} micro-batches"), "--microbatches must be between 1 and {MAX_MICROBATCHES}, got {m}"));
+        }
         if let Some(z) = only.zero
             && z > 3
         {
@@ -448,7 +464,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                 continue;
             }
             let per_replica = global_batch / dp;
-            for b in [1u64, 2, 4, 8, 16].into_iter().filter(|b| per_replica % b == 0) {
+            for b in SEARCHED_MICRO_BATCHES.into_iter().filter(|b| per_replica % b == 0) {
                 let mbs = per_replica / b;
                 // A step compiles at most MAX_MICROBATCHES micro-batches (`--microbatches`):
                 // a plan with more could not be run as listed.
@@ -692,6 +708,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     }
     if step.batch.seq.is_some() {
         command.push_str(&format!(" --seq {}", spec.seq_len()));
+    }
+    if let Some(dtype) = &step.model.dtype {
+        command.push_str(&format!(" --dtype {dtype}"));
     }
     println!("  best as a command: {command}");
     if args.explain {

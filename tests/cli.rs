@@ -384,6 +384,12 @@ fn every_option_changes_the_result_or_is_refused() {
     let pipelined = [spec4.as_str(), "--mesh", "pp=2", "--microbatches", "4"];
     cases.push(("compile", v(&[&one_microbatch[..], &["-o", &out_arg]].concat()), compile.clone()));
     cases.push(("compile", v(&["models/tiny.toml", "--mesh", "dp=2", "-o", &out_arg]), batch_options.clone()));
+    // A step of two micro-batches has no buckets and no comm-opt, and one pipeline stage no
+    // layer ranges to split: each is refused by name.
+    let refused_on_accumulation = vec![("--grad-bucket-mb", v(&["--grad-bucket-mb", "0"])), ("--no-comm-opt", v(&["--no-comm-opt"])), ("--stages", v(&["--stages", "0-1"]))];
+    cases.push(("compile", v(&["models/tiny.toml", "--mesh", "dp=2", "-o", &out_arg]), refused_on_accumulation.clone()));
+    cases.push(("explain", v(&["models/tiny.toml", "--mesh", "dp=2"]), refused_on_accumulation.clone()));
+    cases.push(("run", v(&["models/tiny.toml", "--steps", "1", "--mesh", "dp=2"]), refused_on_accumulation));
     cases.push(("compile", v(&["models/tiny.toml", "-o", &out_arg]), vec![("--mesh", v(&["--mesh", "tp=2"])), ("--dump-dir", v(&["--dump-dir", &written("dump")])), ("--output", v(&[]))]));
     cases.push(("compile", v(&[&pipelined[..], &["-o", &out_arg]].concat()), pipeline_options.clone()));
     let (batch_options_run, pipeline_options_run) = (batch_options.clone(), pipeline_options.clone());
@@ -824,7 +830,7 @@ fn optimizer_and_split_flags_are_checked_by_name() {
         (vec!["--eval-fraction", "nan"], "--eval-fraction NaN is not in [0, 1)"),
         (vec!["--eval-fraction", "1"], "--eval-fraction 1 is not in [0, 1)"),
         (vec!["--eval-fraction=-0.5"], "--eval-fraction -0.5 is not in [0, 1)"),
-        (vec!["--mesh", "dp=2", "--grad-bucket-mb", "17592186044416"], "--grad-bucket-mb 17592186044416 is more bytes than a bucket can count"),
+        (vec!["--mesh", "dp=2", "--microbatches", "1", "--grad-bucket-mb", "17592186044416"], "--grad-bucket-mb 17592186044416 is more bytes than a bucket can count"),
     ] {
         let out = shardc(&[&["run", "models/tiny.toml", "--steps", "3"][..], &args].concat());
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
@@ -2175,7 +2181,7 @@ fn padded_vocabularies_checkpoint_across_tensor_parallel_degrees() {
 #[test]
 fn gpt_vocabularies_are_vocab_parallel_at_tp_4_and_8() {
     for (spec, mesh, padded) in [("models/gpt2-small.toml", "tp=4", "50688"), ("models/gpt3-175b.toml", "tp=8", "51200")] {
-        let out = shardc(&["explain", spec, "--mesh", mesh, "--seq", "128", "--micro-batch", "1", "--no-comm-opt"]);
+        let out = shardc(&["explain", spec, "--mesh", mesh, "--seq", "128", "--micro-batch", "1", "--microbatches", "1", "--no-comm-opt"]);
         assert!(out.status.success(), "{}", stderr(&out));
         let text = stdout(&out);
         for part in ["vocab-parallel cross-entropy of `loss`: max over the vocabulary shards", "partial sum reduced for operand 0 of xf.add `embed.positions`"] {

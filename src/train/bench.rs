@@ -124,6 +124,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     let batch_given = args.step.batch.microbatches.is_some() || args.step.batch.global_batch.is_some();
     let step = if mesh.pp > 1 || batch_given { args.step.clone() } else { args.step.one_microbatch() };
     let microbatches = step.microbatches(&spec, mesh)?;
+    step.refuse_what_the_step_does_not_do(&spec, mesh)?;
     if mesh.dp * mesh.tp * mesh.pp > 1 || microbatches > 1 {
         if args.torch.is_some() {
             return Err(miette!(help = "compare with PyTorch on one rank and one micro-batch (--mesh dp=1,tp=1,pp=1)", "--torch times one rank's step of one micro-batch only"));

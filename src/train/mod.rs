@@ -191,6 +191,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if !problems.is_empty() {
         return Err(crate::report::mesh_report(problems));
     }
+    args.step.refuse_what_the_step_does_not_do(&spec, mesh)?;
     // With the GPU named, a run that would not fit its memory is refused before any work.
     let fits = match args.step.hardware_given() {
         true => {
@@ -349,25 +350,28 @@ fn report_losses(args: &RunArgs, first_step: u64, losses: &[f64]) {
 /// buckets counted as the one collective each is), and how ranks talk and are checked.
 fn print_program(args: &RunArgs, programs: &[Program], mesh: shardc_ir::mesh::Mesh, fits: Option<&str>) -> Result<()> {
     let instructions = programs.iter().map(|p| p.instrs.len()).max().unwrap_or(0);
-    let (mut collectives, mut buckets) = (0, std::collections::BTreeSet::new());
-    for (rank, program) in programs.iter().enumerate() {
+    // The busiest pipeline rank's; a bucket's members travel as one message.
+    let mut most = (0, 0);
+    for program in programs {
+        let (mut messages, mut members) = (0usize, std::collections::BTreeMap::<i64, usize>::new());
         for instr in program.instrs.iter().filter(|i| i.op.starts_with("shard.")) {
             match instr.int("xf.bucket") {
-                Ok(bucket) => {
-                    if buckets.insert((rank, bucket)) {
-                        collectives += 1;
-                    }
-                }
-                Err(_) => collectives += 1,
+                Ok(bucket) => *members.entry(bucket).or_default() += 1,
+                Err(_) => messages += 1,
             }
         }
+        let shared = members.values().filter(|&&n| n > 1).count();
+        most = most.max((messages + members.len(), shared));
     }
-    let mut line = format!("  program     {instructions} instructions per rank, {collectives} collectives and transfers");
-    if !buckets.is_empty() {
-        line += &format!(" ({} gradient bucket{})", buckets.len(), if buckets.len() == 1 { "" } else { "s" });
+    let (collectives, shared) = most;
+    let mut line = format!("  program     {instructions} instructions per rank, {collectives} collectives and transfers per rank");
+    if shared > 0 {
+        line += &format!(" ({shared} of them one message for several collectives)");
     }
+    // The wait the run applies (at least a second).
+    let timeout = args.timeout.max(1);
     if mesh.ranks() > 1 {
-        line += &format!("; {} collectives, {} s timeout", collective_algorithm(&args.collectives).map(|a| if a == shardc_runtime::collectives::Algorithm::Ring { "ring" } else { "tree" })?, args.timeout);
+        line += &format!("; {} collectives, {timeout} s timeout", collective_algorithm(&args.collectives).map(|a| if a == shardc_runtime::collectives::Algorithm::Ring { "ring" } else { "tree" })?);
     }
     if args.check_numerics {
         line += "; every op's results checked for NaN and infinity";
