@@ -146,8 +146,9 @@ pub struct HardwareArgs {
     #[arg(long)]
     pub gpu: Option<String>,
     /// Cluster model overrides as TOML (preset, gpus_per_node, launch, placement, [gpu],
-    /// [intra_node], [inter_node]); see ir/src/cluster.rs.
-    #[arg(long, value_name = "FILE")]
+    /// [intra_node], [inter_node]); see ir/src/cluster.rs. The file names its GPU (`preset`),
+    /// so it is not given with --gpu.
+    #[arg(long, value_name = "FILE", conflicts_with = "gpu")]
     pub cluster: Option<PathBuf>,
 }
 

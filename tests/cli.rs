@@ -562,6 +562,11 @@ fn every_option_changes_the_result_or_is_refused() {
             }
         }
     }
+    // A cluster file names its GPU: --gpu beside it would be ignored, so the two are refused.
+    for command in [&["compile", "models/tiny.toml"][..], &["plan", "models/tiny.toml", "--gpus", "2"], &["run", "models/tiny.toml", "--steps", "1"]] {
+        let out = shardc(&[command, &["--gpu", "h200", "--cluster", &cluster]].concat());
+        assert!(!out.status.success() && stderr(&out).contains("--cluster") && stderr(&out).contains("--gpu"), "{command:?}: {}", stderr(&out));
+    }
     // Options of the training step that plan does not take are refused, not ignored.
     for option in ["--lr", "--optimizer", "--no-comm-opt", "--grad-bucket-mb", "--stages", "--virtual-stages"] {
         let out = shardc(&["plan", "models/tiny.toml", "--gpus", "4", option, "1"]);
