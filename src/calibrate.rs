@@ -219,9 +219,9 @@ fn time_all_reduce(ranks: usize, elements: usize, repeats: usize) -> Result<f64>
     let mut fb = FuncBuilder::new("calibrate");
     let x = fb.arg("x", ty.clone(), ArgRole::Input);
     let attrs = Attrs::new()
-        .with("grid", AttrValue::Raw("@mesh".into()))
-        .with("grid_axes", AttrValue::Raw("array<i16: 0>".into()))
-        .with("reduction", AttrValue::Raw("#shard<partial sum>".into()));
+        .with("grid", AttrValue::Symbol("mesh".into()))
+        .with("grid_axes", AttrValue::axes(&[shardc_ir::mesh::DP_AXIS as u16]))
+        .with("reduction", AttrValue::Reduction(shardc_ir::Reduction::Sum));
     let y = fb.op_typed("shard.all_reduce", &[x], attrs, vec![Type::Tensor(ty)], "calibrate")[0];
     let func = fb.finish(&[y], &["out".to_string()]);
     let program = shardc_codegen::lower_func_on(&func, &[ranks as i64, 1, 1]).into_diagnostic()?;

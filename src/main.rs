@@ -369,7 +369,7 @@ fn compile(
 
 /// `shardc explain`: each collective of the partitioned training step with its cause.
 fn explain(spec_path: Option<&Path>, mesh: &str, step: &StepArgs) -> Result<()> {
-    use shardc_runtime::program::Section;
+    use shardc_runtime::program::Phase;
     let spec = step.load_spec(spec_path)?;
     let mesh = Mesh::parse(mesh).map_err(|e| report::mesh_report(vec![e]))?;
     let problems = mesh.check(&spec);
@@ -397,7 +397,7 @@ fn explain(spec_path: Option<&Path>, mesh: &str, step: &StepArgs) -> Result<()> 
         let rank = plan.rank * (mesh.dp * mesh.tp) as usize;
         let records = shardc_runtime::report::comm_records(program, rank);
         // Forward, backward and weight sections run once per micro-batch, the step once.
-        let runs = |index: usize| if plan.chunks.iter().any(|c| c.range(Section::Step).contains(&index)) { 1 } else { m };
+        let runs = |index: usize| if plan.chunks.iter().any(|c| c.range(Phase::Step).contains(&index)) { 1 } else { m };
         let which = if plan.ranks > 1 { format!(", pipeline rank {} of {}", plan.rank, plan.ranks) } else { String::new() };
         println!(
             "{} on {mesh}{which}: {} collectives and transfers in the {} step of {m} micro-batches, {} of them once per micro-batch (bytes sent by rank {rank})",

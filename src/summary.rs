@@ -115,8 +115,7 @@ pub struct CommSummary {
 
 /// Names of grid axes, for reports.
 pub fn axis_names(axes: &[usize]) -> String {
-    let names = ["dp", "tp", "pp"];
-    axes.iter().map(|&a| names.get(a).copied().unwrap_or("?")).collect::<Vec<_>>().join("+")
+    axes.iter().map(|&a| shardc_ir::mesh::axis_name(a)).collect::<Vec<_>>().join("+")
 }
 
 /// Memory of one rank program.
@@ -138,7 +137,7 @@ impl Summary {
         let dtype: shardc_ir::DType = spec.model.dtype.into();
         Summary {
             parameters,
-            parameter_bytes: parameters.saturating_mul(dtype.bytes()),
+            parameter_bytes: parameters.saturating_mul(dtype.bytes() as u64),
             forward_flops_per_microbatch: forward.map_or(0.0, |f| f.cost().flops),
             train_step_flops_per_microbatch: module.func("train_step").map_or(0.0, |f| f.cost().flops),
             batch,

@@ -6,40 +6,16 @@
 //! add and the gelu together. Matrix products become cuBLAS calls; collectives are left to
 //! the runtime.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 
-use shardc_ir::kernel::{Arg, DeviceKernel, KernelCx, PRELUDE};
+use shardc_ir::kernel::{Arg, DeviceKernel, Gemm, KernelCx, PRELUDE};
 use shardc_ir::ops::lookup;
-use shardc_ir::{AttrValue, Attrs, TensorTy};
+use shardc_ir::TensorTy;
 use shardc_runtime::DType;
-use shardc_runtime::program::{Attr, BufferId, DeviceCall, DevicePlan, GemmCall, KernelArg, Program};
+use shardc_runtime::program::{Attr, BufferId, DeviceCall, DevicePlan, KernelArg, Program};
 
 use crate::CodegenError;
-
-fn ir_dtype(d: DType) -> shardc_ir::DType {
-    match d {
-        DType::F32 => shardc_ir::DType::F32,
-        DType::Bf16 => shardc_ir::DType::Bf16,
-        DType::F64 => shardc_ir::DType::F64,
-        DType::I32 => shardc_ir::DType::I32,
-    }
-}
-
-fn ir_attrs(attrs: &BTreeMap<String, Attr>) -> Attrs {
-    let mut out = Attrs::new();
-    for (name, value) in attrs {
-        let value = match value {
-            Attr::Bool(v) => AttrValue::Bool(*v),
-            Attr::Int(v) => AttrValue::Int(*v),
-            Attr::Float(v) => AttrValue::Float(*v),
-            Attr::Str(v) => AttrValue::Str(v.clone()),
-            Attr::Ints(_) => continue,
-        };
-        out = out.with(name, value);
-    }
-    out
-}
 
 /// The floating-point storage type of a program's module: its tensors' one float type, or
 /// bf16 for a mixed-precision program (bf16 compute, fp32 master weights, state, gradient
@@ -103,12 +79,12 @@ fn device_kernel(program: &Program, index: usize) -> Result<Option<DeviceKernel>
     };
     let ty = |b: BufferId| {
         let buffer = &program.buffers[b];
-        TensorTy::new(buffer.shape.iter().map(|&d| d as i64).collect::<Vec<_>>(), ir_dtype(buffer.dtype))
+        TensorTy::new(buffer.shape.iter().map(|&d| d as i64).collect::<Vec<_>>(), buffer.dtype)
     };
     let inputs: Vec<TensorTy> = instr.inputs.iter().map(|&b| ty(b)).collect();
     let input_refs: Vec<&TensorTy> = inputs.iter().collect();
     let outputs: Vec<TensorTy> = instr.outputs.iter().map(|&b| ty(b)).collect();
-    let attrs = ir_attrs(&instr.attrs);
+    let attrs = crate::estimate::instr_attrs(instr);
     def.device(&KernelCx { inputs: &input_refs, outputs: &outputs, attrs: &attrs }).map(Some)
 }
 
@@ -163,23 +139,7 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
             Some(DeviceKernel::Gemm(_)) if instance_dtype(program, index, dtype).map_err(|e| fail(index, e))? != dtype => {
                 return Err(fail(index, "a matrix product of fp32 tensors in a bf16 program: mixed precision multiplies in bf16".into()));
             }
-            Some(DeviceKernel::Gemm(g)) => vec![DeviceCall::Gemm(GemmCall {
-                a: instr.inputs[g.a],
-                b: instr.inputs[g.b],
-                c: instr.outputs[g.c],
-                m: g.m,
-                n: g.n,
-                k: g.k,
-                transpose_a: g.transpose_a,
-                transpose_b: g.transpose_b,
-                lda: g.lda,
-                ldb: g.ldb,
-                ldc: g.ldc,
-                stride_a: g.stride_a,
-                stride_b: g.stride_b,
-                stride_c: g.stride_c,
-                batch: g.batch,
-            })],
+            Some(DeviceKernel::Gemm(g)) => vec![DeviceCall::Gemm(Gemm { a: instr.inputs[g.a], b: instr.inputs[g.b], c: instr.outputs[g.c], ..g.clone() })],
             Some(DeviceKernel::Launches(launches)) => {
                 let fp32 = instance_dtype(program, index, dtype).map_err(|e| fail(index, e))? != dtype;
                 launches

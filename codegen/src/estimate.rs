@@ -17,10 +17,12 @@ use std::collections::BTreeMap;
 use shardc_ir::cluster::{Cluster, Collective};
 use shardc_ir::ops::{lookup, KernelClass};
 use shardc_ir::{AttrValue, Attrs, TensorTy};
-use shardc_runtime::program::{Attr, Instr, Program, Section};
+use shardc_runtime::program::{Attr, Instr, Program, Phase};
 use shardc_runtime::pipeline::schedule_of;
 use shardc_runtime::schedule::{simulate_shared, simulate_with, Work};
-use shardc_runtime::DType;
+use shardc_ir::DType;
+use shardc_ir::facts::{Block, Origin, Role};
+use shardc_ir::mesh::{DP_AXIS, PP_AXIS};
 
 /// The estimate of one training step.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -69,13 +71,7 @@ pub struct ModelShape {
 /// The IR type of a program buffer.
 pub fn buffer_type(program: &Program, buffer: usize) -> TensorTy {
     let b = &program.buffers[buffer];
-    let dtype = match b.dtype {
-        DType::F32 => shardc_ir::DType::F32,
-        DType::Bf16 => shardc_ir::DType::Bf16,
-        DType::F64 => shardc_ir::DType::F64,
-        DType::I32 => shardc_ir::DType::I32,
-    };
-    TensorTy::new(b.shape.iter().map(|&d| d as i64).collect::<Vec<_>>(), dtype)
+    TensorTy::new(b.shape.iter().map(|&d| d as i64).collect::<Vec<_>>(), b.dtype)
 }
 
 /// An instruction's attributes as IR attributes (what the op registry reads).
@@ -87,7 +83,7 @@ pub fn instr_attrs(instr: &Instr) -> Attrs {
             Attr::Int(i) => AttrValue::Int(*i),
             Attr::Float(f) => AttrValue::Float(*f),
             Attr::Str(s) => AttrValue::Str(s.clone()),
-            Attr::Ints(v) => AttrValue::Raw(format!("array<i64: {}>", v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", "))),
+            Attr::Ints(v) => AttrValue::Ints(v.clone()),
         };
         out = out.with(name, v);
     }
@@ -109,8 +105,7 @@ impl Priced {
 }
 
 fn axis_names(axes: &[usize]) -> String {
-    let names = ["dp", "tp", "pp"];
-    axes.iter().map(|&a| names.get(a).copied().unwrap_or("?")).collect::<Vec<_>>().join("+")
+    axes.iter().map(|&a| shardc_ir::mesh::axis_name(a)).collect::<Vec<_>>().join("+")
 }
 
 fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
@@ -125,7 +120,7 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
         return collective(kind, b);
     }
     match instr.op.as_str() {
-        "shard.send" => Priced::Communication("pp".into(), cluster.time(Collective::Send, bytes(&input), &grid, &[2])),
+        "shard.send" => Priced::Communication("pp".into(), cluster.time(Collective::Send, bytes(&input), &grid, &[PP_AXIS])),
         "shard.recv" => Priced::Communication("pp".into(), 0.0),
         "shard.all_slice" | "tensor.empty" => Priced::Compute("memory-bound", copy(bytes(&output))),
         name => {
@@ -257,14 +252,14 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
 /// saved after the forward and restored for the backward, backward values kept for a split
 /// weight pass, and gradients summed over micro-batches (read both, write one) and restored
 /// for the step. Copies read and write their bytes.
-fn bookkeeping(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, section: Section, splits_w: bool, cluster: &Cluster) -> f64 {
+fn bookkeeping(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, section: Phase, splits_w: bool, cluster: &Cluster) -> f64 {
     let bytes = |buffers: &[usize]| buffers.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
     let (kept_f, kept_b, sum_b, sum_w) = (bytes(&chunk.keep_forward), bytes(&chunk.keep_backward), bytes(&chunk.sum_backward), bytes(&chunk.sum_weight));
     let moved = match section {
-        Section::Forward => 2.0 * kept_f,
-        Section::Backward => 2.0 * kept_f + 3.0 * sum_b + if splits_w { 2.0 * kept_b } else { 0.0 },
-        Section::Weight => 3.0 * sum_w + if splits_w { 2.0 * kept_b } else { 0.0 },
-        Section::Step => 2.0 * (sum_b + sum_w),
+        Phase::Forward => 2.0 * kept_f,
+        Phase::Backward => 2.0 * kept_f + 3.0 * sum_b + if splits_w { 2.0 * kept_b } else { 0.0 },
+        Phase::Weight => 3.0 * sum_w + if splits_w { 2.0 * kept_b } else { 0.0 },
+        Phase::Step => 2.0 * (sum_b + sum_w),
     };
     if moved <= 0.0 {
         return 0.0;
@@ -281,12 +276,12 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
     if let (true, Ok(schedule)) = (pipelined, schedule_of(programs)) {
         let plans: Vec<_> = programs.iter().filter_map(|p| p.pipeline.as_ref()).collect();
         // Each (rank, chunk, section) walked once.
-        let section = |rank: usize, chunk: usize, s: Section| walk(&programs[rank], plans[rank].chunks[chunk].range(s), cluster);
+        let section = |rank: usize, chunk: usize, s: Phase| walk(&programs[rank], plans[rank].chunks[chunk].range(s), cluster);
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
         let mut walks: BTreeMap<(usize, usize, usize), Walk> = BTreeMap::new();
         for (rank, plan) in plans.iter().enumerate() {
             for chunk in 0..plan.chunks.len() {
-                for s in [Section::Forward, Section::Backward, Section::Weight, Section::Step] {
+                for s in Phase::ALL {
                     let mut w = section(rank, chunk, s);
                     let t = bookkeeping(&programs[rank], &plan.chunks[chunk], s, splits_w, cluster);
                     w.clock += t;
@@ -297,15 +292,15 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
             }
         }
         let item_time = |rank: usize, work: Work, chunk: usize| -> f64 {
-            let t = |s: Section| walks[&(rank, chunk, s as usize)].clock;
+            let t = |s: Phase| walks[&(rank, chunk, s as usize)].clock;
             match work {
-                Work::F => t(Section::Forward),
-                Work::B if splits_w => t(Section::Backward),
-                Work::B => t(Section::Backward) + t(Section::Weight),
-                Work::W => t(Section::Weight),
+                Work::F => t(Phase::Forward),
+                Work::B if splits_w => t(Phase::Backward),
+                Work::B => t(Phase::Backward) + t(Phase::Weight),
+                Work::W => t(Phase::Weight),
             }
         };
-        let step_tail = |r: usize| (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Section::Step as usize)].clock).sum::<f64>();
+        let step_tail = |r: usize| (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Phase::Step as usize)].clock).sum::<f64>();
         let shared = cluster.shared_host && gpus > 1.0;
         if shared {
             // Every rank computes on the host's cores: ranks computing at once share them
@@ -326,8 +321,8 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         let m = schedule.microbatches as f64;
         // A quantity of rank `r`'s walks over one step: every micro-batch's items, and the step.
         let per_rank = |r: usize, f: &dyn Fn(&Walk) -> f64| -> f64 {
-            let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Section::Forward, Section::Backward, Section::Weight].iter().map(|&s| f(&walks[&(r, c, s as usize)])).sum::<f64>()).sum();
-            per_item * m + (0..plans[r].chunks.len()).map(|c| f(&walks[&(r, c, Section::Step as usize)])).sum::<f64>()
+            let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Phase::Forward, Phase::Backward, Phase::Weight].iter().map(|&s| f(&walks[&(r, c, s as usize)])).sum::<f64>()).sum();
+            per_item * m + (0..plans[r].chunks.len()).map(|c| f(&walks[&(r, c, Phase::Step as usize)])).sum::<f64>()
         };
         out.compute_seconds = (0..plans.len()).map(|r| per_rank(r, &|w| w.compute)).fold(0.0, f64::max);
         // Communication of rank 0, per item times the micro-batches, plus its step.
@@ -335,7 +330,7 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
             if *rank != 0 {
                 continue;
             }
-            let times = if *s == Section::Step as usize { 1.0 } else { m };
+            let times = if *s == Phase::Step as usize { 1.0 } else { m };
             for (axes, t) in &w.exposed {
                 *out.exposed_communication.entry(axes.clone()).or_insert(0.0) += t * times;
             }
@@ -461,7 +456,7 @@ fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
     // opt.<kind>.<param> -> (bytes of every such tensor, whether a master copy is among them).
     let mut held: std::collections::HashMap<&str, (f64, bool)> = std::collections::HashMap::new();
     for a in program.args.iter().filter(|a| matches!(a.role, Some(Role::OptState | Role::Master))) {
-        if let Some(param) = a.name.strip_prefix("opt.").and_then(|rest| rest.split_once('.')).map(|(_, p)| p) {
+        if let Some((_, param)) = shardc_ir::facts::state_of(&a.name) {
             let entry = held.entry(param).or_insert((0.0, false));
             entry.0 += bytes(a);
             entry.1 |= a.role == Some(Role::Master);
@@ -471,7 +466,7 @@ fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
         .args
         .iter()
         .filter(|a| a.role == Some(Role::OptState))
-        .filter_map(|a| a.name.strip_prefix("opt.m.").map(|param| (param, local(a))))
+        .filter_map(|a| shardc_ir::facts::state_of(&a.name).filter(|(state, _)| *state == "m").map(|(_, param)| (param, local(a))))
         .collect();
     program
         .args
@@ -507,7 +502,7 @@ fn kept_activations(program: &Program) -> f64 {
         return plan.chunks.iter().map(|c| elements(&c.keep_forward)).sum::<f64>() / plan.chunks.len().max(1) as f64;
     }
     // The forward pass ends where the loss seed starts the backward pass.
-    let Some(end) = program.instrs.iter().position(|i| i.loc == "loss.seed") else { return 0.0 };
+    let Some(end) = backward_start(program) else { return 0.0 };
     let args: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
     let defined: std::collections::HashSet<usize> = program.instrs[..end].iter().flat_map(|i| i.outputs.iter().copied()).filter(|b| !args.contains(b)).collect();
     let kept: std::collections::BTreeSet<usize> = program.instrs[end..].iter().flat_map(|i| i.inputs.iter().copied()).filter(|b| defined.contains(b)).collect();
@@ -557,7 +552,7 @@ pub fn arena_peak(program: &Program) -> ArenaPeak {
             (peak.at, peak.live) = (i, live);
         }
     }
-    let seed = program.instrs.iter().position(|i| i.loc == "loss.seed").unwrap_or(n);
+    let seed = backward_start(program).unwrap_or(n);
     let alive = |b: usize| temporary(b) && first[b] <= peak.at && peak.at <= last[b];
     let read_by = |from: usize, to: usize, which: &dyn Fn(&shardc_runtime::program::Instr) -> bool| -> std::collections::HashSet<usize> {
         program.instrs[from..to].iter().filter(|i| which(i)).flat_map(|i| i.inputs.iter().copied()).collect()
@@ -566,10 +561,10 @@ pub fn arena_peak(program: &Program) -> ArenaPeak {
     // Gradients: what the optimizer section reads, and what reaches it through sums, casts and
     // collectives (a tied embedding's two partial gradients, a bf16 gradient before its
     // fp32 cast, a gradient before its reduction).
-    let mut gradient_set = read_by(0, n, &|i| i.loc.starts_with("optimizer."));
+    let mut gradient_set = read_by(0, n, &|i| i.origin.role == Role::Optimizer);
     for instr in program.instrs[seed.min(n)..].iter().rev() {
         let carries = matches!(instr.op.as_str(), "xf.add" | "xf.cast") || instr.op.starts_with("shard.") || instr.op == "xf.wait";
-        if carries && !instr.loc.starts_with("optimizer.") && instr.outputs.iter().any(|b| gradient_set.contains(b)) {
+        if carries && instr.origin.role != Role::Optimizer && instr.outputs.iter().any(|b| gradient_set.contains(b)) {
             gradient_set.extend(instr.inputs.iter().copied());
         }
     }
@@ -709,13 +704,13 @@ impl DataParallelTraffic {
     /// Seconds of the per-micro-batch gathers of `parameters` parameters over axis 0 (dp) of
     /// `grid`, priced as one collective.
     pub fn microbatch_time(&self, cluster: &Cluster, parameters: f64, grid: &[i64]) -> f64 {
-        if self.gather_per_microbatch > 0.0 { cluster.time(Collective::AllGather, self.gather_per_microbatch * parameters, grid, &[0]) } else { 0.0 }
+        if self.gather_per_microbatch > 0.0 { cluster.time(Collective::AllGather, self.gather_per_microbatch * parameters, grid, &[DP_AXIS]) } else { 0.0 }
     }
 
     /// Seconds of each per-step kind for `parameters` parameters over axis 0 (dp) of `grid`,
     /// each kind priced as one collective of all its bytes (as buckets send them).
     pub fn times(&self, cluster: &Cluster, parameters: f64, grid: &[i64]) -> [(&'static str, f64); 3] {
-        self.kinds().map(|(kind, name, bytes)| (name, if bytes > 0.0 { cluster.time(kind, bytes * parameters, grid, &[0]) } else { 0.0 }))
+        self.kinds().map(|(kind, name, bytes)| (name, if bytes > 0.0 { cluster.time(kind, bytes * parameters, grid, &[DP_AXIS]) } else { 0.0 }))
     }
 }
 
@@ -756,15 +751,42 @@ impl UnitCosts {
     }
 }
 
+/// Where the planner's per-layer model counts an instruction: with a layer, with the
+/// embedding, or with the rest (the head, the loss and the optimizer, which the planner
+/// prices once per step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Layer,
+    Embedding,
+    Rest,
+}
+
+impl Part {
+    fn of(origin: Origin) -> Part {
+        match origin.block {
+            _ if origin.role == Role::Optimizer => Part::Rest,
+            Block::Attention(_) | Block::Mlp(_) => Part::Layer,
+            Block::Embedding => Part::Embedding,
+            _ => Part::Rest,
+        }
+    }
+}
+
+/// Where the backward pass starts in a program of one stage: its first gradient instruction
+/// (the loss's seed).
+fn backward_start(program: &Program) -> Option<usize> {
+    program.instrs.iter().position(|i| i.origin.role == Role::Gradient)
+}
+
 /// Measures [`UnitCosts`] on the training step of a one-layer model.
 pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     let mut u = UnitCosts::default();
-    let seed = program.instrs.iter().position(|i| i.loc == "loss.seed").unwrap_or(program.instrs.len());
+    let seed = backward_start(program).unwrap_or(program.instrs.len());
     for (index, instr) in program.instrs.iter().enumerate() {
         // Data-parallel gradient syncs (buckets over dp) are the planner's to price for each
         // data-parallel degree; every other collective counts, asynchronous or not (the
         // planner adds a layer's costs up without overlap).
-        let dp_bucket = instr.bool("xf.async").unwrap_or(false) && instr.ints("grid_axes").is_ok_and(|a| a == [0]);
+        let dp_bucket = instr.bool("xf.async").unwrap_or(false) && instr.ints("grid_axes").is_ok_and(|a| a == [DP_AXIS as i64]);
         if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || dp_bucket {
             continue;
         }
@@ -774,18 +796,19 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
             Priced::Compute(class, _) => class.to_string(),
             Priced::Communication(axes, _) => format!("{} {axes}", instr.op.strip_prefix("shard.").unwrap_or(&instr.op)),
         };
-        let classes = if instr.loc.starts_with("layers.") {
+        let part = Part::of(instr.origin);
+        let classes = if part == Part::Layer {
             &mut u.layer_breakdown
-        } else if instr.loc.starts_with("embed") {
+        } else if part == Part::Embedding {
             &mut u.embed_breakdown
         } else {
             &mut u.head_breakdown
         };
         *classes.entry(key).or_insert(0.0) += t;
         let backward = index >= seed;
-        let slot = if instr.loc.starts_with("layers.") {
+        let slot = if part == Part::Layer {
             if backward { &mut u.layer_backward } else { &mut u.layer_forward }
-        } else if instr.loc.starts_with("embed") {
+        } else if part == Part::Embedding {
             if backward { &mut u.embed.1 } else { &mut u.embed.0 }
         } else if backward {
             &mut u.head.1
@@ -796,18 +819,18 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     }
     // Kept values, by where they were made.
     let args: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
-    let mut made_at: std::collections::HashMap<usize, &str> = std::collections::HashMap::new();
+    let mut made_at: std::collections::HashMap<usize, Part> = std::collections::HashMap::new();
     for instr in &program.instrs[..seed] {
         for &b in &instr.outputs {
             if !args.contains(&b) {
-                made_at.insert(b, instr.loc.as_str());
+                made_at.insert(b, Part::of(instr.origin));
             }
         }
     }
     let kept: std::collections::BTreeSet<usize> = program.instrs[seed..].iter().flat_map(|i| i.inputs.iter().copied()).filter(|b| made_at.contains_key(b)).collect();
     for b in kept {
         let bytes = program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64;
-        if made_at[&b].starts_with("layers.") {
+        if made_at[&b] == Part::Layer {
             u.layer_kept += bytes;
         } else {
             u.other_kept += bytes;
@@ -815,12 +838,12 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     }
     for a in program.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)) {
         let n = program.buffers[a.buffer].len() as f64;
-        if a.name.starts_with("layers.") {
+        if a.block.layer().is_some() {
             u.layer_params += n;
         } else {
             u.other_params += n;
         }
-        u.param_shapes.push((a.name.starts_with("layers."), program.buffers[a.buffer].shape.clone()));
+        u.param_shapes.push((a.block.layer().is_some(), program.buffers[a.buffer].shape.clone()));
     }
     // Bytes per parameter, read from the program's own types (one device: no sharding).
     let shards = parameter_bytes(program);

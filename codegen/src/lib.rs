@@ -21,10 +21,10 @@ pub mod estimate;
 use std::collections::BTreeMap;
 
 use shardc_ir::ops::lookup;
-use shardc_ir::{ArgRole, AttrValue, Func, Value};
+use shardc_ir::{AttrValue, Func, Value};
 use shardc_runtime::schedule::{simulate, Costs, Kind, Schedule, Work};
 use shardc_runtime::DType;
-use shardc_runtime::program::{Attr, Binding, Buffer, BucketRegion, FORMAT_VERSION, Instr, Layout, MemoryPlan, PipelinePlan, Program, Role};
+use shardc_runtime::program::{Attr, Binding, Buffer, BucketRegion, FORMAT_VERSION, Instr, Layout, MemoryPlan, PipelinePlan, Program};
 
 /// Why a function cannot become a rank program.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,41 +41,21 @@ pub enum CodegenError {
     },
 }
 
-fn dtype(d: shardc_ir::DType) -> DType {
-    match d {
-        shardc_ir::DType::F32 => DType::F32,
-        shardc_ir::DType::Bf16 => DType::Bf16,
-        shardc_ir::DType::F64 => DType::F64,
-        shardc_ir::DType::I32 => DType::I32,
-    }
-}
-
-/// Converts an attribute to the program's form. `Raw` MLIR syntax is read for the forms the
-/// `shard` collectives use: `array<i16: 1, 2>`, `#shard<partial sum>`, `3 : index`; the
-/// grid symbol (`@mesh`) carries nothing a rank program needs.
-fn convert_attr(value: &AttrValue) -> Result<Option<Attr>, String> {
-    Ok(Some(match value {
+/// Converts an attribute to the program's form; the grid symbol (`@mesh`) carries nothing a
+/// rank program needs.
+fn convert_attr(value: &AttrValue) -> Option<Attr> {
+    Some(match value {
         AttrValue::Int(v) => Attr::Int(*v),
         AttrValue::Float(v) => Attr::Float(*v),
         AttrValue::Bool(v) => Attr::Bool(*v),
         AttrValue::Str(s) => Attr::Str(s.clone()),
-        AttrValue::Raw(raw) if raw.starts_with('@') => return Ok(None),
-        AttrValue::Raw(raw) => {
-            if let Some(list) = raw.strip_prefix("array<").and_then(|r| r.strip_suffix('>')) {
-                let items = list.split_once(':').map_or("", |(_, items)| items);
-                Attr::Ints(items.split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse::<i64>().map_err(|e| format!("`{raw}`: {e}"))).collect::<Result<_, _>>()?)
-            } else if let Some(kind) = raw.strip_prefix("#shard<partial ").and_then(|r| r.strip_suffix('>')) {
-                Attr::Str(kind.trim().to_string())
-            } else if shardc_ir::DType::from_mlir(raw).is_some() {
-                // A type attribute (the target of `xf.cast`).
-                Attr::Str(raw.clone())
-            } else if let Some(n) = raw.strip_suffix(" : index") {
-                Attr::Int(n.trim().parse::<i64>().map_err(|e| format!("`{raw}`: {e}"))?)
-            } else {
-                return Err(format!("attribute `{raw}` has no rank-program form"));
-            }
-        }
-    }))
+        AttrValue::Symbol(_) => return None,
+        AttrValue::Index(d) => Attr::Int(*d as i64),
+        AttrValue::Axes(axes) => Attr::Ints(axes.iter().map(|&a| i64::from(a)).collect()),
+        AttrValue::Ints(values) => Attr::Ints(values.clone()),
+        AttrValue::Reduction(r) => Attr::Str(r.label().to_string()),
+        AttrValue::Type(t) => Attr::Str(t.mlir().to_string()),
+    })
 }
 
 /// Lowers `func` to a rank program for a single device.
@@ -132,7 +112,7 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
     let new_buffer = |v: Value, name: &str, buffers: &mut Vec<Buffer>| -> Result<usize, CodegenError> {
         let t = func.tensor(v).ok_or_else(|| unsupported(name, format!("value {v} is not a tensor")))?;
         let shape = t.shape.iter().map(|&d| usize::try_from(d).map_err(|_| unsupported(name, format!("dynamic or negative dimension in {t}")))).collect::<Result<Vec<_>, _>>()?;
-        buffers.push(Buffer { shape, dtype: dtype(t.dtype), slot: usize::MAX, name: name.to_string() });
+        buffers.push(Buffer { shape, dtype: t.dtype, slot: usize::MAX, name: name.to_string() });
         Ok(buffers.len() - 1)
     };
     for arg in &func.args {
@@ -171,40 +151,35 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
         }
         let mut attrs = BTreeMap::new();
         for (name, value) in op.attrs.iter() {
-            if let Some(value) = convert_attr(value).map_err(|e| unsupported(&op.loc, format!("attribute `{name}` of `{}`: {e}", op.name)))? {
+            if let Some(value) = convert_attr(value) {
                 attrs.insert(name.clone(), value);
             }
         }
         let inputs = op.operands.iter().map(|v| buffer_of[v.0 as usize].expect("verified IR defines before use")).collect();
-        instrs.push(Instr { op: op.name.clone(), attrs, inputs, outputs, loc: op.loc.clone() });
+        instrs.push(Instr { op: op.name.clone(), attrs, inputs, outputs, loc: op.loc.clone(), origin: op.origin });
     }
 
     let memory = plan_memory(func, &mut buffers, &buffer_of, &last_use, &instrs);
-    let role = |r: ArgRole| match r {
-        ArgRole::Param => Role::Param,
-        ArgRole::OptState => Role::OptState,
-        ArgRole::Master => Role::Master,
-        ArgRole::Input => Role::Input,
-    };
     let args = func
         .args
         .iter()
         .map(|a| Binding {
             name: a.name.clone(),
             buffer: buffer_of[a.value.0 as usize].unwrap(),
-            role: Some(role(a.role)),
+            role: Some(a.role),
             layout: a.layout.as_ref().map(|l| Layout {
                 global_shape: l.global_shape.iter().map(|&d| d as usize).collect(),
                 split: l.sharding.split.iter().map(|axes| axes.iter().map(|&a| a as usize).collect()).collect(),
             }),
             unpadded: a.unpadded.as_ref().map(|u| u.iter().map(|&d| d as usize).collect()),
+            block: a.block,
         })
         .collect();
     let results = func
         .returns
         .iter()
         .enumerate()
-        .map(|(i, v)| Binding { name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")), buffer: buffer_of[v.0 as usize].unwrap(), role: None, layout: None, unpadded: None })
+        .map(|(i, v)| Binding { name: func.result_names.get(i).cloned().unwrap_or_else(|| format!("result{i}")), buffer: buffer_of[v.0 as usize].unwrap(), role: None, layout: None, unpadded: None, block: Default::default() })
         .collect();
     let mesh = grid.iter().map(|&e| e as usize).collect();
     Ok(Program { format_version: FORMAT_VERSION, name: func.name.clone(), mesh, buffers, args, results, instrs, memory, pipeline: None, device: None })
@@ -526,20 +501,20 @@ fn concat_stages(stages: &[&Func], rank: usize) -> (Func, Vec<usize>) {
 
 /// Sections and per-micro-batch buffers of a lowered, concatenated pipeline rank.
 fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize, pp: usize, chunks: usize) -> Result<PipelinePlan, String> {
-    use shardc_runtime::program::{ChunkPlan, Section};
+    use shardc_runtime::program::{ChunkPlan, Phase};
     if program.instrs.len() != func.ops.len() {
         return Err("codegen emitted instructions that are not one per op".into());
     }
-    let phase_of = |i: usize| -> Result<Section, String> {
+    let phase_of = |i: usize| -> Result<Phase, String> {
         match func.ops[i].attrs.get("xf.phase") {
-            Some(AttrValue::Str(s)) => Section::parse(s).ok_or_else(|| format!("{}: unknown phase `{s}`", func.ops[i].loc)),
+            Some(AttrValue::Str(s)) => Phase::parse(s).ok_or_else(|| format!("{}: unknown phase `{s}`", func.ops[i].loc)),
             _ => Err(format!("{}: `{}` has no xf.phase", func.ops[i].loc, func.ops[i].name)),
         }
     };
     let mut plans: Vec<ChunkPlan> = (0..chunks).map(|c| ChunkPlan { stage: c * pp + rank, ..ChunkPlan::default() }).collect();
     let is_arg: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
-    // Section that defines each buffer.
-    let mut defined: std::collections::HashMap<usize, (usize, Section)> = std::collections::HashMap::new();
+    // Phase that defines each buffer.
+    let mut defined: std::collections::HashMap<usize, (usize, Phase)> = std::collections::HashMap::new();
     // (chunk, which list, buffer) already in a keep or sum list.
     let mut listed: std::collections::HashSet<(usize, u8, usize)> = std::collections::HashSet::new();
     for (i, instr) in program.instrs.iter().enumerate() {
@@ -561,10 +536,10 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
             }
             let plan = &mut plans[c];
             let (which, list) = match (made, section) {
-                (Section::Forward, Section::Backward | Section::Weight) => (0, &mut plan.keep_forward),
-                (Section::Backward, Section::Weight) => (1, &mut plan.keep_backward),
-                (Section::Backward, Section::Step) => (2, &mut plan.sum_backward),
-                (Section::Weight, Section::Step) => (3, &mut plan.sum_weight),
+                (Phase::Forward, Phase::Backward | Phase::Weight) => (0, &mut plan.keep_forward),
+                (Phase::Backward, Phase::Weight) => (1, &mut plan.keep_backward),
+                (Phase::Backward, Phase::Step) => (2, &mut plan.sum_backward),
+                (Phase::Weight, Phase::Step) => (3, &mut plan.sum_weight),
                 _ => {
                     return Err(format!("{}: reads a {} value in the {} section", instr.loc, made.label(), section.label()));
                 }
@@ -591,5 +566,5 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
 /// the rule [`Program::early_sync_error`] states (a tied embedding's two gradient parts are
 /// added in place in the step section, so its sync must wait).
 fn early_syncs(program: &Program, chunk: &shardc_runtime::program::ChunkPlan) -> Vec<usize> {
-    chunk.range(shardc_runtime::program::Section::Step).filter(|&index| program.early_sync_error(chunk, index).is_none()).collect()
+    chunk.range(shardc_runtime::program::Phase::Step).filter(|&index| program.early_sync_error(chunk, index).is_none()).collect()
 }

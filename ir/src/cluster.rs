@@ -47,6 +47,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Grid axes from the fastest-varying rank coordinate to the slowest: tp, then dp, then pp
+/// (Megatron-LM's order), as the runtimes number ranks.
+pub const RANK_ORDER: [usize; 3] = [crate::mesh::TP_AXIS, crate::mesh::DP_AXIS, crate::mesh::PP_AXIS];
+
 use crate::ops::{Cost, KernelClass, OpDef};
 use crate::{Attrs, DType, TensorTy};
 
@@ -210,7 +214,7 @@ impl Cluster {
             gpus_per_node: 8,
             intra_node: Link { alpha: 1e-6, bandwidth: if hopper { 370e9 } else { 230e9 } },
             inter_node: Link { alpha: 5e-6, bandwidth: if hopper { 47e9 } else { 24e9 } },
-            placement: vec![1, 0, 2],
+            placement: RANK_ORDER.to_vec(),
             launch: 8e-6,
             shared_host: false,
             shared_slowdown: 1.0,
@@ -262,17 +266,12 @@ impl Cluster {
                     let names = value.as_array().ok_or("placement: expected a list like [\"tp\", \"dp\", \"pp\"]")?;
                     cluster.placement = names
                         .iter()
-                        .map(|n| match n.as_str() {
-                            Some("dp") => Ok(0),
-                            Some("tp") => Ok(1),
-                            Some("pp") => Ok(2),
-                            _ => Err(format!("placement: unknown axis {n}; use dp, tp and pp")),
-                        })
+                        .map(|n| n.as_str().and_then(|n| crate::mesh::GRID_AXES.iter().position(|a| *a == n)).ok_or_else(|| format!("placement: unknown axis {n}; use dp, tp and pp")))
                         .collect::<Result<_, _>>()?;
                     // The runtimes number ranks tp fastest, then dp, then pp (Megatron-LM's
                     // order): a node holds whole tp groups first. Another order would price
                     // programs that no run places that way.
-                    if cluster.placement != [1, 0, 2] {
+                    if cluster.placement != RANK_ORDER {
                         return Err("placement: shardc places ranks as Megatron-LM does, tp innermost, then dp, then pp; give [\"tp\", \"dp\", \"pp\"] or leave it out".into());
                     }
                 }
@@ -330,7 +329,7 @@ impl Cluster {
     /// The cluster as TOML that [`Cluster::from_toml`] reads back to the same cluster (every
     /// field written, so the file does not depend on the preset it names).
     pub fn to_toml(&self) -> String {
-        let axis = |a: &usize| format!("\"{}\"", ["dp", "tp", "pp"].get(*a).copied().unwrap_or("dp"));
+        let axis = |a: &usize| format!("\"{}\"", crate::mesh::axis_name(*a));
         let g = &self.gpu;
         let preset = if GPU_PRESETS.contains(&g.name.as_str()) { g.name.as_str() } else { "h100-sxm" };
         let mut out = String::new();

@@ -14,6 +14,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::attrs::Attrs;
+use crate::facts::{Block, Origin, ParamKind};
 use crate::ops;
 use crate::types::TensorTy;
 
@@ -58,6 +59,7 @@ impl fmt::Display for Type {
 /// What a function argument is; printed as an argument attribute (`{xf.param = "name"}`) so
 /// the role and name survive a round trip through MLIR text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ArgRole {
     /// A trainable parameter.
     Param,
@@ -72,6 +74,12 @@ pub enum ArgRole {
 }
 
 impl ArgRole {
+    /// Whether the argument is state a run carries from step to step (and checkpoints
+    /// keep): parameters, their master copies, optimizer state.
+    pub fn is_state(self) -> bool {
+        matches!(self, ArgRole::Param | ArgRole::OptState | ArgRole::Master)
+    }
+
     /// Name of the argument attribute that carries this role.
     pub fn attr_name(self) -> &'static str {
         match self {
@@ -100,6 +108,12 @@ pub struct FuncArg {
     /// start. The rest is padding: zero in parameters and never read as data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unpadded: Option<Vec<i64>>,
+    /// The part of the model a parameter (or its optimizer state) belongs to.
+    #[serde(default)]
+    pub block: Block,
+    /// How tensor parallelism may split a parameter, as the model declares it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<ParamKind>,
 }
 
 /// The global shape and sharding of a partitioned argument.
@@ -122,8 +136,12 @@ pub struct Op {
     pub results: Vec<Value>,
     /// Attributes.
     pub attrs: Attrs,
-    /// Where in the model the op comes from, e.g. `layers.3.attn.q` (an MLIR name location).
+    /// Where in the model the op comes from, e.g. `layers.3.attn.q` (an MLIR name location),
+    /// for people: passes read [`Op::origin`].
     pub loc: String,
+    /// Where it comes from, as facts passes read.
+    #[serde(default)]
+    pub origin: Origin,
 }
 
 /// A function: arguments, a straight-line body and returned values.
@@ -258,6 +276,8 @@ pub struct BuildError {
 #[derive(Debug)]
 pub struct FuncBuilder {
     func: Func,
+    /// The origin of the ops and the block of the arguments added next.
+    origin: Origin,
 }
 
 impl FuncBuilder {
@@ -274,6 +294,25 @@ impl FuncBuilder {
                 shardings: BTreeMap::new(),
                 constraints: BTreeMap::new(),
             },
+            origin: Origin::default(),
+        }
+    }
+
+    /// Sets the origin of the ops (and the block of the arguments) added from now on.
+    pub fn set_origin(&mut self, origin: Origin) {
+        self.origin = origin;
+    }
+
+    /// The origin ops added now get.
+    pub fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    /// Declares how tensor parallelism may split the argument `value` (searched from the
+    /// end, as [`FuncBuilder::set_layout`]).
+    pub fn set_kind(&mut self, value: Value, kind: ParamKind) {
+        if let Some(arg) = self.func.args.iter_mut().rev().find(|a| a.value == value) {
+            arg.kind = Some(kind);
         }
     }
 
@@ -285,7 +324,7 @@ impl FuncBuilder {
     /// Adds an argument.
     pub fn arg(&mut self, name: &str, ty: TensorTy, role: ArgRole) -> Value {
         let value = self.fresh(Type::Tensor(ty));
-        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None, unpadded: None });
+        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None, unpadded: None, block: self.origin.block, kind: None });
         value
     }
 
@@ -308,29 +347,36 @@ impl FuncBuilder {
             .collect::<Result<Vec<_>, _>>()?;
         let types = def.infer(&inputs, &attrs).map_err(error)?;
         let results: Vec<Value> = types.into_iter().map(|t| self.fresh(Type::Tensor(t))).collect();
-        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: results.clone(), attrs, loc: loc.to_string() });
+        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: results.clone(), attrs, loc: loc.to_string(), origin: self.origin });
         Ok(results)
     }
 
-    /// Copies `op` (any op) with new operands and location; result types are copied from
-    /// `source`, the function `op` belongs to.
+    /// Copies `op` (any op) with new operands and location, and its origin; result types
+    /// are copied from `source`, the function `op` belongs to.
     pub fn clone_op(&mut self, source: &Func, op: &Op, operands: &[Value], loc: &str) -> Vec<Value> {
         let types = op.results.iter().map(|v| source.ty(*v).clone()).collect();
-        self.op_typed(&op.name, operands, op.attrs.clone(), types, loc)
+        let current = std::mem::replace(&mut self.origin, op.origin);
+        let results = self.op_typed(&op.name, operands, op.attrs.clone(), types, loc);
+        self.origin = current;
+        results
     }
 
     /// Adds an argument of any type and role.
     pub fn arg_typed(&mut self, name: &str, ty: Type, role: ArgRole) -> Value {
         let value = self.fresh(ty);
-        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None, unpadded: None });
+        self.func.args.push(FuncArg { value, name: name.to_string(), role, layout: None, unpadded: None, block: self.origin.block, kind: None });
         value
     }
 
-    /// Adds an argument like `arg` (its name, role and padding; not its layout) of type `ty`:
-    /// how a pass that rebuilds a function carries its arguments over.
+    /// Adds an argument like `arg` (its name, role, padding, block and kind; not its layout)
+    /// of type `ty`: how a pass that rebuilds a function carries its arguments over.
     pub fn arg_like(&mut self, arg: &FuncArg, ty: Type) -> Value {
         let value = self.arg_typed(&arg.name, ty, arg.role);
         self.set_unpadded(value, arg.unpadded.clone());
+        if let Some(new) = self.func.args.last_mut() {
+            new.block = arg.block;
+            new.kind = arg.kind;
+        }
         value
     }
 
@@ -353,7 +399,7 @@ impl FuncBuilder {
     /// Adds an op with explicit result types (ops outside the registry, such as `shard` ops).
     pub fn op_typed(&mut self, name: &str, operands: &[Value], attrs: Attrs, results: Vec<Type>, loc: &str) -> Vec<Value> {
         let results: Vec<Value> = results.into_iter().map(|t| self.fresh(t)).collect();
-        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: results.clone(), attrs, loc: loc.to_string() });
+        self.func.ops.push(Op { name: name.to_string(), operands: operands.to_vec(), results: results.clone(), attrs, loc: loc.to_string(), origin: self.origin });
         results
     }
 

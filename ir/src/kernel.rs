@@ -8,6 +8,8 @@
 //! accumulation). No CUDA header is needed: bf16 is converted by hand, so NVRTC compiles the
 //! module with no include path.
 
+use serde::{Deserialize, Serialize};
+
 use crate::attrs::Attrs;
 use crate::types::TensorTy;
 
@@ -31,13 +33,16 @@ pub enum DeviceKernel {
 }
 
 /// `C[b] = op(A[b]) op(B[b])` over row-major matrices, `b` in `0..batch`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// An op's kernel names A, B and C by operand and result index; in a rank program (codegen
+/// writes it, runtimes read it) the same struct names them by buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Gemm {
-    /// Operand index of A.
+    /// A: operand index (buffer in a rank program).
     pub a: usize,
-    /// Operand index of B.
+    /// B: operand index (buffer in a rank program).
     pub b: usize,
-    /// Result index of C.
+    /// C: result index (buffer in a rank program).
     pub c: usize,
     /// Rows of C.
     pub m: usize,

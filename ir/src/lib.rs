@@ -17,6 +17,7 @@ pub mod cluster;
 #[cfg(feature = "mlir")]
 mod ffi;
 mod error;
+pub mod facts;
 pub mod graph;
 pub mod kernel;
 pub mod mesh;
@@ -28,7 +29,8 @@ pub mod spec;
 pub mod types;
 pub mod verify;
 
-pub use attrs::{AttrValue, Attrs};
+pub use attrs::{AttrValue, Attrs, Reduction};
 pub use error::IrError;
+pub use facts::Phase;
 pub use graph::{ArgLayout, ArgRole, Func, FuncBuilder, Grid, Module, Op, Type, Value};
 pub use types::{DType, TensorTy};

@@ -7,6 +7,21 @@ use serde::{Deserialize, Serialize};
 
 use crate::spec::Spec;
 
+/// The grid axis of data parallelism. Every grid a pass builds is `[dp, tp, pp]`, in this
+/// order (ranks are still numbered tp fastest: see the runtimes' rank numbering).
+pub const DP_AXIS: usize = 0;
+/// The grid axis of tensor parallelism.
+pub const TP_AXIS: usize = 1;
+/// The grid axis of pipeline parallelism.
+pub const PP_AXIS: usize = 2;
+/// The grid axes' names, by index.
+pub const GRID_AXES: [&str; 3] = ["dp", "tp", "pp"];
+
+/// The name of grid axis `axis` (`?` for one no grid has).
+pub fn axis_name(axis: usize) -> &'static str {
+    GRID_AXES.get(axis).copied().unwrap_or("?")
+}
+
 /// Data-, tensor- and pipeline-parallel extents. Every axis is at least 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mesh {

@@ -23,7 +23,7 @@ pub enum DType {
 
 impl DType {
     /// Size of one element in bytes.
-    pub fn bytes(self) -> u64 {
+    pub fn bytes(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::Bf16 => 2,
@@ -90,7 +90,7 @@ impl TensorTy {
 
     /// Size in bytes; saturates like [`TensorTy::num_elements`].
     pub fn bytes(&self) -> u64 {
-        self.num_elements().saturating_mul(self.dtype.bytes())
+        self.num_elements().saturating_mul(self.dtype.bytes() as u64)
     }
 
     /// The last dimension (the feature dimension for activations); `None` for scalars.

@@ -15,6 +15,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use shardc_ir::facts::{Origin, Role};
 use shardc_ir::ops::{lookup, VjpCx};
 use shardc_ir::{ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, Op, Value};
 
@@ -74,13 +75,6 @@ impl Pass for Autodiff {
     }
 }
 
-/// `layers.N` for an op located inside layer N.
-fn layer_of(loc: &str) -> Option<&str> {
-    let rest = loc.strip_prefix("layers.")?;
-    let end = rest.find('.').unwrap_or(rest.len());
-    Some(&loc[..("layers.".len() + end)])
-}
-
 /// Builds `@gradients` from `forward`.
 pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, String> {
     let [loss] = forward.returns[..] else {
@@ -105,11 +99,15 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
     let fill = |fb: &mut FuncBuilder, like: Value, value: f64, loc: &str| {
         fb.op("xf.fill_like", &[like], Attrs::new().with("value", AttrValue::Float(value)), loc).map_err(|e| e.to_string())
     };
+    // Gradient ops are placed with the forward op they differentiate.
+    let gradient_of = |origin: Origin| Origin { block: origin.block, role: Role::Gradient, residual: false };
     let mut grads: HashMap<Value, Value> = HashMap::new();
+    let loss_origin = forward.ops.iter().find(|op| op.results.contains(&loss)).map_or(Origin::default(), |op| op.origin);
+    fb.set_origin(gradient_of(loss_origin));
     grads.insert(loss, fill(&mut fb, map[&loss], 1.0, "loss.seed")?);
     // Recomputed copies of forward values, per forward value.
     let mut recomputed: HashMap<Value, Value> = HashMap::new();
-    let mut layers_done: HashSet<String> = HashSet::new();
+    let mut layers_done: HashSet<u32> = HashSet::new();
 
     for op in forward.ops.iter().rev() {
         if !op.results.iter().any(|r| grads.contains_key(r)) {
@@ -119,14 +117,16 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
             format!("{}: cannot differentiate through `{}` (it has no VJP rule)", op.loc, op.name)
         })?;
         if recompute != Recompute::None
-            && let Some(layer) = layer_of(&op.loc)
-                && layers_done.insert(layer.to_string()) {
-                    for fwd in forward.ops.iter().filter(|o| layer_of(&o.loc) == Some(layer) && recompute.recomputes(o)) {
+            && let Some(layer) = op.origin.block.layer()
+                && layers_done.insert(layer) {
+                    for fwd in forward.ops.iter().filter(|o| o.origin.block.layer() == Some(layer) && recompute.recomputes(o)) {
                         let operands: Vec<Value> = fwd.operands.iter().map(|v| *recomputed.get(v).unwrap_or(&map[v])).collect();
-                        let results = fb.clone_op(forward, fwd, &operands, &format!("{}.recompute", fwd.loc));
+                        let replay = Op { origin: Origin { role: Role::Recompute, residual: false, ..fwd.origin }, ..fwd.clone() };
+                        let results = fb.clone_op(forward, &replay, &operands, &format!("{}.recompute", fwd.loc));
                         recomputed.extend(fwd.results.iter().copied().zip(results));
                     }
                 }
+        fb.set_origin(gradient_of(op.origin));
         let current = |v: &Value| *recomputed.get(v).unwrap_or(&map[v]);
         let mut out_grads = Vec::with_capacity(op.results.len());
         for r in &op.results {
@@ -154,6 +154,7 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
     let mut returns = vec![map[&loss]];
     let mut names = vec!["loss".to_string()];
     for arg in forward.args_with(ArgRole::Param) {
+        fb.set_origin(gradient_of(Origin::of(arg.block)));
         let grad = match grads.get(&arg.value) {
             Some(g) => *g,
             // A parameter the loss does not depend on has a zero gradient.

@@ -24,7 +24,7 @@ pub use autodiff::{Autodiff, Recompute, differentiate};
 pub use comm_opt::{optimize as optimize_communication, price as price_communication, CommOpt, CommOptReport};
 pub use optimizer::{Optimizer, OptimizerKind, Schedule};
 pub use pipeline::{Changed, Pass, PassError, PassRecord, Pipeline, PipelineReport};
-pub use stages::{PP_AXIS, Phase, SplitStages, balance, balance_tied, op_time};
+pub use stages::{SplitStages, balance, balance_tied, op_time};
 pub use verify_pass::VerifyShapes;
 
 /// Options of the compile pipeline.

@@ -34,6 +34,7 @@ use std::collections::HashMap;
 
 use shardc_ir::ops::cast::cast_attrs;
 use shardc_ir::ops::LrSchedule;
+use shardc_ir::facts::{master_name, state_name, Origin, Role};
 use shardc_ir::{ArgRole, AttrValue, Attrs, DType, FuncBuilder, Module, TensorTy, Type, Value};
 
 use crate::{Changed, Pass, PassError};
@@ -149,9 +150,13 @@ impl Pass for Optimizer {
             .map(|s| {
                 (0..params.len())
                     .map(|i| {
-                        // State follows its parameter, padding included.
-                        let v = fb.arg_typed(&format!("opt.{s}.{}", params[i].name), state_type(i), ArgRole::OptState);
+                        // State follows its parameter, padding, place and split included.
+                        fb.set_origin(Origin::of(params[i].block));
+                        let v = fb.arg_typed(&state_name(s, &params[i].name), state_type(i), ArgRole::OptState);
                         fb.set_unpadded(v, params[i].unpadded.clone());
+                        if let Some(kind) = params[i].kind {
+                            fb.set_kind(v, kind);
+                        }
                         v
                     })
                     .collect()
@@ -160,12 +165,17 @@ impl Pass for Optimizer {
         let masters: Vec<Option<Value>> = (0..params.len())
             .map(|i| {
                 mixed[i].then(|| {
-                    let v = fb.arg_typed(&format!("opt.master.{}", params[i].name), state_type(i), ArgRole::Master);
+                    fb.set_origin(Origin::of(params[i].block));
+                    let v = fb.arg_typed(&master_name(&params[i].name), state_type(i), ArgRole::Master);
                     fb.set_unpadded(v, params[i].unpadded.clone());
+                    if let Some(kind) = params[i].kind {
+                        fb.set_kind(v, kind);
+                    }
                     v
                 })
             })
             .collect();
+        fb.set_origin(Origin::default());
         let step = fb.arg_typed("step", Type::Tensor(TensorTy::scalar(DType::I32)), ArgRole::Input);
         for op in &gradients.ops {
             let operands: Vec<Value> = op.operands.iter().map(|v| map[v]).collect();
@@ -178,7 +188,9 @@ impl Pass for Optimizer {
         };
         // The gradient each update reads: fp32 under mixed precision (the update runs on the
         // fp32 master), so data-parallel reduction and the norm run in fp32 too.
+        let of_param = |i: usize| Origin { block: params[i].block, role: Role::Optimizer, residual: false };
         let update_grad = |fb: &mut FuncBuilder, i: usize| -> Result<Value, PassError> {
+            fb.set_origin(of_param(i));
             let grad = map[&gradients.returns[i + 1]];
             Ok(match masters[i] {
                 Some(_) => build(fb, "xf.cast", &[grad], cast_attrs(DType::F32), &format!("optimizer.{}", params[i].name))?[0],
@@ -201,6 +213,7 @@ impl Pass for Optimizer {
                 clipped.push((grad, squares));
             }
             if let Some(total) = total {
+                fb.set_origin(Origin::default().with_role(Role::Optimizer));
                 let coef = build(&mut fb, "xf.clip_coef", &[total], Attrs::new().with("max_norm", AttrValue::Float(self.clip_grad)), "optimizer.grad_norm")?[0];
                 for entry in &mut clipped {
                     entry.1 = coef;
@@ -218,10 +231,11 @@ impl Pass for Optimizer {
                 None => {
                     let grad = update_grad(&mut fb, i)?;
                     let dtype = if mixed[i] { DType::F32 } else { gradients.tensor(param.value).map_or(DType::F32, |t| t.dtype) };
-                    let attrs = Attrs::new().with("value", AttrValue::Float(1.0)).with("to", AttrValue::Raw(dtype.mlir().to_string()));
+                    let attrs = Attrs::new().with("value", AttrValue::Float(1.0)).with("to", AttrValue::Type(dtype));
                     (grad, build(&mut fb, "xf.constant", &[], attrs, &format!("optimizer.{}", param.name))?[0])
                 }
             };
+            fb.set_origin(of_param(i));
             let is_matrix = gradients.tensor(param.value).is_some_and(|t| t.rank() >= 2);
             let loc = format!("optimizer.{}", param.name);
             let p = masters[i].unwrap_or(map[&param.value]);
@@ -261,10 +275,10 @@ impl Pass for Optimizer {
         names.extend(params.iter().map(|p| p.name.clone()));
         for (k, values) in new_state.iter().enumerate() {
             returns.extend(values);
-            names.extend(params.iter().map(|p| format!("opt.{}.{}", state_names[k], p.name)));
+            names.extend(params.iter().map(|p| state_name(state_names[k], &p.name)));
         }
         returns.extend(&new_masters);
-        names.extend(params.iter().zip(&mixed).filter(|(_, m)| **m).map(|(p, _)| format!("opt.master.{}", p.name)));
+        names.extend(params.iter().zip(&mixed).filter(|(_, m)| **m).map(|(p, _)| master_name(&p.name)));
         let mut train_step = fb.finish(&returns, &names);
         if self.clip_grad == 0.0 {
             place_updates_early(&mut train_step);
@@ -275,11 +289,11 @@ impl Pass for Optimizer {
     }
 }
 
-/// Moves every update op (located `optimizer.*`) to just after the last op that reads its
+/// Moves every update op (of the optimizer's role) to just after the last op that reads its
 /// parameter or defines or reads its gradient. Updates read only values defined before that
 /// point and nothing but the function's results reads them, so the order stays valid.
 fn place_updates_early(func: &mut shardc_ir::Func) {
-    let (updates, mut rest): (Vec<_>, Vec<_>) = func.ops.drain(..).partition(|op| op.loc.starts_with("optimizer."));
+    let (updates, mut rest): (Vec<_>, Vec<_>) = func.ops.drain(..).partition(|op| op.origin.role == Role::Optimizer);
     // One unit per parameter: its update, with the casts of mixed precision, in order.
     let mut units: Vec<Vec<shardc_ir::Op>> = Vec::new();
     for op in updates {

@@ -39,8 +39,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use shardc_ir::facts::{Block, Role};
+use shardc_ir::mesh::PP_AXIS;
 use shardc_ir::ops::lookup;
-use shardc_ir::{ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, Op, TensorTy, Value};
+use shardc_ir::{ArgRole, AttrValue, Attrs, Func, FuncBuilder, Module, Op, Phase, TensorTy, Value};
 
 use crate::{Changed, Pass, PassError};
 
@@ -60,44 +62,6 @@ pub struct SplitStages {
     pub split_weight_grads: bool,
 }
 
-/// A section of a stage, in execution order within a micro-batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Phase {
-    /// What the loss needs.
-    Forward,
-    /// Input gradients (and, unless split off, weight gradients).
-    Backward,
-    /// Weight gradients, deferred by zero-bubble schedules.
-    Weight,
-    /// Once per global batch: optimizer updates on the accumulated gradients.
-    Step,
-}
-
-impl Phase {
-    /// The `xf.phase` attribute value.
-    pub fn label(self) -> &'static str {
-        match self {
-            Phase::Forward => "forward",
-            Phase::Backward => "backward",
-            Phase::Weight => "weight",
-            Phase::Step => "step",
-        }
-    }
-
-    /// Parses an `xf.phase` value.
-    pub fn parse(text: &str) -> Option<Phase> {
-        Some(match text {
-            "forward" => Phase::Forward,
-            "backward" => Phase::Backward,
-            "weight" => Phase::Weight,
-            "step" => Phase::Step,
-            _ => return None,
-        })
-    }
-}
-
-/// Grid axis of pipeline parallelism.
-pub const PP_AXIS: usize = 2;
 
 /// Roofline time of one op on a reference accelerator (989 TFLOP/s dense, 3.35 TB/s of
 /// memory bandwidth: an H100 SXM), in seconds. Only ratios matter for balancing stages.
@@ -111,22 +75,16 @@ pub fn op_time(func: &Func, op: &Op) -> f64 {
     (cost.flops / 989e12).max(cost.bytes / 3.35e12)
 }
 
-/// Block of a location: 0 the embedding, `1 + 2N` layer N's attention, `2 + 2N` its MLP,
-/// `2L + 1` the head (`head` stands for it until L is known).
-fn block_of(loc: &str, head: usize) -> Option<usize> {
-    let loc = loc.strip_prefix("optimizer.").unwrap_or(loc);
-    if loc.starts_with("embed.") || loc == "embed" {
-        return Some(0);
+/// Index of a block: 0 the embedding, `1 + 2N` layer N's attention, `2 + 2N` its MLP,
+/// `2L + 1` the head (`head`); `None` for ops the model did not place.
+fn block_of(block: Block, head: usize) -> Option<usize> {
+    match block {
+        Block::Embedding => Some(0),
+        Block::Attention(n) => Some(1 + 2 * n as usize),
+        Block::Mlp(n) => Some(2 + 2 * n as usize),
+        Block::Head => Some(head),
+        Block::Unplaced => None,
     }
-    if let Some(rest) = loc.strip_prefix("layers.") {
-        let (n, part) = rest.split_once('.')?;
-        let n: usize = n.parse().ok()?;
-        return Some(if part.starts_with("mlp") { 2 + 2 * n } else { 1 + 2 * n });
-    }
-    if ["final_norm", "lm_head", "loss"].iter().any(|p| loc == *p || loc.starts_with(&format!("{p}."))) {
-        return Some(head);
-    }
-    None
 }
 
 /// Deals `costs` (consecutive blocks) to `stages` stages minimising the heaviest; returns
@@ -230,7 +188,7 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
         (Some(v), Some(name)) if name == "loss" => *v,
         _ => return Err("@train_step must return the loss first".into()),
     };
-    let layers = func.ops.iter().filter_map(|op| op.loc.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
+    let layers = func.ops.iter().filter_map(|op| op.origin.block.layer()).max().map_or(0, |l| l as usize + 1);
     let head = 2 * layers + 1;
     let n_blocks = head + 1;
 
@@ -266,7 +224,7 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
         // per step on the accumulated gradients: a norm of each micro-batch's gradients
         // summed would not be the norm of their sum. Not the fp32 cast of a bf16 gradient:
         // it runs per micro-batch, so the accumulation is in fp32.
-        let of_optimizer = op.loc.starts_with("optimizer.") && op.name != "xf.cast";
+        let of_optimizer = op.origin.role == Role::Optimizer && op.name != "xf.cast";
         if op.name == "xf.adamw" || op.name == "xf.sgd" || of_optimizer || after_update {
             if phase[i] == Phase::Forward {
                 return Err(format!("{}: the loss depends on an optimizer update", op.loc));
@@ -302,7 +260,7 @@ fn split(func: &Func, options: &SplitStages, grid: &str) -> Result<Vec<Func>, St
     }
 
     // Blocks and their costs.
-    let mut block: Vec<Option<usize>> = func.ops.iter().map(|op| block_of(&op.loc, head)).collect();
+    let mut block: Vec<Option<usize>> = func.ops.iter().map(|op| block_of(op.origin.block, head)).collect();
     // Unlocated ops follow their first located consumer, else their producers.
     for i in (0..n).rev() {
         if block[i].is_none() {
@@ -503,7 +461,7 @@ fn build_stage(
     let p = options.ranks;
     let mut fb = FuncBuilder::new(&format!("stage{k}"));
     let mut map: HashMap<Value, Value> = HashMap::new();
-    let axes = AttrValue::Raw(format!("array<i16: {PP_AXIS}>"));
+    let axes = AttrValue::axes(&[PP_AXIS as u16]);
     let with_phase = |attrs: Attrs, phase: Phase| attrs.with("xf.phase", AttrValue::Str(phase.label().into()));
 
     // Arguments this stage reads or owns (a parameter read here is mirrored here).
@@ -532,9 +490,9 @@ fn build_stage(
     let point_to_point = |peer: usize, tag: i64, sending: bool, phase: Phase| {
         let (peer_attr, stage_attr) = if sending { ("destination", "xf.to_stage") } else { ("source", "xf.from_stage") };
         let attrs = Attrs::new()
-            .with("grid", AttrValue::Raw(format!("@{grid}")))
+            .with("grid", AttrValue::Symbol(grid.to_string()))
             .with("grid_axes", axes.clone())
-            .with(peer_attr, AttrValue::Raw(format!("array<i64: {}>", peer % p)))
+            .with(peer_attr, AttrValue::Ints(vec![(peer % p) as i64]))
             .with("xf.transfer", AttrValue::Int(tag))
             .with(stage_attr, AttrValue::Int(peer as i64));
         with_phase(attrs, phase)
@@ -597,6 +555,7 @@ fn build_stage(
     for &i in &ops {
         let op = &func.ops[i];
         let phase = plan.phase[i];
+        fb.set_origin(op.origin);
         advance(&mut current, phase, &mut fb, &mut map);
         if phase == Phase::Step {
             for v in &op.operands {
@@ -610,7 +569,9 @@ fn build_stage(
         let operands =
             op.operands.iter().map(|v| map.get(v).copied().ok_or_else(|| format!("{}: stage {k} has no {v} (made on stage {:?})", op.loc, home(*v).map(|h| h.0)))).collect::<Result<Vec<_>, _>>()?;
         let mut attrs = ordered(with_phase(op.attrs.clone(), phase), phase, i as i64);
-        if op.loc == "loss.seed" && op.name == "xf.fill_like" {
+        // The seed of the backward: the loss's gradient, the one gradient fill of ones (the
+        // others fill zeros).
+        if op.name == "xf.fill_like" && op.origin.role == Role::Gradient && matches!(op.attrs.get("value"), Some(AttrValue::Float(x)) if *x == 1.0) {
             // Each micro-batch's loss is a mean over its tokens; the step's loss is the mean
             // over micro-batches, so each micro-batch's gradient carries a factor 1/m.
             let seed = match op.attrs.get("value") {

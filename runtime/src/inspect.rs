@@ -9,7 +9,7 @@
 //! byte counts the buffers do not make. Only the fields `inspect` shows are read from the
 //! header, so this crate needs neither the spec nor the summary types.
 
-use crate::program::{Program, Section};
+use crate::program::{Program, Phase};
 use crate::RuntimeError;
 
 /// The plan file format version `shardc compile -o` writes.
@@ -50,7 +50,7 @@ pub fn read_plan(text: &str) -> Result<(Option<PlanHeader>, Vec<Program>), Runti
     if model.chars().any(char::is_control) {
         return Err(bad("the plan's `spec.name` contains control characters".into()));
     }
-    let mesh = ["dp", "tp", "pp"]
+    let mesh = shardc_ir::mesh::GRID_AXES
         .iter()
         .map(|axis| value.pointer(&format!("/mesh/{axis}")).and_then(serde_json::Value::as_u64).map(|size| format!("{axis}={size}")))
         .collect::<Option<Vec<_>>>()
@@ -134,7 +134,7 @@ pub fn describe(program: &Program, instrs: bool) -> String {
     line(format!("  ops          {}", counts.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")));
     if let Some(pipeline) = &program.pipeline {
         for chunk in &pipeline.chunks {
-            let sizes: Vec<String> = [Section::Forward, Section::Backward, Section::Weight, Section::Step].iter().map(|&s| format!("{} {}", s.label(), chunk.range(s).len())).collect();
+            let sizes: Vec<String> = Phase::ALL.iter().map(|&s| format!("{} {}", s.label(), chunk.range(s).len())).collect();
             line(format!(
                 "  stage {:<6} instructions: {}; keeps {} buffers per micro-batch, sums {} over micro-batches",
                 chunk.stage,

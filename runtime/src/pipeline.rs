@@ -19,7 +19,7 @@ use crate::RuntimeError;
 use crate::collectives::{Algorithm, CollectiveKind, MeshShape};
 use crate::cpu::Storage;
 use crate::data::Corpus;
-use crate::program::{Program, Role, Section};
+use crate::program::{Program, Role, Phase};
 use crate::schedule::{Item, Schedule, Timeline, Work};
 use crate::train::{on_every_rank_of, read_f64};
 
@@ -120,7 +120,7 @@ pub fn train_pipeline_from(
         // The chunk whose forward makes the loss, if this rank has it.
         let loss_chunk = program.result("loss").and_then(|loss| {
             let maker = program.instrs.iter().position(|i| i.outputs.contains(&loss.buffer))?;
-            plan.chunks.iter().position(|c| c.range(Section::Forward).contains(&maker))
+            plan.chunks.iter().position(|c| c.range(Phase::Forward).contains(&maker))
         });
         // The item after which a chunk has no backward work left this step: its gradients are
         // final, and its data-parallel sync starts then, while other work goes on.
@@ -168,7 +168,7 @@ pub fn train_pipeline_from(
                 let began = start.elapsed().as_secs_f64() * 1e3;
                 match item.work {
                     Work::F => {
-                        exec.run_range(chunk.range(Section::Forward))?;
+                        exec.run_range(chunk.range(Phase::Forward))?;
                         kept_forward.insert((c, j), exec.save_into(&chunk.keep_forward, spare_forward.pop().unwrap_or_default()));
                         if loss_chunk == Some(c) {
                             loss_sum += read_f64(exec, "loss")?[0];
@@ -177,12 +177,12 @@ pub fn train_pipeline_from(
                     Work::B => {
                         let kept = kept_forward.get(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("backward of micro-batch {j} before its forward")))?;
                         exec.restore(&chunk.keep_forward, kept)?;
-                        exec.run_range(chunk.range(Section::Backward))?;
+                        exec.run_range(chunk.range(Phase::Backward))?;
                         exec.accumulate(&chunk.sum_backward, &mut sums[c], !std::mem::replace(&mut summing[c], true))?;
                         if splits_w {
                             kept_backward.insert((c, j), exec.save_into(&chunk.keep_backward, spare_backward.pop().unwrap_or_default()));
                         } else {
-                            exec.run_range(chunk.range(Section::Weight))?;
+                            exec.run_range(chunk.range(Phase::Weight))?;
                             exec.accumulate(&chunk.sum_weight, &mut sums_weight[c], !std::mem::replace(&mut summing_weight[c], true))?;
                             spare_forward.extend(kept_forward.remove(&(c, j)));
                         }
@@ -194,7 +194,7 @@ pub fn train_pipeline_from(
                         let kept = kept_backward.remove(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("weight gradient of micro-batch {j} before its backward")))?;
                         exec.restore(&chunk.keep_backward, &kept)?;
                         spare_backward.push(kept);
-                        exec.run_range(chunk.range(Section::Weight))?;
+                        exec.run_range(chunk.range(Phase::Weight))?;
                         exec.accumulate(&chunk.sum_weight, &mut sums_weight[c], !std::mem::replace(&mut summing_weight[c], true))?;
                     }
                 }

@@ -21,30 +21,8 @@ pub const MAX_BUFFER_ELEMENTS: usize = 1 << 48;
 /// Most ranks a program's mesh may have (each mesh axis holds at most 2^20).
 pub const MAX_MESH_RANKS: usize = 1 << 20;
 
-/// Element type of a buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    /// 32-bit float.
-    F32,
-    /// bfloat16 (the CPU backend stores it and computes in f32).
-    Bf16,
-    /// 64-bit float.
-    F64,
-    /// 32-bit signed integer.
-    I32,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            DType::F32 | DType::I32 => 4,
-            DType::Bf16 => 2,
-            DType::F64 => 8,
-        }
-    }
-}
+pub use shardc_ir::types::DType;
+use shardc_ir::facts::{Block, Origin};
 
 /// Index of a buffer in [`Program::buffers`].
 pub type BufferId = usize;
@@ -74,20 +52,8 @@ impl Buffer {
     }
 }
 
-/// Role of an argument, as in the IR.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Trainable parameter.
-    Param,
-    /// Optimizer state.
-    OptState,
-    /// The fp32 master copy of a bf16 parameter (`opt.master.<parameter>`): starts as the
-    /// parameter's value.
-    Master,
-    /// Per-step input.
-    Input,
-}
+/// Role of an argument: the IR's.
+pub use shardc_ir::ArgRole as Role;
 
 /// A named argument or result.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -110,25 +76,12 @@ pub struct Binding {
     /// padding is zero.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unpadded: Option<Vec<usize>>,
+    /// The part of the model an argument belongs to (a parameter's layer, say).
+    #[serde(default, skip_serializing_if = "Block::is_unplaced")]
+    pub block: Block,
 }
 
-impl Role {
-    /// Whether the argument is state a run carries from step to step (and checkpoints
-    /// keep): parameters, their master copies, optimizer state.
-    pub fn is_state(self) -> bool {
-        matches!(self, Role::Param | Role::OptState | Role::Master)
-    }
-}
-
-/// The parameter a master copy (`opt.master.<parameter>`) belongs to.
-pub fn master_of(name: &str) -> Option<&str> {
-    name.strip_prefix("opt.master.")
-}
-
-/// The name of parameter `param`'s master copy.
-pub fn master_name(param: &str) -> String {
-    format!("opt.master.{param}")
-}
+pub use shardc_ir::facts::{master_name, master_of, state_name, state_of};
 
 impl Binding {
     /// The shape of the tensor outside the program: its unpadded shape, or `global`.
@@ -191,8 +144,11 @@ pub struct Instr {
     pub inputs: Vec<BufferId>,
     /// Output buffers.
     pub outputs: Vec<BufferId>,
-    /// Model location, e.g. `layers.3.attn.q`.
+    /// Model location, e.g. `layers.3.attn.q`, for people.
     pub loc: String,
+    /// Where the op comes from, as facts (what estimates read in place of `loc`).
+    #[serde(default, skip_serializing_if = "Origin::is_default")]
+    pub origin: Origin,
 }
 
 impl Instr {
@@ -355,7 +311,7 @@ pub enum DeviceCall {
         args: Vec<KernelArg>,
     },
     /// `C[b] = op(A[b]) op(B[b])`, row-major, through cuBLAS (fp32 accumulation).
-    Gemm(GemmCall),
+    Gemm(Gemm),
     /// The output takes the input's value (a device copy unless they share storage).
     Copy {
         /// Source buffer.
@@ -372,40 +328,9 @@ pub enum DeviceCall {
     Runtime,
 }
 
-/// A row-major (batched) matrix product.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GemmCall {
-    /// A, B, C buffers.
-    pub a: BufferId,
-    /// B.
-    pub b: BufferId,
-    /// C.
-    pub c: BufferId,
-    /// Rows of C, columns of C, contracted dimension.
-    pub m: usize,
-    /// Columns of C.
-    pub n: usize,
-    /// Contracted dimension.
-    pub k: usize,
-    /// A stored `[k, m]`.
-    pub transpose_a: bool,
-    /// B stored `[n, k]`.
-    pub transpose_b: bool,
-    /// Row strides as stored.
-    pub lda: usize,
-    /// Row stride of B.
-    pub ldb: usize,
-    /// Row stride of C.
-    pub ldc: usize,
-    /// Batch strides in elements (0: shared).
-    pub stride_a: usize,
-    /// Batch stride of B.
-    pub stride_b: usize,
-    /// Batch stride of C.
-    pub stride_c: usize,
-    /// Batch items.
-    pub batch: usize,
-}
+/// A row-major (batched) matrix product: the op's [`Gemm`] with operand and result indices
+/// replaced by buffers.
+pub use shardc_ir::kernel::Gemm;
 
 /// A kernel argument.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -426,50 +351,14 @@ pub enum KernelArg {
     RankOffset,
 }
 
-/// A section of a pipeline stage: what runs per micro-batch (forward, backward, weight) and
-/// once per global batch (step).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Section {
-    /// What the loss needs.
-    Forward = 0,
-    /// Input gradients (and weight gradients unless split off).
-    Backward = 1,
-    /// Weight gradients (zero-bubble schedules).
-    Weight = 2,
-    /// Optimizer updates on the gradients summed over micro-batches.
-    Step = 3,
-}
-
-impl Section {
-    /// The IR's `xf.phase` name.
-    pub fn label(self) -> &'static str {
-        match self {
-            Section::Forward => "forward",
-            Section::Backward => "backward",
-            Section::Weight => "weight",
-            Section::Step => "step",
-        }
-    }
-
-    /// Parses an `xf.phase` name.
-    pub fn parse(text: &str) -> Option<Section> {
-        Some(match text {
-            "forward" => Section::Forward,
-            "backward" => Section::Backward,
-            "weight" => Section::Weight,
-            "step" => Section::Step,
-            _ => return None,
-        })
-    }
-}
+pub use shardc_ir::facts::Phase;
 
 /// One model chunk (pipeline stage) of a pipeline rank.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChunkPlan {
     /// The pipeline stage this chunk is.
     pub stage: usize,
-    /// Instruction range `[start, end)` of each section, indexed by [`Section`].
+    /// Instruction range `[start, end)` of each section, indexed by [`Phase`].
     pub sections: [(usize, usize); 4],
     /// Buffers the forward section makes and a later section of the same micro-batch reads.
     pub keep_forward: Vec<BufferId>,
@@ -489,7 +378,7 @@ pub struct ChunkPlan {
 
 impl ChunkPlan {
     /// The instruction range of `section`.
-    pub fn range(&self, section: Section) -> std::ops::Range<usize> {
+    pub fn range(&self, section: Phase) -> std::ops::Range<usize> {
         let (start, end) = self.sections[section as usize];
         start..end
     }
@@ -561,7 +450,7 @@ impl Program {
     /// [`Program::check_early_syncs`]), or `None` when it may. Codegen chooses the early
     /// syncs with it, so the rule has one statement.
     pub fn early_sync_error(&self, chunk: &ChunkPlan, index: usize) -> Option<String> {
-        let step = chunk.range(Section::Step);
+        let step = chunk.range(Phase::Step);
         let Some(instr) = self.instrs.get(index).filter(|_| step.contains(&index)) else {
             return Some(format!("early sync {index} is not an instruction of the step section {step:?}"));
         };
@@ -851,11 +740,11 @@ impl Program {
         let mut order: Vec<(i64, usize, usize)> = chunks
             .iter()
             .enumerate()
-            .flat_map(|(c, chunk)| chunk.range(Section::Step).map(move |index| (c, index)))
+            .flat_map(|(c, chunk)| chunk.range(Phase::Step).map(move |index| (c, index)))
             .map(|(c, index)| (self.instrs[index].int("xf.order").unwrap_or(i64::MIN), c, index))
             .collect();
         if order.iter().any(|(key, _, _)| *key == i64::MIN) {
-            return chunks.iter().flat_map(|chunk| chunk.range(Section::Step)).collect();
+            return chunks.iter().flat_map(|chunk| chunk.range(Phase::Step)).collect();
         }
         order.sort_unstable();
         order.into_iter().map(|(_, _, index)| index).collect()

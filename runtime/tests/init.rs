@@ -24,7 +24,7 @@ fn shards_made_from_global_indices_equal_shards_of_the_whole_tensor() {
         let binding = Binding { name: name.into(), buffer: 0, role: Some(role), layout: Some(Layout { global_shape: shape.clone(), split }), unpadded: unpadded.map(|mut u| {
             u.truncate(shape.len());
             u
-        }) };
+        }), block: Default::default() };
         let whole = init_binding(&binding, &shape, 7, 3);
         for rank in 0..mesh.ranks() {
             let expected = local_shard(&whole, binding.layout.as_ref().unwrap(), &mesh, rank);

@@ -118,7 +118,7 @@ impl Checkpoints {
         if let Some(seed) = args.seed.filter(|&s| s != manifest.seed) {
             return Err(miette!(help = format!("resume without --seed (or with --seed {})", manifest.seed), "--seed {seed}: the checkpoint's run has seed {}, which fixes its data order", manifest.seed));
         }
-        if args.step.training.optimizer == "sgd" && manifest.tensors.iter().any(|t| t.name.starts_with("opt.") && !t.name.starts_with("opt.master.")) {
+        if args.step.training.optimizer == "sgd" && manifest.tensors.iter().any(|t| shardc_ir::facts::state_of(&t.name).is_some_and(|(state, _)| state != "master")) {
             return Err(miette!(help = "resume with the checkpoint's optimizer (--optimizer adamw)", "--optimizer sgd: {} holds AdamW's moments, which SGD would drop", dir.display()));
         }
         // The schedule and clipping continue the checkpoint's (Megatron-LM checks them too).

@@ -21,14 +21,14 @@ fn ty(shape: &[i64]) -> TensorTy {
 
 /// A `shard` collective over grid `axes` (`dim`: the gather/slice/scatter axis).
 fn coll(fb: &mut FuncBuilder, name: &str, x: Value, axes: &[u16], dim: Option<usize>, result: &[i64]) -> Value {
-    let axes_attr = AttrValue::Raw(format!("array<i16: {}>", axes.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")));
-    let mut attrs = Attrs::new().with("grid", AttrValue::Raw("@mesh".into())).with("grid_axes", axes_attr);
-    let index = |d: usize| AttrValue::Raw(format!("{d} : index"));
+    let axes_attr = AttrValue::axes(axes);
+    let mut attrs = Attrs::new().with("grid", AttrValue::Symbol("mesh".into())).with("grid_axes", axes_attr);
+    let index = AttrValue::Index;
     attrs = match name {
         "shard.all_gather" => attrs.with("gather_axis", index(dim.unwrap())),
         "shard.all_slice" => attrs.with("slice_axis", index(dim.unwrap())),
-        "shard.reduce_scatter" => attrs.with("reduction", AttrValue::Raw("#shard<partial sum>".into())).with("scatter_axis", index(dim.unwrap())),
-        _ => attrs.with("reduction", AttrValue::Raw("#shard<partial sum>".into())),
+        "shard.reduce_scatter" => attrs.with("reduction", AttrValue::Reduction(shardc_ir::Reduction::Sum)).with("scatter_axis", index(dim.unwrap())),
+        _ => attrs.with("reduction", AttrValue::Reduction(shardc_ir::Reduction::Sum)),
     };
     fb.op_typed(name, &[x], attrs, vec![Type::Tensor(ty(result))], "test")[0]
 }
@@ -272,7 +272,7 @@ fn broadcasts_of_replicated_values_vanish_and_small_all_reduces_share_a_message(
         let out = if rhs {
             r
         } else {
-            let attrs = Attrs::new().with("grid", AttrValue::Raw("@mesh".into())).with("grid_axes", AttrValue::Raw("array<i16: 1>".into())).with("root", AttrValue::Raw("array<i64: 2>".into()));
+            let attrs = Attrs::new().with("grid", AttrValue::Symbol("mesh".into())).with("grid_axes", AttrValue::axes(&[1])).with("root", AttrValue::Ints(vec![2]));
             fb.op_typed("shard.broadcast", &[r], attrs, vec![Type::Tensor(ty(&[4, 3]))], "test")[0]
         };
         let y = op(&mut fb, "xf.gelu", &[out], Attrs::new())[0];
@@ -286,9 +286,9 @@ fn broadcasts_of_replicated_values_vanish_and_small_all_reduces_share_a_message(
         let outs = if rhs {
             let member = |fb: &mut FuncBuilder, v: Value, shape: &[i64]| {
                 let attrs = Attrs::new()
-                    .with("grid", AttrValue::Raw("@mesh".into()))
-                    .with("grid_axes", AttrValue::Raw("array<i16: 1>".into()))
-                    .with("reduction", AttrValue::Raw("#shard<partial sum>".into()))
+                    .with("grid", AttrValue::Symbol("mesh".into()))
+                    .with("grid_axes", AttrValue::axes(&[1]))
+                    .with("reduction", AttrValue::Reduction(shardc_ir::Reduction::Sum))
                     .with("xf.async", AttrValue::Bool(true))
                     .with("xf.bucket", AttrValue::Int(7))
                     .with("xf.bucket_members", AttrValue::Int(2));
@@ -365,7 +365,7 @@ fn rules_do_not_fire_where_their_preconditions_fail() {
     let mut fb = FuncBuilder::new("f");
     let x = input(&mut fb, "x", &[8, 3]);
     let sharded = coll(&mut fb, "shard.all_slice", x, &[1], Some(0), &[2, 3]);
-    let attrs = Attrs::new().with("grid", AttrValue::Raw("@mesh".into())).with("grid_axes", AttrValue::Raw("array<i16: 1>".into())).with("root", AttrValue::Raw("array<i64: 2>".into()));
+    let attrs = Attrs::new().with("grid", AttrValue::Symbol("mesh".into())).with("grid_axes", AttrValue::axes(&[1])).with("root", AttrValue::Ints(vec![2]));
     let b = fb.op_typed("shard.broadcast", &[sharded], attrs, vec![Type::Tensor(ty(&[2, 3]))], "test")[0];
     let y = gelu(&mut fb, b);
     check_rule_does_not_fire("broadcast-of-replicated", "the value differs across the group", &[1, 4, 1], true, finish(fb, &[y]));
@@ -385,9 +385,9 @@ fn rules_do_not_fire_where_their_preconditions_fail() {
 fn rank_dependent_ops_are_never_taken_for_replicated() {
     let mut fb = FuncBuilder::new("f");
     let x = input(&mut fb, "x", &[4, 8]);
-    let attrs = Attrs::new().with("xf.classes", AttrValue::Int(12)).with("xf.vocab_split_axes", AttrValue::Raw("array<i16: 1>".into()));
+    let attrs = Attrs::new().with("xf.classes", AttrValue::Int(12)).with("xf.vocab_split_axes", AttrValue::axes(&[1]));
     let local_max = fb.op_typed("xf.row_max", &[x], attrs, vec![Type::Tensor(ty(&[4]))], "test")[0];
-    let root = Attrs::new().with("grid", AttrValue::Raw("@mesh".into())).with("grid_axes", AttrValue::Raw("array<i16: 1>".into())).with("root", AttrValue::Raw("array<i64: 1>".into()));
+    let root = Attrs::new().with("grid", AttrValue::Symbol("mesh".into())).with("grid_axes", AttrValue::axes(&[1])).with("root", AttrValue::Ints(vec![1]));
     let b = fb.op_typed("shard.broadcast", &[local_max], root, vec![Type::Tensor(ty(&[4]))], "test")[0];
     let y = op(&mut fb, "xf.gelu", &[b], Attrs::new())[0];
     let func = finish(fb, &[y]);

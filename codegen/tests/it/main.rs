@@ -10,6 +10,7 @@ mod gradcheck;
 mod memory;
 mod mixed;
 mod norm_kernels;
+mod origins;
 mod padding;
 mod pipeline;
 mod spmd;

@@ -184,7 +184,7 @@ fn data_parallel_syncs_start_when_a_chunk_is_done() {
             let syncs = plan
                 .chunks
                 .iter()
-                .flat_map(|c| program.instrs[c.range(shardc_runtime::program::Section::Step)].iter().map(move |i| (c, i)))
+                .flat_map(|c| program.instrs[c.range(shardc_runtime::program::Phase::Step)].iter().map(move |i| (c, i)))
                 // Syncs of a summed gradient (not of one computed in the step, such as the
                 // tied embedding's two contributions added together).
                 .filter(|(c, i)| i.op == "shard.all_reduce" && i.ints("grid_axes").unwrap() == vec![0] && c.sum_backward.iter().chain(&c.sum_weight).any(|b| *b == i.inputs[0]))
@@ -302,7 +302,7 @@ fn an_early_sync_of_a_value_still_being_written_is_refused() {
     let program = &programs[0];
     program.validate().unwrap();
     let chunk = &program.pipeline.as_ref().unwrap().chunks[0];
-    let step = chunk.range(shardc_runtime::program::Section::Step);
+    let step = chunk.range(shardc_runtime::program::Phase::Step);
     // The all-reduce of the tied embedding's gradient: codegen left it out of the early syncs.
     let late: Vec<usize> = step
         .filter(|&i| {

@@ -16,17 +16,20 @@ pub struct Cast;
 /// The target type of a cast: its `to` attribute (`f32`, `bf16`, `f64`).
 pub fn cast_target(attrs: &Attrs) -> Result<DType, String> {
     match attrs.get("to") {
-        Some(AttrValue::Raw(text) | AttrValue::Str(text)) => match DType::from_mlir(text.trim()) {
+        Some(AttrValue::Type(d)) if *d != DType::I32 => Ok(*d),
+        // A rank program keeps the type as its name.
+        Some(AttrValue::Str(text)) => match DType::from_mlir(text.trim()) {
             Some(d) if d != DType::I32 => Ok(d),
             _ => Err(format!("`to` = {text} is not a float element type (f32, bf16 or f64)")),
         },
+        Some(AttrValue::Type(d)) => Err(format!("`to` = {} is not a float element type (f32, bf16 or f64)", d.mlir())),
         other => Err(format!("`to` must be an element type such as f32, got {other:?}")),
     }
 }
 
 /// The `to` attribute for `dtype`.
 pub fn cast_attrs(dtype: DType) -> Attrs {
-    Attrs::new().with("to", AttrValue::Raw(dtype.mlir().to_string()))
+    Attrs::new().with("to", AttrValue::Type(dtype))
 }
 
 impl OpDef for Cast {

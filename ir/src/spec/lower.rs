@@ -8,6 +8,7 @@
 
 use super::{Activation, Norm, Positions, Spec, StepShape};
 use crate::attrs::{AttrValue, Attrs};
+use crate::facts::{Block, Origin, ParamKind};
 use crate::graph::{ArgRole, BuildError, Func, FuncBuilder, Module, Value};
 use crate::types::{DType, TensorTy};
 
@@ -44,16 +45,21 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
     let (heads, kv_heads) = (m.heads as i64, m.kv_heads() as i64);
     let head_dim = h / heads;
     let mut fb = FuncBuilder::new("forward");
-    let param = |fb: &mut FuncBuilder, name: &str, shape: &[i64]| fb.arg(name, TensorTy::new(shape, dtype), ArgRole::Param);
+    let param = |fb: &mut FuncBuilder, name: &str, shape: &[i64], kind: ParamKind| {
+        let value = fb.arg(name, TensorTy::new(shape, dtype), ArgRole::Param);
+        fb.set_kind(value, kind);
+        value
+    };
+    fb.set_origin(Origin::of(Block::Embedding));
 
     // Parameters that the whole model shares are declared up front; per-layer ones as used.
-    let wte = param(&mut fb, "embed.tokens.weight", &[v, h]);
+    let wte = param(&mut fb, "embed.tokens.weight", &[v, h], ParamKind::TokenEmbedding);
     // A padded vocabulary: the table's real rows, and the loss's real classes.
     let padded = shape.padded_vocab != m.vocab;
     if padded {
         fb.set_unpadded(wte, Some(vec![m.vocab as i64, h]));
     }
-    let wpe = (m.positions == Positions::Learned).then(|| param(&mut fb, "embed.positions.weight", &[m.max_seq as i64, h]));
+    let wpe = (m.positions == Positions::Learned).then(|| param(&mut fb, "embed.positions.weight", &[m.max_seq as i64, h], ParamKind::Replicated));
     let tokens = fb.arg("tokens", TensorTy::new([b, s], DType::I32), ArgRole::Input);
     let targets = with_loss.then(|| fb.arg("targets", TensorTy::new([b, s], DType::I32), ArgRole::Input));
 
@@ -65,17 +71,20 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
             attrs(&[("axis", AttrValue::Int(0)), ("start", AttrValue::Int(0)), ("size", AttrValue::Int(s))]),
             "embed.positions.slice",
         )?;
+        fb.set_origin(Origin { residual: true, ..fb.origin() });
         x = fb.op("xf.add", &[x, pos], Attrs::new(), "embed.positions")?;
     }
 
     let mut cx = LayerCx { fb, spec, dtype };
     for layer in 0..m.layers {
         let p = format!("layers.{layer}");
+        let index = u32::try_from(layer).unwrap_or(u32::MAX);
         // Attention block: x + out(attention(q, k, v)).
+        cx.fb.set_origin(Origin::of(Block::Attention(index)));
         let normed = cx.norm(x, &format!("{p}.attn_norm"))?;
-        let q = cx.linear(normed, h, heads * head_dim, &format!("{p}.attn.q"))?;
-        let k = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.k"))?;
-        let val = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.v"))?;
+        let q = cx.linear(normed, h, heads * head_dim, &format!("{p}.attn.q"), ParamKind::Column)?;
+        let k = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.k"), ParamKind::KeyValue)?;
+        let val = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.v"), ParamKind::KeyValue)?;
         let mut q = cx.split_heads(q, heads, &format!("{p}.attn.q.heads"))?;
         let mut k = cx.split_heads(k, kv_heads, &format!("{p}.attn.k.heads"))?;
         let val = cx.split_heads(val, kv_heads, &format!("{p}.attn.v.heads"))?;
@@ -92,32 +101,34 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
             &format!("{p}.attn.core"),
         )?;
         let merged = cx.fb.op("xf.merge_heads", &[core], Attrs::new(), &format!("{p}.attn.merge_heads"))?;
-        let out = cx.linear(merged, heads * head_dim, h, &format!("{p}.attn.out"))?;
-        x = cx.fb.op("xf.add", &[x, out], Attrs::new(), &format!("{p}.attn.residual"))?;
+        let out = cx.linear(merged, heads * head_dim, h, &format!("{p}.attn.out"), ParamKind::Row)?;
+        x = cx.residual(x, out, &format!("{p}.attn.residual"))?;
 
         // MLP block: x + down(act(up(x))).
+        cx.fb.set_origin(Origin::of(Block::Mlp(index)));
         let normed = cx.norm(x, &format!("{p}.mlp_norm"))?;
         let inner = match m.activation {
             Activation::Gelu => {
-                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"))?;
+                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"), ParamKind::Column)?;
                 cx.fb.op("xf.gelu", &[up], Attrs::new(), &format!("{p}.mlp.act"))?
             }
             Activation::Swiglu => {
-                let gate = cx.linear(normed, h, f, &format!("{p}.mlp.gate"))?;
-                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"))?;
+                let gate = cx.linear(normed, h, f, &format!("{p}.mlp.gate"), ParamKind::Column)?;
+                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"), ParamKind::Column)?;
                 cx.fb.op("xf.swiglu", &[gate, up], Attrs::new(), &format!("{p}.mlp.act"))?
             }
         };
-        let down = cx.linear(inner, f, h, &format!("{p}.mlp.down"))?;
-        x = cx.fb.op("xf.add", &[x, down], Attrs::new(), &format!("{p}.mlp.residual"))?;
+        let down = cx.linear(inner, f, h, &format!("{p}.mlp.down"), ParamKind::Row)?;
+        x = cx.residual(x, down, &format!("{p}.mlp.residual"))?;
     }
 
+    cx.fb.set_origin(Origin::of(Block::Head));
     let x = cx.norm(x, "final_norm")?;
     let logits = if m.tied_embeddings {
         // The LM head reads the [vocab, hidden] embedding table transposed.
         cx.fb.op("xf.matmul", &[x, wte], matmul_attrs(false, true), "lm_head")?
     } else {
-        let w = param(&mut cx.fb, "lm_head.weight", &[h, v]);
+        let w = param(&mut cx.fb, "lm_head.weight", &[h, v], ParamKind::LmHead);
         if padded {
             cx.fb.set_unpadded(w, Some(vec![h, m.vocab as i64]));
         }
@@ -146,19 +157,37 @@ struct LayerCx<'s> {
 }
 
 impl LayerCx<'_> {
-    fn param(&mut self, name: &str, shape: &[i64]) -> Value {
-        self.fb.arg(name, TensorTy::new(shape, self.dtype), ArgRole::Param)
+    fn param(&mut self, name: &str, shape: &[i64], kind: ParamKind) -> Value {
+        let value = self.fb.arg(name, TensorTy::new(shape, self.dtype), ArgRole::Param);
+        self.fb.set_kind(value, kind);
+        value
     }
 
-    /// `x @ W (+ b)` with `W [in, out]`, named `{name}.weight` / `{name}.bias`.
-    fn linear(&mut self, x: Value, fan_in: i64, fan_out: i64, name: &str) -> Result<Value, LowerError> {
-        let w = self.param(&format!("{name}.weight"), &[fan_in, fan_out]);
+    /// `x @ W (+ b)` with `W [in, out]`, named `{name}.weight` / `{name}.bias`, split by
+    /// tensor parallelism as `kind` says.
+    fn linear(&mut self, x: Value, fan_in: i64, fan_out: i64, name: &str, kind: ParamKind) -> Result<Value, LowerError> {
+        let w = self.param(&format!("{name}.weight"), &[fan_in, fan_out], kind);
         let y = self.fb.op("xf.matmul", &[x, w], matmul_attrs(false, false), name)?;
         if !self.spec.model.linear_bias {
             return Ok(y);
         }
-        let bias = self.param(&format!("{name}.bias"), &[fan_out]);
-        self.fb.op("xf.add", &[y, bias], Attrs::new(), &format!("{name}.bias_add"))
+        let bias = self.param(&format!("{name}.bias"), &[fan_out], kind);
+        // A row-parallel linear's bias add closes its block's output, which joins the
+        // residual stream.
+        let block = self.fb.origin();
+        self.fb.set_origin(Origin { residual: kind == ParamKind::Row, ..block });
+        let y = self.fb.op("xf.add", &[y, bias], Attrs::new(), &format!("{name}.bias_add"));
+        self.fb.set_origin(block);
+        y
+    }
+
+    /// `x + y`: the residual stream.
+    fn residual(&mut self, x: Value, y: Value, name: &str) -> Result<Value, LowerError> {
+        let block = self.fb.origin();
+        self.fb.set_origin(Origin { residual: true, ..block });
+        let sum = self.fb.op("xf.add", &[x, y], Attrs::new(), name);
+        self.fb.set_origin(block);
+        sum
     }
 
     /// The spec's normalisation over the hidden dimension.
@@ -166,10 +195,10 @@ impl LayerCx<'_> {
         let model = &self.spec.model;
         let hidden = model.hidden as i64;
         let eps = attrs(&[("epsilon", AttrValue::Float(model.norm_eps))]);
-        let gamma = self.param(&format!("{name}.weight"), &[hidden]);
+        let gamma = self.param(&format!("{name}.weight"), &[hidden], ParamKind::Replicated);
         match model.norm {
             Norm::LayerNorm => {
-                let beta = self.param(&format!("{name}.bias"), &[hidden]);
+                let beta = self.param(&format!("{name}.bias"), &[hidden], ParamKind::Replicated);
                 self.fb.op("xf.layernorm", &[x, gamma, beta], eps, name)
             }
             Norm::RmsNorm => self.fb.op("xf.rmsnorm", &[x, gamma], eps, name),

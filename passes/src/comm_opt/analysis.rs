@@ -26,7 +26,7 @@ pub(super) const RANK_OFFSET_ATTRS: [&str; 2] = ["xf.row_split_axes", "xf.vocab_
 /// as [`axis_bits`]). An attribute of that name whose axes cannot be read counts as every
 /// axis: unknown, so never replicated.
 pub(super) fn rank_dependent_axes(attrs: &Attrs) -> u8 {
-    RANK_OFFSET_ATTRS.iter().filter_map(|name| attrs.get(name)).fold(0, |bits, value| bits | grid_axes(value).map_or(u8::MAX, |axes| axis_bits(&axes)))
+    RANK_OFFSET_ATTRS.iter().filter(|name| attrs.get(name).is_some()).fold(0, |bits, name| bits | attrs.axes(name).map_or(u8::MAX, |axes| axis_bits(&axes)))
 }
 
 pub(super) fn axis_bits(axes: &[u16]) -> u8 {

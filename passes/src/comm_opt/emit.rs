@@ -34,8 +34,9 @@ pub(super) fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>
     let arg_values: Vec<Value> = (0..func.args.len() as u32).map(Value).collect();
     let mut value_of: HashMap<Id, Value> = HashMap::default();
     let mut tuple_of: HashMap<Id, Vec<Value>> = HashMap::default();
-    // Location of what made each class, so a new collective is named after its operand.
-    let mut loc_of: HashMap<Id, String> = HashMap::default();
+    // Location and origin of what made each class: a new collective is named after its
+    // operand and placed with it.
+    let mut loc_of: HashMap<Id, (String, shardc_ir::facts::Origin)> = HashMap::default();
     // Bucket numbers of comm-opt's own buckets, apart from the gradient buckets' (from 0).
     let mut next_bucket: i64 = 1 << 20;
     while let Some((_, c)) = ready.pop() {
@@ -53,12 +54,13 @@ pub(super) fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>
                 vec![tuple[*k]]
             }
             Kind::Xf { name, attrs, loc } => {
-                let types = result_types(egraph, node).ok_or_else(|| format!("{}: `{name}` has no result types", tables.locs[*loc]))?;
+                let types = result_types(egraph, node).ok_or_else(|| format!("{}: `{name}` has no result types", tables.locs[*loc].0))?;
                 let mut attrs = tables.attrs[*attrs].clone();
                 if name == "xf.split_heads" {
                     attrs = attrs.with("heads", AttrValue::Int(types[0].shape[1]));
                 }
-                fb.op_typed(name, &kids, attrs, types.into_iter().map(Type::Tensor).collect(), &tables.locs[*loc])
+                fb.set_origin(tables.locs[*loc].1);
+                fb.op_typed(name, &kids, attrs, types.into_iter().map(Type::Tensor).collect(), &tables.locs[*loc].0)
             }
             Kind::Coll { op: CollOp::Bucket, axes } => {
                 // Both members staged, sent as one message, then awaited (the runtime's
@@ -73,17 +75,31 @@ pub(super) fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>
                         .with("xf.bucket_members", AttrValue::Int(2))
                         .with("xf.cause", AttrValue::Str(format!("bucketed by comm-opt with the all-reduce of `{loc}`")))
                 };
-                let locs: Vec<String> = node.children.iter().map(|k| loc_of.get(&egraph.find(*k)).cloned().unwrap_or_default()).collect();
+                let (locs, origins): (Vec<String>, Vec<_>) = node.children.iter().map(|k| loc_of.get(&egraph.find(*k)).cloned().unwrap_or_default()).unzip();
                 let types = result_types(egraph, node).ok_or("a bucket of untyped values")?;
-                let sent: Vec<Value> = (0..2).map(|k| fb.op_typed(&name, &[kids[k]], member(&locs[1 - k]), vec![Type::Tensor(types[k].clone())], &format!("{}.all_reduce", locs[k]))[0]).collect();
-                (0..2).map(|k| fb.op_typed("xf.wait", &[sent[k]], Attrs::new().with("xf.bucket", id.clone()), vec![Type::Tensor(types[k].clone())], &format!("{}.all_reduce.wait", locs[k]))[0]).collect()
+                let sent: Vec<Value> = (0..2)
+                    .map(|k| {
+                        fb.set_origin(origins[k]);
+                        fb.op_typed(&name, &[kids[k]], member(&locs[1 - k]), vec![Type::Tensor(types[k].clone())], &format!("{}.all_reduce", locs[k]))[0]
+                    })
+                    .collect();
+                (0..2)
+                    .map(|k| {
+                        fb.set_origin(origins[k]);
+                        fb.op_typed("xf.wait", &[sent[k]], Attrs::new().with("xf.bucket", id.clone()), vec![Type::Tensor(types[k].clone())], &format!("{}.all_reduce.wait", locs[k]))[0]
+                    })
+                    .collect()
             }
             Kind::Coll { op, axes } => {
                 let (name, attrs, loc) = match original_of.get(&(c, node.op)) {
-                    Some(&i) => (func.ops[i].name.clone(), func.ops[i].attrs.clone(), func.ops[i].loc.clone()),
+                    Some(&i) => {
+                        fb.set_origin(func.ops[i].origin);
+                        (func.ops[i].name.clone(), func.ops[i].attrs.clone(), func.ops[i].loc.clone())
+                    }
                     None => {
                         let (name, attrs) = collective_attrs(*op, axes, grid_name);
-                        let operand = loc_of.get(&egraph.find(node.children[0])).cloned().unwrap_or_else(|| "comm-opt".into());
+                        let (operand, origin) = loc_of.get(&egraph.find(node.children[0])).cloned().unwrap_or_else(|| ("comm-opt".into(), Default::default()));
+                        fb.set_origin(origin);
                         let loc = format!("{operand}.{}", name.trim_start_matches("shard."));
                         (name, attrs.with("xf.cause", AttrValue::Str("chosen by comm-opt".into())), loc)
                     }
@@ -92,8 +108,8 @@ pub(super) fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>
             }
         };
         let made_at = match &tables.kinds[&node.op] {
-            Kind::Arg(i) => func.args[*i].name.clone(),
-            Kind::Opaque(i) => func.ops[*i].loc.clone(),
+            Kind::Arg(i) => (func.args[*i].name.clone(), shardc_ir::facts::Origin::of(func.args[*i].block)),
+            Kind::Opaque(i) => (func.ops[*i].loc.clone(), func.ops[*i].origin),
             Kind::Xf { loc, .. } => tables.locs[*loc].clone(),
             Kind::Proj(_) | Kind::Coll { .. } => node.children.first().and_then(|k| loc_of.get(&egraph.find(*k)).cloned()).unwrap_or_default(),
         };

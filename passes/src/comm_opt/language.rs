@@ -43,7 +43,7 @@ pub(super) struct Tables {
     /// attributes looks at the few with their hash, not the whole table (which has an entry
     /// per op, so a search per rewrite is quadratic in the depth of the model).
     pub(super) attrs_by_hash: HashMap<u64, Vec<usize>>,
-    pub(super) locs: Vec<String>,
+    pub(super) locs: Vec<(String, shardc_ir::facts::Origin)>,
 }
 
 /// A hash of attributes that equal attributes share (`0.0 == -0.0`, so both hash as zero).
@@ -57,7 +57,12 @@ pub(super) fn attrs_hash(attrs: &Attrs) -> u64 {
             AttrValue::Float(v) => (1u8, if *v == 0.0 { 0 } else { v.to_bits() }).hash(&mut hasher),
             AttrValue::Bool(v) => (2u8, v).hash(&mut hasher),
             AttrValue::Str(v) => (3u8, v).hash(&mut hasher),
-            AttrValue::Raw(v) => (4u8, v).hash(&mut hasher),
+            AttrValue::Symbol(v) => (4u8, v).hash(&mut hasher),
+            AttrValue::Index(v) => (5u8, v).hash(&mut hasher),
+            AttrValue::Axes(v) => (6u8, v).hash(&mut hasher),
+            AttrValue::Ints(v) => (7u8, v).hash(&mut hasher),
+            AttrValue::Reduction(v) => (8u8, v).hash(&mut hasher),
+            AttrValue::Type(v) => (9u8, v).hash(&mut hasher),
         }
     }
     hasher.finish()
@@ -182,23 +187,16 @@ pub(super) fn collective_kind(op: &shardc_ir::Op) -> Option<Kind> {
 
 /// The collective an op is, whether or not the pass may rewrite it.
 pub(super) fn any_collective(op: &shardc_ir::Op) -> Option<Kind> {
-    let int = |name: &str| match op.attrs.get(name)? {
-        AttrValue::Raw(raw) => raw.trim_end_matches(" : index").trim().parse::<usize>().ok(),
-        AttrValue::Int(i) => usize::try_from(*i).ok(),
-        _ => None,
-    };
-    let axes = grid_axes(op.attrs.get("grid_axes")?)?;
+    let int = |name: &str| op.attrs.index(name).ok();
+    let axes = op.attrs.axes("grid_axes").ok()?;
     let op_kind = match op.name.as_str() {
         "shard.all_gather" => CollOp::Gather(int("gather_axis")?),
         "shard.all_slice" => CollOp::Slice(int("slice_axis")?),
         "shard.reduce_scatter" => CollOp::ReduceScatter(int("scatter_axis")?),
-        "shard.all_reduce" => CollOp::Reduce { max: matches!(op.attrs.get("reduction"), Some(AttrValue::Raw(r)) if r.contains("max")) },
+        "shard.all_reduce" => CollOp::Reduce { max: op.attrs.reduction("reduction") == Ok(Reduction::Max) },
         "shard.broadcast" => match op.attrs.get("root") {
             // A static root only; its position in the group is fixed by the grid.
-            Some(AttrValue::Raw(raw)) if raw.starts_with("array<i64:") && op.operands.len() == 1 => {
-                let index: Vec<usize> = raw.split_once(':')?.1.trim_end_matches('>').split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse().ok()).collect::<Option<_>>()?;
-                CollOp::Broadcast(index.first().copied().unwrap_or(0))
-            }
+            Some(AttrValue::Ints(index)) if op.operands.len() == 1 => CollOp::Broadcast(usize::try_from(index.first().copied().unwrap_or(0)).ok()?),
             _ => return None,
         },
         _ => return None,
@@ -208,23 +206,14 @@ pub(super) fn any_collective(op: &shardc_ir::Op) -> Option<Kind> {
 
 /// The `shard` op name and attributes of a new collective.
 pub(super) fn collective_attrs(op: CollOp, axes: &[u16], grid: &str) -> (String, Attrs) {
-    let axes_attr = AttrValue::Raw(format!("array<i16: {}>", axes.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")));
-    let base = Attrs::new().with("grid", AttrValue::Raw(format!("@{grid}"))).with("grid_axes", axes_attr);
-    let sum = AttrValue::Raw("#shard<partial sum>".into());
+    let base = Attrs::new().with("grid", AttrValue::Symbol(grid.to_string())).with("grid_axes", AttrValue::axes(axes));
+    let sum = AttrValue::Reduction(Reduction::Sum);
     match op {
-        CollOp::Gather(d) => ("shard.all_gather".into(), base.with("gather_axis", AttrValue::Raw(format!("{d} : index")))),
-        CollOp::Slice(d) => ("shard.all_slice".into(), base.with("slice_axis", AttrValue::Raw(format!("{d} : index")))),
-        CollOp::ReduceScatter(d) => ("shard.reduce_scatter".into(), base.with("reduction", sum).with("scatter_axis", AttrValue::Raw(format!("{d} : index")))),
-        CollOp::Reduce { max } => ("shard.all_reduce".into(), base.with("reduction", if max { AttrValue::Raw("#shard<partial max>".into()) } else { sum })),
-        CollOp::Broadcast(root) => ("shard.broadcast".into(), base.with("root", AttrValue::Raw(format!("array<i64: {root}>")))),
-        CollOp::Bucket => ("shard.all_reduce".into(), base.with("reduction", AttrValue::Raw("#shard<partial sum>".into()))),
-    }
-}
-
-/// The axes of an `array<i16: ...>` attribute (`grid_axes`, `xf.row_split_axes`, ...).
-pub(super) fn grid_axes(value: &AttrValue) -> Option<Vec<u16>> {
-    match value {
-        AttrValue::Raw(raw) => raw.split_once(':')?.1.trim_end_matches('>').split(',').map(str::trim).filter(|t| !t.is_empty()).map(|t| t.parse().ok()).collect(),
-        _ => None,
+        CollOp::Gather(d) => ("shard.all_gather".into(), base.with("gather_axis", AttrValue::Index(d))),
+        CollOp::Slice(d) => ("shard.all_slice".into(), base.with("slice_axis", AttrValue::Index(d))),
+        CollOp::ReduceScatter(d) => ("shard.reduce_scatter".into(), base.with("reduction", sum).with("scatter_axis", AttrValue::Index(d))),
+        CollOp::Reduce { max } => ("shard.all_reduce".into(), base.with("reduction", if max { AttrValue::Reduction(Reduction::Max) } else { sum })),
+        CollOp::Broadcast(root) => ("shard.broadcast".into(), base.with("root", AttrValue::Ints(vec![root as i64]))),
+        CollOp::Bucket => ("shard.all_reduce".into(), base.with("reduction", sum)),
     }
 }

@@ -57,7 +57,7 @@ use serde::{Deserialize, Serialize};
 use shardc_ir::cluster::{Cluster, Collective};
 use shardc_ir::ops::lookup;
 use shardc_ir::sharding::FactorKind;
-use shardc_ir::{AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
+use shardc_ir::{AttrValue, Attrs, Func, FuncBuilder, Module, Reduction, TensorTy, Type, Value};
 
 use crate::{Changed, Pass, PassError};
 
@@ -194,7 +194,7 @@ fn optimize_phase(func: &Func, grid: &[i64], grid_name: &str, options: &CommOpt,
             None if !op.results.is_empty() && op.name.starts_with("xf.") && lookup(&op.name).is_some() && !heavy_op(&op.name) => {
                 let tables = &mut egraph.analysis;
                 let attrs = tables.push_attrs(op.attrs.clone());
-                tables.locs.push(op.loc.clone());
+                tables.locs.push((op.loc.clone(), op.origin));
                 Kind::Xf { name: op.name.clone(), attrs, loc: tables.locs.len() - 1 }
             }
             None => Kind::Opaque(i),

@@ -28,10 +28,7 @@ pub fn price(func: &Func, grid: &[i64], cluster: &Cluster) -> (f64, f64, usize) 
     let mut buckets: BTreeMap<i64, (Vec<usize>, f64)> = BTreeMap::new();
     for op in func.ops.iter().filter(|o| o.name == "shard.all_reduce") {
         if let (Some(AttrValue::Int(b)), Some(t)) = (op.attrs.get("xf.bucket"), func.tensor(op.results[0])) {
-            let axes = match op.attrs.get("grid_axes") {
-                Some(AttrValue::Raw(raw)) => raw.split_once(':').map_or(Vec::new(), |(_, l)| l.trim_end_matches('>').split(',').filter_map(|t| t.trim().parse().ok()).collect()),
-                _ => Vec::new(),
-            };
+            let axes: Vec<usize> = op.attrs.axes("grid_axes").unwrap_or_default().into_iter().map(usize::from).collect();
             let e = buckets.entry(*b).or_insert((axes, 0.0));
             e.1 += t.bytes() as f64;
         }

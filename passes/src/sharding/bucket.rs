@@ -52,11 +52,11 @@ fn is_update(op: &Op) -> bool {
 }
 
 fn dp_only(op: &Op) -> bool {
-    matches!(op.attrs.get("grid_axes"), Some(AttrValue::Raw(a)) if a == "array<i16: 0>")
+    op.attrs.axes("grid_axes").is_ok_and(|axes| axes == [super::DP])
 }
 
 fn along_dimension_0(op: &Op, attr: &str) -> bool {
-    matches!(op.attrs.get(attr), Some(AttrValue::Raw(a)) if a.split(':').next().map(str::trim) == Some("0"))
+    op.attrs.index(attr) == Ok(0)
 }
 
 /// The collectives of `func` this pass makes asynchronous, in program order, with their kind.
@@ -161,11 +161,11 @@ impl Pass for BucketGradients {
                 .with("xf.async", AttrValue::Bool(true))
                 .with("xf.bucket", AttrValue::Int(b as i64))
                 .with("xf.bucket_members", AttrValue::Int(members[&b]));
-            let (value, loc) = (op.results[0], op.loc.clone());
+            let (value, loc, origin) = (op.results[0], op.loc.clone(), op.origin);
             func.types.push(func.types[value.0 as usize].clone());
             let wait = Value(func.types.len() as u32 - 1);
             let attrs = Attrs::new().with("xf.bucket", AttrValue::Int(b as i64));
-            let wait_op = Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs, loc: format!("{loc}.wait") };
+            let wait_op = Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs, loc: format!("{loc}.wait"), origin };
             if kind == Kind::ParameterGather { gather_waits.push(wait_op) } else { gradient_waits.push(wait_op) }
             waited.insert(value, wait);
         }

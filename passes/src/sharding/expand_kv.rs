@@ -59,6 +59,7 @@ impl Pass for ExpandKvHeads {
                     results: vec![value],
                     attrs: Attrs::new().with("times", AttrValue::Int(times)),
                     loc,
+                    origin: op.origin,
                 };
                 func.ops.insert(i + inserted, repeat);
                 inserted += 1;

@@ -26,6 +26,7 @@
 
 use std::collections::HashSet;
 
+use shardc_ir::facts::{Block, ParamKind};
 use shardc_ir::mesh::Mesh;
 use shardc_ir::sharding::Sharding;
 use shardc_ir::{ArgRole, Grid, Module, Value};
@@ -54,28 +55,21 @@ pub struct ShardMegatron {
     pub naive: bool,
 }
 
-/// Sharding of a parameter called `name` of `rank` dimensions.
-fn param_sharding(name: &str, rank: usize, tp: i64, vocab: i64, kv_heads: i64) -> Sharding {
-    let column = ["attn.q.", "attn.k.", "attn.v.", "mlp.up.", "mlp.gate."];
-    let row = ["attn.out.", "mlp.down."];
-    let is = |pieces: &[&str]| pieces.iter().any(|p| name.contains(p));
-    let kv_splits = kv_heads % tp == 0;
-    if tp > 1 && is(&column) && (kv_splits || !is(&["attn.k.", "attn.v."])) {
+/// Sharding of a parameter of `kind` (as the model declares it) and `rank` dimensions.
+fn param_sharding(kind: Option<ParamKind>, rank: usize, tp: i64, vocab: i64, kv_heads: i64) -> Sharding {
+    if tp == 1 {
+        return Sharding::replicated(rank);
+    }
+    match kind {
         // [in, out] weights split `out`; their [out] biases likewise.
-        return Sharding::split_dim(rank, rank - 1, &[TP]);
+        Some(ParamKind::Column) => Sharding::split_dim(rank, rank - 1, &[TP]),
+        Some(ParamKind::KeyValue) if kv_heads % tp == 0 => Sharding::split_dim(rank, rank - 1, &[TP]),
+        // [in, out] weights split `in`; the [out] bias is added after the all-reduce.
+        Some(ParamKind::Row) if rank == 2 => Sharding::split_dim(rank, 0, &[TP]),
+        Some(ParamKind::TokenEmbedding) if vocab % tp == 0 => Sharding::split_dim(rank, 0, &[TP]),
+        Some(ParamKind::LmHead) if vocab % tp == 0 => Sharding::split_dim(rank, 1, &[TP]),
+        _ => Sharding::replicated(rank),
     }
-    if tp > 1 && is(&row) && name.ends_with(".weight") {
-        return Sharding::split_dim(rank, 0, &[TP]);
-    }
-    if tp > 1 && vocab % tp == 0 {
-        if name == "embed.tokens.weight" {
-            return Sharding::split_dim(rank, 0, &[TP]);
-        }
-        if name == "lm_head.weight" {
-            return Sharding::split_dim(rank, 1, &[TP]);
-        }
-    }
-    Sharding::replicated(rank)
 }
 
 impl Pass for ShardMegatron {
@@ -86,7 +80,7 @@ impl Pass for ShardMegatron {
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
         let user = |message: String| PassError::User { pass: "shard-megatron".into(), message };
         let (dp, tp) = (self.mesh.dp as i64, self.mesh.tp as i64);
-        module.grids = vec![Grid { name: "mesh".into(), shape: vec![dp, tp, self.mesh.pp as i64], axes: vec!["dp".into(), "tp".into(), "pp".into()] }];
+        module.grids = vec![Grid { name: "mesh".into(), shape: vec![dp, tp, self.mesh.pp as i64], axes: shardc_ir::mesh::GRID_AXES.map(String::from).to_vec() }];
         let func = module
             .funcs
             .iter_mut()
@@ -114,15 +108,14 @@ impl Pass for ShardMegatron {
             let Some(t) = func.tensor(arg.value).cloned() else { continue };
             let sharding = match arg.role {
                 ArgRole::Param => {
-                    let s = param_sharding(&arg.name, t.rank(), tp, self.vocab, self.kv_heads);
+                    let s = param_sharding(arg.kind, t.rank(), tp, self.vocab, self.kv_heads);
                     if self.zero >= 3 { add_dp(s, &t.shape) } else { s }
                 }
                 // opt.m.<param> / opt.v.<param> / opt.master.<param> follow their parameter;
                 // ZeRO shards them from stage 1 (the fp32 master weights are optimizer state,
                 // as in Megatron's distributed optimizer).
                 ArgRole::OptState | ArgRole::Master => {
-                    let param = arg.name.splitn(3, '.').nth(2).unwrap_or("");
-                    let s = param_sharding(param, t.rank(), tp, self.vocab, self.kv_heads);
+                    let s = param_sharding(arg.kind, t.rank(), tp, self.vocab, self.kv_heads);
                     if self.zero >= 1 { add_dp(s, &t.shape) } else { s }
                 }
                 ArgRole::Input if t.rank() >= 1 && dp > 1 => {
@@ -155,16 +148,15 @@ impl Pass for ShardMegatron {
                 let weight = index.is_param(op.operands[1]);
                 // The LM head keeps its vocab-parallel loss: gathering the logits would make
                 // a different program, not a worse layout of the same one.
-                if column && weight && !op.loc.starts_with("lm_head") && let Some(t) = func.tensor(op.results[0]) {
+                if column && weight && op.origin.block != Block::Head && let Some(t) = func.tensor(op.results[0]) {
                     func.constraints.insert(op.results[0], Sharding::replicated(t.rank()));
                 }
             }
         }
         if self.sequence_parallel && tp > 1 {
-            let pinned = |loc: &str| loc.ends_with(".residual") || loc.ends_with(".out.bias_add") || loc.ends_with(".down.bias_add") || loc == "embed.positions";
             for op in func.ops.clone() {
                 let Some(t) = op.results.first().and_then(|r| func.tensor(*r)).cloned() else { continue };
-                if !pinned(&op.loc) || t.rank() != 3 {
+                if !op.origin.residual || t.rank() != 3 {
                     continue;
                 }
                 if t.shape[1] % tp != 0 {

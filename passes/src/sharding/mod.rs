@@ -26,12 +26,12 @@ pub use overlap::OverlapCollectives;
 pub use partition::Partition;
 pub use propagate::PropagateSharding;
 
-/// Grid axes of the mesh, by name.
-pub const DP: Axis = 0;
+/// The data-parallel grid axis ([`shardc_ir::mesh::DP_AXIS`]) as a sharding names it.
+pub const DP: Axis = shardc_ir::mesh::DP_AXIS as Axis;
 /// The tensor-parallel axis.
-pub const TP: Axis = 1;
+pub const TP: Axis = shardc_ir::mesh::TP_AXIS as Axis;
 /// The pipeline axis.
-pub const PP: Axis = 2;
+pub const PP: Axis = shardc_ir::mesh::PP_AXIS as Axis;
 
 /// What one op needs and produces.
 #[derive(Clone, Debug, PartialEq, Eq)]

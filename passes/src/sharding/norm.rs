@@ -14,6 +14,7 @@
 use std::collections::HashSet;
 
 use shardc_ir::sharding::Axis;
+use shardc_ir::facts::{Origin, Role};
 use shardc_ir::{Attrs, Module, Op, Value};
 
 use super::{plan_op_in, FuncIndex};
@@ -33,14 +34,14 @@ impl Pass for GroupNormSums {
         let mut changed = Changed::No;
         for func in module.funcs.iter_mut().filter(|f| !f.shardings.is_empty()) {
             let Some(clip) = func.ops.iter().position(|op| op.name == "xf.clip_coef") else { continue };
-            // The chain: adds located `*.grad_norm` whose operands are sums of squares or
-            // earlier adds of the chain.
-            let terms: Vec<(Value, String)> = func.ops.iter().filter(|op| op.name == "xf.sum_squares").map(|op| (op.results[0], op.loc.clone())).collect();
+            // The chain: the optimizer's adds whose operands are sums of squares or earlier
+            // adds of the chain.
+            let terms: Vec<(Value, (String, Origin))> = func.ops.iter().filter(|op| op.name == "xf.sum_squares").map(|op| (op.results[0], (op.loc.clone(), op.origin))).collect();
             let mut chain: HashSet<Value> = HashSet::new();
             let mut chain_ops: HashSet<usize> = HashSet::new();
             let term_values: HashSet<Value> = terms.iter().map(|(v, _)| *v).collect();
             for (i, op) in func.ops.iter().enumerate() {
-                if op.name == "xf.add" && op.loc.ends_with(".grad_norm") && op.operands.iter().all(|v| term_values.contains(v) || chain.contains(v)) {
+                if op.name == "xf.add" && op.origin.role == Role::Optimizer && op.operands.iter().all(|v| term_values.contains(v) || chain.contains(v)) {
                     chain.insert(op.results[0]);
                     chain_ops.insert(i);
                 }
@@ -61,7 +62,7 @@ impl Pass for GroupNormSums {
                 continue;
             }
             // Groups of terms by the axes their partial sum spans, in order of first use.
-            let mut groups: Vec<(Vec<Axis>, Vec<(Value, String)>)> = Vec::new();
+            let mut groups: Vec<(Vec<Axis>, Vec<(Value, (String, Origin))>)> = Vec::new();
             for (value, loc) in &terms {
                 let mut partial = func.shardings.get(value).map(|s| s.partial.clone()).unwrap_or_default();
                 partial.sort_unstable();
@@ -82,9 +83,9 @@ impl Pass for GroupNormSums {
             let mut group_totals: Vec<Value> = Vec::new();
             for (_, members) in &groups {
                 let mut sum = members[0].0;
-                for (value, loc) in &members[1..] {
+                for (value, (loc, origin)) in &members[1..] {
                     let result = fresh(func, *value);
-                    adds.push(Op { name: "xf.add".into(), operands: vec![sum, *value], results: vec![result], attrs: Attrs::new(), loc: loc.clone() });
+                    adds.push(Op { name: "xf.add".into(), operands: vec![sum, *value], results: vec![result], attrs: Attrs::new(), loc: loc.clone(), origin: *origin });
                     sum = result;
                 }
                 group_totals.push(sum);
@@ -92,7 +93,7 @@ impl Pass for GroupNormSums {
             let mut sum = group_totals[0];
             for &group_total in &group_totals[1..] {
                 let result = fresh(func, group_total);
-                adds.push(Op { name: "xf.add".into(), operands: vec![sum, group_total], results: vec![result], attrs: Attrs::new(), loc: "optimizer.grad_norm".into() });
+                adds.push(Op { name: "xf.add".into(), operands: vec![sum, group_total], results: vec![result], attrs: Attrs::new(), loc: "optimizer.grad_norm".into(), origin: Origin::default().with_role(Role::Optimizer) });
                 sum = result;
             }
             let mut ops: Vec<Op> = Vec::with_capacity(func.ops.len() + adds.len());

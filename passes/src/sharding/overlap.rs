@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use shardc_ir::{AttrValue, Attrs, Func, Module, Op, Value};
+use shardc_ir::{AttrValue, Attrs, Func, Module, Op, Reduction, Value};
 
 use crate::{Changed, Pass, PassError};
 
@@ -41,19 +41,11 @@ fn candidate(func: &Func, op: &Op) -> bool {
     if t.dtype == shardc_ir::DType::I32 {
         return false;
     }
-    let sum = match op.attrs.get("reduction") {
-        None => true,
-        Some(AttrValue::Raw(r)) => r.contains("sum"),
-        Some(_) => false,
-    };
+    let sum = op.attrs.get("reduction").is_none() || op.attrs.reduction("reduction") == Ok(Reduction::Sum);
     match op.name.as_str() {
         "shard.all_reduce" | "shard.reduce_scatter" => sum,
         "shard.all_gather" => {
-            let axis = match op.attrs.get("gather_axis") {
-                Some(AttrValue::Raw(a)) => a.split(':').next().and_then(|n| n.trim().parse::<usize>().ok()),
-                Some(AttrValue::Int(a)) => usize::try_from(*a).ok(),
-                _ => None,
-            };
+            let axis = op.attrs.index("gather_axis").ok();
             axis.is_some_and(|a| a <= t.shape.len() && t.shape[..a].iter().all(|&d| d == 1))
         }
         _ => false,
@@ -104,7 +96,7 @@ impl Pass for OverlapCollectives {
             op.attrs = std::mem::take(&mut op.attrs).with("xf.async", AttrValue::Bool(true)).with("xf.bucket", AttrValue::Int(bucket)).with("xf.bucket_members", AttrValue::Int(1));
             func.types.push(func.types[result.0 as usize].clone());
             let wait = Value(func.types.len() as u32 - 1);
-            let wait_op = Op { name: "xf.wait".into(), operands: vec![result], results: vec![wait], attrs: Attrs::new().with("xf.bucket", AttrValue::Int(bucket)), loc: format!("{}.wait", op.loc) };
+            let wait_op = Op { name: "xf.wait".into(), operands: vec![result], results: vec![wait], attrs: Attrs::new().with("xf.bucket", AttrValue::Int(bucket)), loc: format!("{}.wait", op.loc), origin: op.origin };
             match until {
                 Some(j) => waits.entry(j).or_default().push(wait_op),
                 None => at_end.push(wait_op),

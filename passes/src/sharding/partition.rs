@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 
 use shardc_ir::sharding::{Axis, Sharding};
-use shardc_ir::{ArgLayout, AttrValue, Attrs, Func, FuncBuilder, Module, TensorTy, Type, Value};
+use shardc_ir::{ArgLayout, AttrValue, Attrs, Func, FuncBuilder, Module, Reduction, TensorTy, Type, Value};
 
 use super::{plan_op_in, sharding_of, FuncIndex};
 use crate::{Changed, Pass, PassError};
@@ -55,7 +55,7 @@ impl Pass for Partition {
 }
 
 fn axes_attr(axes: &[Axis]) -> AttrValue {
-    AttrValue::Raw(format!("array<i16: {}>", axes.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", ")))
+    AttrValue::axes(axes)
 }
 
 /// Builds the per-rank function.
@@ -84,7 +84,7 @@ impl Partitioner<'_> {
 
     /// Emits one collective on `value` and returns its result.
     fn collective(&mut self, name: &str, value: Value, attrs: Attrs, result: TensorTy, loc: &str, cause: &str) -> Value {
-        let attrs = attrs.with("grid", AttrValue::Raw(format!("@{}", self.grid))).with("xf.cause", AttrValue::Str(cause.to_string()));
+        let attrs = attrs.with("grid", AttrValue::Symbol(self.grid.to_string())).with("xf.cause", AttrValue::Str(cause.to_string()));
         self.fb.op_typed(name, &[value], attrs, vec![Type::Tensor(result)], loc)[0]
     }
 
@@ -132,11 +132,11 @@ impl Partitioner<'_> {
             // reduce-scatter: each rank receives only the reduced part it keeps, of the shard
             // it holds (the tensor-parallel shard of a ZeRO gradient split `[tp, dp]`).
             let scatter = (0..rank).find(|&d| target.split[d].len() == s.split[d].len() + reduce.len() && target.split[d].starts_with(&s.split[d]) && target.split[d].ends_with(&reduce));
-            let reduction = AttrValue::Raw("#shard<partial sum>".into());
+            let reduction = AttrValue::Reduction(Reduction::Sum);
             if let Some(d) = scatter {
                 s.split[d] = target.split[d].clone();
                 let ty = self.local_type(&global, &s)?;
-                let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", reduction).with("scatter_axis", AttrValue::Raw(format!("{d} : index")));
+                let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", reduction).with("scatter_axis", AttrValue::Index(d));
                 v = self.collective("shard.reduce_scatter", v, attrs, ty, &format!("{loc}.reduce_scatter"), &format!("partial sum reduce-scattered along dimension {d} for {cause}"));
             } else {
                 let ty = self.local_type(&global, &s)?;
@@ -156,7 +156,7 @@ impl Partitioner<'_> {
             if s.split[d].len() > keep {
                 let axes = s.split[d].split_off(keep);
                 let ty = self.local_type(&global, &s)?;
-                let mut attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Raw(format!("{d} : index")));
+                let mut attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Index(d));
                 if parameter {
                     attrs = attrs.with("xf.per_reader", AttrValue::Bool(true));
                 }
@@ -182,7 +182,7 @@ impl Partitioner<'_> {
     fn slice(&mut self, v: Value, s: &mut Sharding, global: &TensorTy, d: usize, axes: &[Axis], loc: &str, cause: &str) -> Result<Value, String> {
         s.split[d].extend_from_slice(axes);
         let ty = self.local_type(global, s)?;
-        let attrs = Attrs::new().with("grid_axes", axes_attr(axes)).with("slice_axis", AttrValue::Raw(format!("{d} : index")));
+        let attrs = Attrs::new().with("grid_axes", axes_attr(axes)).with("slice_axis", AttrValue::Index(d));
         Ok(self.collective("shard.all_slice", v, attrs, ty, &format!("{loc}.all_slice"), &format!("dimension {d} sliced for {cause}")))
     }
 }
@@ -205,8 +205,8 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
     let per_token = Type::Tensor(TensorTy::new(local_logits.shape[..local_logits.rank() - 1].to_vec(), local_logits.dtype));
     let per_token_ty = per_token.as_tensor().cloned().ok_or("per-token type")?;
     let split = axes_attr(&axes);
-    let reduce = |p: &mut Partitioner<'_>, v: Value, kind: &str, what: &str| {
-        let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("reduction", AttrValue::Raw(format!("#shard<partial {kind}>")));
+    let reduce = |p: &mut Partitioner<'_>, v: Value, kind: Reduction, what: &str| {
+        let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("reduction", AttrValue::Reduction(kind));
         p.collective("shard.all_reduce", v, attrs, per_token_ty.clone(), &format!("{}.{what}", op.loc), &format!("vocab-parallel cross-entropy of `{}`: {what} over the vocabulary shards", op.loc))
     };
     // A padded vocabulary: every piece leaves out the classes past the real ones.
@@ -215,7 +215,7 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
         None => attrs,
     };
     let local_max = p.fb.op_typed("xf.row_max", &operands[..1], with_classes(Attrs::new()), vec![per_token.clone()], &format!("{}.row_max", op.loc))[0];
-    let max = reduce(p, local_max, "max", "max");
+    let max = reduce(p, local_max, Reduction::Max, "max");
     let stats = p.fb.op_typed(
         "xf.cross_entropy_stats",
         &[operands[0], operands[1], max],
@@ -223,9 +223,9 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
         vec![per_token.clone(), per_token.clone()],
         &format!("{}.stats", op.loc),
     );
-    let sumexp = reduce(p, stats[0], "sum", "sumexp");
+    let sumexp = reduce(p, stats[0], Reduction::Sum, "sumexp");
     let result = if op.name == "xf.cross_entropy" {
-        let target = reduce(p, stats[1], "sum", "target_logit");
+        let target = reduce(p, stats[1], Reduction::Sum, "target_logit");
         let scalar = Type::Tensor(TensorTy::scalar(local_logits.dtype));
         p.fb.op_typed("xf.cross_entropy_finish", &[max, sumexp, target], Attrs::new().with("xf.tokens", AttrValue::Int(tokens)), vec![scalar], &op.loc)[0]
     } else {
@@ -290,6 +290,8 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
                 }
             }
         }
+        // What this op needs (reshards of its operands) and makes is placed with it.
+        p.fb.set_origin(op.origin);
         let plan = plan_op_in(func, &p.index, op).map_err(|e| format!("{}: {e}", op.loc))?;
         let mut operands = Vec::with_capacity(op.operands.len());
         for (i, (value, target)) in op.operands.iter().zip(&plan.operands).enumerate() {
@@ -335,6 +337,7 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
             }
         }
     }
+    p.fb.set_origin(Default::default());
     let mut returns = Vec::with_capacity(func.returns.len());
     // The first argument of each name, as a search of the arguments would find it.
     let mut arg_named: HashMap<&str, &shardc_ir::graph::FuncArg> = HashMap::with_capacity(func.args.len());

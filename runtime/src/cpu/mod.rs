@@ -27,6 +27,7 @@ pub fn kernel_ops() -> Vec<&'static str> {
 use crate::collectives::{Algorithm, AsyncComm, Communicator, MeshShape, ReduceOp};
 use crate::program::{Buffer, BufferId, Instr, Program, Role};
 use crate::{DType, RuntimeError};
+use shardc_ir::mesh::PP_AXIS;
 
 /// What a kernel may need to know about its rank.
 #[derive(Clone, Copy, Debug, Default)]
@@ -92,8 +93,6 @@ pub fn with_worker_share<R: Send>(ranks: usize, work: impl FnOnce() -> R + Send)
     }
 }
 
-/// Grid axis of pipeline parallelism, along which sends and receives go.
-const PP_AXIS: usize = 2;
 
 impl CpuExecutor {
     /// Validates `program` and allocates its slots, zero-filled.

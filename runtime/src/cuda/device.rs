@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::err;
-use crate::program::GemmCall;
+use crate::program::Gemm;
 use crate::{DType, RuntimeError};
 
 /// A kernel argument's value.
@@ -62,7 +62,7 @@ pub struct ColumnMajorGemm {
 impl ColumnMajorGemm {
     /// A row-major `C = op(A) op(B)` is the column-major `C^T = op(B)^T op(A)^T`: swap the
     /// operands and the output's dimensions; every stored matrix keeps its leading dimension.
-    pub fn of(g: &GemmCall, a: u64, b: u64, c: u64) -> ColumnMajorGemm {
+    pub fn of(g: &Gemm, a: u64, b: u64, c: u64) -> ColumnMajorGemm {
         ColumnMajorGemm {
             transpose_a: g.transpose_b,
             transpose_b: g.transpose_a,

@@ -26,7 +26,9 @@ use cudarc::driver::{sys as dsys, CudaContext};
 use device::{ColumnMajorGemm, Device, KernelValue};
 
 use crate::collectives::MeshShape;
-use crate::program::{Attr, BufferId, DeviceCall, DevicePlan, GemmCall, Instr, KernelArg, Program, Role, Section};
+use shardc_ir::mesh::PP_AXIS;
+
+use crate::program::{Attr, BufferId, DeviceCall, DevicePlan, Gemm, Instr, KernelArg, Program, Role, Phase};
 use crate::{DType, RuntimeError};
 
 fn err(message: impl Into<String>) -> RuntimeError {
@@ -551,7 +553,7 @@ impl CudaExecutor {
         let peers: Vec<usize> = self
             .ranks()
             .into_iter()
-            .map(|rank| self.mesh.group(rank, &[2]).get(peer_index as usize).copied().ok_or_else(|| err(format!("peer {peer_index} is outside the pp axis"))))
+            .map(|rank| self.mesh.group(rank, &[PP_AXIS]).get(peer_index as usize).copied().ok_or_else(|| err(format!("peer {peer_index} is outside the pp axis"))))
             .collect::<Result<_, _>>()?;
         if self.nccl.is_some() {
             // One process per rank: a send goes from a copy on its own stream (the buffer's
@@ -1337,7 +1339,7 @@ impl CudaTrainer {
     /// naming it. `abort` kills this process after its file is written (fault injection).
     pub fn checkpoint_own_shards(&mut self, dir: &std::path::Path, spec: serde_json::Value, data: Option<crate::data::DataRecord>, abort: bool) -> Result<Option<std::path::PathBuf>, RuntimeError> {
         let rank = self.process_rank().ok_or_else(|| err("this process holds every rank: save the global state with checkpoint::save_sharded"))?;
-        let program_index = if self.every_program.len() == 1 { 0 } else { self.mesh.coords(rank).get(2).copied().unwrap_or(0) };
+        let program_index = if self.every_program.len() == 1 { 0 } else { self.mesh.coords(rank).get(PP_AXIS).copied().unwrap_or(0) };
         // Every rank has reached the checkpoint before any writes (rank 0 cleared the folder
         // of what crashed runs left when it took it).
         self.gather_from_every_process(&[0])?;
@@ -1550,13 +1552,13 @@ impl CudaTrainer {
         let exec = &mut self.runners[s].exec;
         exec.set_transfer_context(step, j as u64);
         Ok(match item.work {
-            Work::F => chunk.range(Section::Forward).collect(),
+            Work::F => chunk.range(Phase::Forward).collect(),
             Work::B => {
                 let kept = *walk.kept_forward.get(&(c, j)).ok_or_else(|| err(format!("backward of micro-batch {j} before its forward")))?;
                 exec.restore(kept)?;
-                let mut instructions: Vec<usize> = chunk.range(Section::Backward).collect();
+                let mut instructions: Vec<usize> = chunk.range(Phase::Backward).collect();
                 if !splits_w {
-                    instructions.extend(chunk.range(Section::Weight));
+                    instructions.extend(chunk.range(Phase::Weight));
                 }
                 instructions
             }
@@ -1566,7 +1568,7 @@ impl CudaTrainer {
                     exec.restore(kept)?;
                     exec.release(kept);
                 }
-                chunk.range(Section::Weight).collect()
+                chunk.range(Phase::Weight).collect()
             }
         })
     }
@@ -1595,7 +1597,7 @@ impl CudaTrainer {
         match item.work {
             Work::F => {
                 walk.kept_forward.insert((c, j), runner.exec.hold(&chunk.keep_forward)?);
-                let makes_loss = program.result("loss").is_some_and(|l| program.instrs[chunk.range(Section::Forward)].iter().any(|i| i.outputs.contains(&l.buffer)));
+                let makes_loss = program.result("loss").is_some_and(|l| program.instrs[chunk.range(Phase::Forward)].iter().any(|i| i.outputs.contains(&l.buffer)));
                 if makes_loss {
                     loss = runner.exec.read(0, "loss")?[0];
                 }
@@ -1696,11 +1698,11 @@ fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, me
         let mut order: Vec<(usize, u64)> = Vec::new();
         for item in &schedule.ranks[plan.rank] {
             let chunk = &plan.chunks[item.chunk];
-            let sections: Vec<Section> = match item.work {
-                Work::F => vec![Section::Forward],
-                Work::B if splits_w => vec![Section::Backward],
-                Work::B => vec![Section::Backward, Section::Weight],
-                Work::W => vec![Section::Weight],
+            let sections: Vec<Phase> = match item.work {
+                Work::F => vec![Phase::Forward],
+                Work::B if splits_w => vec![Phase::Backward],
+                Work::B => vec![Phase::Backward, Phase::Weight],
+                Work::W => vec![Phase::Weight],
             };
             order.extend(sections.into_iter().flat_map(|section| chunk.range(section)).map(|index| (index, item.microbatch as u64)));
         }
@@ -1730,7 +1732,7 @@ pub fn gemm_peak(device: usize, size: usize, dtype: DType, iterations: usize) ->
     let mut gpu = device::Gpu::new(device, PRELUDE_ONLY, &[])?;
     let bytes = size * size * dtype.bytes();
     let (a, b, c) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?, gpu.alloc(bytes)?);
-    let call = GemmCall { a: 0, b: 1, c: 2, m: size, n: size, k: size, transpose_a: false, transpose_b: false, lda: size, ldb: size, ldc: size, stride_a: 0, stride_b: 0, stride_c: 0, batch: 1 };
+    let call = Gemm { a: 0, b: 1, c: 2, m: size, n: size, k: size, transpose_a: false, transpose_b: false, lda: size, ldb: size, ldc: size, stride_a: 0, stride_b: 0, stride_c: 0, batch: 1 };
     let gemm = ColumnMajorGemm::of(&call, a, b, c);
     let run = |times: usize| -> Result<(), RuntimeError> {
         for _ in 0..times {
