@@ -54,10 +54,6 @@ impl Pass for Partition {
     }
 }
 
-fn axes_attr(axes: &[Axis]) -> AttrValue {
-    AttrValue::axes(axes)
-}
-
 /// Builds the per-rank function.
 struct Partitioner<'f> {
     global: &'f Func,
@@ -136,11 +132,11 @@ impl Partitioner<'_> {
             if let Some(d) = scatter {
                 s.split[d] = target.split[d].clone();
                 let ty = self.local_type(&global, &s)?;
-                let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", reduction).with("scatter_axis", AttrValue::Index(d));
+                let attrs = Attrs::new().with("grid_axes", AttrValue::axes(&reduce)).with("reduction", reduction).with("scatter_axis", AttrValue::Index(d));
                 v = self.collective("shard.reduce_scatter", v, attrs, ty, &format!("{loc}.reduce_scatter"), &format!("partial sum reduce-scattered along dimension {d} for {cause}"));
             } else {
                 let ty = self.local_type(&global, &s)?;
-                let attrs = Attrs::new().with("grid_axes", axes_attr(&reduce)).with("reduction", reduction);
+                let attrs = Attrs::new().with("grid_axes", AttrValue::axes(&reduce)).with("reduction", reduction);
                 v = self.collective("shard.all_reduce", v, attrs, ty, &format!("{loc}.all_reduce"), &format!("partial sum reduced for {cause}"));
             }
         }
@@ -156,7 +152,7 @@ impl Partitioner<'_> {
             if s.split[d].len() > keep {
                 let axes = s.split[d].split_off(keep);
                 let ty = self.local_type(&global, &s)?;
-                let mut attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("gather_axis", AttrValue::Index(d));
+                let mut attrs = Attrs::new().with("grid_axes", AttrValue::axes(&axes)).with("gather_axis", AttrValue::Index(d));
                 if parameter {
                     attrs = attrs.with("xf.per_reader", AttrValue::Bool(true));
                 }
@@ -182,7 +178,7 @@ impl Partitioner<'_> {
     fn slice(&mut self, v: Value, s: &mut Sharding, global: &TensorTy, d: usize, axes: &[Axis], loc: &str, cause: &str) -> Result<Value, String> {
         s.split[d].extend_from_slice(axes);
         let ty = self.local_type(global, s)?;
-        let attrs = Attrs::new().with("grid_axes", axes_attr(axes)).with("slice_axis", AttrValue::Index(d));
+        let attrs = Attrs::new().with("grid_axes", AttrValue::axes(axes)).with("slice_axis", AttrValue::Index(d));
         Ok(self.collective("shard.all_slice", v, attrs, ty, &format!("{loc}.all_slice"), &format!("dimension {d} sliced for {cause}")))
     }
 }
@@ -204,9 +200,9 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
     let local_logits = p.fb.tensor(operands[0]).ok_or("non-tensor logits")?.clone();
     let per_token = Type::Tensor(TensorTy::new(local_logits.shape[..local_logits.rank() - 1].to_vec(), local_logits.dtype));
     let per_token_ty = per_token.as_tensor().cloned().ok_or("per-token type")?;
-    let split = axes_attr(&axes);
+    let split = AttrValue::axes(&axes);
     let reduce = |p: &mut Partitioner<'_>, v: Value, kind: Reduction, what: &str| {
-        let attrs = Attrs::new().with("grid_axes", axes_attr(&axes)).with("reduction", AttrValue::Reduction(kind));
+        let attrs = Attrs::new().with("grid_axes", AttrValue::axes(&axes)).with("reduction", AttrValue::Reduction(kind));
         p.collective("shard.all_reduce", v, attrs, per_token_ty.clone(), &format!("{}.{what}", op.loc), &format!("vocab-parallel cross-entropy of `{}`: {what} over the vocabulary shards", op.loc))
     };
     // A padded vocabulary: every piece leaves out the classes past the real ones.
@@ -323,7 +319,7 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
             }
             // A vocab-split table: each rank looks up the rows it holds.
             "xf.embedding" if !plan.factor_axes[0].is_empty() => {
-                attrs = attrs.with("xf.row_split_axes", axes_attr(&plan.factor_axes[0]));
+                attrs = attrs.with("xf.row_split_axes", AttrValue::axes(&plan.factor_axes[0]));
             }
             _ => {}
         }
