@@ -229,6 +229,9 @@ impl StepArgs {
         if self.strategy.zero > 3 {
             return Err(miette!(help = "use 0, 1, 2 or 3", "--zero: there is no ZeRO stage {}", self.strategy.zero));
         }
+        if self.strategy.zero > 0 && mesh.dp == 1 {
+            return Err(miette!(help = "add data parallelism (--mesh dp=2 or more), or leave --zero out", "--zero {} shards optimizer state over the data-parallel ranks, and --mesh {mesh} has one (dp=1)", self.strategy.zero));
+        }
         if self.strategy.sequence_parallel && mesh.tp == 1 {
             return Err(miette!(help = "add tensor parallelism (--mesh tp=2 or more), or leave --sequence-parallel out", "--sequence-parallel splits the sequence over the tensor-parallel ranks, and --mesh {mesh} has one (tp=1)"));
         }
@@ -391,6 +394,13 @@ impl StepArgs {
         };
         let m = self.microbatches(spec, mesh)?;
         if mesh.pp == 1 && m == 1 && self.strategy.stages.is_none() {
+            if kind != Kind::OneFOneB {
+                return Err(miette!(
+                    help = "add pipeline ranks (--mesh pp=N) or micro-batches (--microbatches M), or leave --schedule out",
+                    "--schedule {} orders micro-batches over pipeline stages, and this step has one micro-batch and --mesh {mesh} one stage (pp=1)",
+                    self.strategy.schedule
+                ));
+            }
             return Ok(None);
         }
         if chunks == 0 || chunks > 64 {
@@ -420,6 +430,14 @@ impl StepArgs {
     pub fn load_spec(&self, path: Option<&Path>) -> Result<Spec> {
         // With a Hugging Face folder: its config, and the family that names its keys.
         let mut hf = None;
+        if let (Some(dir), Some(path)) = (&self.model.hf, path) {
+            return Err(miette!(
+                help = "give the spec file or --hf DIR, not both",
+                "--hf {} and the spec {} both name the model",
+                dir.display(),
+                path.display()
+            ));
+        }
         let mut spec = match (self.hf_dir(path), path) {
             (Some(dir), _) => {
                 let config = dir.join("config.json");

@@ -605,6 +605,33 @@ fn resume_with_load_is_refused_naming_both() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Options that would change nothing in the run they are given to are refused naming the
+/// option, before any work (issue 19's review: each was accepted and ignored).
+#[test]
+fn options_that_would_change_nothing_are_refused_by_name() {
+    let cases: [(&[&str], &str); 7] = [
+        (&["run", "models/tiny.toml", "--steps", "1", "--checkpoint-every", "1"], "--checkpoint"),
+        (&["run", "models/tiny.toml", "--hf", "tests/data/hf-tiny-llama", "--steps", "1"], "--hf"),
+        (&["compile", "models/tiny.toml", "--zero", "1"], "--zero 1"),
+        (&["compile", "models/tiny.toml", "--microbatches", "1", "--schedule", "gpipe"], "--schedule gpipe"),
+        (&["run", "models/tiny.toml", "--steps", "1", "--collectives", "tree"], "--collectives tree"),
+        (&["run", "models/tiny.toml", "--steps", "1", "--timeout", "5"], "--timeout 5"),
+        (&["run", "models/tiny.toml", "--steps", "1", "--zero", "2"], "--zero 2"),
+    ];
+    for (args, says) in cases {
+        let out = shardc(args);
+        let err = unwrapped(&stderr(&out));
+        assert_eq!(out.status.code().map(|c| c != 0), Some(true), "{args:?} was accepted: {}", stdout(&out));
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!stdout(&out).contains("step 1"), "{args:?} trained before refusing");
+    }
+    // Where they matter, they are taken.
+    for args in [&["compile", "models/tiny.toml", "--mesh", "dp=2", "--zero", "1"][..], &["compile", "models/tiny.toml", "--schedule", "gpipe"]] {
+        let out = shardc(args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    }
+}
+
 fn tempdir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("shardc-cli-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -804,7 +831,7 @@ fn plan_picks_tensor_parallelism_in_a_node_and_pipelines_across_nodes() {
 /// fix, where its tied embedding's chunks waited on each other until the rank timed out.
 #[test]
 fn interleaved_schedule_on_one_pipeline_rank_is_refused() {
-    let run = ["run", "models/tiny.toml", "--steps", "2", "--schedule", "interleaved", "--clip-grad", "0", "--timeout", "5"];
+    let run = ["run", "models/tiny.toml", "--steps", "2", "--schedule", "interleaved", "--clip-grad", "0"];
     let compile = ["compile", "models/tiny.toml", "--schedule", "interleaved", "--clip-grad", "0"];
     for args in [&run[..], &compile[..]] {
         let out = shardc(args);

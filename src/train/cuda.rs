@@ -49,7 +49,7 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 pub(super) fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     use shardc_runtime::cuda::{self, Placement};
-    let timeout = std::time::Duration::from_secs(args.timeout.max(1));
+    let timeout = std::time::Duration::from_secs(args.timeout_seconds());
     if let Ok(text) = std::env::var("SHARDC_EMULATE_PROCESSES") {
         let processes: usize = text.trim().parse().ok().filter(|&n| n >= 1).ok_or_else(|| miette!(help = "give the number of processes, the mesh's ranks", "SHARDC_EMULATE_PROCESSES={text}: not a positive number"))?;
         // (`check_backend` has refused it outside an emulated GPU run.)

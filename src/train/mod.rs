@@ -69,7 +69,7 @@ pub struct RunArgs {
     pub checkpoint: Option<PathBuf>,
     /// Steps between checkpoints, at multiples of N counted from the start of training
     /// (default: one at the end of the run).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", requires = "checkpoint")]
     pub checkpoint_every: Option<u64>,
     /// Continue from the latest checkpoint in DIR, under this run's mesh (any dp, tp, pp,
     /// ZeRO stage): the shards are reassembled and cut again; the run goes on to step `--steps`.
@@ -89,8 +89,9 @@ pub struct RunArgs {
     /// collective's wait happens on the device: the most a wait on the device (one per step)
     /// may last before every communicator is aborted, and at least ten minutes (PyTorch's
     /// default NCCL timeout).
-    #[arg(long, default_value_t = 60, value_name = "SECONDS")]
-    pub timeout: u64,
+    /// Default: 60.
+    #[arg(long, value_name = "SECONDS")]
+    pub timeout: Option<u64>,
     /// Write the trained model as a Hugging Face folder (config.json, model.safetensors) of
     /// its family (GPT-2 or Llama), loadable by `transformers`.
     #[arg(long, value_name = "DIR")]
@@ -168,6 +169,28 @@ fn check_steps(flag: &str, steps: u64) -> Result<()> {
     Ok(())
 }
 
+impl RunArgs {
+    /// `--timeout`, 60 seconds unless given (at least 1).
+    pub fn timeout_seconds(&self) -> u64 {
+        self.timeout.unwrap_or(60).max(1)
+    }
+}
+
+/// Options for talking between ranks are refused on a run of one rank, which has nobody to
+/// talk to: they would change nothing.
+fn refuse_rank_options_on_one_rank(args: &RunArgs, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+    if mesh.ranks() > 1 {
+        return Ok(());
+    }
+    if args.collectives != "ring" {
+        return Err(miette!(help = "add ranks (--mesh dp=2, say), or leave --collectives out", "--collectives {} chooses how ranks reduce together, and --mesh {mesh} has one rank", args.collectives));
+    }
+    if let Some(timeout) = args.timeout {
+        return Err(miette!(help = "add ranks (--mesh dp=2, say), or leave --timeout out", "--timeout {timeout} bounds how long a rank waits for another, and --mesh {mesh} has one rank"));
+    }
+    Ok(())
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
     check_steps("--steps", args.steps)?;
     check_backend(&args.backend)?;
@@ -192,6 +215,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return Err(crate::report::mesh_report(problems));
     }
     args.step.refuse_what_the_step_does_not_do(&spec, mesh)?;
+    refuse_rank_options_on_one_rank(args, mesh)?;
     // With the GPU named, a run that would not fit its memory is refused before any work.
     let fits = match args.step.hardware_given() {
         true => {
@@ -369,7 +393,7 @@ fn print_program(args: &RunArgs, programs: &[Program], mesh: shardc_ir::mesh::Me
         line += &format!(" ({shared} of them one message for several collectives)");
     }
     // The wait the run applies (at least a second).
-    let timeout = args.timeout.max(1);
+    let timeout = args.timeout_seconds();
     if mesh.ranks() > 1 {
         line += &format!("; {} collectives, {timeout} s timeout", collective_algorithm(&args.collectives).map(|a| if a == shardc_runtime::collectives::Algorithm::Ring { "ring" } else { "tree" })?);
     }
@@ -397,7 +421,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fit
     );
     let algorithm = collective_algorithm(&args.collectives)?;
     let start = Instant::now();
-    let timeout = std::time::Duration::from_secs(args.timeout.max(1));
+    let timeout = std::time::Duration::from_secs(args.timeout_seconds());
     let mut checkpoints = Checkpoints::new(args, spec)?;
     let (mut state, seed) = checkpoints.resume(args, std::slice::from_ref(&program), &mut corpus)?;
     let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
@@ -540,7 +564,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fits:
     let to_run = steps_to_run(args, first_step)?;
     let (mut losses, mut sent, mut last_run, mut at) = (Vec::new(), 0u64, None, first_step);
     for segment in segments(first_step, to_run, &[checkpoints.period(), evaluation.as_ref().map(crate::data::Evaluation::every)]) {
-        let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(args.timeout.max(1)), algorithm, state.as_ref())
+        let run = shardc_runtime::pipeline::train_pipeline_from(&programs, seed, spec.model.layers as usize, &corpus, segment, std::time::Duration::from_secs(args.timeout_seconds()), algorithm, state.as_ref())
             .map_err(training_error)?;
         losses.extend(run.losses.iter().copied());
         sent += run.bytes_sent.iter().flat_map(|m| m.values()).sum::<u64>();

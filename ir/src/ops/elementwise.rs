@@ -147,61 +147,45 @@ impl OpDef for Scale {
 }
 
 /// GELU, tanh approximation (GPT-2's `gelu_new`):
-/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+/// A one-operand activation: its kernel body, cost, and the op of its derivative.
 #[derive(Debug)]
-pub struct Gelu;
-
-impl OpDef for Gelu {
-    fn mnemonic(&self) -> &'static str {
-        "gelu"
-    }
-    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        Ok(DeviceKernel::Elementwise { body: "{out0} = gelu_f({in0});" })
-    }
-    fn summary(&self) -> &'static str {
-        "GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"
-    }
-    fn signature(&self) -> Signature {
-        Signature { operands: UNARY, results: UNARY_OUT, attrs: &[] }
-    }
-    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
-        arity(inputs, 1)?;
-        float("x", inputs[0])?;
-        Ok(vec![inputs[0].clone()])
-    }
-    fn special_per_element(&self) -> f64 {
-        // One tanh per element.
-        1.0
-    }
-    fn flops_per_element(&self) -> f64 {
-        // x^3, two multiply-adds, tanh (counted as 1), 1 + t, two multiplies.
-        8.0
-    }
-    fn differentiable(&self) -> bool {
-        true
-    }
-    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
-        let x = cx.operands[0];
-        Ok(vec![Some(cx.emit("xf.gelu_grad", &[x, grads[0]], Attrs::new())?)])
-    }
-    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::None)
-    }
+pub struct Activation {
+    mnemonic: &'static str,
+    summary: &'static str,
+    body: &'static str,
+    flops_per_element: f64,
+    /// The backward op, `dx = dy * f'(x)` from `(x, dy)`.
+    grad: &'static str,
 }
 
-/// SiLU (swish): `x * sigmoid(x)`.
-#[derive(Debug)]
-pub struct Silu;
+/// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+pub const GELU: Activation = Activation {
+    mnemonic: "gelu",
+    summary: "GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))",
+    body: "{out0} = gelu_f({in0});",
+    // x^3, two multiply-adds, tanh (counted as 1), 1 + t, two multiplies.
+    flops_per_element: 8.0,
+    grad: "xf.gelu_grad",
+};
 
-impl OpDef for Silu {
+/// SiLU (swish): `x * sigmoid(x)`.
+pub const SILU: Activation = Activation {
+    mnemonic: "silu",
+    summary: "SiLU: x * sigmoid(x)",
+    body: "{out0} = {in0} * sigmoid_f({in0});",
+    flops_per_element: 4.0,
+    grad: "xf.silu_grad",
+};
+
+impl OpDef for Activation {
     fn mnemonic(&self) -> &'static str {
-        "silu"
+        self.mnemonic
     }
     fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        Ok(DeviceKernel::Elementwise { body: "{out0} = {in0} * sigmoid_f({in0});" })
+        Ok(DeviceKernel::Elementwise { body: self.body })
     }
     fn summary(&self) -> &'static str {
-        "SiLU: x * sigmoid(x)"
+        self.summary
     }
     fn signature(&self) -> Signature {
         Signature { operands: UNARY, results: UNARY_OUT, attrs: &[] }
@@ -212,18 +196,18 @@ impl OpDef for Silu {
         Ok(vec![inputs[0].clone()])
     }
     fn special_per_element(&self) -> f64 {
-        // One exp per element.
+        // One tanh or exp per element.
         1.0
     }
     fn flops_per_element(&self) -> f64 {
-        4.0
+        self.flops_per_element
     }
     fn differentiable(&self) -> bool {
         true
     }
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
         let x = cx.operands[0];
-        Ok(vec![Some(cx.emit("xf.silu_grad", &[x, grads[0]], Attrs::new())?)])
+        Ok(vec![Some(cx.emit(self.grad, &[x, grads[0]], Attrs::new())?)])
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::None)
@@ -291,55 +275,40 @@ fn same_types(what: &[&str], inputs: &[&TensorTy]) -> Result<TensorTy, String> {
     Ok(inputs[0].clone())
 }
 
-/// `dx = dy * gelu'(x)` for the tanh approximation.
+/// The backward op of an [`Activation`]: `dx = dy * f'(x)` from `(x, dy)`.
 #[derive(Debug)]
-pub struct GeluGrad;
-
-impl OpDef for GeluGrad {
-    fn mnemonic(&self) -> &'static str {
-        "gelu_grad"
-    }
-    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        Ok(DeviceKernel::Elementwise { body: "{out0} = {in1} * gelu_df({in0});" })
-    }
-    fn summary(&self) -> &'static str {
-        "dy * gelu'(x) (tanh approximation)"
-    }
-    fn signature(&self) -> Signature {
-        Signature {
-            operands: &[Slot { name: "x", constraint: "T" }, Slot { name: "dy", constraint: "T" }],
-            results: &[Slot { name: "dx", constraint: "T" }],
-            attrs: &[],
-        }
-    }
-    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
-        Ok(vec![same_types(&["x", "dy"], inputs)?])
-    }
-    fn special_per_element(&self) -> f64 {
-        // One tanh per element.
-        1.0
-    }
-    fn flops_per_element(&self) -> f64 {
-        14.0
-    }
-    fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        ShardingRule::elementwise(inputs[0].rank(), 2, 1, Linearity::None)
-    }
+pub struct ActivationGrad {
+    mnemonic: &'static str,
+    summary: &'static str,
+    body: &'static str,
+    flops_per_element: f64,
 }
 
-/// `dx = dy * silu'(x) = dy * s (1 + x (1 - s))` with `s = sigmoid(x)`.
-#[derive(Debug)]
-pub struct SiluGrad;
+/// `dx = dy * gelu'(x)` for the tanh approximation.
+pub const GELU_GRAD: ActivationGrad = ActivationGrad {
+    mnemonic: "gelu_grad",
+    summary: "dy * gelu'(x) (tanh approximation)",
+    body: "{out0} = {in1} * gelu_df({in0});",
+    flops_per_element: 14.0,
+};
 
-impl OpDef for SiluGrad {
+/// `dx = dy * silu'(x) = dy * s (1 + x (1 - s))` with `s = sigmoid(x)`.
+pub const SILU_GRAD: ActivationGrad = ActivationGrad {
+    mnemonic: "silu_grad",
+    summary: "dy * silu'(x)",
+    body: "{out0} = {in1} * silu_df({in0});",
+    flops_per_element: 7.0,
+};
+
+impl OpDef for ActivationGrad {
     fn mnemonic(&self) -> &'static str {
-        "silu_grad"
+        self.mnemonic
     }
     fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        Ok(DeviceKernel::Elementwise { body: "{out0} = {in1} * silu_df({in0});" })
+        Ok(DeviceKernel::Elementwise { body: self.body })
     }
     fn summary(&self) -> &'static str {
-        "dy * silu'(x)"
+        self.summary
     }
     fn signature(&self) -> Signature {
         Signature {
@@ -352,11 +321,11 @@ impl OpDef for SiluGrad {
         Ok(vec![same_types(&["x", "dy"], inputs)?])
     }
     fn special_per_element(&self) -> f64 {
-        // One exp per element.
+        // One tanh or exp per element.
         1.0
     }
     fn flops_per_element(&self) -> f64 {
-        7.0
+        self.flops_per_element
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         ShardingRule::elementwise(inputs[0].rank(), 2, 1, Linearity::None)

@@ -25,7 +25,7 @@ use crate::types::{DType, TensorTy};
 
 pub use attention::{Attention, AttentionGrad};
 pub use cast::Cast;
-pub use elementwise::{Add, Gelu, GeluGrad, Mul, Scale, Silu, SiluGrad, Swiglu, SwigluGrad};
+pub use elementwise::{Activation, ActivationGrad, Add, Mul, Scale, Swiglu, SwigluGrad, GELU, GELU_GRAD, SILU, SILU_GRAD};
 pub use embedding::{Embedding, EmbeddingGrad};
 pub use heads::{MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads};
 pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyGradShard, CrossEntropyStats, RowMax};
@@ -46,8 +46,8 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &Add,
     &Mul,
     &Scale,
-    &Gelu,
-    &Silu,
+    &GELU,
+    &SILU,
     &Swiglu,
     &LayerNorm,
     &RmsNorm,
@@ -67,8 +67,8 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     // Backward ops, emitted by the VJP rules of the ops above.
     &EmbeddingGrad,
     &MatMulWeightGrad,
-    &GeluGrad,
-    &SiluGrad,
+    &GELU_GRAD,
+    &SILU_GRAD,
     &SwigluGrad,
     &LayerNormGrad,
     &RmsNormGrad,
