@@ -453,6 +453,13 @@ impl StepArgs {
         };
         if let Some(seq) = self.batch.seq {
             spec.training.seq_len = Some(seq);
+            // Rotary positions are computed, not looked up: a longer sequence extends them
+            // (as long-context training raises max_position_embeddings); a learned table
+            // has the rows it has.
+            if spec.model.positions == spec::Positions::Rope && seq > spec.model.max_seq {
+                eprintln!("note: --seq {seq} extends the model's max_seq of {} (rotary positions)", spec.model.max_seq);
+                spec.model.max_seq = seq;
+            }
         }
         if let Some(mb) = self.batch.micro_batch {
             spec.training.micro_batch = mb;

@@ -428,8 +428,8 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let halves: [Vec<Job>; 2] = [jobs.iter().step_by(2).copied().collect(), jobs.iter().skip(1).step_by(2).copied().collect()];
     let measured: Vec<Result<Measured>> = std::thread::scope(|s| {
         let run = |job: Job| match job {
-            Job::Unit(t, sp, r) => compile_unit(spec, Mesh { dp: 1, tp: t, pp: 1 }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
-            Job::Sync(zero) => compile_unit(spec, Mesh { dp: 2, tp: 1, pp: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
+            Job::Unit(t, sp, r) => compile_unit(spec, Mesh { dp: 1, tp: t, pp: 1, cp: 1 }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
+            Job::Sync(zero) => compile_unit(spec, Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
         };
         let handles: Vec<_> = halves.iter().map(|half| s.spawn(move || half.iter().map(|&job| run(job)).collect::<Vec<_>>())).collect();
         let mut results: Vec<std::vec::IntoIter<Result<Measured>>> = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![Err(miette!("compiling a one-layer variant panicked"))]).into_iter()).collect();

@@ -229,6 +229,8 @@ fn invalid_meshes_are_refused_with_the_fix() {
         ("pp=9", "exceeds the 6 blocks of the model"),
         ("dp=3", "global batch 8 is not a multiple of micro-batch 2 x dp 3"),
         ("tp", "not of the form axis=size"),
+        ("cp=3", "cp=3 does not divide the sequence of 8"),
+        ("cp=16", "cp=16 does not divide the sequence of 8"),
     ] {
         let out = shardc(&["compile", "models/tiny.toml", "--mesh", mesh]);
         assert_eq!(out.status.code(), Some(1), "{mesh}");
@@ -954,6 +956,41 @@ fn compile_for_cuda_writes_device_code() {
     let _ = std::fs::remove_dir_all(dir);
     let bad = shardc(&["compile", "models/tiny.toml", "--target", "tpu"]);
     assert!(!bad.status.success() && stderr(&bad).contains("unknown target"), "{}", stderr(&bad));
+}
+
+/// Context parallelism (issue 20): tiny Llama with its sequences split over cp=2 (and
+/// tensor parallelism) trains like one device for 50 steps, as its losses show; the run and
+/// its compiled program say what crosses the cp ranks.
+#[test]
+fn context_parallel_runs_train_like_one_device() {
+    let base = ["run", "models/tiny-llama.toml", "--steps", "50", "--log-every", "1"];
+    let single = losses_by_step(&shardc(&base));
+    let out = shardc(&[&base[..], &["--mesh", "cp=2,tp=2"]].concat());
+    assert!(stdout(&out).contains("mesh dp=1,cp=2,tp=2,pp=1 (4 CPU threads"), "{}", stdout(&out));
+    assert_same_losses(&single, &losses_by_step(&out), "cp=2,tp=2");
+    assert_eq!(single.len(), 50);
+    // GQA's key/value heads gathered over cp, weights' gradients reduced over it.
+    let compiled = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "cp=2,tp=2"]);
+    let text = stdout(&compiled);
+    assert!(text.contains("all_gather over cp") && text.contains("reduce_scatter over cp") && text.contains("all_reduce over cp"), "{text}");
+    // The GPU's attention kernels do not take a part of the queries yet: refused up front.
+    let gpu = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny-llama.toml", "--mesh", "cp=2", "--backend", "cuda", "--steps", "1"]).current_dir(root()).env("SHARDC_GPU_EMULATE", "1").output().unwrap();
+    assert!(!gpu.status.success() && unwrapped(&stderr(&gpu)).contains("context parallelism's attention"), "{}", stderr(&gpu));
+}
+
+/// A 128K-token context for Llama-7B on 128 GPUs (dp=4, cp=4, tp=8): rotary positions extend
+/// past the spec's max_seq, the step compiles, and its memory estimate fits an 80 GB GPU.
+#[test]
+fn long_context_llama_7b_compiles_and_fits_an_80_gb_gpu() {
+    let out = shardc(&["compile", "models/llama-7b.toml", "--mesh", "dp=4,cp=4,tp=8", "--seq", "131072", "--gpu", "h100-sxm"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--seq 131072 extends the model's max_seq of 4096"), "{}", stderr(&out));
+    let text = unwrapped(&stdout(&out));
+    assert!(text.contains("dp=4,cp=4,tp=8,pp=1 (128 ranks)"), "{text}");
+    assert!(text.contains("fits in h100-sxm's 85.9 GB"), "{text}");
+    // A learned position table has the rows it has.
+    let out = shardc(&["compile", "models/gpt2-small.toml", "--mesh", "cp=2", "--seq", "4096"]);
+    assert!(!out.status.success() && stderr(&out).contains("max_seq"), "{}", stderr(&out));
 }
 
 /// `step N loss X` lines of a run, by step.

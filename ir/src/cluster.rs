@@ -47,9 +47,10 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Grid axes from the fastest-varying rank coordinate to the slowest: tp, then dp, then pp
-/// (Megatron-LM's order), as the runtimes number ranks.
-pub const RANK_ORDER: [usize; 3] = [crate::mesh::TP_AXIS, crate::mesh::DP_AXIS, crate::mesh::PP_AXIS];
+/// Grid axes from the fastest-varying rank coordinate to the slowest: tp, then cp, then dp,
+/// then pp (Megatron-LM's order), as the runtimes number ranks. A grid without a cp axis
+/// skips it.
+pub const RANK_ORDER: [usize; 4] = [crate::mesh::TP_AXIS, crate::mesh::CP_AXIS, crate::mesh::DP_AXIS, crate::mesh::PP_AXIS];
 
 use crate::ops::{Cost, KernelClass, OpDef};
 use crate::{Attrs, DType, TensorTy};
@@ -224,7 +225,7 @@ impl Cluster {
     }
 
     /// A cluster from TOML: `preset = "a100-80g"` picks the base, and any of
-    /// `gpus_per_node`, `launch`, `shared_host`, `placement = ["tp", "dp", "pp"]`, `[gpu]`
+    /// `gpus_per_node`, `launch`, `shared_host`, `placement = ["tp", "cp", "dp", "pp"]`, `[gpu]`
     /// fields (those of [`Gpu`]), `[intra_node]` and `[inter_node]` (`alpha` in seconds,
     /// `bandwidth` in bytes/s) override it.
     pub fn from_toml(text: &str) -> Result<Cluster, String> {
@@ -266,13 +267,17 @@ impl Cluster {
                     let names = value.as_array().ok_or("placement: expected a list like [\"tp\", \"dp\", \"pp\"]")?;
                     cluster.placement = names
                         .iter()
-                        .map(|n| n.as_str().and_then(|n| crate::mesh::GRID_AXES.iter().position(|a| *a == n)).ok_or_else(|| format!("placement: unknown axis {n}; use dp, tp and pp")))
+                        .map(|n| n.as_str().and_then(|n| crate::mesh::GRID_AXES.iter().position(|a| *a == n)).ok_or_else(|| format!("placement: unknown axis {n}; use tp, cp, dp and pp")))
                         .collect::<Result<_, _>>()?;
                     // The runtimes number ranks tp fastest, then dp, then pp (Megatron-LM's
                     // order): a node holds whole tp groups first. Another order would price
                     // programs that no run places that way.
+                    // Without cp, the order of the three others.
+                    if cluster.placement == [crate::mesh::TP_AXIS, crate::mesh::DP_AXIS, crate::mesh::PP_AXIS] {
+                        cluster.placement = RANK_ORDER.to_vec();
+                    }
                     if cluster.placement != RANK_ORDER {
-                        return Err("placement: shardc places ranks as Megatron-LM does, tp innermost, then dp, then pp; give [\"tp\", \"dp\", \"pp\"] or leave it out".into());
+                        return Err("placement: shardc places ranks as Megatron-LM does, tp innermost, then cp, then dp, then pp; give [\"tp\", \"cp\", \"dp\", \"pp\"] or leave it out".into());
                     }
                 }
                 "intra_node" | "inter_node" => {

@@ -105,7 +105,9 @@ pub enum Arg {
     /// A `double`.
     Float(f64),
     /// `long long`: the first row (or vocabulary entry) this rank holds of a table split by
-    /// the grid axes the instruction names; 0 when it is not split. Known only at run time.
+    /// the grid axes the instruction names, or the position of its first sequence row when
+    /// its positions are split (`xf.seq_split_axes`); 0 when it is not split. Known only at
+    /// run time.
     RankOffset,
 }
 

@@ -1,5 +1,5 @@
-//! The device mesh a user asks for: `dp x tp x pp`, parsed from `--mesh dp=2,tp=4,pp=2`, and
-//! checked against a spec before any work is done.
+//! The device mesh a user asks for: `dp x cp x tp x pp`, parsed from
+//! `--mesh dp=2,cp=2,tp=4,pp=2`, and checked against a spec before any work is done.
 
 use std::fmt;
 
@@ -7,22 +7,26 @@ use serde::{Deserialize, Serialize};
 
 use crate::spec::Spec;
 
-/// The grid axis of data parallelism. Every grid a pass builds is `[dp, tp, pp]`, in this
-/// order (ranks are still numbered tp fastest: see the runtimes' rank numbering).
+/// The grid axis of data parallelism. Every grid a pass builds is `[dp, tp, pp]`, and
+/// `[dp, tp, pp, cp]` with context parallelism, in this order (ranks are still numbered tp
+/// fastest: see [`crate::cluster::RANK_ORDER`]).
 pub const DP_AXIS: usize = 0;
 /// The grid axis of tensor parallelism.
 pub const TP_AXIS: usize = 1;
 /// The grid axis of pipeline parallelism.
 pub const PP_AXIS: usize = 2;
+/// The grid axis of context parallelism: every activation's sequence is split over it. Last,
+/// so that a grid without it (cp=1) keeps the other axes' indices.
+pub const CP_AXIS: usize = 3;
 /// The grid axes' names, by index.
-pub const GRID_AXES: [&str; 3] = ["dp", "tp", "pp"];
+pub const GRID_AXES: [&str; 4] = ["dp", "tp", "pp", "cp"];
 
 /// The name of grid axis `axis` (`?` for one no grid has).
 pub fn axis_name(axis: usize) -> &'static str {
     GRID_AXES.get(axis).copied().unwrap_or("?")
 }
 
-/// Data-, tensor- and pipeline-parallel extents. Every axis is at least 1.
+/// Data-, tensor-, pipeline- and context-parallel extents. Every axis is at least 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mesh {
     /// Data-parallel replicas.
@@ -31,17 +35,28 @@ pub struct Mesh {
     pub tp: u64,
     /// Pipeline stages.
     pub pp: u64,
+    /// Context-parallel ranks: each holds a part of every sequence.
+    #[serde(default = "one")]
+    pub cp: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 impl Default for Mesh {
     fn default() -> Self {
-        Mesh { dp: 1, tp: 1, pp: 1 }
+        Mesh { dp: 1, tp: 1, pp: 1, cp: 1 }
     }
 }
 
 impl fmt::Display for Mesh {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "dp={},tp={},pp={}", self.dp, self.tp, self.pp)
+        // cp only where it is used, so the common meshes read as they always did.
+        match self.cp {
+            1 => write!(f, "dp={},tp={},pp={}", self.dp, self.tp, self.pp),
+            cp => write!(f, "dp={},cp={cp},tp={},pp={}", self.dp, self.tp, self.pp),
+        }
     }
 }
 
@@ -58,7 +73,7 @@ pub struct MeshError {
 impl Mesh {
     /// Number of ranks (devices).
     pub fn ranks(&self) -> u64 {
-        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
+        self.dp.saturating_mul(self.tp).saturating_mul(self.pp).saturating_mul(self.cp)
     }
 
     /// Parses `dp=2,tp=4,pp=2`; omitted axes are 1.
@@ -76,14 +91,15 @@ impl Mesh {
                 _ => return Err(error(format!("size of `{axis}` must be an integer from 1 to 1048576, got `{}`", value.trim()), "write e.g. tp=4")),
             };
             if seen.contains(&axis.to_string()) {
-                return Err(error(format!("axis `{axis}` is given twice"), "give each of dp, tp, pp at most once"));
+                return Err(error(format!("axis `{axis}` is given twice"), "give each of dp, cp, tp, pp at most once"));
             }
             seen.push(axis.to_string());
             match axis {
                 "dp" => mesh.dp = size,
                 "tp" => mesh.tp = size,
                 "pp" => mesh.pp = size,
-                _ => return Err(error(format!("unknown axis `{axis}`"), "the axes are dp (data), tp (tensor) and pp (pipeline)")),
+                "cp" => mesh.cp = size,
+                _ => return Err(error(format!("unknown axis `{axis}`"), "the axes are dp (data), cp (context), tp (tensor) and pp (pipeline)")),
             }
         }
         Ok(mesh)
@@ -102,6 +118,13 @@ impl Mesh {
         }
         if m.padded_vocab(self.tp) > crate::spec::MAX_DIM {
             error(format!("the vocabulary padded for tp={} ({} rows) exceeds the largest supported size", self.tp, m.padded_vocab(self.tp)), "use a smaller tp or model.vocab_multiple".into());
+        }
+        if self.cp > 1 {
+            let seq = spec.seq_len();
+            // Each context-parallel rank holds one contiguous part of every sequence.
+            if !seq.is_multiple_of(self.cp) {
+                error(format!("cp={} does not divide the sequence of {seq} (each context-parallel rank holds an equal part)", self.cp), format!("use a sequence that is a multiple of {} (--seq), or a cp that divides {seq}", self.cp));
+            }
         }
         if self.pp > 2 * m.layers + 2 {
             error(format!("pp={} exceeds the {} blocks of the model (embedding, attention and MLP of each layer, head)", self.pp, 2 * m.layers + 2), format!("use pp <= {}", 2 * m.layers + 2));

@@ -347,7 +347,8 @@ pub enum KernelArg {
     /// `double`.
     Float(f64),
     /// `long long`: the first row this rank holds of a table split over the instruction's
-    /// `xf.row_split_axes` / `xf.vocab_split_axes` (0 when not split).
+    /// `xf.row_split_axes` / `xf.vocab_split_axes`, or the position of its first sequence row
+    /// split over `xf.seq_split_axes` (0 when not split).
     RankOffset,
 }
 

@@ -20,6 +20,14 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     if args.collectives != "ring" {
         return Err(miette!(help = "leave the choice to NCCL (its NCCL_ALGO variable selects ring or tree), or run on the CPU backend", "--collectives {}: the CPU backend's algorithm; a GPU run's collectives are NCCL's or device copies", args.collectives));
     }
+    if let Ok(mesh) = shardc_ir::mesh::Mesh::parse(&args.mesh)
+        && mesh.cp > 1
+    {
+        return Err(miette!(
+            help = "run context parallelism with --backend cpu, or leave cp out of --mesh on the GPU",
+            "--mesh {mesh}: context parallelism's attention (a rank's queries against the whole sequence's keys) has no CUDA kernel yet"
+        ));
+    }
     if args.check_numerics {
         return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
     }

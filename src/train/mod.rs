@@ -215,7 +215,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         return Err(crate::report::mesh_report(problems));
     }
     args.step.refuse_what_the_step_does_not_do(&spec, mesh)?;
-    refuse_rank_options_on_one_rank(args, mesh)?;
     // With the GPU named, a run that would not fit its memory is refused before any work.
     let fits = match args.step.hardware_given() {
         true => {
@@ -235,6 +234,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if args.backend == "cuda" {
         refuse_what_gpu_runs_cannot_do(args)?;
     }
+    refuse_rank_options_on_one_rank(args, mesh)?;
     check_outputs(args)?;
     if args.backend == "cpu" && mesh.ranks() as usize > shardc_runtime::train::MAX_CPU_RANKS {
         return Err(miette!(

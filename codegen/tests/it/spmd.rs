@@ -73,6 +73,11 @@ fn check_zero(name: &str, dp: u64, tp: u64, zero: u8) {
 }
 
 fn check_all(name: &str, dp: u64, tp: u64, zero: u8, sequence_parallel: bool) {
+    check_mesh(name, Mesh { dp, tp, pp: 1, cp: 1 }, zero, sequence_parallel);
+}
+
+fn check_mesh(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool) {
+    let Mesh { dp, tp, cp, .. } = mesh;
     let optimizer = if zero > 0 { ADAMW } else { SGD };
     let (single, spec) = compile_with(name, Mesh::default(), 0, optimizer, false);
     let corpus = corpus(&spec);
@@ -80,16 +85,16 @@ fn check_all(name: &str, dp: u64, tp: u64, zero: u8, sequence_parallel: bool) {
     let losses: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let reference = trainer.parameters().unwrap();
 
-    let (partitioned, _) = compile_with(name, Mesh { dp, tp, pp: 1 }, zero, optimizer, sequence_parallel);
+    let (partitioned, _) = compile_with(name, mesh, zero, optimizer, sequence_parallel);
     let run = train_spmd(&partitioned, 11, spec.model.layers as usize, &corpus, STEPS, Duration::from_secs(30)).unwrap();
     for (step, (a, b)) in losses.iter().zip(&run.losses).enumerate() {
-        assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} tp={tp} zero={zero} sp={sequence_parallel} step {}: loss {a} vs {b}", step + 1);
+        assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} cp={cp} tp={tp} zero={zero} sp={sequence_parallel} step {}: loss {a} vs {b}", step + 1);
     }
     for ((name_a, _, a), (name_b, _, b)) in reference.iter().zip(&run.parameters) {
         assert_eq!(name_a, name_b);
         let a: Vec<f64> = a.iter().map(|&x| x as f64).collect();
         let err = rel(&a, b);
-        assert!(err <= TOLERANCE, "{name} dp={dp} tp={tp} zero={zero} sp={sequence_parallel}: parameter {name_a} differs by {err:e} after {STEPS} steps");
+        assert!(err <= TOLERANCE, "{name} dp={dp} cp={cp} tp={tp} zero={zero} sp={sequence_parallel}: parameter {name_a} differs by {err:e} after {STEPS} steps");
     }
 }
 
@@ -108,10 +113,47 @@ fn tiny_llama_partitioned_equals_single_device() {
     }
 }
 
+/// Context parallelism (issue 20): the sequence split over cp ranks, alone and with data and
+/// tensor parallelism, sequence parallelism and ZeRO, equals one device.
+#[test]
+fn context_parallel_equals_single_device() {
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    for name in ["tiny", "tiny-llama"] {
+        for m in [mesh(1, 2, 1), mesh(1, 4, 1), mesh(2, 2, 2)] {
+            check_mesh(name, m, 0, false);
+        }
+        check_mesh(name, mesh(1, 2, 2), 0, true);
+        check_mesh(name, mesh(2, 2, 1), 1, false);
+    }
+}
+
+/// Context parallelism's attention gathers every layer's keys and values over cp and
+/// reduce-scatters their gradients back: per rank and layer, 2 x (cp - 1) x its own part of
+/// k (and of v) sent by each (a ring all-gather and reduce-scatter each send (cp - 1) parts
+/// of the cp), and nothing else over cp but the weight gradients' all-reduces.
+#[test]
+fn context_parallel_key_value_traffic_equals_the_formula() {
+    for cp in [2u64, 4] {
+        let (program, spec) = compile("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp });
+        let m = &spec.model;
+        // [micro-batch 4, kv heads, seq / cp, head dim] in f32.
+        let part = 4 * m.kv_heads() * (spec.seq_len() / cp) * m.head_dim() * 4;
+        let records = shardc_runtime::report::comm_records(&program, 0);
+        let over_cp = |op: &str| records.iter().filter(|r| r.op == op && r.axes == [shardc_ir::mesh::CP_AXIS]).map(|r| r.bytes).collect::<Vec<_>>();
+        let (gathers, scatters) = (over_cp("shard.all_gather"), over_cp("shard.reduce_scatter"));
+        let per_layer = 2 * (cp - 1) * part;
+        assert_eq!(gathers.len() as u64, 2 * m.layers, "cp={cp}: one gather of k and one of v per layer");
+        assert_eq!(gathers.iter().sum::<u64>(), m.layers * per_layer, "cp={cp}: gathered bytes");
+        assert_eq!(scatters.len() as u64, 2 * m.layers, "cp={cp}: one scatter of dk and one of dv per layer");
+        assert_eq!(scatters.iter().sum::<u64>(), m.layers * per_layer, "cp={cp}: scattered bytes");
+    }
+}
+
 #[test]
 fn measured_bytes_equal_the_compile_time_report() {
-    for (name, dp, tp) in [("tiny", 2, 2), ("tiny-llama", 1, 2), ("tiny", 4, 1)] {
-        let (program, spec) = compile(name, Mesh { dp, tp, pp: 1 });
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    for (name, mesh) in [("tiny", mesh(2, 1, 2)), ("tiny-llama", mesh(1, 1, 2)), ("tiny", mesh(4, 1, 1)), ("tiny-llama", mesh(2, 2, 2)), ("tiny", mesh(1, 4, 1))] {
+        let (program, spec) = compile(name, mesh);
         let run = train_spmd(&program, 3, spec.model.layers as usize, &corpus(&spec), 2, Duration::from_secs(30)).unwrap();
         for (rank, measured) in run.bytes_sent.iter().enumerate() {
             let mut expected = std::collections::BTreeMap::new();
@@ -121,7 +163,7 @@ fn measured_bytes_equal_the_compile_time_report() {
                 }
             }
             expected.retain(|_, v| *v > 0);
-            assert_eq!(measured, &expected, "{name} dp={dp} tp={tp} rank {rank}");
+            assert_eq!(measured, &expected, "{name} {mesh} rank {rank}");
         }
     }
 }
@@ -134,7 +176,7 @@ fn gpt2_small_at_tp4_has_two_forward_and_two_backward_all_reduces_per_layer() {
     spec.training.micro_batch = 1;
     let mut module = model(&spec);
     // No clipping: the global norm's all-reduces of one value are counted in their own test.
-    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, clip_grad: 0.0, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, clip_grad: 0.0, ..Default::default() };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
     let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[1, 4, 1]).unwrap();
@@ -169,7 +211,7 @@ fn zero_stages_equal_single_device() {
 #[test]
 fn zero_collectives() {
     let kinds = |zero: u8| {
-        let (program, _) = compile_zero("tiny", Mesh { dp: 2, tp: 1, pp: 1 }, zero);
+        let (program, _) = compile_zero("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, zero);
         let mut counts = std::collections::BTreeMap::new();
         for r in shardc_runtime::report::comm_records(&program, 0) {
             *counts.entry(r.op).or_insert(0) += 1;
@@ -212,7 +254,7 @@ fn gpt2_small_sequence_parallel_trades_all_reduces_for_reduce_scatter_and_all_ga
     spec.training.seq_len = Some(128);
     spec.training.micro_batch = 1;
     let records = |sequence_parallel: bool| {
-        let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, sequence_parallel, clip_grad: 0.0, ..Default::default() };
+        let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, sequence_parallel, clip_grad: 0.0, ..Default::default() };
         let program = compiled_step(&spec, &options);
         shardc_runtime::report::comm_records(&program, 0)
     };
@@ -243,7 +285,7 @@ fn gpt2_small_sequence_parallel_trades_all_reduces_for_reduce_scatter_and_all_ga
 #[test]
 fn vocab_parallel_loss_moves_no_logits() {
     // tiny's vocabulary (256) splits over tp=2: the head and the loss stay vocab-parallel.
-    let (program, _) = compile("tiny", Mesh { dp: 1, tp: 2, pp: 1 });
+    let (program, _) = compile("tiny", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 });
     let records = shardc_runtime::report::comm_records(&program, 0);
     assert!(records.iter().all(|r| r.op != "shard.all_gather"), "{records:#?}");
     let loss: Vec<_> = records.iter().filter(|r| r.loc.starts_with("loss")).collect();
@@ -264,7 +306,7 @@ fn gradient_buckets_are_async_and_equal_single_device() {
         let mut module = model(&spec);
         let options = CompileOptions {
             optimizer: SGD,
-            mesh: Mesh { dp: 2, tp: 1, pp: 1 },
+            mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 },
             vocab: 256,
             kv_heads: 4,
             grad_bucket_bytes: bucket_bytes,
@@ -307,7 +349,8 @@ fn gradient_buckets_are_async_and_equal_single_device() {
 fn every_gradient_equals_single_device() {
     use shardc_passes::sharding::{Partition, PropagateSharding, ShardMegatron};
     use shardc_passes::{Autodiff, Pass};
-    for (name, dp, tp, sequence_parallel) in [("tiny", 2, 2, false), ("tiny-llama", 1, 4, false), ("tiny", 1, 2, true), ("tiny-llama", 2, 2, true)] {
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    for (name, mesh, sequence_parallel) in [("tiny", mesh(2, 1, 2), false), ("tiny-llama", mesh(1, 1, 4), false), ("tiny", mesh(1, 1, 2), true), ("tiny-llama", mesh(2, 1, 2), true), ("tiny", mesh(1, 2, 1), false), ("tiny-llama", mesh(2, 2, 2), true)] {
         let mut spec = crate::common::spec_with_dtype(name, "f32");
         spec.training.micro_batch = 4;
         let corpus = corpus(&spec);
@@ -341,7 +384,7 @@ fn every_gradient_equals_single_device() {
             exec.run().unwrap();
             program.results.iter().map(|r| (r.name.clone(), exec.read::<f32>(&r.name).unwrap().iter().map(|&x| x as f64).collect())).collect()
         };
-        let partitioned = shardc_runtime::train::gradients_spmd(&gradients(Mesh { dp, tp, pp: 1 }), 3, 2, &corpus, Duration::from_secs(30)).unwrap();
+        let partitioned = shardc_runtime::train::gradients_spmd(&gradients(mesh), 3, 2, &corpus, Duration::from_secs(30)).unwrap();
         assert_eq!(single.len(), partitioned.len());
         for ((na, a), (nb, b)) in single.iter().zip(&partitioned) {
             assert_eq!(na, nb);
@@ -351,9 +394,9 @@ fn every_gradient_equals_single_device() {
             let scale = a.iter().fold(0f64, |m, x| m.max(x.abs()));
             let diff = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs()));
             if scale > 1e-6 {
-                assert!(diff / scale <= 1e-5, "{name} dp={dp} tp={tp} sp={sequence_parallel}: {na} differs by {:e}", diff / scale);
+                assert!(diff / scale <= 1e-5, "{name} {mesh} sp={sequence_parallel}: {na} differs by {:e}", diff / scale);
             } else {
-                assert!(diff <= 1e-8, "{name} dp={dp} tp={tp} sp={sequence_parallel}: {na} (zero in theory) differs by {diff:e}");
+                assert!(diff <= 1e-8, "{name} {mesh} sp={sequence_parallel}: {na} (zero in theory) differs by {diff:e}");
             }
         }
     }
@@ -369,7 +412,7 @@ fn initial_parameters_do_not_depend_on_the_mesh() {
         let layers = spec.model.layers as usize;
         let reference = shardc_runtime::train::Trainer::new(single, 5, layers).unwrap().state().unwrap();
         let corpus = corpus(&spec);
-        for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1 }, 0), (Mesh { dp: 1, tp: 4, pp: 1 }, 0), (Mesh { dp: 4, tp: 1, pp: 1 }, 3)] {
+        for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 0), (Mesh { dp: 1, tp: 4, pp: 1, cp: 1 }, 0), (Mesh { dp: 4, tp: 1, pp: 1, cp: 1 }, 3)] {
             let (program, _) = compile_zero(name, mesh, zero);
             let run = shardc_runtime::train::train_spmd_from(&program, 5, layers, &corpus, 0, std::time::Duration::from_secs(30), shardc_runtime::collectives::Algorithm::Ring, None).unwrap();
             for (param, (shape, values)) in reference.tensors.iter().filter(|(n, _)| !n.starts_with("opt.")) {
@@ -399,7 +442,7 @@ fn zero_buckets_are_async_and_equal_single_device() {
     let reference: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let parameters = trainer.parameters().unwrap();
     for zero in [1u8, 2, 3] {
-        let options = CompileOptions { optimizer: ADAMW, mesh: Mesh { dp: 2, tp: 1, pp: 1 }, vocab: 256, kv_heads: 4, zero, grad_bucket_bytes: 1024, ..Default::default() };
+        let options = CompileOptions { optimizer: ADAMW, mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, zero, grad_bucket_bytes: 1024, ..Default::default() };
         let program = compiled_step(&spec, &options);
         let buckets = |op: &str| program.instrs.iter().filter(|i| i.op == op && i.bool("xf.async") == Ok(true)).filter_map(|i| i.int("xf.bucket").ok()).collect::<std::collections::BTreeSet<i64>>().len();
         assert!(buckets("shard.reduce_scatter") > 2, "ZeRO-{zero}: {} scatter buckets", buckets("shard.reduce_scatter"));

@@ -5,7 +5,7 @@ use crate::kernel::{dims, Arg, DeviceKernel, KernelCx, Launch};
 use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
-use crate::sharding::{Linearity, ShardingRule};
+use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// Scaled dot-product attention, one op with this decomposition:
@@ -29,6 +29,7 @@ impl OpDef for Attention {
         "attention"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        refuse_split_queries(cx)?;
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
         if let Some([kernel, _, _]) = mma_kernels(cx) {
@@ -68,9 +69,10 @@ impl OpDef for Attention {
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         let q = inputs[0];
         let (b, h, s, d) = (q.shape[0] as f64, q.shape[1] as f64, q.shape[2] as f64, q.shape[3] as f64);
-        // q k^T and p v: 2 * 2*b*h*s*s*d (the causal half is counted in full, as the
+        let keys = inputs[1].shape[2] as f64;
+        // q k^T and p v: 2 * 2*b*h*s*keys*d (the causal half is counted in full, as the
         // published model-FLOP formulas do); softmax with scale and mask: 5 per score.
-        let flops = 4.0 * b * h * s * s * d + 5.0 * b * h * s * s;
+        let flops = 4.0 * b * h * s * keys * d + 5.0 * b * h * s * keys;
         Cost { flops, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
@@ -87,13 +89,42 @@ impl OpDef for Attention {
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // Batch and heads free (q heads and kv heads share the factor: splitting both by the
-        // same count keeps every group of q heads with its kv head); positions and the head
-        // dim stay whole.
-        ShardingRule::elementwise(4, 3, 1, Linearity::None).block(2).block(3)
+        // same count keeps every group of q heads with its kv head); query positions free
+        // (context parallelism: a rank attends from its own queries to every key, so keys
+        // and values are gathered); key positions and the head dim stay whole.
+        attention_rule(3, 1)
+    }
+    fn position_factor(&self) -> Option<usize> {
+        Some(QUERY_POSITIONS)
     }
 }
 
 /// Checks `q`, `k`, `v` (the first three operands) and the attributes.
+/// The CUDA kernels attend from every query of a sequence to its keys; a context-parallel
+/// rank's part of the queries against the whole sequence's keys runs on the CPU backend.
+fn refuse_split_queries(cx: &KernelCx<'_>) -> Result<(), String> {
+    if cx.attrs.get("xf.seq_split_axes").is_some() || cx.inputs[0].shape.get(2) != cx.inputs[1].shape.get(2) {
+        return Err("context parallelism (a rank's queries against the gathered keys) has no CUDA attention kernel yet: run it with --backend cpu".into());
+    }
+    Ok(())
+}
+
+/// The factor of the query positions in [`attention_rule`].
+const QUERY_POSITIONS: usize = 2;
+
+/// Factors of (q, k, v[, dout]) -> (out | dq, dk, dv): batch 0, heads 1, query positions 2,
+/// head dim 3 (blocked), key positions 4 (blocked). Slots 1 and 2 are key-shaped (k, v and
+/// dk, dv), the others query-shaped (q, dout, out, dq).
+fn attention_rule(operands: usize, results: usize) -> ShardingRule {
+    let by_slot = |i: usize| if i == 1 || i == 2 { vec![0, 1, 4, 3] } else { vec![0, 1, QUERY_POSITIONS, 3] };
+    ShardingRule {
+        operands: (0..operands).map(by_slot).collect(),
+        results: (0..results).map(by_slot).collect(),
+        factors: vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked],
+        linearity: Linearity::None,
+    }
+}
+
 fn check_qkv(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(), String> {
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     for (what, t) in [("q", q), ("k", k), ("v", v)] {
@@ -104,8 +135,10 @@ fn check_qkv(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(), String> {
         return Err(format!("k {k} and v {v} must have the same type"));
     }
     let (b, hq, s, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
-    if k.shape[0] != b || k.shape[2] != s || k.shape[3] != d || k.dtype != q.dtype {
-        return Err(format!("k/v {k} must match q {q} in batch, sequence, head dim and type"));
+    // A context-parallel rank's queries are a part of the sequence its keys cover.
+    let whole_queries = if s == 0 { k.shape[2] == 0 } else { k.shape[2] % s == 0 };
+    if k.shape[0] != b || !whole_queries || k.shape[3] != d || k.dtype != q.dtype {
+        return Err(format!("k/v {k} must match q {q} in batch, head dim and type, and their sequence be q's or a whole number of q's"));
     }
     if k.shape[1] == 0 || hq % k.shape[1] != 0 {
         return Err(format!("q heads ({hq}) must be a multiple of kv heads ({})", k.shape[1]));
@@ -127,6 +160,7 @@ impl OpDef for AttentionGrad {
         "attention_grad"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        refuse_split_queries(cx)?;
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, d, hk) = (q[0], q[1], q[2], q[3], k[1]);
         let mut shape_args = attention_args(&q, hk, cx.attrs)?;
@@ -181,8 +215,9 @@ impl OpDef for AttentionGrad {
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         let q = inputs[0];
         let (b, h, s, d) = (q.shape[0] as f64, q.shape[1] as f64, q.shape[2] as f64, q.shape[3] as f64);
-        // Recomputed q k^T, then dp, dq, dk, dv: five S x S x d products.
-        Cost { flops: 10.0 * b * h * s * s * d + 8.0 * b * h * s * s, bytes: io_bytes(inputs, outputs), special: 0.0 }
+        let keys = inputs[1].shape[2] as f64;
+        // Recomputed q k^T, then dp, dq, dk, dv: five queries x keys x d products.
+        Cost { flops: 10.0 * b * h * s * keys * d + 8.0 * b * h * s * keys, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
         // The dq kernel walks the keys twice (scores and dp; then scores, dp and dq) and the
@@ -191,7 +226,12 @@ impl OpDef for AttentionGrad {
         attention_class(inputs, attrs, 9.0)
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        ShardingRule::elementwise(4, 4, 3, Linearity::None).block(2).block(3)
+        // As the forward's; dk and dv lack the query positions, so with those split each
+        // rank's dk and dv are partial sums over its queries.
+        attention_rule(4, 3)
+    }
+    fn position_factor(&self) -> Option<usize> {
+        Some(QUERY_POSITIONS)
     }
 }
 

@@ -259,6 +259,14 @@ pub trait OpDef: Sync {
         ShardingRule::replicated(&inputs.iter().map(|t| t.rank()).collect::<Vec<_>>(), &results)
     }
 
+    /// The factor of its sharding rule that indexes sequence positions the op reads (rotary
+    /// angles, the causal mask's query rows). Where partitioning splits that factor, the op
+    /// is told the axes (`xf.seq_split_axes`) and its kernels offset positions by this
+    /// rank's part: the op's result then depends on its rank, not only on its operands.
+    fn position_factor(&self) -> Option<usize> {
+        None
+    }
+
     /// Pairs `(result, operand)` where the result may share the operand's buffer (optimizer
     /// updates write the parameter in place). Codegen aliases them when the operand is dead
     /// after the op; kernels of such ops read the old value from the result buffer.

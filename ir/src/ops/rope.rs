@@ -48,9 +48,13 @@ impl OpDef for Rope {
         Ok(vec![Some(cx.emit("xf.rope_grad", &[grads[0]], attrs)?)])
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        // Batch and heads free; positions (the angle depends on them) and the rotated pairs
-        // stay whole. A rotation is linear.
-        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(2).block(3)
+        // Batch, heads and positions free (split positions, under context parallelism, offset
+        // the angles by the rank's part: see `position_factor`); the rotated pairs stay
+        // whole. A rotation is linear.
+        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(3)
+    }
+    fn position_factor(&self) -> Option<usize> {
+        Some(2)
     }
 }
 
@@ -83,9 +87,13 @@ impl OpDef for RopeGrad {
         3.0
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        // Batch and heads free; positions (the angle depends on them) and the rotated pairs
-        // stay whole. A rotation is linear.
-        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(2).block(3)
+        // Batch, heads and positions free (split positions, under context parallelism, offset
+        // the angles by the rank's part: see `position_factor`); the rotated pairs stay
+        // whole. A rotation is linear.
+        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(3)
+    }
+    fn position_factor(&self) -> Option<usize> {
+        Some(2)
     }
 }
 
@@ -109,10 +117,11 @@ fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, Stri
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
 const ROPE_CUDA: &str = r#"// Rotary embedding on [planes, s, d] (rotate-half pairs (i, i + d/2)); sign -1 rotates back.
-extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, double theta, double sign) {
+// `offset` is the position of this rank's first row (context parallelism; 0 otherwise).
+extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, double theta, double sign, i64 offset) {
   i64 half = d / 2;
   GRID_STRIDE(p, planes * s * half) {
-    i64 i = p % half, pos = (p / half) % s, base = (p / half) * d;
+    i64 i = p % half, pos = offset + (p / half) % s, base = (p / half) * d;
     double angle = (double)pos * pow(theta, -2.0 * (double)i / (double)d);
     acc_t c = (acc_t)cos(angle), sn = (acc_t)(sign * sin(angle));
     acc_t a = load(x[base + i]), b = load(x[base + i + half]);
@@ -126,6 +135,6 @@ extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, doub
 fn rope_launch(cx: &KernelCx<'_>, sign: f64) -> Result<DeviceKernel, String> {
     let x = dims(cx.inputs[0]);
     let (planes, s, d) = (x[0] * x[1], x[2], x[3]);
-    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(planes as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(cx.attrs.float("theta")?), Arg::Float(sign)];
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(planes as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(cx.attrs.float("theta")?), Arg::Float(sign), Arg::RankOffset];
     Ok(DeviceKernel::Launches(vec![flat("rope", ROPE_CUDA, planes * s * (d / 2), args)]))
 }

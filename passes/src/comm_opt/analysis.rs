@@ -5,8 +5,9 @@
 //! operands are. That holds for an `xf` op that is a function of its operands and attributes
 //! alone. The ops that read their rank's offset into a split table or vocabulary (the
 //! embedding and the vocab-parallel loss's pieces, marked `xf.row_split_axes` or
-//! `xf.vocab_split_axes`: the attributes every backend's kernels take the offset from, see
-//! `runtime::cpu::split_rows`) are not: their results differ along those axes whatever their
+//! `xf.vocab_split_axes`, and the ops that read positions of a sequence split by context
+//! parallelism, marked `xf.seq_split_axes`: the attributes every backend's kernels take the
+//! offset from, see `runtime::cpu::split_rows` and `seq_offset`) are not: their results differ along those axes whatever their
 //! operands, and [`rank_dependent_axes`] takes the axes away.
 
 use super::*;
@@ -20,7 +21,7 @@ pub(super) struct ClassData {
 }
 
 /// Attributes naming the grid axes along which an op reads its rank's offset.
-pub(super) const RANK_OFFSET_ATTRS: [&str; 2] = ["xf.row_split_axes", "xf.vocab_split_axes"];
+pub(super) const RANK_OFFSET_ATTRS: [&str; 3] = ["xf.row_split_axes", "xf.vocab_split_axes", "xf.seq_split_axes"];
 
 /// The grid axes along which an op's result depends on the rank whatever its operands (bits
 /// as [`axis_bits`]). An attribute of that name whose axes cannot be read counts as every

@@ -1,13 +1,17 @@
 //! `shard-megatron`: the Megatron-LM layout as annotations of the training step's arguments.
 //!
 //! Input: a module with `@train_step` (or `@gradients`) and no grid. Output: the grid
-//! `@mesh` of shape `dp x tp x pp` (axes named `dp`, `tp`, `pp`) and a sharding for every
+//! `@mesh` of shape `dp x tp x pp` (axes named `dp`, `tp`, `pp`; with context parallelism
+//! `dp x tp x pp x cp`) and a sharding for every
 //! argument: column-parallel weights (q, k, v, MLP up and gate, stored `[in, out]`) split
 //! their output dimension over `tp`, and their biases with them; row-parallel weights
 //! (attention out, MLP down) split their input dimension; the embedding table and an untied
 //! LM head split the vocabulary (vocab-parallel) when `tp` divides it; norms and positions
 //! are replicated; optimizer state follows its parameter; tokens and targets split the batch
-//! over `dp`. Everything else follows from the ops' sharding rules in propagation.
+//! over `dp`, and their sequence over `cp` (context parallelism: every activation's sequence
+//! is then split, attention gathers keys and values, and weight gradients are reduced over
+//! `dp` and `cp` together). Everything else follows from the ops' sharding rules in
+//! propagation.
 //!
 //! Sequence parallelism pins the residual stream (`[batch, seq, hidden]` results of the
 //! residual adds, the row-parallel bias adds and the embedding's position add) to be split
@@ -31,7 +35,7 @@ use shardc_ir::mesh::Mesh;
 use shardc_ir::sharding::Sharding;
 use shardc_ir::{ArgRole, Grid, Module, Value};
 
-use super::{FuncIndex, DP, TP};
+use super::{FuncIndex, CP, DP, TP};
 use crate::{Changed, Pass, PassError};
 
 /// The `shard-megatron` pass.
@@ -80,7 +84,14 @@ impl Pass for ShardMegatron {
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
         let user = |message: String| PassError::User { pass: "shard-megatron".into(), message };
         let (dp, tp) = (self.mesh.dp as i64, self.mesh.tp as i64);
-        module.grids = vec![Grid { name: "mesh".into(), shape: vec![dp, tp, self.mesh.pp as i64], axes: shardc_ir::mesh::GRID_AXES.map(String::from).to_vec() }];
+        let cp = self.mesh.cp as i64;
+        // The cp axis only where there is context parallelism, so other grids read as before.
+        let mut grid = vec![dp, tp, self.mesh.pp as i64];
+        if cp > 1 {
+            grid.push(cp);
+        }
+        let axes = shardc_ir::mesh::GRID_AXES[..grid.len()].iter().map(|a| a.to_string()).collect();
+        module.grids = vec![Grid { name: "mesh".into(), shape: grid.clone(), axes }];
         let func = module
             .funcs
             .iter_mut()
@@ -94,7 +105,6 @@ impl Pass for ShardMegatron {
             if dp <= 1 {
                 return s;
             }
-            let grid = [dp, tp, self.mesh.pp as i64];
             for d in 0..shape.len() {
                 let parts: i64 = s.split[d].iter().map(|&a| grid[a as usize]).product::<i64>() * dp;
                 if shape[d] % parts == 0 {
@@ -118,13 +128,24 @@ impl Pass for ShardMegatron {
                     let s = param_sharding(arg.kind, t.rank(), tp, self.vocab, self.kv_heads);
                     if self.zero >= 1 { add_dp(s, &t.shape) } else { s }
                 }
-                ArgRole::Input if t.rank() >= 1 && dp > 1 => {
-                    if t.shape[0] % dp != 0 {
-                        return Err(user(format!("`{}` has batch {} which dp={dp} does not divide", arg.name, t.shape[0])));
+                ArgRole::Input => {
+                    let mut s = Sharding::replicated(t.rank());
+                    if t.rank() >= 1 && dp > 1 {
+                        if t.shape[0] % dp != 0 {
+                            return Err(user(format!("`{}` has batch {} which dp={dp} does not divide", arg.name, t.shape[0])));
+                        }
+                        s.split[0] = vec![DP];
                     }
-                    Sharding::split_dim(t.rank(), 0, &[DP])
+                    // Context parallelism splits the sequence of tokens and targets; every
+                    // activation's follows from the ops' rules.
+                    if t.rank() == 2 && cp > 1 {
+                        if t.shape[1] % cp != 0 {
+                            return Err(user(format!("`{}` has a sequence of {} which cp={cp} does not divide", arg.name, t.shape[1])));
+                        }
+                        s.split[1] = vec![CP];
+                    }
+                    s
                 }
-                ArgRole::Input => Sharding::replicated(t.rank()),
             };
             func.shardings.insert(arg.value, sharding);
         }

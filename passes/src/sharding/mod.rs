@@ -32,6 +32,8 @@ pub const DP: Axis = shardc_ir::mesh::DP_AXIS as Axis;
 pub const TP: Axis = shardc_ir::mesh::TP_AXIS as Axis;
 /// The pipeline axis.
 pub const PP: Axis = shardc_ir::mesh::PP_AXIS as Axis;
+/// The context-parallel axis.
+pub const CP: Axis = shardc_ir::mesh::CP_AXIS as Axis;
 
 /// What one op needs and produces.
 #[derive(Clone, Debug, PartialEq, Eq)]

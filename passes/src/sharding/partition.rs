@@ -304,6 +304,12 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
             types.push(Type::Tensor(p.local_type(global, s).map_err(|e| format!("{}: result of `{}`: {e}", op.loc, op.name))?));
         }
         let mut attrs = op.attrs.clone();
+        // An op that reads positions of a split sequence offsets them by its rank's part.
+        if let Some(f) = shardc_ir::ops::lookup(&op.name).and_then(|def| def.position_factor())
+            && let Some(axes) = plan.factor_axes.get(f).filter(|axes| !axes.is_empty())
+        {
+            attrs = attrs.with("xf.seq_split_axes", AttrValue::axes(axes));
+        }
         match op.name.as_str() {
             // The head count is a per-rank size.
             "xf.split_heads" => {

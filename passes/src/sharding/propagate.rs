@@ -29,7 +29,19 @@ impl Pass for PropagateSharding {
                     pass: "propagate-sharding".into(),
                     message: format!("{}: {message}", func.ops[i].loc),
                 })?;
+                let scatter = positions_to_scatter(&func.ops[i], &plan);
                 for (result, sharding) in func.ops[i].results.clone().into_iter().zip(plan.results) {
+                    if let Some(axes) = &scatter
+                        && !func.constraints.contains_key(&result)
+                        && axes.axes.iter().all(|a| sharding.partial.contains(a))
+                        && let Some(split) = sharding.split.get(axes.dim)
+                        && split.is_empty()
+                    {
+                        let mut scattered = sharding.clone();
+                        scattered.split[axes.dim] = axes.axes.clone();
+                        scattered.partial.retain(|a| !axes.axes.contains(a));
+                        func.constraints.insert(result, scattered);
+                    }
                     // A pinned result takes its pinned layout (partitioning reshards to it).
                     let sharding = func.constraints.get(&result).cloned().unwrap_or(sharding);
                     func.shardings.insert(result, sharding);
@@ -38,4 +50,24 @@ impl Pass for PropagateSharding {
         }
         Ok(Changed::Yes)
     }
+}
+
+/// The axes splitting an op's positions ([`shardc_ir::ops::OpDef::position_factor`]) and the
+/// dimension they index (as in the op's first operand).
+struct SplitPositions {
+    axes: Vec<shardc_ir::sharding::Axis>,
+    dim: usize,
+}
+
+/// Where an op's positions are split (context parallelism's queries), a result that comes
+/// out partial over those axes with the same dimension whole (attention's dk and dv: each
+/// rank's queries' part of every key's gradient) is reduce-scattered along it right away,
+/// as Megatron's context parallelism does, rather than carried whole and partial into the
+/// ops after it (a whole sequence's activation gradient, all-reduced later, for each layer).
+fn positions_to_scatter(op: &shardc_ir::Op, plan: &super::OpPlan) -> Option<SplitPositions> {
+    let def = shardc_ir::ops::lookup(&op.name)?;
+    let f = def.position_factor()?;
+    let axes = plan.factor_axes.get(f).filter(|a| !a.is_empty())?.clone();
+    let dim = plan.operands.first()?.split.iter().position(|split| *split == axes)?;
+    Some(SplitPositions { axes, dim })
 }

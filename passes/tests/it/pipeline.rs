@@ -239,13 +239,13 @@ fn every_dump_of_the_training_pipeline_parses_with_mlir_opt() {
 
 /// The IR after each sharding pass on tiny GPT at tp=2.
 fn sharded_ir(pass: &str) -> String {
-    let options = shardc_passes::CompileOptions {
-        mesh: shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1 },
-        vocab: 256,
-        kv_heads: 4,
-        ..Default::default()
-    };
-    let mut module = tiny("tiny");
+    sharded_ir_of("tiny", shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, pass)
+}
+
+fn sharded_ir_of(model: &str, mesh: shardc_ir::mesh::Mesh, pass: &str) -> String {
+    let kv_heads = if model == "tiny-llama" { 2 } else { 4 };
+    let options = shardc_passes::CompileOptions { mesh, vocab: 256, kv_heads, ..Default::default() };
+    let mut module = tiny(model);
     let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
     for (_, ir) in &seen {
         assert_mlir_opt_accepts(ir);
@@ -283,6 +283,22 @@ fn partition_on_tiny_gpt_tp2() {
     insta::assert_snapshot!(ir);
 }
 
+/// Context parallelism on tiny Llama (cp=2): tokens and targets split along the sequence,
+/// each layer's keys and values all-gathered over cp before attention and their gradients
+/// reduce-scattered back, rotary embeddings and attention told the axes that split their
+/// positions, and the weight gradients all-reduced over cp.
+#[test]
+fn partition_on_tiny_llama_cp2() {
+    let ir = sharded_ir_of("tiny-llama", shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, "partition");
+    assert!(ir.contains("shard.grid @mesh(shape = 1x1x1x2)"), "{ir}");
+    let gathers = ir.lines().filter(|l| l.contains("shard.all_gather") && l.contains("grid_axes = [3]")).count();
+    let scatters = ir.lines().filter(|l| l.contains("shard.reduce_scatter") && l.contains("grid_axes = [3]")).count();
+    assert_eq!((gathers, scatters), (4, 4), "k and v of two layers, and their gradients: {ir}");
+    // Per layer: rope of q and k, attention, and their backward ops.
+    assert_eq!(ir.lines().filter(|l| l.contains("xf.seq_split_axes = array<i16: 3>")).count(), 2 * 6, "{ir}");
+    insta::assert_snapshot!(ir);
+}
+
 /// The training step of tiny GPT cut into two pipeline stages (2 micro-batches): sends and
 /// receives at the boundary, every op in its section.
 fn staged_ir(mesh: shardc_ir::mesh::Mesh, split_weight_grads: bool) -> String {
@@ -302,7 +318,7 @@ fn staged_ir(mesh: shardc_ir::mesh::Mesh, split_weight_grads: bool) -> String {
 
 #[test]
 fn split_stages_on_tiny_gpt_pp2() {
-    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2 }, false);
+    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2, cp: 1 }, false);
     // The residual stream crosses the boundary forward, its gradient backward.
     assert!(ir.contains("shard.send %layers.0.mlp.residual on @mesh grid_axes = [2] destination = [1]"), "{ir}");
     assert!(ir.contains("source = [1] {xf.from_stage = 1 : i64, xf.phase = \"backward\""), "{ir}");
@@ -316,7 +332,7 @@ fn split_stages_on_tiny_gpt_pp2() {
 #[test]
 fn partitioned_dumps_parse_with_mlir_opt() {
     for naive_partition in [false, true] {
-        let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 1 }, vocab: 256, kv_heads: 4, naive_partition, ..Default::default() };
+        let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, naive_partition, ..Default::default() };
         let mut module = tiny("tiny");
         let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
         assert!(seen.iter().any(|(pass, _)| pass == "comm-opt"));
@@ -328,7 +344,7 @@ fn partitioned_dumps_parse_with_mlir_opt() {
 
 #[test]
 fn split_stages_with_tensor_parallelism_and_weight_sections_parses() {
-    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 2 }, true);
+    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 2, cp: 1 }, true);
     assert!(ir.contains("xf.phase = \"weight\""), "zero-bubble sections");
     assert!(ir.contains("shard.all_reduce"), "tensor-parallel collectives stay inside the stages");
 }
@@ -365,7 +381,7 @@ fn tied_blocks_share_a_stage() {
 fn full_recomputation_keeps_each_layer_on_one_stage() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
     let spec = parse_file(&root.join("models/tiny-llama.toml")).unwrap();
-    let mesh = shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2 };
+    let mesh = shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2, cp: 1 };
     let mut module = lower(&spec, spec.step_shape(&mesh)).unwrap();
     let options = shardc_passes::CompileOptions {
         recompute: shardc_passes::Recompute::Full,
@@ -387,7 +403,7 @@ fn full_recomputation_keeps_each_layer_on_one_stage() {
 /// update of its last member and is waited for at the end.
 #[test]
 fn bucket_gradients_on_tiny_gpt_dp2_zero1() {
-    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1 }, vocab: 256, kv_heads: 4, zero: 1, grad_bucket_bytes: 4096, ..Default::default() };
+    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, zero: 1, grad_bucket_bytes: 4096, ..Default::default() };
     let mut module = tiny("tiny");
     let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
     let (_, ir) = seen.iter().find(|(pass, _)| pass == "bucket-gradients").expect("bucket-gradients ran");
@@ -415,7 +431,7 @@ fn bucket_gradients_on_tiny_gpt_dp2_zero1() {
 /// step returns, stays where it is.
 #[test]
 fn overlap_collectives_on_tiny_gpt_tp2_sequence_parallel() {
-    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1 }, vocab: 256, kv_heads: 4, sequence_parallel: true, ..Default::default() };
+    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, sequence_parallel: true, ..Default::default() };
     let mut module = tiny("tiny");
     let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
     let (_, ir) = seen.iter().find(|(pass, _)| pass == "overlap-collectives").expect("overlap-collectives ran");

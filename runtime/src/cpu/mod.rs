@@ -34,6 +34,8 @@ use shardc_ir::mesh::PP_AXIS;
 pub(crate) struct RankCx {
     /// For a vocab-split embedding: (first row this rank holds, rows in the whole table).
     pub rows: Option<(usize, usize)>,
+    /// The position of this rank's first sequence row (context parallelism; 0 otherwise).
+    pub seq_offset: usize,
 }
 
 /// Runs one program on the CPU, keeping its arguments (parameters, optimizer state) between
@@ -554,7 +556,18 @@ fn run_widened(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx)
 
 /// The rank facts an instruction's kernel needs.
 fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<RankCx, String> {
-    Ok(RankCx { rows: split_rows(instr, program, mesh, rank) })
+    Ok(RankCx { rows: split_rows(instr, program, mesh, rank), seq_offset: seq_offset(instr, program, mesh, rank) })
+}
+
+/// For an op that reads sequence positions split over its `xf.seq_split_axes` (see
+/// `OpDef::position_factor`): the position of this rank's first row, its place in the group
+/// times the rows of its part (dimension 2 of its first operand, `[batch, heads, seq, ..]`).
+pub fn seq_offset(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> usize {
+    let Ok(axes) = instr.ints("xf.seq_split_axes") else { return 0 };
+    let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    let position = group.iter().position(|&r| r == rank).unwrap_or(0);
+    position * program.buffers[instr.inputs[0]].shape.get(2).copied().unwrap_or(0)
 }
 
 /// For a table split along its rows (embedding) or logits along their last dimension

@@ -684,7 +684,8 @@ impl CudaExecutor {
         match call {
             DeviceCall::Launch { kernel, grid, block, shared_bytes, args } => {
                 let instr = &self.program.instrs[index];
-                let offset = crate::cpu::split_rows(instr, &self.program, &self.mesh, self.ranks[local].rank).map_or(0, |(first, _)| first);
+                let rank = self.ranks[local].rank;
+                let offset = crate::cpu::split_rows(instr, &self.program, &self.mesh, rank).map_or_else(|| crate::cpu::seq_offset(instr, &self.program, &self.mesh, rank), |(first, _)| first);
                 let values: Vec<KernelValue> = args
                     .iter()
                     .map(|arg| match arg {

@@ -4,15 +4,16 @@ use super::*;
 
 pub(super) const KERNELS: &[CpuKernel] = &[kernel!("xf.rope", rope_kernel), kernel!("xf.rope_grad", rope_grad_kernel)];
 
-fn rope_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
-    rope::<T>(instr, ins, outs, 1.0)
+fn rope_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    rope::<T>(instr, ins, outs, 1.0, cx.seq_offset)
 }
-fn rope_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
-    rope::<T>(instr, ins, outs, -1.0)
+fn rope_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    rope::<T>(instr, ins, outs, -1.0, cx.seq_offset)
 }
 
-/// Rotary embedding on `[b, h, s, d]`; `sign = -1` rotates back (the gradient).
-pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sign: f64) -> Result<(), String> {
+/// Rotary embedding on `[b, h, s, d]` whose first row is at position `offset`; `sign = -1`
+/// rotates back (the gradient).
+pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sign: f64, offset: usize) -> Result<(), String> {
     let theta = instr.float("theta")?;
     let shape = ins[0].shape();
     let (s, d) = (shape[2], shape[3]);
@@ -21,7 +22,7 @@ pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>],
     let mut table = Vec::with_capacity(s * half);
     for pos in 0..s {
         for i in 0..half {
-            let angle = pos as f64 * theta.powf(-2.0 * i as f64 / d as f64);
+            let angle = (offset + pos) as f64 * theta.powf(-2.0 * i as f64 / d as f64);
             table.push((T::of(angle.cos()), T::of(sign * angle.sin())));
         }
     }
