@@ -268,7 +268,7 @@ impl Evaluation {
         eval_spec.training.micro_batch = rows as u64;
         eval_spec.training.global_batch = None;
         let mesh = shardc_ir::mesh::Mesh::default();
-        let shape = shardc_ir::spec::StepShape { rows: rows as u64, padded_vocab: spec.model.padded_vocab(mesh.tp) };
+        let shape = shardc_ir::spec::StepShape { rows: rows as u64, ..spec.step_shape(&mesh) };
         let mut module = shardc_ir::spec::lower(&eval_spec, shape).into_diagnostic()?;
         let options = shardc_passes::CompileOptions { mesh, vocab: shape.padded_vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
         let cx = crate::ir_context()?;

@@ -230,7 +230,7 @@ fn invalid_meshes_are_refused_with_the_fix() {
         ("dp=3", "global batch 8 is not a multiple of micro-batch 2 x dp 3"),
         ("tp", "not of the form axis=size"),
         ("cp=3", "cp=3 does not divide the sequence of 8"),
-        ("cp=16", "cp=16 does not divide the sequence of 8"),
+        ("cp=8", "cp=8 does not divide the sequence of 8"),
     ] {
         let out = shardc(&["compile", "models/tiny.toml", "--mesh", mesh]);
         assert_eq!(out.status.code(), Some(1), "{mesh}");

@@ -123,6 +123,16 @@ irdl.dialect @xf {
     irdl.operands(x: %T)
     irdl.results(y: %U)
   }
+  // xf.zigzag: reorder one axis into zigzag order of `chunks` chunks (part r: chunks r and chunks-1-r), or back
+  irdl.operation @zigzag {
+    %T = irdl.base "!builtin.tensor"
+    %axis = irdl.base "#builtin.integer"
+    %chunks = irdl.base "#builtin.integer"
+    %inverse = irdl.base "#builtin.integer"
+    irdl.attributes {"axis" = %axis, "chunks" = %chunks, "inverse" = %inverse}
+    irdl.operands(x: %T)
+    irdl.results(y: %T)
+  }
   // xf.sum_heads: [b, h*times, s, d] -> [b, h, s, d], summing each group of times heads
   irdl.operation @sum_heads {
     %T = irdl.base "!builtin.tensor"

@@ -209,6 +209,13 @@ __device__ __forceinline__ acc_t load(int v) { return (acc_t)v; }
 #define NEG_INF ((acc_t)(-__int_as_float(0x7f800000)))
 #define ROW_INDEX ((i64)blockIdx.y * gridDim.x + blockIdx.x)
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+// Position of row p of a sequence of len rows in zigzag order of `chunks` chunks (part r holds
+// chunks r and chunks-1-r; see ir::ops::zigzag_position); chunks <= 1: p itself.
+__device__ __forceinline__ i64 zigzag_position(i64 p, i64 len, i64 chunks) {
+  if (chunks <= 1 || len < chunks) return p;
+  i64 c = len / chunks, pair = p / (2 * c), w = p % (2 * c);
+  return (w < c ? pair : chunks - 1 - pair) * c + w % c;
+}
 
 __device__ __forceinline__ acc_t sigmoid_f(acc_t x) { return (acc_t)1 / ((acc_t)1 + exp(-x)); }
 __device__ __forceinline__ acc_t silu_df(acc_t x) { acc_t s = sigmoid_f(x); return s * ((acc_t)1 + x * ((acc_t)1 - s)); }

@@ -121,9 +121,13 @@ impl Mesh {
         }
         if self.cp > 1 {
             let seq = spec.seq_len();
-            // Each context-parallel rank holds one contiguous part of every sequence.
-            if !seq.is_multiple_of(self.cp) {
-                error(format!("cp={} does not divide the sequence of {seq} (each context-parallel rank holds an equal part)", self.cp), format!("use a sequence that is a multiple of {} (--seq), or a cp that divides {seq}", self.cp));
+            // Each rank holds two of 2 x cp chunks (one early, one late), so causal attention
+            // costs every rank the same.
+            if !seq.is_multiple_of(2 * self.cp) {
+                error(
+                    format!("cp={} does not divide the sequence of {seq} into {} equal chunks (each context-parallel rank holds two, one early and one late, to balance causal attention)", self.cp, 2 * self.cp),
+                    format!("use a sequence that is a multiple of {} (--seq), or a smaller cp", 2 * self.cp),
+                );
             }
         }
         if self.pp > 2 * m.layers + 2 {

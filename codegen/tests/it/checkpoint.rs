@@ -21,7 +21,7 @@ fn program(name: &str, dtype: &str, mesh: Mesh, zero: u8, vocab_multiple: u64) -
     spec.training.micro_batch = 4;
     spec.model.vocab_multiple = vocab_multiple;
     let padded_vocab = spec.model.padded_vocab(mesh.tp);
-    let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab }).unwrap();
+    let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab, sequence_chunks: 1 }).unwrap();
     let options = CompileOptions {
         optimizer: OptimizerKind::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 },
         mesh,

@@ -48,7 +48,13 @@ pub fn init_params(exec: &mut CpuExecutor, seed: u64, layers: usize) {
 /// The spec's model lowered to a module: `training.micro_batch` rows per step in all (these
 /// tests compare meshes on the same rows), the vocabulary as the spec gives it.
 pub fn model(spec: &Spec) -> Module {
-    lower(spec, StepShape { rows: spec.training.micro_batch, padded_vocab: spec.model.vocab }).unwrap()
+    model_in_order(spec, 1)
+}
+
+/// [`model`] with its sequences in zigzag order of `sequence_chunks` chunks (context
+/// parallelism's order; 1: the natural order).
+pub fn model_in_order(spec: &Spec, sequence_chunks: u64) -> Module {
+    lower(spec, StepShape { rows: spec.training.micro_batch, padded_vocab: spec.model.vocab, sequence_chunks }).unwrap()
 }
 
 /// The rank program of `spec`'s training step compiled by the whole pipeline under

@@ -332,7 +332,7 @@ mod emulated {
             }
             None => spec.model.vocab,
         };
-        let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab }).unwrap();
+        let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab, sequence_chunks: 1 }).unwrap();
         // Warmup, cosine decay and a clipping norm small enough to clip every step: the
         // device's kernels for the schedule, the sums of squares and the coefficient are
         // checked against the CPU's.

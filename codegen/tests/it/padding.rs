@@ -28,7 +28,7 @@ fn spec(name: &str, vocab_multiple: u64) -> Spec {
 
 /// The training step of `spec` on `mesh`, its vocabulary padded to `padded_vocab` rows.
 fn compile(spec: &Spec, mesh: Mesh, padded_vocab: u64) -> Program {
-    let mut module = lower(spec, StepShape { rows: spec.training.micro_batch, padded_vocab }).unwrap();
+    let mut module = lower(spec, StepShape { rows: spec.training.micro_batch, padded_vocab, sequence_chunks: 1 }).unwrap();
     let options = CompileOptions { optimizer: ADAMW, mesh, vocab: padded_vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap_or_else(|e| panic!("{} {mesh}: {e:?}", spec.name));

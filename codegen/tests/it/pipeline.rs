@@ -39,7 +39,7 @@ pub fn compile_stages(name: &str, mesh: Mesh, kind: Kind, microbatches: usize) -
     let spec = spec_with_dtype(name, "f32");
     let chunks = if kind == Kind::Interleaved { 2 } else { 1 };
     let stages = PipelineOptions { chunks, microbatches, manual: None, split_weight_grads: kind == Kind::ZeroBubble };
-    let mut module = model(&spec);
+    let mut module = model_in_order(&spec, if mesh.cp > 1 { 2 * mesh.cp } else { 1 });
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options(&spec, mesh, Some(stages))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap_or_else(|e| panic!("{name} {mesh}: {e:?}"));
     let grid = module.grids[0].shape.clone();

@@ -32,10 +32,16 @@ fn compile_zero(name: &str, mesh: Mesh, zero: u8) -> (Program, shardc_ir::spec::
 }
 
 fn compile_with(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind, sequence_parallel: bool) -> (Program, shardc_ir::spec::Spec) {
+    // Context parallelism in its zigzag order, as the CLI lowers it.
+    let chunks = if mesh.cp > 1 { 2 * mesh.cp } else { 1 };
+    compile_in_order(name, mesh, zero, optimizer, sequence_parallel, chunks)
+}
+
+fn compile_in_order(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind, sequence_parallel: bool, sequence_chunks: u64) -> (Program, shardc_ir::spec::Spec) {
     let mut spec = spec_with_dtype(name, "f32");
     // A batch every tested data-parallel degree divides.
     spec.training.micro_batch = 4;
-    let mut module = model(&spec);
+    let mut module = model_in_order(&spec, sequence_chunks);
     let options = CompileOptions {
         optimizer,
         mesh,
@@ -77,6 +83,10 @@ fn check_all(name: &str, dp: u64, tp: u64, zero: u8, sequence_parallel: bool) {
 }
 
 fn check_mesh(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool) {
+    check_in_order(name, mesh, zero, sequence_parallel, if mesh.cp > 1 { 2 * mesh.cp } else { 1 });
+}
+
+fn check_in_order(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool, sequence_chunks: u64) {
     let Mesh { dp, tp, cp, .. } = mesh;
     let optimizer = if zero > 0 { ADAMW } else { SGD };
     let (single, spec) = compile_with(name, Mesh::default(), 0, optimizer, false);
@@ -85,7 +95,7 @@ fn check_mesh(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool) {
     let losses: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let reference = trainer.parameters().unwrap();
 
-    let (partitioned, _) = compile_with(name, mesh, zero, optimizer, sequence_parallel);
+    let (partitioned, _) = compile_in_order(name, mesh, zero, optimizer, sequence_parallel, sequence_chunks);
     let run = train_spmd(&partitioned, 11, spec.model.layers as usize, &corpus, STEPS, Duration::from_secs(30)).unwrap();
     for (step, (a, b)) in losses.iter().zip(&run.losses).enumerate() {
         assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} cp={cp} tp={tp} zero={zero} sp={sequence_parallel} step {}: loss {a} vs {b}", step + 1);
@@ -124,6 +134,9 @@ fn context_parallel_equals_single_device() {
         }
         check_mesh(name, mesh(1, 2, 2), 0, true);
         check_mesh(name, mesh(2, 2, 1), 1, false);
+        // Each rank a contiguous part (no zigzag order) is as right, only unbalanced.
+        check_in_order(name, mesh(1, 2, 1), 0, false, 1);
+        check_in_order(name, mesh(2, 2, 2), 0, false, 1);
     }
 }
 
@@ -355,7 +368,7 @@ fn every_gradient_equals_single_device() {
         spec.training.micro_batch = 4;
         let corpus = corpus(&spec);
         let gradients = |mesh: Mesh| {
-            let mut module = model(&spec);
+            let mut module = model_in_order(&spec, if mesh.cp > 1 { 2 * mesh.cp } else { 1 });
             let kv_heads = spec.model.kv_heads() as i64;
             if mesh.tp > 1 && kv_heads % mesh.tp as i64 != 0 {
                 shardc_passes::sharding::ExpandKvHeads { tp: mesh.tp as i64 }.run(&mut module).unwrap();

@@ -1,4 +1,5 @@
-//! Layout ops: `xf.split_heads`, `xf.merge_heads`, `xf.slice` and its transpose `xf.pad`.
+//! Layout ops: `xf.split_heads`, `xf.merge_heads`, `xf.slice` and its transpose `xf.pad`,
+//! `xf.zigzag` (context parallelism's order of the sequence).
 //!
 //! `split_heads` is `reshape [b, s, n*d] -> [b, s, n, d]` then `transpose (0, 2, 1, 3)`;
 //! `merge_heads` is its inverse. Keeping them as named ops (instead of a generic reshape and
@@ -166,6 +167,102 @@ impl OpDef for Slice {
     }
 }
 
+/// Position of row `p` of a sequence of `len` rows held in zigzag order of `chunks` equal
+/// chunks: part `r` of `chunks / 2` holds chunk `r`, then chunk `chunks - 1 - r` (context
+/// parallelism's load balancing under a causal mask, as Megatron-LM orders the sequence for
+/// cp ranks: every rank gets one early and one late chunk). With `chunks <= 1`, `p` itself.
+pub fn zigzag_position(p: usize, len: usize, chunks: usize) -> usize {
+    if chunks <= 1 || len < chunks {
+        return p;
+    }
+    let c = len / chunks;
+    let (pair, within) = (p / (2 * c), p % (2 * c));
+    let chunk = if within < c { pair } else { chunks - 1 - pair };
+    chunk * c + within % c
+}
+
+/// The zigzag order's attribute on ops that read positions: `[chunks, len]`, see
+/// [`zigzag_position`]. Absent: natural order.
+pub const ZIGZAG_ATTR: &str = "xf.zigzag";
+
+/// `chunks` and `len` of an op's [`ZIGZAG_ATTR`] (its integers), `(1, 0)` (natural order)
+/// without one.
+pub fn zigzag_of(ints: Option<&[i64]>) -> (usize, usize) {
+    match ints {
+        Some(&[chunks, len]) => (usize::try_from(chunks).unwrap_or(1), usize::try_from(len).unwrap_or(0)),
+        _ => (1, 0),
+    }
+}
+
+/// Reorders one dimension into zigzag order (`y[p] = x[zigzag_position(p)]`), or back with
+/// `inverse` (its transpose: the gradient). Context parallelism lowers a causal model on its
+/// sequence in this order, so that the contiguous part each cp rank takes holds one early and
+/// one late chunk.
+#[derive(Debug)]
+pub struct Zigzag;
+
+impl OpDef for Zigzag {
+    fn mnemonic(&self) -> &'static str {
+        "zigzag"
+    }
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let x = cx.inputs[0];
+        let (axis, chunks) = zigzag_attrs(cx.attrs)?;
+        let d = dims(x);
+        let outer: usize = d[..axis].iter().product();
+        let inner: usize = d[axis + 1..].iter().product();
+        let kernel = if x.dtype == crate::types::DType::I32 { "zigzag_i32" } else { "zigzag" };
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(outer as i64), Arg::Int(d[axis] as i64), Arg::Int(inner as i64), Arg::Int(chunks), Arg::Int(cx.attrs.bool("inverse")? as i64)];
+        Ok(DeviceKernel::Launches(vec![flat(kernel, HEADS_CUDA, elements(x), args)]))
+    }
+    fn summary(&self) -> &'static str {
+        "reorder one axis into zigzag order of `chunks` chunks (part r: chunks r and chunks-1-r), or back"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "x", constraint: "T" }],
+            results: &[Slot { name: "y", constraint: "T" }],
+            attrs: &[("axis", AttrKind::Int), ("chunks", AttrKind::Int), ("inverse", AttrKind::Bool)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 1)?;
+        let x = inputs[0];
+        let (axis, chunks) = zigzag_attrs(attrs)?;
+        attrs.bool("inverse")?;
+        let Some(&extent) = x.shape.get(axis) else {
+            return Err(format!("axis {axis} is out of range for {x}"));
+        };
+        if chunks < 2 || chunks % 2 != 0 || extent % chunks != 0 {
+            return Err(format!("zigzag order needs an even number of chunks (got {chunks}) that divides axis {axis} of {x}"));
+        }
+        Ok(vec![x.clone()])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
+        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
+    }
+    fn differentiable(&self) -> bool {
+        true
+    }
+    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
+        if !cx.ty(cx.operands[0])?.dtype.is_float() {
+            return Ok(vec![None]);
+        }
+        let attrs = cx.attrs.clone().with("inverse", AttrValue::Bool(!cx.attrs.bool("inverse")?));
+        Ok(vec![Some(cx.emit("xf.zigzag", &[grads[0]], attrs)?)])
+    }
+    fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {
+        // The reordered axis stays whole (a row moves between parts); a permutation is linear.
+        let axis = attrs.int("axis").unwrap_or(0).max(0) as usize;
+        ShardingRule::elementwise(inputs[0].rank(), 1, 1, Linearity::Sum).block(axis.min(inputs[0].rank().saturating_sub(1)))
+    }
+}
+
+fn zigzag_attrs(attrs: &Attrs) -> Result<(usize, i64), String> {
+    let axis = usize::try_from(attrs.int("axis")?).map_err(|_| "axis must not be negative".to_string())?;
+    Ok((axis, attrs.int("chunks")?))
+}
+
 /// `y` is zeros of extent `size` along `axis` with `x` written at `start`: the transpose of
 /// [`Slice`] (its gradient).
 #[derive(Debug)]
@@ -322,6 +419,15 @@ extern "C" __global__ void split_heads(T* y, const T* x, i64 b, i64 h, i64 s, i6
     y[i] = x[src + c];
   }
 }
+// [outer, n, inner] reordered along n into zigzag order of `chunks` chunks, or back.
+#define ZIGZAG_BODY \
+  GRID_STRIDE(i, outer * n * inner) { \
+    i64 o = i / (n * inner), p = (i / inner) % n, c = i % inner; \
+    i64 q = zigzag_position(p, n, chunks); \
+    if (inverse) y[(o * n + q) * inner + c] = x[i]; else y[i] = x[(o * n + q) * inner + c]; \
+  }
+extern "C" __global__ void zigzag(T* y, const T* x, i64 outer, i64 n, i64 inner, i64 chunks, i64 inverse) { ZIGZAG_BODY }
+extern "C" __global__ void zigzag_i32(int* y, const int* x, i64 outer, i64 n, i64 inner, i64 chunks, i64 inverse) { ZIGZAG_BODY }
 // [outer, full, inner] -> [outer, part, inner] from `start` (slice), or back with zeros (pad).
 extern "C" __global__ void slice_pad(T* y, const T* x, i64 outer, i64 full, i64 part, i64 inner, i64 start, i64 pad) {
   i64 extent = pad ? full : part;
@@ -372,4 +478,35 @@ fn repeat_launch(small: &TensorTy, large: &TensorTy, attrs: &Attrs, sum: bool) -
     let s = dims(small);
     let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(s[0] as i64), Arg::Int(s[1] as i64), Arg::Int(times), Arg::Int((s[2] * s[3]) as i64), Arg::Int(sum as i64)];
     Ok(DeviceKernel::Launches(vec![flat("repeat_heads", HEADS_CUDA, elements(if sum { small } else { large }), args)]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::zigzag_position;
+
+    /// The zigzag order is a permutation, and under a causal mask it gives every cp rank the
+    /// same attention work (within 5%), where contiguous parts give the last rank 2cp - 1
+    /// times the first's (issue 20).
+    #[test]
+    fn zigzag_order_is_a_permutation_that_balances_causal_attention() {
+        for cp in [2usize, 4, 8, 16] {
+            let len = 2 * cp * 16;
+            let mut seen = vec![false; len];
+            for p in 0..len {
+                let q = zigzag_position(p, len, 2 * cp);
+                assert!(!seen[q], "cp={cp}: position {q} twice");
+                seen[q] = true;
+            }
+            // Per rank: the keys its queries see (a query at position q sees q + 1 keys).
+            let work = |position: &dyn Fn(usize) -> usize| -> Vec<usize> { (0..cp).map(|r| (r * len / cp..(r + 1) * len / cp).map(|p| position(p) + 1).sum()).collect() };
+            let balanced = work(&|p| zigzag_position(p, len, 2 * cp));
+            let (most, least) = (*balanced.iter().max().unwrap() as f64, *balanced.iter().min().unwrap() as f64);
+            assert!(most / least <= 1.05, "cp={cp}: zigzag work per rank {balanced:?}");
+            let contiguous = work(&|p| p);
+            assert!(*contiguous.last().unwrap() as f64 / contiguous[0] as f64 > 2.0, "cp={cp}: {contiguous:?}");
+        }
+        // The natural order where there is no zigzag.
+        assert_eq!((0..8).map(|p| zigzag_position(p, 8, 1)).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+        assert_eq!((0..8).map(|p| zigzag_position(p, 8, 4)).collect::<Vec<_>>(), [0, 1, 6, 7, 2, 3, 4, 5]);
+    }
 }

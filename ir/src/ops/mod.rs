@@ -27,7 +27,7 @@ pub use attention::{Attention, AttentionGrad};
 pub use cast::Cast;
 pub use elementwise::{Activation, ActivationGrad, Add, Mul, Scale, Swiglu, SwigluGrad, GELU, GELU_GRAD, SILU, SILU_GRAD};
 pub use embedding::{Embedding, EmbeddingGrad};
-pub use heads::{MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads};
+pub use heads::{zigzag_of, zigzag_position, MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads, Zigzag, ZIGZAG_ATTR};
 pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyGradShard, CrossEntropyStats, RowMax};
 pub use matmul::{MatMul, MatMulWeightGrad};
 pub use norm::{LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad};
@@ -56,6 +56,7 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &MergeHeads,
     &Slice,
     &RepeatHeads,
+    &Zigzag,
     &SumHeads,
     &Attention,
     &CrossEntropy,

@@ -117,11 +117,12 @@ fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, Stri
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
 const ROPE_CUDA: &str = r#"// Rotary embedding on [planes, s, d] (rotate-half pairs (i, i + d/2)); sign -1 rotates back.
-// `offset` is the position of this rank's first row (context parallelism; 0 otherwise).
-extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, double theta, double sign, i64 offset) {
+// `offset` is the index of this rank's first row (context parallelism; 0 otherwise), in a
+// sequence of `len` rows held in zigzag order of `chunks` chunks (1: the natural order).
+extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, double theta, double sign, i64 offset, i64 chunks, i64 len) {
   i64 half = d / 2;
   GRID_STRIDE(p, planes * s * half) {
-    i64 i = p % half, pos = offset + (p / half) % s, base = (p / half) * d;
+    i64 i = p % half, pos = zigzag_position(offset + (p / half) % s, len, chunks), base = (p / half) * d;
     double angle = (double)pos * pow(theta, -2.0 * (double)i / (double)d);
     acc_t c = (acc_t)cos(angle), sn = (acc_t)(sign * sin(angle));
     acc_t a = load(x[base + i]), b = load(x[base + i + half]);
@@ -136,5 +137,8 @@ fn rope_launch(cx: &KernelCx<'_>, sign: f64) -> Result<DeviceKernel, String> {
     let x = dims(cx.inputs[0]);
     let (planes, s, d) = (x[0] * x[1], x[2], x[3]);
     let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(planes as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(cx.attrs.float("theta")?), Arg::Float(sign), Arg::RankOffset];
+    let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
+    let mut args = args;
+    args.extend([Arg::Int(chunks as i64), Arg::Int(len as i64)]);
     Ok(DeviceKernel::Launches(vec![flat("rope", ROPE_CUDA, planes * s * (d / 2), args)]))
 }

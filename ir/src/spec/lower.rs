@@ -63,6 +63,18 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
     let tokens = fb.arg("tokens", TensorTy::new([b, s], DType::I32), ArgRole::Input);
     let targets = with_loss.then(|| fb.arg("targets", TensorTy::new([b, s], DType::I32), ArgRole::Input));
 
+    // Context parallelism: the step runs on its sequences in zigzag order (one early and one
+    // late chunk in each cp rank's part), its tokens, targets and position table reordered,
+    // and the ops that read positions told the order.
+    let chunks = shape.sequence_chunks as i64;
+    let zigzag = |fb: &mut FuncBuilder, x: Value, axis: i64, inverse: bool, loc: &str| -> Result<Value, LowerError> {
+        if chunks <= 1 {
+            return Ok(x);
+        }
+        Ok(fb.op("xf.zigzag", &[x], attrs(&[("axis", AttrValue::Int(axis)), ("chunks", AttrValue::Int(chunks)), ("inverse", AttrValue::Bool(inverse))]), loc)?)
+    };
+    let order = |a: Attrs| if chunks > 1 { a.with(crate::ops::ZIGZAG_ATTR, AttrValue::Ints(vec![chunks, s])) } else { a };
+    let tokens = zigzag(&mut fb, tokens, 1, false, "embed.tokens.zigzag")?;
     let mut x = fb.op("xf.embedding", &[wte, tokens], Attrs::new(), "embed.tokens")?;
     if let Some(wpe) = wpe {
         let pos = fb.op(
@@ -71,6 +83,7 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
             attrs(&[("axis", AttrValue::Int(0)), ("start", AttrValue::Int(0)), ("size", AttrValue::Int(s))]),
             "embed.positions.slice",
         )?;
+        let pos = zigzag(&mut fb, pos, 0, false, "embed.positions.zigzag")?;
         fb.set_origin(Origin { residual: true, ..fb.origin() });
         x = fb.op("xf.add", &[x, pos], Attrs::new(), "embed.positions")?;
     }
@@ -89,7 +102,7 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         let mut k = cx.split_heads(k, kv_heads, &format!("{p}.attn.k.heads"))?;
         let val = cx.split_heads(val, kv_heads, &format!("{p}.attn.v.heads"))?;
         if m.positions == Positions::Rope {
-            let theta = attrs(&[("theta", AttrValue::Float(m.rope_theta))]);
+            let theta = order(attrs(&[("theta", AttrValue::Float(m.rope_theta))]));
             q = cx.fb.op("xf.rope", &[q], theta.clone(), &format!("{p}.attn.q.rope"))?;
             k = cx.fb.op("xf.rope", &[k], theta, &format!("{p}.attn.k.rope"))?;
         }
@@ -97,7 +110,7 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         let core = cx.fb.op(
             "xf.attention",
             &[q, k, val],
-            attrs(&[("causal", AttrValue::Bool(true)), ("scale", AttrValue::Float(scale))]),
+            order(attrs(&[("causal", AttrValue::Bool(true)), ("scale", AttrValue::Float(scale))])),
             &format!("{p}.attn.core"),
         )?;
         let merged = cx.fb.op("xf.merge_heads", &[core], Attrs::new(), &format!("{p}.attn.merge_heads"))?;
@@ -135,8 +148,11 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         cx.fb.op("xf.matmul", &[x, w], matmul_attrs(false, false), "lm_head")?
     };
     let Some(targets) = targets else {
+        // Logits come out in the natural order.
+        let logits = zigzag(&mut cx.fb, logits, 1, true, "logits.zigzag")?;
         return Ok(cx.fb.finish(&[logits], &["logits".to_string()]));
     };
+    let targets = zigzag(&mut cx.fb, targets, 1, false, "loss.targets.zigzag")?;
     // Mixed precision computes the loss in fp32, as Megatron-LM does: bf16 logits are cast
     // up first (and their gradient cast back down by the cast's VJP).
     let logits = if dtype == DType::Bf16 { cx.fb.op("xf.cast", &[logits], crate::ops::cast::cast_attrs(DType::F32), "lm_head.to_f32")? } else { logits };

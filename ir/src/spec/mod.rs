@@ -229,6 +229,10 @@ pub struct StepShape {
     /// Rows of the embedding table and columns of the LM head: the vocabulary padded to a
     /// multiple of `vocab_multiple x tp` (Megatron's `make-vocab-size-divisible-by`).
     pub padded_vocab: u64,
+    /// The order of the sequence inside the step: 1 for the natural order, else the number
+    /// of chunks of its zigzag order (`2 x cp` under context parallelism, so that each cp
+    /// rank's part holds one early and one late chunk; see `ops::zigzag_position`).
+    pub sequence_chunks: u64,
 }
 
 impl Spec {
@@ -282,7 +286,8 @@ impl Spec {
     /// How the step is lowered for `mesh`: `micro_batch x dp` rows, and the vocabulary padded
     /// for its tensor parallelism.
     pub fn step_shape(&self, mesh: &crate::mesh::Mesh) -> StepShape {
-        StepShape { rows: self.training.micro_batch.saturating_mul(mesh.dp.max(1)), padded_vocab: self.model.padded_vocab(mesh.tp) }
+        let sequence_chunks = if mesh.cp > 1 { mesh.cp.saturating_mul(2) } else { 1 };
+        StepShape { rows: self.training.micro_batch.saturating_mul(mesh.dp.max(1)), padded_vocab: self.model.padded_vocab(mesh.tp), sequence_chunks }
     }
 
     /// The step's tensors that would have more than [`MAX_TENSOR_ELEMENTS`] elements with

@@ -114,6 +114,10 @@ impl Pass for ShardMegatron {
             }
             s
         };
+        // Inputs whose sequence the step reorders before use (context parallelism's zigzag
+        // order): each rank takes its part of the reordered sequence.
+        let reorders: Vec<(Value, Value)> = func.ops.iter().filter(|o| o.name == "xf.zigzag" && o.attrs.int("axis") == Ok(1)).map(|o| (o.operands[0], o.results[0])).collect();
+        let reordered: HashSet<Value> = reorders.iter().filter(|(input, _)| func.args.iter().any(|a| a.value == *input && a.role == ArgRole::Input)).map(|(input, _)| *input).collect();
         for arg in func.args.clone() {
             let Some(t) = func.tensor(arg.value).cloned() else { continue };
             let sharding = match arg.role {
@@ -137,8 +141,9 @@ impl Pass for ShardMegatron {
                         s.split[0] = vec![DP];
                     }
                     // Context parallelism splits the sequence of tokens and targets; every
-                    // activation's follows from the ops' rules.
-                    if t.rank() == 2 && cp > 1 {
+                    // activation's follows from the ops' rules. A sequence reordered first
+                    // (zigzag order) is split after the reorder, below.
+                    if t.rank() == 2 && cp > 1 && !reordered.contains(&arg.value) {
                         if t.shape[1] % cp != 0 {
                             return Err(user(format!("`{}` has a sequence of {} which cp={cp} does not divide", arg.name, t.shape[1])));
                         }
@@ -148,6 +153,15 @@ impl Pass for ShardMegatron {
                 }
             };
             func.shardings.insert(arg.value, sharding);
+        }
+        for (input, order) in reorders.iter().filter(|(input, _)| reordered.contains(input)) {
+            let Some(t) = func.tensor(*order).cloned() else { continue };
+            if t.rank() != 2 || t.shape[1] % cp != 0 {
+                return Err(user(format!("the reordered sequence of {} is not [batch, seq] with cp={cp} dividing seq", t)));
+            }
+            let mut pin = func.shardings.get(input).cloned().unwrap_or_else(|| Sharding::replicated(2));
+            pin.split[1] = vec![CP];
+            func.constraints.insert(*order, pin);
         }
         // Every gradient is wanted in its optimizer state's layout (the parameter's, plus dp
         // under ZeRO): pin it there, so the op producing it computes it in that layout

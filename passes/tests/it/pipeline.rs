@@ -9,9 +9,15 @@ use shardc_ir::Module;
 use shardc_passes::{compile_pipeline, Changed, Pass, PassError, Pipeline, VerifyShapes};
 
 fn tiny(name: &str) -> Module {
+    tiny_on(name, shardc_ir::mesh::Mesh::default())
+}
+
+/// The model lowered for `mesh` (its sequences in zigzag order under context parallelism).
+fn tiny_on(name: &str, mesh: shardc_ir::mesh::Mesh) -> Module {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
     let spec = parse_file(&root.join(format!("models/{name}.toml"))).unwrap();
-    lower(&spec, spec.step_shape(&shardc_ir::mesh::Mesh::default())).unwrap()
+    let shape = shardc_ir::spec::StepShape { rows: spec.training.micro_batch, ..spec.step_shape(&mesh) };
+    lower(&spec, shape).unwrap()
 }
 
 /// Runs `pipeline` and returns every IR text it observed, with the pass names.
@@ -245,7 +251,7 @@ fn sharded_ir(pass: &str) -> String {
 fn sharded_ir_of(model: &str, mesh: shardc_ir::mesh::Mesh, pass: &str) -> String {
     let kv_heads = if model == "tiny-llama" { 2 } else { 4 };
     let options = shardc_passes::CompileOptions { mesh, vocab: 256, kv_heads, ..Default::default() };
-    let mut module = tiny(model);
+    let mut module = tiny_on(model, mesh);
     let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
     for (_, ir) in &seen {
         assert_mlir_opt_accepts(ir);
@@ -283,9 +289,10 @@ fn partition_on_tiny_gpt_tp2() {
     insta::assert_snapshot!(ir);
 }
 
-/// Context parallelism on tiny Llama (cp=2): tokens and targets split along the sequence,
-/// each layer's keys and values all-gathered over cp before attention and their gradients
-/// reduce-scattered back, rotary embeddings and attention told the axes that split their
+/// Context parallelism on tiny Llama (cp=2): tokens and targets reordered into zigzag order
+/// (4 chunks; rank 0 holds chunks 0 and 3) and sliced along the sequence, each layer's keys
+/// and values all-gathered over cp before attention and their gradients reduce-scattered
+/// back, rotary embeddings and attention told the order and the axes that split their
 /// positions, and the weight gradients all-reduced over cp.
 #[test]
 fn partition_on_tiny_llama_cp2() {
@@ -295,7 +302,9 @@ fn partition_on_tiny_llama_cp2() {
     let scatters = ir.lines().filter(|l| l.contains("shard.reduce_scatter") && l.contains("grid_axes = [3]")).count();
     assert_eq!((gathers, scatters), (4, 4), "k and v of two layers, and their gradients: {ir}");
     // Per layer: rope of q and k, attention, and their backward ops.
-    assert_eq!(ir.lines().filter(|l| l.contains("xf.seq_split_axes = array<i16: 3>")).count(), 2 * 6, "{ir}");
+    assert_eq!(ir.lines().filter(|l| l.contains("xf.seq_split_axes = array<i16: 3>") && l.contains("xf.zigzag = array<i64: 4, 8>")).count(), 2 * 6, "{ir}");
+    let reorders = ir.lines().filter(|l| l.contains("\"xf.zigzag\"(%tokens)") || l.contains("\"xf.zigzag\"(%targets)")).count();
+    assert!(reorders >= 2, "tokens and targets in zigzag order: {ir}");
     insta::assert_snapshot!(ir);
 }
 

@@ -11,9 +11,73 @@ fn attention_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out
     attention_grad::<T>(instr, ins, outs, cx.seq_offset)
 }
 
-/// Keys that query row `i` (at position `offset + i`) sees of `keys`.
-fn visible_keys(causal: bool, offset: usize, i: usize, keys: usize) -> usize {
-    if causal { (offset + i + 1).min(keys) } else { keys }
+/// Which keys each query row sees. In the natural order, row `i` (at position `offset + i`)
+/// sees a prefix of the keys; in zigzag order (context parallelism) the rows and keys are at
+/// `zigzag_position` of their index, and a row sees the keys at or before its position.
+struct Visibility {
+    causal: bool,
+    offset: usize,
+    keys: usize,
+    /// Zigzag order: the position of each key (empty in the natural order).
+    key_positions: Vec<usize>,
+    order: (usize, usize),
+}
+
+impl Visibility {
+    fn new(instr: &Instr, offset: usize, keys: usize) -> Result<Visibility, String> {
+        let causal = instr.bool("causal")?;
+        let order = super::zigzag_order(instr);
+        let key_positions = if order.0 > 1 { (0..keys).map(|j| shardc_ir::ops::zigzag_position(j, order.1, order.0)).collect() } else { Vec::new() };
+        Ok(Visibility { causal, offset, keys, key_positions, order })
+    }
+
+    /// The keys row `i` sees: a prefix length, or a mask of every key (zigzag order).
+    fn row(&self, i: usize, mask: &mut [bool]) -> Option<usize> {
+        if !self.causal {
+            return Some(self.keys);
+        }
+        if self.key_positions.is_empty() {
+            return Some((self.offset + i + 1).min(self.keys));
+        }
+        let at = shardc_ir::ops::zigzag_position(self.offset + i, self.order.1, self.order.0);
+        mask.iter_mut().zip(&self.key_positions).for_each(|(m, &k)| *m = k <= at);
+        None
+    }
+}
+
+/// Softmax probabilities of query row `i` against the keys `mask` shows, into `p` (zero
+/// where hidden).
+fn attention_row_masked<T: Real>(q_i: &[T], k: &[T], d: usize, mask: &[bool], scale: T, p: &mut [T]) {
+    let mut max = T::neg_infinity();
+    for (j, &seen) in mask.iter().enumerate() {
+        if seen {
+            let s = q_i.iter().zip(&k[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>() * scale;
+            p[j] = s;
+            max = max.max(s);
+        }
+    }
+    let mut sum = T::zero();
+    for (pj, &seen) in p.iter_mut().zip(mask) {
+        *pj = if seen { (*pj - max).exp() } else { T::zero() };
+        sum += *pj;
+    }
+    let inv = T::one() / sum;
+    p[..mask.len()].iter_mut().for_each(|pj| *pj *= inv);
+}
+
+/// Probabilities of row `i` into `p`; returns how many leading keys to walk (every key in
+/// zigzag order, where `p` is zero for the hidden ones).
+fn row_probabilities<T: Real>(seen: &Visibility, i: usize, q_i: &[T], k: &[T], d: usize, scale: T, mask: &mut [bool], p: &mut [T]) -> usize {
+    match seen.row(i, mask) {
+        Some(visible) => {
+            attention_row(q_i, k, d, visible, scale, p);
+            visible
+        }
+        None => {
+            attention_row_masked(q_i, k, d, mask, scale, p);
+            seen.keys
+        }
+    }
 }
 
 /// Softmax probabilities of query row `i` against every visible key, into `p`.
@@ -37,19 +101,19 @@ pub(super) fn attention_row<T: Real>(q_i: &[T], k: &[T], d: usize, visible: usiz
 /// `[b, hk, keys, d]` keys and values (a context-parallel rank's queries against the whole
 /// sequence: `keys` is a multiple of `s`).
 pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], offset: usize) -> Result<(), String> {
-    let (causal, scale) = (instr.bool("causal")?, T::of(instr.float("scale")?));
+    let scale = T::of(instr.float("scale")?);
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
     let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let seen = Visibility::new(instr, offset, keys)?;
     let group = hq / hk;
     let (q, k, v) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
     outs[0].get::<T>()?.par_chunks_mut(s * d).enumerate().for_each(|(bh, out)| {
         let (b, h) = (bh / hq, bh % hq);
         let kv = (b * hk + h / group) * keys * d;
         let (k, v, q) = (&k[kv..kv + keys * d], &v[kv..kv + keys * d], &q[bh * s * d..(bh + 1) * s * d]);
-        let mut p = vec![T::zero(); keys];
+        let (mut p, mut mask) = (vec![T::zero(); keys], vec![false; keys]);
         for i in 0..s {
-            let visible = visible_keys(causal, offset, i, keys);
-            attention_row(&q[i * d..(i + 1) * d], k, d, visible, scale, &mut p);
+            let visible = row_probabilities(&seen, i, &q[i * d..(i + 1) * d], k, d, scale, &mut mask, &mut p);
             let o = &mut out[i * d..(i + 1) * d];
             o.fill(T::zero());
             for j in 0..visible {
@@ -65,9 +129,10 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
 /// The backward of [`attention`]: dq for this rank's queries, and dk, dv over every key
 /// from those queries alone (partial sums when the queries are split).
 pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], offset: usize) -> Result<(), String> {
-    let (causal, scale) = (instr.bool("causal")?, T::of(instr.float("scale")?));
+    let scale = T::of(instr.float("scale")?);
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
     let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let seen = Visibility::new(instr, offset, keys)?;
     let group = hq / hk;
     let (q, k, v, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?);
     let (dq_out, rest) = outs.split_at_mut(1);
@@ -84,16 +149,15 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
             let (k, v) = (&k[kv..kv + keys * d], &v[kv..kv + keys * d]);
             dk.fill(T::zero());
             dv.fill(T::zero());
-            let (mut p, mut dp) = (vec![T::zero(); keys], vec![T::zero(); keys]);
+            let (mut p, mut dp, mut mask) = (vec![T::zero(); keys], vec![T::zero(); keys], vec![false; keys]);
             for gh in 0..group {
                 let h = g * group + gh;
                 let at = (b * hq + h) * s * d;
                 let (q, dout) = (&q[at..at + s * d], &dout[at..at + s * d]);
                 let dq = &mut dq[gh * s * d..(gh + 1) * s * d];
                 for i in 0..s {
-                    let visible = visible_keys(causal, offset, i, keys);
                     let (q_i, do_i) = (&q[i * d..(i + 1) * d], &dout[i * d..(i + 1) * d]);
-                    attention_row(q_i, k, d, visible, scale, &mut p);
+                    let visible = row_probabilities(&seen, i, q_i, k, d, scale, &mut mask, &mut p);
                     let mut rowdot = T::zero();
                     for j in 0..visible {
                         dp[j] = do_i.iter().zip(&v[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>();

@@ -9,7 +9,36 @@ pub(super) const KERNELS: &[CpuKernel] = &[
     kernel!("xf.pad", pad_kernel),
     kernel!("xf.repeat_heads", repeat_heads_kernel),
     kernel!("xf.sum_heads", sum_heads_kernel),
+    kernel!("xf.zigzag", zigzag_kernel),
 ];
+
+/// Reorders one axis into zigzag order or back (`xf.zigzag`); token ids as well as floats.
+fn zigzag_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    if ins[0].dtype() == DType::I32 {
+        zigzag::<i32>(instr, ins, outs)
+    } else {
+        zigzag::<T>(instr, ins, outs)
+    }
+}
+
+fn zigzag<T: Element + Copy>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+    let axis = usize::try_from(instr.int("axis")?).map_err(|_| "xf.zigzag: negative axis")?;
+    let chunks = usize::try_from(instr.int("chunks")?).map_err(|_| "xf.zigzag: negative chunks")?;
+    let inverse = instr.bool("inverse")?;
+    let shape = ins[0].shape();
+    let n = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let x = ins[0].get::<T>()?;
+    let y = outs[0].get::<T>()?;
+    for (block_y, block_x) in y.chunks_mut(n * inner).zip(x.chunks(n * inner)) {
+        for p in 0..n {
+            let q = shardc_ir::ops::zigzag_position(p, n, chunks);
+            let (to, from) = if inverse { (q, p) } else { (p, q) };
+            block_y[to * inner..(to + 1) * inner].copy_from_slice(&block_x[from * inner..(from + 1) * inner]);
+        }
+    }
+    Ok(())
+}
 
 fn split_heads_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
     split_heads::<T>(ins, outs, true)

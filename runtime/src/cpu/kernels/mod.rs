@@ -72,6 +72,12 @@ pub(crate) fn run(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &Rank
     }
 }
 
+/// The zigzag order of the sequence an op reads positions of (`xf.zigzag`: chunks and whole
+/// length), `(1, 0)` for the natural order.
+pub(crate) fn zigzag_order(instr: &Instr) -> (usize, usize) {
+    shardc_ir::ops::zigzag_of(instr.ints(shardc_ir::ops::ZIGZAG_ATTR).ok().as_deref())
+}
+
 /// Float types with kernels.
 pub(crate) trait Real: Float + Element + std::iter::Sum + std::ops::AddAssign + std::ops::SubAssign + std::ops::MulAssign + Send + Sync {
     fn of(v: f64) -> Self;

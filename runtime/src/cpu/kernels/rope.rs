@@ -18,11 +18,15 @@ pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>],
     let shape = ins[0].shape();
     let (s, d) = (shape[2], shape[3]);
     let half = d / 2;
+    // The sequence may be held in zigzag order (context parallelism): row p is at position
+    // zigzag_position(p).
+    let (chunks, len) = zigzag_order(instr);
     // cos/sin tables per (position, pair), computed in f64.
     let mut table = Vec::with_capacity(s * half);
     for pos in 0..s {
+        let at = shardc_ir::ops::zigzag_position(offset + pos, len, chunks);
         for i in 0..half {
-            let angle = (offset + pos) as f64 * theta.powf(-2.0 * i as f64 / d as f64);
+            let angle = at as f64 * theta.powf(-2.0 * i as f64 / d as f64);
             table.push((T::of(angle.cos()), T::of(sign * angle.sin())));
         }
     }
