@@ -91,6 +91,11 @@ pub struct StrategyArgs {
     /// Skip the communication optimizer (`comm-opt`).
     #[arg(long)]
     pub no_comm_opt: bool,
+    /// Context parallelism's attention with cp > 1: all-gather (keys and values gathered over
+    /// cp), ring (key/value blocks passed round the cp ranks) or auto (the cheaper on the
+    /// cluster model).
+    #[arg(long, value_name = "FORM")]
+    pub cp_attention: Option<String>,
     /// Pipeline schedule with pp > 1: gpipe, 1f1b, interleaved or zb-h1.
     #[arg(long, default_value = "1f1b")]
     pub schedule: String,
@@ -255,6 +260,13 @@ impl StepArgs {
                 }
             }
         }
+        let context_attention = match &self.strategy.cp_attention {
+            None => shardc_passes::sharding::ContextAttention::Auto,
+            Some(_) if mesh.cp == 1 => {
+                return Err(miette!(help = "add context parallelism (--mesh cp=2 or more), or leave --cp-attention out", "--cp-attention chooses how context-parallel ranks attend, and --mesh {mesh} has none (cp=1)"));
+            }
+            Some(text) => shardc_passes::sharding::ContextAttention::parse(text).ok_or_else(|| miette!(help = "use all-gather, ring or auto", "--cp-attention: unknown form `{text}`"))?,
+        };
         let pipeline = self.pipeline_options(spec, mesh)?;
         // Shifted, 2^44 MiB and more wrapped to 0 bytes: one all-reduce per gradient.
         let grad_bucket_mb = self.strategy.grad_bucket_mb.unwrap_or(DEFAULT_GRAD_BUCKET_MB);
@@ -274,6 +286,7 @@ impl StepArgs {
             naive_partition: self.strategy.naive_partition,
             comm_opt: !self.strategy.no_comm_opt,
             cluster: self.cluster_model()?,
+            context_attention,
         })
     }
 

@@ -363,6 +363,7 @@ fn every_option_changes_the_result_or_is_refused() {
         ("--grad-bucket-mb", v(&["--grad-bucket-mb", "0"])),
         ("--naive-partition", v(&["--naive-partition"])),
         ("--no-comm-opt", v(&["--no-comm-opt"])),
+        ("--cp-attention", v(&["--cp-attention", "ring"])),
     ];
     // The pipeline's, on four layers over two stages.
     let pipeline_options = vec![("--schedule", v(&["--schedule", "gpipe"])), ("--virtual-stages", v(&["--virtual-stages", "2"])), ("--stages", v(&["--stages", "0-0,1-3"]))];
@@ -394,6 +395,11 @@ fn every_option_changes_the_result_or_is_refused() {
     cases.push(("run", v(&["models/tiny.toml", "--steps", "1", "--mesh", "dp=2"]), refused_on_accumulation));
     cases.push(("compile", v(&["models/tiny.toml", "-o", &out_arg]), vec![("--mesh", v(&["--mesh", "tp=2"])), ("--dump-dir", v(&["--dump-dir", &written("dump")])), ("--output", v(&[]))]));
     cases.push(("compile", v(&[&pipelined[..], &["-o", &out_arg]].concat()), pipeline_options.clone()));
+    // Context parallelism's attention, where there is context parallelism.
+    let context = ["models/tiny-llama.toml", "--mesh", "cp=2", "--microbatches", "1"];
+    cases.push(("compile", v(&[&context[..], &["-o", &out_arg]].concat()), vec![("--cp-attention", v(&["--cp-attention", "ring"]))]));
+    cases.push(("explain", v(&context), vec![("--cp-attention", v(&["--cp-attention", "ring"]))]));
+    cases.push(("run", v(&[&context[..], &["--steps", "1", "--log-every", "1"]].concat()), vec![("--cp-attention", v(&["--cp-attention", "ring"]))]));
     let (batch_options_run, pipeline_options_run) = (batch_options.clone(), pipeline_options.clone());
     let pipelined_run = [spec4.as_str(), "--steps", "1", "--mesh", "pp=2", "--microbatches", "4"];
     cases.push(("explain", v(&one_microbatch), strategy_options));
@@ -973,6 +979,12 @@ fn context_parallel_runs_train_like_one_device() {
     let compiled = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "cp=2,tp=2"]);
     let text = stdout(&compiled);
     assert!(text.contains("all_gather over cp") && text.contains("reduce_scatter over cp") && text.contains("all_reduce over cp"), "{text}");
+    // Ring attention trains the same, and `explain` lists each pass of a block with its cause.
+    let ring = shardc(&[&base[..], &["--mesh", "cp=2,tp=2", "--cp-attention", "ring"]].concat());
+    assert_same_losses(&single, &losses_by_step(&ring), "cp=2,tp=2 ring");
+    let explained = shardc(&["explain", "models/tiny-llama.toml", "--mesh", "cp=2", "--microbatches", "1", "--cp-attention", "ring"]);
+    let text = stdout(&explained);
+    assert!(text.contains("shard.shift") && text.contains("ring attention of `layers.0.attn.core`: keys passed to the next cp rank (step 1)"), "{text}");
     // The GPU's attention kernels do not take a part of the queries yet: refused up front.
     let gpu = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny-llama.toml", "--mesh", "cp=2", "--backend", "cuda", "--steps", "1"]).current_dir(root()).env("SHARDC_GPU_EMULATE", "1").output().unwrap();
     assert!(!gpu.status.success() && unwrapped(&stderr(&gpu)).contains("context parallelism's attention"), "{}", stderr(&gpu));

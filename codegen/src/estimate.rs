@@ -122,6 +122,8 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
     match instr.op.as_str() {
         "shard.send" => Priced::Communication("pp".into(), cluster.time(Collective::Send, bytes(&input), &grid, &[PP_AXIS])),
         "shard.recv" => Priced::Communication("pp".into(), 0.0),
+        // One message to the next rank of the ring (and one from the previous, at once).
+        "shard.shift" => Priced::Communication(axis_names(&axes), cluster.time(Collective::Send, bytes(&input), &grid, &axes)),
         "shard.all_slice" | "tensor.empty" => Priced::Compute("memory-bound", copy(bytes(&output))),
         name => {
             let Some(def) = lookup(name) else { return Priced::Compute("memory-bound", 0.0) };

@@ -55,6 +55,7 @@ fn convert_attr(value: &AttrValue) -> Option<Attr> {
         AttrValue::Ints(values) => Attr::Ints(values.clone()),
         AttrValue::Reduction(r) => Attr::Str(r.label().to_string()),
         AttrValue::Type(t) => Attr::Str(t.mlir().to_string()),
+        AttrValue::Unit => Attr::Bool(true),
     })
 }
 

@@ -152,6 +152,37 @@ irdl.dialect @xf {
     irdl.operands(q: %Q, k: %K, v: %K)
     irdl.results(out: %Q)
   }
+  // xf.attention_block: one ring-attention step: queries against the key/value block held at xf.ring_step; (out, lse)
+  irdl.operation @attention_block {
+    %Q = irdl.base "!builtin.tensor"
+    %K = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    %causal = irdl.base "#builtin.integer"
+    %scale = irdl.base "#builtin.float"
+    %xf.ring_step = irdl.base "#builtin.integer"
+    irdl.attributes {"causal" = %causal, "scale" = %scale, "xf.ring_step" = %xf.ring_step}
+    irdl.operands(q: %Q, k: %K, v: %K)
+    irdl.results(out: %Q, lse: %S)
+  }
+  // xf.attention_merge: merge two partial attentions (out, lse) over disjoint keys by their log-sum-exps
+  irdl.operation @attention_merge {
+    %Q = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    irdl.operands(out_a: %Q, lse_a: %S, out_b: %Q, lse_b: %S)
+    irdl.results(out: %Q, lse: %S)
+  }
+  // xf.attention_block_grad: ring-attention step backward: (dq, dk, dv) of the block at xf.ring_step from q, k, v, out, lse, dout
+  irdl.operation @attention_block_grad {
+    %Q = irdl.base "!builtin.tensor"
+    %K = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
+    %causal = irdl.base "#builtin.integer"
+    %scale = irdl.base "#builtin.float"
+    %xf.ring_step = irdl.base "#builtin.integer"
+    irdl.attributes {"causal" = %causal, "scale" = %scale, "xf.ring_step" = %xf.ring_step}
+    irdl.operands(q: %Q, k: %K, v: %K, out: %Q, lse: %S, dout: %Q)
+    irdl.results(dq: %Q, dk: %K, dv: %K)
+  }
   // xf.cross_entropy: mean over tokens of logsumexp(logits) - logits[target]; scalar result
   irdl.operation @cross_entropy {
     %L = irdl.base "!builtin.tensor"

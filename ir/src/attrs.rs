@@ -31,6 +31,8 @@ pub enum AttrValue {
     Reduction(Reduction),
     /// An element type (`f32`), such as the target of `xf.cast`.
     Type(DType),
+    /// `unit`: a flag present or absent (`shard.shift`'s `rotate`).
+    Unit,
 }
 
 /// How partial values combine (the `shard` dialect's `#shard<partial ...>`).
@@ -78,6 +80,7 @@ impl AttrValue {
             AttrValue::Ints(values) => dense("i64", values.iter().map(i64::to_string)),
             AttrValue::Reduction(r) => format!("#shard<partial {}>", r.label()),
             AttrValue::Type(t) => t.mlir().to_string(),
+            AttrValue::Unit => "unit".to_string(),
         }
     }
 }

@@ -59,6 +59,8 @@ pub struct CompileOptions {
     pub comm_opt: bool,
     /// The cluster that prices communication and compute.
     pub cluster: shardc_ir::cluster::Cluster,
+    /// Context parallelism's attention: keys and values all-gathered, a ring, or the cheaper.
+    pub context_attention: sharding::ContextAttention,
 }
 
 /// How the training step is cut into pipeline stages and micro-batches.
@@ -90,6 +92,7 @@ impl Default for CompileOptions {
             pipeline: None,
             naive_partition: false,
             comm_opt: true,
+            context_attention: sharding::ContextAttention::Auto,
             cluster: shardc_ir::cluster::Cluster::default(),
         }
     }
@@ -123,6 +126,7 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
     // subexpression elimination, which would share values across stage boundaries.
     let optimize_comm = options.comm_opt && options.pipeline.is_none();
     let pipeline = if optimize_comm { pipeline.then(CommOpt { cluster: options.cluster.clone(), ..CommOpt::default() }) } else { pipeline };
+    let pipeline = if options.mesh.cp > 1 { pipeline.then(sharding::RingAttention { policy: options.context_attention, cluster: options.cluster.clone() }) } else { pipeline };
     if let Some(stages) = &options.pipeline {
         // Gradient syncs run once per global batch on the accumulated gradients, in the
         // stages' step sections; buckets are for syncs inside a single backward pass.

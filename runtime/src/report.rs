@@ -91,6 +91,7 @@ fn collective_records(program: &Program, rank: usize) -> Vec<CommRecord> {
                 // Every chunk but this rank's own.
                 "shard.reduce_scatter" => (Some(CollectiveKind::ReduceScatter), input.len(), input.len() - chunk_len(input.len(), n, p)),
                 "shard.send" => (Some(CollectiveKind::Send), input.len(), input.len()),
+                "shard.shift" if n > 1 => (Some(CollectiveKind::Send), input.len(), input.len()),
                 _ => (None, output.len(), 0),
             };
             let cause = match instr.attrs.get("xf.cause") {

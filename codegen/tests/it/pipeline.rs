@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use shardc_ir::mesh::Mesh;
+use shardc_passes::sharding::ContextAttention;
 use shardc_passes::{compile_pipeline, CompileOptions, OptimizerKind, PipelineOptions};
 use shardc_runtime::collectives::Algorithm;
 use shardc_runtime::data::ByteCorpus;
@@ -27,7 +28,12 @@ const SGD: OptimizerKind = OptimizerKind::Sgd { lr: LR, weight_decay: 0.0 };
 const KINDS: [Kind; 4] = [Kind::Gpipe, Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble];
 
 fn options(spec: &shardc_ir::spec::Spec, mesh: Mesh, pipeline: Option<PipelineOptions>) -> CompileOptions {
-    CompileOptions { optimizer: SGD, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, pipeline, ..Default::default() }
+    CompileOptions { optimizer: SGD, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, pipeline, context_attention: ATTENTION.with(|a| a.get()), ..Default::default() }
+}
+
+thread_local! {
+    /// Context parallelism's attention in the programs this thread compiles.
+    static ATTENTION: std::cell::Cell<ContextAttention> = const { std::cell::Cell::new(ContextAttention::Auto) };
 }
 
 fn corpus(spec: &shardc_ir::spec::Spec) -> ByteCorpus {
@@ -142,6 +148,12 @@ fn context_parallel_pipelines_equal_single_device() {
         check_on(name, &meshes[..1], &[Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble], &[4]);
         check_on(name, &meshes[1..], &[Kind::OneFOneB], &[4]);
     }
+    // Ring attention inside pipeline stages.
+    ATTENTION.with(|a| a.set(ContextAttention::Ring));
+    let (programs, _) = compile_stages("tiny-llama", meshes[0], Kind::OneFOneB, 4);
+    assert!(programs.iter().any(|p| p.instrs.iter().any(|i| i.op == "shard.shift")), "the stages ring");
+    check_on("tiny-llama", &meshes, &[Kind::OneFOneB, Kind::ZeroBubble], &[4]);
+    ATTENTION.with(|a| a.set(ContextAttention::Auto));
 }
 
 /// What the runtime measured agrees with the schedule: 1F1B keeps at most `p - s`

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use shardc_ir::mesh::Mesh;
+use shardc_passes::sharding::ContextAttention;
 use shardc_passes::{compile_pipeline, CompileOptions, OptimizerKind};
 use shardc_runtime::data::ByteCorpus;
 use shardc_runtime::train::{train_spmd, Trainer};
@@ -34,10 +35,11 @@ fn compile_zero(name: &str, mesh: Mesh, zero: u8) -> (Program, shardc_ir::spec::
 fn compile_with(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind, sequence_parallel: bool) -> (Program, shardc_ir::spec::Spec) {
     // Context parallelism in its zigzag order, as the CLI lowers it.
     let chunks = if mesh.cp > 1 { 2 * mesh.cp } else { 1 };
-    compile_in_order(name, mesh, zero, optimizer, sequence_parallel, chunks)
+    compile_in_order(name, mesh, zero, optimizer, sequence_parallel, chunks, ContextAttention::Auto)
 }
 
-fn compile_in_order(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind, sequence_parallel: bool, sequence_chunks: u64) -> (Program, shardc_ir::spec::Spec) {
+#[allow(clippy::too_many_arguments)]
+fn compile_in_order(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind, sequence_parallel: bool, sequence_chunks: u64, context_attention: ContextAttention) -> (Program, shardc_ir::spec::Spec) {
     let mut spec = spec_with_dtype(name, "f32");
     // A batch every tested data-parallel degree divides.
     spec.training.micro_batch = 4;
@@ -49,6 +51,7 @@ fn compile_in_order(name: &str, mesh: Mesh, zero: u8, optimizer: OptimizerKind, 
         kv_heads: spec.model.kv_heads() as i64,
         zero,
         sequence_parallel,
+        context_attention,
         ..Default::default()
     };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
@@ -83,10 +86,10 @@ fn check_all(name: &str, dp: u64, tp: u64, zero: u8, sequence_parallel: bool) {
 }
 
 fn check_mesh(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool) {
-    check_in_order(name, mesh, zero, sequence_parallel, if mesh.cp > 1 { 2 * mesh.cp } else { 1 });
+    check_in_order(name, mesh, zero, sequence_parallel, if mesh.cp > 1 { 2 * mesh.cp } else { 1 }, ContextAttention::Auto);
 }
 
-fn check_in_order(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool, sequence_chunks: u64) {
+fn check_in_order(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool, sequence_chunks: u64, context_attention: ContextAttention) {
     let Mesh { dp, tp, cp, .. } = mesh;
     let optimizer = if zero > 0 { ADAMW } else { SGD };
     let (single, spec) = compile_with(name, Mesh::default(), 0, optimizer, false);
@@ -95,7 +98,10 @@ fn check_in_order(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool, seq
     let losses: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let reference = trainer.parameters().unwrap();
 
-    let (partitioned, _) = compile_in_order(name, mesh, zero, optimizer, sequence_parallel, sequence_chunks);
+    let (partitioned, _) = compile_in_order(name, mesh, zero, optimizer, sequence_parallel, sequence_chunks, context_attention);
+    if context_attention == ContextAttention::Ring {
+        assert!(partitioned.instrs.iter().any(|i| i.op == "shard.shift"), "{name} {mesh}: no ring");
+    }
     let run = train_spmd(&partitioned, 11, spec.model.layers as usize, &corpus, STEPS, Duration::from_secs(30)).unwrap();
     for (step, (a, b)) in losses.iter().zip(&run.losses).enumerate() {
         assert!((a - b).abs() <= TOLERANCE * a.abs(), "{name} dp={dp} cp={cp} tp={tp} zero={zero} sp={sequence_parallel} step {}: loss {a} vs {b}", step + 1);
@@ -135,8 +141,41 @@ fn context_parallel_equals_single_device() {
         check_mesh(name, mesh(1, 2, 2), 0, true);
         check_mesh(name, mesh(2, 2, 1), 1, false);
         // Each rank a contiguous part (no zigzag order) is as right, only unbalanced.
-        check_in_order(name, mesh(1, 2, 1), 0, false, 1);
-        check_in_order(name, mesh(2, 2, 2), 0, false, 1);
+        check_in_order(name, mesh(1, 2, 1), 0, false, 1, ContextAttention::Auto);
+        check_in_order(name, mesh(2, 2, 2), 0, false, 1, ContextAttention::Auto);
+    }
+}
+
+/// Ring attention (issue 20): key/value blocks passed round the cp ranks, with their
+/// gradients on the way back, equal one device; in zigzag order and in the natural order,
+/// with data and tensor parallelism, sequence parallelism and ZeRO.
+#[test]
+fn ring_attention_equals_single_device() {
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    let ring = ContextAttention::Ring;
+    for name in ["tiny", "tiny-llama"] {
+        for m in [mesh(1, 2, 1), mesh(1, 4, 1), mesh(2, 2, 2)] {
+            check_in_order(name, m, 0, false, 2 * m.cp, ring);
+        }
+        check_in_order(name, mesh(1, 2, 2), 0, true, 4, ring);
+        check_in_order(name, mesh(2, 2, 1), 1, false, 4, ring);
+        check_in_order(name, mesh(1, 4, 1), 0, false, 1, ring);
+    }
+}
+
+/// The ring's bytes per rank and layer: each way, cp - 1 blocks of keys and of values; on
+/// the way back also cp blocks of their gradient sums (the last brings them home).
+#[test]
+fn ring_attention_traffic_equals_the_formula() {
+    for cp in [2u64, 4] {
+        let (program, spec) = compile_in_order("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp }, 0, SGD, false, 2 * cp, ContextAttention::Ring);
+        let m = &spec.model;
+        let part = 4 * m.kv_heads() * (spec.seq_len() / cp) * m.head_dim() * 4;
+        let records = shardc_runtime::report::comm_records(&program, 0);
+        let shifts: Vec<u64> = records.iter().filter(|r| r.op == "shard.shift").map(|r| r.bytes).collect();
+        assert!(records.iter().all(|r| r.axes != [shardc_ir::mesh::CP_AXIS] || r.op == "shard.shift" || r.op == "shard.all_reduce" || r.op == "shard.all_slice"), "cp={cp}: only the ring, the weight gradients and slices cross cp");
+        assert_eq!(shifts.len() as u64, m.layers * (4 * (cp - 1) + 2 * cp), "cp={cp}: shifts");
+        assert_eq!(shifts.iter().sum::<u64>(), m.layers * (4 * (cp - 1) + 2 * cp) * part, "cp={cp}: bytes");
     }
 }
 
@@ -165,8 +204,9 @@ fn context_parallel_key_value_traffic_equals_the_formula() {
 #[test]
 fn measured_bytes_equal_the_compile_time_report() {
     let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
-    for (name, mesh) in [("tiny", mesh(2, 1, 2)), ("tiny-llama", mesh(1, 1, 2)), ("tiny", mesh(4, 1, 1)), ("tiny-llama", mesh(2, 2, 2)), ("tiny", mesh(1, 4, 1))] {
-        let (program, spec) = compile(name, mesh);
+    for (name, mesh, ring) in [("tiny", mesh(2, 1, 2), false), ("tiny-llama", mesh(1, 1, 2), false), ("tiny", mesh(4, 1, 1), false), ("tiny-llama", mesh(2, 2, 2), false), ("tiny", mesh(1, 4, 1), false), ("tiny-llama", mesh(1, 4, 1), true)] {
+        let attention = if ring { ContextAttention::Ring } else { ContextAttention::Auto };
+        let (program, spec) = compile_in_order(name, mesh, 0, SGD, false, if mesh.cp > 1 { 2 * mesh.cp } else { 1 }, attention);
         let run = train_spmd(&program, 3, spec.model.layers as usize, &corpus(&spec), 2, Duration::from_secs(30)).unwrap();
         for (rank, measured) in run.bytes_sent.iter().enumerate() {
             let mut expected = std::collections::BTreeMap::new();

@@ -6,7 +6,7 @@ use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, KernelClass, OpDef,
 use crate::attrs::Attrs;
 use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
-use crate::types::TensorTy;
+use crate::types::{DType, TensorTy};
 
 /// Scaled dot-product attention, one op with this decomposition:
 ///
@@ -100,6 +100,167 @@ impl OpDef for Attention {
 }
 
 /// Checks `q`, `k`, `v` (the first three operands) and the attributes.
+/// The ring attention step's attribute: which step of the ring an op is, so that its
+/// kernel knows whose keys it holds (rank `(p - step) mod n` of its cp group's `n`).
+pub const RING_STEP_ATTR: &str = "xf.ring_step";
+
+/// The element type of attention's row statistics (log-sum-exp): fp32, or f64 for an f64
+/// model, as FlashAttention keeps them.
+pub fn stats_dtype(q: &TensorTy) -> DType {
+    if q.dtype == DType::F64 { DType::F64 } else { DType::F32 }
+}
+
+/// `[b, h, s]` statistics of `[b, h, s, d]` queries.
+fn stats_of(q: &TensorTy) -> TensorTy {
+    TensorTy::new(q.shape[..3].to_vec(), stats_dtype(q))
+}
+
+fn check_block(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(), String> {
+    check_qkv(inputs, attrs)?;
+    attrs.int(RING_STEP_ATTR)?;
+    Ok(())
+}
+
+fn check_stats(what: &str, t: &TensorTy, q: &TensorTy) -> Result<(), String> {
+    if *t != stats_of(q) {
+        return Err(format!("{what} {t} must be {} (one statistic per query row)", stats_of(q)));
+    }
+    Ok(())
+}
+
+/// One step of ring attention (context parallelism): this rank's queries against the block
+/// of keys and values it holds at this step of the ring, `(out, lse)` with `out` normalised
+/// over the block's visible keys and `lse` their log-sum-exp (`-inf` where a row sees none).
+/// [`AttentionMerge`] combines the steps; [`AttentionBlockGrad`] is the backward.
+#[derive(Debug)]
+pub struct AttentionBlock;
+
+impl OpDef for AttentionBlock {
+    fn mnemonic(&self) -> &'static str {
+        "attention_block"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Err("ring attention has no CUDA kernel yet: run context parallelism with --backend cpu".into())
+    }
+    fn summary(&self) -> &'static str {
+        "one ring-attention step: queries against the key/value block held at xf.ring_step; (out, lse)"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[Slot { name: "q", constraint: "Q" }, Slot { name: "k", constraint: "K" }, Slot { name: "v", constraint: "K" }],
+            results: &[Slot { name: "out", constraint: "Q" }, Slot { name: "lse", constraint: "S" }],
+            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), (RING_STEP_ATTR, AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 3)?;
+        check_block(inputs, attrs)?;
+        Ok(vec![inputs[0].clone(), stats_of(inputs[0])])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> Cost {
+        Attention.cost(inputs, outputs, attrs)
+    }
+    fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
+        attention_class(inputs, attrs, 2.0)
+    }
+}
+
+/// Combines two partial attentions of the same queries over disjoint keys by their
+/// log-sum-exps (online softmax): `out = (e^{l1-m} o1 + e^{l2-m} o2) / (e^{l1-m} + e^{l2-m})`,
+/// `lse = m + log(e^{l1-m} + e^{l2-m})`, `m = max(l1, l2)`.
+#[derive(Debug)]
+pub struct AttentionMerge;
+
+impl OpDef for AttentionMerge {
+    fn mnemonic(&self) -> &'static str {
+        "attention_merge"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Err("ring attention has no CUDA kernel yet: run context parallelism with --backend cpu".into())
+    }
+    fn summary(&self) -> &'static str {
+        "merge two partial attentions (out, lse) over disjoint keys by their log-sum-exps"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "out_a", constraint: "Q" },
+                Slot { name: "lse_a", constraint: "S" },
+                Slot { name: "out_b", constraint: "Q" },
+                Slot { name: "lse_b", constraint: "S" },
+            ],
+            results: &[Slot { name: "out", constraint: "Q" }, Slot { name: "lse", constraint: "S" }],
+            attrs: &[],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 4)?;
+        let q = inputs[0];
+        float("out_a", q)?;
+        rank_is("out_a", q, 4)?;
+        if inputs[2] != q {
+            return Err(format!("out_b {} must have the type of out_a {q}", inputs[2]));
+        }
+        check_stats("lse_a", inputs[1], q)?;
+        check_stats("lse_b", inputs[3], q)?;
+        Ok(vec![q.clone(), stats_of(q)])
+    }
+    fn flops_per_element(&self) -> f64 {
+        // Two scales and a sum per output element (the exps are per row).
+        3.0
+    }
+}
+
+/// The backward of one [`AttentionBlock`] step from the whole attention's `out` and `lse`:
+/// this step's share of dq, and the gradients of the block's keys and values from this
+/// rank's queries (FlashAttention-2's backward with saved statistics).
+#[derive(Debug)]
+pub struct AttentionBlockGrad;
+
+impl OpDef for AttentionBlockGrad {
+    fn mnemonic(&self) -> &'static str {
+        "attention_block_grad"
+    }
+    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Err("ring attention has no CUDA kernel yet: run context parallelism with --backend cpu".into())
+    }
+    fn summary(&self) -> &'static str {
+        "ring-attention step backward: (dq, dk, dv) of the block at xf.ring_step from q, k, v, out, lse, dout"
+    }
+    fn signature(&self) -> Signature {
+        Signature {
+            operands: &[
+                Slot { name: "q", constraint: "Q" },
+                Slot { name: "k", constraint: "K" },
+                Slot { name: "v", constraint: "K" },
+                Slot { name: "out", constraint: "Q" },
+                Slot { name: "lse", constraint: "S" },
+                Slot { name: "dout", constraint: "Q" },
+            ],
+            results: &[Slot { name: "dq", constraint: "Q" }, Slot { name: "dk", constraint: "K" }, Slot { name: "dv", constraint: "K" }],
+            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), (RING_STEP_ATTR, AttrKind::Int)],
+        }
+    }
+    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
+        arity(inputs, 6)?;
+        check_block(&inputs[..3], attrs)?;
+        for (what, t) in [("out", inputs[3]), ("dout", inputs[5])] {
+            if t != inputs[0] {
+                return Err(format!("{what} {t} must have the type of q {}", inputs[0]));
+            }
+        }
+        check_stats("lse", inputs[4], inputs[0])?;
+        Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()])
+    }
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> Cost {
+        AttentionGrad.cost(&inputs[..3].iter().copied().chain([inputs[5]]).collect::<Vec<_>>(), outputs, attrs)
+    }
+    fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
+        // Scores, dp, dq, dk, dv: five products (the statistics are given).
+        attention_class(inputs, attrs, 5.0)
+    }
+}
+
 /// The CUDA kernels attend from every query of a sequence to its keys; a context-parallel
 /// rank's part of the queries against the whole sequence's keys runs on the CPU backend.
 fn refuse_split_queries(cx: &KernelCx<'_>) -> Result<(), String> {

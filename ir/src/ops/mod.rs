@@ -23,7 +23,7 @@ mod rope;
 use crate::attrs::Attrs;
 use crate::types::{DType, TensorTy};
 
-pub use attention::{Attention, AttentionGrad};
+pub use attention::{stats_dtype, Attention, AttentionBlock, AttentionBlockGrad, AttentionGrad, AttentionMerge, RING_STEP_ATTR};
 pub use cast::Cast;
 pub use elementwise::{Activation, ActivationGrad, Add, Mul, Scale, Swiglu, SwigluGrad, GELU, GELU_GRAD, SILU, SILU_GRAD};
 pub use embedding::{Embedding, EmbeddingGrad};
@@ -59,6 +59,9 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &Zigzag,
     &SumHeads,
     &Attention,
+    &AttentionBlock,
+    &AttentionMerge,
+    &AttentionBlockGrad,
     &CrossEntropy,
     // Reductions and fills, used by gradients.
     &SumLeading,

@@ -63,6 +63,7 @@ pub(super) fn attrs_hash(attrs: &Attrs) -> u64 {
             AttrValue::Ints(v) => (7u8, v).hash(&mut hasher),
             AttrValue::Reduction(v) => (8u8, v).hash(&mut hasher),
             AttrValue::Type(v) => (9u8, v).hash(&mut hasher),
+            AttrValue::Unit => 10u8.hash(&mut hasher),
         }
     }
     hasher.finish()

@@ -194,10 +194,12 @@ impl Pass for ShardMegatron {
                 if !op.origin.residual || t.rank() != 3 {
                     continue;
                 }
-                if t.shape[1] % tp != 0 {
-                    return Err(user(format!("sequence parallelism: tp={tp} does not divide the sequence length {}", t.shape[1])));
+                if t.shape[1] % (tp * cp) != 0 {
+                    return Err(user(format!("sequence parallelism: tp={tp} (x cp={cp}) does not divide the sequence length {}", t.shape[1])));
                 }
-                let mut pin = Sharding::split_dim(3, 1, &[TP]);
+                // With context parallelism each cp rank's part of the sequence is split
+                // further over tp, as Megatron-LM does.
+                let mut pin = Sharding::split_dim(3, 1, if cp > 1 { &[CP, TP] } else { &[TP] });
                 if dp > 1 {
                     pin.split[0] = vec![DP];
                 }

@@ -13,6 +13,7 @@ mod norm;
 mod overlap;
 mod partition;
 mod propagate;
+mod ring;
 
 use shardc_ir::ops::lookup;
 use shardc_ir::sharding::{Axis, FactorKind, Linearity, Sharding};
@@ -25,6 +26,7 @@ pub use norm::GroupNormSums;
 pub use overlap::OverlapCollectives;
 pub use partition::Partition;
 pub use propagate::PropagateSharding;
+pub use ring::{Policy as ContextAttention, RingAttention};
 
 /// The data-parallel grid axis ([`shardc_ir::mesh::DP_AXIS`]) as a sharding names it.
 pub const DP: Axis = shardc_ir::mesh::DP_AXIS as Axis;
@@ -149,12 +151,18 @@ pub fn plan_op_in(func: &Func, index: &FuncIndex, op: &Op) -> Result<OpPlan, Str
     // parallelism's residual stream, gradients in their optimizer state's layout). Only tp:
     // a pinned dp split (a ZeRO gradient) is reached by reduce-scattering the result, not by
     // taking dp from the batch.
+    // A pinned dimension split over the sequence's cp parts and then tp (sequence
+    // parallelism under context parallelism) takes both.
     for (j, dims) in rule.results.iter().enumerate() {
         if let Some(pin) = func.constraints.get(&op.results[j]) {
             for (d, &f) in dims.iter().enumerate() {
-                if pin.split.get(d).is_some_and(|axes| axes.first() == Some(&TP)) {
-                    assign(f, &[TP], &[], &mut taken, &mut factor_axes);
-                }
+                let Some(axes) = pin.split.get(d) else { continue };
+                let through_tp = match axes.as_slice() {
+                    [TP, ..] => &axes[..1],
+                    [CP, TP, ..] => &axes[..2],
+                    _ => continue,
+                };
+                assign(f, through_tp, &[], &mut taken, &mut factor_axes);
             }
         }
     }

@@ -249,8 +249,12 @@ fn sharded_ir(pass: &str) -> String {
 }
 
 fn sharded_ir_of(model: &str, mesh: shardc_ir::mesh::Mesh, pass: &str) -> String {
+    sharded_ir_with(model, mesh, pass, shardc_passes::sharding::ContextAttention::Auto)
+}
+
+fn sharded_ir_with(model: &str, mesh: shardc_ir::mesh::Mesh, pass: &str, context_attention: shardc_passes::sharding::ContextAttention) -> String {
     let kv_heads = if model == "tiny-llama" { 2 } else { 4 };
-    let options = shardc_passes::CompileOptions { mesh, vocab: 256, kv_heads, ..Default::default() };
+    let options = shardc_passes::CompileOptions { mesh, vocab: 256, kv_heads, context_attention, ..Default::default() };
     let mut module = tiny_on(model, mesh);
     let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
     for (_, ir) in &seen {
@@ -305,6 +309,24 @@ fn partition_on_tiny_llama_cp2() {
     assert_eq!(ir.lines().filter(|l| l.contains("xf.seq_split_axes = array<i16: 3>") && l.contains("xf.zigzag = array<i64: 4, 8>")).count(), 2 * 6, "{ir}");
     let reorders = ir.lines().filter(|l| l.contains("\"xf.zigzag\"(%tokens)") || l.contains("\"xf.zigzag\"(%targets)")).count();
     assert!(reorders >= 2, "tokens and targets in zigzag order: {ir}");
+    insta::assert_snapshot!(ir);
+}
+
+/// Ring attention on tiny Llama (cp=2): no gathers of keys and values left; per layer the
+/// forward passes each block on once (`shard.shift ... offset = 1 rotate`, keys and values)
+/// between two `xf.attention_block` steps merged by `xf.attention_merge`, and the backward
+/// passes the blocks on once more and their gradient sums twice (once on, once home). The
+/// dump parses with mlir-opt (checked for every pass's dump).
+#[test]
+fn ring_attention_on_tiny_llama_cp2() {
+    let ir = sharded_ir_with("tiny-llama", shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, "ring-attention", shardc_passes::sharding::ContextAttention::Ring);
+    let count = |what: &str| ir.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(count("shard.all_gather"), 0, "{ir}");
+    assert_eq!(count("shard.shift") , 2 * (2 + 2 + 4), "{ir}");
+    assert!(ir.contains("grid_axes = [3] shift_axis = 3 offset = 1 rotate"), "{ir}");
+    assert_eq!(count("\"xf.attention_block\""), 2 * 2, "{ir}");
+    assert_eq!(count("\"xf.attention_block_grad\""), 2 * 2, "{ir}");
+    assert_eq!(count("\"xf.attention_merge\""), 2, "{ir}");
     insta::assert_snapshot!(ir);
 }
 

@@ -4,7 +4,7 @@
 use super::*;
 
 /// The collectives the executor runs itself (everything else is a kernel).
-pub(super) const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "tensor.empty"];
+pub(super) const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
 
 /// A gradient bucket on the wire: its ticket and where its members' values go back.
 pub(super) struct InFlight {
@@ -140,6 +140,12 @@ pub(super) fn collective(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], co
             DType::Bf16 => Ok(outs[0].get::<half::bf16>()?.fill(half::bf16::ZERO)),
             _ => Ok(outs[0].get::<f32>()?.fill(0.0)),
         },
+        "shard.shift" => match dtype {
+            DType::F64 => shift::<f64>(instr, ins, outs, comm, mesh, rank, context),
+            DType::I32 => shift::<i32>(instr, ins, outs, comm, mesh, rank, context),
+            DType::Bf16 => shift::<half::bf16>(instr, ins, outs, comm, mesh, rank, context),
+            _ => shift::<f32>(instr, ins, outs, comm, mesh, rank, context),
+        },
         "shard.send" | "shard.recv" => match dtype {
             DType::F64 => point_to_point::<f64>(instr, ins, outs, comm, mesh, rank, context),
             DType::I32 => point_to_point::<i32>(instr, ins, outs, comm, mesh, rank, context),
@@ -188,6 +194,44 @@ pub(super) fn point_to_point<T: Element + crate::collectives::Elem + Default>(
         crate::collectives::pool::recycle(data);
         Ok(())
     }
+}
+
+/// `shard.shift ... offset = k rotate`: every rank of the group sends its value `k` places
+/// on around the ring and receives the value from `k` places before (ring attention passes
+/// key and value blocks this way). The tag is the instruction's output buffer with the
+/// (step, micro-batch) being run, so a rank that runs ahead never meets the wrong message.
+pub(super) fn shift<T: Element + crate::collectives::Elem + Default>(
+    instr: &Instr,
+    ins: &[In<'_>],
+    outs: &mut [Out<'_>],
+    comm: Option<&mut AsyncComm>,
+    mesh: &MeshShape,
+    rank: usize,
+    (step, microbatch): (u64, u64),
+) -> Result<(), String> {
+    let axes: Vec<usize> = instr.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    let n = group.len();
+    let position = group.iter().position(|&r| r == rank).ok_or("rank outside its group")?;
+    let offset = instr.int("offset")?.rem_euclid(n as i64) as usize;
+    let out = outs[0].get::<T>()?;
+    if offset == 0 {
+        out.copy_from_slice(ins[0].get::<T>()?);
+        return Ok(());
+    }
+    let buffer = instr.outputs[0] as u64;
+    if buffer >= 1 << 24 || microbatch >= 1 << 12 || step >= 1 << 26 {
+        return Err(format!("buffer {buffer}, micro-batch {microbatch} or step {step} is too large to tag a shift"));
+    }
+    let tag = (1 << 63) | (step << 36) | (microbatch << 24) | buffer;
+    let (to, from) = (group[(position + offset) % n], group[(position + n - offset) % n]);
+    let comm = comm.ok_or("a shift needs a communicator: run the program with one rank per mesh position")?;
+    let data = crate::collectives::pool::filled(ins[0].get::<T>()?);
+    let len = out.len();
+    let received: Vec<T> = comm.call(move |c| c.send_owned(to, tag, data).and_then(|()| c.recv_owned(from, tag, len))).map_err(|e| e.to_string())?;
+    out.copy_from_slice(&received);
+    crate::collectives::pool::recycle(received);
+    Ok(())
 }
 
 pub(super) fn collective_typed<T: Element + crate::collectives::Elem + Default>(

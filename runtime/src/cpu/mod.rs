@@ -36,6 +36,9 @@ pub(crate) struct RankCx {
     pub rows: Option<(usize, usize)>,
     /// The position of this rank's first sequence row (context parallelism; 0 otherwise).
     pub seq_offset: usize,
+    /// This rank's place among the ranks that split the sequence, and their count ((0, 1)
+    /// when it is whole).
+    pub seq_part: (usize, usize),
 }
 
 /// Runs one program on the CPU, keeping its arguments (parameters, optimizer state) between
@@ -556,18 +559,26 @@ fn run_widened(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx)
 
 /// The rank facts an instruction's kernel needs.
 fn rank_cx(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<RankCx, String> {
-    Ok(RankCx { rows: split_rows(instr, program, mesh, rank), seq_offset: seq_offset(instr, program, mesh, rank) })
+    Ok(RankCx { rows: split_rows(instr, program, mesh, rank), seq_offset: seq_offset(instr, program, mesh, rank), seq_part: seq_part(instr, mesh, rank) })
+}
+
+/// This rank's place in the group over an instruction's `xf.seq_split_axes`, and its size.
+pub fn seq_part(instr: &Instr, mesh: &MeshShape, rank: usize) -> (usize, usize) {
+    let Ok(axes) = instr.ints("xf.seq_split_axes") else { return (0, 1) };
+    let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    (group.iter().position(|&r| r == rank).unwrap_or(0), group.len().max(1))
 }
 
 /// For an op that reads sequence positions split over its `xf.seq_split_axes` (see
 /// `OpDef::position_factor`): the position of this rank's first row, its place in the group
 /// times the rows of its part (dimension 2 of its first operand, `[batch, heads, seq, ..]`).
 pub fn seq_offset(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> usize {
-    let Ok(axes) = instr.ints("xf.seq_split_axes") else { return 0 };
-    let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
-    let group = mesh.group(rank, &axes);
-    let position = group.iter().position(|&r| r == rank).unwrap_or(0);
-    position * program.buffers[instr.inputs[0]].shape.get(2).copied().unwrap_or(0)
+    let Some(&first) = instr.inputs.first() else { return 0 };
+    match seq_part(instr, mesh, rank).0 {
+        0 => 0,
+        part => part * program.buffers[first].shape.get(2).copied().unwrap_or(0),
+    }
 }
 
 /// For a table split along its rows (embedding) or logits along their last dimension

@@ -2,7 +2,13 @@
 
 use super::*;
 
-pub(super) const KERNELS: &[CpuKernel] = &[kernel!("xf.attention", attention_kernel), kernel!("xf.attention_grad", attention_grad_kernel)];
+pub(super) const KERNELS: &[CpuKernel] = &[
+    kernel!("xf.attention", attention_kernel),
+    kernel!("xf.attention_grad", attention_grad_kernel),
+    kernel!("xf.attention_block", attention_block_kernel),
+    kernel!("xf.attention_merge", attention_merge_kernel),
+    kernel!("xf.attention_block_grad", attention_block_grad_kernel),
+];
 
 fn attention_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     attention::<T>(instr, ins, outs, cx.seq_offset)
@@ -175,6 +181,161 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
                         let dv_j = &mut dv[j * d..(j + 1) * d];
                         for c in 0..d {
                             dv_j[c] += p[j] * do_i[c];
+                        }
+                    }
+                }
+            }
+        });
+    Ok(())
+}
+
+/// Where a ring-attention step's rows and keys sit in the whole (possibly zigzag-ordered)
+/// sequence: this rank's queries are part `p` of `n`, and at ring step `t` it holds the keys
+/// of part `(p - t) mod n`.
+struct RingBlock {
+    causal: bool,
+    query_positions: Vec<usize>,
+    key_positions: Vec<usize>,
+}
+
+impl RingBlock {
+    fn new(instr: &Instr, cx: &RankCx, queries: usize, keys: usize) -> Result<RingBlock, String> {
+        let causal = instr.bool("causal")?;
+        let step = usize::try_from(instr.int(shardc_ir::ops::RING_STEP_ATTR)?).map_err(|_| "negative ring step")?;
+        let (part, parts) = cx.seq_part;
+        let source = (part + parts - step % parts) % parts;
+        let (chunks, len) = super::zigzag_order(instr);
+        let at = |index: usize| shardc_ir::ops::zigzag_position(index, len, chunks);
+        Ok(RingBlock {
+            causal,
+            query_positions: (0..queries).map(|i| at(cx.seq_offset + i)).collect(),
+            key_positions: (0..keys).map(|j| at(source * keys + j)).collect(),
+        })
+    }
+
+    fn visible(&self, i: usize, j: usize) -> bool {
+        !self.causal || self.key_positions[j] <= self.query_positions[i]
+    }
+}
+
+fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    let scale = T::of(instr.float("scale")?);
+    let (qs, ks) = (ins[0].shape(), ins[1].shape());
+    let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let block = RingBlock::new(instr, cx, s, keys)?;
+    let group = hq / hk;
+    let (q, k, v) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
+    let (out_slot, lse_slot) = outs.split_at_mut(1);
+    let (out, lse) = (out_slot[0].get::<T>()?, lse_slot[0].get::<T>()?);
+    out.par_chunks_mut(s * d).zip(lse.par_chunks_mut(s)).enumerate().for_each(|(bh, (out, lse))| {
+        let (b, h) = (bh / hq, bh % hq);
+        let kv = (b * hk + h / group) * keys * d;
+        let (k, v, q) = (&k[kv..kv + keys * d], &v[kv..kv + keys * d], &q[bh * s * d..(bh + 1) * s * d]);
+        let mut p = vec![T::zero(); keys];
+        for i in 0..s {
+            let q_i = &q[i * d..(i + 1) * d];
+            let mut max = T::neg_infinity();
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = if block.visible(i, j) { q_i.iter().zip(&k[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>() * scale } else { T::neg_infinity() };
+                max = max.max(*pj);
+            }
+            let o = &mut out[i * d..(i + 1) * d];
+            o.fill(T::zero());
+            if max == T::neg_infinity() {
+                lse[i] = T::neg_infinity();
+                continue;
+            }
+            let mut sum = T::zero();
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = (*pj - max).exp();
+                sum += *pj;
+                if *pj != T::zero() {
+                    for (o, &vv) in o.iter_mut().zip(&v[j * d..(j + 1) * d]) {
+                        *o += *pj * vv;
+                    }
+                }
+            }
+            let inv = T::one() / sum;
+            o.iter_mut().for_each(|x| *x *= inv);
+            lse[i] = max + sum.ln();
+        }
+    });
+    Ok(())
+}
+
+fn attention_merge_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
+    let d = *ins[0].shape().last().unwrap_or(&1);
+    let (oa, la, ob, lb) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?);
+    let (out_slot, lse_slot) = outs.split_at_mut(1);
+    let (out, lse) = (out_slot[0].get::<T>()?, lse_slot[0].get::<T>()?);
+    out.par_chunks_mut(d).zip(lse.par_iter_mut()).enumerate().for_each(|(row, (o, l))| {
+        let (a, b) = (la[row], lb[row]);
+        let m = a.max(b);
+        if m == T::neg_infinity() {
+            o.fill(T::zero());
+            *l = T::neg_infinity();
+            return;
+        }
+        let (wa, wb) = ((a - m).exp(), (b - m).exp());
+        let inv = T::one() / (wa + wb);
+        let (xa, xb) = (&oa[row * d..(row + 1) * d], &ob[row * d..(row + 1) * d]);
+        for ((o, &x), &y) in o.iter_mut().zip(xa).zip(xb) {
+            *o = (wa * x + wb * y) * inv;
+        }
+        *l = m + (wa + wb).ln();
+    });
+    Ok(())
+}
+
+fn attention_block_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    let scale = T::of(instr.float("scale")?);
+    let (qs, ks) = (ins[0].shape(), ins[1].shape());
+    let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let block = RingBlock::new(instr, cx, s, keys)?;
+    let group = hq / hk;
+    let (q, k, v, out, lse, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?, ins[4].get::<T>()?, ins[5].get::<T>()?);
+    let (dq_out, rest) = outs.split_at_mut(1);
+    let (dk_out, dv_out) = rest.split_at_mut(1);
+    let (dq, dk, dv) = (dq_out[0].get::<T>()?, dk_out[0].get::<T>()?, dv_out[0].get::<T>()?);
+    // One task per (batch, kv head), as in `attention_grad`.
+    dq.par_chunks_mut(group * s * d)
+        .zip(dk.par_chunks_mut(keys * d).zip(dv.par_chunks_mut(keys * d)))
+        .enumerate()
+        .for_each(|(bg, (dq, (dk, dv)))| {
+            let (b, g) = (bg / hk, bg % hk);
+            let kv = (b * hk + g) * keys * d;
+            let (k, v) = (&k[kv..kv + keys * d], &v[kv..kv + keys * d]);
+            dk.fill(T::zero());
+            dv.fill(T::zero());
+            dq.fill(T::zero());
+            for gh in 0..group {
+                let h = g * group + gh;
+                let at = (b * hq + h) * s * d;
+                let rows = (b * hq + h) * s;
+                let dq = &mut dq[gh * s * d..(gh + 1) * s * d];
+                for i in 0..s {
+                    let l = lse[rows + i];
+                    if l == T::neg_infinity() {
+                        continue;
+                    }
+                    let (q_i, o_i, do_i) = (&q[at + i * d..at + (i + 1) * d], &out[at + i * d..at + (i + 1) * d], &dout[at + i * d..at + (i + 1) * d]);
+                    let rowdot = o_i.iter().zip(do_i).map(|(&a, &b)| a * b).sum::<T>();
+                    for j in (0..keys).filter(|&j| block.visible(i, j)) {
+                        let (k_j, v_j) = (&k[j * d..(j + 1) * d], &v[j * d..(j + 1) * d]);
+                        let p = (q_i.iter().zip(k_j).map(|(&a, &b)| a * b).sum::<T>() * scale - l).exp();
+                        let dp = do_i.iter().zip(v_j).map(|(&a, &b)| a * b).sum::<T>();
+                        let ds = p * (dp - rowdot) * scale;
+                        let dq_i = &mut dq[i * d..(i + 1) * d];
+                        for c in 0..d {
+                            dq_i[c] += ds * k_j[c];
+                        }
+                        let dk_j = &mut dk[j * d..(j + 1) * d];
+                        for c in 0..d {
+                            dk_j[c] += ds * q_i[c];
+                        }
+                        let dv_j = &mut dv[j * d..(j + 1) * d];
+                        for c in 0..d {
+                            dv_j[c] += p * do_i[c];
                         }
                     }
                 }
