@@ -31,6 +31,10 @@ const SEARCHED_MICRO_BATCHES: [u64; 5] = [1, 2, 4, 8, 16];
 /// Most micro-batches per step a listed plan may have: what `--microbatches` accepts.
 const MAX_MICROBATCHES: u64 = 4096;
 
+/// The shortest part of a sequence a context-parallel rank is given in the search: shorter
+/// parts make attention too small a share of the step to gain from splitting it.
+const MIN_CONTEXT_PART: u64 = 1024;
+
 /// Arguments of `shardc plan`.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -158,6 +162,8 @@ impl PlanArgs {
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub tp: u64,
+    /// Context-parallel ranks (1: none).
+    pub cp: u64,
     pub pp: u64,
     pub dp: u64,
     pub micro_batch: u64,
@@ -267,7 +273,7 @@ impl Plan {
     pub fn assumption(&self, units: &[UnitCosts], cluster: &Cluster, source: &str) -> String {
         let (term, t) = self.dominant(units);
         let g = &cluster.gpu;
-        let grid = [self.dp as i64, self.tp as i64, self.pp as i64];
+        let grid = [self.dp as i64, self.tp as i64, self.pp as i64, self.cp as i64];
         let link = |axis: usize| {
             let l = if axis == 2 { cluster.send_link(&grid, &[axis]) } else { cluster.link(&grid, &[axis]) };
             let name = if l == cluster.intra_node { "intra-node link" } else { "inter-node link" };
@@ -306,8 +312,9 @@ impl Plan {
     fn label(&self) -> String {
         let schedule = if self.pp == 1 { "-".to_string() } else if self.virtual_stages > 1 { format!("{} v={}", self.schedule, self.virtual_stages) } else { self.schedule.to_string() };
         format!(
-            "dp={} tp={} pp={} b={} m={} {} {}{} z{}",
+            "dp={} {}tp={} pp={} b={} m={} {} {}{} z{}",
             self.dp,
+            if self.cp > 1 { format!("cp={} ", self.cp) } else { String::new() },
             self.tp,
             self.pp,
             self.micro_batch,
@@ -394,7 +401,7 @@ pub struct Searched {
 /// step of a ZeRO stage for its data-parallel traffic.
 #[derive(Clone, Copy)]
 enum Job {
-    Unit(u64, bool, Recompute),
+    Unit(u64, u64, bool, Recompute),
     Sync(u8),
 }
 
@@ -410,17 +417,22 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let tps: Vec<u64> = [1u64, 2, 4, 8, 16].into_iter().filter(|&t| t <= gpus && t as usize <= cluster.gpus_per_node && m.heads % t == 0 && m.ffn_hidden % t == 0 && m.kv_heads() % t == 0 && gpus % t == 0).collect();
     let recomputes = [("none", Recompute::None), ("selective", Recompute::SelectiveAttention), ("full", Recompute::Full)];
     // Unit costs of each tensor-parallel variant, compiled on both cores.
-    let mut variants: Vec<(u64, bool, &'static str, Recompute)> = Vec::new();
+    // Context parallelism where a rank's part of the sequence stays long enough to be
+    // worth splitting (MIN_CONTEXT_PART tokens) and the zigzag order's 2 x cp chunks divide it.
+    let cps: Vec<u64> = [1u64, 2, 4, 8, 16].into_iter().filter(|&c| c == 1 || (seq % (2 * c) == 0 && seq / c >= MIN_CONTEXT_PART && gpus % c == 0)).collect();
+    let mut variants: Vec<(u64, u64, bool, &'static str, Recompute)> = Vec::new();
     for &t in &tps {
-        for sp in [false, true].into_iter().filter(|&sp| !sp || (t > 1 && seq % t == 0)) {
-            for (n, r) in recomputes {
-                variants.push((t, sp, n, r));
+        for &c in cps.iter().filter(|&&c| gpus % (t * c) == 0) {
+            for sp in [false, true].into_iter().filter(|&sp| !sp || (t > 1 && seq % (t * c) == 0)) {
+                for (n, r) in recomputes {
+                    variants.push((t, c, sp, n, r));
+                }
             }
         }
     }
     // And, per ZeRO stage, the one-layer step at dp=2 whose dp collectives say what the
     // data-parallel sync moves per parameter (the same at any tp: per model-parallel share).
-    let mut jobs: Vec<Job> = variants.iter().map(|&(t, sp, _, r)| Job::Unit(t, sp, r)).collect();
+    let mut jobs: Vec<Job> = variants.iter().map(|&(t, c, sp, _, r)| Job::Unit(t, c, sp, r)).collect();
     if gpus > 1 {
         jobs.extend((0..=3u8).map(Job::Sync));
     }
@@ -428,7 +440,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let halves: [Vec<Job>; 2] = [jobs.iter().step_by(2).copied().collect(), jobs.iter().skip(1).step_by(2).copied().collect()];
     let measured: Vec<Result<Measured>> = std::thread::scope(|s| {
         let run = |job: Job| match job {
-            Job::Unit(t, sp, r) => compile_unit(spec, Mesh { dp: 1, tp: t, pp: 1, cp: 1 }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
+            Job::Unit(t, c, sp, r) => compile_unit(spec, Mesh { dp: 1, tp: t, pp: 1, cp: c }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
             Job::Sync(zero) => compile_unit(spec, Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
         };
         let handles: Vec<_> = halves.iter().map(|half| s.spawn(move || half.iter().map(|&job| run(job)).collect::<Vec<_>>())).collect();
@@ -457,9 +469,9 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let mut plans = Vec::new();
     let mut considered = 0usize;
     let mut too_many_microbatches = false;
-    for (index, (&(tp, sp, rname, _), u)) in variants.iter().zip(&units).enumerate() {
-        for pp in (1..=layers.min(gpus / tp)).filter(|&p| layers % p == 0 && gpus % (tp * p) == 0) {
-            let dp = gpus / (tp * pp);
+    for (index, (&(tp, cp, sp, rname, _), u)) in variants.iter().zip(&units).enumerate() {
+        for pp in (1..=layers.min(gpus / (tp * cp))).filter(|&p| layers % p == 0 && gpus % (tp * cp * p) == 0) {
+            let dp = gpus / (tp * cp * pp);
             if global_batch % dp != 0 {
                 continue;
             }
@@ -489,8 +501,13 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                 let (embed, head) = (u.embed.0 + u.embed.1, u.head.0 + u.head.1);
                 let first = bf * (lps * (u.layer_forward + u.layer_backward) + embed + if pp == 1 { head } else { 0.0 });
                 let last = bf * (lps * (u.layer_forward + u.layer_backward) + head + if pp == 1 { embed } else { 0.0 });
-                let grid = [dp as i64, tp as i64, pp as i64];
-                let send = if pp > 1 { 2.0 * cluster.time(Collective::Send, 2.0 * bf * seq as f64 * hidden / if sp { tp as f64 } else { 1.0 }, &grid, &[2]) } else { 0.0 };
+                let grid = [dp as i64, tp as i64, pp as i64, cp as i64];
+                // A rank's part of the sequence: 1/cp of it, and 1/tp of that with sequence
+                // parallelism.
+                let part = seq as f64 / cp as f64 / if sp { tp as f64 } else { 1.0 };
+                let send = if pp > 1 { 2.0 * cluster.time(Collective::Send, 2.0 * bf * part * hidden, &grid, &[2]) } else { 0.0 };
+                // The gradients of the dp x cp ranks that hold the same parameters are summed.
+                let sync_axes: &[usize] = if cp > 1 { &[shardc_ir::mesh::DP_AXIS, shardc_ir::mesh::CP_AXIS] } else { &[shardc_ir::mesh::DP_AXIS] };
                 let first_is_fuller = first >= last;
                 let psi = lps * u.layer_params + u.other_params;
                 for &(kind, sname, v) in &kinds {
@@ -538,7 +555,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         // kind, at the bytes per parameter they move there (in the types the
                         // program reduces and gathers in), for this stage's parameters.
                         let sync_parts = match traffic.get(zero as usize) {
-                            Some(t) if dp > 1 => t.times(cluster, psi, &grid),
+                            Some(t) if dp * cp > 1 => t.times(cluster, psi, &grid, sync_axes),
                             _ => [("all_reduce", 0.0), ("reduce_scatter", 0.0), ("all_gather", 0.0)],
                         };
                         let sync: f64 = sync_parts.iter().map(|(_, t)| t).sum();
@@ -549,6 +566,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         let step = pipeline + exposed + update;
                         plans.push(Plan {
                             tp,
+                            cp,
                             pp,
                             dp,
                             micro_batch: b,
@@ -687,11 +705,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     // The best plan as a command line (`--micro-batch` is per data-parallel replica, as `b`).
     let best = &plans[0];
     let mut command = format!(
-        "shardc run {} --mesh dp={},tp={},pp={} --micro-batch {} --microbatches {} --recompute {} --zero {}",
+        "shardc run {} --mesh {} --micro-batch {} --microbatches {} --recompute {} --zero {}",
         step.hf_dir(args.spec.as_deref()).or_else(|| args.spec.clone()).unwrap_or_default().display(),
-        best.dp,
-        best.tp,
-        best.pp,
+        Mesh { dp: best.dp, tp: best.tp, pp: best.pp, cp: best.cp },
         best.micro_batch,
         best.microbatches,
         best.recompute,

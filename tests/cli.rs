@@ -1005,6 +1005,29 @@ fn long_context_llama_7b_compiles_and_fits_an_80_gb_gpu() {
     assert!(!out.status.success() && stderr(&out).contains("max_seq"), "{}", stderr(&out));
 }
 
+/// `plan` searches context parallelism where sequences are long (issue 20): for Llama-7B at
+/// 32K tokens on 64 GPUs it lists cp plans and picks one; the command it suggests compiles
+/// to the memory per GPU the plan lists. At 1K tokens it lists none.
+#[test]
+fn plan_searches_context_parallelism_for_long_sequences() {
+    let out = shardc(&["plan", "models/llama-7b.toml", "--seq", "32768", "--gpus", "64", "--top", "5"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let best = text.lines().find(|l| l.trim_start().starts_with("1 ")).unwrap_or_default();
+    assert!(best.contains(" cp="), "the best plan at 32K tokens splits the sequence: {text}");
+    let command = text.lines().find_map(|l| l.split_once("best as a command: shardc ")).map(|(_, c)| c.to_string()).unwrap_or_default();
+    let mut args: Vec<&str> = command.split_whitespace().collect();
+    assert_eq!(args.first(), Some(&"run"), "{text}");
+    args[0] = "compile";
+    let compiled = shardc(&args);
+    assert!(compiled.status.success(), "{command}: {}", stderr(&compiled));
+    let memory = |text: &str, marker: &str| text.split(marker).nth(1).and_then(|rest| rest.split_whitespace().next().map(str::to_string));
+    let listed = best.split("GB").next().and_then(|head| head.split_whitespace().last().map(str::to_string));
+    assert_eq!(listed, memory(&stdout(&compiled), "memory/GPU  "), "{best}\n{}", stdout(&compiled));
+    let short = shardc(&["plan", "models/llama-7b.toml", "--seq", "1024", "--gpus", "64", "--top", "50"]);
+    assert!(short.status.success() && !stdout(&short).contains(" cp="), "{}", stdout(&short));
+}
+
 /// `step N loss X` lines of a run, by step.
 fn losses_by_step(out: &Output) -> std::collections::BTreeMap<u64, f64> {
     assert!(out.status.success(), "{}{}", stdout(out), stderr(out));

@@ -709,10 +709,12 @@ impl DataParallelTraffic {
         if self.gather_per_microbatch > 0.0 { cluster.time(Collective::AllGather, self.gather_per_microbatch * parameters, grid, &[DP_AXIS]) } else { 0.0 }
     }
 
-    /// Seconds of each per-step kind for `parameters` parameters over axis 0 (dp) of `grid`,
-    /// each kind priced as one collective of all its bytes (as buckets send them).
-    pub fn times(&self, cluster: &Cluster, parameters: f64, grid: &[i64]) -> [(&'static str, f64); 3] {
-        self.kinds().map(|(kind, name, bytes)| (name, if bytes > 0.0 { cluster.time(kind, bytes * parameters, grid, &[DP_AXIS]) } else { 0.0 }))
+    /// Seconds of each per-step kind for `parameters` parameters over the gradient-sync axes
+    /// `axes` of `grid` (dp; dp and cp under context parallelism, whose ranks' gradients are
+    /// summed together), each kind priced as one collective of all its bytes (as buckets
+    /// send them).
+    pub fn times(&self, cluster: &Cluster, parameters: f64, grid: &[i64], axes: &[usize]) -> [(&'static str, f64); 3] {
+        self.kinds().map(|(kind, name, bytes)| (name, if bytes > 0.0 { cluster.time(kind, bytes * parameters, grid, axes) } else { 0.0 }))
     }
 }
 
@@ -789,7 +791,10 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
         // data-parallel degree; every other collective counts, asynchronous or not (the
         // planner adds a layer's costs up without overlap).
         let dp_bucket = instr.bool("xf.async").unwrap_or(false) && instr.ints("grid_axes").is_ok_and(|a| a == [DP_AXIS as i64]);
-        if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || dp_bucket {
+        // So are the weight gradients' all-reduces over cp (a step reduces them over dp and
+        // cp together, once, however many micro-batches it has).
+        let cp_sync = instr.op == "shard.all_reduce" && instr.origin.role == shardc_ir::facts::Role::Gradient && instr.ints("grid_axes").is_ok_and(|a| a == [shardc_ir::mesh::CP_AXIS as i64]);
+        if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || dp_bucket || cp_sync {
             continue;
         }
         let priced = price(program, instr, cluster);

@@ -125,7 +125,7 @@ fn zero3_sync_over_zero0_is_what_the_compiled_collectives_move() {
     // Large enough that latencies vanish against the bytes.
     let params = 1e11;
     // One micro-batch: the per-step collectives and the gathers of the stored shards.
-    let seconds = |t: &shardc_codegen::estimate::DataParallelTraffic| t.times(&cluster, params, &grid).iter().map(|(_, s)| s).sum::<f64>() + t.microbatch_time(&cluster, params, &grid);
+    let seconds = |t: &shardc_codegen::estimate::DataParallelTraffic| t.times(&cluster, params, &grid, &[0]).iter().map(|(_, s)| s).sum::<f64>() + t.microbatch_time(&cluster, params, &grid);
     for (dtype, param_bytes, gradient_bytes, textbook) in [("f32", 4.0, 4.0, 1.5), ("bf16", 2.0, 4.0, 1.0)] {
         let zero0 = tiny_dp2(dtype, 0, 0);
         let t0 = shardc_codegen::estimate::data_parallel_traffic(&zero0);
