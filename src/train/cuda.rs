@@ -20,12 +20,10 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     if args.collectives != "ring" {
         return Err(miette!(help = "leave the choice to NCCL (its NCCL_ALGO variable selects ring or tree), or run on the CPU backend", "--collectives {}: the CPU backend's algorithm; a GPU run's collectives are NCCL's or device copies", args.collectives));
     }
-    if let Ok(mesh) = shardc_ir::mesh::Mesh::parse(&args.mesh)
-        && mesh.cp > 1
-    {
+    if args.step.strategy.cp_attention.as_deref() == Some("ring") {
         return Err(miette!(
-            help = "run context parallelism with --backend cpu, or leave cp out of --mesh on the GPU",
-            "--mesh {mesh}: context parallelism's attention (a rank's queries against the whole sequence's keys) has no CUDA kernel yet"
+            help = "use --cp-attention all-gather (or auto) on the GPU, or run the ring with --backend cpu",
+            "--cp-attention ring: ring attention's block kernels run on the CPU backend only, so far"
         ));
     }
     if args.check_numerics {

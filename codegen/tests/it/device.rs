@@ -332,7 +332,8 @@ mod emulated {
             }
             None => spec.model.vocab,
         };
-        let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab, sequence_chunks: 1 }).unwrap();
+        let sequence_chunks = if mesh.cp > 1 { 2 * mesh.cp } else { 1 };
+        let mut module = shardc_ir::spec::lower(&spec, shardc_ir::spec::StepShape { rows: spec.training.micro_batch, padded_vocab, sequence_chunks }).unwrap();
         // Warmup, cosine decay and a clipping norm small enough to clip every step: the
         // device's kernels for the schedule, the sums of squares and the coefficient are
         // checked against the CPU's.
@@ -661,6 +662,8 @@ mod emulated {
             ("tiny", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, true, default_buckets),
             // ZeRO-3's reduce-scatter buckets, each issued as one group.
             ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 3, false, 2048),
+            // Context parallelism: gathers and scatters over cp groups of processes.
+            ("tiny-llama", Mesh { dp: 2, tp: 1, pp: 1, cp: 2 }, 0, false, default_buckets),
         ] {
             let what = format!("{name} {mesh} ZeRO-{zero} sp={sequence_parallel}");
             let (program, spec) = compile(name, mesh, zero, sequence_parallel, buckets);
@@ -784,6 +787,18 @@ mod emulated {
     #[test]
     fn tiny_gpt_f32_tensor_and_data_parallel_on_one_device() {
         check("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 1e-5, 1e-4);
+    }
+
+    /// Context parallelism (issue 20) on the device: every rank's part of the sequence in
+    /// zigzag order, keys and values gathered over cp, positions offset by the rank's part
+    /// (the scalar flash kernels; bf16 too, where the tensor-core ones would attend within one
+    /// whole sequence), with data and tensor parallelism.
+    #[test]
+    fn context_parallel_on_one_device() {
+        check("tiny-llama", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, 1e-5, 1e-4);
+        check("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 2 }, 1e-5, 1e-4);
+        check("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 4 }, 1e-5, 1e-4);
+        check("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 2 }, 2e-2, 2e-2);
     }
 
     #[test]

@@ -29,7 +29,6 @@ impl OpDef for Attention {
         "attention"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        refuse_split_queries(cx)?;
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
         if let Some([kernel, _, _]) = mma_kernels(cx) {
@@ -38,9 +37,10 @@ impl OpDef for Attention {
             let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
             return Ok(DeviceKernel::Launches(vec![Launch { kernel, source: ATTENTION_MMA_CUDA, grid, block: FLASH_THREADS as u32, shared: 0, workspace: 0, args }]));
         }
-        let tiles = flash_tiles(q[3], s, cx.inputs[0].dtype)?;
+        let tiles = flash_tiles(q[3], s.max(k[2]), cx.inputs[0].dtype)?;
         let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
         args.extend(attention_args(&q, hk, cx.attrs)?);
+        args.extend(context_args(cx));
         args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
         // One block per tile of query rows (x) of each sequence's head (y).
         let grid = [query_tiles(s, tiles.0, "attention_fwd")?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
@@ -261,15 +261,6 @@ impl OpDef for AttentionBlockGrad {
     }
 }
 
-/// The CUDA kernels attend from every query of a sequence to its keys; a context-parallel
-/// rank's part of the queries against the whole sequence's keys runs on the CPU backend.
-fn refuse_split_queries(cx: &KernelCx<'_>) -> Result<(), String> {
-    if cx.attrs.get("xf.seq_split_axes").is_some() || cx.inputs[0].shape.get(2) != cx.inputs[1].shape.get(2) {
-        return Err("context parallelism (a rank's queries against the gathered keys) has no CUDA attention kernel yet: run it with --backend cpu".into());
-    }
-    Ok(())
-}
-
 /// The factor of the query positions in [`attention_rule`].
 const QUERY_POSITIONS: usize = 2;
 
@@ -321,15 +312,15 @@ impl OpDef for AttentionGrad {
         "attention_grad"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        refuse_split_queries(cx)?;
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
-        let (b, hq, s, d, hk) = (q[0], q[1], q[2], q[3], k[1]);
+        let (b, hq, s, d, hk, keys) = (q[0], q[1], q[2], q[3], k[1], k[2]);
         let mut shape_args = attention_args(&q, hk, cx.attrs)?;
         // The tensor-core kernels' tiles are compile-time; the scalar ones take theirs.
         let (names, source, rows, shared) = match mma_kernels(cx) {
             Some([_, q_kernel, kv_kernel]) => ([q_kernel, kv_kernel], ATTENTION_MMA_CUDA, MMA_ROWS, 0),
             None => {
-                let tiles = flash_tiles(d, s, cx.inputs[0].dtype)?;
+                let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
+                shape_args.extend(context_args(cx));
                 shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
                 (["attention_grad_q", "attention_grad_kv"], ATTENTION_CUDA, tiles.0, flash_shared(d, tiles, 2, 2, 2))
             }
@@ -339,8 +330,8 @@ impl OpDef for AttentionGrad {
         q_args.extend(shape_args.iter().cloned());
         let mut kv_args = vec![Arg::Out(1), Arg::Out(2), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
         kv_args.extend(shape_args);
-        let row_tiles = query_tiles(s, rows, "attention_grad")?;
-        let (q_grid, kv_grid) = ([row_tiles, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [row_tiles, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
+        let (row_tiles, key_tiles) = (query_tiles(s, rows, "attention_grad")?, query_tiles(keys, rows, "attention_grad")?);
+        let (q_grid, kv_grid) = ([row_tiles, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [key_tiles, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
         Ok(DeviceKernel::Launches(vec![
             Launch { kernel: names[0], source, grid: q_grid, block: FLASH_THREADS as u32, shared, workspace, args: q_args },
             Launch { kernel: names[1], source, grid: kv_grid, block: FLASH_THREADS as u32, shared, workspace, args: kv_args },
@@ -472,6 +463,9 @@ const ATTENTION_CUDA: &str = r#"// Flash attention (FlashAttention-2's loop orde
 // shared memory once for all the block's rows; scores live only as one [rows][inner] tile, with
 // an online softmax (running max and sum) across tiles, so nothing grows with the sequence.
 // Causal tiles wholly above the diagonal are skipped, and partly masked ones masked by element.
+// Under context parallelism a rank's `sq` queries start at row q0 of the sequence and attend
+// to all `sk` keys (gathered), the sequence possibly in zigzag order of `chunks` chunks
+// (positions by zigzag_position; no tile is skipped then, the mask decides).
 // Grouped-query heads read their kv head's tiles. Shared matrices have a row stride of d + 1,
 // so the threads of a warp reading different rows hit different banks. Every sum runs in a
 // fixed order: results repeat bit for bit.
@@ -489,10 +483,18 @@ __device__ acc_t fa_dot(const acc_t* a, const acc_t* b, i64 d) {
   for (i64 c = 0; c < d; c++) dot += a[c] * b[c];
   return dot;
 }
-// Whether query i sees key j.
-__device__ bool fa_visible(i64 i, i64 j, i64 s, i64 causal) { return i < s && j < s && (!causal || j <= i); }
+// Whether query i of sq (row q0 + i of the sequence) sees key j of sk.
+__device__ bool fa_visible(i64 i, i64 j, i64 sq, i64 sk, i64 causal, i64 q0, i64 chunks, i64 len) {
+  if (i >= sq || j >= sk) return false;
+  if (!causal) return true;
+  return zigzag_position(j, len, chunks) <= zigzag_position(q0 + i, len, chunks);
+}
+// Keys a causal tile of queries [i0, i0 + rows) can see at most, in the natural order.
+__device__ i64 fa_keys(i64 i0, i64 rows, i64 sk, i64 causal, i64 q0, i64 chunks) {
+  return causal && chunks <= 1 && q0 + i0 + rows < sk ? q0 + i0 + rows : sk;
+}
 // Forward: grid (query tiles, batch x query heads).
-extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 rows, i64 inner) {
+extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
   i64 ld = d + 1;
   acc_t* qs = (acc_t*)shared_raw;
@@ -501,27 +503,27 @@ extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T
   acc_t* ps = vs + inner * ld;
   int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 kv = (b * hk + h / (hq / hk)) * s * d;
+  i64 kv = (b * hk + h / (hq / hk)) * sk * d;
   i64 i0 = (i64)blockIdx.x * rows, i = i0 + r;
   acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0;
   acc_t o[FA_COLS];
   for (int c = 0; c < FA_COLS; c++) o[c] = 0;
   fa_load(qs, q + bh * s * d, i0, rows, s, d);
-  i64 keys = causal && i0 + rows < s ? i0 + rows : s;
+  i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks);
   for (i64 j0 = 0; j0 < keys; j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
-    fa_load(ks, k + kv, j0, n, s, d);
-    fa_load(vs, v + kv, j0, n, s, d);
+    fa_load(ks, k + kv, j0, n, sk, d);
+    fa_load(vs, v + kv, j0, n, sk, d);
     __syncthreads();
     acc_t* pr = ps + r * inner;
     for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
     __syncthreads();
     acc_t grown = mx;
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, causal)) grown = fmax(grown, pr[j]);
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len)) grown = fmax(grown, pr[j]);
     acc_t rescale = grown == NEG_INF ? (acc_t)1 : exp(mx - grown);
     __syncthreads();
-    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_visible(i, j0 + j, s, causal) ? exp(pr[j] - grown) : (acc_t)0;
+    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len) ? exp(pr[j] - grown) : (acc_t)0;
     __syncthreads();
     acc_t part = 0;
     for (i64 j = 0; j < n; j++) part += pr[j];
@@ -541,7 +543,7 @@ extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T
 // the rows' max and sum (online), then with p = exp(score - max) / sum and dp = dout . v:
 // rowdot = sum p dp, and dq = scale (sum p dp k - rowdot sum p k). Each row's (max, sum,
 // rowdot) goes to `stats` for the keys' kernel.
-extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 rows, i64 inner) {
+extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
   i64 ld = d + 1;
   acc_t* qs = (acc_t*)shared_raw;
@@ -552,24 +554,24 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
   acc_t* dps = ps + rows * inner;
   int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 kv = (b * hk + h / (hq / hk)) * s * d;
+  i64 kv = (b * hk + h / (hq / hk)) * sk * d;
   i64 i0 = (i64)blockIdx.x * rows, i = i0 + r;
   acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0, rowdot = 0;
   fa_load(qs, q + bh * s * d, i0, rows, s, d);
   fa_load(dos, dout + bh * s * d, i0, rows, s, d);
-  i64 keys = causal && i0 + rows < s ? i0 + rows : s;
+  i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks);
   acc_t* pr = ps + r * inner;
   acc_t* dpr = dps + r * inner;
   for (i64 j0 = 0; j0 < keys; j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
-    fa_load(ks, k + kv, j0, n, s, d);
+    fa_load(ks, k + kv, j0, n, sk, d);
     __syncthreads();
     for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
     __syncthreads();
     acc_t grown = mx, part = 0;
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, causal)) grown = fmax(grown, pr[j]);
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, causal)) part += exp(pr[j] - grown);
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len)) grown = fmax(grown, pr[j]);
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len)) part += exp(pr[j] - grown);
     sum = (grown == NEG_INF ? (acc_t)0 : sum * exp(mx - grown)) + part;
     mx = grown;
   }
@@ -578,11 +580,11 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
   for (i64 j0 = 0; j0 < keys; j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
-    fa_load(ks, k + kv, j0, n, s, d);
-    fa_load(vs, v + kv, j0, n, s, d);
+    fa_load(ks, k + kv, j0, n, sk, d);
+    fa_load(vs, v + kv, j0, n, sk, d);
     __syncthreads();
     for (i64 j = lane; j < n; j += tpr) {
-      bool seen = fa_visible(i, j0 + j, s, causal);
+      bool seen = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len);
       pr[j] = seen ? exp(fa_dot(qs + r * ld, ks + j * ld, d) * scale - mx) / sum : (acc_t)0;
       dpr[j] = fa_dot(dos + r * ld, vs + j * ld, d);
     }
@@ -604,7 +606,7 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
 // Backward for dk and dv, grid (key tiles, batch x kv heads): each key row's gradients summed
 // over the query heads sharing its kv head and the query tiles that see it, in order, with
 // p and ds = p (dp - rowdot) scale from the query rows' stats.
-extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 rows, i64 inner) {
+extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
   i64 ld = d + 1;
   acc_t* ks = (acc_t*)shared_raw;
@@ -617,14 +619,14 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
   i64 bg = blockIdx.y, b = bg / hk, g = bg % hk, group = hq / hk;
   i64 j0 = (i64)blockIdx.x * rows, j = j0 + r;
   acc_t scale = (acc_t)scale_;
-  fa_load(ks, k + bg * s * d, j0, rows, s, d);
-  fa_load(vs, v + bg * s * d, j0, rows, s, d);
+  fa_load(ks, k + bg * sk * d, j0, rows, sk, d);
+  fa_load(vs, v + bg * sk * d, j0, rows, sk, d);
   acc_t dk_acc[FA_COLS], dv_acc[FA_COLS];
   for (int c = 0; c < FA_COLS; c++) { dk_acc[c] = 0; dv_acc[c] = 0; }
   acc_t* pr = ps + r * inner;
   acc_t* dsr = dss + r * inner;
-  // Causal: the first query tile holding a query that sees key j0.
-  i64 first = causal ? j0 / inner * inner : 0;
+  // Causal, in the natural order: the first query tile holding a query that sees key j0.
+  i64 first = causal && chunks <= 1 && j0 > q0 ? (j0 - q0) / inner * inner : 0;
   for (i64 gh = 0; gh < group; gh++) {
     i64 bh = b * hq + g * group + gh;
     for (i64 i0 = first; i0 < s; i0 += inner) {
@@ -636,7 +638,7 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
       for (i64 x = lane; x < n; x += tpr) {
         i64 i = i0 + x;
         const acc_t* st = stats + (bh * s + i) * 3;
-        acc_t p = fa_visible(i, j, s, causal) ? exp(fa_dot(qs + x * ld, ks + r * ld, d) * scale - st[0]) / st[1] : (acc_t)0;
+        acc_t p = fa_visible(i, j, s, sk, causal, q0, chunks, len) ? exp(fa_dot(qs + x * ld, ks + r * ld, d) * scale - st[0]) / st[1] : (acc_t)0;
         pr[x] = p;
         dsr[x] = p * (fa_dot(dos + x * ld, vs + r * ld, d) - st[2]) * scale;
       }
@@ -650,11 +652,11 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
       }
     }
   }
-  if (j < s)
+  if (j < sk)
     for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
       i64 col = lane + (i64)c * tpr;
-      dk[(bg * s + j) * d + col] = store(dk_acc[c]);
-      dv[(bg * s + j) * d + col] = store(dv_acc[c]);
+      dk[(bg * sk + j) * d + col] = store(dk_acc[c]);
+      dv[(bg * sk + j) * d + col] = store(dv_acc[c]);
     }
 }
 "#;
@@ -673,7 +675,22 @@ fn mma_kernels(cx: &KernelCx<'_>) -> Option<[&'static str; 3]> {
     use crate::types::DType;
     let d = dims(cx.inputs[0])[3];
     let bf16 = cx.inputs.iter().all(|t| t.dtype == DType::Bf16) && cx.outputs.iter().all(|t| t.dtype == DType::Bf16);
-    mma_head_dim(d).filter(|_| bf16)
+    // The tensor-core kernels attend within one whole sequence in its natural order; a
+    // context-parallel rank's queries take the scalar kernels.
+    mma_head_dim(d).filter(|_| bf16 && !context_parallel(cx))
+}
+
+/// Whether the op attends from a part of the sequence (context parallelism): its keys are
+/// more than its queries, its positions are split or in zigzag order.
+fn context_parallel(cx: &KernelCx<'_>) -> bool {
+    cx.attrs.get("xf.seq_split_axes").is_some() || cx.attrs.get(super::ZIGZAG_ATTR).is_some() || cx.inputs[0].shape.get(2) != cx.inputs[1].shape.get(2)
+}
+
+/// The scalar kernels' context-parallel arguments: the keys, this rank's first query row,
+/// and the zigzag order.
+fn context_args(cx: &KernelCx<'_>) -> [Arg; 4] {
+    let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
+    [Arg::Int(dims(cx.inputs[1])[2] as i64), Arg::RankOffset, Arg::Int(chunks as i64), Arg::Int(len as i64)]
 }
 
 /// The tensor-core kernels of a head dim, if they are built for it.
