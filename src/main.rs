@@ -392,9 +392,9 @@ fn explain(spec_path: Option<&Path>, mesh: &str, step: &StepArgs) -> Result<()> 
     let mut total = 0;
     for program in &programs {
         let plan = program.pipeline.as_ref().ok_or_else(|| miette!("a pipeline rank's program has no pipeline plan"))?;
-        // The first rank of the pipeline rank's tp x dp block (ranks are numbered tp fastest,
-        // then dp, then pp).
-        let rank = plan.rank * (mesh.dp * mesh.tp) as usize;
+        // The first rank of the pipeline rank's tp x cp x dp block (ranks are numbered tp
+        // fastest, then cp, then dp, then pp).
+        let rank = plan.rank * (mesh.ranks() / mesh.pp) as usize;
         let records = shardc_runtime::report::comm_records(program, rank);
         // Forward, backward and weight sections run once per micro-batch, the step once.
         let runs = |index: usize| if plan.chunks.iter().any(|c| c.range(Phase::Step).contains(&index)) { 1 } else { m };

@@ -240,6 +240,15 @@ impl StepArgs {
         if self.strategy.sequence_parallel && mesh.tp == 1 {
             return Err(miette!(help = "add tensor parallelism (--mesh tp=2 or more), or leave --sequence-parallel out", "--sequence-parallel splits the sequence over the tensor-parallel ranks, and --mesh {mesh} has one (tp=1)"));
         }
+        if self.strategy.sequence_parallel && mesh.cp > 1 && !spec.seq_len().is_multiple_of(mesh.tp * mesh.cp) {
+            return Err(miette!(
+                help = format!("use a sequence that is a multiple of {} (--seq), or leave --sequence-parallel out", mesh.tp * mesh.cp),
+                "--sequence-parallel splits each cp rank's part of the sequence over tp, and tp={} x cp={} does not divide the sequence of {}",
+                mesh.tp,
+                mesh.cp,
+                spec.seq_len()
+            ));
+        }
         if self.strategy.naive_partition && mesh.tp == 1 {
             return Err(miette!(help = "add tensor parallelism (--mesh tp=2 or more), or leave --naive-partition out", "--naive-partition changes how the tensor-parallel ranks split the layers, and --mesh {mesh} has one (tp=1)"));
         }

@@ -1035,6 +1035,39 @@ fn plan_searches_context_parallelism_for_long_sequences() {
     assert!(short.status.success() && !stdout(&short).contains(" cp="), "{}", stdout(&short));
 }
 
+/// What a review of context parallelism found (issue 20), each now held: the naive layout
+/// with comm-opt moved the cp gather of the queries past rotary embedding and attention
+/// (wrong positions, wrong losses); `bench` dropped cp and skipped the mesh checks; `explain`
+/// named the wrong rank of a later pipeline stage; the sequence-parallel divisibility error
+/// named a pass; `inspect` printed the mesh in another order; and `--cp-attention ring` on
+/// the naive layout did nothing.
+#[test]
+fn context_parallel_review_findings_hold() {
+    let base = ["run", "models/tiny-llama.toml", "--steps", "3", "--log-every", "1", "--dtype", "f64", "--microbatches", "1"];
+    let single = losses_by_step(&shardc(&base));
+    let naive = losses_by_step(&shardc(&[&base[..], &["--mesh", "cp=2,tp=2", "--naive-partition"]].concat()));
+    for (step, loss) in &naive {
+        assert!((loss - single[step]).abs() <= 1e-9 * single[step].abs(), "naive cp=2,tp=2 step {step}: {loss} vs {}", single[step]);
+    }
+    let ring = shardc(&[&base[..], &["--mesh", "cp=2,tp=2", "--naive-partition", "--cp-attention", "ring"]].concat());
+    assert!(!ring.status.success() && unwrapped(&stderr(&ring)).contains("cannot run as a ring"), "{}", stderr(&ring));
+    let bench = shardc(&["bench", "models/tiny-llama.toml", "--mesh", "cp=3,tp=2", "--steps", "1"]);
+    assert!(!bench.status.success() && unwrapped(&stderr(&bench)).contains("cp=3 does not divide the sequence of 8"), "{}", stderr(&bench));
+    let bench = shardc(&["bench", "models/tiny-llama.toml", "--mesh", "cp=2,tp=2", "--steps", "1"]);
+    assert!(stdout(&bench).contains("mesh dp=1,cp=2,tp=2,pp=1 (4 rank threads"), "{}{}", stdout(&bench), stderr(&bench));
+    let explain = shardc(&["explain", "models/tiny-llama.toml", "--mesh", "cp=2,pp=2"]);
+    assert!(stdout(&explain).contains("pipeline rank 1 of 2") && stdout(&explain).contains("(bytes sent by rank 2)"), "{}", stdout(&explain));
+    let sp = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "cp=2,tp=4", "--sequence-parallel", "--seq", "12"]);
+    let err = unwrapped(&stderr(&sp));
+    assert!(!sp.status.success() && err.contains("--sequence-parallel") && err.contains("tp=4 x cp=2 does not divide the sequence of 12") && !err.contains("pass `"), "{err}");
+    let dir = tempdir("cp-inspect");
+    let plan = dir.join("plan.json");
+    assert!(shardc(&["compile", "models/tiny-llama.toml", "--mesh", "cp=2,pp=2", "-o", plan.to_str().unwrap()]).status.success());
+    let inspected = shardc(&["inspect", plan.to_str().unwrap()]);
+    assert!(stdout(&inspected).contains("mesh dp=1,cp=2,tp=1,pp=2"), "{}", stdout(&inspected));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `step N loss X` lines of a run, by step.
 fn losses_by_step(out: &Output) -> std::collections::BTreeMap<u64, f64> {
     assert!(out.status.success(), "{}{}", stdout(out), stderr(out));

@@ -50,12 +50,15 @@ pub fn read_plan(text: &str) -> Result<(Option<PlanHeader>, Vec<Program>), Runti
     if model.chars().any(char::is_control) {
         return Err(bad("the plan's `spec.name` contains control characters".into()));
     }
-    let mesh = shardc_ir::mesh::GRID_AXES
-        .iter()
-        .map(|axis| value.pointer(&format!("/mesh/{axis}")).and_then(serde_json::Value::as_u64).map(|size| format!("{axis}={size}")))
-        .collect::<Option<Vec<_>>>()
+    // As every command prints it (cp only where there is context parallelism; plans written
+    // before cp existed have none).
+    let mesh = value
+        .get("mesh")
+        .cloned()
+        .and_then(|m| serde_json::from_value::<shardc_ir::mesh::Mesh>(m).ok())
+        .filter(|m| [m.dp, m.tp, m.pp, m.cp].iter().all(|&n| n >= 1))
         .ok_or_else(|| bad("the plan's `mesh` does not give dp, tp and pp".into()))?
-        .join(",");
+        .to_string();
     let passes = match value.get("passes") {
         Some(serde_json::Value::Array(items)) => items
             .iter()

@@ -76,7 +76,7 @@ pub(super) fn bench_mesh(args: &BenchArgs, spec: &Spec, mesh: shardc_ir::mesh::M
     };
     times.remove(0);
     let measured = times.iter().copied().fold(f64::INFINITY, f64::min);
-    println!("benchmark: {} training step on mesh {mesh} ({} rank threads on {} cores), seq {}, micro-batch {}, {} micro-batches, {} timed steps", spec.name, mesh.dp * mesh.tp * mesh.pp, shardc_runtime::cpu::worker_threads(), spec.seq_len(), spec.training.micro_batch, microbatches, steps);
+    println!("benchmark: {} training step on mesh {mesh} ({} rank threads on {} cores), seq {}, micro-batch {}, {} micro-batches, {} timed steps", spec.name, mesh.ranks(), shardc_runtime::cpu::worker_threads(), spec.seq_len(), spec.training.micro_batch, microbatches, steps);
     println!("{:<22}{:>14}", "", "step time");
     println!("{:<22}{:>12.3} s   (fastest)", "shardc (CPU)", measured);
     if args.step.hardware_given() {
@@ -119,13 +119,17 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     check_steps("--steps", args.steps.saturating_add(1))?;
     let spec = args.step.load_spec(Some(&args.spec))?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
+    let problems = mesh.check(&spec);
+    if !problems.is_empty() {
+        return Err(crate::report::mesh_report(problems));
+    }
     // A benchmark times one micro-batch per replica, whatever the spec's global batch,
     // unless the mesh has pipeline stages or --microbatches or --global-batch ask for more.
     let batch_given = args.step.batch.microbatches.is_some() || args.step.batch.global_batch.is_some();
     let step = if mesh.pp > 1 || batch_given { args.step.clone() } else { args.step.one_microbatch() };
     let microbatches = step.microbatches(&spec, mesh)?;
     step.refuse_what_the_step_does_not_do(&spec, mesh)?;
-    if mesh.dp * mesh.tp * mesh.pp > 1 || microbatches > 1 {
+    if mesh.ranks() > 1 || microbatches > 1 {
         if args.torch.is_some() {
             return Err(miette!(help = "compare with PyTorch on one rank and one micro-batch (--mesh dp=1,tp=1,pp=1)", "--torch times one rank's step of one micro-batch only"));
         }

@@ -108,6 +108,10 @@ fn cases() -> Vec<Case> {
         Case { op: "xf.layernorm", operands: vec![f(&[2, 3, 6]), f(&[6]), f(&[6])], attrs: a(&[("epsilon", Float(1e-5))]) },
         Case { op: "xf.rmsnorm", operands: vec![f(&[2, 3, 6]), f(&[6])], attrs: a(&[("epsilon", Float(1e-6))]) },
         Case { op: "xf.rope", operands: vec![f(&[2, 2, 5, 4])], attrs: a(&[("theta", Float(10000.0))]) },
+        // Rotary angles at the positions of a sequence held in zigzag order.
+        Case { op: "xf.rope", operands: vec![f(&[2, 2, 8, 4])], attrs: a(&[("theta", Float(100.0)), ("xf.zigzag", AttrValue::Ints(vec![4, 8]))]) },
+        Case { op: "xf.zigzag", operands: vec![f(&[2, 8, 3])], attrs: a(&[("axis", Int(1)), ("chunks", Int(4)), ("inverse", Bool(false))]) },
+        Case { op: "xf.zigzag", operands: vec![f(&[12, 2])], attrs: a(&[("axis", Int(0)), ("chunks", Int(6)), ("inverse", Bool(true))]) },
         Case { op: "xf.split_heads", operands: vec![f(&[2, 3, 6])], attrs: a(&[("heads", Int(2))]) },
         Case { op: "xf.merge_heads", operands: vec![f(&[2, 2, 3, 3])], attrs: Attrs::new() },
         Case { op: "xf.slice", operands: vec![f(&[6, 3])], attrs: a(&[("axis", Int(0)), ("start", Int(1)), ("size", Int(4))]) },
@@ -123,6 +127,12 @@ fn cases() -> Vec<Case> {
             op: "xf.attention",
             operands: vec![f(&[1, 2, 4, 3]), f(&[1, 2, 4, 3]), f(&[1, 2, 4, 3])],
             attrs: a(&[("causal", Bool(false)), ("scale", Float(0.5))]),
+        },
+        // Causal in zigzag order: the mask by each row's and key's place in the sequence.
+        Case {
+            op: "xf.attention",
+            operands: vec![f(&[1, 2, 8, 3]), f(&[1, 1, 8, 3]), f(&[1, 1, 8, 3])],
+            attrs: a(&[("causal", Bool(true)), ("scale", Float(0.5)), ("xf.zigzag", AttrValue::Ints(vec![4, 8]))]),
         },
         Case { op: "xf.cross_entropy", operands: vec![f(&[2, 3, 7]), ids(&[2, 3])], attrs: Attrs::new() },
     ]

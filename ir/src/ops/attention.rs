@@ -256,8 +256,11 @@ impl OpDef for AttentionBlockGrad {
         AttentionGrad.cost(&inputs[..3].iter().copied().chain([inputs[5]]).collect::<Vec<_>>(), outputs, attrs)
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
-        // Scores, dp, dq, dk, dv: five products (the statistics are given).
-        attention_class(inputs, attrs, 5.0)
+        // Priced as the gathered attention's backward (nine products, see AttentionGrad):
+        // with the statistics given, a kernel of its own could do five, but there is none on
+        // the GPU yet, and the two forms should differ in what they send, not in an assumed
+        // kernel.
+        attention_class(inputs, attrs, 9.0)
     }
 }
 

@@ -171,6 +171,12 @@ pub(super) fn commute_gather(egraph: &Graph, here: Id, node: &SymbolLang, name: 
             if rule.factors.get(factor) != Some(&FactorKind::Free) || rule.operands[i].iter().filter(|&&f| f == factor).count() != 1 {
                 continue;
             }
+            // An op that reads the positions along the factor (rotary angles, the causal
+            // mask) would read its shard's rows as the first ones: it needs the rank's offset
+            // that partitioning gives it (`xf.seq_split_axes`), not a gather moved past it.
+            if def.position_factor() == Some(factor) {
+                continue;
+            }
             let n = tables.group(axes);
             // Where the factor lands in each result: a dimension, or nowhere (a sum).
             let mut lands: Vec<Option<usize>> = Vec::new();

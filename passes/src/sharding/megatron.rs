@@ -184,7 +184,9 @@ impl Pass for ShardMegatron {
                 // The LM head keeps its vocab-parallel loss: gathering the logits would make
                 // a different program, not a worse layout of the same one.
                 if column && weight && op.origin.block != Block::Head && let Some(t) = func.tensor(op.results[0]) {
-                    func.constraints.insert(op.results[0], Sharding::replicated(t.rank()));
+                    // Gathered over tp; a context-parallel rank keeps its part of the sequence.
+                    let pin = if cp > 1 && t.rank() == 3 { Sharding::split_dim(3, 1, &[CP]) } else { Sharding::replicated(t.rank()) };
+                    func.constraints.insert(op.results[0], pin);
                 }
             }
         }

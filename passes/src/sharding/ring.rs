@@ -83,6 +83,16 @@ impl Pass for RingAttention {
         let mut ringed = 0usize;
         for func in module.funcs.iter_mut().filter(|f| f.ops.iter().any(|o| o.name.starts_with("shard."))) {
             let (rewritten, count) = rewrite(func, &grid.name, &grid.shape, self);
+            // Asked for the ring, every context-parallel attention takes it, or the step is
+            // refused: an option that silently changed nothing would mislead.
+            let split = func.ops.iter().filter(|o| o.name == "xf.attention" && o.attrs.axes("xf.seq_split_axes").is_ok_and(|a| a == [CP])).count();
+            if self.policy == Policy::Ring && count < split {
+                let missed = rewritten.ops.iter().find(|o| o.name == "xf.attention").map_or_else(String::new, |o| o.loc.clone());
+                return Err(PassError::User {
+                    pass: self.name().into(),
+                    message: format!("@{}: `{missed}` reads keys and values that are not all-gathered over cp right before it (as the naive layout leaves them), so it cannot run as a ring; use --cp-attention all-gather or auto", func.name),
+                });
+            }
             if count > 0 {
                 *func = rewritten;
                 ringed += count;
