@@ -538,7 +538,12 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                                 let flight = if kind == Kind::Gpipe || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
                                 let kept = bf * (lps * u.layer_kept * flight.max(1.0) + ends * u.other_kept / 2.0);
                                 // Bytes per parameter as the compiled program keeps them.
-                                [u.parameter_bytes * shard_s(3), u.gradient_bytes * shard_s(2), u.state_bytes * shard_s(1), kept, bf * u.temporaries]
+                                // Accumulated over several micro-batches, the gradients are
+                                // summed whole and reduce-scattered once, at the step (as the
+                                // compiled program's plan lists them): ZeRO-2 shards them
+                                // only without accumulation.
+                                let gradients = if mbs > 1 { psi_s } else { shard_s(2) };
+                                [u.parameter_bytes * shard_s(3), u.gradient_bytes * gradients, u.state_bytes * shard_s(1), kept, bf * u.temporaries]
                             })
                             .collect();
                         // Gradient buckets (ZeRO 0, dp > 1: `shardc run` buckets by default)

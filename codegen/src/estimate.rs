@@ -614,8 +614,14 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
             let (kept, gradients, temporaries) = match &program.pipeline {
                 // The pipeline runtime keeps each micro-batch's values and the gradient sums
                 // in storage of their own; the plan's peak holds one micro-batch's kept
-                // values too, so the rest of it is temporaries.
-                Some(_) => (kept_per_microbatch, all_gradients, (program.memory.temporary_bytes as f64 - kept_per_microbatch).max(0.0)),
+                // values too, so the rest of it is temporaries. The sums are what the plan
+                // lists: whole gradients, reduce-scattered only in the step (ZeRO-2 shards
+                // them only without accumulation), as Megatron's gradient buffer is whole.
+                Some(plan) => {
+                    let bytes = |ids: &[usize]| ids.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
+                    let sums: f64 = plan.chunks.iter().map(|c| bytes(&c.sum_backward) + bytes(&c.sum_weight)).sum();
+                    (kept_per_microbatch, sums, (program.memory.temporary_bytes as f64 - kept_per_microbatch).max(0.0))
+                }
                 // A step without a pipeline holds its gradients in the arena, from the
                 // backward pass to the update: the terms are what the arena holds at its peak.
                 None => {

@@ -449,3 +449,25 @@ fn parameter_gathers_are_prefetched_within_their_budget() {
     let (a, b) = (plain.memory.temporary_bytes, prefetched.memory.temporary_bytes);
     assert!(b <= a + budget.max(largest) * 2, "{b} bytes of temporaries prefetching, {a} without");
 }
+
+/// A step that accumulates micro-batches sums whole gradients and reduce-scatters them only
+/// in its step section, even under ZeRO-2: the memory estimate counts the sums its plan
+/// lists (tiny GPT, dp=2, 4 micro-batches: every gradient whole, in f32), where it used to
+/// count ZeRO-2's shards of them.
+#[test]
+fn accumulated_gradients_are_counted_whole_under_zero_2() {
+    let spec = spec_with_dtype("tiny", "f32");
+    let mut module = model(&spec);
+    let stages = shardc_passes::PipelineOptions { chunks: 1, microbatches: 4, manual: None, split_weight_grads: false };
+    let mesh = shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1, cp: 1 };
+    let options = CompileOptions { mesh, zero: 2, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, pipeline: Some(stages), ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let schedule = shardc_runtime::schedule::generate(shardc_runtime::schedule::Kind::OneFOneB, 1, 4, 1).unwrap();
+    let programs = shardc_codegen::lower_pipeline(&module, &module.grids[0].shape, &schedule).unwrap();
+    let estimate = &shardc_codegen::estimate::memory(&programs, 2)[0];
+    // 10,944 parameters in f32, whole; ZeRO-2's reduced shards are half of that at dp=2.
+    assert!(estimate.gradients >= 10_944.0 * 4.0, "gradient sums {} B", estimate.gradients);
+    assert!(estimate.all_gradients <= 0.6 * estimate.gradients, "ZeRO-2's reduced shards {} B", estimate.all_gradients);
+    assert!(estimate.total >= estimate.gradients + estimate.parameters + estimate.optimizer, "{estimate:?}");
+}
