@@ -138,6 +138,13 @@ pub fn logits(args: &LogitsArgs) -> Result<()> {
     let spec = step.load_spec(None)?;
     let hf = step.hf_dir(None).ok_or_else(|| miette!("shardc logits needs --hf DIR"))?;
     let mesh = shardc_ir::mesh::Mesh::parse(&args.mesh).map_err(|e| crate::report::mesh_report(vec![e]))?;
+    if mesh.cp > 1 && !(seq as u64).is_multiple_of(2 * mesh.cp) {
+        return Err(miette!(
+            help = format!("give rows of a multiple of {} ids, or a smaller cp", 2 * mesh.cp),
+            "--tokens: rows of {seq} ids do not split into the {} equal chunks of --mesh {mesh} (each context-parallel rank holds two)",
+            2 * mesh.cp
+        ));
+    }
     let problems = mesh.check(&spec);
     if !problems.is_empty() {
         return Err(crate::report::mesh_report(problems));

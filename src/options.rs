@@ -479,7 +479,7 @@ impl StepArgs {
             // (as long-context training raises max_position_embeddings); a learned table
             // has the rows it has.
             if spec.model.positions == spec::Positions::Rope && seq > spec.model.max_seq {
-                eprintln!("note: --seq {seq} extends the model's max_seq of {} (rotary positions)", spec.model.max_seq);
+                eprintln!("note: a sequence of {seq} extends the model's max_seq of {} (rotary positions)", spec.model.max_seq);
                 spec.model.max_seq = seq;
             }
         }
