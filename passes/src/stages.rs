@@ -487,6 +487,9 @@ fn build_stage(
     // Sends of `v` from this stage whose receive is (`step`) or is not (`!step`) in a step
     // section.
     // Attributes of a send to stage `peer` (`to_stage`) or a receive from it (`from_stage`).
+    // What a transfer carries, for `explain`: the value and the stages it goes between.
+    let named = |v: Value| producer.get(&v).map_or_else(|| func.args.iter().find(|a| a.value == v).map_or_else(|| format!("{v:?}"), |a| a.name.clone()), |&p| func.ops[p].loc.clone());
+    let cause = |v: Value, from: usize, to: usize| AttrValue::Str(format!("`{}` made on stage {from} and read on stage {to}", named(v)));
     let point_to_point = |peer: usize, tag: i64, sending: bool, phase: Phase| {
         let (peer_attr, stage_attr) = if sending { ("destination", "xf.to_stage") } else { ("source", "xf.from_stage") };
         let attrs = Attrs::new()
@@ -506,13 +509,15 @@ fn build_stage(
             if from != k || (receive == Phase::Step) != step {
                 continue;
             }
-            fb.op_typed("shard.send", &[map[&v]], ordered(point_to_point(to, tag, true, phase), phase, order), vec![func.ty(v).clone()], &format!("send.{tag}"));
+            let attrs = ordered(point_to_point(to, tag, true, phase), phase, order).with("xf.cause", cause(v, from, to));
+            fb.op_typed("shard.send", &[map[&v]], attrs, vec![func.ty(v).clone()], &format!("send.{tag}"));
         }
     };
     let receive = |fb: &mut FuncBuilder, map: &mut HashMap<Value, Value>, v: Value, from: usize, tag: i64, phase: Phase, order: i64| {
         let ty = func.ty(v).clone();
         let empty = fb.op_typed("tensor.empty", &[], ordered(with_phase(Attrs::new(), phase), phase, order), vec![ty.clone()], &format!("recv.{tag}.buffer"))[0];
-        let received = fb.op_typed("shard.recv", &[empty], ordered(point_to_point(from, tag, false, phase), phase, order), vec![ty], &format!("recv.{tag}"))[0];
+        let attrs = ordered(point_to_point(from, tag, false, phase), phase, order).with("xf.cause", cause(v, from, k));
+        let received = fb.op_typed("shard.recv", &[empty], attrs, vec![ty], &format!("recv.{tag}"))[0];
         map.insert(v, received);
     };
     // Per-micro-batch sections receive what they need at their start.

@@ -352,7 +352,9 @@ fn split_stages_on_tiny_gpt_pp2() {
     let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2, cp: 1 }, false);
     // The residual stream crosses the boundary forward, its gradient backward.
     assert!(ir.contains("shard.send %layers.0.mlp.residual on @mesh grid_axes = [2] destination = [1]"), "{ir}");
-    assert!(ir.contains("source = [1] {xf.from_stage = 1 : i64, xf.phase = \"backward\""), "{ir}");
+    assert!(ir.contains("xf.from_stage = 1 : i64, xf.phase = \"backward\""), "{ir}");
+    // Each transfer says what it carries between which stages.
+    assert!(ir.contains("destination = [1] {xf.cause = \"`layers.0.mlp.residual` made on stage 0 and read on stage 1\""), "{ir}");
     // The loss seed carries the 1/m of the mean over micro-batches.
     assert!(ir.contains("value = 5.000000e-01 : f64"), "{ir}");
     insta::assert_snapshot!(ir);
