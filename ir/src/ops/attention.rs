@@ -128,6 +128,11 @@ fn check_stats(what: &str, t: &TensorTy, q: &TensorTy) -> Result<(), String> {
     Ok(())
 }
 
+/// The ring's block ops run on the CPU backend only, so far.
+fn no_ring_kernel() -> Result<DeviceKernel, String> {
+    Err("ring attention has no CUDA kernel yet: run --cp-attention ring with --backend cpu".into())
+}
+
 /// One step of ring attention (context parallelism): this rank's queries against the block
 /// of keys and values it holds at this step of the ring, `(out, lse)` with `out` normalised
 /// over the block's visible keys and `lse` their log-sum-exp (`-inf` where a row sees none).
@@ -140,7 +145,7 @@ impl OpDef for AttentionBlock {
         "attention_block"
     }
     fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        Err("ring attention has no CUDA kernel yet: run context parallelism with --backend cpu".into())
+        no_ring_kernel()
     }
     fn summary(&self) -> &'static str {
         "one ring-attention step: queries against the key/value block held at xf.ring_step; (out, lse)"
@@ -176,7 +181,7 @@ impl OpDef for AttentionMerge {
         "attention_merge"
     }
     fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        Err("ring attention has no CUDA kernel yet: run context parallelism with --backend cpu".into())
+        no_ring_kernel()
     }
     fn summary(&self) -> &'static str {
         "merge two partial attentions (out, lse) over disjoint keys by their log-sum-exps"
@@ -222,7 +227,7 @@ impl OpDef for AttentionBlockGrad {
         "attention_block_grad"
     }
     fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        Err("ring attention has no CUDA kernel yet: run context parallelism with --backend cpu".into())
+        no_ring_kernel()
     }
     fn summary(&self) -> &'static str {
         "ring-attention step backward: (dq, dk, dv) of the block at xf.ring_step from q, k, v, out, lse, dout"
