@@ -1049,6 +1049,13 @@ fn context_parallel_review_findings_hold() {
     for (step, loss) in &naive {
         assert!((loss - single[step]).abs() <= 1e-9 * single[step].abs(), "naive cp=2,tp=2 step {step}: {loss} vs {}", single[step]);
     }
+    // The ring under recomputation: the recomputed attention rings too.
+    for recompute in ["full", "selective-attention"] {
+        let ringed = losses_by_step(&shardc(&[&base[..], &["--mesh", "cp=2", "--cp-attention", "ring", "--recompute", recompute]].concat()));
+        for (step, loss) in &ringed {
+            assert!((loss - single[step]).abs() <= 1e-9 * single[step].abs(), "ring, recompute {recompute}, step {step}: {loss} vs {}", single[step]);
+        }
+    }
     let ring = shardc(&[&base[..], &["--mesh", "cp=2,tp=2", "--naive-partition", "--cp-attention", "ring"]].concat());
     assert!(!ring.status.success() && unwrapped(&stderr(&ring)).contains("cannot run as a ring"), "{}", stderr(&ring));
     let bench = shardc(&["bench", "models/tiny-llama.toml", "--mesh", "cp=3,tp=2", "--steps", "1"]);

@@ -166,10 +166,10 @@ fn rewrite(func: &Func, grid: &str, shape: &[i64], pass: &RingAttention) -> (Fun
     }
     // A forward attention whose backward cannot take the ring (it would need the gathers
     // after all) stays as it is.
-    let unmatched: Vec<usize> = func.ops.iter().enumerate().filter(|(i, o)| o.name == "xf.attention_grad" && forward_keys.contains(&key(o)) && !backward.contains_key(i)).map(|(_, o)| o).map(|o| key(o)).filter_map(|k| forward.iter().copied().find(|&i| key(&func.ops[i]) == k)).collect();
-    for i in unmatched {
-        forward.remove(&i);
-    }
+    let stuck: HashSet<(Value, Value, Value)> = func.ops.iter().enumerate().filter(|(i, o)| o.name == "xf.attention_grad" && forward_keys.contains(&key(o)) && !backward.contains_key(i)).map(|(_, o)| key(o)).collect();
+    forward.retain(|&i| !stuck.contains(&key(&func.ops[i])));
+    let forward_keys: HashSet<(Value, Value, Value)> = forward.iter().map(|&i| key(&func.ops[i])).collect();
+    backward.retain(|&i, _| forward_keys.contains(&key(&func.ops[i])));
     if forward.is_empty() {
         return (func.clone(), 0);
     }
