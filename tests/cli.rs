@@ -396,10 +396,11 @@ fn every_option_changes_the_result_or_is_refused() {
     cases.push(("compile", v(&["models/tiny.toml", "-o", &out_arg]), vec![("--mesh", v(&["--mesh", "tp=2"])), ("--dump-dir", v(&["--dump-dir", &written("dump")])), ("--output", v(&[]))]));
     cases.push(("compile", v(&[&pipelined[..], &["-o", &out_arg]].concat()), pipeline_options.clone()));
     // Context parallelism's attention, where there is context parallelism.
+    // (Auto takes the ring for the tiny models: the gathers are the change.)
     let context = ["models/tiny-llama.toml", "--mesh", "cp=2", "--microbatches", "1"];
-    cases.push(("compile", v(&[&context[..], &["-o", &out_arg]].concat()), vec![("--cp-attention", v(&["--cp-attention", "ring"]))]));
-    cases.push(("explain", v(&context), vec![("--cp-attention", v(&["--cp-attention", "ring"]))]));
-    cases.push(("run", v(&[&context[..], &["--steps", "1", "--log-every", "1"]].concat()), vec![("--cp-attention", v(&["--cp-attention", "ring"]))]));
+    cases.push(("compile", v(&[&context[..], &["-o", &out_arg]].concat()), vec![("--cp-attention", v(&["--cp-attention", "all-gather"]))]));
+    cases.push(("explain", v(&context), vec![("--cp-attention", v(&["--cp-attention", "all-gather"]))]));
+    cases.push(("run", v(&[&context[..], &["--steps", "1", "--log-every", "1"]].concat()), vec![("--cp-attention", v(&["--cp-attention", "all-gather"]))]));
     let (batch_options_run, pipeline_options_run) = (batch_options.clone(), pipeline_options.clone());
     let pipelined_run = [spec4.as_str(), "--steps", "1", "--mesh", "pp=2", "--microbatches", "4"];
     cases.push(("explain", v(&one_microbatch), strategy_options));
@@ -1014,7 +1015,7 @@ fn long_context_llama_7b_compiles_and_fits_an_80_gb_gpu() {
 
 /// `plan` searches context parallelism where sequences are long (issue 20): for Llama-7B at
 /// 32K tokens on 64 GPUs it lists cp plans and picks one; the command it suggests compiles
-/// to the memory per GPU the plan lists. At 1K tokens it lists none.
+/// to the memory per GPU the plan lists (within 5%). At 1K tokens it lists none.
 #[test]
 fn plan_searches_context_parallelism_for_long_sequences() {
     let out = shardc(&["plan", "models/llama-7b.toml", "--seq", "32768", "--gpus", "64", "--top", "5"]);
@@ -1028,9 +1029,11 @@ fn plan_searches_context_parallelism_for_long_sequences() {
     args[0] = "compile";
     let compiled = shardc(&args);
     assert!(compiled.status.success(), "{command}: {}", stderr(&compiled));
-    let memory = |text: &str, marker: &str| text.split(marker).nth(1).and_then(|rest| rest.split_whitespace().next().map(str::to_string));
-    let listed = best.split("GB").next().and_then(|head| head.split_whitespace().last().map(str::to_string));
-    assert_eq!(listed, memory(&stdout(&compiled), "memory/GPU  "), "{best}\n{}", stdout(&compiled));
+    // The plan composes one-layer units; the compiled step is the whole model: within 5%.
+    let memory = |text: &str, marker: &str| text.split(marker).nth(1).and_then(|rest| rest.split_whitespace().next().and_then(|n| n.parse::<f64>().ok()));
+    let listed = best.split("GB").next().and_then(|head| head.split_whitespace().last().and_then(|n| n.parse::<f64>().ok()));
+    let (listed, compiled_memory) = (listed.unwrap_or(0.0), memory(&stdout(&compiled), "memory/GPU  ").unwrap_or(f64::MAX));
+    assert!((listed - compiled_memory).abs() <= 0.05 * compiled_memory, "plan {listed} GB, compiled {compiled_memory} GB: {best}\n{}", stdout(&compiled));
     let short = shardc(&["plan", "models/llama-7b.toml", "--seq", "1024", "--gpus", "64", "--top", "50"]);
     assert!(short.status.success() && !stdout(&short).contains(" cp="), "{}", stdout(&short));
 }

@@ -122,8 +122,6 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
     match instr.op.as_str() {
         "shard.send" => Priced::Communication("pp".into(), cluster.time(Collective::Send, bytes(&input), &grid, &[PP_AXIS])),
         "shard.recv" => Priced::Communication("pp".into(), 0.0),
-        // One message to the next rank of the ring (and one from the previous, at once).
-        "shard.shift" => Priced::Communication(axis_names(&axes), cluster.time(Collective::Send, bytes(&input), &grid, &axes)),
         "shard.all_slice" | "tensor.empty" => Priced::Compute("memory-bound", copy(bytes(&output))),
         name => {
             let Some(def) = lookup(name) else { return Priced::Compute("memory-bound", 0.0) };
@@ -149,6 +147,8 @@ fn collective_of(program: &Program, instr: &Instr) -> Option<(Collective, f64)> 
         "shard.all_gather" => Collective::AllGather,
         "shard.reduce_scatter" => Collective::ReduceScatter,
         "shard.broadcast" => Collective::Broadcast,
+        // One message to the next rank of the ring (and one from the previous, at once).
+        "shard.shift" => Collective::Send,
         _ => return None,
     };
     let counted = if kind == Collective::AllGather { instr.outputs[0] } else { instr.inputs[0] };

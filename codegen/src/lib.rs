@@ -82,11 +82,11 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
     for v in &func.returns {
         last_use[v.0 as usize] = Some(end);
     }
-    // An asynchronous gather or scatter reads its input on the communication stream until
-    // its wait (an all-reduce bucket's member is copied into its region at once).
+    // An asynchronous gather, scatter or shift reads its input on the communication stream
+    // until its wait (an all-reduce bucket's member is copied into its region at once).
     let waits: std::collections::HashMap<Value, usize> = func.ops.iter().enumerate().filter(|(_, op)| op.name == "xf.wait").map(|(i, op)| (op.operands[0], i)).collect();
     for op in &func.ops {
-        if matches!(op.attrs.get("xf.async"), Some(AttrValue::Bool(true))) && matches!(op.name.as_str(), "shard.reduce_scatter" | "shard.all_gather") {
+        if matches!(op.attrs.get("xf.async"), Some(AttrValue::Bool(true))) && matches!(op.name.as_str(), "shard.reduce_scatter" | "shard.all_gather" | "shard.shift") {
             if let (Some(&wait), Some(input)) = (op.results.first().and_then(|r| waits.get(r)), op.operands.first()) {
                 let last = &mut last_use[input.0 as usize];
                 *last = Some(last.map_or(wait, |l| l.max(wait)));

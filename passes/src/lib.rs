@@ -126,7 +126,7 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
     // subexpression elimination, which would share values across stage boundaries.
     let optimize_comm = options.comm_opt && options.pipeline.is_none();
     let pipeline = if optimize_comm { pipeline.then(CommOpt { cluster: options.cluster.clone(), ..CommOpt::default() }) } else { pipeline };
-    let pipeline = if options.mesh.cp > 1 { pipeline.then(sharding::RingAttention { policy: options.context_attention, cluster: options.cluster.clone() }) } else { pipeline };
+    let pipeline = if options.mesh.cp > 1 { pipeline.then(sharding::RingAttention { policy: options.context_attention, cluster: options.cluster.clone(), overlap: options.pipeline.is_none() }) } else { pipeline };
     if let Some(stages) = &options.pipeline {
         // Gradient syncs run once per global batch on the accumulated gradients, in the
         // stages' step sections; buckets are for syncs inside a single backward pass.

@@ -618,10 +618,19 @@ impl Program {
             if instr.op == "shard.reduce_scatter" && matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum") {
                 return Err(format!("instruction {i} (reduce-scatter at {}) is asynchronous but not a sum", instr.loc));
             }
+            // A shift (ring attention's blocks) sends its whole input: nothing to rearrange.
+            if instr.op == "shard.shift" {
+                if instr.inputs.len() != 1 || instr.outputs.len() != 1 {
+                    return Err(format!("instruction {i} (`shard.shift` at {}) has {} inputs and {} outputs, not one each", instr.loc, instr.inputs.len(), instr.outputs.len()));
+                }
+                let bucket = instr.int("xf.bucket").map_err(|e| format!("asynchronous instruction {i} at {}: {e}", instr.loc))?;
+                buckets.entry(bucket).or_default().push(i);
+                continue;
+            }
             let axis = match instr.op.as_str() {
                 "shard.reduce_scatter" => "scatter_axis",
                 "shard.all_gather" => "gather_axis",
-                other => return Err(format!("instruction {i} (`{other}` at {}) is marked asynchronous; only all-reduces, reduce-scatters and all-gathers may be", instr.loc)),
+                other => return Err(format!("instruction {i} (`{other}` at {}) is marked asynchronous; only all-reduces, reduce-scatters, all-gathers and shifts may be", instr.loc)),
             };
             if instr.inputs.len() != 1 || instr.outputs.len() != 1 {
                 return Err(format!("instruction {i} (`{}` at {}) has {} inputs and {} outputs, not one each", instr.op, instr.loc, instr.inputs.len(), instr.outputs.len()));

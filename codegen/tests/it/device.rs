@@ -341,6 +341,8 @@ mod emulated {
             optimizer: OptimizerKind::Sgd { lr: 0.1, weight_decay: 0.0 },
             schedule: SCHEDULE,
             clip_grad: CLIP,
+            // The GPU runs context parallelism's gathered form (its ring kernels are CPU-only).
+            context_attention: shardc_passes::sharding::ContextAttention::AllGather,
             mesh,
             vocab: padded_vocab as i64,
             kv_heads: spec.model.kv_heads() as i64,

@@ -85,8 +85,9 @@ fn check_all(name: &str, dp: u64, tp: u64, zero: u8, sequence_parallel: bool) {
     check_mesh(name, Mesh { dp, tp, pp: 1, cp: 1 }, zero, sequence_parallel);
 }
 
+/// With context parallelism, its gathered form (the ring has a test of its own).
 fn check_mesh(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool) {
-    check_in_order(name, mesh, zero, sequence_parallel, if mesh.cp > 1 { 2 * mesh.cp } else { 1 }, ContextAttention::Auto);
+    check_in_order(name, mesh, zero, sequence_parallel, if mesh.cp > 1 { 2 * mesh.cp } else { 1 }, ContextAttention::AllGather);
 }
 
 fn check_in_order(name: &str, mesh: Mesh, zero: u8, sequence_parallel: bool, sequence_chunks: u64, context_attention: ContextAttention) {
@@ -141,8 +142,8 @@ fn context_parallel_equals_single_device() {
         check_mesh(name, mesh(1, 2, 2), 0, true);
         check_mesh(name, mesh(2, 2, 1), 1, false);
         // Each rank a contiguous part (no zigzag order) is as right, only unbalanced.
-        check_in_order(name, mesh(1, 2, 1), 0, false, 1, ContextAttention::Auto);
-        check_in_order(name, mesh(2, 2, 2), 0, false, 1, ContextAttention::Auto);
+        check_in_order(name, mesh(1, 2, 1), 0, false, 1, ContextAttention::AllGather);
+        check_in_order(name, mesh(2, 2, 2), 0, false, 1, ContextAttention::AllGather);
     }
 }
 
@@ -186,7 +187,7 @@ fn ring_attention_traffic_equals_the_formula() {
 #[test]
 fn context_parallel_key_value_traffic_equals_the_formula() {
     for cp in [2u64, 4] {
-        let (program, spec) = compile("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp });
+        let (program, spec) = compile_in_order("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp }, 0, SGD, false, 2 * cp, ContextAttention::AllGather);
         let m = &spec.model;
         // [micro-batch 4, kv heads, seq / cp, head dim] in f32.
         let part = 4 * m.kv_heads() * (spec.seq_len() / cp) * m.head_dim() * 4;
@@ -205,7 +206,7 @@ fn context_parallel_key_value_traffic_equals_the_formula() {
 fn measured_bytes_equal_the_compile_time_report() {
     let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
     for (name, mesh, ring) in [("tiny", mesh(2, 1, 2), false), ("tiny-llama", mesh(1, 1, 2), false), ("tiny", mesh(4, 1, 1), false), ("tiny-llama", mesh(2, 2, 2), false), ("tiny", mesh(1, 4, 1), false), ("tiny-llama", mesh(1, 4, 1), true)] {
-        let attention = if ring { ContextAttention::Ring } else { ContextAttention::Auto };
+        let attention = if ring { ContextAttention::Ring } else { ContextAttention::AllGather };
         let (program, spec) = compile_in_order(name, mesh, 0, SGD, false, if mesh.cp > 1 { 2 * mesh.cp } else { 1 }, attention);
         let run = train_spmd(&program, 3, spec.model.layers as usize, &corpus(&spec), 2, Duration::from_secs(30)).unwrap();
         for (rank, measured) in run.bytes_sent.iter().enumerate() {

@@ -57,6 +57,9 @@ pub struct RingAttention {
     pub policy: Policy,
     /// The cluster `Policy::Auto` prices on.
     pub cluster: Cluster,
+    /// Whether the shifts may run asynchronously, each pair behind the attention of the
+    /// block before (a step without pipeline sections: backends overlap only there).
+    pub overlap: bool,
 }
 
 /// A forward attention made a ring: what its backward needs.
@@ -121,16 +124,26 @@ fn scattered_over_cp(func: &Func, readers: &HashMap<Value, Vec<usize>>, value: V
     (op.name == "shard.reduce_scatter" && over_cp && op.attrs.index("scatter_axis") == Ok(2)).then_some(*reader)
 }
 
-/// Whether the ring is cheaper than the gathers for keys and values of `block` on `cluster`.
-fn ring_is_cheaper(cluster: &Cluster, grid: &[i64], block: &TensorTy) -> bool {
+/// Whether the ring is cheaper than the gathers for the attention `op` of queries `q` and
+/// key blocks `block` on `cluster`: the gathers and the gradients' scatters are exposed;
+/// the ring's shifts, a pair of blocks at a time, are exposed only where they outlast the
+/// block attention they run behind (all of them, without `overlap`), and the last pair of
+/// gradient sums going home is exposed whole.
+fn ring_is_cheaper(cluster: &Cluster, grid: &[i64], op: &Op, q: &TensorTy, block: &TensorTy, overlap: bool) -> bool {
     let n = grid.get(CP as usize).copied().unwrap_or(1).max(1) as f64;
     let bytes = block.bytes() as f64;
     let axes = [CP as usize];
-    // Forward and backward: the gathers (twice, keys and values) and the gradients'
-    // scatters, against 2 (n - 1) shifts a way and n shifts of the gradient sums.
     let gathered = 2.0 * cluster.time(Collective::AllGather, bytes * n, grid, &axes) + 2.0 * cluster.time(Collective::ReduceScatter, bytes * n, grid, &axes);
-    let shift = cluster.time(Collective::Send, bytes, grid, &axes);
-    let ring = (4.0 * (n - 1.0) + 2.0 * n) * shift;
+    let pair = cluster.time(Collective::Send, 2.0 * bytes, grid, &axes);
+    let stats = TensorTy::new(q.shape[..3.min(q.shape.len())].to_vec(), shardc_ir::ops::stats_dtype(q));
+    let attrs = op.attrs.clone().with(shardc_ir::ops::RING_STEP_ATTR, AttrValue::Int(0));
+    let time = |name: &str, inputs: &[&TensorTy], outputs: &[TensorTy]| shardc_ir::ops::lookup(name).map_or(0.0, |def| cluster.op_time(def, inputs, outputs, &attrs));
+    let forward = time("xf.attention_block", &[q, block, block], &[q.clone(), stats.clone()]);
+    let backward = time("xf.attention_block_grad", &[q, block, block, q, &stats, q], &[q.clone(), block.clone(), block.clone()]);
+    let behind = |compute: f64| if overlap { (pair - compute).max(0.0) } else { pair };
+    // Forward: n - 1 pairs of blocks; backward: n - 1 pairs of blocks and n of gradient
+    // sums, the last of which nothing hides.
+    let ring = (n - 1.0) * behind(forward) + (n - 1.0) * behind(backward) + (n - 1.0) * behind(backward) + pair;
     ring < gathered
 }
 
@@ -150,8 +163,8 @@ fn rewrite(func: &Func, grid: &str, shape: &[i64], pass: &RingAttention) -> (Fun
     let mut forward: HashSet<usize> = HashSet::new();
     for (i, op) in func.ops.iter().enumerate().filter(|(_, o)| o.name == "xf.attention" && split_over_cp(o)) {
         let (Some(k), Some(_)) = (gathered_over_cp(func, &producer, op.operands[1]), gathered_over_cp(func, &producer, op.operands[2])) else { continue };
-        let Some(block) = func.tensor(k) else { continue };
-        if pass.policy == Policy::Ring || ring_is_cheaper(&pass.cluster, shape, block) {
+        let (Some(block), Some(q)) = (func.tensor(k), func.tensor(op.operands[0])) else { continue };
+        if pass.policy == Policy::Ring || ring_is_cheaper(&pass.cluster, shape, op, q, block, pass.overlap) {
             forward.insert(i);
         }
     }
@@ -180,6 +193,8 @@ fn rewrite(func: &Func, grid: &str, shape: &[i64], pass: &RingAttention) -> (Fun
     let mut rename: HashMap<Value, Value> = HashMap::new();
     let mut ringed: HashMap<(Value, Value, Value), Ringed> = HashMap::new();
     let parts = shape.get(CP as usize).copied().unwrap_or(1).max(1) as usize;
+    // Buckets of their own, apart from those the later passes number.
+    let mut next_bucket: i64 = RING_BUCKETS;
     for (i, op) in func.ops.iter().enumerate() {
         if dropped.contains(&i) {
             continue;
@@ -190,7 +205,7 @@ fn rewrite(func: &Func, grid: &str, shape: &[i64], pass: &RingAttention) -> (Fun
                 *v = *n;
             }
         }
-        let mut emit = Emitter { func: &mut out, grid, origin: op.clone() };
+        let mut emit = Emitter { func: &mut out, grid, origin: op.clone(), overlap: pass.overlap, bucket: &mut next_bucket };
         if forward.contains(&i) {
             let original = &func.ops[i];
             let (q, keys, values) = (op.operands[0], gathered_over_cp(func, &producer, original.operands[1]).unwrap_or(op.operands[1]), gathered_over_cp(func, &producer, original.operands[2]).unwrap_or(op.operands[2]));
@@ -228,11 +243,23 @@ fn rewrite(func: &Func, grid: &str, shape: &[i64], pass: &RingAttention) -> (Fun
     (out, forward.len())
 }
 
+/// The first bucket number of the ring's asynchronous shifts.
+const RING_BUCKETS: i64 = 1 << 22;
+
 /// Appends the ring's ops to a function, placed as the op they replace.
 struct Emitter<'f> {
     func: &'f mut Func,
     grid: &'f str,
     origin: Op,
+    /// Whether shifts go asynchronously, in pairs, waited for where they are read.
+    overlap: bool,
+    bucket: &'f mut i64,
+}
+
+/// A pair of shifts on the wire: their results, and the bucket they are waited for by.
+struct Shifted {
+    values: [Value; 2],
+    bucket: Option<i64>,
 }
 
 impl Emitter<'_> {
@@ -252,18 +279,41 @@ impl Emitter<'_> {
         self.func.ty(v).clone()
     }
 
-    /// The value of the previous rank of the ring.
-    fn shift(&mut self, v: Value, what: &str, step: usize) -> Value {
-        let attrs = Attrs::new()
-            .with("grid", AttrValue::Symbol(self.grid.to_string()))
-            .with("grid_axes", AttrValue::axes(&[CP as Axis]))
-            .with("shift_axis", AttrValue::Index(CP as usize))
-            .with("offset", AttrValue::Int(1))
-            .with("rotate", AttrValue::Unit)
-            .with("xf.cause", AttrValue::Str(format!("ring attention of `{}`: {what} passed to the next cp rank (step {step})", self.origin.loc)));
-        let ty = self.ty(v);
-        let loc = format!("{}.ring.shift", self.origin.loc);
-        self.push("shard.shift", &[v], attrs, vec![ty], &loc)[0]
+    /// The values of the previous rank of the ring, for `values` of this one: one bucket of
+    /// two asynchronous shifts (with `overlap`), or two shifts.
+    fn shift(&mut self, values: [Value; 2], what: [&str; 2], step: usize) -> Shifted {
+        let bucket = self.overlap.then(|| {
+            let b = *self.bucket;
+            *self.bucket += 1;
+            b
+        });
+        let mut out = [values[0]; 2];
+        for (k, (&v, what)) in values.iter().zip(what).enumerate() {
+            let mut attrs = Attrs::new()
+                .with("grid", AttrValue::Symbol(self.grid.to_string()))
+                .with("grid_axes", AttrValue::axes(&[CP as Axis]))
+                .with("shift_axis", AttrValue::Index(CP as usize))
+                .with("offset", AttrValue::Int(1))
+                .with("rotate", AttrValue::Unit)
+                .with("xf.cause", AttrValue::Str(format!("ring attention of `{}`: {what} passed to the next cp rank (step {step})", self.origin.loc)));
+            if let Some(b) = bucket {
+                attrs = attrs.with("xf.async", AttrValue::Bool(true)).with("xf.bucket", AttrValue::Int(b)).with("xf.bucket_members", AttrValue::Int(2));
+            }
+            let ty = self.ty(v);
+            let loc = format!("{}.ring.shift", self.origin.loc);
+            out[k] = self.push("shard.shift", &[v], attrs, vec![ty], &loc)[0];
+        }
+        Shifted { values: out, bucket }
+    }
+
+    /// The shifted values, waited for where they are first read.
+    fn arrived(&mut self, shifted: Shifted) -> [Value; 2] {
+        let Some(bucket) = shifted.bucket else { return shifted.values };
+        shifted.values.map(|v| {
+            let ty = self.ty(v);
+            let loc = format!("{}.ring.wait", self.origin.loc);
+            self.push("xf.wait", &[v], Attrs::new().with("xf.bucket", AttrValue::Int(bucket)), vec![ty], &loc)[0]
+        })
     }
 
     fn block_attrs(&self, step: usize) -> Attrs {
@@ -281,51 +331,61 @@ impl Emitter<'_> {
         Type::Tensor(TensorTy::new(q.shape[..3.min(q.shape.len())].to_vec(), shardc_ir::ops::stats_dtype(&q)))
     }
 
+    /// Step `t` attends to the block it holds while the next block is on its way.
     fn ring_forward(&mut self, q: Value, keys: Value, values: Value, parts: usize) -> (Value, Value) {
         let loc = self.origin.loc.clone();
         let (qt, st) = (self.ty(q), self.stats_type(q));
-        let first = self.push("xf.attention_block", &[q, keys, values], self.block_attrs(0), vec![qt.clone(), st.clone()], &format!("{loc}.ring.0"));
-        let (mut o, mut lse) = (first[0], first[1]);
-        let (mut k, mut v) = (keys, values);
-        for step in 1..parts {
-            k = self.shift(k, "keys", step);
-            v = self.shift(v, "values", step);
-            let part = self.push("xf.attention_block", &[q, k, v], self.block_attrs(step), vec![qt.clone(), st.clone()], &format!("{loc}.ring.{step}"));
-            let merged = self.push("xf.attention_merge", &[o, lse, part[0], part[1]], Attrs::new(), vec![qt.clone(), st.clone()], &format!("{loc}.ring.{step}.merge"));
-            (o, lse) = (merged[0], merged[1]);
+        let (mut kv, mut result) = ([keys, values], None::<(Value, Value)>);
+        for step in 0..parts {
+            let next = (step + 1 < parts).then(|| self.shift(kv, ["keys", "values"], step + 1));
+            let part = self.push("xf.attention_block", &[q, kv[0], kv[1]], self.block_attrs(step), vec![qt.clone(), st.clone()], &format!("{loc}.ring.{step}"));
+            result = Some(match result {
+                None => (part[0], part[1]),
+                Some((o, lse)) => {
+                    let merged = self.push("xf.attention_merge", &[o, lse, part[0], part[1]], Attrs::new(), vec![qt.clone(), st.clone()], &format!("{loc}.ring.{step}.merge"));
+                    (merged[0], merged[1])
+                }
+            });
+            if let Some(next) = next {
+                kv = self.arrived(next);
+            }
         }
-        (o, lse)
+        result.unwrap_or((q, q))
     }
 
+    /// Step `t` adds this rank's share to the gradient sums of the block it holds (arriving
+    /// from the rank before while its share is computed) and sends them on; the last shift
+    /// brings each block's sums home.
     fn ring_backward(&mut self, q: Value, ring: Ringed, dout: Value, parts: usize) -> (Value, Value, Value) {
         let loc = self.origin.loc.clone();
         let (qt, kt) = (self.ty(q), self.ty(ring.keys));
-        let (mut k, mut v) = (ring.keys, ring.values);
-        let (mut dq, mut dk, mut dv) = (None::<Value>, None::<Value>, None::<Value>);
+        let mut kv = [ring.keys, ring.values];
+        let (mut dq, mut travelling) = (None::<Value>, None::<Shifted>);
         for step in 0..parts {
-            if step > 0 {
-                k = self.shift(k, "keys", step);
-                v = self.shift(v, "values", step);
-            }
-            let g = self.push("xf.attention_block_grad", &[q, k, v, ring.out, ring.lse, dout], self.block_attrs(step), vec![qt.clone(), kt.clone(), kt.clone()], &format!("{loc}.ring.{step}"));
+            let next = (step + 1 < parts).then(|| self.shift(kv, ["keys", "values"], step + 1));
+            let g = self.push("xf.attention_block_grad", &[q, kv[0], kv[1], ring.out, ring.lse, dout], self.block_attrs(step), vec![qt.clone(), kt.clone(), kt.clone()], &format!("{loc}.ring.{step}"));
             dq = Some(match dq {
                 None => g[0],
                 Some(sum) => self.push("xf.add", &[sum, g[0]], Attrs::new(), vec![qt.clone()], &format!("{loc}.ring.{step}.dq"))[0],
             });
-            for (sum, part, what) in [(&mut dk, g[1], "key gradients"), (&mut dv, g[2], "value gradients")] {
-                *sum = Some(match *sum {
-                    None => part,
-                    Some(travelling) => {
-                        let arrived = self.shift(travelling, what, step);
-                        self.push("xf.add", &[arrived, part], Attrs::new(), vec![kt.clone()], &format!("{loc}.ring.{step}.sum"))[0]
-                    }
-                });
+            let sums = match travelling.take() {
+                None => [g[1], g[2]],
+                Some(shifted) => {
+                    let [dk, dv] = self.arrived(shifted);
+                    let dk = self.push("xf.add", &[dk, g[1]], Attrs::new(), vec![kt.clone()], &format!("{loc}.ring.{step}.sum"))[0];
+                    let dv = self.push("xf.add", &[dv, g[2]], Attrs::new(), vec![kt.clone()], &format!("{loc}.ring.{step}.sum"))[0];
+                    [dk, dv]
+                }
+            };
+            travelling = Some(self.shift(sums, ["key gradients", "value gradients"], step + 1));
+            if let Some(next) = next {
+                kv = self.arrived(next);
             }
         }
-        // The sums of each block, home to the rank that holds it.
-        let (dk, dv) = (dk.unwrap_or(ring.keys), dv.unwrap_or(ring.values));
-        let dk = self.shift(dk, "key gradients", parts);
-        let dv = self.shift(dv, "value gradients", parts);
+        let [dk, dv] = match travelling {
+            Some(shifted) => self.arrived(shifted),
+            None => [ring.keys, ring.values],
+        };
         (dq.unwrap_or(q), dk, dv)
     }
 }

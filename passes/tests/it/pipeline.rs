@@ -313,10 +313,11 @@ fn partition_on_tiny_llama_cp2() {
 }
 
 /// Ring attention on tiny Llama (cp=2): no gathers of keys and values left; per layer the
-/// forward passes each block on once (`shard.shift ... offset = 1 rotate`, keys and values)
-/// between two `xf.attention_block` steps merged by `xf.attention_merge`, and the backward
-/// passes the blocks on once more and their gradient sums twice (once on, once home). The
-/// dump parses with mlir-opt (checked for every pass's dump).
+/// forward passes each block on once (`shard.shift ... offset = 1 rotate`, keys and values,
+/// asynchronously behind the first block's attention) between two `xf.attention_block`
+/// steps merged by `xf.attention_merge`, and the backward passes the blocks on once more and
+/// their gradient sums twice (once on, once home). The dump parses with mlir-opt (checked
+/// for every pass's dump).
 #[test]
 fn ring_attention_on_tiny_llama_cp2() {
     let ir = sharded_ir_with("tiny-llama", shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, "ring-attention", shardc_passes::sharding::ContextAttention::Ring);
@@ -327,6 +328,10 @@ fn ring_attention_on_tiny_llama_cp2() {
     assert_eq!(count("\"xf.attention_block\""), 2 * 2, "{ir}");
     assert_eq!(count("\"xf.attention_block_grad\""), 2 * 2, "{ir}");
     assert_eq!(count("\"xf.attention_merge\""), 2, "{ir}");
+    // Each pair of shifts is on the wire while the block before is attended to: asynchronous,
+    // two to a bucket, each waited for where its block is first read.
+    assert_eq!(count("xf.async = true, xf.bucket = "), count("shard.shift"), "{ir}");
+    assert_eq!(count("\"xf.wait\""), count("shard.shift"), "{ir}");
     insta::assert_snapshot!(ir);
 }
 

@@ -79,6 +79,9 @@ pub(super) fn send_bucket(members: &[usize], program: &Program, slots: &mut [Sto
 /// alive until the wait anyway) and the members run on the communication thread in program
 /// order, as every rank of the group issues them.
 pub(super) fn send_group(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>) -> Result<InFlight, String> {
+    if program.instrs[members[0]].op == "shard.shift" {
+        return send_shifts(members, program, slots, comm, group);
+    }
     let gather = program.instrs[members[0]].op == "shard.all_gather";
     let pairs: Vec<(&Buffer, &Buffer)> = members.iter().map(|&i| (&program.buffers[program.instrs[i].inputs[0]], &program.buffers[program.instrs[i].outputs[0]])).collect();
     // A scatter along an inner dimension sends its blocks staged as [n][outer][chunk], as
@@ -196,6 +199,57 @@ pub(super) fn point_to_point<T: Element + crate::collectives::Elem + Default>(
     }
 }
 
+/// An asynchronous bucket of shifts (ring attention's keys and values): every member's input
+/// copied now, then on the communication thread each sent on round the ring and the one from
+/// before received, in program order, their outputs joined for the wait.
+fn send_shifts(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>) -> Result<InFlight, String> {
+    let n = group.len();
+    let rank = comm.rank();
+    let position = group.iter().position(|&r| r == rank).ok_or("rank outside its group")?;
+    let mut plan = Vec::with_capacity(members.len());
+    for &m in members {
+        let instr = &program.instrs[m];
+        let offset = instr.int("offset")?.rem_euclid(n as i64) as usize;
+        let buffer = instr.outputs[0] as u64;
+        if buffer >= 1 << 24 {
+            return Err(format!("buffer {buffer} is too large to tag a shift"));
+        }
+        // Asynchronous shifts run only in steps without pipeline sections: the buffer tags
+        // them (each one is waited for before the next step issues it again).
+        let tag = (1 << 63) | (1 << 62) | buffer;
+        plan.push((group[(position + offset) % n], group[(position + n - offset) % n], tag, program.buffers[instr.outputs[0]].len()));
+    }
+    pub(super) fn submit<T: Element + crate::collectives::Elem>(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, plan: Vec<(usize, usize, u64, usize)>) -> Result<u64, String> {
+        let inputs: Vec<Vec<T>> = members
+            .iter()
+            .map(|&m| {
+                let b = &program.buffers[program.instrs[m].inputs[0]];
+                Ok(crate::collectives::pool::filled(&T::slice(&slots[b.slot]).ok_or("shift of another type")?[..b.len()]))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(comm.submit(move |c: &mut Communicator| {
+            let mut joined: Vec<T> = crate::collectives::pool::buffer(plan.iter().map(|p| p.3).sum());
+            let mut at = 0;
+            for (input, (to, from, tag, len)) in inputs.into_iter().zip(plan) {
+                c.send_owned(to, tag, input)?;
+                let received: Vec<T> = c.recv_owned(from, tag, len)?;
+                joined[at..at + len].copy_from_slice(&received);
+                crate::collectives::pool::recycle(received);
+                at += len;
+            }
+            Ok(joined)
+        }))
+    }
+    let dtype = program.buffers[program.instrs[members[0]].inputs[0]].dtype;
+    let ticket = match dtype {
+        DType::F64 => submit::<f64>(members, program, slots, comm, plan)?,
+        DType::Bf16 => submit::<half::bf16>(members, program, slots, comm, plan)?,
+        DType::F32 => submit::<f32>(members, program, slots, comm, plan)?,
+        other => return Err(format!("a bucket of {other:?} shifts: only floats are shifted asynchronously")),
+    };
+    Ok(InFlight { ticket, dtype, members: members.iter().map(|&m| (program.buffers[program.instrs[m].outputs[0]].slot, program.buffers[program.instrs[m].outputs[0]].len())).collect() })
+}
+
 /// `shard.shift ... offset = k rotate`: every rank of the group sends its value `k` places
 /// on around the ring and receives the value from `k` places before (ring attention passes
 /// key and value blocks this way). The tag is the instruction's output buffer with the
@@ -209,6 +263,10 @@ pub(super) fn shift<T: Element + crate::collectives::Elem + Default>(
     rank: usize,
     (step, microbatch): (u64, u64),
 ) -> Result<(), String> {
+    if instr.bool("xf.async") == Ok(true) {
+        // A member of a bucket: it goes out with the bucket (see `send_shifts`).
+        return Ok(());
+    }
     let axes: Vec<usize> = instr.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
     let group = mesh.group(rank, &axes);
     let n = group.len();
