@@ -199,17 +199,23 @@ pub(super) fn point_to_point<T: Element + crate::collectives::Elem + Default>(
     }
 }
 
+/// The ranks a `shard.shift` of `group` sends to and receives from at `position`.
+fn shift_peers(instr: &Instr, group: &[usize], position: usize) -> Result<(usize, usize), String> {
+    let n = group.len();
+    let offset = instr.int("offset")?.rem_euclid(n as i64) as usize;
+    Ok((group[(position + offset) % n], group[(position + n - offset) % n]))
+}
+
 /// An asynchronous bucket of shifts (ring attention's keys and values): every member's input
 /// copied now, then on the communication thread each sent on round the ring and the one from
 /// before received, in program order, their outputs joined for the wait.
 fn send_shifts(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>) -> Result<InFlight, String> {
-    let n = group.len();
     let rank = comm.rank();
     let position = group.iter().position(|&r| r == rank).ok_or("rank outside its group")?;
     let mut plan = Vec::with_capacity(members.len());
     for &m in members {
         let instr = &program.instrs[m];
-        let offset = instr.int("offset")?.rem_euclid(n as i64) as usize;
+        let (to, from) = shift_peers(instr, &group, position)?;
         let buffer = instr.outputs[0] as u64;
         if buffer >= 1 << 24 {
             return Err(format!("buffer {buffer} is too large to tag a shift"));
@@ -217,7 +223,7 @@ fn send_shifts(members: &[usize], program: &Program, slots: &[Storage], comm: &m
         // Asynchronous shifts run only in steps without pipeline sections: the buffer tags
         // them (each one is waited for before the next step issues it again).
         let tag = (1 << 63) | (1 << 62) | buffer;
-        plan.push((group[(position + offset) % n], group[(position + n - offset) % n], tag, program.buffers[instr.outputs[0]].len()));
+        plan.push((to, from, tag, program.buffers[instr.outputs[0]].len()));
     }
     pub(super) fn submit<T: Element + crate::collectives::Elem>(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, plan: Vec<(usize, usize, u64, usize)>) -> Result<u64, String> {
         let inputs: Vec<Vec<T>> = members
@@ -269,11 +275,10 @@ pub(super) fn shift<T: Element + crate::collectives::Elem + Default>(
     }
     let axes: Vec<usize> = instr.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
     let group = mesh.group(rank, &axes);
-    let n = group.len();
     let position = group.iter().position(|&r| r == rank).ok_or("rank outside its group")?;
-    let offset = instr.int("offset")?.rem_euclid(n as i64) as usize;
+    let (to, from) = shift_peers(instr, &group, position)?;
     let out = outs[0].get::<T>()?;
-    if offset == 0 {
+    if to == rank {
         out.copy_from_slice(ins[0].get::<T>()?);
         return Ok(());
     }
@@ -282,7 +287,6 @@ pub(super) fn shift<T: Element + crate::collectives::Elem + Default>(
         return Err(format!("buffer {buffer}, micro-batch {microbatch} or step {step} is too large to tag a shift"));
     }
     let tag = (1 << 63) | (step << 36) | (microbatch << 24) | buffer;
-    let (to, from) = (group[(position + offset) % n], group[(position + n - offset) % n]);
     let comm = comm.ok_or("a shift needs a communicator: run the program with one rank per mesh position")?;
     let data = crate::collectives::pool::filled(ins[0].get::<T>()?);
     let len = out.len();

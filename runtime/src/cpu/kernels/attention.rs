@@ -17,12 +17,15 @@ fn attention_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out
     attention_grad::<T>(instr, ins, outs, cx.seq_offset)
 }
 
-/// Which keys each query row sees. In the natural order, row `i` (at position `offset + i`)
-/// sees a prefix of the keys; in zigzag order (context parallelism) the rows and keys are at
-/// `zigzag_position` of their index, and a row sees the keys at or before its position.
+/// Which keys each query row sees. Row `i` is row `offset + i` of the sequence and key `j`
+/// row `key_offset + j` (a ring step's block starts at its source rank's part). In the
+/// natural order a row sees a prefix of the keys; in zigzag order (context parallelism) rows
+/// and keys are at `zigzag_position` of their index, and a row sees the keys at or before
+/// its position.
 struct Visibility {
     causal: bool,
     offset: usize,
+    key_offset: usize,
     keys: usize,
     /// Zigzag order: the position of each key (empty in the natural order).
     key_positions: Vec<usize>,
@@ -30,11 +33,25 @@ struct Visibility {
 }
 
 impl Visibility {
-    fn new(instr: &Instr, offset: usize, keys: usize) -> Result<Visibility, String> {
+    fn new(instr: &Instr, offset: usize, key_offset: usize, keys: usize) -> Result<Visibility, String> {
         let causal = instr.bool("causal")?;
         let order = super::zigzag_order(instr);
-        let key_positions = if order.0 > 1 { (0..keys).map(|j| shardc_ir::ops::zigzag_position(j, order.1, order.0)).collect() } else { Vec::new() };
-        Ok(Visibility { causal, offset, keys, key_positions, order })
+        let key_positions = if order.0 > 1 { (0..keys).map(|j| shardc_ir::ops::zigzag_position(key_offset + j, order.1, order.0)).collect() } else { Vec::new() };
+        Ok(Visibility { causal, offset, key_offset, keys, key_positions, order })
+    }
+
+    /// A ring step's visibility: this rank's queries are part `p` of `n` (`cx.seq_part`), and
+    /// at step `t` it holds the keys of part `(p - t) mod n`.
+    fn of_ring_step(instr: &Instr, cx: &RankCx, keys: usize) -> Result<Visibility, String> {
+        let step = usize::try_from(instr.int(shardc_ir::ops::RING_STEP_ATTR)?).map_err(|_| "negative ring step")?;
+        let (part, parts) = cx.seq_part;
+        let source = (part + parts - step % parts) % parts;
+        Visibility::new(instr, cx.seq_offset, source * keys, keys)
+    }
+
+    /// The position of query row `i`.
+    fn query_position(&self, i: usize) -> usize {
+        shardc_ir::ops::zigzag_position(self.offset + i, self.order.1, self.order.0)
     }
 
     /// The keys row `i` sees: a prefix length, or a mask of every key (zigzag order).
@@ -43,11 +60,20 @@ impl Visibility {
             return Some(self.keys);
         }
         if self.key_positions.is_empty() {
-            return Some((self.offset + i + 1).min(self.keys));
+            return Some((self.offset + i + 1).saturating_sub(self.key_offset).min(self.keys));
         }
-        let at = shardc_ir::ops::zigzag_position(self.offset + i, self.order.1, self.order.0);
+        let at = self.query_position(i);
         mask.iter_mut().zip(&self.key_positions).for_each(|(m, &k)| *m = k <= at);
         None
+    }
+
+    /// Whether row `i` sees key `j`.
+    fn sees(&self, i: usize, j: usize) -> bool {
+        match self.key_positions.get(j) {
+            _ if !self.causal => true,
+            Some(&k) => k <= self.query_position(i),
+            None => self.key_offset + j <= self.offset + i,
+        }
     }
 }
 
@@ -110,7 +136,7 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
     let scale = T::of(instr.float("scale")?);
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
     let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
-    let seen = Visibility::new(instr, offset, keys)?;
+    let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
     let (q, k, v) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
     outs[0].get::<T>()?.par_chunks_mut(s * d).enumerate().for_each(|(bh, out)| {
@@ -138,7 +164,7 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
     let scale = T::of(instr.float("scale")?);
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
     let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
-    let seen = Visibility::new(instr, offset, keys)?;
+    let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
     let (q, k, v, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?);
     let (dq_out, rest) = outs.split_at_mut(1);
@@ -189,40 +215,11 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
     Ok(())
 }
 
-/// Where a ring-attention step's rows and keys sit in the whole (possibly zigzag-ordered)
-/// sequence: this rank's queries are part `p` of `n`, and at ring step `t` it holds the keys
-/// of part `(p - t) mod n`.
-struct RingBlock {
-    causal: bool,
-    query_positions: Vec<usize>,
-    key_positions: Vec<usize>,
-}
-
-impl RingBlock {
-    fn new(instr: &Instr, cx: &RankCx, queries: usize, keys: usize) -> Result<RingBlock, String> {
-        let causal = instr.bool("causal")?;
-        let step = usize::try_from(instr.int(shardc_ir::ops::RING_STEP_ATTR)?).map_err(|_| "negative ring step")?;
-        let (part, parts) = cx.seq_part;
-        let source = (part + parts - step % parts) % parts;
-        let (chunks, len) = super::zigzag_order(instr);
-        let at = |index: usize| shardc_ir::ops::zigzag_position(index, len, chunks);
-        Ok(RingBlock {
-            causal,
-            query_positions: (0..queries).map(|i| at(cx.seq_offset + i)).collect(),
-            key_positions: (0..keys).map(|j| at(source * keys + j)).collect(),
-        })
-    }
-
-    fn visible(&self, i: usize, j: usize) -> bool {
-        !self.causal || self.key_positions[j] <= self.query_positions[i]
-    }
-}
-
 fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
     let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
-    let block = RingBlock::new(instr, cx, s, keys)?;
+    let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
     let (q, k, v) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
     let (out_slot, lse_slot) = outs.split_at_mut(1);
@@ -236,7 +233,7 @@ fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Ou
             let q_i = &q[i * d..(i + 1) * d];
             let mut max = T::neg_infinity();
             for (j, pj) in p.iter_mut().enumerate() {
-                *pj = if block.visible(i, j) { q_i.iter().zip(&k[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>() * scale } else { T::neg_infinity() };
+                *pj = if block.sees(i, j) { q_i.iter().zip(&k[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>() * scale } else { T::neg_infinity() };
                 max = max.max(*pj);
             }
             let o = &mut out[i * d..(i + 1) * d];
@@ -291,7 +288,7 @@ fn attention_block_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mu
     let scale = T::of(instr.float("scale")?);
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
     let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
-    let block = RingBlock::new(instr, cx, s, keys)?;
+    let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
     let (q, k, v, out, lse, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?, ins[4].get::<T>()?, ins[5].get::<T>()?);
     let (dq_out, rest) = outs.split_at_mut(1);
@@ -320,7 +317,7 @@ fn attention_block_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mu
                     }
                     let (q_i, o_i, do_i) = (&q[at + i * d..at + (i + 1) * d], &out[at + i * d..at + (i + 1) * d], &dout[at + i * d..at + (i + 1) * d]);
                     let rowdot = o_i.iter().zip(do_i).map(|(&a, &b)| a * b).sum::<T>();
-                    for j in (0..keys).filter(|&j| block.visible(i, j)) {
+                    for j in (0..keys).filter(|&j| block.sees(i, j)) {
                         let (k_j, v_j) = (&k[j * d..(j + 1) * d], &v[j * d..(j + 1) * d]);
                         let p = (q_i.iter().zip(k_j).map(|(&a, &b)| a * b).sum::<T>() * scale - l).exp();
                         let dp = do_i.iter().zip(v_j).map(|(&a, &b)| a * b).sum::<T>();
