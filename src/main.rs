@@ -277,13 +277,6 @@ fn compile(
         return Err(report::mesh_report(problems));
     }
     step.refuse_what_the_step_does_not_do(&spec, mesh)?;
-    let gpu_step;
-    let step = if target == "cuda" {
-        gpu_step = step.for_gpu(mesh);
-        &gpu_step
-    } else {
-        step
-    };
     let pipeline = shardc_passes::compile_pipeline(&step.compile_options(&spec, mesh)?);
     let names = pipeline.names();
     for wanted in print_after {

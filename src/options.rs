@@ -359,17 +359,6 @@ impl StepArgs {
         self.hardware.gpu.is_some() || self.hardware.cluster.is_some()
     }
 
-    /// These arguments for a GPU run or target: context parallelism's attention takes the
-    /// gathered form unless `--cp-attention` says otherwise (the ring's block kernels run on
-    /// the CPU backend only, so far; `--cp-attention ring` is refused on the GPU).
-    pub fn for_gpu(&self, mesh: shardc_ir::mesh::Mesh) -> StepArgs {
-        let mut step = self.clone();
-        if mesh.cp > 1 {
-            step.strategy.cp_attention.get_or_insert_with(|| "all-gather".to_string());
-        }
-        step
-    }
-
     /// The schedule `--schedule` names.
     pub fn schedule_kind(&self) -> Result<shardc_runtime::schedule::Kind> {
         shardc_runtime::schedule::Kind::parse(&self.strategy.schedule).ok_or_else(|| miette!(help = "use gpipe, 1f1b, interleaved or zb-h1", "--schedule: unknown schedule `{}`", self.strategy.schedule))

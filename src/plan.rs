@@ -357,7 +357,8 @@ fn schedule_facts(kind: Kind, p: u64, m: u64, v: u64, cache: &mut HashMap<(u8, u
 
 /// The training step of the model cut to one layer, one sequence per data-parallel rank, on
 /// `mesh` (no pipeline) under ZeRO stage `zero`.
-fn compile_unit(spec: &Spec, mesh: Mesh, zero: u8, sequence_parallel: bool, recompute: Recompute) -> Result<shardc_runtime::Program> {
+/// Context parallelism's attention is chosen on `cluster` (the ring where it is cheaper there).
+fn compile_unit(spec: &Spec, cluster: &Cluster, mesh: Mesh, zero: u8, sequence_parallel: bool, recompute: Recompute) -> Result<shardc_runtime::Program> {
     let (tp, mesh) = (mesh.tp, Mesh { pp: 1, ..mesh });
     let mut one = spec.clone();
     one.model.layers = 1;
@@ -373,6 +374,7 @@ fn compile_unit(spec: &Spec, mesh: Mesh, zero: u8, sequence_parallel: bool, reco
         sequence_parallel,
         comm_opt: false,
         grad_bucket_bytes: 0,
+        cluster: cluster.clone(),
         ..Default::default()
     };
     let mut module = shardc_ir::spec::lower(&one, one.step_shape(&options.mesh)).into_diagnostic()?;
@@ -440,8 +442,8 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let halves: [Vec<Job>; 2] = [jobs.iter().step_by(2).copied().collect(), jobs.iter().skip(1).step_by(2).copied().collect()];
     let measured: Vec<Result<Measured>> = std::thread::scope(|s| {
         let run = |job: Job| match job {
-            Job::Unit(t, c, sp, r) => compile_unit(spec, Mesh { dp: 1, tp: t, pp: 1, cp: c }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
-            Job::Sync(zero) => compile_unit(spec, Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
+            Job::Unit(t, c, sp, r) => compile_unit(spec, cluster, Mesh { dp: 1, tp: t, pp: 1, cp: c }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
+            Job::Sync(zero) => compile_unit(spec, cluster, Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
         };
         let handles: Vec<_> = halves.iter().map(|half| s.spawn(move || half.iter().map(|&job| run(job)).collect::<Vec<_>>())).collect();
         let mut results: Vec<std::vec::IntoIter<Result<Measured>>> = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![Err(miette!("compiling a one-layer variant panicked"))]).into_iter()).collect();

@@ -40,7 +40,9 @@ fn float_dtype(program: &Program) -> Result<DType, String> {
 /// only fp32 floats (mixed precision).
 fn instance_dtype(program: &Program, index: usize, module: DType) -> Result<DType, String> {
     let instr = &program.instrs[index];
-    let floats: Vec<DType> = instr.inputs.iter().chain(&instr.outputs).map(|&b| program.buffers[b].dtype).filter(|&d| d != DType::I32).collect();
+    // Statistics are kept in the accumulator type (fp32 beside bf16 storage).
+    let statistics = lookup(&instr.op).map_or(&[][..], |op| op.statistics_slots());
+    let floats: Vec<DType> = instr.inputs.iter().chain(&instr.outputs).enumerate().filter(|(slot, _)| !statistics.contains(slot)).map(|(_, &b)| program.buffers[b].dtype).filter(|&d| d != DType::I32).collect();
     if module != DType::Bf16 || floats.iter().all(|&d| d == DType::Bf16) {
         return Ok(module);
     }
@@ -166,6 +168,7 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
                                 Arg::Int(v) => KernelArg::Int(*v),
                                 Arg::Float(v) => KernelArg::Float(*v),
                                 Arg::RankOffset => KernelArg::RankOffset,
+                                Arg::RingKeyOffset => KernelArg::RingKeyOffset,
                             })
                         })
                         .collect::<Result<Vec<_>, CodegenError>>()?;

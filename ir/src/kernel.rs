@@ -109,6 +109,10 @@ pub enum Arg {
     /// its positions are split (`xf.seq_split_axes`); 0 when it is not split. Known only at
     /// run time.
     RankOffset,
+    /// `long long`: the sequence row of the first key of the block a ring-attention step
+    /// (`xf.ring_step`) holds: that of the part its cp group's rank `(p - step) mod n` holds.
+    /// Known only at run time.
+    RingKeyOffset,
 }
 
 /// Threads per block of row kernels.

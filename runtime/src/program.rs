@@ -350,6 +350,9 @@ pub enum KernelArg {
     /// `xf.row_split_axes` / `xf.vocab_split_axes`, or the position of its first sequence row
     /// split over `xf.seq_split_axes` (0 when not split).
     RankOffset,
+    /// `long long`: the sequence row of the first key of the block a ring-attention step
+    /// holds ([`crate::cpu::ring_key_offset`]).
+    RingKeyOffset,
 }
 
 pub use shardc_ir::facts::Phase;

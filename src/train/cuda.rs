@@ -20,12 +20,6 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     if args.collectives != "ring" {
         return Err(miette!(help = "leave the choice to NCCL (its NCCL_ALGO variable selects ring or tree), or run on the CPU backend", "--collectives {}: the CPU backend's algorithm; a GPU run's collectives are NCCL's or device copies", args.collectives));
     }
-    if args.step.strategy.cp_attention.as_deref() == Some("ring") {
-        return Err(miette!(
-            help = "use --cp-attention all-gather (or auto) on the GPU, or run the ring with --backend cpu",
-            "--cp-attention ring: ring attention's block kernels run on the CPU backend only, so far"
-        ));
-    }
     if args.check_numerics {
         return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
     }

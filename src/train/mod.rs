@@ -248,9 +248,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         if let Some(fits) = &fits {
             println!("{fits}");
         }
-        let mut args = args.clone();
-        args.step = args.step.for_gpu(mesh);
-        return run_cuda(&args, &spec, mesh);
+        return run_cuda(args, &spec, mesh);
     }
     if args.step.compile_options(&spec, mesh)?.pipeline.is_some() {
         return run_pipelined(args, &spec, mesh, fits.as_deref());

@@ -33,7 +33,7 @@ fn options(spec: &shardc_ir::spec::Spec, mesh: Mesh, pipeline: Option<PipelineOp
 
 thread_local! {
     /// Context parallelism's attention in the programs this thread compiles.
-    static ATTENTION: std::cell::Cell<ContextAttention> = const { std::cell::Cell::new(ContextAttention::Auto) };
+    pub(crate) static ATTENTION: std::cell::Cell<ContextAttention> = const { std::cell::Cell::new(ContextAttention::Auto) };
 }
 
 fn corpus(spec: &shardc_ir::spec::Spec) -> ByteCorpus {

@@ -37,15 +37,7 @@ impl OpDef for Attention {
             let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
             return Ok(DeviceKernel::Launches(vec![Launch { kernel, source: ATTENTION_MMA_CUDA, grid, block: FLASH_THREADS as u32, shared: 0, workspace: 0, args }]));
         }
-        let tiles = flash_tiles(q[3], s.max(k[2]), cx.inputs[0].dtype)?;
-        let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
-        args.extend(attention_args(&q, hk, cx.attrs)?);
-        args.extend(context_args(cx));
-        args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
-        // One block per tile of query rows (x) of each sequence's head (y).
-        let grid = [query_tiles(s, tiles.0, "attention_fwd")?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
-        let shared = flash_shared(q[3], tiles, 1, 2, 1);
-        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: FLASH_THREADS as u32, shared, workspace: 0, args }]))
+        scalar_forward(cx, Arg::Null, Arg::Int(0))
     }
     fn summary(&self) -> &'static str {
         "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads"
@@ -128,9 +120,52 @@ fn check_stats(what: &str, t: &TensorTy, q: &TensorTy) -> Result<(), String> {
     Ok(())
 }
 
-/// The ring's block ops run on the CPU backend only, so far.
-fn no_ring_kernel() -> Result<DeviceKernel, String> {
-    Err("ring attention has no CUDA kernel yet: run --cp-attention ring with --backend cpu".into())
+/// The scalar flash forward (`attention_fwd`): `lse` its optional log-sum-exp result and
+/// `k0` the sequence row of the first key.
+fn scalar_forward(cx: &KernelCx<'_>, lse: Arg, k0: Arg) -> Result<DeviceKernel, String> {
+    let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
+    let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
+    let tiles = flash_tiles(q[3], s.max(k[2]), cx.inputs[0].dtype)?;
+    let mut args = vec![Arg::Out(0), lse, Arg::In(0), Arg::In(1), Arg::In(2)];
+    args.extend(attention_args(&q, hk, cx.attrs)?);
+    args.extend(context_args(cx, k0));
+    args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
+    // One block per tile of query rows (x) of each sequence's head (y).
+    let grid = [query_tiles(s, tiles.0, "attention_fwd")?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
+    let shared = flash_shared(q[3], tiles, 1, 2, 1);
+    Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: FLASH_THREADS as u32, shared, workspace: 0, args }]))
+}
+
+/// The backward's two launches (`dq`, then `dk`/`dv` from the rows' statistics the first
+/// leaves in the workspace). `ring` (a ring step's backward): operands are q, k, v, out,
+/// lse, dout, and the keys are the block at the step's row; else q, k, v, dout.
+fn backward(cx: &KernelCx<'_>, ring: bool) -> Result<DeviceKernel, String> {
+    let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
+    let (b, hq, s, d, hk, keys) = (q[0], q[1], q[2], q[3], k[1], k[2]);
+    let mut shape_args = attention_args(&q, hk, cx.attrs)?;
+    let dout = Arg::In(if ring { 5 } else { 3 });
+    let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), dout.clone()];
+    // The tensor-core kernels' tiles are compile-time; the scalar ones take theirs.
+    let (names, source, rows, shared) = match mma_kernels(cx).filter(|_| !ring) {
+        Some([_, q_kernel, kv_kernel]) => ([q_kernel, kv_kernel], ATTENTION_MMA_CUDA, MMA_ROWS, 0),
+        None => {
+            let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
+            q_args.extend(if ring { [Arg::In(3), Arg::In(4)] } else { [Arg::Null, Arg::Null] });
+            shape_args.extend(context_args(cx, if ring { Arg::RingKeyOffset } else { Arg::Int(0) }));
+            shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
+            (["attention_grad_q", "attention_grad_kv"], ATTENTION_CUDA, tiles.0, flash_shared(d, tiles, 2, 2, 2))
+        }
+    };
+    let workspace = b * hq * s * 3;
+    q_args.extend(shape_args.iter().cloned());
+    let mut kv_args = vec![Arg::Out(1), Arg::Out(2), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), dout];
+    kv_args.extend(shape_args);
+    let (row_tiles, key_tiles) = (query_tiles(s, rows, "attention_grad")?, query_tiles(keys, rows, "attention_grad")?);
+    let (q_grid, kv_grid) = ([row_tiles, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [key_tiles, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
+    Ok(DeviceKernel::Launches(vec![
+        Launch { kernel: names[0], source, grid: q_grid, block: FLASH_THREADS as u32, shared, workspace, args: q_args },
+        Launch { kernel: names[1], source, grid: kv_grid, block: FLASH_THREADS as u32, shared, workspace, args: kv_args },
+    ]))
 }
 
 /// One step of ring attention (context parallelism): this rank's queries against the block
@@ -144,8 +179,8 @@ impl OpDef for AttentionBlock {
     fn mnemonic(&self) -> &'static str {
         "attention_block"
     }
-    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        no_ring_kernel()
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        scalar_forward(cx, Arg::Out(1), Arg::RingKeyOffset)
     }
     fn summary(&self) -> &'static str {
         "one ring-attention step: queries against the key/value block held at xf.ring_step; (out, lse)"
@@ -168,6 +203,10 @@ impl OpDef for AttentionBlock {
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
         attention_class(inputs, attrs, 2.0)
     }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // lse
+        &[4]
+    }
 }
 
 /// Combines two partial attentions of the same queries over disjoint keys by their
@@ -180,8 +219,12 @@ impl OpDef for AttentionMerge {
     fn mnemonic(&self) -> &'static str {
         "attention_merge"
     }
-    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        no_ring_kernel()
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let q = dims(cx.inputs[0]);
+        let (rows, d) = (q[..3].iter().product::<usize>(), q[3]);
+        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3), Arg::Int(rows as i64), Arg::Int(d as i64)];
+        let (grid, block) = ([crate::kernel::blocks_for(rows), 1, 1], crate::kernel::ROW_BLOCK);
+        Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_merge", source: ATTENTION_CUDA, grid, block, shared: 0, workspace: 0, args }]))
     }
     fn summary(&self) -> &'static str {
         "merge two partial attentions (out, lse) over disjoint keys by their log-sum-exps"
@@ -214,6 +257,10 @@ impl OpDef for AttentionMerge {
         // Two scales and a sum per output element (the exps are per row).
         3.0
     }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // lse_a, lse_b; lse
+        &[1, 3, 5]
+    }
 }
 
 /// The backward of one [`AttentionBlock`] step from the whole attention's `out` and `lse`:
@@ -226,8 +273,8 @@ impl OpDef for AttentionBlockGrad {
     fn mnemonic(&self) -> &'static str {
         "attention_block_grad"
     }
-    fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        no_ring_kernel()
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        backward(cx, true)
     }
     fn summary(&self) -> &'static str {
         "ring-attention step backward: (dq, dk, dv) of the block at xf.ring_step from q, k, v, out, lse, dout"
@@ -266,6 +313,10 @@ impl OpDef for AttentionBlockGrad {
         // the GPU yet, and the two forms should differ in what they send, not in an assumed
         // kernel.
         attention_class(inputs, attrs, 9.0)
+    }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // lse
+        &[4]
     }
 }
 
@@ -320,30 +371,7 @@ impl OpDef for AttentionGrad {
         "attention_grad"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
-        let (b, hq, s, d, hk, keys) = (q[0], q[1], q[2], q[3], k[1], k[2]);
-        let mut shape_args = attention_args(&q, hk, cx.attrs)?;
-        // The tensor-core kernels' tiles are compile-time; the scalar ones take theirs.
-        let (names, source, rows, shared) = match mma_kernels(cx) {
-            Some([_, q_kernel, kv_kernel]) => ([q_kernel, kv_kernel], ATTENTION_MMA_CUDA, MMA_ROWS, 0),
-            None => {
-                let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
-                shape_args.extend(context_args(cx));
-                shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
-                (["attention_grad_q", "attention_grad_kv"], ATTENTION_CUDA, tiles.0, flash_shared(d, tiles, 2, 2, 2))
-            }
-        };
-        let workspace = b * hq * s * 3;
-        let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
-        q_args.extend(shape_args.iter().cloned());
-        let mut kv_args = vec![Arg::Out(1), Arg::Out(2), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3)];
-        kv_args.extend(shape_args);
-        let (row_tiles, key_tiles) = (query_tiles(s, rows, "attention_grad")?, query_tiles(keys, rows, "attention_grad")?);
-        let (q_grid, kv_grid) = ([row_tiles, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1], [key_tiles, crate::kernel::grid_y(b * hk, "(sequence, kv head) pairs")?, 1]);
-        Ok(DeviceKernel::Launches(vec![
-            Launch { kernel: names[0], source, grid: q_grid, block: FLASH_THREADS as u32, shared, workspace, args: q_args },
-            Launch { kernel: names[1], source, grid: kv_grid, block: FLASH_THREADS as u32, shared, workspace, args: kv_args },
-        ]))
+        backward(cx, false)
     }
     fn summary(&self) -> &'static str {
         "attention backward: (dq, dk, dv) from q, k, v, dout; recomputes the probabilities"
@@ -491,18 +519,23 @@ __device__ acc_t fa_dot(const acc_t* a, const acc_t* b, i64 d) {
   for (i64 c = 0; c < d; c++) dot += a[c] * b[c];
   return dot;
 }
-// Whether query i of sq (row q0 + i of the sequence) sees key j of sk.
-__device__ bool fa_visible(i64 i, i64 j, i64 sq, i64 sk, i64 causal, i64 q0, i64 chunks, i64 len) {
+// Whether query i of sq (row q0 + i of the sequence) sees key j of sk (row k0 + j: a ring
+// step's block starts at its source rank's part).
+__device__ bool fa_visible(i64 i, i64 j, i64 sq, i64 sk, i64 causal, i64 q0, i64 chunks, i64 len, i64 k0) {
   if (i >= sq || j >= sk) return false;
   if (!causal) return true;
-  return zigzag_position(j, len, chunks) <= zigzag_position(q0 + i, len, chunks);
+  return zigzag_position(k0 + j, len, chunks) <= zigzag_position(q0 + i, len, chunks);
 }
 // Keys a causal tile of queries [i0, i0 + rows) can see at most, in the natural order.
-__device__ i64 fa_keys(i64 i0, i64 rows, i64 sk, i64 causal, i64 q0, i64 chunks) {
-  return causal && chunks <= 1 && q0 + i0 + rows < sk ? q0 + i0 + rows : sk;
+__device__ i64 fa_keys(i64 i0, i64 rows, i64 sk, i64 causal, i64 q0, i64 chunks, i64 k0) {
+  if (!causal || chunks > 1) return sk;
+  i64 last = q0 + i0 + rows - k0;
+  return last < 0 ? 0 : last < sk ? last : sk;
 }
 // Forward: grid (query tiles, batch x query heads).
-extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 rows, i64 inner) {
+// With `lse` (a ring step, whose keys are the block at row k0): each row's log-sum-exp there
+// too, and a row that sees none of the block gets zeros and -inf.
+extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T* k, const T* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
   i64 ld = d + 1;
   acc_t* qs = (acc_t*)shared_raw;
@@ -517,7 +550,7 @@ extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T
   acc_t o[FA_COLS];
   for (int c = 0; c < FA_COLS; c++) o[c] = 0;
   fa_load(qs, q + bh * s * d, i0, rows, s, d);
-  i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks);
+  i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks, k0);
   for (i64 j0 = 0; j0 < keys; j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
@@ -528,10 +561,10 @@ extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T
     for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
     __syncthreads();
     acc_t grown = mx;
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len)) grown = fmax(grown, pr[j]);
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) grown = fmax(grown, pr[j]);
     acc_t rescale = grown == NEG_INF ? (acc_t)1 : exp(mx - grown);
     __syncthreads();
-    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len) ? exp(pr[j] - grown) : (acc_t)0;
+    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0) ? exp(pr[j] - grown) : (acc_t)0;
     __syncthreads();
     acc_t part = 0;
     for (i64 j = 0; j < n; j++) part += pr[j];
@@ -544,14 +577,18 @@ extern "C" __global__ void attention_fwd(T* out, const T* q, const T* k, const T
     }
     mx = grown;
   }
-  if (i < s)
-    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) out[(bh * s + i) * d + lane + (i64)c * tpr] = store(o[c] / sum);
+  if (i < s) {
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) out[(bh * s + i) * d + lane + (i64)c * tpr] = store(sum > 0 ? o[c] / sum : (acc_t)0);
+    if (lse && lane == 0) lse[bh * s + i] = sum > 0 ? mx + log(sum) : NEG_INF;
+  }
 }
 // Backward for dq, grid (query tiles, batch x query heads), in two walks over the key tiles:
 // the rows' max and sum (online), then with p = exp(score - max) / sum and dp = dout . v:
 // rowdot = sum p dp, and dq = scale (sum p dp k - rowdot sum p k). Each row's (max, sum,
-// rowdot) goes to `stats` for the keys' kernel.
-extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 rows, i64 inner) {
+// rowdot) goes to `stats` for the keys' kernel. A ring step's backward gives the whole
+// attention's `out` and `lse`: then max = lse, sum = 1 and rowdot = out . dout, and the
+// first walk is not needed.
+extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, const T* out, const acc_t* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
   i64 ld = d + 1;
   acc_t* qs = (acc_t*)shared_raw;
@@ -567,10 +604,17 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
   acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0, rowdot = 0;
   fa_load(qs, q + bh * s * d, i0, rows, s, d);
   fa_load(dos, dout + bh * s * d, i0, rows, s, d);
-  i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks);
+  i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks, k0);
   acc_t* pr = ps + r * inner;
   acc_t* dpr = dps + r * inner;
-  for (i64 j0 = 0; j0 < keys; j0 += inner) {
+  // The rows of dout are in shared memory once every thread has loaded its part.
+  __syncthreads();
+  if (lse && i < s) {
+    mx = lse[bh * s + i];
+    sum = 1;
+    for (i64 c = 0; c < d; c++) rowdot += load(out[(bh * s + i) * d + c]) * dos[r * ld + c];
+  }
+  for (i64 j0 = 0; j0 < (lse ? 0 : keys); j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
     fa_load(ks, k + kv, j0, n, sk, d);
@@ -578,8 +622,8 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
     for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
     __syncthreads();
     acc_t grown = mx, part = 0;
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len)) grown = fmax(grown, pr[j]);
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len)) part += exp(pr[j] - grown);
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) grown = fmax(grown, pr[j]);
+    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) part += exp(pr[j] - grown);
     sum = (grown == NEG_INF ? (acc_t)0 : sum * exp(mx - grown)) + part;
     mx = grown;
   }
@@ -592,12 +636,13 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
     fa_load(vs, v + kv, j0, n, sk, d);
     __syncthreads();
     for (i64 j = lane; j < n; j += tpr) {
-      bool seen = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len);
+      bool seen = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0) && mx > NEG_INF;
       pr[j] = seen ? exp(fa_dot(qs + r * ld, ks + j * ld, d) * scale - mx) / sum : (acc_t)0;
       dpr[j] = fa_dot(dos + r * ld, vs + j * ld, d);
     }
     __syncthreads();
-    for (i64 j = 0; j < n; j++) rowdot += pr[j] * dpr[j];
+    if (!lse)
+      for (i64 j = 0; j < n; j++) rowdot += pr[j] * dpr[j];
     for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
       i64 col = lane + (i64)c * tpr;
       acc_t x = 0, y = 0;
@@ -614,7 +659,7 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
 // Backward for dk and dv, grid (key tiles, batch x kv heads): each key row's gradients summed
 // over the query heads sharing its kv head and the query tiles that see it, in order, with
 // p and ds = p (dp - rowdot) scale from the query rows' stats.
-extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 rows, i64 inner) {
+extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, const T* q, const T* k, const T* v, const T* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
   i64 ld = d + 1;
   acc_t* ks = (acc_t*)shared_raw;
@@ -634,7 +679,7 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
   acc_t* pr = ps + r * inner;
   acc_t* dsr = dss + r * inner;
   // Causal, in the natural order: the first query tile holding a query that sees key j0.
-  i64 first = causal && chunks <= 1 && j0 > q0 ? (j0 - q0) / inner * inner : 0;
+  i64 first = causal && chunks <= 1 && k0 + j0 > q0 ? (k0 + j0 - q0) / inner * inner : 0;
   for (i64 gh = 0; gh < group; gh++) {
     i64 bh = b * hq + g * group + gh;
     for (i64 i0 = first; i0 < s; i0 += inner) {
@@ -646,7 +691,7 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
       for (i64 x = lane; x < n; x += tpr) {
         i64 i = i0 + x;
         const acc_t* st = stats + (bh * s + i) * 3;
-        acc_t p = fa_visible(i, j, s, sk, causal, q0, chunks, len) ? exp(fa_dot(qs + x * ld, ks + r * ld, d) * scale - st[0]) / st[1] : (acc_t)0;
+        acc_t p = fa_visible(i, j, s, sk, causal, q0, chunks, len, k0) && st[0] > NEG_INF ? exp(fa_dot(qs + x * ld, ks + r * ld, d) * scale - st[0]) / st[1] : (acc_t)0;
         pr[x] = p;
         dsr[x] = p * (fa_dot(dos + x * ld, vs + r * ld, d) - st[2]) * scale;
       }
@@ -666,6 +711,22 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
       dk[(bg * sk + j) * d + col] = store(dk_acc[c]);
       dv[(bg * sk + j) * d + col] = store(dv_acc[c]);
     }
+}
+// Two partial attentions of the same rows over disjoint keys merged by their log-sum-exps
+// (ring attention), a thread per row: its lse is read before it is written, so the results
+// may take the operands' place.
+extern "C" __global__ void attention_merge(T* out, acc_t* lse, const T* oa, const acc_t* la, const T* ob, const acc_t* lb, i64 rows, i64 d) {
+  GRID_STRIDE(row, rows) {
+    acc_t a = la[row], b = lb[row], m = fmax(a, b);
+    if (m == NEG_INF) {
+      for (i64 c = 0; c < d; c++) out[row * d + c] = store((acc_t)0);
+      lse[row] = NEG_INF;
+      continue;
+    }
+    acc_t wa = exp(a - m), wb = exp(b - m), inv = (acc_t)1 / (wa + wb);
+    for (i64 c = 0; c < d; c++) out[row * d + c] = store((wa * load(oa[row * d + c]) + wb * load(ob[row * d + c])) * inv);
+    lse[row] = m + log(wa + wb);
+  }
 }
 "#;
 
@@ -695,10 +756,10 @@ fn context_parallel(cx: &KernelCx<'_>) -> bool {
 }
 
 /// The scalar kernels' context-parallel arguments: the keys, this rank's first query row,
-/// and the zigzag order.
-fn context_args(cx: &KernelCx<'_>) -> [Arg; 4] {
+/// the zigzag order, and `k0`, the row of the first key.
+fn context_args(cx: &KernelCx<'_>, k0: Arg) -> [Arg; 5] {
     let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
-    [Arg::Int(dims(cx.inputs[1])[2] as i64), Arg::RankOffset, Arg::Int(chunks as i64), Arg::Int(len as i64)]
+    [Arg::Int(dims(cx.inputs[1])[2] as i64), Arg::RankOffset, Arg::Int(chunks as i64), Arg::Int(len as i64), k0]
 }
 
 /// The tensor-core kernels of a head dim, if they are built for it.

@@ -271,6 +271,12 @@ pub trait OpDef: Sync {
         None
     }
 
+    /// Operands and results (as one list: operands first) kept in the kernels' accumulator
+    /// type whatever the storage type (attention's row statistics: fp32 in a bf16 module).
+    fn statistics_slots(&self) -> &'static [usize] {
+        &[]
+    }
+
     /// Pairs `(result, operand)` where the result may share the operand's buffer (optimizer
     /// updates write the parameter in place). Codegen aliases them when the operand is dead
     /// after the op; kernels of such ops read the old value from the result buffer.

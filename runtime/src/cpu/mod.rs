@@ -570,6 +570,21 @@ pub fn seq_part(instr: &Instr, mesh: &MeshShape, rank: usize) -> (usize, usize) 
     (group.iter().position(|&r| r == rank).unwrap_or(0), group.len().max(1))
 }
 
+/// The part of the sequence whose keys and values a ring-attention step (`xf.ring_step` t)
+/// holds, of a rank whose queries are part `p` of `n`: `(p - t) mod n`, the blocks having
+/// gone t places on round the ring.
+pub fn ring_source(instr: &Instr, (part, parts): (usize, usize)) -> Result<usize, String> {
+    let step = usize::try_from(instr.int(shardc_ir::ops::RING_STEP_ATTR)?).map_err(|_| format!("`{}` has a negative ring step", instr.loc))?;
+    Ok((part + parts - step % parts) % parts)
+}
+
+/// The sequence row of the first key a ring-attention step holds: its source part's first
+/// row (its key block, dimension 2 of operand 1, being one part).
+pub fn ring_key_offset(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<usize, String> {
+    let keys = instr.inputs.get(1).and_then(|&k| program.buffers[k].shape.get(2).copied()).ok_or_else(|| format!("`{}` has no key block", instr.op))?;
+    Ok(ring_source(instr, seq_part(instr, mesh, rank))? * keys)
+}
+
 /// For an op that reads sequence positions split over its `xf.seq_split_axes` (see
 /// `OpDef::position_factor`): the position of this rank's first row, its place in the group
 /// times the rows of its part (dimension 2 of its first operand, `[batch, heads, seq, ..]`).

@@ -152,6 +152,8 @@ pub struct CudaExecutor {
     /// Members of reduce-scatter and all-gather buckets reached so far (NCCL): a bucket is
     /// issued as one group when its last member is reached.
     pending_groups: HashMap<i64, Vec<nccl::GroupMember>>,
+    /// The same for asynchronous buckets of shifts (ring attention's key/value blocks).
+    pending_shifts: HashMap<i64, Vec<nccl::ShiftMember>>,
     /// Staging of asynchronous reduce-scatters along inner dimensions, by instruction:
     /// (pointer, bytes), reused every step.
     async_staging: HashMap<usize, (u64, usize)>,
@@ -230,7 +232,7 @@ impl std::fmt::Debug for CudaExecutor {
 const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate", "shardc_accumulate_f32"];
 
 /// Ops the device plan leaves to the runtime.
-const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "tensor.empty"];
+const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
 
 impl CudaExecutor {
     /// Loads `program` (which must carry a device plan) onto the GPU(s) of `placement`.
@@ -306,7 +308,7 @@ impl CudaExecutor {
         };
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
     }
 
     /// The program.
@@ -408,7 +410,7 @@ impl CudaExecutor {
         self.run_range(0..self.program.instrs.len())?;
         // Every bucket issued was waited for (validated; a bucket left here would be a
         // transfer nothing joined).
-        if let Some(bucket) = self.pending_groups.keys().chain(self.buckets.keys()).next() {
+        if let Some(bucket) = self.pending_groups.keys().chain(self.pending_shifts.keys()).chain(self.buckets.keys()).next() {
             return Err(err(format!("bucket {bucket} was never completed and waited for")));
         }
         self.synchronize()
@@ -688,15 +690,18 @@ impl CudaExecutor {
                 let offset = crate::cpu::split_rows(instr, &self.program, &self.mesh, rank).map_or_else(|| crate::cpu::seq_offset(instr, &self.program, &self.mesh, rank), |(first, _)| first);
                 let values: Vec<KernelValue> = args
                     .iter()
-                    .map(|arg| match arg {
+                    .map(|arg| -> Result<KernelValue, RuntimeError> {
+                        Ok(match arg {
                         KernelArg::Buffer(b) => KernelValue::Ptr(self.buffer_ptr(local, *b)),
                         KernelArg::Null => KernelValue::Ptr(0),
                         KernelArg::Workspace => KernelValue::Ptr(self.ranks[local].workspace.0),
                         KernelArg::Int(v) => KernelValue::I64(*v),
                         KernelArg::Float(v) => KernelValue::F64(*v),
                         KernelArg::RankOffset => KernelValue::I64(offset as i64),
+                        KernelArg::RingKeyOffset => KernelValue::I64(crate::cpu::ring_key_offset(instr, &self.program, &self.mesh, rank).map_err(err)? as i64),
+                        })
                     })
-                    .collect();
+                    .collect::<Result<_, _>>()?;
                 self.device.launch(kernel, *grid, *block, *shared_bytes, &values)
             }
             DeviceCall::Gemm(g) => {
@@ -898,6 +903,23 @@ impl CudaExecutor {
                 }
                 Ok(())
             }
+            "shard.shift" => {
+                // Every input of a group staged first (an output may share its rank's input's
+                // storage), then each moved `offset` places on round the ring. Asynchronous
+                // ones too, at once: without streams nothing overlaps.
+                for group in &groups {
+                    let n = group.len();
+                    let offset = instr.int("offset").map_err(err)?.rem_euclid(n as i64) as usize;
+                    let staging = self.staging(in_bytes * n)?;
+                    for (position, &r) in group.iter().enumerate() {
+                        self.copy_raw(staging + (position * in_bytes) as u64, self.buffer_ptr(r, instr.inputs[0]), in_bytes)?;
+                    }
+                    for position in 0..n {
+                        self.copy_raw(self.buffer_ptr(group[(position + offset) % n], instr.outputs[0]), staging + (position * in_bytes) as u64, in_bytes)?;
+                    }
+                }
+                Ok(())
+            }
             "shard.broadcast" => {
                 let root = instr.ints("root").map_err(err)?;
                 let extents: Vec<usize> = axes.iter().map(|&a| self.mesh.0[a]).collect();
@@ -920,6 +942,9 @@ impl CudaExecutor {
         let (input, output) = (self.buffer_ptr(0, instr.inputs[0]), self.buffer_ptr(0, instr.outputs[0]));
         if instr.bool("xf.async") == Ok(true) && matches!(instr.op.as_str(), "shard.reduce_scatter" | "shard.all_gather") {
             return self.group_member(index, instr, input, output);
+        }
+        if instr.op == "shard.shift" {
+            return self.shift_nccl(instr, input, output);
         }
         let in_buffer = self.program.buffers[instr.inputs[0]].clone();
         let out_buffer = self.program.buffers[instr.outputs[0]].clone();
@@ -1000,13 +1025,52 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// A shift of this process's rank: at once (the compute stream waits for it), or, a member
+    /// of an asynchronous bucket, held until the bucket's last member and then sent with the
+    /// others as one NCCL group on the cp communicator's stream, which the bucket's `xf.wait`
+    /// joins (the memory plan keeps every member's input and output until then).
+    fn shift_nccl(&mut self, instr: &Instr, input: u64, output: u64) -> Result<(), RuntimeError> {
+        let rank = self.ranks[0].rank;
+        let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+        let group = self.mesh.group(rank, &axes);
+        let n = group.len();
+        let position = group.iter().position(|&r| r == rank).ok_or_else(|| err("a rank outside its own group"))?;
+        let offset = instr.int("offset").map_err(err)?.rem_euclid(n as i64) as usize;
+        let buffer = &self.program.buffers[instr.inputs[0]];
+        let bytes = buffer.len() * buffer.dtype.bytes();
+        if offset == 0 {
+            return self.copy_raw(output, input, bytes);
+        }
+        let (to, from) = ((position + offset) % n, (position + n - offset) % n);
+        let member = nccl::ShiftMember { axes, send: input, recv: output, bytes, to: (to, group[to]), from: (from, group[from]) };
+        let stream = self.device.stream().cloned();
+        if instr.bool("xf.async") != Ok(true) {
+            self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?.shift(&[member], rank, stream.as_deref(), true)?;
+            return Ok(());
+        }
+        let bucket = instr.int("xf.bucket").map_err(err)?;
+        let members = instr.int("xf.bucket_members").map_err(err)?;
+        let pending = self.pending_shifts.entry(bucket).or_default();
+        pending.push(member);
+        // A bucket's shifts count as one collective, issued with the last.
+        if (pending.len() as i64) < members {
+            self.collectives_issued -= 1;
+            return Ok(());
+        }
+        let shifts = self.pending_shifts.remove(&bucket).unwrap_or_default();
+        if let Some(done) = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?.shift(&shifts, rank, stream.as_deref(), false)? {
+            self.buckets.entry(bucket).or_default().push(done);
+        }
+        Ok(())
+    }
+
     /// Before an `xf.wait`: the compute stream waits for its bucket's all-reduces.
     fn wait_for_bucket(&mut self, index: usize) -> Result<(), RuntimeError> {
         let instr = &self.program.instrs[index];
         if instr.op != "xf.wait" {
             return Ok(());
         }
-        if instr.int("xf.bucket").is_ok_and(|b| self.pending_groups.contains_key(&b)) {
+        if instr.int("xf.bucket").is_ok_and(|b| self.pending_groups.contains_key(&b) || self.pending_shifts.contains_key(&b)) {
             return Err(err(format!("`{}` waits for a bucket whose last member has not been issued", instr.loc)));
         }
         let Some(events) = instr.int("xf.bucket").ok().and_then(|b| self.buckets.remove(&b)) else { return Ok(()) };

@@ -182,7 +182,28 @@ enum Backend {
         /// Point-to-point messages so far, per (peer, whether sent to it): NCCL matches a
         /// pair's sends and receives by their order, and so does the emulation.
         sequence: std::sync::Mutex<HashMap<(usize, bool), u64>>,
+        /// The same for shifts (ring attention's blocks), whose peers are in the cp groups.
+        shifts: std::sync::Mutex<HashMap<(usize, bool), u64>>,
     },
+}
+
+/// One shift of a rank (see [`Comms::shift`]): `bytes` at `send` go to the rank `to` places
+/// on in the group along `axes`, and `bytes` from the rank as many places before come into
+/// `recv`. A peer is (its position in the group, its global rank).
+#[derive(Clone, Debug)]
+pub struct ShiftMember {
+    /// The grid axes of its group.
+    pub axes: Vec<usize>,
+    /// What it sends.
+    pub send: u64,
+    /// Where it receives.
+    pub recv: u64,
+    /// Bytes each way.
+    pub bytes: usize,
+    /// Whom it sends to.
+    pub to: (usize, usize),
+    /// Whom it receives from.
+    pub from: (usize, usize),
 }
 
 /// One member of a bucket of gathers or scatters along dimension 0 (see
@@ -251,7 +272,7 @@ impl Comms {
 
     /// The emulation of NCCL for one process of an emulated world (see [`EmulatedWorld`]).
     pub fn emulated(world: EmulatedWorld, mesh: &MeshShape) -> Comms {
-        Comms { backend: Backend::Emulated { world, mesh: mesh.clone(), sequence: Default::default() } }
+        Comms { backend: Backend::Emulated { world, mesh: mesh.clone(), sequence: Default::default(), shifts: Default::default() } }
     }
 
     /// Runs one NCCL call of `rank` over its group along `axes`: `count` elements of `dtype`
@@ -538,6 +559,63 @@ impl Comms {
         })
         .map(Some)
         .map_err(|e| err(format!("{}: {e}", what())))
+    }
+
+    /// Runs `members` (shifts of this rank over one group, in program order) as one NCCL group
+    /// of sends and receives on the group's communicator stream, after what `stream` has
+    /// queued: with `join`, `stream` waits for them (a synchronous shift); else the event of
+    /// their completion is returned for the bucket's `xf.wait`. The emulation sends them all,
+    /// then receives them, at once.
+    pub fn shift(&self, members: &[ShiftMember], rank: usize, stream: Option<&CudaStream>, join: bool) -> Result<Option<cudarc::driver::CudaEvent>, RuntimeError> {
+        let Some(first) = members.first() else { return Ok(None) };
+        if members.iter().any(|m| m.axes != first.axes) {
+            return Err(err(format!("{} shifts over different axes in one group", members.len())));
+        }
+        match &self.backend {
+            Backend::Nccl { groups, .. } => {
+                let comm = *groups.get(&first.axes).ok_or_else(|| err(format!("no communicator for axes {:?}", first.axes)))?;
+                let done = self.after_on_group_stream(&first.axes, stream, |own| {
+                    let s = own.cu_stream() as ns::cudaStream_t;
+                    nr::group_start().map_err(|e| err(format!("ncclGroupStart on rank {rank}: {e:?}")))?;
+                    // SAFETY: each member's `send` and `recv` hold `bytes` of this rank's device
+                    // memory that the memory plan keeps until the shift is waited for; every rank
+                    // of the group issues its shifts in the same order, and the peers' positions
+                    // are in the group's communicator.
+                    let issued: Result<(), RuntimeError> = members.iter().try_for_each(|m| unsafe {
+                        nr::send(m.send as *const _, m.bytes, ns::ncclDataType_t::ncclUint8, m.to.0 as i32, comm, s).map_err(|e| err(format!("ncclSend of a shift from rank {rank} to rank {}: {e:?}", m.to.1)))?;
+                        nr::recv(m.recv as *mut _, m.bytes, ns::ncclDataType_t::ncclUint8, m.from.0 as i32, comm, s).map(|_| ()).map_err(|e| err(format!("ncclRecv of a shift on rank {rank} from rank {}: {e:?}", m.from.1)))
+                    });
+                    let ended = nr::group_end().map(|_| ()).map_err(|e| err(format!("ncclGroupEnd on rank {rank}: {e:?}")));
+                    issued.and(ended)
+                })?;
+                if !join {
+                    return Ok(Some(done));
+                }
+                stream.ok_or_else(|| err("NCCL needs a GPU stream"))?.wait(&done).map_err(|e| err(format!("{e:?}")))?;
+                Ok(None)
+            }
+            Backend::Emulated { world, shifts, .. } => {
+                let mut comm = world.comm.lock().map_err(|_| err("the emulated communicator was poisoned by a failed rank"))?;
+                let fail = |e: crate::collectives::CommError| err(format!("emulated NCCL shift on rank {rank}: {e}"));
+                for m in members {
+                    let k = next_in_sequence(shifts, m.to.1, true)?;
+                    // SAFETY: the emulated device's pointers are host addresses of at least
+                    // `bytes`.
+                    let data = unsafe { std::slice::from_raw_parts(m.send as *const u8, m.bytes) }.to_vec();
+                    comm.send_owned(m.to.1, (1 << 62) | k, data).map_err(fail)?;
+                }
+                for m in members {
+                    let k = next_in_sequence(shifts, m.from.1, false)?;
+                    let message = comm.recv_raw_bytes(m.from.1, (1 << 62) | k).map_err(fail)?;
+                    if message.len() != m.bytes {
+                        return Err(err(format!("rank {rank}'s shift {k} from rank {} brought {} bytes for a buffer of {}: the ranks' programs disagree", m.from.1, message.len(), m.bytes)));
+                    }
+                    // SAFETY: the receiving buffer, a host address of at least `bytes`.
+                    unsafe { std::slice::from_raw_parts_mut(m.recv as *mut u8, m.bytes) }.copy_from_slice(&message);
+                }
+                Ok(None)
+            }
+        }
     }
 
     /// Runs one collective of this rank on `stream`. `staging` holds at least the group's

@@ -43,10 +43,7 @@ impl Visibility {
     /// A ring step's visibility: this rank's queries are part `p` of `n` (`cx.seq_part`), and
     /// at step `t` it holds the keys of part `(p - t) mod n`.
     fn of_ring_step(instr: &Instr, cx: &RankCx, keys: usize) -> Result<Visibility, String> {
-        let step = usize::try_from(instr.int(shardc_ir::ops::RING_STEP_ATTR)?).map_err(|_| "negative ring step")?;
-        let (part, parts) = cx.seq_part;
-        let source = (part + parts - step % parts) % parts;
-        Visibility::new(instr, cx.seq_offset, source * keys, keys)
+        Visibility::new(instr, cx.seq_offset, crate::cpu::ring_source(instr, cx.seq_part)? * keys, keys)
     }
 
     /// The position of query row `i`.
