@@ -191,6 +191,67 @@ irdl.dialect @xf {
     irdl.operands(logits: %L, targets: %I)
     irdl.results(loss: %S)
   }
+  // xf.moe_route: top-k gating: experts = argtop_k(logits), gates = softmax over the chosen logits
+  irdl.operation @moe_route {
+    %L = irdl.base "!builtin.tensor"
+    %G = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %top_k = irdl.base "#builtin.integer"
+    irdl.attributes {"top_k" = %top_k}
+    irdl.operands(logits: %L)
+    irdl.results(gates: %G, experts: %I)
+  }
+  // xf.moe_slots: slot of each choice in its expert's buffer (-1: dropped past capacity), and rows per buffer
+  irdl.operation @moe_slots {
+    %I = irdl.base "!builtin.tensor"
+    %C = irdl.base "!builtin.tensor"
+    %experts = irdl.base "#builtin.integer"
+    %capacity = irdl.base "#builtin.integer"
+    irdl.attributes {"experts" = %experts, "capacity" = %capacity}
+    irdl.operands(experts: %I)
+    irdl.results(slots: %I, counts: %C)
+  }
+  // xf.moe_dispatch: permute tokens into per-expert buffers: buf[experts, b, slots, :] = x[b, s, :]
+  irdl.operation @moe_dispatch {
+    %X = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %B = irdl.base "!builtin.tensor"
+    %experts = irdl.base "#builtin.integer"
+    %capacity = irdl.base "#builtin.integer"
+    irdl.attributes {"experts" = %experts, "capacity" = %capacity}
+    irdl.operands(x: %X, experts: %I, slots: %I)
+    irdl.results(buffer: %B)
+  }
+  // xf.expert_matmul: grouped expert GEMM: out[e, b, r] = x[e, b, r] @ w[e] for rows r < counts[e, b], zeros after
+  irdl.operation @expert_matmul {
+    %X = irdl.base "!builtin.tensor"
+    %W = irdl.base "!builtin.tensor"
+    %C = irdl.base "!builtin.tensor"
+    %Y = irdl.base "!builtin.tensor"
+    %transpose_rhs = irdl.base "#builtin.integer"
+    %routed = irdl.base "#builtin.integer"
+    %experts_total = irdl.base "#builtin.integer"
+    irdl.attributes {"transpose_rhs" = %transpose_rhs, "routed" = %routed, "experts_total" = %experts_total}
+    irdl.operands(x: %X, w: %W, counts: %C)
+    irdl.results(out: %Y)
+  }
+  // xf.moe_combine: unpermute expert outputs, weighed by gates: y[b, s, :] = sum_j gates_j buf[experts_j, b, slots_j, :]
+  irdl.operation @moe_combine {
+    %B = irdl.base "!builtin.tensor"
+    %G = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %X = irdl.base "!builtin.tensor"
+    irdl.operands(buffer: %B, gates: %G, experts: %I, slots: %I)
+    irdl.results(y: %X)
+  }
+  // xf.moe_aux_loss: load-balancing loss per sequence: E/(S k) sum_e count_e * mean_s softmax(logits)_e
+  irdl.operation @moe_aux_loss {
+    %L = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %O = irdl.base "!builtin.tensor"
+    irdl.operands(logits: %L, experts: %I)
+    irdl.results(loss: %O)
+  }
   // xf.sum_leading: sum over the leading dims, keeping the trailing `keep` dims
   irdl.operation @sum_leading {
     %T = irdl.base "!builtin.tensor"
@@ -304,6 +365,53 @@ irdl.dialect @xf {
     %S = irdl.base "!builtin.tensor"
     irdl.operands(logits: %L, targets: %I, dloss: %S)
     irdl.results(dlogits: %L)
+  }
+  // xf.moe_route_grad: gradient of top-k gating: dlogits[experts] = gates * (dgates - <gates, dgates>)
+  irdl.operation @moe_route_grad {
+    %G = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %L = irdl.base "!builtin.tensor"
+    %experts = irdl.base "#builtin.integer"
+    irdl.attributes {"experts" = %experts}
+    irdl.operands(gates: %G, experts: %I, dgates: %G)
+    irdl.results(dlogits: %L)
+  }
+  // xf.moe_aux_loss_grad: gradient of the load-balancing loss with respect to the router logits
+  irdl.operation @moe_aux_loss_grad {
+    %L = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %O = irdl.base "!builtin.tensor"
+    irdl.operands(logits: %L, experts: %I, dloss: %O)
+    irdl.results(dlogits: %L)
+  }
+  // xf.moe_collect: sum each token's rows back out of per-expert buffers (the adjoint of moe_dispatch)
+  irdl.operation @moe_collect {
+    %B = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %X = irdl.base "!builtin.tensor"
+    irdl.operands(buffer: %B, experts: %I, slots: %I)
+    irdl.results(y: %X)
+  }
+  // xf.moe_combine_grad: gradients of moe_combine: dbuf = gates * dy in the choices' slots, dgates = <dy, buf row>
+  irdl.operation @moe_combine_grad {
+    %B = irdl.base "!builtin.tensor"
+    %G = irdl.base "!builtin.tensor"
+    %I = irdl.base "!builtin.tensor"
+    %X = irdl.base "!builtin.tensor"
+    irdl.operands(buffer: %B, gates: %G, experts: %I, slots: %I, dy: %X)
+    irdl.results(dbuffer: %B, dgates: %G)
+  }
+  // xf.expert_matmul_wgrad: weight gradient of the grouped expert GEMM: dw[e] = sum_b x[e, b]^T dy[e, b] over filled rows
+  irdl.operation @expert_matmul_wgrad {
+    %X = irdl.base "!builtin.tensor"
+    %Y = irdl.base "!builtin.tensor"
+    %C = irdl.base "!builtin.tensor"
+    %W = irdl.base "!builtin.tensor"
+    %routed = irdl.base "#builtin.integer"
+    %experts_total = irdl.base "#builtin.integer"
+    irdl.attributes {"routed" = %routed, "experts_total" = %experts_total}
+    irdl.operands(x: %X, dy: %Y, counts: %C)
+    irdl.results(dw: %W)
   }
   // xf.row_max: maximum over the last dim (vocab-parallel cross-entropy)
   irdl.operation @row_max {

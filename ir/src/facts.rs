@@ -146,8 +146,12 @@ pub enum ParamKind {
     TokenEmbedding,
     /// The LM head `[hidden, vocab]`: split by vocabulary columns.
     LmHead,
-    /// Everything tensor parallelism replicates (norms, learned positions).
+    /// Everything tensor parallelism replicates (norms, learned positions, routers).
     Replicated,
+    /// Experts' weights `[experts, in, out]` whose outputs split (their up and gate).
+    ExpertColumn,
+    /// Experts' weights `[experts, in, out]` whose inputs split (their down projection).
+    ExpertRow,
 }
 
 /// The name of parameter `param`'s optimizer state `state` (`m`, `v`, or `master` for the

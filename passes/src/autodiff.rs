@@ -130,8 +130,12 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
         let current = |v: &Value| *recomputed.get(v).unwrap_or(&map[v]);
         let mut out_grads = Vec::with_capacity(op.results.len());
         for r in &op.results {
+            let float = forward.tensor(*r).is_some_and(|t| t.dtype.is_float());
             out_grads.push(match grads.get(r) {
                 Some(g) => *g,
+                // An integer result (the experts a router picks) has no gradient; its slot
+                // holds the result itself, which no VJP reads.
+                None if !float => current(r),
                 // A result nobody differentiates through (e.g. one output of a multi-result
                 // op): its gradient is zero.
                 None => fill(&mut fb, current(r), 0.0, &format!("{}.grad.zero", op.loc))?,

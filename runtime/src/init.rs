@@ -56,7 +56,7 @@ fn element_initializer(name: &str, seed: u64, layers: usize) -> impl Fn(u64) -> 
         (Some(0.0), 0.0)
     } else if name.ends_with("norm.weight") {
         (Some(1.0), 0.0)
-    } else if name.ends_with("attn.out.weight") || name.ends_with("mlp.down.weight") {
+    } else if name.ends_with("attn.out.weight") || name.ends_with("mlp.down.weight") || name.ends_with("experts.down.weight") || name.ends_with("shared.down.weight") {
         (None, 0.02 / (2.0 * layers.max(1) as f64).sqrt())
     } else {
         (None, 0.02)

@@ -135,22 +135,90 @@ fn cases() -> Vec<Case> {
             attrs: a(&[("causal", Bool(true)), ("scale", Float(0.5)), ("xf.zigzag", AttrValue::Ints(vec![4, 8]))]),
         },
         Case { op: "xf.cross_entropy", operands: vec![f(&[2, 3, 7]), ids(&[2, 3])], attrs: Attrs::new() },
+        // Mixture of experts: the choices are data (operand x1), drawn distinct per token.
+        Case { op: "xf.moe_route", operands: vec![f(&[2, 3, 5])], attrs: a(&[("top_k", Int(2))]) },
+        Case { op: "xf.moe_aux_loss", operands: vec![f(&[2, 4, 5]), ids(&[2, 4, 2])], attrs: Attrs::new() },
+        // A capacity of 2 slots drops some of the choices.
+        Case { op: "xf.moe_dispatch", operands: vec![f(&[2, 4, 3]), ids(&[2, 4, 2]), ids(&[2, 4, 2])], attrs: a(&[("experts", Int(MOE_EXPERTS)), ("capacity", Int(2))]) },
+        Case { op: "xf.moe_combine", operands: vec![f(&[MOE_EXPERTS, 2, 4, 3]), f(&[2, 4, 2]), ids(&[2, 4, 2]), ids(&[2, 4, 2])], attrs: Attrs::new() },
+        Case { op: "xf.moe_combine", operands: vec![f(&[MOE_EXPERTS, 2, 2, 3]), f(&[2, 4, 2]), ids(&[2, 4, 2]), ids(&[2, 4, 2])], attrs: Attrs::new() },
+        Case {
+            op: "xf.expert_matmul",
+            operands: vec![f(&[3, 2, 4, 5]), f(&[3, 5, 6]), ids(&[3, 2])],
+            attrs: a(&[("transpose_rhs", Bool(false)), ("routed", Int(8)), ("experts_total", Int(3))]),
+        },
     ]
+}
+
+/// Experts of the MoE cases (unless a case says).
+const MOE_EXPERTS: i64 = 4;
+
+/// Distinct experts of `0..experts` for each token of choices `t [B, S, k]`.
+fn routed_experts(t: &TensorTy, experts: i64) -> Vec<i32> {
+    let k = t.shape[2] as usize;
+    let mut values = Vec::new();
+    for token in 0..(t.shape[0] * t.shape[1]) as u64 {
+        let first = shardc_runtime::init::splitmix64(token + 3) % experts as u64;
+        let step = 1 + shardc_runtime::init::splitmix64(token + 101) % (experts as u64 - 1);
+        values.extend((0..k as u64).map(|j| ((first + j * step) % experts as u64) as i32));
+    }
+    values
+}
+
+/// The slots and counts `xf.moe_slots` gives `experts` (an independent model of its rule: first
+/// choices first, in token order, past `capacity` dropped).
+fn moe_slots(experts: &[i32], t: &TensorTy, experts_total: i64, capacity: i64) -> (Vec<i32>, Vec<i32>) {
+    let (b, s, k) = (t.shape[0] as usize, t.shape[1] as usize, t.shape[2] as usize);
+    let mut slots = vec![0; experts.len()];
+    let mut counts = vec![0; experts_total as usize * b];
+    for row in 0..b {
+        let mut next = std::collections::HashMap::new();
+        for j in 0..k {
+            for token in 0..s {
+                let i = (row * s + token) * k + j;
+                let n = next.entry(experts[i]).or_insert(0i64);
+                slots[i] = if *n < capacity { *n as i32 } else { -1 };
+                *n += 1;
+            }
+        }
+        for (&e, &n) in &next {
+            counts[e as usize * b + row] = n.min(capacity) as i32;
+        }
+    }
+    (slots, counts)
 }
 
 /// `loss = sum(result * weights)` over every float result, so every output element matters.
 fn single_op_module(case: &Case) -> (Module, HashMap<String, Vec<f64>>, HashMap<String, Vec<i32>>) {
     let mut fb = FuncBuilder::new("forward");
     let mut floats = HashMap::new();
-    let mut ints = HashMap::new();
+    let mut ints: HashMap<String, Vec<i32>> = HashMap::new();
     let mut operands = Vec::new();
     for (i, t) in case.operands.iter().enumerate() {
         let name = format!("x{i}");
         let n = t.num_elements() as usize;
         if t.dtype == DType::I32 {
-            // Valid ids for the table / logits this case pairs them with.
-            let limit = case.operands[0].shape[if case.op == "xf.embedding" { 0 } else { 2 }] as u64;
-            ints.insert(name.clone(), (0..n as u64).map(|j| (shardc_runtime::init::splitmix64(j + 11) % limit) as i32).collect());
+            let slots = shardc_ir::ops::lookup(case.op).unwrap().signature().operands;
+            let first = &case.operands[0];
+            // Experts and slots per expert: the op's attributes, or its buffer's (or logits') shape.
+            let experts = || case.attrs.int("experts").unwrap_or(if first.rank() == 4 { first.shape[0] } else { first.shape[2] });
+            let capacity = || case.attrs.int("capacity").unwrap_or(if first.rank() == 4 { first.shape[2] } else { t.shape[1] });
+            let values = match slots[i].name {
+                // A router's choices: distinct experts per token.
+                "experts" => routed_experts(t, experts()),
+                // The slots moe_slots gives those choices.
+                "slots" => {
+                    let chosen = slots.iter().position(|s| s.name == "experts").unwrap();
+                    moe_slots(&ints[&format!("x{chosen}")], t, experts(), capacity()).0
+                }
+                "counts" => (0..n as u64).map(|j| (shardc_runtime::init::splitmix64(j + 5) % (case.operands[0].shape[2] as u64 + 1)) as i32).collect(),
+                // Valid ids for the table / logits this case pairs them with.
+                _ => {
+                    let limit = case.operands[0].shape[if case.op == "xf.embedding" { 0 } else { 2 }] as u64;
+                    (0..n as u64).map(|j| (shardc_runtime::init::splitmix64(j + 11) % limit) as i32).collect()
+                }
+            };
+            ints.insert(name.clone(), values);
             operands.push(fb.arg(&name, t.clone(), ArgRole::Input));
         } else {
             floats.insert(name.clone(), randn(3, &name, n, 1.0));
@@ -161,6 +229,10 @@ fn single_op_module(case: &Case) -> (Module, HashMap<String, Vec<f64>>, HashMap<
     let mut loss: Option<Value> = None;
     for (r, result) in results.iter().enumerate() {
         let t = fb.tensor(*result).unwrap().clone();
+        // Integer results (a router's choices) carry no gradient.
+        if !t.dtype.is_float() {
+            continue;
+        }
         let w_name = format!("w{r}");
         floats.insert(w_name.clone(), randn(5, &w_name, t.num_elements() as usize, 1.0));
         let w = fb.arg(&w_name, t.clone(), ArgRole::Input);
@@ -228,6 +300,11 @@ fn tiny_gpt_gradients_match_finite_differences() {
 #[test]
 fn tiny_llama_gradients_match_finite_differences() {
     check_model("tiny-llama", Recompute::None);
+}
+
+#[test]
+fn tiny_moe_gradients_match_finite_differences() {
+    check_model("tiny-moe", Recompute::None);
 }
 
 #[test]

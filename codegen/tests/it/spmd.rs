@@ -130,6 +130,18 @@ fn tiny_llama_partitioned_equals_single_device() {
     }
 }
 
+/// Mixture of experts (issue 21): 8 experts, top-2, dropless; tokens split over data-parallel
+/// ranks route as on one device, and tensor parallelism splits every expert's MLP.
+#[test]
+fn tiny_moe_partitioned_equals_single_device() {
+    for (dp, tp) in [(2, 1), (1, 2), (2, 2), (4, 1)] {
+        check("tiny-moe", dp, tp);
+    }
+    check_zero("tiny-moe", 2, 2, 1);
+    check_all("tiny-moe", 1, 2, 0, true);
+    check_mesh("tiny-moe", Mesh { dp: 2, tp: 1, pp: 1, cp: 2 }, 0, false);
+}
+
 /// Context parallelism (issue 20): the sequence split over cp ranks, alone and with data and
 /// tensor parallelism, sequence parallelism and ZeRO, equals one device.
 #[test]

@@ -15,6 +15,7 @@ mod embedding;
 mod heads;
 mod loss;
 mod matmul;
+mod moe;
 mod norm;
 mod optim;
 mod reduce;
@@ -30,6 +31,7 @@ pub use embedding::{Embedding, EmbeddingGrad};
 pub use heads::{zigzag_of, zigzag_position, MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads, Zigzag, ZIGZAG_ATTR};
 pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyGradShard, CrossEntropyStats, RowMax};
 pub use matmul::{MatMul, MatMulWeightGrad};
+pub use moe::{ExpertMatMul, ExpertMatMulWeightGrad, MoeAuxLoss, MoeAuxLossGrad, MoeCollect, MoeCombine, MoeCombineGrad, MoeDispatch, MoeRoute, MoeRouteGrad, MoeSlots};
 pub use norm::{LayerNorm, LayerNormGrad, RmsNorm, RmsNormGrad};
 pub use optim::{AdamW, ClipCoef, LrSchedule, Sgd, SumSquares};
 pub use reduce::{Constant, FillLike, SumLeading, Wait};
@@ -63,6 +65,13 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &AttentionMerge,
     &AttentionBlockGrad,
     &CrossEntropy,
+    // Mixture of experts: routing, permutation, the grouped GEMM, load balancing.
+    &MoeRoute,
+    &MoeSlots,
+    &MoeDispatch,
+    &ExpertMatMul,
+    &MoeCombine,
+    &MoeAuxLoss,
     // Reductions and fills, used by gradients.
     &SumLeading,
     &FillLike,
@@ -79,6 +88,11 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &RopeGrad,
     &AttentionGrad,
     &CrossEntropyGrad,
+    &MoeRouteGrad,
+    &MoeAuxLossGrad,
+    &MoeCollect,
+    &MoeCombineGrad,
+    &ExpertMatMulWeightGrad,
     // Pieces of vocab-parallel cross-entropy, made by partitioning.
     &RowMax,
     &CrossEntropyStats,

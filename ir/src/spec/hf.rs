@@ -130,6 +130,7 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
                     rope_theta: 10000.0,
                     dtype: SpecDType::F32,
                     vocab_multiple: super::DEFAULT_VOCAB_MULTIPLE,
+                    moe: None,
                 },
                 HfFamily::Gpt2,
             )
@@ -166,6 +167,7 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
                     rope_theta: rope_theta(config)?,
                     dtype: SpecDType::F32,
                     vocab_multiple: super::DEFAULT_VOCAB_MULTIPLE,
+                    moe: None,
                 },
                 HfFamily::Llama,
             )

@@ -89,6 +89,7 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
     }
 
     let mut cx = LayerCx { fb, spec, dtype };
+    let mut aux_losses = Vec::new();
     for layer in 0..m.layers {
         let p = format!("layers.{layer}");
         let index = u32::try_from(layer).unwrap_or(u32::MAX);
@@ -117,22 +118,18 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         let out = cx.linear(merged, heads * head_dim, h, &format!("{p}.attn.out"), ParamKind::Row)?;
         x = cx.residual(x, out, &format!("{p}.attn.residual"))?;
 
-        // MLP block: x + down(act(up(x))).
+        // MLP block: x + down(act(up(x))), or a mixture of experts.
         cx.fb.set_origin(Origin::of(Block::Mlp(index)));
         let normed = cx.norm(x, &format!("{p}.mlp_norm"))?;
-        let inner = match m.activation {
-            Activation::Gelu => {
-                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"), ParamKind::Column)?;
-                cx.fb.op("xf.gelu", &[up], Attrs::new(), &format!("{p}.mlp.act"))?
+        let out = match m.moe.as_ref().filter(|moe| moe.is_moe_layer(layer)) {
+            Some(moe) => {
+                let (out, aux) = cx.experts(normed, moe, s, &format!("{p}.mlp"))?;
+                aux_losses.push(aux);
+                out
             }
-            Activation::Swiglu => {
-                let gate = cx.linear(normed, h, f, &format!("{p}.mlp.gate"), ParamKind::Column)?;
-                let up = cx.linear(normed, h, f, &format!("{p}.mlp.up"), ParamKind::Column)?;
-                cx.fb.op("xf.swiglu", &[gate, up], Attrs::new(), &format!("{p}.mlp.act"))?
-            }
+            None => cx.mlp(normed, f, &format!("{p}.mlp"))?,
         };
-        let down = cx.linear(inner, f, h, &format!("{p}.mlp.down"), ParamKind::Row)?;
-        x = cx.residual(x, down, &format!("{p}.mlp.residual"))?;
+        x = cx.residual(x, out, &format!("{p}.mlp.residual"))?;
     }
 
     cx.fb.set_origin(Origin::of(Block::Head));
@@ -157,7 +154,21 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
     // up first (and their gradient cast back down by the cast's VJP).
     let logits = if dtype == DType::Bf16 { cx.fb.op("xf.cast", &[logits], crate::ops::cast::cast_attrs(DType::F32), "lm_head.to_f32")? } else { logits };
     let classes = if padded { attrs(&[("xf.classes", AttrValue::Int(m.vocab as i64))]) } else { Attrs::new() };
-    let loss = cx.fb.op("xf.cross_entropy", &[logits, targets], classes, "loss")?;
+    let mut loss = cx.fb.op("xf.cross_entropy", &[logits, targets], classes, "loss")?;
+    // The load-balancing losses (one per layer and sequence) join the loss as their mean
+    // over sequences, weighed.
+    if let Some(moe) = m.moe.as_ref().filter(|_| !aux_losses.is_empty()) {
+        let mut per_sequence = aux_losses[0];
+        for (i, &aux) in aux_losses.iter().enumerate().skip(1) {
+            per_sequence = cx.fb.op("xf.add", &[per_sequence, aux], Attrs::new(), &format!("loss.aux.layers.{i}"))?;
+        }
+        let mut total = cx.fb.op("xf.sum_leading", &[per_sequence], attrs(&[("keep", AttrValue::Int(0))]), "loss.aux.sum")?;
+        if dtype == DType::Bf16 {
+            total = cx.fb.op("xf.cast", &[total], crate::ops::cast::cast_attrs(DType::F32), "loss.aux.to_f32")?;
+        }
+        let weighed = cx.fb.op("xf.scale", &[total], attrs(&[("factor", AttrValue::Float(moe.aux_loss_weight / b as f64))]), "loss.aux")?;
+        loss = cx.fb.op("xf.add", &[loss, weighed], Attrs::new(), "loss.total")?;
+    }
     Ok(cx.fb.finish(&[loss], &["loss".to_string()]))
 }
 
@@ -219,6 +230,69 @@ impl LayerCx<'_> {
             }
             Norm::RmsNorm => self.fb.op("xf.rmsnorm", &[x, gamma], eps, name),
         }
+    }
+
+    /// A dense MLP of inner size `f` on `x`, its weights named `{name}.up` (and `.gate`,
+    /// `.down`).
+    fn mlp(&mut self, x: Value, f: i64, name: &str) -> Result<Value, LowerError> {
+        let h = self.spec.model.hidden as i64;
+        let inner = match self.spec.model.activation {
+            Activation::Gelu => {
+                let up = self.linear(x, h, f, &format!("{name}.up"), ParamKind::Column)?;
+                self.fb.op("xf.gelu", &[up], Attrs::new(), &format!("{name}.act"))?
+            }
+            Activation::Swiglu => {
+                let gate = self.linear(x, h, f, &format!("{name}.gate"), ParamKind::Column)?;
+                let up = self.linear(x, h, f, &format!("{name}.up"), ParamKind::Column)?;
+                self.fb.op("xf.swiglu", &[gate, up], Attrs::new(), &format!("{name}.act"))?
+            }
+        };
+        self.linear(inner, f, h, &format!("{name}.down"), ParamKind::Row)
+    }
+
+    /// A mixture-of-experts MLP on `x [batch, seq, hidden]`: the router's logits pick each
+    /// token's experts, the tokens are permuted into per-expert buffers, every expert runs
+    /// its MLP on its buffer as one grouped GEMM, and the outputs come back weighed by the
+    /// gates (plus the shared experts' dense MLP). Returns the output and the layer's
+    /// load-balancing loss of each sequence. Experts' MLPs carry no biases (as
+    /// Mixtral's).
+    fn experts(&mut self, x: Value, moe: &super::MoeSpec, seq: i64, name: &str) -> Result<(Value, Value), LowerError> {
+        let model = &self.spec.model;
+        let (h, e, k) = (model.hidden as i64, moe.experts as i64, moe.top_k as i64);
+        let f = moe.expert_ffn(model.ffn_hidden) as i64;
+        let int = AttrValue::Int;
+        let router = self.param(&format!("{name}.router.weight"), &[h, e], ParamKind::Replicated);
+        let logits = self.fb.op("xf.matmul", &[x, router], matmul_attrs(false, false), &format!("{name}.router"))?;
+        let route = self.fb.op_multi("xf.moe_route", &[logits], attrs(&[("top_k", int(k))]), &format!("{name}.route"))?;
+        let (gates, chosen) = (route[0], route[1]);
+        let capacity = attrs(&[("experts", int(e)), ("capacity", int(moe.capacity(seq as u64) as i64))]);
+        let slots = self.fb.op_multi("xf.moe_slots", &[chosen], capacity.clone(), &format!("{name}.slots"))?;
+        let (slots, counts) = (slots[0], slots[1]);
+        let buffer = self.fb.op("xf.moe_dispatch", &[x, chosen, slots], capacity, &format!("{name}.dispatch"))?;
+        let gemm = attrs(&[("transpose_rhs", AttrValue::Bool(false)), ("routed", int(seq * k)), ("experts_total", int(e))]);
+        let expert = |cx: &mut Self, input: Value, part: &str, fan_in: i64, fan_out: i64, kind: ParamKind| {
+            let w = cx.param(&format!("{name}.experts.{part}.weight"), &[e, fan_in, fan_out], kind);
+            cx.fb.op("xf.expert_matmul", &[input, w, counts], gemm.clone(), &format!("{name}.experts.{part}"))
+        };
+        let inner = match model.activation {
+            Activation::Gelu => {
+                let up = expert(self, buffer, "up", h, f, ParamKind::ExpertColumn)?;
+                self.fb.op("xf.gelu", &[up], Attrs::new(), &format!("{name}.experts.act"))?
+            }
+            Activation::Swiglu => {
+                let gate = expert(self, buffer, "gate", h, f, ParamKind::ExpertColumn)?;
+                let up = expert(self, buffer, "up", h, f, ParamKind::ExpertColumn)?;
+                self.fb.op("xf.swiglu", &[gate, up], Attrs::new(), &format!("{name}.experts.act"))?
+            }
+        };
+        let down = expert(self, inner, "down", f, h, ParamKind::ExpertRow)?;
+        let mut out = self.fb.op("xf.moe_combine", &[down, gates, chosen, slots], Attrs::new(), &format!("{name}.combine"))?;
+        if moe.shared_experts > 0 {
+            let shared = self.mlp(x, f * moe.shared_experts as i64, &format!("{name}.shared"))?;
+            out = self.fb.op("xf.add", &[out, shared], Attrs::new(), &format!("{name}.shared.add"))?;
+        }
+        let aux = self.fb.op("xf.moe_aux_loss", &[logits, chosen], Attrs::new(), &format!("{name}.aux_loss"))?;
+        Ok((out, aux))
     }
 
     fn split_heads(&mut self, x: Value, heads: i64, name: &str) -> Result<Value, LowerError> {

@@ -161,6 +161,71 @@ pub struct ModelSpec {
     /// softmax or the loss, and padded rows stay zero.
     #[serde(default = "default_vocab_multiple")]
     pub vocab_multiple: u64,
+    /// Mixture-of-experts MLPs (absent: every MLP is dense).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeSpec>,
+}
+
+fn default_aux_loss_weight() -> f64 {
+    0.01
+}
+fn default_every() -> u64 {
+    1
+}
+
+/// Mixture-of-experts MLPs: which layers have them, and how tokens are routed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeSpec {
+    /// Routed experts per MoE layer.
+    pub experts: u64,
+    /// Experts each token is sent to (top-k gating).
+    pub top_k: u64,
+    /// Inner dimension of each expert's MLP; defaults to the model's `ffn_hidden`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_ffn_hidden: Option<u64>,
+    /// Shared experts every token goes through besides its routed ones (Qwen-MoE,
+    /// DeepSeek), as one dense MLP of `shared_experts x expert_ffn_hidden`.
+    #[serde(default)]
+    pub shared_experts: u64,
+    /// Leading layers that stay dense (DeepSeek's `first_k_dense_replace`).
+    #[serde(default)]
+    pub first_dense: u64,
+    /// After those, every `every`-th layer is MoE (Megatron's `moe-layer-freq`); 1: all.
+    #[serde(default = "default_every")]
+    pub every: u64,
+    /// Weight of the load-balancing loss added to the language-model loss.
+    #[serde(default = "default_aux_loss_weight")]
+    pub aux_loss_weight: f64,
+    /// Slots per expert and sequence as a multiple of the even share `seq_len x top_k /
+    /// experts`: choices past it are dropped. Absent: dropless routing (every choice is kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
+}
+
+impl MoeSpec {
+    /// Inner dimension of each expert's MLP.
+    pub fn expert_ffn(&self, model_ffn: u64) -> u64 {
+        self.expert_ffn_hidden.unwrap_or(model_ffn)
+    }
+
+    /// Whether layer `layer` (from 0) has a MoE MLP.
+    pub fn is_moe_layer(&self, layer: u64) -> bool {
+        layer >= self.first_dense && (layer - self.first_dense).is_multiple_of(self.every.max(1))
+    }
+
+    /// Slots of each expert's buffer per sequence of `seq` tokens: `seq` when dropless (an
+    /// expert can receive each token at most once), else `ceil(capacity_factor x seq x top_k
+    /// / experts)`, at least 1 and at most `seq`.
+    pub fn capacity(&self, seq: u64) -> u64 {
+        match self.capacity_factor {
+            None => seq,
+            Some(factor) => {
+                let even = seq as f64 * self.top_k as f64 / self.experts.max(1) as f64;
+                ((factor * even).ceil() as u64).clamp(1, seq.max(1))
+            }
+        }
+    }
 }
 
 impl ModelSpec {
@@ -623,7 +688,41 @@ fn validate(spec: &Spec) -> Vec<SpecError> {
             "set linear_bias = false for Llama-style models".into(),
         );
     }
+    if let Some(moe) = &m.moe {
+        validate_moe(moe, m, &mut error);
+    }
     // Sizes that each pass can still multiply into tensors no arithmetic should hold.
     errors.extend(spec.tensor_size_errors(t.micro_batch, m.padded_vocab(1)));
     errors
+}
+
+/// Most routed experts a MoE layer may have (DeepSeek-V3 has 256).
+pub const MAX_EXPERTS: u64 = 1 << 16;
+
+fn validate_moe(moe: &MoeSpec, m: &ModelSpec, error: &mut impl FnMut(&str, String, String)) {
+    if moe.experts == 0 || moe.experts > MAX_EXPERTS {
+        error("model.moe.experts", format!("must be from 1 to {MAX_EXPERTS}, got {}", moe.experts), "Mixtral has 8 experts, DeepSeek-V3 256".into());
+    } else if moe.top_k == 0 || moe.top_k > moe.experts {
+        error("model.moe.top_k", format!("must be from 1 to the {} experts, got {}", moe.experts, moe.top_k), "Mixtral sends each token to 2 experts".into());
+    }
+    if moe.expert_ffn(m.ffn_hidden) == 0 || moe.expert_ffn(m.ffn_hidden) > MAX_DIM {
+        error("model.moe.expert_ffn_hidden", format!("must be from 1 to {MAX_DIM}, got {}", moe.expert_ffn(m.ffn_hidden)), "give a positive size, or leave it out to use ffn_hidden".into());
+    }
+    if moe.shared_experts > 64 {
+        error("model.moe.shared_experts", format!("{} shared experts is more than the supported 64", moe.shared_experts), "published models have 0 to 2".into());
+    }
+    if moe.every == 0 || moe.every > MAX_LAYERS {
+        error("model.moe.every", format!("must be from 1 to {MAX_LAYERS}, got {}", moe.every), "1 makes every layer after first_dense a MoE layer".into());
+    }
+    if moe.first_dense >= m.layers {
+        error("model.moe.first_dense", format!("{} dense layers leave none of the {} layers for experts", moe.first_dense, m.layers), format!("use first_dense < {}", m.layers));
+    }
+    if !(moe.aux_loss_weight.is_finite() && (0.0..=1e3).contains(&moe.aux_loss_weight)) {
+        error("model.moe.aux_loss_weight", format!("must be a number from 0 to 1000, got {}", moe.aux_loss_weight), "Megatron-LM uses 1e-2, Mixtral 2e-2".into());
+    }
+    if let Some(factor) = moe.capacity_factor
+        && !(factor.is_finite() && factor > 0.0 && factor <= 1e3)
+    {
+        error("model.moe.capacity_factor", format!("must be a number above 0 (and at most 1000), got {factor}"), "1.0 to 2.0 is usual; leave it out for dropless routing".into());
+    }
 }

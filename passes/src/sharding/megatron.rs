@@ -72,6 +72,9 @@ fn param_sharding(kind: Option<ParamKind>, rank: usize, tp: i64, vocab: i64, kv_
         Some(ParamKind::Row) if rank == 2 => Sharding::split_dim(rank, 0, &[TP]),
         Some(ParamKind::TokenEmbedding) if vocab % tp == 0 => Sharding::split_dim(rank, 0, &[TP]),
         Some(ParamKind::LmHead) if vocab % tp == 0 => Sharding::split_dim(rank, 1, &[TP]),
+        // Tensor parallelism inside each expert, as in a dense MLP.
+        Some(ParamKind::ExpertColumn) => Sharding::split_dim(rank, rank - 1, &[TP]),
+        Some(ParamKind::ExpertRow) => Sharding::split_dim(rank, rank - 2, &[TP]),
         _ => Sharding::replicated(rank),
     }
 }

@@ -35,6 +35,7 @@ mod embedding;
 mod heads;
 mod loss;
 mod matmul;
+mod moe;
 mod norm;
 mod optim;
 mod reduce;
@@ -44,7 +45,7 @@ pub use optim::learning_rate;
 
 /// Every op's CPU kernels, by family: one file per file of `ir/src/ops`, each listing its
 /// ops' kernels beside them. Adding an op adds its kernel and its entry to its family's file.
-const FAMILIES: &[&[CpuKernel]] = &[attention::KERNELS, cast::KERNELS, elementwise::KERNELS, embedding::KERNELS, heads::KERNELS, loss::KERNELS, matmul::KERNELS, norm::KERNELS, optim::KERNELS, reduce::KERNELS, rope::KERNELS];
+const FAMILIES: &[&[CpuKernel]] = &[attention::KERNELS, cast::KERNELS, elementwise::KERNELS, embedding::KERNELS, heads::KERNELS, loss::KERNELS, matmul::KERNELS, moe::KERNELS, norm::KERNELS, optim::KERNELS, reduce::KERNELS, rope::KERNELS];
 
 /// The kernels by op name (every op once: see the test below).
 fn registry() -> &'static std::collections::HashMap<&'static str, &'static CpuKernel> {
