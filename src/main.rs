@@ -336,7 +336,7 @@ fn compile(
             _ => programs.iter().filter(|p| p.name == "train_step").cloned().collect(),
         };
         if !priced.is_empty() {
-            let shape = train::model_shape(&spec, summary.parameters as f64, batch.global_batch);
+            let shape = train::model_shape(&spec, summary.active_parameters as f64, batch.global_batch);
             let cluster = step.cluster_model()?;
             summary.gpu = cluster.gpu.name.clone();
             summary.estimate = Some(shardc_codegen::estimate::estimate(&priced, &cluster, shape));

@@ -459,12 +459,12 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
         }
     }
     let peak = if matches!(spec.model.dtype, shardc_ir::spec::SpecDType::F32) { cluster.gpu.fp32_flops } else { cluster.gpu.bf16_flops };
-    let params_total = {
+    let active_params = {
         let module = shardc_ir::spec::lower(spec, spec.step_shape(&Mesh::default())).into_diagnostic()?;
-        module.func("forward").map_or(0, |f| f.parameter_count()) as f64
+        module.func("forward").map_or(0, |f| f.active_parameter_count()) as f64
     };
     let tokens = (global_batch * seq) as f64;
-    let model_flops = tokens * (6.0 * params_total + 12.0 * layers as f64 * seq as f64 * hidden);
+    let model_flops = tokens * (6.0 * active_params + 12.0 * layers as f64 * seq as f64 * hidden);
     let hbm = cluster.gpu.memory_bytes;
     let fp32 = matches!(spec.model.dtype, shardc_ir::spec::SpecDType::F32);
     let mut cache = HashMap::new();

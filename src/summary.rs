@@ -10,6 +10,10 @@ use shardc_ir::Module;
 pub struct Summary {
     /// Trainable parameters.
     pub parameters: u64,
+    /// Parameters one token uses (a mixture of experts' unchosen experts left out): what the
+    /// model FLOPs count.
+    #[serde(default)]
+    pub active_parameters: u64,
     /// Bytes of the parameters in the spec's dtype.
     pub parameter_bytes: u64,
     /// Forward FLOPs of one micro-batch (sum of the op registry's costs).
@@ -137,6 +141,7 @@ impl Summary {
         let dtype: shardc_ir::DType = spec.model.dtype.into();
         Summary {
             parameters,
+            active_parameters: forward.map_or(0, |f| f.active_parameter_count()),
             parameter_bytes: parameters.saturating_mul(dtype.bytes() as u64),
             forward_flops_per_microbatch: forward.map_or(0.0, |f| f.cost().flops),
             train_step_flops_per_microbatch: module.func("train_step").map_or(0.0, |f| f.cost().flops),
@@ -219,7 +224,8 @@ impl Summary {
             )
             .to_lowercase(),
         );
-        line("parameters", format!("{} ({})", thousands(self.parameters), bytes(self.parameter_bytes)));
+        let active = if self.active_parameters != self.parameters { format!(", {} active per token", thousands(self.active_parameters)) } else { String::new() };
+        line("parameters", format!("{} ({}){active}", thousands(self.parameters), bytes(self.parameter_bytes)));
         line(
             "step",
             format!(

@@ -8,6 +8,7 @@
 //! Values are numbered in definition order within a function: arguments first, then op
 //! results. A function is in SSA form; [`crate::verify`] checks it.
 
+use std::collections::HashSet;
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -204,6 +205,26 @@ impl Func {
                 }
             })
             .fold(0u64, u64::saturating_add)
+    }
+
+    /// Parameters one token's forward pass uses: [`Func::parameter_count`] less the experts a
+    /// router does not choose. Each MoE layer's expert weights (`[experts, in, out]`, read by
+    /// `xf.expert_matmul`) count `top_k / experts` of themselves, read from the layer's
+    /// `xf.moe_route`; the model FLOPs of MoE models count these (Mixtral-8x7B: 12.9 of 46.7
+    /// billion).
+    pub fn active_parameter_count(&self) -> u64 {
+        let total = self.parameter_count();
+        let route = self.ops.iter().find(|o| o.name == "xf.moe_route");
+        let Some((top_k, experts)) = route.and_then(|o| Some((o.attrs.int("top_k").ok()?, self.tensor(o.operands[0])?.shape.get(2).copied()?))) else {
+            return total;
+        };
+        let expert_weights: HashSet<Value> = self.ops.iter().filter(|o| o.name == "xf.expert_matmul").filter_map(|o| o.operands.get(1).copied()).collect();
+        let unchosen: u128 = self
+            .args_with(ArgRole::Param)
+            .filter(|a| expert_weights.contains(&a.value))
+            .filter_map(|a| self.tensor(a.value).map(|t| t.num_elements() as u128 * (experts - top_k).max(0) as u128 / experts.max(1) as u128))
+            .sum();
+        total.saturating_sub(u64::try_from(unchosen).unwrap_or(u64::MAX))
     }
 
     /// How many ops of each name the body holds.

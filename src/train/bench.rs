@@ -40,7 +40,7 @@ pub(super) fn peak_rss() -> Option<u64> {
 pub(super) fn predicted_step(spec: &Spec, step: &StepArgs, mesh: shardc_ir::mesh::Mesh, programs: &[Program]) -> Result<shardc_codegen::estimate::Estimate> {
     let cluster = step.cluster_model()?;
     let module = shardc_ir::spec::lower(spec, spec.step_shape(&shardc_ir::mesh::Mesh::default())).into_diagnostic()?;
-    let parameters = module.func("forward").map_or(0, |f| f.parameter_count()) as f64;
+    let parameters = module.func("forward").map_or(0, |f| f.active_parameter_count()) as f64;
     let shape = model_shape(spec, parameters, step.batch(spec, mesh)?.global_batch);
     Ok(shardc_codegen::estimate::estimate(programs, &cluster, shape))
 }

@@ -9,6 +9,7 @@ mod common;
 mod gradcheck;
 mod memory;
 mod mixed;
+mod moe;
 mod norm_kernels;
 mod origins;
 mod padding;

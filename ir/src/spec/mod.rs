@@ -375,6 +375,11 @@ impl Spec {
             (batch_field, "a micro-batch's MLP activations [micro_batch x dp, seq_len, ffn_hidden]".into(), vec![rows, seq, m.ffn_hidden], batch_help),
             (batch_field, "a micro-batch's logits [micro_batch x dp, seq_len, vocab]".into(), vec![rows, seq, padded_vocab], batch_help),
         ];
+        if let Some(moe) = m.moe.as_ref().filter(|moe| moe.experts <= MAX_EXPERTS && moe.expert_ffn(m.ffn_hidden) <= MAX_DIM) {
+            let ffn = moe.expert_ffn(m.ffn_hidden);
+            tensors.push(("model.moe.experts", "an MoE layer's expert weights [experts, hidden, expert_ffn_hidden]".into(), vec![moe.experts, m.hidden, ffn], "use fewer experts or a smaller expert_ffn_hidden"));
+            tensors.push((batch_field, "a micro-batch's expert buffers [experts, micro_batch x dp, capacity, expert_ffn_hidden]".into(), vec![moe.experts, rows, moe.capacity(seq), ffn.max(m.hidden)], batch_help));
+        }
         if m.positions == Positions::Learned {
             tensors.push(("model.max_seq", "the position table [max_seq, hidden]".into(), vec![m.max_seq, m.hidden], "use a smaller max_seq or hidden size"));
         }

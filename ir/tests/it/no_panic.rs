@@ -15,8 +15,14 @@ const VALUES: &[&str] = &[
 
 #[test]
 fn no_field_value_panics_and_accepted_specs_lower() {
-    let base = std::fs::read_to_string(crate::workspace_root().join("models/tiny-llama.toml")).unwrap();
+    let llama = std::fs::read_to_string(crate::workspace_root().join("models/tiny-llama.toml")).unwrap();
+    // The mixture of experts with every one of its fields given.
+    let moe = std::fs::read_to_string(crate::workspace_root().join("models/tiny-moe.toml")).unwrap().replace(
+        "aux_loss_weight = 0.01",
+        "aux_loss_weight = 0.01\nexpert_ffn_hidden = 24\nshared_experts = 1\nfirst_dense = 0\nevery = 1\ncapacity_factor = 1.25",
+    );
     let cx = IrContext::new().unwrap();
+    for base in [llama, moe] {
     let (mut accepted, mut rejected) = (0, 0);
     for (i, line) in base.lines().enumerate() {
         let Some((key, _)) = line.split_once(" = ") else { continue };
@@ -40,6 +46,7 @@ fn no_field_value_panics_and_accepted_specs_lower() {
         }
     }
     assert!(accepted > 20 && rejected > 100, "accepted {accepted}, rejected {rejected}");
+    }
 }
 
 #[test]
