@@ -442,8 +442,8 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let halves: [Vec<Job>; 2] = [jobs.iter().step_by(2).copied().collect(), jobs.iter().skip(1).step_by(2).copied().collect()];
     let measured: Vec<Result<Measured>> = std::thread::scope(|s| {
         let run = |job: Job| match job {
-            Job::Unit(t, c, sp, r) => compile_unit(spec, cluster, Mesh { dp: 1, tp: t, pp: 1, cp: c }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
-            Job::Sync(zero) => compile_unit(spec, cluster, Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
+            Job::Unit(t, c, sp, r) => compile_unit(spec, cluster, Mesh { dp: 1, tp: t, pp: 1, cp: c, ep: 1 }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
+            Job::Sync(zero) => compile_unit(spec, cluster, Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
         };
         let handles: Vec<_> = halves.iter().map(|half| s.spawn(move || half.iter().map(|&job| run(job)).collect::<Vec<_>>())).collect();
         let mut results: Vec<std::vec::IntoIter<Result<Measured>>> = handles.into_iter().map(|h| h.join().unwrap_or_else(|_| vec![Err(miette!("compiling a one-layer variant panicked"))]).into_iter()).collect();
@@ -714,7 +714,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let mut command = format!(
         "shardc run {} --mesh {} --micro-batch {} --microbatches {} --recompute {} --zero {}",
         step.hf_dir(args.spec.as_deref()).or_else(|| args.spec.clone()).unwrap_or_default().display(),
-        Mesh { dp: best.dp, tp: best.tp, pp: best.pp, cp: best.cp },
+        Mesh { dp: best.dp, tp: best.tp, pp: best.pp, cp: best.cp, ep: 1 },
         best.micro_batch,
         best.microbatches,
         best.recompute,

@@ -149,6 +149,7 @@ fn collective_of(program: &Program, instr: &Instr) -> Option<(Collective, f64)> 
         "shard.broadcast" => Collective::Broadcast,
         // One message to the next rank of the ring (and one from the previous, at once).
         "shard.shift" => Collective::Send,
+        "shard.all_to_all" => Collective::AllToAll,
         _ => return None,
     };
     let counted = if kind == Collective::AllGather { instr.outputs[0] } else { instr.inputs[0] };

@@ -47,10 +47,12 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Grid axes from the fastest-varying rank coordinate to the slowest: tp, then cp, then dp,
-/// then pp (Megatron-LM's order), as the runtimes number ranks. A grid without a cp axis
-/// skips it.
-pub const RANK_ORDER: [usize; 4] = [crate::mesh::TP_AXIS, crate::mesh::CP_AXIS, crate::mesh::DP_AXIS, crate::mesh::PP_AXIS];
+/// Grid axes from the fastest-varying rank coordinate to the slowest: tp, then cp, then ep,
+/// then dp, then pp (Megatron-Core's order), as the runtimes number ranks. A grid without a
+/// cp or ep axis skips it. Expert parallelism is carved from dp, its groups the adjacent
+/// data-parallel ranks, so a rank's data-parallel index (`dp x ep + ep`) is what it is
+/// without it.
+pub const RANK_ORDER: [usize; 5] = [crate::mesh::TP_AXIS, crate::mesh::CP_AXIS, crate::mesh::EP_AXIS, crate::mesh::DP_AXIS, crate::mesh::PP_AXIS];
 
 use crate::ops::{Cost, KernelClass, OpDef};
 use crate::{Attrs, DType, TensorTy};
@@ -121,6 +123,8 @@ pub enum Collective {
     Send,
     /// Each rank keeps its part of a replicated value: no communication.
     AllSlice,
+    /// Each rank sends a part to every other (expert dispatch and combine).
+    AllToAll,
 }
 
 /// A cluster: devices, nodes and links, and where mesh axes live.
@@ -267,17 +271,19 @@ impl Cluster {
                     let names = value.as_array().ok_or("placement: expected a list like [\"tp\", \"dp\", \"pp\"]")?;
                     cluster.placement = names
                         .iter()
-                        .map(|n| n.as_str().and_then(|n| crate::mesh::GRID_AXES.iter().position(|a| *a == n)).ok_or_else(|| format!("placement: unknown axis {n}; use tp, cp, dp and pp")))
+                        .map(|n| n.as_str().and_then(|n| crate::mesh::GRID_AXES.iter().position(|a| *a == n)).ok_or_else(|| format!("placement: unknown axis {n}; use tp, cp, ep, dp and pp")))
                         .collect::<Result<_, _>>()?;
                     // The runtimes number ranks tp fastest, then dp, then pp (Megatron-LM's
                     // order): a node holds whole tp groups first. Another order would price
                     // programs that no run places that way.
                     // Without cp, the order of the three others.
-                    if cluster.placement == [crate::mesh::TP_AXIS, crate::mesh::DP_AXIS, crate::mesh::PP_AXIS] {
+                    // Without cp or ep, the order of the others.
+                    let others: Vec<usize> = RANK_ORDER.iter().copied().filter(|a| cluster.placement.contains(a)).collect();
+                    if cluster.placement == others && cluster.placement.starts_with(&[crate::mesh::TP_AXIS]) && cluster.placement.ends_with(&[crate::mesh::DP_AXIS, crate::mesh::PP_AXIS]) {
                         cluster.placement = RANK_ORDER.to_vec();
                     }
                     if cluster.placement != RANK_ORDER {
-                        return Err("placement: shardc places ranks as Megatron-LM does, tp innermost, then cp, then dp, then pp; give [\"tp\", \"cp\", \"dp\", \"pp\"] or leave it out".into());
+                        return Err("placement: shardc places ranks as Megatron-Core does, tp innermost, then cp, then ep, then dp, then pp; give [\"tp\", \"cp\", \"ep\", \"dp\", \"pp\"] or leave it out".into());
                     }
                 }
                 "intra_node" | "inter_node" => {
@@ -412,7 +418,9 @@ impl Cluster {
         if n <= 1 || collective == Collective::AllSlice {
             return 0.0;
         }
-        let link = if collective == Collective::Send { self.send_link(grid, axes) } else { self.link(grid, axes) };
+        // A send, and an all-to-all's messages (each a different peer), cross nodes on one
+        // GPU's own network card.
+        let link = if matches!(collective, Collective::Send | Collective::AllToAll) { self.send_link(grid, axes) } else { self.link(grid, axes) };
         let (n, a, b) = (n as f64, link.alpha, link.beta());
         let share = (n - 1.0) / n;
         self.launch + match collective {
@@ -425,6 +433,8 @@ impl Cluster {
             // Pipelined over a ring: the bytes once, n - 1 latencies.
             Collective::Broadcast => (n - 1.0) * a + bytes * b,
             Collective::Send => a + bytes * b,
+            // Pairwise: n - 1 rounds, each rank keeping 1/n of its `bytes`.
+            Collective::AllToAll => (n - 1.0) * a + share * bytes * b,
             Collective::AllSlice => 0.0,
         }
     }

@@ -1,5 +1,7 @@
 //! The device mesh a user asks for: `dp x cp x tp x pp`, parsed from
-//! `--mesh dp=2,cp=2,tp=4,pp=2`, and checked against a spec before any work is done.
+//! `--mesh dp=2,cp=2,tp=4,pp=2`, and checked against a spec before any work is done. Expert
+//! parallelism (`ep=4`) is carved from the data-parallel ranks, as in Megatron-Core: it adds
+//! no ranks, it splits each MoE layer's experts over groups of `ep` data-parallel ranks.
 
 use std::fmt;
 
@@ -8,8 +10,9 @@ use serde::{Deserialize, Serialize};
 use crate::spec::Spec;
 
 /// The grid axis of data parallelism. Every grid a pass builds is `[dp, tp, pp]`, and
-/// `[dp, tp, pp, cp]` with context parallelism, in this order (ranks are still numbered tp
-/// fastest: see [`crate::cluster::RANK_ORDER`]).
+/// `[dp, tp, pp, cp]` with context parallelism, `[dp / ep, tp, pp, cp, ep]` with expert
+/// parallelism, in this order (ranks are still numbered tp fastest: see
+/// [`crate::cluster::RANK_ORDER`]).
 pub const DP_AXIS: usize = 0;
 /// The grid axis of tensor parallelism.
 pub const TP_AXIS: usize = 1;
@@ -18,15 +21,20 @@ pub const PP_AXIS: usize = 2;
 /// The grid axis of context parallelism: every activation's sequence is split over it. Last,
 /// so that a grid without it (cp=1) keeps the other axes' indices.
 pub const CP_AXIS: usize = 3;
+/// The grid axis of expert parallelism: the data-parallel ranks of one expert group. A grid
+/// with it has the dp axis of `dp / ep` groups, and batches split over `[dp, ep]`, so that
+/// each rank holds the same sequences as without it. Last, after cp (of extent 1 without
+/// context parallelism).
+pub const EP_AXIS: usize = 4;
 /// The grid axes' names, by index.
-pub const GRID_AXES: [&str; 4] = ["dp", "tp", "pp", "cp"];
+pub const GRID_AXES: [&str; 5] = ["dp", "tp", "pp", "cp", "ep"];
 
 /// The name of grid axis `axis` (`?` for one no grid has).
 pub fn axis_name(axis: usize) -> &'static str {
     GRID_AXES.get(axis).copied().unwrap_or("?")
 }
 
-/// Data-, tensor-, pipeline- and context-parallel extents. Every axis is at least 1.
+/// Data-, tensor-, pipeline-, context- and expert-parallel extents. Every axis is at least 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mesh {
     /// Data-parallel replicas.
@@ -38,6 +46,10 @@ pub struct Mesh {
     /// Context-parallel ranks: each holds a part of every sequence.
     #[serde(default = "one")]
     pub cp: u64,
+    /// Expert-parallel ranks: each MoE layer's experts are split over groups of `ep`
+    /// data-parallel ranks (`ep` divides `dp`; it adds no ranks).
+    #[serde(default = "one")]
+    pub ep: u64,
 }
 
 fn one() -> u64 {
@@ -46,17 +58,21 @@ fn one() -> u64 {
 
 impl Default for Mesh {
     fn default() -> Self {
-        Mesh { dp: 1, tp: 1, pp: 1, cp: 1 }
+        Mesh { dp: 1, tp: 1, pp: 1, cp: 1, ep: 1 }
     }
 }
 
 impl fmt::Display for Mesh {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // cp only where it is used, so the common meshes read as they always did.
-        match self.cp {
-            1 => write!(f, "dp={},tp={},pp={}", self.dp, self.tp, self.pp),
-            cp => write!(f, "dp={},cp={cp},tp={},pp={}", self.dp, self.tp, self.pp),
+        // cp and ep only where they are used, so the common meshes read as they always did.
+        write!(f, "dp={}", self.dp)?;
+        if self.ep > 1 {
+            write!(f, ",ep={}", self.ep)?;
         }
+        if self.cp > 1 {
+            write!(f, ",cp={}", self.cp)?;
+        }
+        write!(f, ",tp={},pp={}", self.tp, self.pp)
     }
 }
 
@@ -91,7 +107,7 @@ impl Mesh {
                 _ => return Err(error(format!("size of `{axis}` must be an integer from 1 to 1048576, got `{}`", value.trim()), "write e.g. tp=4")),
             };
             if seen.contains(&axis.to_string()) {
-                return Err(error(format!("axis `{axis}` is given twice"), "give each of dp, cp, tp, pp at most once"));
+                return Err(error(format!("axis `{axis}` is given twice"), "give each of dp, ep, cp, tp, pp at most once"));
             }
             seen.push(axis.to_string());
             match axis {
@@ -99,7 +115,8 @@ impl Mesh {
                 "tp" => mesh.tp = size,
                 "pp" => mesh.pp = size,
                 "cp" => mesh.cp = size,
-                _ => return Err(error(format!("unknown axis `{axis}`"), "the axes are dp (data), cp (context), tp (tensor) and pp (pipeline)")),
+                "ep" => mesh.ep = size,
+                _ => return Err(error(format!("unknown axis `{axis}`"), "the axes are dp (data), ep (expert, carved from dp), cp (context), tp (tensor) and pp (pipeline)")),
             }
         }
         Ok(mesh)
@@ -128,6 +145,16 @@ impl Mesh {
                     format!("cp={} does not divide the sequence of {seq} into {} equal chunks (each context-parallel rank holds two, one early and one late, to balance causal attention)", self.cp, 2 * self.cp),
                     format!("use a sequence that is a multiple of {} (--seq), or a smaller cp", 2 * self.cp),
                 );
+            }
+        }
+        if self.ep > 1 {
+            match &m.moe {
+                None => error(format!("ep={} splits experts, but the model has none", self.ep), "add a [model.moe] section, or leave ep out".into()),
+                Some(moe) if !moe.experts.is_multiple_of(self.ep) => error(format!("ep={} does not divide the {} experts", self.ep, moe.experts), divisors_help("ep", moe.experts)),
+                Some(_) => {}
+            }
+            if !self.dp.is_multiple_of(self.ep) {
+                error(format!("ep={} does not divide dp={}: expert parallelism is carved from the data-parallel ranks", self.ep, self.dp), format!("use dp a multiple of {} (e.g. dp={}), or {}", self.ep, self.ep, divisors_help("ep", self.dp)));
             }
         }
         if self.pp > 2 * m.layers + 2 {

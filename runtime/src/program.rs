@@ -559,6 +559,7 @@ impl Program {
                 "shard.reduce_scatter" => Some("scatter_axis"),
                 "shard.all_gather" => Some("gather_axis"),
                 "shard.all_slice" => Some("slice_axis"),
+                "shard.all_to_all" => Some("split_axis"),
                 _ => continue,
             };
             let at = || format!("instruction {i} (`{}` at {})", instr.op, instr.loc);
@@ -577,6 +578,17 @@ impl Program {
             }
             let fits = match axis_attr {
                 None => a.shape == b.shape,
+                // Split along one dimension, concatenated along another.
+                Some(_) if instr.op == "shard.all_to_all" => {
+                    let dim = |attr: &str| instr.int(attr).ok().and_then(|d| usize::try_from(d).ok()).filter(|&d| d < a.shape.len() && a.shape.len() == b.shape.len());
+                    match (dim("split_axis"), dim("concat_axis")) {
+                        (Some(split), Some(concat)) if split != concat => {
+                            let others = (0..a.shape.len()).all(|k| k == split || k == concat || a.shape[k] == b.shape[k]);
+                            others && b.shape[split].checked_mul(n) == Some(a.shape[split]) && a.shape[concat].checked_mul(n) == Some(b.shape[concat])
+                        }
+                        _ => false,
+                    }
+                }
                 Some(attr) => {
                     let d = instr.int(attr).ok().and_then(|d| usize::try_from(d).ok()).filter(|&d| d < a.shape.len() && a.shape.len() == b.shape.len());
                     d.is_some_and(|d| {

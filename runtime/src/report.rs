@@ -92,6 +92,8 @@ fn collective_records(program: &Program, rank: usize) -> Vec<CommRecord> {
                 "shard.reduce_scatter" => (Some(CollectiveKind::ReduceScatter), input.len(), input.len() - chunk_len(input.len(), n, p)),
                 "shard.send" => (Some(CollectiveKind::Send), input.len(), input.len()),
                 "shard.shift" if n > 1 => (Some(CollectiveKind::Send), input.len(), input.len()),
+                // Every part but this rank's own, one to each peer.
+                "shard.all_to_all" => (Some(CollectiveKind::AllToAll), input.len(), input.len() - input.len() / n.max(1)),
                 _ => (None, output.len(), 0),
             };
             let cause = match instr.attrs.get("xf.cause") {

@@ -76,13 +76,13 @@ fn distinct_state(program: &Program) -> TrainState {
 
 #[test]
 fn own_shards_equal_the_shards_of_the_assembled_checkpoint() {
-    let meshes = [Mesh::default(), Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }];
+    let meshes = [Mesh::default(), Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }];
     // (model, saved with: dtype, mesh, ZeRO stage; resumed with: dtype, ZeRO stage).
     let cases = [
-        ("tiny-llama", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 3u8, "f32", 0u8),
-        ("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, "f32", 3),
+        ("tiny-llama", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 3u8, "f32", 0u8),
+        ("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, "f32", 3),
         ("tiny", "f32", Mesh::default(), 0, "bf16", 1),
-        ("tiny", "bf16", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 1, "bf16", 0),
+        ("tiny", "bf16", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 1, "bf16", 0),
     ];
     for (name, saved_dtype, saved_mesh, saved_zero, dtype, zero) in cases {
         // A vocabulary padded per tensor-parallel rank (256 classes: 258 rows at tp=2 with a
@@ -117,7 +117,7 @@ fn own_shards_equal_the_shards_of_the_assembled_checkpoint() {
 /// it, naming the file; one whose header is cut short too.
 #[test]
 fn own_shards_refuse_a_changed_rank_file() {
-    let saved = program("tiny", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, 1);
+    let saved = program("tiny", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, 1);
     let dir = TempDir::new();
     let folder = save_sharded(dir.path(), &distinct_state(&saved), std::slice::from_ref(&saved), serde_json::Value::Null, 1, None, None).unwrap();
     let file = folder.join("rank-00001.safetensors");
@@ -139,7 +139,7 @@ fn own_shards_refuse_a_changed_rank_file() {
 /// the end of memory, an unpadded shape outside the global one.
 #[test]
 fn own_shards_refuse_forged_rank_files_and_manifests() {
-    let saved = program("tiny", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, 1);
+    let saved = program("tiny", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, 1);
     let single = program("tiny", "f32", Mesh::default(), 0, 1);
     let read = |dir: &std::path::Path| load_own_shards(dir, &single, &MeshShape(vec![1]), &[0]).map(|_| ()).unwrap_err().to_string();
     // Rewrites rank 1's file as `edit` makes it and the manifest's checksum to match; `manifest`

@@ -158,12 +158,12 @@ fn partitioned_clipping_equals_single_device() {
             let unclipped = single(&spec, optimizer, SCHEDULE, 0.0, STEPS);
             assert!(want.iter().zip(&unclipped).any(|((_, a), (_, b))| rel(a, b) > 1e-3), "{name}: clipping must change the run");
             let meshes: [(Mesh, u8, bool); 6] = [
-                (Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, false),
-                (Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 0, false),
-                (Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 1, false),
-                (Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 3, false),
-                (Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 3, false),
-                (Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, true),
+                (Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, false),
+                (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 0, false),
+                (Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 1, false),
+                (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 3, false),
+                (Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 3, false),
+                (Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, true),
             ];
             for (mesh, zero, sequence_parallel) in meshes {
                 let what = format!("{name} {mesh} ZeRO-{zero} sp={sequence_parallel} {optimizer:?}");
@@ -177,7 +177,7 @@ fn partitioned_clipping_equals_single_device() {
             }
             // Pipeline stages with gradient accumulation, with and without data parallelism.
             for (dp, pp) in [(1, 2), (2, 2)] {
-                let mesh = Mesh { dp, tp: 1, pp, cp: 1 };
+                let mesh = Mesh { dp, tp: 1, pp, cp: 1, ep: 1 };
                 for kind in [Kind::OneFOneB, Kind::ZeroBubble, Kind::Interleaved] {
                     let what = format!("{name} {mesh} {} {optimizer:?}", kind.label());
                     let microbatches = 2;
@@ -215,7 +215,7 @@ fn the_norm_is_reduced_once_per_layout() {
         let program = compile(&spec, &options);
         program.instrs.iter().filter(|i| i.op == "shard.all_reduce" && program.buffers[i.outputs[0]].len() == 1 && i.loc.contains("grad_norm")).count()
     };
-    assert_eq!(one_value_all_reduces(Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0), 1);
-    assert_eq!(one_value_all_reduces(Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 0), 0);
-    assert_eq!(one_value_all_reduces(Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 3), 1);
+    assert_eq!(one_value_all_reduces(Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0), 1);
+    assert_eq!(one_value_all_reduces(Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 0), 0);
+    assert_eq!(one_value_all_reduces(Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 3), 1);
 }

@@ -445,7 +445,7 @@ fn report(program: &shardc_runtime::Program) -> Vec<(String, Vec<usize>, u64)> {
 #[test]
 fn a_naive_partitioning_comes_back_to_megatron() {
     for (name, tp) in [("tiny", 2), ("tiny", 4), ("tiny-llama", 2)] {
-        let mesh = Mesh { dp: 1, tp, pp: 1, cp: 1 };
+        let mesh = Mesh { dp: 1, tp, pp: 1, cp: 1, ep: 1 };
         let (megatron, _) = compiled(name, mesh, false, false, Cluster::default());
         let (naive, _) = compiled(name, mesh, true, false, Cluster::default());
         let (recovered, _) = compiled(name, mesh, true, true, Cluster::default());
@@ -473,7 +473,7 @@ fn slow_memory() -> Cluster {
 #[test]
 fn sequence_parallelism_is_found_where_it_is_cheaper_and_trains_the_same() {
     for name in ["tiny", "tiny-llama"] {
-        let mesh = Mesh { dp: 1, tp: 4, pp: 1, cp: 1 };
+        let mesh = Mesh { dp: 1, tp: 4, pp: 1, cp: 1, ep: 1 };
         // With the default H100 model the small model's norms cost less than a collective:
         // the Megatron layout stays.
         let (megatron, _) = compiled(name, mesh, false, false, Cluster::default());
@@ -512,7 +512,7 @@ fn sequence_parallelism_is_found_where_it_is_cheaper_and_trains_the_same() {
 #[test]
 fn saturation_stops_at_its_limits_and_reports_them() {
     const STEPS: u64 = 3;
-    let (module, spec) = compiled("tiny", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, false, false, Cluster::default());
+    let (module, spec) = compiled("tiny", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, false, false, Cluster::default());
     let func = module.func("train_step").unwrap();
     let grid = &module.grids[0].shape;
     let corpus = shardc_runtime::data::ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap();
@@ -552,7 +552,7 @@ fn bucket_pairs_share_an_element_type() {
     let mut spec = spec_with_dtype("tiny", "bf16");
     spec.training.micro_batch = 4;
     let mut module = model(&spec);
-    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
     let p = program(&module);

@@ -40,8 +40,8 @@ fn configurations() -> Vec<(String, Program)> {
         for dtype in ["f32", "bf16", "f64"] {
             out.push((format!("{name} {dtype}"), train_step(name, dtype, Mesh::default(), false)));
         }
-        out.push((format!("{name} f32 dp=2,tp=2"), train_step(name, "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, false)));
-        out.push((format!("{name} bf16 tp=2 sp"), train_step(name, "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, true)));
+        out.push((format!("{name} f32 dp=2,tp=2"), train_step(name, "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, false)));
+        out.push((format!("{name} bf16 tp=2 sp"), train_step(name, "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, true)));
     }
     out
 }
@@ -148,7 +148,7 @@ fn fused_kernels_never_overwrite_an_operand_read_at_a_broadcast_index() {
     let mut programs = configurations();
     for name in ["tiny", "tiny-llama"] {
         for dtype in ["f32", "bf16"] {
-            programs.push((format!("{name} {dtype} dp=2 ZeRO-3"), train_step_zero(name, dtype, Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, false, 3)));
+            programs.push((format!("{name} {dtype} dp=2 ZeRO-3"), train_step_zero(name, dtype, Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, false, 3)));
         }
     }
     for (what, program) in programs {
@@ -550,9 +550,9 @@ mod emulated {
     fn pipelines_and_gradient_accumulation_equal_the_cpu_pipeline_runtime() {
         use shardc_runtime::schedule::Kind;
         const STEPS: u64 = 2;
-        let mut cases = vec![("tiny", Mesh::default(), Kind::OneFOneB, 4), ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, Kind::Gpipe, 3)];
+        let mut cases = vec![("tiny", Mesh::default(), Kind::OneFOneB, 4), ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::Gpipe, 3)];
         for name in ["tiny", "tiny-llama"] {
-            for mesh in [Mesh { dp: 1, tp: 1, pp: 2, cp: 1 }, Mesh { dp: 2, tp: 2, pp: 2, cp: 1 }] {
+            for mesh in [Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 }, Mesh { dp: 2, tp: 2, pp: 2, cp: 1, ep: 1 }] {
                 for kind in [Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble] {
                     cases.push((name, mesh, kind, 4));
                 }
@@ -589,7 +589,7 @@ mod emulated {
     fn pipeline_stages_in_processes_equal_the_cpu_pipeline_runtime() {
         use shardc_runtime::schedule::Kind;
         const STEPS: u64 = 2;
-        for (name, mesh) in [("tiny", Mesh { dp: 1, tp: 1, pp: 2, cp: 1 }), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 2, cp: 1 })] {
+        for (name, mesh) in [("tiny", Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 }), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 2, cp: 1, ep: 1 })] {
             for kind in [Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble] {
                 let what = format!("{name} {mesh} {kind:?}");
                 let (programs, spec) = crate::pipeline::compile_stages(name, mesh, kind, 4);
@@ -608,7 +608,7 @@ mod emulated {
     #[test]
     fn gradient_buckets_are_contiguous_and_reduced_with_one_collective_each() {
         const STEPS: u64 = 3;
-        for (name, mesh) in [("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 })] {
+        for (name, mesh) in [("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 })] {
             let bucketed = |bucket_bytes: u64| sgd_step_tuned(name, "f32", mesh, None, |o| o.grad_bucket_bytes = bucket_bytes);
             let (program, spec) = bucketed(4096);
             let regions = &program.memory.buckets;
@@ -663,14 +663,14 @@ mod emulated {
         };
         let default_buckets = CompileOptions::default().grad_bucket_bytes;
         for (name, mesh, zero, sequence_parallel, buckets) in [
-            ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 0, false, 4096),
-            ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 0, false, default_buckets),
-            ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 3, false, default_buckets),
-            ("tiny", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, true, default_buckets),
+            ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 0, false, 4096),
+            ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, false, default_buckets),
+            ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 3, false, default_buckets),
+            ("tiny", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, true, default_buckets),
             // ZeRO-3's reduce-scatter buckets, each issued as one group.
-            ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 3, false, 2048),
+            ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 3, false, 2048),
             // Context parallelism: gathers and scatters over cp groups of processes.
-            ("tiny-llama", Mesh { dp: 2, tp: 1, pp: 1, cp: 2 }, 0, false, default_buckets),
+            ("tiny-llama", Mesh { dp: 2, tp: 1, pp: 1, cp: 2, ep: 1 }, 0, false, default_buckets),
         ] {
             let what = format!("{name} {mesh} ZeRO-{zero} sp={sequence_parallel}");
             let (program, spec) = compile(name, mesh, zero, sequence_parallel, buckets);
@@ -693,7 +693,7 @@ mod emulated {
     fn ring_attention_in_processes_equals_the_cpu_backend() {
         const STEPS: u64 = 3;
         use shardc_passes::sharding::ContextAttention;
-        for (name, mesh) in [("tiny-llama", Mesh { dp: 1, tp: 2, pp: 1, cp: 2 }), ("tiny", Mesh { dp: 1, tp: 1, pp: 1, cp: 4 })] {
+        for (name, mesh) in [("tiny-llama", Mesh { dp: 1, tp: 2, pp: 1, cp: 2, ep: 1 }), ("tiny", Mesh { dp: 1, tp: 1, pp: 1, cp: 4, ep: 1 })] {
             let what = format!("{name} {mesh} ring");
             let (program, spec) = sgd_step_tuned(name, "f32", mesh, None, |o| o.context_attention = ContextAttention::Ring);
             let shifts = program.instrs.iter().filter(|i| i.op == "shard.shift").count();
@@ -715,7 +715,7 @@ mod emulated {
         // Inside pipeline stages (cp=2 x pp=2): the shifts synchronous, between the stages'
         // sends and receives.
         crate::pipeline::ATTENTION.with(|a| a.set(ContextAttention::Ring));
-        let (programs, spec) = crate::pipeline::compile_stages("tiny-llama", Mesh { dp: 1, tp: 1, pp: 2, cp: 2 }, shardc_runtime::schedule::Kind::OneFOneB, 4);
+        let (programs, spec) = crate::pipeline::compile_stages("tiny-llama", Mesh { dp: 1, tp: 1, pp: 2, cp: 2, ep: 1 }, shardc_runtime::schedule::Kind::OneFOneB, 4);
         crate::pipeline::ATTENTION.with(|a| a.set(ContextAttention::Auto));
         assert!(programs.iter().any(|p| p.instrs.iter().any(|i| i.op == "shard.shift" && i.bool("xf.async") != Ok(true))), "the stages ring, synchronously");
         let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
@@ -732,7 +732,7 @@ mod emulated {
     fn zero_buckets_in_processes_equal_every_rank_on_one_device() {
         const STEPS: u64 = 3;
         let adamw = OptimizerKind::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
-        for (name, mesh, zero, buckets) in [("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 1, 2048), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 2, 4096)] {
+        for (name, mesh, zero, buckets) in [("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 1, 2048), ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 2, 4096)] {
             let what = format!("{name} {mesh} ZeRO-{zero} buckets of {buckets} B");
             let (program, spec) = sgd_step_tuned(name, "f32", mesh, None, |o| {
                 o.optimizer = adamw;
@@ -773,7 +773,7 @@ mod emulated {
                 run(rank, &mut trainer, &corpus(spec))
             })
         };
-        let (program, spec) = compile(Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 1);
+        let (program, spec) = compile(Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 1);
         // Every rank on one device: two steps, the whole state, the third step's loss.
         let mut single = cuda::CudaTrainer::new(std::slice::from_ref(&program), &Placement::Emulated, 0, spec.model.layers as usize, None).unwrap();
         let corpus = corpus(&spec);
@@ -809,7 +809,7 @@ mod emulated {
         assert!(!dir.path().join(".partial-step-00000002-processes").exists(), "the rank files' folder became the checkpoint");
         // Resumed: on the same mesh, and at tp=2 without ZeRO (258 vocabulary rows either way,
         // but other shards: the optimizer state whole on every data-parallel rank).
-        for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 1), (Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 3)] {
+        for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 1), (Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 3)] {
             let (resumed, spec) = compile(mesh, zero);
             let losses = train_in_processes(
                 &resumed,
@@ -833,7 +833,7 @@ mod emulated {
 
     #[test]
     fn tiny_gpt_f32_tensor_and_data_parallel_on_one_device() {
-        check("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 1e-5, 1e-4);
+        check("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 1e-5, 1e-4);
     }
 
     /// Context parallelism (issue 20) on the device: every rank's part of the sequence in
@@ -842,10 +842,10 @@ mod emulated {
     /// whole sequence), with data and tensor parallelism.
     #[test]
     fn context_parallel_on_one_device() {
-        check("tiny-llama", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, 1e-5, 1e-4);
-        check("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 2 }, 1e-5, 1e-4);
-        check("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 4 }, 1e-5, 1e-4);
-        check("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 2 }, 2e-2, 2e-2);
+        check("tiny-llama", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 2, ep: 1 }, 1e-5, 1e-4);
+        check("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 2, ep: 1 }, 1e-5, 1e-4);
+        check("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 4, ep: 1 }, 1e-5, 1e-4);
+        check("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 2, ep: 1 }, 2e-2, 2e-2);
     }
 
     /// Ring attention on the device: each step's block attention (the flash kernels with the
@@ -857,15 +857,15 @@ mod emulated {
         let ring = |o: &mut CompileOptions| o.context_attention = shardc_passes::sharding::ContextAttention::Ring;
         // Parameters to 1e-5 (the gathers' runs agree to 1e-7; a block kernel reading dout's
         // rows before they were all staged was off by 1e-4).
-        check_tuned("tiny-llama", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, 1e-5, 1e-5, ring);
-        check_tuned("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 2 }, 1e-5, 1e-5, ring);
-        check_tuned("tiny", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 4 }, 1e-5, 1e-5, ring);
-        check_tuned("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 2 }, 2e-2, 2e-2, ring);
+        check_tuned("tiny-llama", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 2, ep: 1 }, 1e-5, 1e-5, ring);
+        check_tuned("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 2, ep: 1 }, 1e-5, 1e-5, ring);
+        check_tuned("tiny", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 4, ep: 1 }, 1e-5, 1e-5, ring);
+        check_tuned("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 2, ep: 1 }, 2e-2, 2e-2, ring);
     }
 
     #[test]
     fn tiny_llama_f32_tensor_parallel_on_one_device() {
-        check("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 1e-5, 1e-4);
+        check("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 1e-5, 1e-4);
     }
 
     /// A padded vocabulary, vocab-parallel over tp=2 (256 classes in 258 rows, and in 400
@@ -874,7 +874,7 @@ mod emulated {
     #[test]
     fn tiny_llama_f32_padded_vocabulary_on_one_device() {
         for multiple in [3, 100] {
-            let (program, spec) = sgd_step_padded("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, Some(multiple));
+            let (program, spec) = sgd_step_padded("tiny-llama", "f32", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, Some(multiple));
             let run = cuda::train(&program, 0, spec.model.layers as usize, &corpus(&spec), 3, &Placement::Emulated).unwrap();
             let (losses, params) = cpu("tiny-llama", Mesh::default(), 3);
             for (c, g) in losses.iter().zip(&run.losses) {
@@ -893,7 +893,7 @@ mod emulated {
     /// that reads it) trains like the CPU backend without ZeRO.
     #[test]
     fn tiny_gpt_zero3_on_one_device() {
-        let mesh = Mesh { dp: 2, tp: 1, pp: 1, cp: 1 };
+        let mesh = Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 };
         let (program, spec) = sgd_step_tuned("tiny", "f32", mesh, None, |o| o.zero = 3);
         let run = cuda::train(&program, 0, 2, &corpus(&spec), 3, &Placement::Emulated).unwrap();
         let (losses, params) = cpu("tiny", mesh, 3);
@@ -919,6 +919,6 @@ mod emulated {
     /// sharing it, and the vocab-parallel loss in fp32 kernels of the bf16 module.
     #[test]
     fn tiny_llama_bf16_mixed_precision_tensor_and_data_parallel() {
-        check("tiny-llama", "bf16", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 2e-2, 2e-2);
+        check("tiny-llama", "bf16", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 2e-2, 2e-2);
     }
 }

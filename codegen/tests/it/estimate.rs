@@ -35,7 +35,7 @@ fn model_states_follow_the_zero_formulas() {
         let dp = 8u64;
         let d = dp as f64;
         for zero in 0..=3u8 {
-            let (program, _, params) = compile(name, Mesh { dp, tp, pp: 1, cp: 1 }, dp, zero);
+            let (program, _, params) = compile(name, Mesh { dp, tp, pp: 1, cp: 1, ep: 1 }, dp, zero);
             let psi = params as f64 / tp as f64;
             let formula = [16.0 * psi, 4.0 * psi + 12.0 * psi / d, 2.0 * psi + 14.0 * psi / d, 16.0 * psi / d][zero as usize];
             let fp32_gradients = if zero >= 2 { 2.0 * psi / d } else { 2.0 * psi };
@@ -54,7 +54,7 @@ fn model_states_follow_the_zero_formulas() {
 #[test]
 fn activations_follow_the_tensor_parallel_formula() {
     let (tp, dp) = (8u64, 8u64);
-    let (program, spec, _) = compile("gpt3-175b", Mesh { dp, tp, pp: 1, cp: 1 }, dp, 0);
+    let (program, spec, _) = compile("gpt3-175b", Mesh { dp, tp, pp: 1, cp: 1, ep: 1 }, dp, 0);
     let m = &memory(std::slice::from_ref(&program), 0)[0];
     let (s, b, h, layers) = (spec.seq_len() as f64, 1.0, spec.model.hidden as f64, spec.model.layers as f64);
     let t = tp as f64;
@@ -70,7 +70,7 @@ fn activations_follow_the_tensor_parallel_formula() {
 #[test]
 fn llama_activations_follow_the_same_accounting() {
     let (tp, dp) = (4u64, 8u64);
-    let (program, spec, _) = compile("llama-7b", Mesh { dp, tp, pp: 1, cp: 1 }, dp, 0);
+    let (program, spec, _) = compile("llama-7b", Mesh { dp, tp, pp: 1, cp: 1, ep: 1 }, dp, 0);
     let m = &memory(std::slice::from_ref(&program), 0)[0];
     let (s, h, f, layers, t) = (spec.seq_len() as f64, spec.model.hidden as f64, spec.model.ffn_hidden as f64, spec.model.layers as f64, tp as f64);
     assert_eq!(spec.model.kv_heads(), spec.model.heads, "the formula below assumes as many kv heads as heads");
@@ -102,7 +102,7 @@ fn unit_costs_read_bytes_per_parameter_from_the_program() {
 fn tiny_dp2(dtype: &str, zero: u8, bucket_bytes: u64) -> shardc_runtime::Program {
     let mut spec = spec_with_dtype("tiny", dtype);
     spec.training.micro_batch = 2;
-    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero, comm_opt: false, grad_bucket_bytes: bucket_bytes, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, zero, comm_opt: false, grad_bucket_bytes: bucket_bytes, ..Default::default() };
     compiled_step(&spec, &options)
 }
 
@@ -188,7 +188,7 @@ fn unit_cost_breakdown_sums_to_the_layer() {
     let mut spec = spec_with_dtype("tiny", "bf16");
     spec.model.layers = 1;
     spec.training.micro_batch = 1;
-    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, comm_opt: false, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, comm_opt: false, ..Default::default() };
     let program = compiled_step(&spec, &options);
     let u = shardc_codegen::estimate::unit_costs(&program, &cluster);
     let sum: f64 = u.layer_breakdown.values().sum();
@@ -221,7 +221,7 @@ fn zero_shards_only_tensors_with_a_dimension_dp_divides() {
 #[test]
 fn a_step_without_a_pipeline_counts_its_gradients_once() {
     use shardc_runtime::program::Role;
-    for (name, mesh, zero) in [("tiny", Mesh { dp: 1, tp: 1, pp: 1, cp: 1 }, 0), ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 0), ("tiny-llama", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0), ("tiny", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 2)] {
+    for (name, mesh, zero) in [("tiny", Mesh { dp: 1, tp: 1, pp: 1, cp: 1, ep: 1 }, 0), ("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 0), ("tiny-llama", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0), ("tiny", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 2)] {
         let (program, _, _) = compile(name, mesh, 2, zero);
         assert!(program.pipeline.is_none());
         let m = &memory(std::slice::from_ref(&program), zero)[0];
@@ -317,7 +317,7 @@ fn collectives_on_one_communicator_are_priced_one_after_another() {
 fn sequence_parallel_scatters_are_priced_behind_the_weight_gradients() {
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 2;
-    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
     let program = compiled_step(&spec, &options);
     let asynchronous = program.instrs.iter().filter(|i| i.op == "shard.reduce_scatter" && i.bool("xf.async") == Ok(true)).count();
     assert!(asynchronous >= 2, "{asynchronous} asynchronous scatters");
@@ -339,7 +339,7 @@ fn unit_costs_count_asynchronous_tensor_parallel_collectives() {
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.model.layers = 1;
     spec.training.micro_batch = 2;
-    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, ..Default::default() };
     let program = compiled_step(&spec, &options);
     let layer_tp: Vec<&shardc_runtime::program::Instr> = program.instrs.iter().filter(|i| i.loc.starts_with("layers.") && i.op.starts_with("shard.") && i.op != "shard.all_slice").collect();
     assert!(layer_tp.iter().any(|i| i.bool("xf.async") == Ok(true)), "some of the layer's collectives are asynchronous");

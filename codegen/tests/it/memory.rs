@@ -133,7 +133,7 @@ fn the_arena_plan_is_sound_and_near_the_live_set_bound() {
     };
     let mut cases: Vec<(String, Program)> = Vec::new();
     for name in ["tiny", "tiny-llama", "gpt2-small"] {
-        for (mesh, recompute) in [(Mesh::default(), Recompute::None), (Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, Recompute::None), (Mesh { dp: 1, tp: 4, pp: 1, cp: 1 }, Recompute::Full)] {
+        for (mesh, recompute) in [(Mesh::default(), Recompute::None), (Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, Recompute::None), (Mesh { dp: 1, tp: 4, pp: 1, cp: 1, ep: 1 }, Recompute::Full)] {
             let mut spec = spec_with_dtype(name, "bf16");
             spec.training.micro_batch = 4;
             spec.training.seq_len = Some(spec.seq_len().min(128));
@@ -143,7 +143,7 @@ fn the_arena_plan_is_sound_and_near_the_live_set_bound() {
     let mut big = spec_with_dtype("gpt2-small", "bf16");
     (big.model.hidden, big.model.layers, big.model.heads, big.model.ffn_hidden, big.model.vocab, big.model.max_seq) = (2304, 24, 24, 9216, 51200, 2048);
     (big.training.seq_len, big.training.micro_batch) = (Some(2048), 16 * 32);
-    cases.push(("gpt-1.7b dp=32 full recompute".into(), compile(big, Mesh { dp: 32, tp: 1, pp: 1, cp: 1 }, Recompute::Full)));
+    cases.push(("gpt-1.7b dp=32 full recompute".into(), compile(big, Mesh { dp: 32, tp: 1, pp: 1, cp: 1, ep: 1 }, Recompute::Full)));
     for (what, p) in &cases {
         p.validate().unwrap();
         let m = &p.memory;
@@ -253,7 +253,7 @@ fn edited_bucket_regions_are_refused() {
         spec.training.micro_batch = 4;
         spec
     };
-    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, grad_bucket_bytes: 4096, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, grad_bucket_bytes: 4096, ..Default::default() };
     let program = compiled_step(&spec, &options);
     program.validate().unwrap();
     assert!(program.memory.buckets.len() >= 2, "{} regions", program.memory.buckets.len());
@@ -302,7 +302,7 @@ fn async_scatter_inputs_live_until_their_wait_and_edits_are_refused() {
     use shardc_runtime::program::Attr;
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 4;
-    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, zero: 2, grad_bucket_bytes: 4096, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, zero: 2, grad_bucket_bytes: 4096, ..Default::default() };
     let program = compiled_step(&spec, &options);
     program.validate().unwrap();
     let scatters: Vec<usize> = (0..program.instrs.len()).filter(|&i| program.instrs[i].op == "shard.reduce_scatter" && program.instrs[i].bool("xf.async") == Ok(true)).collect();
@@ -379,7 +379,7 @@ fn scatter_buckets_hold_whole_gradients_only_while_in_flight() {
     spec.model.layers = 8;
     for zero in [2u8, 3] {
         let peak = |bucket_bytes: u64| {
-            let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, zero, grad_bucket_bytes: bucket_bytes, ..Default::default() };
+            let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, zero, grad_bucket_bytes: bucket_bytes, ..Default::default() };
             compiled_step(&spec, &options)
         };
         let (plain, bucketed) = (peak(0), peak(2048));
@@ -406,7 +406,7 @@ fn bucket_regions_alive_at_different_times_may_share_storage() {
     use shardc_ir::mesh::Mesh;
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 4;
-    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, ..Default::default() };
     let program = compiled_step(&spec, &options);
     program.validate().unwrap();
     let regions = &program.memory.buckets;
@@ -423,7 +423,7 @@ fn parameter_gathers_are_prefetched_within_their_budget() {
     let mut spec = spec_with_dtype("tiny", "f32");
     spec.training.micro_batch = 4;
     let compile = |bucket_bytes: u64| {
-        let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, zero: 3, grad_bucket_bytes: bucket_bytes, ..Default::default() };
+        let options = CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, zero: 3, grad_bucket_bytes: bucket_bytes, ..Default::default() };
         compiled_step(&spec, &options)
     };
     let budget = 4096usize;
@@ -459,7 +459,7 @@ fn accumulated_gradients_are_counted_whole_under_zero_2() {
     let spec = spec_with_dtype("tiny", "f32");
     let mut module = model(&spec);
     let stages = shardc_passes::PipelineOptions { chunks: 1, microbatches: 4, manual: None, split_weight_grads: false };
-    let mesh = shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1, cp: 1 };
+    let mesh = shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 };
     let options = CompileOptions { mesh, zero: 2, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, pipeline: Some(stages), ..Default::default() };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();

@@ -53,7 +53,7 @@ fn losses(name: &str, dtype: &str, mesh: Mesh, zero: u8, microbatches: usize, st
 /// fp32 state over dp.
 #[test]
 fn the_training_step_keeps_fp32_masters_and_moments() {
-    for (mesh, zero) in [(Mesh::default(), 0u8), (Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 1)] {
+    for (mesh, zero) in [(Mesh::default(), 0u8), (Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 1)] {
         let (module, _) = module("tiny-llama", "bf16", mesh, zero, 1);
         let step = module.func("train_step").unwrap();
         let params: Vec<_> = step.args_with(ArgRole::Param).collect();
@@ -84,7 +84,7 @@ fn the_training_step_keeps_fp32_masters_and_moments() {
 /// micro-batches for its step is fp32.
 #[test]
 fn gradients_accumulate_in_fp32() {
-    let (module, _) = module("tiny", "bf16", Mesh { dp: 2, tp: 1, pp: 2, cp: 1 }, 0, 2);
+    let (module, _) = module("tiny", "bf16", Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, 0, 2);
     let programs = shardc_codegen::lower_pipeline(&module, &module.grids[0].shape, &generate(Kind::OneFOneB, 2, 2, 1).unwrap()).unwrap();
     for program in &programs {
         for chunk in &program.pipeline.as_ref().unwrap().chunks {
@@ -103,7 +103,7 @@ fn mixed_precision_tracks_f32_on_every_mesh() {
     const STEPS: u64 = 6;
     for name in ["tiny", "tiny-llama"] {
         let single_bf16 = losses(name, "bf16", Mesh::default(), 0, 1, STEPS);
-        for (mesh, zero, m) in [(Mesh::default(), 0u8, 1usize), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 0, 1), (Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, 0, 1), (Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 1, 1), (Mesh { dp: 1, tp: 1, pp: 2, cp: 1 }, 0, 2), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, 1, 2)] {
+        for (mesh, zero, m) in [(Mesh::default(), 0u8, 1usize), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 0, 1), (Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, 0, 1), (Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 1, 1), (Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 }, 0, 2), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, 1, 2)] {
             let what = format!("{name} {mesh} ZeRO-{zero} m={m}");
             // The same global batch of 4 rows: m micro-batches of 4 / m.
             let f32 = losses(name, "f32", mesh, zero, m, STEPS);

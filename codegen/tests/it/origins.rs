@@ -72,13 +72,13 @@ fn passes_read_no_meaning_from_locations_or_names() {
     let adamw = OptimizerKind::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
     let cases: Vec<(&str, &str, CompileOptions)> = vec![
         // Tensor, data and sequence parallelism, ZeRO, recomputation, clipping, buckets.
-        ("tiny", "f32", CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, zero: 1, sequence_parallel: true, recompute: Recompute::Full, clip_grad: 1.0, grad_bucket_bytes: 1 << 12, optimizer: adamw, ..Default::default() }),
+        ("tiny", "f32", CompileOptions { mesh: Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, zero: 1, sequence_parallel: true, recompute: Recompute::Full, clip_grad: 1.0, grad_bucket_bytes: 1 << 12, optimizer: adamw, ..Default::default() }),
         // Pipeline stages (balanced by block), weight sections, selective recomputation.
-        ("tiny-llama", "f32", CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 2, cp: 1 }, recompute: Recompute::SelectiveAttention, pipeline: Some(PipelineOptions { chunks: 1, microbatches: 2, manual: None, split_weight_grads: true }), ..Default::default() }),
+        ("tiny-llama", "f32", CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 2, cp: 1, ep: 1 }, recompute: Recompute::SelectiveAttention, pipeline: Some(PipelineOptions { chunks: 1, microbatches: 2, manual: None, split_weight_grads: true }), ..Default::default() }),
         // Interleaved chunks, mixed precision, ZeRO-3.
-        ("tiny", "bf16", CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 2, cp: 1 }, zero: 3, optimizer: adamw, pipeline: Some(PipelineOptions { chunks: 2, microbatches: 2, manual: None, split_weight_grads: false }), ..Default::default() }),
+        ("tiny", "bf16", CompileOptions { mesh: Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, zero: 3, optimizer: adamw, pipeline: Some(PipelineOptions { chunks: 2, microbatches: 2, manual: None, split_weight_grads: false }), ..Default::default() }),
         // The naive layout and the communication optimizer that repairs it.
-        ("tiny", "f32", CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, naive_partition: true, comm_opt: true, ..Default::default() }),
+        ("tiny", "f32", CompileOptions { mesh: Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, naive_partition: true, comm_opt: true, ..Default::default() }),
     ];
     for (name, dtype, options) in cases {
         let spec = spec_with_dtype(name, dtype);

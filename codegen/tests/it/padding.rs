@@ -62,7 +62,7 @@ fn padded_vocabularies_train_like_unpadded_ones() {
             let losses: Vec<f64> = (0..STEPS).map(|_| reference.step(&corpus).unwrap()).collect();
             let want = reference.parameters().unwrap();
 
-            let program = compile(&spec, Mesh { dp, tp, pp: 1, cp: 1 }, padded);
+            let program = compile(&spec, Mesh { dp, tp, pp: 1, cp: 1, ep: 1 }, padded);
             let embedding = program.arg("embed.tokens.weight").unwrap();
             assert_eq!(embedding.unpadded.as_deref(), Some(&[256usize, 16][..]), "{what}");
             let (got_losses, got) = if dp * tp == 1 {

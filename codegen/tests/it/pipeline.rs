@@ -94,7 +94,7 @@ fn by_name<'a>(run: &'a PipelineRun, name: &str) -> &'a [f64] {
 }
 
 fn check(name: &str) {
-    let meshes = [(1, 1, 2), (1, 1, 4), (2, 2, 2)].map(|(dp, tp, pp)| Mesh { dp, tp, pp, cp: 1 });
+    let meshes = [(1, 1, 2), (1, 1, 4), (2, 2, 2)].map(|(dp, tp, pp)| Mesh { dp, tp, pp, cp: 1, ep: 1 });
     check_on(name, &meshes, &KINDS, &[4, 8]);
 }
 
@@ -143,7 +143,7 @@ fn tiny_llama_pipelined_equals_single_device() {
 /// and tensor parallelism too, equal one device.
 #[test]
 fn context_parallel_pipelines_equal_single_device() {
-    let meshes = [Mesh { dp: 1, tp: 1, pp: 2, cp: 2 }, Mesh { dp: 2, tp: 2, pp: 2, cp: 2 }];
+    let meshes = [Mesh { dp: 1, tp: 1, pp: 2, cp: 2, ep: 1 }, Mesh { dp: 2, tp: 2, pp: 2, cp: 2, ep: 1 }];
     for name in ["tiny", "tiny-llama"] {
         check_on(name, &meshes[..1], &[Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble], &[4]);
         check_on(name, &meshes[1..], &[Kind::OneFOneB], &[4]);
@@ -161,7 +161,7 @@ fn context_parallel_pipelines_equal_single_device() {
 #[test]
 fn kept_activations_follow_the_schedule() {
     for (kind, first_stage) in [(Kind::OneFOneB, 4), (Kind::Gpipe, 8)] {
-        let (programs, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1 }, kind, 8);
+        let (programs, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1, ep: 1 }, kind, 8);
         let run = train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap();
         assert_eq!(run.timeline.peak_in_flight[0], first_stage, "{}", kind.label());
         // Bytes kept grow with the micro-batches held (rank 1 holds a layer; rank 0 may hold
@@ -169,7 +169,7 @@ fn kept_activations_follow_the_schedule() {
         assert!(run.peak_kept_bytes[1] > 0);
     }
     let bytes = |kind| {
-        let (programs, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1 }, kind, 8);
+        let (programs, spec) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1, ep: 1 }, kind, 8);
         train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap().peak_kept_bytes[1]
     };
     assert!(bytes(Kind::OneFOneB) < bytes(Kind::Gpipe));
@@ -183,7 +183,7 @@ fn schedules_are_checked_before_they_are_attached() {
         let pipeline = PipelineOptions { chunks: 1, microbatches: 4, manual: None, split_weight_grads };
         let mut module = model(&spec);
         let cx = shardc_ir::mlir::IrContext::new().unwrap();
-        compile_pipeline(&options(&spec, Mesh { dp: 1, tp: 1, pp: 2, cp: 1 }, Some(pipeline))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        compile_pipeline(&options(&spec, Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 }, Some(pipeline))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
         module
     };
     let grid = [1, 1, 2];
@@ -205,7 +205,7 @@ fn schedules_are_checked_before_they_are_attached() {
 #[test]
 fn data_parallel_syncs_start_when_a_chunk_is_done() {
     for kind in [Kind::OneFOneB, Kind::Interleaved, Kind::ZeroBubble] {
-        let (programs, spec) = compile_stages("tiny", Mesh { dp: 2, tp: 1, pp: 2, cp: 1 }, kind, 4);
+        let (programs, spec) = compile_stages("tiny", Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, kind, 4);
         let run = train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 1, Duration::from_secs(30), Algorithm::Ring).unwrap();
         for (rank, program) in programs.iter().enumerate() {
             let plan = program.pipeline.as_ref().unwrap();
@@ -232,8 +232,8 @@ fn estimates_price_programs_and_their_schedule() {
     use shardc_codegen::estimate::{estimate, ModelShape};
     let cluster = shardc_ir::cluster::Cluster::default();
     let shape = |m: f64| ModelShape { parameters: 15_040.0, layers: 2.0, hidden: 16.0, seq: 8.0, tokens_per_step: m * 16.0 };
-    let (gpipe, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1 }, Kind::Gpipe, 8);
-    let (one, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1 }, Kind::OneFOneB, 8);
+    let (gpipe, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1, ep: 1 }, Kind::Gpipe, 8);
+    let (one, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 4, cp: 1, ep: 1 }, Kind::OneFOneB, 8);
     let e = estimate(&gpipe, &cluster, shape(8.0));
     assert!(e.step_seconds > 0.0 && e.bubble_seconds > 0.0 && e.compute_seconds > 0.0, "{e:?}");
     assert!(e.exposed_communication.contains_key("pp"), "pipeline sends are priced: {e:?}");
@@ -285,7 +285,7 @@ fn tied_embeddings_accumulate_over_micro_batches_with_data_parallelism() {
                 for (dp, tp) in [(2, 1), (2, 2)] {
                     let what = format!("tied {name} dp={dp} tp={tp} m={m} zero={zero}");
                     let spec = tied(name);
-                    let mesh = Mesh { dp, tp, pp: 1, cp: 1 };
+                    let mesh = Mesh { dp, tp, pp: 1, cp: 1, ep: 1 };
                     let stages = PipelineOptions { chunks: 1, microbatches: m, manual: None, split_weight_grads: false };
                     let module = compile(&spec, mesh, optimizer, zero, Some(stages));
                     let programs = shardc_codegen::lower_pipeline(&module, &module.grids[0].shape, &generate(Kind::OneFOneB, 1, m, 1).unwrap()).unwrap();
@@ -325,7 +325,7 @@ fn an_early_sync_of_a_value_still_being_written_is_refused() {
     let pipeline = PipelineOptions { chunks: 1, microbatches: 2, manual: None, split_weight_grads: false };
     let mut module = model(&spec);
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options(&spec, Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, Some(pipeline))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    compile_pipeline(&options(&spec, Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Some(pipeline))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
     let programs = shardc_codegen::lower_pipeline(&module, &module.grids[0].shape, &generate(Kind::OneFOneB, 1, 2, 1).unwrap()).unwrap();
     let program = &programs[0];
     program.validate().unwrap();
@@ -359,7 +359,7 @@ fn zero_under_gradient_accumulation_equals_plain_data_parallelism() {
     let corpus = corpus(&spec);
     for pp in [1u64, 2] {
         let run = |zero: u8| {
-            let mesh = Mesh { dp: 2, tp: 1, pp, cp: 1 };
+            let mesh = Mesh { dp: 2, tp: 1, pp, cp: 1, ep: 1 };
             let stages = PipelineOptions { chunks: 1, microbatches: 2, manual: None, split_weight_grads: false };
             let mut module = model(&spec);
             let cx = shardc_ir::mlir::IrContext::new().unwrap();

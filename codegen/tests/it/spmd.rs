@@ -82,7 +82,7 @@ fn check_zero(name: &str, dp: u64, tp: u64, zero: u8) {
 }
 
 fn check_all(name: &str, dp: u64, tp: u64, zero: u8, sequence_parallel: bool) {
-    check_mesh(name, Mesh { dp, tp, pp: 1, cp: 1 }, zero, sequence_parallel);
+    check_mesh(name, Mesh { dp, tp, pp: 1, cp: 1, ep: 1 }, zero, sequence_parallel);
 }
 
 /// With context parallelism, its gathered form (the ring has a test of its own).
@@ -139,14 +139,35 @@ fn tiny_moe_partitioned_equals_single_device() {
     }
     check_zero("tiny-moe", 2, 2, 1);
     check_all("tiny-moe", 1, 2, 0, true);
-    check_mesh("tiny-moe", Mesh { dp: 2, tp: 1, pp: 1, cp: 2 }, 0, false);
+    check_mesh("tiny-moe", Mesh { dp: 2, tp: 1, pp: 1, cp: 2, ep: 1 }, 0, false);
+}
+
+/// Expert parallelism (issue 21): the experts split over ep ranks carved from dp, tokens
+/// dispatched to them and combined back by all-to-alls, expert gradients reduced over the
+/// data-parallel ranks holding the same experts; alone, with tensor parallelism inside the
+/// experts, with ZeRO and with pipeline stages. Losses and parameters equal one device.
+#[test]
+fn expert_parallel_equals_single_device() {
+    let mesh = |dp, ep, tp, pp| Mesh { dp, tp, pp, cp: 1, ep };
+    for m in [mesh(2, 2, 1, 1), mesh(4, 4, 1, 1), mesh(4, 2, 1, 1), mesh(2, 2, 2, 1), mesh(2, 2, 1, 2)] {
+        check_mesh("tiny-moe", m, 0, false);
+    }
+    check_mesh("tiny-moe", mesh(4, 2, 1, 1), 1, false);
+    check_mesh("tiny-moe", mesh(2, 2, 2, 1), 0, true);
+    // The dispatch and combine are all-to-alls over ep (per layer: tokens and their counts
+    // to the experts, outputs back, and the two gradients the other way), and nothing
+    // gathers an expert.
+    let (program, _) = compile("tiny-moe", mesh(4, 4, 1, 1));
+    let over_ep: Vec<&str> = program.instrs.iter().filter(|i| i.ints("grid_axes").is_ok_and(|a| a == [shardc_ir::mesh::EP_AXIS as i64])).map(|i| i.op.as_str()).collect();
+    assert_eq!(over_ep.iter().filter(|op| **op == "shard.all_to_all").count(), 2 * 5, "{over_ep:?}");
+    assert!(!over_ep.contains(&"shard.all_gather"), "{over_ep:?}");
 }
 
 /// Context parallelism (issue 20): the sequence split over cp ranks, alone and with data and
 /// tensor parallelism, sequence parallelism and ZeRO, equals one device.
 #[test]
 fn context_parallel_equals_single_device() {
-    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp, ep: 1 };
     for name in ["tiny", "tiny-llama"] {
         for m in [mesh(1, 2, 1), mesh(1, 4, 1), mesh(2, 2, 2)] {
             check_mesh(name, m, 0, false);
@@ -164,7 +185,7 @@ fn context_parallel_equals_single_device() {
 /// with data and tensor parallelism, sequence parallelism and ZeRO.
 #[test]
 fn ring_attention_equals_single_device() {
-    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp, ep: 1 };
     let ring = ContextAttention::Ring;
     for name in ["tiny", "tiny-llama"] {
         for m in [mesh(1, 2, 1), mesh(1, 4, 1), mesh(2, 2, 2)] {
@@ -181,7 +202,7 @@ fn ring_attention_equals_single_device() {
 #[test]
 fn ring_attention_traffic_equals_the_formula() {
     for cp in [2u64, 4] {
-        let (program, spec) = compile_in_order("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp }, 0, SGD, false, 2 * cp, ContextAttention::Ring);
+        let (program, spec) = compile_in_order("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp, ep: 1 }, 0, SGD, false, 2 * cp, ContextAttention::Ring);
         let m = &spec.model;
         let part = 4 * m.kv_heads() * (spec.seq_len() / cp) * m.head_dim() * 4;
         let records = shardc_runtime::report::comm_records(&program, 0);
@@ -199,7 +220,7 @@ fn ring_attention_traffic_equals_the_formula() {
 #[test]
 fn context_parallel_key_value_traffic_equals_the_formula() {
     for cp in [2u64, 4] {
-        let (program, spec) = compile_in_order("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp }, 0, SGD, false, 2 * cp, ContextAttention::AllGather);
+        let (program, spec) = compile_in_order("tiny-llama", Mesh { dp: 1, tp: 1, pp: 1, cp, ep: 1 }, 0, SGD, false, 2 * cp, ContextAttention::AllGather);
         let m = &spec.model;
         // [micro-batch 4, kv heads, seq / cp, head dim] in f32.
         let part = 4 * m.kv_heads() * (spec.seq_len() / cp) * m.head_dim() * 4;
@@ -216,21 +237,32 @@ fn context_parallel_key_value_traffic_equals_the_formula() {
 
 #[test]
 fn measured_bytes_equal_the_compile_time_report() {
-    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp, ep: 1 };
     for (name, mesh, ring) in [("tiny", mesh(2, 1, 2), false), ("tiny-llama", mesh(1, 1, 2), false), ("tiny", mesh(4, 1, 1), false), ("tiny-llama", mesh(2, 2, 2), false), ("tiny", mesh(1, 4, 1), false), ("tiny-llama", mesh(1, 4, 1), true)] {
         let attention = if ring { ContextAttention::Ring } else { ContextAttention::AllGather };
         let (program, spec) = compile_in_order(name, mesh, 0, SGD, false, if mesh.cp > 1 { 2 * mesh.cp } else { 1 }, attention);
-        let run = train_spmd(&program, 3, spec.model.layers as usize, &corpus(&spec), 2, Duration::from_secs(30)).unwrap();
-        for (rank, measured) in run.bytes_sent.iter().enumerate() {
-            let mut expected = std::collections::BTreeMap::new();
-            for record in shardc_runtime::report::comm_records(&program, rank) {
-                if let Some(kind) = record.kind {
-                    *expected.entry(kind).or_insert(0u64) += 2 * record.bytes;
-                }
+        check_measured_bytes(&program, &spec);
+    }
+    // Expert parallelism's all-to-alls, alone and with tensor parallelism.
+    for mesh in [Mesh { dp: 4, tp: 1, pp: 1, cp: 1, ep: 4 }, Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 2 }] {
+        let (program, spec) = compile("tiny-moe", mesh);
+        assert!(shardc_runtime::report::comm_records(&program, 0).iter().any(|r| r.op == "shard.all_to_all" && r.bytes > 0), "{mesh}: no all-to-all");
+        check_measured_bytes(&program, &spec);
+    }
+}
+
+/// Two steps of `program`: every rank's byte counters equal twice its compile-time report.
+fn check_measured_bytes(program: &Program, spec: &shardc_ir::spec::Spec) {
+    let run = train_spmd(program, 3, spec.model.layers as usize, &corpus(spec), 2, Duration::from_secs(30)).unwrap();
+    for (rank, measured) in run.bytes_sent.iter().enumerate() {
+        let mut expected = std::collections::BTreeMap::new();
+        for record in shardc_runtime::report::comm_records(program, rank) {
+            if let Some(kind) = record.kind {
+                *expected.entry(kind).or_insert(0u64) += 2 * record.bytes;
             }
-            expected.retain(|_, v| *v > 0);
-            assert_eq!(measured, &expected, "{name} {mesh} rank {rank}");
         }
+        expected.retain(|_, v| *v > 0);
+        assert_eq!(measured, &expected, "{} rank {rank}", spec.name);
     }
 }
 
@@ -242,7 +274,7 @@ fn gpt2_small_at_tp4_has_two_forward_and_two_backward_all_reduces_per_layer() {
     spec.training.micro_batch = 1;
     let mut module = model(&spec);
     // No clipping: the global norm's all-reduces of one value are counted in their own test.
-    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, clip_grad: 0.0, ..Default::default() };
+    let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, clip_grad: 0.0, ..Default::default() };
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
     compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
     let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &[1, 4, 1]).unwrap();
@@ -277,7 +309,7 @@ fn zero_stages_equal_single_device() {
 #[test]
 fn zero_collectives() {
     let kinds = |zero: u8| {
-        let (program, _) = compile_zero("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, zero);
+        let (program, _) = compile_zero("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, zero);
         let mut counts = std::collections::BTreeMap::new();
         for r in shardc_runtime::report::comm_records(&program, 0) {
             *counts.entry(r.op).or_insert(0) += 1;
@@ -320,7 +352,7 @@ fn gpt2_small_sequence_parallel_trades_all_reduces_for_reduce_scatter_and_all_ga
     spec.training.seq_len = Some(128);
     spec.training.micro_batch = 1;
     let records = |sequence_parallel: bool| {
-        let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1, cp: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, sequence_parallel, clip_grad: 0.0, ..Default::default() };
+        let options = CompileOptions { mesh: Mesh { dp: 1, tp: 4, pp: 1, cp: 1, ep: 1 }, vocab: spec.model.vocab as i64, kv_heads: 12, sequence_parallel, clip_grad: 0.0, ..Default::default() };
         let program = compiled_step(&spec, &options);
         shardc_runtime::report::comm_records(&program, 0)
     };
@@ -351,7 +383,7 @@ fn gpt2_small_sequence_parallel_trades_all_reduces_for_reduce_scatter_and_all_ga
 #[test]
 fn vocab_parallel_loss_moves_no_logits() {
     // tiny's vocabulary (256) splits over tp=2: the head and the loss stay vocab-parallel.
-    let (program, _) = compile("tiny", Mesh { dp: 1, tp: 2, pp: 1, cp: 1 });
+    let (program, _) = compile("tiny", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 });
     let records = shardc_runtime::report::comm_records(&program, 0);
     assert!(records.iter().all(|r| r.op != "shard.all_gather"), "{records:#?}");
     let loss: Vec<_> = records.iter().filter(|r| r.loc.starts_with("loss")).collect();
@@ -372,7 +404,7 @@ fn gradient_buckets_are_async_and_equal_single_device() {
         let mut module = model(&spec);
         let options = CompileOptions {
             optimizer: SGD,
-            mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 },
+            mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 },
             vocab: 256,
             kv_heads: 4,
             grad_bucket_bytes: bucket_bytes,
@@ -415,7 +447,7 @@ fn gradient_buckets_are_async_and_equal_single_device() {
 fn every_gradient_equals_single_device() {
     use shardc_passes::sharding::{Partition, PropagateSharding, ShardMegatron};
     use shardc_passes::{Autodiff, Pass};
-    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp };
+    let mesh = |dp, cp, tp| Mesh { dp, tp, pp: 1, cp, ep: 1 };
     for (name, mesh, sequence_parallel) in [("tiny", mesh(2, 1, 2), false), ("tiny-llama", mesh(1, 1, 4), false), ("tiny", mesh(1, 1, 2), true), ("tiny-llama", mesh(2, 1, 2), true), ("tiny", mesh(1, 2, 1), false), ("tiny-llama", mesh(2, 2, 2), true)] {
         let mut spec = crate::common::spec_with_dtype(name, "f32");
         spec.training.micro_batch = 4;
@@ -478,7 +510,7 @@ fn initial_parameters_do_not_depend_on_the_mesh() {
         let layers = spec.model.layers as usize;
         let reference = shardc_runtime::train::Trainer::new(single, 5, layers).unwrap().state().unwrap();
         let corpus = corpus(&spec);
-        for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 0), (Mesh { dp: 1, tp: 4, pp: 1, cp: 1 }, 0), (Mesh { dp: 4, tp: 1, pp: 1, cp: 1 }, 3)] {
+        for (mesh, zero) in [(Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 0), (Mesh { dp: 1, tp: 4, pp: 1, cp: 1, ep: 1 }, 0), (Mesh { dp: 4, tp: 1, pp: 1, cp: 1, ep: 1 }, 3)] {
             let (program, _) = compile_zero(name, mesh, zero);
             let run = shardc_runtime::train::train_spmd_from(&program, 5, layers, &corpus, 0, std::time::Duration::from_secs(30), shardc_runtime::collectives::Algorithm::Ring, None).unwrap();
             for (param, (shape, values)) in reference.tensors.iter().filter(|(n, _)| !n.starts_with("opt.")) {
@@ -508,7 +540,7 @@ fn zero_buckets_are_async_and_equal_single_device() {
     let reference: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap()).collect();
     let parameters = trainer.parameters().unwrap();
     for zero in [1u8, 2, 3] {
-        let options = CompileOptions { optimizer: ADAMW, mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, zero, grad_bucket_bytes: 1024, ..Default::default() };
+        let options = CompileOptions { optimizer: ADAMW, mesh: Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, vocab: 256, kv_heads: 4, zero, grad_bucket_bytes: 1024, ..Default::default() };
         let program = compiled_step(&spec, &options);
         let buckets = |op: &str| program.instrs.iter().filter(|i| i.op == op && i.bool("xf.async") == Ok(true)).filter_map(|i| i.int("xf.bucket").ok()).collect::<std::collections::BTreeSet<i64>>().len();
         assert!(buckets("shard.reduce_scatter") > 2, "ZeRO-{zero}: {} scatter buckets", buckets("shard.reduce_scatter"));

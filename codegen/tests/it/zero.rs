@@ -73,7 +73,7 @@ impl TpShard {
 /// its readers counted in the single-device program.
 fn tp_shards(name: &str, tp: u64) -> Vec<TpShard> {
     let (single, _) = compile(name, Mesh::default(), 0);
-    let (tp_only, _) = compile(name, Mesh { dp: 1, tp, pp: 1, cp: 1 }, 0);
+    let (tp_only, _) = compile(name, Mesh { dp: 1, tp, pp: 1, cp: 1, ep: 1 }, 0);
     single
         .args
         .iter()
@@ -132,7 +132,7 @@ fn bytes_by_group(program: &Program, rank: usize) -> (u64, u64, BTreeMap<Vec<usi
 fn zero_sends_data_parallel_volumes_within_each_tensor_parallel_shard() {
     for name in ["tiny", "tiny-llama"] {
         for (dp, tp) in MESHES {
-            let mesh = Mesh { dp, tp, pp: 1, cp: 1 };
+            let mesh = Mesh { dp, tp, pp: 1, cp: 1, ep: 1 };
             let shards = tp_shards(name, tp);
             let (plain, spec) = compile(name, mesh, 0);
             let corpus = ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap();
@@ -177,7 +177,7 @@ fn zero3_gathers_a_weight_forward_and_backward() {
     let shards = tp_shards("tiny", 2);
     let up = shards.iter().find(|s| s.name == "layers.0.mlp.up.weight").unwrap();
     assert_eq!(up.readers, 2);
-    let (program, _) = compile("tiny", Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, 3);
+    let (program, _) = compile("tiny", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 3);
     let records: Vec<_> = comm_records(&program, 0).into_iter().filter(|r| r.loc.starts_with("layers.0.mlp.up.") && !r.loc.contains("bias") && r.bytes > 0).collect();
     let ops: Vec<&str> = records.iter().map(|r| r.op.as_str()).collect();
     assert_eq!(ops, ["shard.all_gather", "shard.all_gather", "shard.reduce_scatter"], "{records:#?}");
@@ -196,7 +196,7 @@ fn optimizer_state_shards_over_dp_and_tp_as_the_memory_report_says() {
             let shards = tp_shards(name, tp);
             for zero in 1..=3u8 {
                 let what = format!("{name} dp={dp} tp={tp} ZeRO-{zero}");
-                let (program, _) = compile(name, Mesh { dp, tp, pp: 1, cp: 1 }, zero);
+                let (program, _) = compile(name, Mesh { dp, tp, pp: 1, cp: 1, ep: 1 }, zero);
                 let mut state_elements = 0u64;
                 for s in &shards {
                     let global: u64 = program.args.iter().find(|a| a.name == s.name).and_then(|a| a.layout.as_ref()).map_or(0, |l| l.global_shape.iter().product::<usize>() as u64);

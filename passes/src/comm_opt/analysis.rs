@@ -52,7 +52,13 @@ impl Analysis<SymbolLang> for Tables {
             Some(Kind::Coll { op: CollOp::Reduce { .. } | CollOp::Gather(_) | CollOp::Broadcast(_) | CollOp::Bucket, axes }) => children_same | axis_bits(axes),
             Some(Kind::Coll { op: CollOp::Slice(_) | CollOp::ReduceScatter(_), axes }) => children_same & !axis_bits(axes),
             Some(Kind::Xf { attrs, .. }) => children_same & !rank_dependent_axes(&tables.attrs[*attrs]),
-            Some(Kind::Opaque(i)) => children_same & !rank_dependent_axes(&tables.func.ops[*i].attrs),
+            // A collective the pass does not rewrite (an all-to-all) hands each rank of its
+            // group another part: never equal over its axes.
+            Some(Kind::Opaque(i)) => {
+                let op = &tables.func.ops[*i];
+                let group = if op.name.starts_with("shard.") { op.attrs.axes("grid_axes").map_or(u8::MAX, |axes| axis_bits(&axes)) } else { 0 };
+                children_same & !rank_dependent_axes(&op.attrs) & !group
+            }
             _ => children_same,
         };
         ClassData { ty: Self::make_type(egraph, enode), same }

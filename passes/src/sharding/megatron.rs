@@ -35,7 +35,7 @@ use shardc_ir::mesh::Mesh;
 use shardc_ir::sharding::Sharding;
 use shardc_ir::{ArgRole, Grid, Module, Value};
 
-use super::{FuncIndex, CP, DP, TP};
+use super::{FuncIndex, CP, DP, EP, TP};
 use crate::{Changed, Pass, PassError};
 
 /// The `shard-megatron` pass.
@@ -60,7 +60,17 @@ pub struct ShardMegatron {
 }
 
 /// Sharding of a parameter of `kind` (as the model declares it) and `rank` dimensions.
-fn param_sharding(kind: Option<ParamKind>, rank: usize, tp: i64, vocab: i64, kv_heads: i64) -> Sharding {
+fn param_sharding(kind: Option<ParamKind>, rank: usize, tp: i64, ep: i64, vocab: i64, kv_heads: i64) -> Sharding {
+    let mut s = tensor_parallel_sharding(kind, rank, tp, vocab, kv_heads);
+    // Expert parallelism: each rank of an expert group holds its share of the experts.
+    if ep > 1 && matches!(kind, Some(ParamKind::ExpertColumn | ParamKind::ExpertRow)) {
+        s.split[0] = vec![EP];
+    }
+    s
+}
+
+/// The tensor-parallel part of [`param_sharding`].
+fn tensor_parallel_sharding(kind: Option<ParamKind>, rank: usize, tp: i64, vocab: i64, kv_heads: i64) -> Sharding {
     if tp == 1 {
         return Sharding::replicated(rank);
     }
@@ -88,11 +98,23 @@ impl Pass for ShardMegatron {
         let user = |message: String| PassError::User { pass: "shard-megatron".into(), message };
         let (dp, tp) = (self.mesh.dp as i64, self.mesh.tp as i64);
         let cp = self.mesh.cp as i64;
-        // The cp axis only where there is context parallelism, so other grids read as before.
-        let mut grid = vec![dp, tp, self.mesh.pp as i64];
-        if cp > 1 {
+        let ep = self.mesh.ep as i64;
+        if ep > 1 && dp % ep != 0 {
+            return Err(user(format!("ep={ep} does not divide dp={dp}: expert parallelism is carved from the data-parallel ranks")));
+        }
+        // The cp axis only where there is context or expert parallelism, and the ep axis only
+        // with expert parallelism, so other grids read as before. With ep the dp axis holds
+        // the dp / ep expert groups.
+        let mut grid = vec![if ep > 1 { dp / ep } else { dp }, tp, self.mesh.pp as i64];
+        if cp > 1 || ep > 1 {
             grid.push(cp);
         }
+        if ep > 1 {
+            grid.push(ep);
+        }
+        // The data-parallel axes: a batch splits over them (outermost first), and gradients
+        // of what every data-parallel rank holds are reduced over them.
+        let data_axes: Vec<u16> = if ep > 1 { vec![DP, EP] } else { vec![DP] };
         let axes = shardc_ir::mesh::GRID_AXES[..grid.len()].iter().map(|a| a.to_string()).collect();
         module.grids = vec![Grid { name: "mesh".into(), shape: grid.clone(), axes }];
         let func = module
@@ -103,15 +125,19 @@ impl Pass for ShardMegatron {
         if self.zero > 3 {
             return Err(user(format!("ZeRO stage {} does not exist; use 0, 1, 2 or 3", self.zero)));
         }
-        // Adds dp to the first dimension that can take it.
+        // Adds the data-parallel axes to the first dimension that can take them: all of them
+        // for what every data-parallel rank holds, dp alone (the expert groups) for experts
+        // already split over ep.
         let add_dp = |mut s: Sharding, shape: &[i64]| {
-            if dp <= 1 {
+            let axes: Vec<u16> = data_axes.iter().copied().filter(|a| !s.axes().contains(a)).collect();
+            let extent: i64 = axes.iter().map(|&a| grid[a as usize]).product();
+            if extent <= 1 {
                 return s;
             }
             for d in 0..shape.len() {
-                let parts: i64 = s.split[d].iter().map(|&a| grid[a as usize]).product::<i64>() * dp;
+                let parts: i64 = s.split[d].iter().map(|&a| grid[a as usize]).product::<i64>() * extent;
                 if shape[d] % parts == 0 {
-                    s.split[d].push(DP);
+                    s.split[d].extend(&axes);
                     return s;
                 }
             }
@@ -125,14 +151,14 @@ impl Pass for ShardMegatron {
             let Some(t) = func.tensor(arg.value).cloned() else { continue };
             let sharding = match arg.role {
                 ArgRole::Param => {
-                    let s = param_sharding(arg.kind, t.rank(), tp, self.vocab, self.kv_heads);
+                    let s = param_sharding(arg.kind, t.rank(), tp, ep, self.vocab, self.kv_heads);
                     if self.zero >= 3 { add_dp(s, &t.shape) } else { s }
                 }
                 // opt.m.<param> / opt.v.<param> / opt.master.<param> follow their parameter;
                 // ZeRO shards them from stage 1 (the fp32 master weights are optimizer state,
                 // as in Megatron's distributed optimizer).
                 ArgRole::OptState | ArgRole::Master => {
-                    let s = param_sharding(arg.kind, t.rank(), tp, self.vocab, self.kv_heads);
+                    let s = param_sharding(arg.kind, t.rank(), tp, ep, self.vocab, self.kv_heads);
                     if self.zero >= 1 { add_dp(s, &t.shape) } else { s }
                 }
                 ArgRole::Input => {
@@ -141,7 +167,7 @@ impl Pass for ShardMegatron {
                         if t.shape[0] % dp != 0 {
                             return Err(user(format!("`{}` has batch {} which dp={dp} does not divide", arg.name, t.shape[0])));
                         }
-                        s.split[0] = vec![DP];
+                        s.split[0] = data_axes.clone();
                     }
                     // Context parallelism splits the sequence of tokens and targets; every
                     // activation's follows from the ops' rules. A sequence reordered first
@@ -206,7 +232,7 @@ impl Pass for ShardMegatron {
                 // further over tp, as Megatron-LM does.
                 let mut pin = Sharding::split_dim(3, 1, if cp > 1 { &[CP, TP] } else { &[TP] });
                 if dp > 1 {
-                    pin.split[0] = vec![DP];
+                    pin.split[0] = data_axes.clone();
                 }
                 func.constraints.insert(op.results[0], pin);
             }

@@ -36,6 +36,8 @@ pub const TP: Axis = shardc_ir::mesh::TP_AXIS as Axis;
 pub const PP: Axis = shardc_ir::mesh::PP_AXIS as Axis;
 /// The context-parallel axis.
 pub const CP: Axis = shardc_ir::mesh::CP_AXIS as Axis;
+/// The expert-parallel axis.
+pub const EP: Axis = shardc_ir::mesh::EP_AXIS as Axis;
 
 /// What one op needs and produces.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -160,6 +162,8 @@ pub fn plan_op_in(func: &Func, index: &FuncIndex, op: &Op) -> Result<OpPlan, Str
                 let through_tp = match axes.as_slice() {
                     [TP, ..] => &axes[..1],
                     [CP, TP, ..] => &axes[..2],
+                    // An expert weight's gradient is computed on the rank of its experts.
+                    [EP, ..] => &axes[..1],
                     _ => continue,
                 };
                 assign(f, through_tp, &[], &mut taken, &mut factor_axes);
@@ -175,15 +179,17 @@ pub fn plan_op_in(func: &Func, index: &FuncIndex, op: &Op) -> Result<OpPlan, Str
     let is_param = |v: &shardc_ir::Value| index.is_state(*v);
     let params: Vec<usize> = (0..op.operands.len()).filter(|&i| is_param(&op.operands[i])).collect();
     let activations: Vec<usize> = (0..op.operands.len()).filter(|&i| !is_param(&op.operands[i])).collect();
-    let rounds: [(&[usize], Option<Axis>); 3] = [(&params, Some(TP)), (&activations, None), (&params, None)];
+    // Expert parallelism is kept the same way: experts split over ep stay where they are
+    // and the tokens travel to them (an all-to-all), not the experts to the tokens.
+    let rounds: [(&[usize], &[Axis]); 3] = [(&params, &[TP, EP]), (&activations, &[]), (&params, &[])];
     for (operands, only) in rounds {
         for &i in operands {
             for (d, &f) in rule.operands[i].iter().enumerate() {
                 let axes: Vec<Axis> = current[i].split.get(d).cloned().unwrap_or_default();
-                let axes: &[Axis] = match only {
-                    Some(a) if axes.first() == Some(&a) => &axes[..1],
-                    Some(_) => continue,
-                    None => &axes,
+                let axes: &[Axis] = match axes.first() {
+                    _ if only.is_empty() => &axes,
+                    Some(a) if only.contains(a) => &axes[..1],
+                    _ => continue,
                 };
                 assign(f, axes, &current[i].partial, &mut taken, &mut factor_axes);
             }

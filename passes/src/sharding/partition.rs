@@ -54,6 +54,20 @@ impl Pass for Partition {
     }
 }
 
+/// A grid axis that `current` splits last along dimension `from` and `target` last along
+/// dimension `to`, everything else of those two dimensions as `target` wants it, and nothing
+/// partial over it: what one all-to-all does.
+fn moved_axis(current: &Sharding, target: &Sharding) -> Option<(usize, usize, Axis)> {
+    (0..current.split.len()).find_map(|from| {
+        let (&axis, rest) = current.split[from].split_last()?;
+        if current.partial.contains(&axis) || target.split[from] != rest {
+            return None;
+        }
+        let to = (0..current.split.len()).find(|&to| to != from && target.split[to].split_last() == Some((&axis, current.split[to].as_slice())))?;
+        Some((from, to, axis))
+    })
+}
+
 /// Builds the per-rank function.
 struct Partitioner<'f> {
     global: &'f Func,
@@ -109,6 +123,21 @@ impl Partitioner<'_> {
             return Err(format!("{loc}: cannot make a complete value partial ({cause})"));
         }
         let rank = global.rank();
+        // An axis that leaves the end of one dimension's split for the end of another's, the
+        // rest of both already in place, is one all-to-all: tokens dispatched to the experts
+        // of their ep rank, and combined back.
+        while let Some((from, to, axis)) = moved_axis(&s, target) {
+            s.split[from].pop();
+            s.split[to].push(axis);
+            let ty = self.local_type(&global, &s)?;
+            let attrs = Attrs::new().with("grid_axes", AttrValue::axes(&[axis])).with("split_axis", AttrValue::Index(to)).with("concat_axis", AttrValue::Index(from));
+            let what = format!("{} moved from dimension {from} to dimension {to} for {cause}", shardc_ir::mesh::axis_name(axis as usize));
+            v = self.collective("shard.all_to_all", v, attrs, ty, &format!("{loc}.all_to_all"), &what);
+        }
+        if s == *target {
+            self.reshards.insert((value, target.clone()), v);
+            return Ok(v);
+        }
         let reduce: Vec<Axis> = s.partial.iter().copied().filter(|a| !target.partial.contains(a)).collect();
         let common = |a: &[Axis], b: &[Axis]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
         let gathered_axes: Vec<Axis> = (0..rank).flat_map(|d| s.split[d][common(&s.split[d], &target.split[d])..].to_vec()).collect();

@@ -245,7 +245,7 @@ fn every_dump_of_the_training_pipeline_parses_with_mlir_opt() {
 
 /// The IR after each sharding pass on tiny GPT at tp=2.
 fn sharded_ir(pass: &str) -> String {
-    sharded_ir_of("tiny", shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, pass)
+    sharded_ir_of("tiny", shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, pass)
 }
 
 fn sharded_ir_of(model: &str, mesh: shardc_ir::mesh::Mesh, pass: &str) -> String {
@@ -300,7 +300,7 @@ fn partition_on_tiny_gpt_tp2() {
 /// positions, and the weight gradients all-reduced over cp.
 #[test]
 fn partition_on_tiny_llama_cp2() {
-    let ir = sharded_ir_of("tiny-llama", shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, "partition");
+    let ir = sharded_ir_of("tiny-llama", shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 1, cp: 2, ep: 1 }, "partition");
     assert!(ir.contains("shard.grid @mesh(shape = 1x1x1x2)"), "{ir}");
     let gathers = ir.lines().filter(|l| l.contains("shard.all_gather") && l.contains("grid_axes = [3]")).count();
     let scatters = ir.lines().filter(|l| l.contains("shard.reduce_scatter") && l.contains("grid_axes = [3]")).count();
@@ -320,7 +320,7 @@ fn partition_on_tiny_llama_cp2() {
 /// for every pass's dump).
 #[test]
 fn ring_attention_on_tiny_llama_cp2() {
-    let ir = sharded_ir_with("tiny-llama", shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 1, cp: 2 }, "ring-attention", shardc_passes::sharding::ContextAttention::Ring);
+    let ir = sharded_ir_with("tiny-llama", shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 1, cp: 2, ep: 1 }, "ring-attention", shardc_passes::sharding::ContextAttention::Ring);
     let count = |what: &str| ir.lines().filter(|l| l.contains(what)).count();
     assert_eq!(count("shard.all_gather"), 0, "{ir}");
     assert_eq!(count("shard.shift") , 2 * (2 + 2 + 4), "{ir}");
@@ -354,7 +354,7 @@ fn staged_ir(mesh: shardc_ir::mesh::Mesh, split_weight_grads: bool) -> String {
 
 #[test]
 fn split_stages_on_tiny_gpt_pp2() {
-    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2, cp: 1 }, false);
+    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 }, false);
     // The residual stream crosses the boundary forward, its gradient backward.
     assert!(ir.contains("shard.send %layers.0.mlp.residual on @mesh grid_axes = [2] destination = [1]"), "{ir}");
     assert!(ir.contains("xf.from_stage = 1 : i64, xf.phase = \"backward\""), "{ir}");
@@ -370,7 +370,7 @@ fn split_stages_on_tiny_gpt_pp2() {
 #[test]
 fn partitioned_dumps_parse_with_mlir_opt() {
     for naive_partition in [false, true] {
-        let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, naive_partition, ..Default::default() };
+        let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, vocab: 256, kv_heads: 4, naive_partition, ..Default::default() };
         let mut module = tiny("tiny");
         let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
         assert!(seen.iter().any(|(pass, _)| pass == "comm-opt"));
@@ -382,7 +382,7 @@ fn partitioned_dumps_parse_with_mlir_opt() {
 
 #[test]
 fn split_stages_with_tensor_parallelism_and_weight_sections_parses() {
-    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 2, cp: 1 }, true);
+    let ir = staged_ir(shardc_ir::mesh::Mesh { dp: 2, tp: 2, pp: 2, cp: 1, ep: 1 }, true);
     assert!(ir.contains("xf.phase = \"weight\""), "zero-bubble sections");
     assert!(ir.contains("shard.all_reduce"), "tensor-parallel collectives stay inside the stages");
 }
@@ -419,7 +419,7 @@ fn tied_blocks_share_a_stage() {
 fn full_recomputation_keeps_each_layer_on_one_stage() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
     let spec = parse_file(&root.join("models/tiny-llama.toml")).unwrap();
-    let mesh = shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2, cp: 1 };
+    let mesh = shardc_ir::mesh::Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 };
     let mut module = lower(&spec, spec.step_shape(&mesh)).unwrap();
     let options = shardc_passes::CompileOptions {
         recompute: shardc_passes::Recompute::Full,
@@ -441,7 +441,7 @@ fn full_recomputation_keeps_each_layer_on_one_stage() {
 /// update of its last member and is waited for at the end.
 #[test]
 fn bucket_gradients_on_tiny_gpt_dp2_zero1() {
-    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, zero: 1, grad_bucket_bytes: 4096, ..Default::default() };
+    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, vocab: 256, kv_heads: 4, zero: 1, grad_bucket_bytes: 4096, ..Default::default() };
     let mut module = tiny("tiny");
     let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
     let (_, ir) = seen.iter().find(|(pass, _)| pass == "bucket-gradients").expect("bucket-gradients ran");
@@ -469,7 +469,7 @@ fn bucket_gradients_on_tiny_gpt_dp2_zero1() {
 /// step returns, stays where it is.
 #[test]
 fn overlap_collectives_on_tiny_gpt_tp2_sequence_parallel() {
-    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1, cp: 1 }, vocab: 256, kv_heads: 4, sequence_parallel: true, ..Default::default() };
+    let options = shardc_passes::CompileOptions { mesh: shardc_ir::mesh::Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, vocab: 256, kv_heads: 4, sequence_parallel: true, ..Default::default() };
     let mut module = tiny("tiny");
     let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
     let (_, ir) = seen.iter().find(|(pass, _)| pass == "overlap-collectives").expect("overlap-collectives ran");

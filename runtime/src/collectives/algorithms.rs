@@ -82,6 +82,29 @@ impl Communicator {
         Ok(())
     }
 
+    /// Sends `parts[k]` to member k of `group` and returns what each member sent this one
+    /// (its own part kept): a pairwise exchange, member `p` sending to `p + s` and receiving
+    /// from `p - s` in round `s`, so every round pairs every member with one peer.
+    pub fn all_to_all<T: Elem>(&mut self, group: &[usize], mut parts: Vec<Vec<T>>) -> Result<Vec<Vec<T>>, CommError> {
+        let n = group.len();
+        let p = self.position(group)?;
+        if parts.len() != n {
+            return Err(CommError::Shape { rank: self.rank, what: format!("all_to_all: {} parts for a group of {n}", parts.len()) });
+        }
+        let mut received: Vec<Vec<T>> = (0..n).map(|_| Vec::new()).collect();
+        received[p] = std::mem::take(&mut parts[p]);
+        if n == 1 {
+            return Ok(received);
+        }
+        let (g, call) = self.begin(group);
+        for s in 1..n {
+            let (to, from) = ((p + s) % n, (p + n - s) % n);
+            self.send_raw(group[to], (g, call, s as u64), std::mem::take(&mut parts[to]), CollectiveKind::AllToAll, "all-to-all")?;
+            received[from] = self.recv_raw(group[from], (g, call, s as u64), "all-to-all")?;
+        }
+        Ok(received)
+    }
+
     /// Copies member `root`'s `data` to every member of `group`.
     pub fn broadcast<T: Elem>(&mut self, group: &[usize], data: &mut [T], root: usize) -> Result<(), CommError> {
         let p = self.position(group)?;

@@ -17,9 +17,9 @@ impl MeshShape {
     /// The axes from the one whose coordinate changes slowest with the rank to the fastest.
     fn slowest_first(&self) -> Vec<usize> {
         match self.0.len() {
-            // A training grid, (dp, tp, pp) or (dp, tp, pp, cp): pp slowest, then dp, cp,
-            // tp fastest.
-            n @ (3 | 4) => shardc_ir::cluster::RANK_ORDER.iter().rev().copied().filter(|&a| a < n).collect(),
+            // A training grid, (dp, tp, pp), (dp, tp, pp, cp) or (dp, tp, pp, cp, ep): pp
+            // slowest, then dp, ep, cp, tp fastest.
+            n @ (3..=5) => shardc_ir::cluster::RANK_ORDER.iter().rev().copied().filter(|&a| a < n).collect(),
             n => (0..n).collect(),
         }
     }

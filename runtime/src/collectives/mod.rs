@@ -69,6 +69,8 @@ pub enum CollectiveKind {
     Broadcast,
     /// Point-to-point send.
     Send,
+    /// All-to-all (a part to each peer).
+    AllToAll,
 }
 
 /// Why a collective failed.

@@ -4,7 +4,7 @@
 use super::*;
 
 /// The collectives the executor runs itself (everything else is a kernel).
-pub(super) const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
+pub(super) const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.all_to_all", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
 
 /// A gradient bucket on the wire: its ticket and where its members' values go back.
 pub(super) struct InFlight {
@@ -405,6 +405,36 @@ pub(super) fn collective_typed<T: Element + crate::collectives::Elem + Default>(
             let data = comm.call(move |c| c.broadcast(&group, &mut data, root).map(|()| data)).map_err(|e| e.to_string())?;
             out.copy_from_slice(&data);
             crate::collectives::pool::recycle(data);
+            Ok(())
+        }
+        "shard.all_to_all" => {
+            let (split_axis, concat_axis) = (instr.int("split_axis")? as usize, instr.int("concat_axis")? as usize);
+            let comm = comm.ok_or("a collective needs a communicator: run the program with one rank per mesh position")?;
+            // Part k: this rank's block k along `split_axis`, for member k.
+            let (outer, inner) = split(split_axis);
+            let block = out_shape[split_axis] * inner;
+            let parts: Vec<Vec<T>> = (0..n)
+                .map(|k| {
+                    let mut part = crate::collectives::pool::buffer(input.len() / n);
+                    for o in 0..outer {
+                        let src = (o * in_shape[split_axis] + k * out_shape[split_axis]) * inner;
+                        part[o * block..(o + 1) * block].copy_from_slice(&input[src..src + block]);
+                    }
+                    part
+                })
+                .collect();
+            let received = comm.call(move |c| c.all_to_all(&group, parts)).map_err(|e| e.to_string())?;
+            // Member k's part goes to block k along `concat_axis` (each part has the output's
+            // shape but that dimension, which is the input's).
+            let outer: usize = out_shape[..concat_axis].iter().product();
+            let block: usize = in_shape[concat_axis] * out_shape[concat_axis + 1..].iter().product::<usize>();
+            for (k, part) in received.into_iter().enumerate() {
+                for o in 0..outer {
+                    let dst = (o * n + k) * block;
+                    out[dst..dst + block].copy_from_slice(&part[o * block..(o + 1) * block]);
+                }
+                crate::collectives::pool::recycle(part);
+            }
             Ok(())
         }
         "shard.all_slice" => {
