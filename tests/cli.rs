@@ -3047,8 +3047,9 @@ fn checkpoints_of_the_row_major_format_resume_into_the_same_run() {
 }
 
 /// Mixture of experts (issue 21): a tiny Mixtral-style model (8 experts, top-2, dropless)
-/// trains like one device over data, tensor and pipeline parallelism; a Mixtral-8x7B-shaped
-/// spec compiles for 64 GPUs and counts its active parameters for the model FLOPs; the GPU
+/// trains like one device over data, expert, tensor and pipeline parallelism; a
+/// Mixtral-8x7B-shaped spec compiles for 64 GPUs with its all-to-alls and counts its active
+/// parameters for the model FLOPs; the GPU
 /// backend, which has no expert kernels yet, refuses by name.
 #[test]
 fn mixture_of_experts_trains_like_one_device() {
@@ -3056,14 +3057,29 @@ fn mixture_of_experts_trains_like_one_device() {
     let single = losses_by_step(&shardc(&base));
     assert_eq!(single.len(), 50);
     assert!(single[&50] < single[&1], "tiny-moe does not learn: {single:?}");
-    for mesh in ["dp=4", "dp=2,tp=2", "pp=2"] {
+    // Expert parallelism carved from dp: 4 ranks with 2 experts each, and with tp and pp.
+    for mesh in ["dp=4", "dp=2,tp=2", "pp=2", "dp=4,ep=4", "dp=2,ep=2,tp=2", "dp=2,ep=2,pp=2"] {
         let out = shardc(&[&base[..], &["--mesh", mesh]].concat());
         assert_same_losses(&single, &losses_by_step(&out), mesh);
     }
-    let out = shardc(&["compile", "models/mixtral-8x7b.toml", "--mesh", "dp=8,tp=8", "--zero", "1"]);
+    let out = shardc(&[&base[..], &["--mesh", "dp=4,ep=4"]].concat());
+    assert!(stdout(&out).contains("mesh dp=4,ep=4,tp=1,pp=1 (4 CPU threads"), "{}", stdout(&out));
+    // `explain` shows the dispatch and combine; in mixed precision with ZeRO too, an expert's
+    // gradient is reduce-scattered over the data-parallel ranks holding the same experts only.
+    let explained = stdout(&shardc(&["explain", "models/tiny-moe.toml", "--mesh", "dp=4,ep=2", "--zero", "1", "--dtype", "bf16", "--microbatches", "1"]));
+    assert!(explained.contains("shard.all_to_all   over ep") && explained.contains("ep moved from dimension 1 to dimension 0 for operand 0 of xf.expert_matmul `layers.0.mlp.experts.gate`"), "{explained}");
+    assert!(explained.lines().any(|l| l.contains("shard.reduce_scatter over dp ") && l.contains("experts.gate.grad")), "{explained}");
+    assert!(!explained.lines().any(|l| l.contains("over dp+ep") && l.contains("experts")), "{explained}");
+    // ep must divide dp and the experts, and needs experts.
+    let bad = shardc(&["compile", "models/tiny-moe.toml", "--mesh", "dp=2,ep=4"]);
+    assert!(!bad.status.success() && unwrapped(&stderr(&bad)).contains("ep=4 does not divide dp=2"), "{}", stderr(&bad));
+    let bad = shardc(&["compile", "models/tiny-llama.toml", "--mesh", "dp=2,ep=2"]);
+    assert!(!bad.status.success() && unwrapped(&stderr(&bad)).contains("the model has none"), "{}", stderr(&bad));
+    // Mixtral-8x7B on 64 GPUs: one expert per rank of each expert group, and it fits.
+    let out = shardc(&["compile", "models/mixtral-8x7b.toml", "--mesh", "dp=8,ep=8,tp=8", "--zero", "1", "--gpu", "h100-sxm"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = unwrapped(&stdout(&out));
-    assert!(text.contains("(512 ranks)") || text.contains("(64 ranks)"), "{text}");
+    assert!(text.contains("dp=8,ep=8,tp=8,pp=1 (64 ranks)") && text.contains("all_to_all over ep") && text.contains("fits in h100-sxm"), "{text}");
     assert!(text.contains("46,702,792,704") && text.contains("12,879,925,248 active per token"), "{text}");
     assert!(text.contains("xf.expert_matmul 96") && text.contains("xf.moe_dispatch 32"), "{text}");
     let gpu = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny-moe.toml", "--backend", "cuda", "--steps", "1"]).current_dir(root()).env("SHARDC_GPU_EMULATE", "1").output().unwrap();

@@ -198,11 +198,19 @@ impl Pass for ShardMegatron {
         // Values some op makes, found once (not a walk of every op per update, quadratic in
         // the depth of the model).
         let produced_values: HashSet<Value> = func.ops.iter().flat_map(|o| o.results.iter().copied()).collect();
+        let casts: std::collections::HashMap<Value, Value> = func.ops.iter().filter(|o| o.name == "xf.cast").map(|o| (o.results[0], o.operands[0])).collect();
         for op in func.ops.clone().iter().filter(|o| o.name == "xf.adamw" || o.name == "xf.sgd") {
             let (grad, state) = (op.operands[1], op.operands[if op.name == "xf.adamw" { 2 } else { 0 }]);
             let produced = produced_values.contains(&grad);
             if let (true, Some(layout)) = (produced, func.shardings.get(&state).cloned()) {
-                func.constraints.insert(grad, Sharding { split: layout.split, partial: Vec::new() });
+                let pin = Sharding { split: layout.split, partial: Vec::new() };
+                // Mixed precision casts the bf16 gradient up first: the gradient op is pinned
+                // too, so that it is computed where its state lives (an expert's on its ep
+                // rank) rather than whole and then sliced.
+                if let Some(cast) = casts.get(&grad) {
+                    func.constraints.insert(*cast, pin.clone());
+                }
+                func.constraints.insert(grad, pin);
             }
         }
         if self.naive && tp > 1 {
