@@ -3049,8 +3049,7 @@ fn checkpoints_of_the_row_major_format_resume_into_the_same_run() {
 /// Mixture of experts (issue 21): a tiny Mixtral-style model (8 experts, top-2, dropless)
 /// trains like one device over data, expert, tensor and pipeline parallelism; a
 /// Mixtral-8x7B-shaped spec compiles for 64 GPUs with its all-to-alls and counts its active
-/// parameters for the model FLOPs; the GPU
-/// backend, which has no expert kernels yet, refuses by name.
+/// parameters for the model FLOPs; the (emulated) GPU backend trains it too.
 #[test]
 fn mixture_of_experts_trains_like_one_device() {
     let base = ["run", "models/tiny-moe.toml", "--steps", "50", "--log-every", "1"];
@@ -3082,7 +3081,12 @@ fn mixture_of_experts_trains_like_one_device() {
     assert!(text.contains("dp=8,ep=8,tp=8,pp=1 (64 ranks)") && text.contains("all_to_all over ep") && text.contains("fits in h100-sxm"), "{text}");
     assert!(text.contains("46,702,792,704") && text.contains("12,879,925,248 active per token"), "{text}");
     assert!(text.contains("xf.expert_matmul 96") && text.contains("xf.moe_dispatch 32"), "{text}");
-    let gpu = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny-moe.toml", "--backend", "cuda", "--steps", "1"]).current_dir(root()).env("SHARDC_GPU_EMULATE", "1").output().unwrap();
-    assert!(!gpu.status.success());
-    assert!(unwrapped(&stderr(&gpu)).contains("xf.moe_route has no device kernel"), "{}", stderr(&gpu));
+    // On the (emulated) GPU too, expert parallel.
+    let gpu = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny-moe.toml", "--mesh", "dp=2,ep=2", "--backend", "cuda", "--steps", "3", "--log-every", "1"]).current_dir(root()).env("SHARDC_GPU_EMULATE", "1").output().unwrap();
+    let on_gpu = losses_by_step(&gpu);
+    assert_eq!(on_gpu.len(), 3, "{}", stderr(&gpu));
+    let three = losses_by_step(&shardc(&["run", "models/tiny-moe.toml", "--steps", "3", "--log-every", "1"]));
+    for (step, loss) in &on_gpu {
+        assert!((loss - three[step]).abs() <= 1e-4 * three[step].abs(), "step {step}: GPU {loss}, one device {}", three[step]);
+    }
 }

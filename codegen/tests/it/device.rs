@@ -43,6 +43,11 @@ fn configurations() -> Vec<(String, Program)> {
         out.push((format!("{name} f32 dp=2,tp=2"), train_step(name, "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, false)));
         out.push((format!("{name} bf16 tp=2 sp"), train_step(name, "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 1, ep: 1 }, true)));
     }
+    // The experts' kernels, in every precision, and expert parallelism.
+    for dtype in ["f32", "bf16", "f64"] {
+        out.push((format!("tiny-moe {dtype}"), train_step("tiny-moe", dtype, Mesh::default(), false)));
+    }
+    out.push(("tiny-moe f32 dp=2,ep=2,tp=2".into(), train_step("tiny-moe", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 2 }, false)));
     out
 }
 
@@ -861,6 +866,31 @@ mod emulated {
         check_tuned("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 2, ep: 1 }, 1e-5, 1e-5, ring);
         check_tuned("tiny", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 4, ep: 1 }, 1e-5, 1e-5, ring);
         check_tuned("tiny-llama", "bf16", Mesh { dp: 1, tp: 2, pp: 1, cp: 2, ep: 1 }, 2e-2, 2e-2, ring);
+    }
+
+    /// Mixture of experts (issue 21) on the GPU backend: the routing, permutation and grouped
+    /// GEMM kernels, and the all-to-alls of expert parallelism as copies among the ranks of
+    /// one device, equal the CPU backend's single-device run; in bf16 within its rounding.
+    #[test]
+    fn experts_on_one_device() {
+        check("tiny-moe", "f32", Mesh::default(), 1e-5, 1e-5);
+        check("tiny-moe", "f32", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 2 }, 1e-5, 1e-5);
+        check("tiny-moe", "f32", Mesh { dp: 4, tp: 1, pp: 1, cp: 1, ep: 4 }, 1e-5, 1e-5);
+        check("tiny-moe", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 2 }, 1e-5, 1e-5);
+        check("tiny-moe", "bf16", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 2 }, 2e-2, 2e-2);
+    }
+
+    /// Expert parallelism with one process per rank: each all-to-all is one NCCL group of
+    /// sends and receives (emulated), and the run equals the CPU backend's.
+    #[test]
+    fn expert_parallel_processes_equal_the_cpu_backend() {
+        const STEPS: u64 = 3;
+        for mesh in [Mesh { dp: 4, tp: 1, pp: 1, cp: 1, ep: 4 }, Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 2 }] {
+            let (program, spec) = sgd_step_tuned("tiny-moe", "f32", mesh, None, |_| {});
+            assert!(program.instrs.iter().any(|i| i.op == "shard.all_to_all"), "{mesh}: no all-to-all");
+            let cpu = shardc_runtime::train::train_spmd(&program, 0, spec.model.layers as usize, &corpus(&spec), STEPS, std::time::Duration::from_secs(60)).unwrap();
+            processes_equal_the_cpu(&format!("tiny-moe {mesh}"), std::slice::from_ref(&program), &spec, STEPS, &cpu.losses, &cpu.parameters);
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! Transformer loss of each sequence (the model adds their mean).
 
 use super::{arity, float, ids, io_bytes, positive, rank_is, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
+use crate::kernel::{elements, flat, Arg, DeviceKernel, KernelCx, Launch};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
@@ -51,6 +52,12 @@ fn buffer(buf: &TensorTy, experts: &TensorTy) -> Result<(), String> {
 pub struct MoeRoute;
 
 impl OpDef for MoeRoute {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (e, k) = (cx.inputs[0].shape[2], cx.attrs.int("top_k")?);
+        let tokens = elements(cx.inputs[0]) / e.max(1) as usize;
+        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::Int(tokens as i64), Arg::Int(e), Arg::Int(k)];
+        Ok(DeviceKernel::Launches(vec![flat("moe_route", MOE_CUDA, tokens, args)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_route"
     }
@@ -103,6 +110,12 @@ impl OpDef for MoeRoute {
 pub struct MoeRouteGrad;
 
 impl OpDef for MoeRouteGrad {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (e, k) = (cx.attrs.int("experts")?, cx.inputs[0].shape[2]);
+        let tokens = elements(cx.inputs[0]) / k.max(1) as usize;
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(tokens as i64), Arg::Int(e), Arg::Int(k)];
+        Ok(DeviceKernel::Launches(vec![flat("moe_route_grad", MOE_CUDA, tokens, args)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_route_grad"
     }
@@ -143,6 +156,13 @@ impl OpDef for MoeRouteGrad {
 pub struct MoeAuxLoss;
 
 impl OpDef for MoeAuxLoss {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (b, s, e) = (cx.inputs[0].shape[0], cx.inputs[0].shape[1], cx.inputs[0].shape[2]);
+        let k = cx.inputs[1].shape[2];
+        let counts = aux_counts(b, s, e, k);
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::Workspace, Arg::Int(b), Arg::Int(s), Arg::Int(e), Arg::Int(k)];
+        Ok(DeviceKernel::Launches(vec![counts, Launch { workspace: (b * e) as usize, ..flat("moe_aux_loss", MOE_CUDA, b as usize, args) }]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_aux_loss"
     }
@@ -192,6 +212,13 @@ impl OpDef for MoeAuxLoss {
 pub struct MoeAuxLossGrad;
 
 impl OpDef for MoeAuxLossGrad {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (b, s, e) = (cx.inputs[0].shape[0], cx.inputs[0].shape[1], cx.inputs[0].shape[2]);
+        let k = cx.inputs[1].shape[2];
+        let counts = aux_counts(b, s, e, k);
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(2), Arg::Workspace, Arg::Int(b), Arg::Int(s), Arg::Int(e), Arg::Int(k)];
+        Ok(DeviceKernel::Launches(vec![counts, Launch { workspace: (b * e) as usize, ..flat("moe_aux_loss_grad", MOE_CUDA, (b * s) as usize, args) }]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_aux_loss_grad"
     }
@@ -230,6 +257,11 @@ impl OpDef for MoeAuxLossGrad {
 pub struct MoeSlots;
 
 impl OpDef for MoeSlots {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (b, s, k) = (cx.inputs[0].shape[0], cx.inputs[0].shape[1], cx.inputs[0].shape[2]);
+        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::Int(b), Arg::Int(s), Arg::Int(k), Arg::Int(cx.attrs.int("experts")?), Arg::Int(cx.attrs.int("capacity")?)];
+        Ok(DeviceKernel::Launches(vec![flat("moe_slots", MOE_CUDA, b as usize, args)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_slots"
     }
@@ -282,6 +314,14 @@ const PERMUTE_FACTORS: [FactorKind; 6] = [Free, Blocked, Free, Blocked, Blocked,
 pub struct MoeDispatch;
 
 impl OpDef for MoeDispatch {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let (b, s, d) = (cx.inputs[0].shape[0], cx.inputs[0].shape[1], cx.inputs[0].shape[2]);
+        let k = cx.inputs[1].shape[2];
+        let (e, c) = (cx.attrs.int("experts")?, cx.attrs.int("capacity")?);
+        let zero = flat("shardc_fill_zero", "", elements(&cx.outputs[0]), vec![Arg::Out(0), Arg::Int(e * b * c * d)]);
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(b), Arg::Int(s), Arg::Int(k), Arg::Int(d), Arg::Int(e), Arg::Int(c)];
+        Ok(DeviceKernel::Launches(vec![zero, flat("moe_dispatch", MOE_CUDA, (b * s * k * d) as usize, args)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_dispatch"
     }
@@ -321,6 +361,9 @@ impl OpDef for MoeDispatch {
 pub struct MoeCollect;
 
 impl OpDef for MoeCollect {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Launches(vec![gather_launch(cx, Arg::Null, 1, 2)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_collect"
     }
@@ -354,6 +397,9 @@ impl OpDef for MoeCollect {
 pub struct MoeCombine;
 
 impl OpDef for MoeCombine {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        Ok(DeviceKernel::Launches(vec![gather_launch(cx, Arg::In(1), 2, 3)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_combine"
     }
@@ -406,6 +452,18 @@ impl OpDef for MoeCombine {
 pub struct MoeCombineGrad;
 
 impl OpDef for MoeCombineGrad {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let buf = cx.inputs[0];
+        let (e, c, d) = (buf.shape[0], buf.shape[2], buf.shape[3]);
+        let (b, s, k) = (cx.inputs[2].shape[0], cx.inputs[2].shape[1], cx.inputs[2].shape[2]);
+        let zero = flat("shardc_fill_zero", "", elements(&cx.outputs[0]), vec![Arg::Out(0), Arg::Int(e * b * c * d)]);
+        let dims = [Arg::Int(b), Arg::Int(s), Arg::Int(k), Arg::Int(d), Arg::Int(e), Arg::Int(c)];
+        let mut scatter = vec![Arg::Out(0), Arg::In(4), Arg::In(1), Arg::In(2), Arg::In(3)];
+        scatter.extend(dims.clone());
+        let mut gates = vec![Arg::Out(1), Arg::In(0), Arg::In(4), Arg::In(2), Arg::In(3)];
+        gates.extend(dims);
+        Ok(DeviceKernel::Launches(vec![zero, flat("moe_dispatch_weighted", MOE_CUDA, (b * s * k * d) as usize, scatter), flat("moe_gate_grad", MOE_CUDA, (b * s * k) as usize, gates)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "moe_combine_grad"
     }
@@ -497,6 +555,14 @@ impl ExpertMatMul {
 }
 
 impl OpDef for ExpertMatMul {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let x = cx.inputs[0];
+        let (e, b, c, m) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+        let n = cx.outputs[0].shape[3];
+        let transposed = i64::from(cx.attrs.bool("transpose_rhs")?);
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(e * b), Arg::Int(b), Arg::Int(c), Arg::Int(m), Arg::Int(n), Arg::Int(transposed)];
+        Ok(DeviceKernel::Launches(vec![flat("expert_matmul", MOE_CUDA, elements(&cx.outputs[0]), args)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "expert_matmul"
     }
@@ -551,6 +617,13 @@ impl OpDef for ExpertMatMul {
 pub struct ExpertMatMulWeightGrad;
 
 impl OpDef for ExpertMatMulWeightGrad {
+    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
+        let x = cx.inputs[0];
+        let (e, b, c, m) = (x.shape[0], x.shape[1], x.shape[2], x.shape[3]);
+        let n = cx.inputs[1].shape[3];
+        let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2), Arg::Int(e), Arg::Int(b), Arg::Int(c), Arg::Int(m), Arg::Int(n)];
+        Ok(DeviceKernel::Launches(vec![flat("expert_matmul_wgrad", MOE_CUDA, elements(&cx.outputs[0]), args)]))
+    }
     fn mnemonic(&self) -> &'static str {
         "expert_matmul_wgrad"
     }
@@ -590,3 +663,169 @@ impl OpDef for ExpertMatMulWeightGrad {
         ShardingRule { operands: vec![vec![0, 1, 2, 3], vec![0, 1, 2, 4], vec![0, 1]], results: vec![vec![0, 3, 4]], factors: vec![Free; 5], linearity: Linearity::Product }
     }
 }
+
+/// The per-sequence expert counts of the load-balancing loss and its gradient, into the
+/// workspace (`[B, E]`, as `acc_t`).
+fn aux_counts(b: i64, s: i64, e: i64, k: i64) -> Launch {
+    let args = vec![Arg::Workspace, Arg::In(1), Arg::Int(b), Arg::Int(s), Arg::Int(e), Arg::Int(k)];
+    Launch { workspace: (b * e) as usize, ..flat("moe_aux_counts", MOE_CUDA, b as usize, args) }
+}
+
+/// `moe_collect` (no gates) or `moe_combine`: each token's rows summed back from the buffer.
+fn gather_launch(cx: &KernelCx<'_>, gates: Arg, experts: usize, slots: usize) -> Launch {
+    let buf = cx.inputs[0];
+    let (e, c, d) = (buf.shape[0], buf.shape[2], buf.shape[3]);
+    let (b, s, k) = (cx.inputs[experts].shape[0], cx.inputs[experts].shape[1], cx.inputs[experts].shape[2]);
+    let args = vec![Arg::Out(0), Arg::In(0), gates, Arg::In(experts), Arg::In(slots), Arg::Int(b), Arg::Int(s), Arg::Int(k), Arg::Int(d), Arg::Int(e), Arg::Int(c)];
+    flat("moe_gather", MOE_CUDA, (b * s * d) as usize, args)
+}
+
+/// CUDA C of this file's ops (see [`crate::kernel`]): one thread per token, sequence or
+/// element, each walking its choices in order, so results repeat bit for bit. The grouped
+/// GEMMs are plain loops over the filled rows (a tiled grouped GEMM is future work).
+const MOE_CUDA: &str = r#"// Top-k of each token's router logits (ties to the lower expert), and the softmax over them.
+extern "C" __global__ void moe_route(T* gates, int* experts, const T* logits, i64 tokens, i64 e, i64 k) {
+  GRID_STRIDE(t, tokens) {
+    const T* row = logits + t * e;
+    for (i64 j = 0; j < k; j++) {
+      i64 best = -1;
+      for (i64 x = 0; x < e; x++) {
+        bool taken = false;
+        for (i64 q = 0; q < j; q++) taken = taken || experts[t * k + q] == x;
+        if (!taken && (best < 0 || !(load(row[x]) <= load(row[best])))) best = x;
+      }
+      experts[t * k + j] = (int)best;
+    }
+    acc_t top = load(row[experts[t * k]]), sum = 0;
+    for (i64 j = 0; j < k; j++) sum += exp(load(row[experts[t * k + j]]) - top);
+    for (i64 j = 0; j < k; j++) gates[t * k + j] = store(exp(load(row[experts[t * k + j]]) - top) / sum);
+  }
+}
+extern "C" __global__ void moe_route_grad(T* out, const T* gates, const int* experts, const T* dgates, i64 tokens, i64 e, i64 k) {
+  GRID_STRIDE(t, tokens) {
+    for (i64 x = 0; x < e; x++) out[t * e + x] = store((acc_t)0);
+    acc_t dot = 0;
+    for (i64 j = 0; j < k; j++) dot += load(gates[t * k + j]) * load(dgates[t * k + j]);
+    for (i64 j = 0; j < k; j++) {
+      int x = experts[t * k + j];
+      if (x >= 0 && x < e) out[t * e + x] = store(load(gates[t * k + j]) * (load(dgates[t * k + j]) - dot));
+    }
+  }
+}
+// counts[b, x] = E / (S^2 k) x (the choices of sequence b that picked x).
+extern "C" __global__ void moe_aux_counts(acc_t* counts, const int* experts, i64 b, i64 s, i64 e, i64 k) {
+  GRID_STRIDE(row, b) {
+    for (i64 x = 0; x < e; x++) counts[row * e + x] = 0;
+    acc_t scale = (acc_t)e / ((acc_t)s * (acc_t)s * (acc_t)k);
+    for (i64 i = 0; i < s * k; i++) {
+      int x = experts[row * s * k + i];
+      if (x >= 0 && x < e) counts[row * e + x] += scale;
+    }
+  }
+}
+// loss[b] = sum over the sequence's tokens of <softmax(logits), counts[b]>.
+extern "C" __global__ void moe_aux_loss(T* loss, const T* logits, const acc_t* counts, i64 b, i64 s, i64 e, i64 k) {
+  GRID_STRIDE(row, b) {
+    acc_t total = 0;
+    for (i64 t = 0; t < s; t++) {
+      const T* l = logits + (row * s + t) * e;
+      acc_t top = NEG_INF, sum = 0, dot = 0;
+      for (i64 x = 0; x < e; x++) top = fmax(top, load(l[x]));
+      for (i64 x = 0; x < e; x++) { acc_t p = exp(load(l[x]) - top); sum += p; dot += p * counts[row * e + x]; }
+      total += dot / sum;
+    }
+    loss[row] = store(total);
+  }
+}
+extern "C" __global__ void moe_aux_loss_grad(T* out, const T* logits, const T* dloss, const acc_t* counts, i64 b, i64 s, i64 e, i64 k) {
+  GRID_STRIDE(t, b * s) {
+    i64 row = t / s;
+    const T* l = logits + t * e;
+    acc_t top = NEG_INF, sum = 0, dot = 0;
+    for (i64 x = 0; x < e; x++) top = fmax(top, load(l[x]));
+    for (i64 x = 0; x < e; x++) { acc_t p = exp(load(l[x]) - top); sum += p; dot += p * counts[row * e + x]; }
+    dot /= sum;
+    acc_t g = load(dloss[row]);
+    for (i64 x = 0; x < e; x++) { acc_t p = exp(load(l[x]) - top) / sum; out[t * e + x] = store(g * p * (counts[row * e + x] - dot)); }
+  }
+}
+// Per sequence: first choices before second choices, each in token order; counts serve as
+// the running slot numbers, clamped to the capacity at the end.
+extern "C" __global__ void moe_slots(int* slots, int* counts, const int* experts, i64 b, i64 s, i64 k, i64 e, i64 c) {
+  GRID_STRIDE(row, b) {
+    for (i64 x = 0; x < e; x++) counts[x * b + row] = 0;
+    for (i64 j = 0; j < k; j++) {
+      for (i64 t = 0; t < s; t++) {
+        i64 i = (row * s + t) * k + j;
+        int x = experts[i];
+        if (x < 0 || x >= e) { slots[i] = -1; continue; }
+        int slot = counts[x * b + row]++;
+        slots[i] = slot < c ? slot : -1;
+      }
+    }
+    for (i64 x = 0; x < e; x++) counts[x * b + row] = counts[x * b + row] < c ? counts[x * b + row] : (int)c;
+  }
+}
+extern "C" __global__ void moe_dispatch(T* buf, const T* x, const int* experts, const int* slots, i64 b, i64 s, i64 k, i64 d, i64 e, i64 c) {
+  GRID_STRIDE(i, b * s * k * d) {
+    i64 choice = i / d, col = i % d, token = choice / k, row = token / s;
+    int ex = experts[choice], slot = slots[choice];
+    if (slot >= 0 && slot < c && ex >= 0 && ex < e) buf[((ex * b + row) * c + slot) * d + col] = x[token * d + col];
+  }
+}
+// The combine's gradient into the buffer: gates x dy in each kept choice's slot.
+extern "C" __global__ void moe_dispatch_weighted(T* buf, const T* dy, const T* gates, const int* experts, const int* slots, i64 b, i64 s, i64 k, i64 d, i64 e, i64 c) {
+  GRID_STRIDE(i, b * s * k * d) {
+    i64 choice = i / d, col = i % d, token = choice / k, row = token / s;
+    int ex = experts[choice], slot = slots[choice];
+    if (slot >= 0 && slot < c && ex >= 0 && ex < e) buf[((ex * b + row) * c + slot) * d + col] = store(load(gates[choice]) * load(dy[token * d + col]));
+  }
+}
+extern "C" __global__ void moe_gate_grad(T* dgates, const T* buf, const T* dy, const int* experts, const int* slots, i64 b, i64 s, i64 k, i64 d, i64 e, i64 c) {
+  GRID_STRIDE(choice, b * s * k) {
+    i64 token = choice / k, row = token / s;
+    int ex = experts[choice], slot = slots[choice];
+    acc_t dot = 0;
+    if (slot >= 0 && slot < c && ex >= 0 && ex < e)
+      for (i64 col = 0; col < d; col++) dot += load(dy[token * d + col]) * load(buf[((ex * b + row) * c + slot) * d + col]);
+    dgates[choice] = store(dot);
+  }
+}
+// y[token] = sum over its kept choices of (gate) x buffer row; gates null: weight 1.
+extern "C" __global__ void moe_gather(T* y, const T* buf, const T* gates, const int* experts, const int* slots, i64 b, i64 s, i64 k, i64 d, i64 e, i64 c) {
+  GRID_STRIDE(i, b * s * d) {
+    i64 token = i / d, col = i % d, row = token / s;
+    acc_t sum = 0;
+    for (i64 j = 0; j < k; j++) {
+      i64 choice = token * k + j;
+      int ex = experts[choice], slot = slots[choice];
+      if (slot >= 0 && slot < c && ex >= 0 && ex < e) sum += (gates ? load(gates[choice]) : (acc_t)1) * load(buf[((ex * b + row) * c + slot) * d + col]);
+    }
+    y[i] = store(sum);
+  }
+}
+// out[g, r, :] = x[g, r, :] @ w[expert of g] for the rows r < counts[g] that hold tokens.
+extern "C" __global__ void expert_matmul(T* out, const T* x, const T* w, const int* counts, i64 groups, i64 b, i64 c, i64 m, i64 n, i64 transposed) {
+  GRID_STRIDE(i, groups * c * n) {
+    i64 g = i / (c * n), r = (i / n) % c, col = i % n, ex = g / b;
+    acc_t sum = 0;
+    if (r < counts[g]) {
+      const T* xr = x + (g * c + r) * m;
+      const T* we = w + ex * m * n;
+      for (i64 q = 0; q < m; q++) sum += load(xr[q]) * load(transposed ? we[col * m + q] : we[q * n + col]);
+    }
+    out[i] = store(sum);
+  }
+}
+extern "C" __global__ void expert_matmul_wgrad(T* dw, const T* x, const T* dy, const int* counts, i64 e, i64 b, i64 c, i64 m, i64 n) {
+  GRID_STRIDE(i, e * m * n) {
+    i64 ex = i / (m * n), p = (i / n) % m, q = i % n;
+    acc_t sum = 0;
+    for (i64 row = 0; row < b; row++) {
+      i64 g = ex * b + row;
+      for (i64 r = 0; r < counts[g] && r < c; r++) sum += load(x[(g * c + r) * m + p]) * load(dy[(g * c + r) * n + q]);
+    }
+    dw[i] = store(sum);
+  }
+}
+"#;

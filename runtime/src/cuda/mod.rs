@@ -232,7 +232,7 @@ impl std::fmt::Debug for CudaExecutor {
 const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate", "shardc_accumulate_f32"];
 
 /// Ops the device plan leaves to the runtime.
-const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
+const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.all_to_all", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
 
 impl CudaExecutor {
     /// Loads `program` (which must carry a device plan) onto the GPU(s) of `placement`.
@@ -903,6 +903,21 @@ impl CudaExecutor {
                 }
                 Ok(())
             }
+            "shard.all_to_all" => {
+                // Rank p's block k along the split axis becomes block p, along the concat
+                // axis, of rank k's output: staged contiguous between the two layouts.
+                let layout = AllToAll::of(&instr, &in_shape, &out_shape, es, groups.first().map_or(1, Vec::len)).map_err(err)?;
+                let staging = self.staging(layout.part)?;
+                for group in &groups {
+                    for (p, &source) in group.iter().enumerate() {
+                        for (k, &dest) in group.iter().enumerate() {
+                            self.copy_blocks(staging, layout.split_block, self.buffer_ptr(source, instr.inputs[0]) + (k * layout.split_block) as u64, layout.split_stride, layout.split_outer, layout.split_block)?;
+                            self.copy_blocks(self.buffer_ptr(dest, instr.outputs[0]) + (p * layout.concat_block) as u64, layout.concat_stride, staging, layout.concat_block, layout.concat_outer, layout.concat_block)?;
+                        }
+                    }
+                }
+                Ok(())
+            }
             "shard.shift" => {
                 // Every input of a group staged first (an output may share its rank's input's
                 // storage), then each moved `offset` places on round the ring. Asynchronous
@@ -945,6 +960,9 @@ impl CudaExecutor {
         }
         if instr.op == "shard.shift" {
             return self.shift_nccl(instr, input, output);
+        }
+        if instr.op == "shard.all_to_all" {
+            return self.all_to_all_nccl(instr, input, output);
         }
         let in_buffer = self.program.buffers[instr.inputs[0]].clone();
         let out_buffer = self.program.buffers[instr.outputs[0]].clone();
@@ -1029,6 +1047,38 @@ impl CudaExecutor {
     /// of an asynchronous bucket, held until the bucket's last member and then sent with the
     /// others as one NCCL group on the cp communicator's stream, which the bucket's `xf.wait`
     /// joins (the memory plan keeps every member's input and output until then).
+    /// An all-to-all as one NCCL group of sends and receives on its communicator's stream
+    /// (`ncclSend`/`ncclRecv` to and from every peer, as NCCL's own all-to-all pattern): each
+    /// part staged contiguous, sent to its peer, and received parts placed along the concat
+    /// axis.
+    fn all_to_all_nccl(&mut self, instr: &Instr, input: u64, output: u64) -> Result<(), RuntimeError> {
+        let rank = self.ranks[0].rank;
+        let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+        let group = self.mesh.group(rank, &axes);
+        let n = group.len();
+        let p = group.iter().position(|&r| r == rank).ok_or_else(|| err("a rank outside its own group"))?;
+        let (in_buffer, out_buffer) = (self.program.buffers[instr.inputs[0]].clone(), self.program.buffers[instr.outputs[0]].clone());
+        let layout = AllToAll::of(instr, &in_buffer.shape, &out_buffer.shape, in_buffer.dtype.bytes(), n).map_err(err)?;
+        let staging = self.staging(2 * n * layout.part)?;
+        let (sent, received) = (staging, staging + (n * layout.part) as u64);
+        for k in 0..n {
+            self.copy_blocks(sent + (k * layout.part) as u64, layout.split_block, input + (k * layout.split_block) as u64, layout.split_stride, layout.split_outer, layout.split_block)?;
+        }
+        self.copy_raw(received + (p * layout.part) as u64, sent + (p * layout.part) as u64, layout.part)?;
+        let members: Vec<nccl::ShiftMember> = (1..n)
+            .map(|s| {
+                let (to, from) = ((p + s) % n, (p + n - s) % n);
+                nccl::ShiftMember { axes: axes.clone(), send: sent + (to * layout.part) as u64, recv: received + (from * layout.part) as u64, bytes: layout.part, to: (to, group[to]), from: (from, group[from]) }
+            })
+            .collect();
+        let stream = self.device.stream().cloned();
+        self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?.shift(&members, rank, stream.as_deref(), true)?;
+        for k in 0..n {
+            self.copy_blocks(output + (k * layout.concat_block) as u64, layout.concat_stride, received + (k * layout.part) as u64, layout.concat_block, layout.concat_outer, layout.concat_block)?;
+        }
+        Ok(())
+    }
+
     fn shift_nccl(&mut self, instr: &Instr, input: u64, output: u64) -> Result<(), RuntimeError> {
         let rank = self.ranks[0].rank;
         let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
@@ -1845,4 +1895,37 @@ const PRELUDE_ONLY: &str = "extern \"C\" __global__ void shardc_nothing() {}\n";
 /// execute.
 pub fn gemm_flops(plan: &DevicePlan) -> f64 {
     plan.calls.iter().flatten().map(|c| if let DeviceCall::Gemm(g) = c { 2.0 * (g.m * g.n * g.k * g.batch) as f64 } else { 0.0 }).sum()
+}
+
+/// How an all-to-all's parts lie in its buffers, in bytes: part k of the input is
+/// `split_outer` rows of `split_block` bytes, `split_stride` apart, at `k x split_block`; it
+/// lands in the output as `concat_outer` rows of `concat_block` bytes, `concat_stride`
+/// apart, at `k x concat_block`; a part is `part` bytes.
+struct AllToAll {
+    part: usize,
+    split_outer: usize,
+    split_block: usize,
+    split_stride: usize,
+    concat_outer: usize,
+    concat_block: usize,
+    concat_stride: usize,
+}
+
+impl AllToAll {
+    fn of(instr: &Instr, input: &[usize], output: &[usize], element: usize, n: usize) -> Result<AllToAll, String> {
+        let (split, concat) = (instr.int("split_axis")? as usize, instr.int("concat_axis")? as usize);
+        if split >= input.len() || concat >= input.len() || input.len() != output.len() {
+            return Err(format!("all-to-all of {input:?} into {output:?} along {split} and {concat}"));
+        }
+        let inner = |shape: &[usize], axis: usize| shape[axis + 1..].iter().product::<usize>() * element;
+        Ok(AllToAll {
+            part: input.iter().product::<usize>() * element / n.max(1),
+            split_outer: input[..split].iter().product(),
+            split_block: output[split] * inner(input, split),
+            split_stride: input[split] * inner(input, split),
+            concat_outer: output[..concat].iter().product(),
+            concat_block: input[concat] * inner(output, concat),
+            concat_stride: output[concat] * inner(output, concat),
+        })
+    }
 }
