@@ -164,6 +164,8 @@ pub struct Plan {
     pub tp: u64,
     /// Context-parallel ranks (1: none).
     pub cp: u64,
+    /// Expert-parallel ranks, carved from dp (1: none).
+    pub ep: u64,
     pub pp: u64,
     pub dp: u64,
     pub micro_batch: u64,
@@ -273,7 +275,7 @@ impl Plan {
     pub fn assumption(&self, units: &[UnitCosts], cluster: &Cluster, source: &str) -> String {
         let (term, t) = self.dominant(units);
         let g = &cluster.gpu;
-        let grid = [self.dp as i64, self.tp as i64, self.pp as i64, self.cp as i64];
+        let grid = plan_grid(self.dp, self.tp, self.pp, self.cp, self.ep);
         let link = |axis: usize| {
             let l = if axis == 2 { cluster.send_link(&grid, &[axis]) } else { cluster.link(&grid, &[axis]) };
             let name = if l == cluster.intra_node { "intra-node link" } else { "inter-node link" };
@@ -312,8 +314,9 @@ impl Plan {
     fn label(&self) -> String {
         let schedule = if self.pp == 1 { "-".to_string() } else if self.virtual_stages > 1 { format!("{} v={}", self.schedule, self.virtual_stages) } else { self.schedule.to_string() };
         format!(
-            "dp={} {}tp={} pp={} b={} m={} {} {}{} z{}",
+            "dp={} {}{}tp={} pp={} b={} m={} {} {}{} z{}",
             self.dp,
+            if self.ep > 1 { format!("ep={} ", self.ep) } else { String::new() },
             if self.cp > 1 { format!("cp={} ", self.cp) } else { String::new() },
             self.tp,
             self.pp,
@@ -403,7 +406,7 @@ pub struct Searched {
 /// step of a ZeRO stage for its data-parallel traffic.
 #[derive(Clone, Copy)]
 enum Job {
-    Unit(u64, u64, bool, Recompute),
+    Unit(u64, u64, u64, bool, Recompute),
     Sync(u8),
 }
 
@@ -422,19 +425,23 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     // Context parallelism where a rank's part of the sequence stays long enough to be
     // worth splitting (MIN_CONTEXT_PART tokens) and the zigzag order's 2 x cp chunks divide it.
     let cps: Vec<u64> = [1u64, 2, 4, 8, 16].into_iter().filter(|&c| c == 1 || (seq % (2 * c) == 0 && seq / c >= MIN_CONTEXT_PART && gpus % c == 0)).collect();
-    let mut variants: Vec<(u64, u64, bool, &'static str, Recompute)> = Vec::new();
+    // Expert parallelism for MoE models: ep divides the experts (and, below, dp).
+    let eps: Vec<u64> = [1u64, 2, 4, 8, 16, 32, 64].into_iter().filter(|&e| e == 1 || m.moe.as_ref().is_some_and(|moe| moe.experts % e == 0 && gpus % e == 0)).collect();
+    let mut variants: Vec<(u64, u64, u64, bool, &'static str, Recompute)> = Vec::new();
     for &t in &tps {
         for &c in cps.iter().filter(|&&c| gpus % (t * c) == 0) {
-            for sp in [false, true].into_iter().filter(|&sp| !sp || (t > 1 && seq % (t * c) == 0)) {
-                for (n, r) in recomputes {
-                    variants.push((t, c, sp, n, r));
+            for &e in eps.iter().filter(|&&e| gpus % (t * c * e) == 0) {
+                for sp in [false, true].into_iter().filter(|&sp| !sp || (t > 1 && seq % (t * c) == 0)) {
+                    for (n, r) in recomputes {
+                        variants.push((t, c, e, sp, n, r));
+                    }
                 }
             }
         }
     }
     // And, per ZeRO stage, the one-layer step at dp=2 whose dp collectives say what the
     // data-parallel sync moves per parameter (the same at any tp: per model-parallel share).
-    let mut jobs: Vec<Job> = variants.iter().map(|&(t, c, sp, _, r)| Job::Unit(t, c, sp, r)).collect();
+    let mut jobs: Vec<Job> = variants.iter().map(|&(t, c, e, sp, _, r)| Job::Unit(t, c, e, sp, r)).collect();
     if gpus > 1 {
         jobs.extend((0..=3u8).map(Job::Sync));
     }
@@ -442,7 +449,8 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let halves: [Vec<Job>; 2] = [jobs.iter().step_by(2).copied().collect(), jobs.iter().skip(1).step_by(2).copied().collect()];
     let measured: Vec<Result<Measured>> = std::thread::scope(|s| {
         let run = |job: Job| match job {
-            Job::Unit(t, c, sp, r) => compile_unit(spec, cluster, Mesh { dp: 1, tp: t, pp: 1, cp: c, ep: 1 }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
+            // An expert-parallel unit is one expert group: dp = ep ranks of one sequence each.
+            Job::Unit(t, c, e, sp, r) => compile_unit(spec, cluster, Mesh { dp: e, tp: t, pp: 1, cp: c, ep: e }, 0, sp, r).map(|p| Measured::Unit(unit_costs(&p, cluster))),
             Job::Sync(zero) => compile_unit(spec, cluster, Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, zero, false, Recompute::None).map(|p| Measured::Sync(data_parallel_traffic(&p))),
         };
         let handles: Vec<_> = halves.iter().map(|half| s.spawn(move || half.iter().map(|&job| run(job)).collect::<Vec<_>>())).collect();
@@ -471,10 +479,10 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
     let mut plans = Vec::new();
     let mut considered = 0usize;
     let mut too_many_microbatches = false;
-    for (index, (&(tp, cp, sp, rname, _), u)) in variants.iter().zip(&units).enumerate() {
+    for (index, (&(tp, cp, ep, sp, rname, _), u)) in variants.iter().zip(&units).enumerate() {
         for pp in (1..=layers.min(gpus / (tp * cp))).filter(|&p| layers % p == 0 && gpus % (tp * cp * p) == 0) {
             let dp = gpus / (tp * cp * pp);
-            if global_batch % dp != 0 {
+            if global_batch % dp != 0 || dp % ep != 0 {
                 continue;
             }
             let per_replica = global_batch / dp;
@@ -503,13 +511,23 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                 let (embed, head) = (u.embed.0 + u.embed.1, u.head.0 + u.head.1);
                 let first = bf * (lps * (u.layer_forward + u.layer_backward) + embed + if pp == 1 { head } else { 0.0 });
                 let last = bf * (lps * (u.layer_forward + u.layer_backward) + head + if pp == 1 { embed } else { 0.0 });
-                let grid = [dp as i64, tp as i64, pp as i64, cp as i64];
+                let grid = plan_grid(dp, tp, pp, cp, ep);
                 // A rank's part of the sequence: 1/cp of it, and 1/tp of that with sequence
                 // parallelism.
                 let part = seq as f64 / cp as f64 / if sp { tp as f64 } else { 1.0 };
                 let send = if pp > 1 { 2.0 * cluster.time(Collective::Send, 2.0 * bf * part * hidden, &grid, &[2]) } else { 0.0 };
                 // The gradients of the dp x cp ranks that hold the same parameters are summed.
-                let sync_axes: &[usize] = if cp > 1 { &[shardc_ir::mesh::DP_AXIS, shardc_ir::mesh::CP_AXIS] } else { &[shardc_ir::mesh::DP_AXIS] };
+                // With expert parallelism, every data-parallel rank's: the dense parameters' sum
+                // runs over dp and ep, an expert's over the dp / ep ranks that hold it (priced
+                // over all of them: a ring moves the same bytes per rank either way).
+                let mut sync_axes = vec![shardc_ir::mesh::DP_AXIS];
+                if cp > 1 {
+                    sync_axes.push(shardc_ir::mesh::CP_AXIS);
+                }
+                if ep > 1 {
+                    sync_axes.push(shardc_ir::mesh::EP_AXIS);
+                }
+                let sync_axes = sync_axes.as_slice();
                 let first_is_fuller = first >= last;
                 let psi = lps * u.layer_params + u.other_params;
                 for &(kind, sname, v) in &kinds {
@@ -519,16 +537,20 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         // ZeRO-3 gathers the stage's stored shards in every micro-batch's
                         // forward and backward, inline, as its compiled program does.
                         let gather = match traffic.get(zero as usize) {
-                            Some(t) if dp > 1 => t.microbatch_time(cluster, psi, &grid),
+                            // Over all dp ranks (an expert's over the dp / ep holding it:
+                            // priced as the dense ones', the same bytes per rank of a ring).
+                            Some(t) if dp > 1 => t.microbatch_time(cluster, psi, &plan_grid(dp, tp, pp, cp, 1)),
                             _ => 0.0,
                         };
                         let stage = first.max(last) + send + gather;
                         let d = dp as f64;
                         // ZeRO shards only the tensors with a dimension dp divides; the rest
                         // stay whole on every rank, as the compiled program keeps them.
+                        // An expert is sharded over the dp / ep ranks holding it.
+                        let experts_sharded = u.expert_params - u.expert_params / (dp / ep) as f64;
                         let (layer_shardable, other_shardable) = (u.shardable_params(true, dp), u.shardable_params(false, dp));
                         let sharded = |psi: f64, shardable: f64| psi - shardable + shardable / d;
-                        let shard = |from: u8| if zero >= from { sharded(psi, lps * layer_shardable + other_shardable) } else { psi };
+                        let shard = |from: u8| if zero >= from { sharded(psi, lps * layer_shardable + other_shardable) - lps * experts_sharded } else { psi };
                         // Per stage: its layers, the embedding on the first, the head on the
                         // last (each half of the measured rest); 1F1B-like schedules hold fewer
                         // micro-batches on later stages.
@@ -536,7 +558,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                             .map(|s| {
                                 let ends = (s == 0) as u8 as f64 + (s == pp - 1) as u8 as f64;
                                 let psi_s = lps * u.layer_params + ends * u.other_params / 2.0;
-                                let shard_s = |from: u8| if zero >= from { sharded(psi_s, lps * layer_shardable + ends * other_shardable / 2.0) } else { psi_s };
+                                let shard_s = |from: u8| if zero >= from { sharded(psi_s, lps * layer_shardable + ends * other_shardable / 2.0) - lps * experts_sharded } else { psi_s };
                                 let flight = if kind == Kind::Gpipe || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
                                 let kept = bf * (lps * u.layer_kept * flight.max(1.0) + ends * u.other_kept / 2.0);
                                 // Bytes per parameter as the compiled program keeps them.
@@ -574,6 +596,7 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         plans.push(Plan {
                             tp,
                             cp,
+                            ep,
                             pp,
                             dp,
                             micro_batch: b,
@@ -714,7 +737,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let mut command = format!(
         "shardc run {} --mesh {} --micro-batch {} --microbatches {} --recompute {} --zero {}",
         step.hf_dir(args.spec.as_deref()).or_else(|| args.spec.clone()).unwrap_or_default().display(),
-        Mesh { dp: best.dp, tp: best.tp, pp: best.pp, cp: best.cp, ep: 1 },
+        Mesh { dp: best.dp, tp: best.tp, pp: best.pp, cp: best.cp, ep: best.ep },
         best.micro_batch,
         best.microbatches,
         best.recompute,
@@ -889,4 +912,14 @@ fn report_html(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64, pla
         tflops = best.tflops_per_gpu,
         bound = escape(&best.bottleneck(units, cluster.gpu.memory_bytes)),
     )
+}
+
+/// The grid a plan's mesh runs on (see `shard-megatron`): `[dp, tp, pp]`, with cp, and with
+/// ep the dp axis holding the dp / ep expert groups.
+fn plan_grid(dp: u64, tp: u64, pp: u64, cp: u64, ep: u64) -> Vec<i64> {
+    let mut grid = vec![(dp / ep.max(1)) as i64, tp as i64, pp as i64, cp as i64];
+    if ep > 1 {
+        grid.push(ep as i64);
+    }
+    grid
 }

@@ -3081,6 +3081,9 @@ fn mixture_of_experts_trains_like_one_device() {
     assert!(text.contains("dp=8,ep=8,tp=8,pp=1 (64 ranks)") && text.contains("all_to_all over ep") && text.contains("fits in h100-sxm"), "{text}");
     assert!(text.contains("46,702,792,704") && text.contains("12,879,925,248 active per token"), "{text}");
     assert!(text.contains("xf.expert_matmul 96") && text.contains("xf.moe_dispatch 32"), "{text}");
+    // `plan` searches ep with dp, tp, pp: expert-parallel strategies are among those listed.
+    let planned = stdout(&shardc(&["plan", "models/mixtral-8x7b.toml", "--gpus", "64", "--top", "40"]));
+    assert!(planned.lines().any(|l| l.contains(" ep=8 ") && l.contains("GB")), "{planned}");
     // On the (emulated) GPU too, expert parallel.
     let gpu = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny-moe.toml", "--mesh", "dp=2,ep=2", "--backend", "cuda", "--steps", "3", "--log-every", "1"]).current_dir(root()).env("SHARDC_GPU_EMULATE", "1").output().unwrap();
     let on_gpu = losses_by_step(&gpu);

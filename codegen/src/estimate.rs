@@ -673,6 +673,10 @@ pub struct UnitCosts {
     /// layer (else to the embedding and head): ZeRO shards a tensor only along a dimension
     /// that dp divides.
     pub param_shapes: Vec<(bool, Vec<usize>)>,
+    /// Elements of the layer's parameters split over the expert-parallel axis (a MoE
+    /// layer's experts, per rank): ZeRO shards them over the data-parallel ranks holding the
+    /// same experts only.
+    pub expert_params: f64,
     /// Peak temporary bytes besides kept values.
     pub temporaries: f64,
     /// One layer's forward and backward seconds by kernel class (`gemm`, `attention`,
@@ -800,7 +804,12 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
         let dp_bucket = instr.bool("xf.async").unwrap_or(false) && instr.ints("grid_axes").is_ok_and(|a| a == [DP_AXIS as i64]);
         // So are the weight gradients' all-reduces over cp (a step reduces them over dp and
         // cp together, once, however many micro-batches it has).
-        let cp_sync = instr.op == "shard.all_reduce" && instr.origin.role == shardc_ir::facts::Role::Gradient && instr.ints("grid_axes").is_ok_and(|a| a == [shardc_ir::mesh::CP_AXIS as i64]);
+        // And, with expert parallelism (a unit compiled at dp = ep), the weight gradients'
+        // reductions over the data-parallel axes.
+        let data_axes = [DP_AXIS as i64, shardc_ir::mesh::EP_AXIS as i64];
+        let cp_sync = instr.op == "shard.all_reduce"
+            && instr.origin.role == shardc_ir::facts::Role::Gradient
+            && instr.ints("grid_axes").is_ok_and(|a| a == [shardc_ir::mesh::CP_AXIS as i64] || (!a.is_empty() && a.iter().all(|x| data_axes.contains(x))));
         if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || dp_bucket || cp_sync {
             continue;
         }
@@ -857,7 +866,12 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
         } else {
             u.other_params += n;
         }
-        u.param_shapes.push((a.block.layer().is_some(), program.buffers[a.buffer].shape.clone()));
+        let expert = a.layout.as_ref().is_some_and(|l| l.split.iter().flatten().any(|&axis| axis == shardc_ir::mesh::EP_AXIS));
+        if expert {
+            u.expert_params += n;
+        } else {
+            u.param_shapes.push((a.block.layer().is_some(), program.buffers[a.buffer].shape.clone()));
+        }
     }
     // Bytes per parameter, read from the program's own types (one device: no sharding).
     let shards = parameter_bytes(program);
