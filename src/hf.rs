@@ -14,6 +14,7 @@ fn family(spec: &Spec) -> Result<Family> {
     match HfFamily::of(spec) {
         Some(HfFamily::Gpt2) => Ok(Family::Gpt2),
         Some(HfFamily::Llama) => Ok(Family::Llama),
+        Some(HfFamily::Mixtral) => Ok(Family::Mixtral),
         None => Err(miette!("{}", to_hf_config(spec).err().unwrap_or_default())),
     }
 }
@@ -35,8 +36,8 @@ pub struct LazyWeights {
     family: Family,
     tied: bool,
     expected: std::collections::BTreeMap<String, Vec<usize>>,
-    /// Every parameter's Hugging Face tensor.
-    source: std::collections::BTreeMap<String, String>,
+    /// Every parameter's Hugging Face tensors (several for a stacked expert parameter).
+    source: std::collections::BTreeMap<String, Vec<String>>,
     /// The parameters the tensor read last became (GPT-2's fused q, k, v come together).
     last: Vec<(String, shardc_runtime::tensor_file::Tensor)>,
 }
@@ -48,14 +49,14 @@ impl LazyWeights {
         let (family, tied, expected) = (family(spec)?, spec.model.tied_embeddings, parameter_shapes(spec)?);
         let context = || format!("reading the weights of {}", dir.display());
         rhf::check_names(folder.names()).into_diagnostic().wrap_err_with(context)?;
-        let mut source = std::collections::BTreeMap::new();
+        let mut source: std::collections::BTreeMap<String, Vec<String>> = std::collections::BTreeMap::new();
         for name in folder.names() {
             for ours in rhf::parameters_of(family, name, tied).into_diagnostic().wrap_err_with(context)? {
                 if !expected.contains_key(&ours) {
                     // The error import gives a tensor with no place in the model.
                     rhf::import_tensor(family, name, &[], &[], tied, &expected).into_diagnostic().wrap_err_with(context)?;
                 }
-                source.insert(ours, name.clone());
+                source.entry(ours).or_default().push(name.clone());
             }
         }
         Ok(LazyWeights { folder, family, tied, expected, source, last: Vec::new() })
@@ -71,9 +72,19 @@ impl LazyWeights {
         if let Some((_, tensor)) = self.last.iter().find(|(n, _)| n == name) {
             return Ok(Some(tensor.clone()));
         }
-        let Some(hf_name) = self.source.get(name) else { return Ok(None) };
-        let Some((shape, values)) = self.folder.read(hf_name)? else { return Ok(None) };
-        self.last = rhf::import_tensor(self.family, hf_name, &shape, &values, self.tied, &self.expected)?;
+        let Some(hf_names) = self.source.get(name) else { return Ok(None) };
+        let mut parts = Vec::new();
+        for hf_name in hf_names {
+            let Some((shape, values)) = self.folder.read(hf_name)? else { return Ok(None) };
+            parts.extend(rhf::import_tensor(self.family, hf_name, &shape, &values, self.tied, &self.expected)?);
+        }
+        // A stacked expert parameter, from each expert's tensor.
+        if parts.iter().any(|(n, _)| n != name && n.starts_with(name) && n.ends_with(']')) {
+            let mut tensors: Tensors = parts.into_iter().collect();
+            rhf::stack_experts(&mut tensors, &self.expected)?;
+            parts = tensors.into_iter().collect();
+        }
+        self.last = parts;
         Ok(self.last.iter().find(|(n, _)| n == name).map(|(_, t)| t.clone()))
     }
 }
@@ -94,7 +105,7 @@ fn parameter_shapes(spec: &Spec) -> Result<std::collections::BTreeMap<String, Ve
 
 /// Writes `config.json` and `model.safetensors` for the parameters of `state`.
 pub fn save(dir: &Path, spec: &Spec, state: &shardc_runtime::train::TrainState) -> Result<()> {
-    let config = to_hf_config(spec).map_err(|e| miette!(help = "--save-hf writes GPT-2 and Llama models", "{e}"))?;
+    let config = to_hf_config(spec).map_err(|e| miette!(help = "--save-hf writes GPT-2, Llama and Mixtral models", "{e}"))?;
     let params: Tensors = state.tensors.keys().filter(|n| !n.starts_with("opt.")).filter_map(|n| Some((n.clone(), state.parameter(n)?.clone()))).collect();
     let tensors = rhf::export(family(spec)?, &params, spec.model.tied_embeddings).into_diagnostic()?;
     std::fs::create_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("creating {}", dir.display()))?;

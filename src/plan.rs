@@ -365,6 +365,12 @@ fn compile_unit(spec: &Spec, cluster: &Cluster, mesh: Mesh, zero: u8, sequence_p
     let (tp, mesh) = (mesh.tp, Mesh { pp: 1, ..mesh });
     let mut one = spec.clone();
     one.model.layers = 1;
+    // A mixture of experts' unit is one of its MoE layers (its dense layers, if any, are
+    // priced as MoE layers too: an upper bound).
+    if let Some(moe) = one.model.moe.as_mut() {
+        moe.first_dense = 0;
+        moe.every = 1;
+    }
     one.training.micro_batch = 1;
     one.training.global_batch = None;
     let options = CompileOptions {

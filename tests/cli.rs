@@ -3093,3 +3093,45 @@ fn mixture_of_experts_trains_like_one_device() {
         assert!((loss - three[step]).abs() <= 1e-4 * three[step].abs(), "step {step}: GPU {loss}, one device {}", three[step]);
     }
 }
+
+/// Mixtral in the Hugging Face layout (issue 21): `--save-hf` of tiny-moe writes a
+/// `MixtralForCausalLM` config and each expert's w1, w3 and w2 as `nn.Linear` weights under
+/// `block_sparse_moe`; `--hf` reads them back (stacking the experts) on an expert-parallel
+/// mesh, and a run that does not move the weights exports the same logits.
+#[test]
+fn mixtral_round_trips_through_the_hugging_face_layout() {
+    let tmp = tempdir("mixtral-hf");
+    let (first, second, out) = (tmp.join("first"), tmp.join("second"), tmp.join("logits.json"));
+    let run = shardc(&["run", "models/tiny-moe.toml", "--steps", "2", "--save-hf", first.to_str().unwrap()]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(first.join("config.json")).unwrap()).unwrap();
+    assert_eq!((config["model_type"].as_str(), config["num_local_experts"].as_u64(), config["num_experts_per_tok"].as_u64()), (Some("mixtral"), Some(8), Some(2)), "{config}");
+    // Hugging Face's load-balancing coefficient is shardc's weight over top_k.
+    assert!((config["router_aux_loss_coef"].as_f64().unwrap() - 0.005).abs() < 1e-12, "{config}");
+    let bytes = std::fs::read(first.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    assert_eq!(header["model.layers.1.block_sparse_moe.experts.7.w2.weight"]["shape"], serde_json::json!([16, 24]), "down: [hidden, ffn]");
+    assert_eq!(header["model.layers.0.block_sparse_moe.experts.0.w1.weight"]["shape"], serde_json::json!([24, 16]), "gate: [ffn, hidden]");
+    assert_eq!(header["model.layers.0.block_sparse_moe.gate.weight"]["shape"], serde_json::json!([8, 16]), "router: [experts, hidden]");
+    let data = tmp.join("data.txt");
+    std::fs::write(&data, (0..4096u32).map(|i| b'a' + ((i * 7 + i / 13) % 26) as u8).collect::<Vec<u8>>()).unwrap();
+    let run = shardc(&["run", "--hf", first.to_str().unwrap(), "--data", data.to_str().unwrap(), "--steps", "1", "--lr", "1e-30", "--seq", "8", "--micro-batch", "2", "--mesh", "dp=2,ep=2", "--save-hf", second.to_str().unwrap()]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let (_, before) = hf_logits(first.to_str().unwrap(), "1,2,3,4;5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    let (_, after) = hf_logits(second.to_str().unwrap(), "1,2,3,4;5,6,7,8", "dp=1,tp=1,pp=1", &out);
+    assert!(max_relative(&after, &before) < 1e-6, "the re-exported Mixtral computes other logits");
+    let (_, partitioned) = hf_logits(first.to_str().unwrap(), "1,2,3,4;5,6,7,8", "dp=2,ep=2", &out);
+    assert!(max_relative(&partitioned, &before) < 1e-6, "expert-parallel logits differ");
+    // A config with more experts than the folder holds is refused naming the tensor.
+    let broken = tmp.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::copy(first.join("config.json"), broken.join("config.json")).unwrap();
+    let mut config = config.clone();
+    config["num_local_experts"] = serde_json::json!(9);
+    config["num_experts_per_tok"] = serde_json::json!(2);
+    std::fs::write(broken.join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(first.join("model.safetensors"), broken.join("model.safetensors")).unwrap();
+    let refused = shardc(&["logits", "--hf", broken.to_str().unwrap(), "--tokens", "1,2"]);
+    assert!(!refused.status.success() && unwrapped(&stderr(&refused)).contains("`model.layers.0.block_sparse_moe.gate.weight` has shape [8, 16]; its config.json makes it [9, 16]"), "{}", stderr(&refused));
+}

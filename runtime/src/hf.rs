@@ -22,6 +22,10 @@ pub enum Family {
     Gpt2,
     /// Llama (`model.layers.N.self_attn.q_proj`, Linear).
     Llama,
+    /// Mixtral: Llama's names, and `block_sparse_moe.gate` (the router) and
+    /// `block_sparse_moe.experts.E.w1/w3/w2` (each expert's gate, up and down, Linear) for
+    /// the MLP.
+    Mixtral,
 }
 
 /// Named tensors: `name -> (shape, values)`.
@@ -178,9 +182,48 @@ enum Mapping {
     /// GPT-2's fused `c_attn` (Conv1D `[in, q + k + v]`, or its bias): q, k and v side by side
     /// along the last dimension.
     Fused([String; 3]),
+    /// One expert's `nn.Linear` `[out, in]`: transposed, it is slice `index` of shardc's
+    /// stacked `[experts, in, out]` (see [`expert_slice`]).
+    ExpertSlice(String, usize),
     /// Not a parameter shardc models (GPT-2's mask buffers, a tied head's copy, RoPE's cached
     /// frequencies).
     Skipped,
+}
+
+/// The name under which [`import_tensor`] returns slice `index` of the stacked expert
+/// parameter `ours`; [`stack_experts`] joins them.
+pub fn expert_slice(ours: &str, index: usize) -> String {
+    format!("{ours}[{index}]")
+}
+
+/// Joins the expert slices of `tensors` (`name[i]`, each `[in, out]`) into the stacked
+/// parameters `name` `[experts, in, out]` the model has (`expected`); an expert missing or
+/// given twice is an error naming it.
+pub fn stack_experts(tensors: &mut Tensors, expected: &BTreeMap<String, Vec<usize>>) -> Result<(), RuntimeError> {
+    let slices: Vec<String> = tensors.keys().filter(|k| k.ends_with(']') && k.contains('[')).cloned().collect();
+    let mut stacked: BTreeMap<String, (Vec<usize>, Vec<f64>, Vec<bool>)> = BTreeMap::new();
+    for key in slices {
+        let (slice_shape, values) = tensors.remove(&key).unwrap_or_default();
+        let (ours, index) = key.trim_end_matches(']').rsplit_once('[').ok_or_else(|| bad(format!("`{key}` is not an expert slice")))?;
+        let index: usize = index.parse().map_err(|_| bad(format!("`{key}` is not an expert slice")))?;
+        let shape = expected.get(ours).ok_or_else(|| bad(format!("the model has no expert parameter `{ours}`")))?;
+        let entry = stacked.entry(ours.to_string()).or_insert_with(|| (shape.clone(), vec![0.0; shape.iter().product()], vec![false; shape[0]]));
+        let per = values.len();
+        if shape.len() != 3 || slice_shape != shape[1..] || index >= shape[0] {
+            return Err(bad(format!("expert {index} of `{ours}` ({slice_shape:?}) does not fit {shape:?}")));
+        }
+        if std::mem::replace(&mut entry.2[index], true) {
+            return Err(bad(format!("expert {index} of `{ours}` is given twice")));
+        }
+        entry.1[index * per..(index + 1) * per].copy_from_slice(&values);
+    }
+    for (ours, (shape, values, seen)) in stacked {
+        if let Some(missing) = seen.iter().position(|s| !s) {
+            return Err(bad(format!("expert {missing} of `{ours}` is missing from the folder ({} experts expected)", shape[0])));
+        }
+        tensors.insert(ours, (shape, values));
+    }
+    Ok(())
 }
 
 /// Where a Hugging Face tensor of `family` goes, by name; an error names a tensor that has no
@@ -216,7 +259,7 @@ fn mapping(family: Family, name: &str, tied: bool) -> Result<Mapping, RuntimeErr
                 _ => Err(no_place()),
             }
         }
-        Family::Llama => {
+        Family::Llama | Family::Mixtral => {
             if bare == "lm_head.weight" {
                 return if tied { Ok(Mapping::Skipped) } else { Ok(Mapping::Transposed("lm_head.weight".into())) };
             }
@@ -228,7 +271,8 @@ fn mapping(family: Family, name: &str, tied: bool) -> Result<Mapping, RuntimeErr
                 "norm.weight" => return same("final_norm.weight"),
                 _ => {}
             }
-            let no_place = || bad(format!("Hugging Face tensor `{name}` has no place in a Llama model (biases and other extras are not supported)"));
+            let family_name = if family == Family::Mixtral { "Mixtral" } else { "Llama" };
+            let no_place = || bad(format!("Hugging Face tensor `{name}` has no place in a {family_name} model (biases and other extras are not supported)"));
             let rest = bare.strip_prefix("layers.").ok_or_else(no_place)?;
             let (layer, part) = rest.split_once('.').ok_or_else(no_place)?;
             let p = format!("layers.{layer}");
@@ -241,9 +285,22 @@ fn mapping(family: Family, name: &str, tied: bool) -> Result<Mapping, RuntimeErr
                 "self_attn.k_proj.weight" => linear("attn.k"),
                 "self_attn.v_proj.weight" => linear("attn.v"),
                 "self_attn.o_proj.weight" => linear("attn.out"),
-                "mlp.gate_proj.weight" => linear("mlp.gate"),
-                "mlp.up_proj.weight" => linear("mlp.up"),
-                "mlp.down_proj.weight" => linear("mlp.down"),
+                "mlp.gate_proj.weight" if family == Family::Llama => linear("mlp.gate"),
+                "mlp.up_proj.weight" if family == Family::Llama => linear("mlp.up"),
+                "mlp.down_proj.weight" if family == Family::Llama => linear("mlp.down"),
+                "block_sparse_moe.gate.weight" if family == Family::Mixtral => linear("mlp.router"),
+                _ if family == Family::Mixtral && part.starts_with("block_sparse_moe.experts.") => {
+                    let rest = &part["block_sparse_moe.experts.".len()..];
+                    let (index, which) = rest.split_once('.').ok_or_else(no_place)?;
+                    let index: usize = index.parse().map_err(|_| no_place())?;
+                    let ours = match which {
+                        "w1.weight" => "gate",
+                        "w3.weight" => "up",
+                        "w2.weight" => "down",
+                        _ => return Err(no_place()),
+                    };
+                    Ok(Mapping::ExpertSlice(format!("{p}.mlp.experts.{ours}.weight"), index))
+                }
                 _ => Err(no_place()),
             }
         }
@@ -264,6 +321,7 @@ pub fn import(family: Family, hf: &Tensors, tied: bool, expected: &BTreeMap<Stri
     for (name, (shape, values)) in hf {
         out.extend(import_tensor(family, name, shape, values, tied, expected)?);
     }
+    stack_experts(&mut out, expected)?;
     Ok(out)
 }
 
@@ -285,7 +343,7 @@ pub fn check_names<'a>(names: impl Iterator<Item = &'a String>) -> Result<(), Ru
 pub fn parameters_of(family: Family, name: &str, tied: bool) -> Result<Vec<String>, RuntimeError> {
     Ok(match mapping(family, name, tied)? {
         Mapping::Skipped => Vec::new(),
-        Mapping::Same(ours) | Mapping::Transposed(ours) => vec![ours],
+        Mapping::Same(ours) | Mapping::Transposed(ours) | Mapping::ExpertSlice(ours, _) => vec![ours],
         Mapping::Fused(parts) => parts.to_vec(),
     })
 }
@@ -297,7 +355,7 @@ pub fn import_tensor(family: Family, name: &str, shape: &[usize], values: &[f64]
     let layers = expected.keys().filter_map(|k| k.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
     let layers_key = match family {
         Family::Gpt2 => "n_layer",
-        Family::Llama => "num_hidden_layers",
+        Family::Llama | Family::Mixtral => "num_hidden_layers",
     };
     let target = |ours: &str| {
         expected.get(ours).ok_or_else(|| match ours.strip_prefix("layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok()) {
@@ -321,6 +379,18 @@ pub fn import_tensor(family: Family, name: &str, shape: &[usize], values: &[f64]
                 return Err(wrong_shape(&wanted));
             }
             vec![(ours, transpose(shape, values))]
+        }
+        Mapping::ExpertSlice(ours, index) => {
+            let stacked = target(&ours)?;
+            // One expert's [out, in].
+            let wanted: Vec<usize> = stacked.iter().skip(1).rev().copied().collect();
+            if stacked.len() != 3 || shape != wanted.as_slice() {
+                return Err(wrong_shape(&wanted));
+            }
+            if index >= stacked[0] {
+                return Err(bad(format!("Hugging Face tensor `{name}` is expert {index}, past config.json's `num_local_experts` = {}", stacked[0])));
+            }
+            vec![(expert_slice(&ours, index), transpose(shape, values))]
         }
         Mapping::Fused(parts) => {
             let shapes = parts.iter().map(|ours| target(ours)).collect::<Result<Vec<_>, _>>()?;
@@ -381,15 +451,27 @@ pub fn export(family: Family, params: &Tensors, tied: bool) -> Result<Vec<(Strin
                 out.push(("lm_head.weight".into(), transpose(s, v)));
             }
         }
-        Family::Llama => {
+        Family::Llama | Family::Mixtral => {
             out.push(("model.embed_tokens.weight".into(), get("embed.tokens.weight")?.clone()));
             for l in 0..layers {
                 let (p, h) = (format!("layers.{l}"), format!("model.layers.{l}"));
                 out.push((format!("{h}.input_layernorm.weight"), get(&format!("{p}.attn_norm.weight"))?.clone()));
                 out.push((format!("{h}.post_attention_layernorm.weight"), get(&format!("{p}.mlp_norm.weight"))?.clone()));
-                for (ours, theirs) in [("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"), ("attn.out", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")] {
+                let attention = [("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"), ("attn.out", "self_attn.o_proj")];
+                let mlp: &[(&str, &str)] = if family == Family::Mixtral { &[("mlp.router", "block_sparse_moe.gate")] } else { &[("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")] };
+                for (ours, theirs) in attention.iter().chain(mlp) {
                     let (s, v) = get(&format!("{p}.{ours}.weight"))?;
                     out.push((format!("{h}.{theirs}.weight"), transpose(s, v)));
+                }
+                if family == Family::Mixtral {
+                    // Each expert's gate (w1), up (w3) and down (w2), as nn.Linear [out, in].
+                    for (ours, theirs) in [("gate", "w1"), ("up", "w3"), ("down", "w2")] {
+                        let (s, v) = get(&format!("{p}.mlp.experts.{ours}.weight"))?;
+                        let (experts, per) = (s[0], s[1] * s[2]);
+                        for e in 0..experts {
+                            out.push((format!("{h}.block_sparse_moe.experts.{e}.{theirs}.weight"), transpose(&s[1..], &v[e * per..(e + 1) * per])));
+                        }
+                    }
                 }
             }
             out.push(("model.norm.weight".into(), get("final_norm.weight")?.clone()));
@@ -477,6 +559,26 @@ mod tests {
 
     /// A tensor whose name has no place in the family, or lies in a layer past the config's
     /// layer count, is an error naming it (and the config key) rather than dropped (issue 17).
+    /// Mixtral's experts come one tensor each and are stacked; one missing, one given twice,
+    /// or one past the experts there are is an error naming it.
+    #[test]
+    fn experts_are_stacked_and_a_missing_one_is_named() {
+        let expected: BTreeMap<String, Vec<usize>> = [("layers.0.mlp.experts.gate.weight".to_string(), vec![3, 2, 4])].into();
+        let expert = |e: usize| (format!("model.layers.0.block_sparse_moe.experts.{e}.w1.weight"), (vec![4, 2], (0..8).map(|i| (10 * e + i) as f64).collect::<Vec<f64>>()));
+        let hf: Tensors = (0..3).map(expert).collect();
+        let ours = import(Family::Mixtral, &hf, false, &expected).unwrap();
+        let (shape, values) = &ours["layers.0.mlp.experts.gate.weight"];
+        assert_eq!(shape, &vec![3, 2, 4]);
+        // Expert 1's [out 4, in 2] transposed to [in 2, out 4].
+        assert_eq!(&values[8..16], &[10.0, 12.0, 14.0, 16.0, 11.0, 13.0, 15.0, 17.0]);
+        let missing: Tensors = [expert(0), expert(2)].into_iter().collect();
+        let e = import(Family::Mixtral, &missing, false, &expected).unwrap_err().to_string();
+        assert!(e.contains("expert 1 of `layers.0.mlp.experts.gate.weight` is missing"), "{e}");
+        let past: Tensors = (0..4).map(expert).collect();
+        let e = import(Family::Mixtral, &past, false, &expected).unwrap_err().to_string();
+        assert!(e.contains("is expert 3, past config.json's `num_local_experts` = 3"), "{e}");
+    }
+
     #[test]
     fn tensors_with_no_place_in_the_model_are_named() {
         let t = |name: &str, shape: Vec<usize>| -> Tensors { [(name.to_string(), (shape.clone(), vec![0.0; shape.iter().product()]))].into() };

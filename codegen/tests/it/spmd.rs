@@ -153,6 +153,13 @@ fn expert_parallel_equals_single_device() {
         check_mesh("tiny-moe", m, 0, false);
     }
     check_mesh("tiny-moe", mesh(4, 2, 1, 1), 1, false);
+    // With a capacity (half the even share: choices dropped) tokens are dropped as on one
+    // device, also under context parallelism's zigzag order (slots go by position).
+    for m in [mesh(4, 4, 1, 1), mesh(2, 2, 2, 1)] {
+        check_mesh("tiny-moe-capacity", m, 0, false);
+    }
+    check_mesh("tiny-moe-capacity", Mesh { dp: 1, tp: 1, pp: 1, cp: 2, ep: 1 }, 0, false);
+    check_mesh("tiny-moe-capacity", Mesh { dp: 2, tp: 1, pp: 1, cp: 2, ep: 2 }, 0, false);
     check_mesh("tiny-moe", mesh(2, 2, 2, 1), 0, true);
     // The dispatch and combine are all-to-alls over ep (per layer: tokens and their counts
     // to the experts, outputs back, and the two gradients the other way), and nothing

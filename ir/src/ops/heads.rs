@@ -181,6 +181,17 @@ pub fn zigzag_position(p: usize, len: usize, chunks: usize) -> usize {
     chunk * c + within % c
 }
 
+/// The row of a sequence of `len` rows in zigzag order of `chunks` chunks that holds position
+/// `q`: the inverse of [`zigzag_position`].
+pub fn zigzag_row(q: usize, len: usize, chunks: usize) -> usize {
+    if chunks <= 1 || len < chunks {
+        return q;
+    }
+    let c = len / chunks;
+    let (chunk, within) = (q / c, q % c);
+    if chunk < chunks / 2 { chunk * 2 * c + within } else { (chunks - 1 - chunk) * 2 * c + c + within }
+}
+
 /// The zigzag order's attribute on ops that read positions: `[chunks, len]`, see
 /// [`zigzag_position`]. Absent: natural order.
 pub const ZIGZAG_ATTR: &str = "xf.zigzag";

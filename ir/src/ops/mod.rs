@@ -28,7 +28,7 @@ pub use attention::{stats_dtype, Attention, AttentionBlock, AttentionBlockGrad, 
 pub use cast::Cast;
 pub use elementwise::{Activation, ActivationGrad, Add, Mul, Scale, Swiglu, SwigluGrad, GELU, GELU_GRAD, SILU, SILU_GRAD};
 pub use embedding::{Embedding, EmbeddingGrad};
-pub use heads::{zigzag_of, zigzag_position, MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads, Zigzag, ZIGZAG_ATTR};
+pub use heads::{zigzag_of, zigzag_position, zigzag_row, MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads, Zigzag, ZIGZAG_ATTR};
 pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyGradShard, CrossEntropyStats, RowMax};
 pub use matmul::{MatMul, MatMulWeightGrad};
 pub use moe::{ExpertMatMul, ExpertMatMulWeightGrad, MoeAuxLoss, MoeAuxLossGrad, MoeCollect, MoeCombine, MoeCombineGrad, MoeDispatch, MoeRoute, MoeRouteGrad, MoeSlots};

@@ -251,15 +251,18 @@ impl OpDef for MoeAuxLossGrad {
 
 /// `xf.moe_slots`: each choice's slot in its expert's buffer of `capacity` rows per sequence,
 /// and how many rows of each buffer hold tokens. Within a sequence, first choices take slots
-/// before second choices (as GShard and Switch give them priority), each in token order; a
-/// choice past its expert's capacity is dropped (slot -1). `counts[e, b] = min(choices, C)`.
+/// before second choices (as GShard and Switch give them priority), each in the order of the
+/// tokens' positions (a sequence held in zigzag order says so in `xf.zigzag`, so context
+/// parallelism drops what one device drops); a choice past its expert's capacity is dropped
+/// (slot -1). `counts[e, b] = min(choices, C)`.
 #[derive(Debug)]
 pub struct MoeSlots;
 
 impl OpDef for MoeSlots {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let (b, s, k) = (cx.inputs[0].shape[0], cx.inputs[0].shape[1], cx.inputs[0].shape[2]);
-        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::Int(b), Arg::Int(s), Arg::Int(k), Arg::Int(cx.attrs.int("experts")?), Arg::Int(cx.attrs.int("capacity")?)];
+        let (chunks, _) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
+        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::Int(b), Arg::Int(s), Arg::Int(k), Arg::Int(cx.attrs.int("experts")?), Arg::Int(cx.attrs.int("capacity")?), Arg::Int(chunks as i64)];
         Ok(DeviceKernel::Launches(vec![flat("moe_slots", MOE_CUDA, b as usize, args)]))
     }
     fn mnemonic(&self) -> &'static str {
@@ -692,7 +695,8 @@ extern "C" __global__ void moe_route(T* gates, int* experts, const T* logits, i6
       for (i64 x = 0; x < e; x++) {
         bool taken = false;
         for (i64 q = 0; q < j; q++) taken = taken || experts[t * k + q] == x;
-        if (!taken && (best < 0 || !(load(row[x]) <= load(row[best])))) best = x;
+        // A NaN, once best, stays: it poisons the gates, and the numerics checks name it.
+        if (!taken && (best < 0 || (load(row[best]) == load(row[best]) && !(load(row[x]) <= load(row[best]))))) best = x;
       }
       experts[t * k + j] = (int)best;
     }
@@ -751,12 +755,18 @@ extern "C" __global__ void moe_aux_loss_grad(T* out, const T* logits, const T* d
 }
 // Per sequence: first choices before second choices, each in token order; counts serve as
 // the running slot numbers, clamped to the capacity at the end.
-extern "C" __global__ void moe_slots(int* slots, int* counts, const int* experts, i64 b, i64 s, i64 k, i64 e, i64 c) {
+// The row of position q in zigzag order (see zigzag_position).
+__device__ __forceinline__ i64 zigzag_row(i64 q, i64 len, i64 chunks) {
+  if (chunks <= 1 || len < chunks) return q;
+  i64 c = len / chunks, chunk = q / c, w = q % c;
+  return chunk < chunks / 2 ? chunk * 2 * c + w : (chunks - 1 - chunk) * 2 * c + c + w;
+}
+extern "C" __global__ void moe_slots(int* slots, int* counts, const int* experts, i64 b, i64 s, i64 k, i64 e, i64 c, i64 chunks) {
   GRID_STRIDE(row, b) {
     for (i64 x = 0; x < e; x++) counts[x * b + row] = 0;
     for (i64 j = 0; j < k; j++) {
-      for (i64 t = 0; t < s; t++) {
-        i64 i = (row * s + t) * k + j;
+      for (i64 q = 0; q < s; q++) {
+        i64 i = (row * s + zigzag_row(q, s, chunks)) * k + j;
         int x = experts[i];
         if (x < 0 || x >= e) { slots[i] = -1; continue; }
         int slot = counts[x * b + row]++;

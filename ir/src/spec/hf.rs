@@ -12,6 +12,9 @@ pub enum HfFamily {
     Gpt2,
     /// `LlamaForCausalLM`: RoPE (rotate-half), RMSNorm, SwiGLU, no biases, GQA.
     Llama,
+    /// `MixtralForCausalLM`: Llama's attention, every MLP a mixture of SwiGLU experts with
+    /// softmax top-k gating, dropless.
+    Mixtral,
 }
 
 impl HfFamily {
@@ -20,7 +23,12 @@ impl HfFamily {
         let m = &spec.model;
         match (m.norm, m.activation, m.positions) {
             (Norm::LayerNorm, Activation::Gelu, Positions::Learned) if m.linear_bias => Some(HfFamily::Gpt2),
-            (Norm::RmsNorm, Activation::Swiglu, Positions::Rope) if !m.linear_bias => Some(HfFamily::Llama),
+            (Norm::RmsNorm, Activation::Swiglu, Positions::Rope) if !m.linear_bias => match &m.moe {
+                None => Some(HfFamily::Llama),
+                // Mixtral's experts: in every layer, none shared, none dropped.
+                Some(moe) if moe.shared_experts == 0 && moe.first_dense == 0 && moe.every == 1 && moe.capacity_factor.is_none() && moe.expert_ffn_hidden.is_none_or(|f| f == m.ffn_hidden) => Some(HfFamily::Mixtral),
+                Some(_) => None,
+            },
             _ => None,
         }
     }
@@ -135,8 +143,20 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
                 HfFamily::Gpt2,
             )
         }
-        "llama" => {
+        "llama" | "mixtral" => {
+            let mixtral = model_type == "mixtral";
             require(config, "hidden_act", |v| v.as_str() == Some("silu"), "the Llama MLP is SwiGLU with SiLU")?;
+            require(config, "sliding_window", |v| v.is_null(), "attention is full causal attention in shardc (no sliding window)")?;
+            require(config, "router_jitter_noise", |v| v.as_f64() == Some(0.0), "the router adds no noise in shardc")?;
+            let moe = if mixtral {
+                let (experts, top_k) = (uint(config, "num_local_experts")?, uint(config, "num_experts_per_tok")?);
+                // Hugging Face's load-balancing loss is top_k times Megatron's (its token
+                // fractions sum to top_k), whose normalisation shardc's loss has.
+                let coef = float(config, "router_aux_loss_coef", 0.001)?;
+                Some(super::MoeSpec { experts, top_k, expert_ffn_hidden: None, shared_experts: 0, first_dense: 0, every: 1, aux_loss_weight: coef * top_k as f64, capacity_factor: None })
+            } else {
+                None
+            };
             require(config, "attention_bias", |v| v.as_bool() == Some(false), "Llama layers have no biases in shardc")?;
             require(config, "mlp_bias", |v| v.as_bool() == Some(false), "Llama layers have no biases in shardc")?;
             require(config, "pretraining_tp", |v| v.as_u64() == Some(1), "sliced pretraining-tp projections are not implemented")?;
@@ -167,12 +187,12 @@ pub fn from_hf_config(text: &str, name: &str, seq_len: u64, micro_batch: u64) ->
                     rope_theta: rope_theta(config)?,
                     dtype: SpecDType::F32,
                     vocab_multiple: super::DEFAULT_VOCAB_MULTIPLE,
-                    moe: None,
+                    moe,
                 },
-                HfFamily::Llama,
+                if mixtral { HfFamily::Mixtral } else { HfFamily::Llama },
             )
         }
-        other => return Err(format!("config.json: model_type `{other}` is not supported (shardc reads gpt2 and llama)")),
+        other => return Err(format!("config.json: model_type `{other}` is not supported (shardc reads gpt2, llama and mixtral)")),
     };
     let seq_len = seq_len.min(model.max_seq);
     let spec = Spec { name: name.to_string(), model, training: TrainingSpec { seq_len: Some(seq_len), micro_batch, global_batch: None } };
@@ -217,7 +237,32 @@ pub fn to_hf_config(spec: &Spec) -> Result<Value, String> {
             "mlp_bias": false,
             "torch_dtype": "float32",
         })),
-        None => Err(format!("`{}` is neither GPT-2-shaped (layernorm, gelu, learned positions, biases) nor Llama-shaped (rmsnorm, swiglu, rope, no biases)", spec.name)),
+        Some(HfFamily::Mixtral) => {
+            let moe = m.moe.as_ref().ok_or("a Mixtral spec has experts")?;
+            Ok(json!({
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "vocab_size": m.vocab,
+                "max_position_embeddings": m.max_seq,
+                "hidden_size": m.hidden,
+                "intermediate_size": m.ffn_hidden,
+                "num_hidden_layers": m.layers,
+                "num_attention_heads": m.heads,
+                "num_key_value_heads": m.kv_heads(),
+                "hidden_act": "silu",
+                "rms_norm_eps": m.norm_eps,
+                "rope_theta": m.rope_theta,
+                "tie_word_embeddings": m.tied_embeddings,
+                "num_local_experts": moe.experts,
+                "num_experts_per_tok": moe.top_k,
+                "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k as f64,
+                "router_jitter_noise": 0.0,
+                "sliding_window": null,
+                "output_router_logits": false,
+                "torch_dtype": "float32",
+            }))
+        }
+        None => Err(format!("`{}` is neither GPT-2-shaped (layernorm, gelu, learned positions, biases) nor Llama-shaped (rmsnorm, swiglu, rope, no biases; with experts, Mixtral's: in every layer, none shared, dropless)", spec.name)),
     }
 }
 

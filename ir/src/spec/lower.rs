@@ -123,7 +123,7 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         let normed = cx.norm(x, &format!("{p}.mlp_norm"))?;
         let out = match m.moe.as_ref().filter(|moe| moe.is_moe_layer(layer)) {
             Some(moe) => {
-                let (out, aux) = cx.experts(normed, moe, s, &format!("{p}.mlp"))?;
+                let (out, aux) = cx.experts(normed, moe, s, &order, &format!("{p}.mlp"))?;
                 aux_losses.push(aux);
                 out
             }
@@ -256,7 +256,7 @@ impl LayerCx<'_> {
     /// gates (plus the shared experts' dense MLP). Returns the output and the layer's
     /// load-balancing loss of each sequence. Experts' MLPs carry no biases (as
     /// Mixtral's).
-    fn experts(&mut self, x: Value, moe: &super::MoeSpec, seq: i64, name: &str) -> Result<(Value, Value), LowerError> {
+    fn experts(&mut self, x: Value, moe: &super::MoeSpec, seq: i64, order: &dyn Fn(Attrs) -> Attrs, name: &str) -> Result<(Value, Value), LowerError> {
         let model = &self.spec.model;
         let (h, e, k) = (model.hidden as i64, moe.experts as i64, moe.top_k as i64);
         let f = moe.expert_ffn(model.ffn_hidden) as i64;
@@ -266,7 +266,8 @@ impl LayerCx<'_> {
         let route = self.fb.op_multi("xf.moe_route", &[logits], attrs(&[("top_k", int(k))]), &format!("{name}.route"))?;
         let (gates, chosen) = (route[0], route[1]);
         let capacity = attrs(&[("experts", int(e)), ("capacity", int(moe.capacity(seq as u64) as i64))]);
-        let slots = self.fb.op_multi("xf.moe_slots", &[chosen], capacity.clone(), &format!("{name}.slots"))?;
+        // Slots go to the tokens in the order of their positions.
+        let slots = self.fb.op_multi("xf.moe_slots", &[chosen], order(capacity.clone()), &format!("{name}.slots"))?;
         let (slots, counts) = (slots[0], slots[1]);
         let buffer = self.fb.op("xf.moe_dispatch", &[x, chosen, slots], capacity, &format!("{name}.dispatch"))?;
         let gemm = attrs(&[("transpose_rhs", AttrValue::Bool(false)), ("routed", int(seq * k)), ("experts_total", int(e))]);

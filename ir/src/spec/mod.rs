@@ -379,6 +379,10 @@ impl Spec {
             let ffn = moe.expert_ffn(m.ffn_hidden);
             tensors.push(("model.moe.experts", "an MoE layer's expert weights [experts, hidden, expert_ffn_hidden]".into(), vec![moe.experts, m.hidden, ffn], "use fewer experts or a smaller expert_ffn_hidden"));
             tensors.push((batch_field, "a micro-batch's expert buffers [experts, micro_batch x dp, capacity, expert_ffn_hidden]".into(), vec![moe.experts, rows, moe.capacity(seq), ffn.max(m.hidden)], batch_help));
+            if moe.shared_experts > 0 {
+                tensors.push(("model.moe.shared_experts", "the shared experts' weight [hidden, shared_experts x expert_ffn_hidden]".into(), vec![m.hidden, moe.shared_experts * ffn], "use fewer shared experts or a smaller expert_ffn_hidden"));
+                tensors.push((batch_field, "a micro-batch's shared-expert activations [micro_batch x dp, seq_len, shared_experts x expert_ffn_hidden]".into(), vec![rows, seq, moe.shared_experts * ffn], batch_help));
+            }
         }
         if m.positions == Positions::Learned {
             tensors.push(("model.max_seq", "the position table [max_seq, hidden]".into(), vec![m.max_seq, m.hidden], "use a smaller max_seq or hidden size"));

@@ -151,6 +151,12 @@ impl Partitioner<'_> {
                 v = self.slice(v, &mut s, &global, d, &axes, loc, cause)?;
             }
         }
+        // A sum over a group of one rank (the dp axis of a grid whose data-parallel ranks are
+        // one expert group) is the value itself.
+        let reduce: Vec<Axis> = reduce.into_iter().filter(|&a| self.grid_shape.get(a as usize).copied().unwrap_or(1) > 1).collect();
+        if reduce.is_empty() {
+            s.partial.retain(|a| target.partial.contains(a));
+        }
         if !reduce.is_empty() {
             s.partial.retain(|a| target.partial.contains(a));
             // A partial sum that is then sliced over the same axes along one dimension is one

@@ -16,22 +16,28 @@ pub(super) const KERNELS: &[CpuKernel] = &[
     kernel!("xf.expert_matmul_wgrad", expert_matmul_wgrad),
 ];
 
-/// The `k` largest of `row`, best first; ties go to the lower index.
-fn top_k<T: Real>(row: &[T], k: usize, chosen: &mut Vec<usize>) {
+/// The `k` largest of `row`, best first; ties go to the lower index. `taken` is scratch of
+/// the row's length.
+fn top_k<T: Real>(row: &[T], k: usize, chosen: &mut Vec<usize>, taken: &mut Vec<bool>) {
     chosen.clear();
+    taken.clear();
+    taken.resize(row.len(), false);
     for _ in 0..k {
         let mut best: Option<usize> = None;
         for (e, &v) in row.iter().enumerate() {
-            if chosen.contains(&e) {
+            if taken[e] {
                 continue;
             }
-            // `!(v <= best)` also takes a NaN, so a NaN logit is chosen and poisons the gates
-            // (the run's numerics checks then name it) rather than vanishing.
-            if best.is_none_or(|b| !(v <= row[b])) {
+            // `!(v <= best)` also takes a NaN, and a NaN once best stays: a NaN logit is
+            // chosen and poisons the gates (the run's numerics checks then name it).
+            if best.is_none_or(|b| !row[b].is_nan() && !(v <= row[b])) {
                 best = Some(e);
             }
         }
-        chosen.extend(best);
+        if let Some(b) = best {
+            taken[b] = true;
+            chosen.push(b);
+        }
     }
 }
 
@@ -41,8 +47,8 @@ fn moe_route<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &R
     let k = instr.int("top_k")? as usize;
     let (gates_slot, experts_slot) = outs.split_at_mut(1);
     let (gates, experts) = (gates_slot[0].get::<T>()?, experts_slot[0].get::<i32>()?);
-    gates.par_chunks_mut(k).zip(experts.par_chunks_mut(k)).zip(logits.par_chunks(e)).for_each_init(Vec::new, |chosen, ((g, ex), row)| {
-        top_k(row, k, chosen);
+    gates.par_chunks_mut(k).zip(experts.par_chunks_mut(k)).zip(logits.par_chunks(e)).for_each_init(|| (Vec::new(), Vec::new()), |(chosen, taken), ((g, ex), row)| {
+        top_k(row, k, chosen, taken);
         let max = row[chosen[0]];
         let mut sum = T::zero();
         for (j, &c) in chosen.iter().enumerate() {
@@ -134,13 +140,14 @@ fn moe_slots<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &R
     let (e, capacity) = (instr.int("experts")? as usize, instr.int("capacity")? as usize);
     let (slots_slot, counts_slot) = outs.split_at_mut(1);
     let (slots, counts) = (slots_slot[0].get::<i32>()?, counts_slot[0].get::<i32>()?);
+    let (chunks, _) = super::zigzag_order(instr);
     let mut next = vec![0usize; e];
     for row in 0..b {
         next.fill(0);
-        // First choices before second choices, each in token order.
+        // First choices before second choices, each in the order of the tokens' positions.
         for j in 0..k {
-            for t in 0..s {
-                let i = (row * s + t) * k + j;
+            for q in 0..s {
+                let i = (row * s + shardc_ir::ops::zigzag_row(q, s, chunks)) * k + j;
                 let expert = expert_of(experts[i], e)?;
                 let slot = next[expert];
                 next[expert] += 1;
