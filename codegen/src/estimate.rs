@@ -525,6 +525,10 @@ pub struct ArenaPeak {
     pub kept: f64,
     /// Of those, values the optimizer section reads (gradients, reduced or not).
     pub gradients: f64,
+    /// The most bytes of other temporaries (neither kept for the backward nor gradients)
+    /// alive at any one instruction, which need not be the peak's: a MoE layer's expert
+    /// buffers peak in its backward, while fewer gradients are alive.
+    pub scratch: f64,
 }
 
 /// The peak of `program`'s temporaries (buffers placed in the arena), by what they hold.
@@ -577,6 +581,17 @@ pub fn arena_peak(program: &Program) -> ArenaPeak {
         } else if gradient_set.contains(&b) {
             peak.gradients += bytes(b);
         }
+    }
+    // The other temporaries alive at each instruction, at their most.
+    let mut other = vec![0.0f64; n + 1];
+    for b in (0..program.buffers.len()).filter(|&b| temporary(b) && !(first[b] < seed && kept_set.contains(&b)) && !gradient_set.contains(&b)) {
+        other[first[b]] += bytes(b);
+        other[last[b].max(first[b]) + 1] -= bytes(b);
+    }
+    let mut live = 0.0f64;
+    for d in other.iter().take(n) {
+        live += d;
+        peak.scratch = peak.scratch.max(live);
     }
     peak
 }
@@ -883,9 +898,14 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     // the arena's peak (a step without a pipeline holds its gradients there).
     u.temporaries = match &program.pipeline {
         Some(_) => (program.memory.temporary_bytes as f64 - u.layer_kept - u.other_kept).max(0.0),
+        // The rest of the peak. A MoE layer's expert buffers peak in its backward, where fewer
+        // gradients are alive, so at one sequence they may hide under the gradients' peak and
+        // then grow with the micro-batch unseen: there, the most scratch alive at any one time
+        // (the planner adds the gradients' and kept values' peaks to it, so this errs high).
         None => {
             let peak = arena_peak(program);
-            (program.memory.temporary_bytes as f64 - peak.kept - peak.gradients).max(0.0)
+            let rest = (program.memory.temporary_bytes as f64 - peak.kept - peak.gradients).max(0.0);
+            if program.instrs.iter().any(|i| i.op == "xf.expert_matmul") { rest.max(peak.scratch) } else { rest }
         }
     };
     u

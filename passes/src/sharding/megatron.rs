@@ -204,11 +204,13 @@ impl Pass for ShardMegatron {
             let produced = produced_values.contains(&grad);
             if let (true, Some(layout)) = (produced, func.shardings.get(&state).cloned()) {
                 let pin = Sharding { split: layout.split, partial: Vec::new() };
-                // Mixed precision casts the bf16 gradient up first: the gradient op is pinned
-                // too, so that it is computed where its state lives (an expert's on its ep
-                // rank) rather than whole and then sliced.
-                if let Some(cast) = casts.get(&grad) {
-                    func.constraints.insert(*cast, pin.clone());
+                // Mixed precision casts the bf16 gradient up first. An expert's gradient op
+                // is pinned too, to the experts its ep rank holds (not computed whole and
+                // then sliced), and left partial over dp, so that the sum over the ranks
+                // holding the same experts still runs in fp32, after the cast.
+                if let Some(cast) = casts.get(&grad).filter(|_| ep > 1 && pin.axes().contains(&EP)) {
+                    let split = pin.split.iter().map(|axes| axes.iter().copied().filter(|&a| a != DP).collect()).collect();
+                    func.constraints.insert(*cast, Sharding { split, partial: vec![DP] });
                 }
                 func.constraints.insert(grad, pin);
             }
