@@ -158,9 +158,9 @@ fn cluster_toml_round_trips_and_refuses_the_old_efficiency() {
     c.intra_node = Link { alpha: 3.3e-6, bandwidth: 5.5e9 };
     let text = c.to_toml();
     assert_eq!(Cluster::from_toml(&text).unwrap(), c, "{text}");
-    // Ranks are placed tp innermost, then dp, then pp: no other order describes a run.
+    // Ranks are placed tp innermost, then cp, ep, dp, pp: no other order describes a run.
     let other = Cluster::from_toml("placement = [\"dp\", \"tp\", \"pp\"]").unwrap_err();
-    assert!(other.contains("placement: shardc places ranks as Megatron-LM does"), "{other}");
+    assert!(other.contains("placement: shardc places ranks as Megatron-Core does"), "{other}");
     let old = Cluster::from_toml("compute_efficiency = 0.7").unwrap_err();
     assert!(old.contains("gemm_efficiency"), "{old}");
     assert!(Cluster::from_toml("[gpu]\ngemm_efficiency = 1.5").unwrap_err().contains("at most 1"));
