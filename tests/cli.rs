@@ -3132,6 +3132,12 @@ fn mixtral_round_trips_through_the_hugging_face_layout() {
     assert!(max_relative(&after, &before) < 1e-6, "the re-exported Mixtral computes other logits");
     let (_, partitioned) = hf_logits(first.to_str().unwrap(), "1,2,3,4;5,6,7,8", "dp=2,ep=2", &out);
     assert!(max_relative(&partitioned, &before) < 1e-6, "expert-parallel logits differ");
+    // A mixture of experts Hugging Face has no layout for (shared experts) is refused before
+    // it trains.
+    let shared = tmp.join("shared.toml");
+    std::fs::write(&shared, std::fs::read_to_string(root().join("models/tiny-moe.toml")).unwrap().replace("aux_loss_weight = 0.01", "aux_loss_weight = 0.01\nshared_experts = 1")).unwrap();
+    let refused = shardc(&["run", shared.to_str().unwrap(), "--steps", "1", "--save-hf", tmp.join("never").to_str().unwrap()]);
+    assert!(!refused.status.success() && unwrapped(&stderr(&refused)).contains("--save-hf: `tiny-moe` is neither") && !stdout(&refused).contains("loss"), "{}", stderr(&refused));
     // A config with more experts than the folder holds is refused naming the tensor.
     let broken = tmp.join("broken");
     std::fs::create_dir_all(&broken).unwrap();

@@ -236,6 +236,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     refuse_rank_options_on_one_rank(args, mesh)?;
     check_outputs(args)?;
+    // A model without a Hugging Face family is refused before it trains, not after.
+    if args.save_hf.is_some() {
+        shardc_ir::spec::hf::to_hf_config(&spec).map_err(|e| miette!(help = "--save-hf writes GPT-2, Llama and Mixtral models; use --save for the others", "--save-hf: {e}"))?;
+    }
     if args.backend == "cpu" && mesh.ranks() as usize > shardc_runtime::train::MAX_CPU_RANKS {
         return Err(miette!(
             help = format!("price a mesh this large with `shardc compile` or `shardc plan`; run at most {} ranks", shardc_runtime::train::MAX_CPU_RANKS),
