@@ -380,8 +380,8 @@ impl Spec {
             tensors.push(("model.moe.experts", "an MoE layer's expert weights [experts, hidden, expert_ffn_hidden]".into(), vec![moe.experts, m.hidden, ffn], "use fewer experts or a smaller expert_ffn_hidden"));
             tensors.push((batch_field, "a micro-batch's expert buffers [experts, micro_batch x dp, capacity, expert_ffn_hidden]".into(), vec![moe.experts, rows, moe.capacity(seq), ffn.max(m.hidden)], batch_help));
             if moe.shared_experts > 0 {
-                tensors.push(("model.moe.shared_experts", "the shared experts' weight [hidden, shared_experts x expert_ffn_hidden]".into(), vec![m.hidden, moe.shared_experts * ffn], "use fewer shared experts or a smaller expert_ffn_hidden"));
-                tensors.push((batch_field, "a micro-batch's shared-expert activations [micro_batch x dp, seq_len, shared_experts x expert_ffn_hidden]".into(), vec![rows, seq, moe.shared_experts * ffn], batch_help));
+                tensors.push(("model.moe.shared_experts", "the shared experts' weight [hidden, shared_experts x expert_ffn_hidden]".into(), vec![m.hidden, moe.shared_experts.saturating_mul(ffn)], "use fewer shared experts or a smaller expert_ffn_hidden"));
+                tensors.push((batch_field, "a micro-batch's shared-expert activations [micro_batch x dp, seq_len, shared_experts x expert_ffn_hidden]".into(), vec![rows, seq, moe.shared_experts.saturating_mul(ffn)], batch_help));
             }
         }
         if m.positions == Positions::Learned {
