@@ -526,7 +526,7 @@ impl StepArgs {
     /// a Hugging Face config's field by its key in `config.json`, and the command-line
     /// overrides only when some were given.
     fn check_report(&self, e: &spec::SpecError, hf: Option<(&Path, spec::hf::HfFamily)>) -> miette::Report {
-        let keys = hf.map_or(&[][..], |(_, family)| hf_config_keys(family));
+        let keys = hf.map_or_else(Vec::new, |(_, family)| hf_config_keys(family));
         // Spec field names in the message and help become the config's keys.
         let rename = |text: &str| keys.iter().fold(text.to_string(), |text, (ours, theirs)| text.replace(ours, &format!("`{theirs}`")));
         let overrides = self.overrides_given();
@@ -546,10 +546,24 @@ impl StepArgs {
     }
 }
 
+/// The `config.json` key of each spec field a Llama (and Mixtral) config sets.
+const LLAMA_CONFIG_KEYS: &[(&str, &str)] = &[
+    ("model.vocab", "vocab_size"),
+    ("model.max_seq", "max_position_embeddings"),
+    ("model.hidden", "hidden_size"),
+    ("model.layers", "num_hidden_layers"),
+    ("model.kv_heads", "num_key_value_heads"),
+    ("model.heads", "num_attention_heads"),
+    ("model.ffn_hidden", "intermediate_size"),
+    ("model.norm_eps", "rms_norm_eps"),
+    ("model.rope_theta", "rope_theta"),
+    ("model.tied_embeddings", "tie_word_embeddings"),
+];
+
 /// The `config.json` key of each spec field a Hugging Face config of `family` sets.
-fn hf_config_keys(family: spec::hf::HfFamily) -> &'static [(&'static str, &'static str)] {
+fn hf_config_keys(family: spec::hf::HfFamily) -> Vec<(&'static str, &'static str)> {
     match family {
-        spec::hf::HfFamily::Gpt2 => &[
+        spec::hf::HfFamily::Gpt2 => vec![
             ("model.vocab", "vocab_size"),
             ("model.max_seq", "n_positions"),
             ("model.hidden", "n_embd"),
@@ -561,32 +575,10 @@ fn hf_config_keys(family: spec::hf::HfFamily) -> &'static [(&'static str, &'stat
             ("model.norm_eps", "layer_norm_epsilon"),
             ("model.tied_embeddings", "tie_word_embeddings"),
         ],
-        spec::hf::HfFamily::Mixtral => &[
-            ("model.vocab", "vocab_size"),
-            ("model.max_seq", "max_position_embeddings"),
-            ("model.hidden", "hidden_size"),
-            ("model.layers", "num_hidden_layers"),
-            ("model.kv_heads", "num_key_value_heads"),
-            ("model.heads", "num_attention_heads"),
-            ("model.ffn_hidden", "intermediate_size"),
-            ("model.norm_eps", "rms_norm_eps"),
-            ("model.rope_theta", "rope_theta"),
-            ("model.tied_embeddings", "tie_word_embeddings"),
-            ("model.moe.experts", "num_local_experts"),
-            ("model.moe.top_k", "num_experts_per_tok"),
-            ("model.moe.aux_loss_weight", "router_aux_loss_coef"),
-        ],
-        spec::hf::HfFamily::Llama => &[
-            ("model.vocab", "vocab_size"),
-            ("model.max_seq", "max_position_embeddings"),
-            ("model.hidden", "hidden_size"),
-            ("model.layers", "num_hidden_layers"),
-            ("model.kv_heads", "num_key_value_heads"),
-            ("model.heads", "num_attention_heads"),
-            ("model.ffn_hidden", "intermediate_size"),
-            ("model.norm_eps", "rms_norm_eps"),
-            ("model.rope_theta", "rope_theta"),
-            ("model.tied_embeddings", "tie_word_embeddings"),
-        ],
+        spec::hf::HfFamily::Llama => LLAMA_CONFIG_KEYS.to_vec(),
+        spec::hf::HfFamily::Mixtral => {
+            let moe = [("model.moe.experts", "num_local_experts"), ("model.moe.top_k", "num_experts_per_tok"), ("model.moe.aux_loss_weight", "router_aux_loss_coef")];
+            LLAMA_CONFIG_KEYS.iter().copied().chain(moe).collect()
+        }
     }
 }

@@ -219,29 +219,10 @@ pub fn to_hf_config(spec: &Spec) -> Result<Value, String> {
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "torch_dtype": "float32",
         })),
-        Some(HfFamily::Llama) => Ok(json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": m.vocab,
-            "max_position_embeddings": m.max_seq,
-            "hidden_size": m.hidden,
-            "intermediate_size": m.ffn_hidden,
-            "num_hidden_layers": m.layers,
-            "num_attention_heads": m.heads,
-            "num_key_value_heads": m.kv_heads(),
-            "hidden_act": "silu",
-            "rms_norm_eps": m.norm_eps,
-            "rope_theta": m.rope_theta,
-            "tie_word_embeddings": m.tied_embeddings,
-            "attention_bias": false,
-            "mlp_bias": false,
-            "torch_dtype": "float32",
-        })),
-        Some(HfFamily::Mixtral) => {
-            let moe = m.moe.as_ref().ok_or("a Mixtral spec has experts")?;
-            Ok(json!({
-                "architectures": ["MixtralForCausalLM"],
-                "model_type": "mixtral",
+        Some(family @ (HfFamily::Llama | HfFamily::Mixtral)) => {
+            let mut config = json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
                 "vocab_size": m.vocab,
                 "max_position_embeddings": m.max_seq,
                 "hidden_size": m.hidden,
@@ -253,14 +234,26 @@ pub fn to_hf_config(spec: &Spec) -> Result<Value, String> {
                 "rms_norm_eps": m.norm_eps,
                 "rope_theta": m.rope_theta,
                 "tie_word_embeddings": m.tied_embeddings,
-                "num_local_experts": moe.experts,
-                "num_experts_per_tok": moe.top_k,
-                "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k as f64,
-                "router_jitter_noise": 0.0,
-                "sliding_window": null,
-                "output_router_logits": false,
                 "torch_dtype": "float32",
-            }))
+            });
+            let extra = match (family, &m.moe) {
+                (HfFamily::Mixtral, Some(moe)) => json!({
+                    "architectures": ["MixtralForCausalLM"],
+                    "model_type": "mixtral",
+                    "num_local_experts": moe.experts,
+                    "num_experts_per_tok": moe.top_k,
+                    // Hugging Face's load-balancing loss is top_k times shardc's.
+                    "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k as f64,
+                    "router_jitter_noise": 0.0,
+                    "sliding_window": null,
+                    "output_router_logits": false,
+                }),
+                _ => json!({ "attention_bias": false, "mlp_bias": false }),
+            };
+            if let (Some(config), Value::Object(extra)) = (config.as_object_mut(), extra) {
+                config.extend(extra);
+            }
+            Ok(config)
         }
         None => Err(format!("`{}` is neither GPT-2-shaped (layernorm, gelu, learned positions, biases) nor Llama-shaped (rmsnorm, swiglu, rope, no biases; with experts, Mixtral's: in every layer, none shared, dropless)", spec.name)),
     }
