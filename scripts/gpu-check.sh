@@ -18,7 +18,8 @@
 #            order differs: cuBLAS, block reductions); bf16 loss 3e-2 (8-bit mantissa,
 #            against the f32 CPU run), gradients not compared (a bf16 parameter cannot
 #            resolve one small SGD step);
-#         2. times a gpt2-small training step (s=1024, micro-batch 8, bf16 and f32), a wide
+#         2. times a gpt2-small training step (s=1024, micro-batch 8, bf16 and f32; bf16 again
+#            with cuBLASLt's fused GEMM epilogues replaced by the GEMM and a kernel), a wide
 #            GEMM-bound layer, and attention forward+backward at s=4096 and 16384, each
 #            beside the cluster model's prediction (h200 preset), with MFU, achieved GEMM
 #            TFLOP/s against cuBLAS's measured peak, and attention TFLOP/s;
@@ -107,6 +108,7 @@ prepare() {
   ],
   "bench": [
     {"name": "gpt2-small step (s=1024, b=8)", "program": "plans/bench-gpt2-bf16.json", "steps": 6},
+    {"name": "  the same, epilogues unfused", "program": "plans/bench-gpt2-bf16.json", "steps": 6, "without_cublaslt": true},
     {"name": "gpt2-small step (s=1024, b=8)", "program": "plans/bench-gpt2-f32.json", "steps": 4},
     {"name": "wide layer h=4096 (s=512, b=8)", "program": "plans/bench-wide-bf16.json", "steps": 6}
   ],

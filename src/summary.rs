@@ -448,7 +448,8 @@ pub fn device_line(program: &shardc_runtime::Program) -> Option<String> {
     let calls = plan.calls.iter().flatten();
     let launches = calls.clone().filter(|c| matches!(c, DeviceCall::Launch { .. })).count();
     let fused = calls.clone().filter(|c| matches!(c, DeviceCall::Fused { .. })).count();
-    let gemms = calls.filter(|c| matches!(c, DeviceCall::Gemm(_))).count();
+    let gemms = calls.clone().filter(|c| matches!(c, DeviceCall::Gemm(_) | DeviceCall::GemmEpilogue { .. })).count();
+    let epilogues = calls.filter(|c| matches!(c, DeviceCall::GemmEpilogue { .. })).count();
     let runtime: Vec<&str> = plan.calls.iter().zip(&program.instrs).filter(|(c, _)| matches!(c.first(), Some(DeviceCall::Runtime))).map(|(_, i)| i.op.as_str()).collect();
     let transfers = runtime.iter().filter(|op| matches!(**op, "shard.send" | "shard.recv")).count();
     let per_instruction = runtime.iter().filter(|op| !matches!(**op, "shard.send" | "shard.recv" | "tensor.empty")).count();
@@ -460,7 +461,7 @@ pub fn device_line(program: &shardc_runtime::Program) -> Option<String> {
     let who = if program.pipeline.is_some() { format!("{}: ", program.name) } else { String::new() };
     let transfers = if transfers > 0 { format!(", {transfers} sends and receives") } else { String::new() };
     Some(format!(
-        "{who}cuda ({:?}): {launches} kernel launches ({fused} element-wise ops fused into others), {gemms} cuBLAS GEMMs, {collectives} collectives{transfers}; module {}, scratch {}",
+        "{who}cuda ({:?}): {launches} kernel launches ({fused} element-wise ops fused into others), {gemms} cuBLAS GEMMs ({epilogues} with fused epilogues), {collectives} collectives{transfers}; module {}, scratch {}",
         plan.dtype,
         bytes(plan.source.len() as u64),
         bytes(plan.workspace_bytes as u64)

@@ -85,7 +85,7 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     let good = manifest(
         "manifest.json",
         vec![case("tiny f32", "one", "one"), case("tiny f32", "dp2tp2", "dp2tp2"), case("tiny f32", "pp2", "pp2")],
-        vec![serde_json::json!({"name": "tiny step", "program": "plans/one.json", "steps": 2})],
+        vec![serde_json::json!({"name": "tiny step", "program": "plans/one.json", "steps": 2}), serde_json::json!({"name": "tiny step unfused", "program": "plans/one.json", "steps": 2, "without_cublaslt": true})],
         vec![attention],
     );
     assert_eq!(cli(&["check", &good]), Ok(true));
@@ -95,11 +95,13 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     assert!(check.rows.iter().all(|r| r.ok && r.result.starts_with("match")), "{check:?}");
     assert_eq!(cli(&["bench", &good]), Ok(true));
     let bench = results(&dir, "bench");
-    assert_eq!(bench.rows.len(), 2, "{bench:?}");
+    assert_eq!(bench.rows.len(), 3, "{bench:?}");
+    // The same plan with the GEMM epilogues unfused (the plain GEMM and the epilogue kernel).
+    assert!(bench.rows[1].case.starts_with("tiny step unfused") && bench.rows[1].measured.ends_with("/step"), "{bench:?}");
     // The plan's own prediction (compiled with --gpu h200) beside the measured step, and the
     // attention row's TFLOP/s.
     assert!(bench.rows[0].predicted.ends_with("ms") && bench.rows[0].result.contains("MFU"), "{bench:?}");
-    assert!(bench.rows[1].case.starts_with("attention fwd+bwd s=40") && bench.rows[1].result.contains("TFLOP/s"), "{bench:?}");
+    assert!(bench.rows[2].case.starts_with("attention fwd+bwd s=40") && bench.rows[2].result.contains("TFLOP/s"), "{bench:?}");
     let measured: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("bench-measured.json")).unwrap()).unwrap();
     assert!(measured["plans/one.json"].as_f64().unwrap() > 0.0 && measured["plans/attention-s40-bwd.json"].as_f64().unwrap() > 0.0, "{measured}");
     assert_eq!(cli(&["table", &good]), Ok(true));

@@ -13,7 +13,7 @@ use shardc_ir::kernel::{Arg, DeviceKernel, Gemm, KernelCx, PRELUDE};
 use shardc_ir::ops::lookup;
 use shardc_ir::TensorTy;
 use shardc_runtime::DType;
-use shardc_runtime::program::{Attr, BufferId, DeviceCall, DevicePlan, KernelArg, Program};
+use shardc_runtime::program::{Attr, BufferId, DeviceCall, DevicePlan, Epilogue, EpilogueActivation, KernelArg, Program};
 
 use crate::CodegenError;
 
@@ -90,8 +90,27 @@ fn device_kernel(program: &Program, index: usize) -> Result<Option<DeviceKernel>
     def.device(&KernelCx { inputs: &input_refs, outputs: &outputs, attrs: &attrs }).map(Some)
 }
 
+/// Choices of the device code generator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceOptions {
+    /// Fold bias adds, GELU and GELU's gradient into the GEMMs that feed them (cuBLASLt's
+    /// epilogues); off, they run as element-wise kernels.
+    pub gemm_epilogues: bool,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        DeviceOptions { gemm_epilogues: true }
+    }
+}
+
 /// Generates the device plan of `program`: its CUDA module and every instruction's calls.
 pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
+    device_plan_with(program, DeviceOptions::default())
+}
+
+/// [`device_plan`] with `options`.
+pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<DevicePlan, CodegenError> {
     let fail = |index: usize, reason: String| {
         let loc = program.instrs.get(index).map_or_else(String::new, |i| i.loc.clone());
         CodegenError::Unsupported { func: program.name.clone(), loc, reason }
@@ -99,9 +118,12 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     let dtype = float_dtype(program).map_err(|e| fail(0, e))?;
     let acc = acc_bytes(dtype);
     let kernels: Vec<Option<DeviceKernel>> = (0..program.instrs.len()).map(|i| device_kernel(program, i).map_err(|e| fail(i, e))).collect::<Result<_, _>>()?;
-    let groups = elementwise_groups(program, &kernels);
-    let batches = multi_tensor_batches(program, &groups);
     let readers = Readers::of(program);
+    let epilogues = if options.gemm_epilogues { gemm_epilogues(program, &kernels, &readers, dtype) } else { HashMap::new() };
+    let fused_into: HashMap<usize, usize> = epilogues.iter().flat_map(|(&gemm, (_, e))| e.members.iter().map(move |&m| (m, gemm))).collect();
+    let taken: HashSet<usize> = fused_into.keys().copied().collect();
+    let groups = elementwise_groups(program, &kernels, &taken);
+    let batches = multi_tensor_batches(program, &groups);
 
     let mut sources: Vec<&'static str> = Vec::new();
     // Sources instantiated for fp32 buffers in a bf16 module (mixed precision).
@@ -112,6 +134,16 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
     let mut index = 0;
     while index < program.instrs.len() {
         let instr = &program.instrs[index];
+        if let Some(&gemm) = fused_into.get(&index) {
+            calls[index] = vec![DeviceCall::Fused { into: gemm }];
+            index += 1;
+            continue;
+        }
+        if let Some((gemm, epilogue)) = epilogues.get(&index) {
+            calls[index] = vec![DeviceCall::GemmEpilogue { gemm: gemm.clone(), epilogue: epilogue.clone() }];
+            index += 1;
+            continue;
+        }
         if let Some(batch) = batches.get(&index) {
             let members: Vec<Vec<usize>> = batch.iter().map(|first| groups[first].clone()).collect();
             let (name, text, args, n) = fuse_multi(program, &members, &kernels, &readers, dtype).map_err(|e| fail(index, e))?;
@@ -210,7 +242,7 @@ pub fn device_plan(program: &Program) -> Result<DevicePlan, CodegenError> {
 /// an operand the run reads at a broadcast index (a ZeRO-3 gathered bias whose slot the
 /// memory plan hands to the next value): the kernel's threads write element `i` while
 /// others still read element `i % len`.
-fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> HashMap<usize, Vec<usize>> {
+fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>], taken: &HashSet<usize>) -> HashMap<usize, Vec<usize>> {
     use shardc_runtime::program::Alias;
     let len = |b: BufferId| program.buffers[b].len();
     let mut groups: HashMap<usize, Vec<usize>> = HashMap::new();
@@ -229,7 +261,8 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
     // a kernel group launches at its first member, so no group may span two sections.
     let section_starts: HashSet<usize> = program.pipeline.iter().flat_map(|p| &p.chunks).flat_map(|c| c.sections.iter().flat_map(|&(start, end)| [start, end])).collect();
     for (i, kernel) in kernels.iter().enumerate() {
-        let elementwise = matches!(kernel, Some(DeviceKernel::Elementwise { .. }));
+        // An instruction a GEMM's epilogue computes is not element-wise work of its own.
+        let elementwise = matches!(kernel, Some(DeviceKernel::Elementwise { .. })) && !taken.contains(&i);
         if !elementwise || section_starts.contains(&i) {
             close(&mut current, &mut groups);
             written.clear();
@@ -266,6 +299,124 @@ fn elementwise_groups(program: &Program, kernels: &[Option<DeviceKernel>]) -> Ha
     }
     close(&mut current, &mut groups);
     groups
+}
+
+/// How far past a GEMM its epilogue's instructions may lie (the backward's weight-gradient
+/// GEMM sits between a data-gradient GEMM and the GELU gradient that reads it).
+const EPILOGUE_WINDOW: usize = 4;
+
+/// GEMMs whose product only feeds a bias add, then perhaps GELU, or only GELU's gradient:
+/// each becomes one [`DeviceCall::GemmEpilogue`] at the GEMM (cuBLASLt's fused epilogues), so
+/// the product never makes a round trip through memory. Keyed by the GEMM's instruction.
+///
+/// The fused call writes its results at the GEMM, earlier than the instructions it replaces:
+/// every instruction in between must neither touch that storage nor write what the call
+/// reads, and none may start a pipeline section. Only fp32 and bf16 modules (cuBLASLt's
+/// epilogues).
+fn gemm_epilogues(program: &Program, kernels: &[Option<DeviceKernel>], readers: &Readers, dtype: DType) -> HashMap<usize, (Gemm, Epilogue)> {
+    use shardc_ir::kernel::EpilogueStage;
+    use shardc_runtime::program::Alias;
+    let mut found = HashMap::new();
+    if !matches!(dtype, DType::F32 | DType::Bf16) {
+        return found;
+    }
+    let section_starts: HashSet<usize> = program.pipeline.iter().flat_map(|p| &p.chunks).flat_map(|c| c.sections.iter().map(|&(start, _)| start)).collect();
+    let stage = |i: usize| lookup(&program.instrs[i].op).and_then(|op| op.gemm_epilogue());
+    let buffers = &program.buffers;
+    // The first instruction after `after` (within the window, no section between) that reads `v`.
+    let next_reader = |v: BufferId, after: usize, limit: usize| -> Option<usize> {
+        ((after + 1)..program.instrs.len().min(limit + 1)).take_while(|k| !section_starts.contains(k)).find(|&k| program.instrs[k].inputs.contains(&v))
+    };
+    let disjoint = |x: BufferId, y: BufferId| x != y && program.alias(x, y) == Alias::None;
+    for (i, kernel) in kernels.iter().enumerate() {
+        let Some(DeviceKernel::Gemm(g)) = kernel else { continue };
+        let instr = &program.instrs[i];
+        let (a, b, c) = (instr.inputs[g.a], instr.inputs[g.b], instr.outputs[g.c]);
+        let product_len = buffers[c].len();
+        if [a, b, c].iter().any(|&x| buffers[x].dtype != dtype) || g.ldc != g.n || (g.batch > 1 && g.stride_c != g.m * g.n) || product_len != g.batch * g.m * g.n {
+            continue;
+        }
+        let limit = i + EPILOGUE_WINDOW;
+        let Some(first) = next_reader(c, i, limit) else { continue };
+        let first_instr = &program.instrs[first];
+        let (mut members, mut bias, mut aux, mut activation, out);
+        members = vec![first];
+        bias = None;
+        aux = None;
+        activation = EpilogueActivation::None;
+        match stage(first) {
+            Some(EpilogueStage::GeluGrad) => {
+                // dx = dy * gelu'(x) with dy the product, read by nothing else.
+                if first_instr.inputs.len() != 2 || first_instr.inputs[1] != c || first_instr.inputs[0] == c || readers.reads[c] != 1 || readers.outside(c) {
+                    continue;
+                }
+                aux = Some(first_instr.inputs[0]);
+                activation = EpilogueActivation::GeluGrad;
+                out = first_instr.outputs[0];
+            }
+            Some(EpilogueStage::Bias | EpilogueStage::Gelu) => {
+                // The value after the bias (the product itself without one) and how many of its
+                // reads are still to come.
+                let (value, mut reads_left, at) = if stage(first) == Some(EpilogueStage::Bias) {
+                    let rhs = first_instr.inputs.get(1).copied();
+                    let o1 = first_instr.outputs[0];
+                    let Some(rhs) = rhs.filter(|&r| first_instr.inputs[0] == c && r != c && buffers[r].shape == [g.n] && buffers[r].dtype == dtype) else { continue };
+                    if buffers[o1].len() != product_len || buffers[o1].dtype != dtype {
+                        continue;
+                    }
+                    if o1 != c && (readers.reads[c] != 1 || readers.outside(c)) {
+                        continue;
+                    }
+                    bias = Some(rhs);
+                    let left = if o1 == c { readers.reads[c] - 1 } else { readers.reads[o1] };
+                    (o1, left, first)
+                } else {
+                    members.clear();
+                    (c, readers.reads[c], i)
+                };
+                let gelu = next_reader(value, at, limit).filter(|&q| stage(q) == Some(EpilogueStage::Gelu) && program.instrs[q].inputs == [value]);
+                match gelu {
+                    Some(q) => {
+                        members.push(q);
+                        reads_left -= 1;
+                        activation = EpilogueActivation::Gelu;
+                        out = program.instrs[q].outputs[0];
+                        if buffers[out].dtype != dtype {
+                            continue;
+                        }
+                        // The backward reads the pre-activation: the epilogue stores it as well.
+                        if reads_left > 0 || readers.outside(value) {
+                            aux = Some(value);
+                        }
+                    }
+                    None if bias.is_some() => out = value,
+                    None => continue,
+                }
+            }
+            None => continue,
+        }
+        let last = *members.iter().max().unwrap_or(&i);
+        let mut reads = vec![a, b];
+        reads.extend(bias);
+        let mut writes = vec![out];
+        match activation {
+            EpilogueActivation::GeluGrad => reads.extend(aux),
+            _ => writes.extend(aux),
+        }
+        if aux.is_some_and(|x| buffers[x].dtype != dtype || buffers[x].len() != product_len) || buffers[out].len() != product_len {
+            continue;
+        }
+        let writes_apart = writes.iter().all(|&w| reads.iter().all(|&r| disjoint(w, r))) && writes.len() == writes.iter().collect::<HashSet<_>>().len() && writes.iter().all(|&w| writes.iter().all(|&v| v == w || disjoint(v, w)));
+        let between_apart = (i + 1..last).filter(|k| !members.contains(k)).all(|k| {
+            let between = &program.instrs[k];
+            between.inputs.iter().chain(&between.outputs).all(|&x| writes.iter().all(|&w| disjoint(x, w))) && between.outputs.iter().all(|&y| reads.iter().all(|&r| disjoint(y, r)))
+        });
+        if !writes_apart || !between_apart {
+            continue;
+        }
+        found.insert(i, (Gemm { a, b, c: out, ..g.clone() }, Epilogue { bias, activation, aux, members }));
+    }
+    found
 }
 
 /// Most kernel groups in one multi-tensor launch (each brings a handful of pointer

@@ -70,6 +70,17 @@ pub struct Gemm {
     pub batch: usize,
 }
 
+/// A stage of a GEMM epilogue (cuBLASLt's `CUBLASLT_EPILOGUE_*`), as an op declares it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EpilogueStage {
+    /// `product + rhs`, `rhs` a vector of the product's columns broadcast over its rows.
+    Bias,
+    /// `gelu(x)` (tanh approximation) of the product (plus bias).
+    Gelu,
+    /// `dy * gelu'(x)` with `dy` the product and `x` the stored pre-activation.
+    GeluGrad,
+}
+
 /// One launch of a hand-written kernel.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Launch {
@@ -270,6 +281,18 @@ extern "C" __global__ void shardc_copy_blocks(unsigned char* dst, i64 dst_stride
 }
 extern "C" __global__ void shardc_accumulate(T* dst, const T* src, i64 n, int max) {
   GRID_STRIDE(i, n) { acc_t a = load(dst[i]), b = load(src[i]); dst[i] = store(max ? fmax(a, b) : a + b); }
+}
+// A GEMM epilogue where cuBLASLt does not run it (no algorithm for the shape, or
+// SHARDC_CUBLASLT=0): `out` holds the product (rows of `cols`); adds `bias[col]`, then
+// GELU (storing the pre-activation in `aux` when given) or GELU's gradient at `aux`.
+extern "C" __global__ void shardc_gemm_epilogue(T* out, T* aux, const T* bias, i64 n, i64 cols, int activation) {
+  GRID_STRIDE(i, n) {
+    acc_t v = load(out[i]);
+    if (bias) v += load(bias[i % cols]);
+    if (activation == 1) { if (aux) aux[i] = store(v); v = gelu_f(v); }
+    else if (activation == 2) v = v * gelu_df(load(aux[i]));
+    out[i] = store(v);
+  }
 }
 // The same on fp32 buffers whatever the module's storage type (mixed precision).
 extern "C" __global__ void shardc_accumulate_f32(float* dst, const float* src, i64 n, int max) {

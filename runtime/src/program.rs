@@ -312,6 +312,15 @@ pub enum DeviceCall {
     },
     /// `C[b] = op(A[b]) op(B[b])`, row-major, through cuBLAS (fp32 accumulation).
     Gemm(Gemm),
+    /// A GEMM whose product goes through an epilogue before it is stored: cuBLASLt's fused
+    /// bias, GELU and GELU-gradient epilogues, or the GEMM then [`GEMM_EPILOGUE_KERNEL`]
+    /// where cuBLASLt has no algorithm. `gemm.c` is the epilogue's result.
+    GemmEpilogue {
+        /// The product.
+        gemm: Gemm,
+        /// What is applied to it.
+        epilogue: Epilogue,
+    },
     /// The output takes the input's value (a device copy unless they share storage).
     Copy {
         /// Source buffer.
@@ -326,6 +335,50 @@ pub enum DeviceCall {
     },
     /// Run by the runtime itself: collectives, sends and receives, `tensor.empty`.
     Runtime,
+}
+
+/// The prelude's kernel that runs an [`Epilogue`] after a plain GEMM.
+pub const GEMM_EPILOGUE_KERNEL: &str = "shardc_gemm_epilogue";
+
+/// What a [`DeviceCall::GemmEpilogue`] applies to the product `P` (row-major, contiguous), in
+/// order: `P + bias`, then the activation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Epilogue {
+    /// A vector of the product's columns, added to every row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bias: Option<BufferId>,
+    /// The activation after the bias.
+    pub activation: EpilogueActivation,
+    /// [`EpilogueActivation::Gelu`]: where `P + bias` is stored too (the backward reads it);
+    /// [`EpilogueActivation::GeluGrad`]: the pre-activation it reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux: Option<BufferId>,
+    /// The instructions the call computes besides the GEMM (their calls are
+    /// [`DeviceCall::Fused`] into it).
+    pub members: Vec<usize>,
+}
+
+/// The activation of an [`Epilogue`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EpilogueActivation {
+    /// None.
+    None,
+    /// GELU (tanh approximation).
+    Gelu,
+    /// `P * gelu'(aux)`.
+    GeluGrad,
+}
+
+impl EpilogueActivation {
+    /// The `activation` argument of [`GEMM_EPILOGUE_KERNEL`].
+    pub fn code(self) -> i32 {
+        match self {
+            EpilogueActivation::None => 0,
+            EpilogueActivation::Gelu => 1,
+            EpilogueActivation::GeluGrad => 2,
+        }
+    }
 }
 
 /// A row-major (batched) matrix product: the op's [`Gemm`] with operand and result indices

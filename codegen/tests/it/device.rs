@@ -66,7 +66,14 @@ fn check_plan(what: &str, program: &Program, plan: &DevicePlan) {
                         }
                     }
                 }
-                DeviceCall::Fused { into } => assert!(*into < i && matches!(plan.calls[*into][0], DeviceCall::Launch { .. }), "{what}: {i} fused into {into}"),
+                DeviceCall::Fused { into } => match &plan.calls[*into][0] {
+                    DeviceCall::GemmEpilogue { epilogue, .. } => assert!(*into < i && epilogue.members.contains(&i), "{what}: {i} fused into the GEMM of {into}"),
+                    other => assert!(*into < i && matches!(other, DeviceCall::Launch { .. }), "{what}: {i} fused into {into}"),
+                },
+                DeviceCall::GemmEpilogue { gemm, epilogue } => {
+                    assert!(instr.op == "xf.matmul" && gemm.m * gemm.n * gemm.k > 0, "{what}: {} as a GEMM with an epilogue", instr.op);
+                    assert!(!epilogue.members.is_empty() && epilogue.members.iter().all(|&m| m > i && plan.calls[m] == [DeviceCall::Fused { into: i }]), "{what}: {i}'s epilogue members {:?}", epilogue.members);
+                }
                 DeviceCall::Runtime => assert!(instr.op.starts_with("shard.") || instr.op == "tensor.empty", "{what}: {} left to the runtime", instr.op),
                 DeviceCall::Gemm(g) => assert!(instr.op.starts_with("xf.matmul") && g.m * g.n * g.k > 0, "{what}: {} as a GEMM", instr.op),
                 DeviceCall::Copy { .. } => assert_eq!(instr.op, "xf.wait"),
@@ -83,10 +90,54 @@ fn every_op_of_the_training_steps_has_a_device_form() {
     }
 }
 
+/// The MLP's up projection ends in bias and GELU (storing the pre-activation the backward
+/// reads), every other biased projection in its bias, and the backward's data gradient
+/// through GELU in GELU's gradient: cuBLASLt's epilogues, with nothing left for the
+/// element-wise kernels to do there. f64 modules keep plain GEMMs (no cuBLASLt epilogues).
+#[test]
+fn gemm_epilogues_fold_bias_gelu_and_its_gradient() {
+    use shardc_runtime::program::EpilogueActivation;
+    for dtype in ["f32", "bf16"] {
+        let program = train_step("tiny", dtype, Mesh::default(), false);
+        let plan = device_plan(&program).unwrap();
+        let epilogue = |loc: &str| {
+            let at = program.instrs.iter().position(|i| i.op == "xf.matmul" && i.loc.ends_with(loc)).unwrap_or_else(|| panic!("no matmul at {loc}"));
+            match &plan.calls[at][0] {
+                DeviceCall::GemmEpilogue { epilogue, .. } => (epilogue.bias.is_some(), epilogue.activation, epilogue.aux, epilogue.members.clone()),
+                other => panic!("{dtype} {loc}: {other:?}"),
+            }
+        };
+        let (bias, activation, aux, members) = epilogue("layers.0.mlp.up");
+        assert!(bias && activation == EpilogueActivation::Gelu, "{dtype}");
+        let ops: Vec<&str> = members.iter().map(|&m| program.instrs[m].op.as_str()).collect();
+        assert_eq!(ops, ["xf.add", "xf.gelu"], "{dtype}");
+        // The pre-activation is stored for the GELU gradient, which reads it as its epilogue's aux.
+        let pre = aux.expect("the pre-activation is kept");
+        let down_grad = program.instrs.iter().position(|i| i.op == "xf.matmul" && i.loc.ends_with("layers.0.mlp.down.grad")).unwrap();
+        match &plan.calls[down_grad][0] {
+            DeviceCall::GemmEpilogue { epilogue, .. } => {
+                assert_eq!((epilogue.activation, epilogue.aux, epilogue.bias), (EpilogueActivation::GeluGrad, Some(pre), None), "{dtype}");
+                assert_eq!(program.instrs[epilogue.members[0]].op, "xf.gelu_grad");
+            }
+            other => panic!("{dtype}: the down projection's data gradient is {other:?}"),
+        }
+        for loc in ["layers.0.attn.q", "layers.0.attn.out", "layers.0.mlp.down"] {
+            let (bias, activation, aux, members) = epilogue(loc);
+            assert!(bias && activation == EpilogueActivation::None && aux.is_none() && members.len() == 1, "{dtype} {loc}");
+        }
+    }
+    let program = train_step("tiny", "f64", Mesh::default(), false);
+    let plan = device_plan(&program).unwrap();
+    assert!(!plan.calls.iter().flatten().any(|c| matches!(c, DeviceCall::GemmEpilogue { .. })), "f64 keeps plain GEMMs");
+}
+
 #[test]
 fn elementwise_chains_fuse_and_keep_only_what_others_read() {
     let program = train_step("tiny", "f32", Mesh::default(), false);
-    let plan = device_plan(&program).unwrap();
+    // With the epilogues on, the bias adds and GELU are the GEMMs' (see above): no kernel has them.
+    let with_epilogues = device_plan(&program).unwrap();
+    assert!(!with_epilogues.source.contains("// xf.add -> xf.gelu\n") && !with_epilogues.source.contains("// xf.add -> xf.add\n"));
+    let plan = shardc_codegen::device::device_plan_with(&program, shardc_codegen::device::DeviceOptions { gemm_epilogues: false }).unwrap();
     let fused = plan.calls.iter().filter(|c| matches!(c.first(), Some(DeviceCall::Fused { .. }))).count();
     assert!(fused >= 8, "only {fused} instructions fused");
     // Bias add and GELU in one kernel; both values are stored because the backward's
@@ -204,6 +255,13 @@ fn the_generated_module_is_stable() {
                 .map(|c| match c {
                     DeviceCall::Launch { kernel, grid, block, shared_bytes, .. } => format!("{kernel}<<<{grid:?}, {block}, {shared_bytes}>>>"),
                     DeviceCall::Gemm(g) => format!("gemm m={} n={} k={} ta={} tb={} batch={}", g.m, g.n, g.k, g.transpose_a, g.transpose_b, g.batch),
+                    DeviceCall::GemmEpilogue { gemm: g, epilogue: e } => format!(
+                        "gemm m={} n={} k={} ta={} tb={} batch={} epilogue{}{:?}{}",
+                        g.m, g.n, g.k, g.transpose_a, g.transpose_b, g.batch,
+                        if e.bias.is_some() { " bias " } else { " " },
+                        e.activation,
+                        if e.aux.is_some() { " aux" } else { "" }
+                    ),
                     DeviceCall::Fused { into } => format!("fused into {into}"),
                     DeviceCall::Copy { .. } => "copy".into(),
                     DeviceCall::Runtime => "runtime".into(),

@@ -4,6 +4,7 @@ mod checkpoint;
 mod clipping;
 mod comm_opt;
 mod device;
+mod epilogues;
 mod estimate;
 mod common;
 mod gradcheck;

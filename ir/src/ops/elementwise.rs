@@ -54,6 +54,9 @@ impl OpDef for Add {
     fn differentiable(&self) -> bool {
         true
     }
+    fn gemm_epilogue(&self) -> Option<crate::kernel::EpilogueStage> {
+        Some(crate::kernel::EpilogueStage::Bias)
+    }
     fn in_place(&self) -> &'static [(usize, usize)] {
         // Accumulating into a dead lhs (gradient sums, residual adds) needs no new buffer.
         &[(0, 0)]
@@ -156,6 +159,8 @@ pub struct Activation {
     flops_per_element: f64,
     /// The backward op, `dx = dy * f'(x)` from `(x, dy)`.
     grad: &'static str,
+    /// As a GEMM epilogue (cuBLASLt has GELU, not SiLU).
+    epilogue: Option<crate::kernel::EpilogueStage>,
 }
 
 /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
@@ -166,6 +171,7 @@ pub const GELU: Activation = Activation {
     // x^3, two multiply-adds, tanh (counted as 1), 1 + t, two multiplies.
     flops_per_element: 8.0,
     grad: "xf.gelu_grad",
+    epilogue: Some(crate::kernel::EpilogueStage::Gelu),
 };
 
 /// SiLU (swish): `x * sigmoid(x)`.
@@ -175,11 +181,15 @@ pub const SILU: Activation = Activation {
     body: "{out0} = {in0} * sigmoid_f({in0});",
     flops_per_element: 4.0,
     grad: "xf.silu_grad",
+    epilogue: None,
 };
 
 impl OpDef for Activation {
     fn mnemonic(&self) -> &'static str {
         self.mnemonic
+    }
+    fn gemm_epilogue(&self) -> Option<crate::kernel::EpilogueStage> {
+        self.epilogue
     }
     fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         Ok(DeviceKernel::Elementwise { body: self.body })
@@ -282,6 +292,8 @@ pub struct ActivationGrad {
     summary: &'static str,
     body: &'static str,
     flops_per_element: f64,
+    /// As a GEMM epilogue.
+    epilogue: Option<crate::kernel::EpilogueStage>,
 }
 
 /// `dx = dy * gelu'(x)` for the tanh approximation.
@@ -290,6 +302,7 @@ pub const GELU_GRAD: ActivationGrad = ActivationGrad {
     summary: "dy * gelu'(x) (tanh approximation)",
     body: "{out0} = {in1} * gelu_df({in0});",
     flops_per_element: 14.0,
+    epilogue: Some(crate::kernel::EpilogueStage::GeluGrad),
 };
 
 /// `dx = dy * silu'(x) = dy * s (1 + x (1 - s))` with `s = sigmoid(x)`.
@@ -298,11 +311,15 @@ pub const SILU_GRAD: ActivationGrad = ActivationGrad {
     summary: "dy * silu'(x)",
     body: "{out0} = {in1} * silu_df({in0});",
     flops_per_element: 7.0,
+    epilogue: None,
 };
 
 impl OpDef for ActivationGrad {
     fn mnemonic(&self) -> &'static str {
         self.mnemonic
+    }
+    fn gemm_epilogue(&self) -> Option<crate::kernel::EpilogueStage> {
+        self.epilogue
     }
     fn device(&self, _cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         Ok(DeviceKernel::Elementwise { body: self.body })

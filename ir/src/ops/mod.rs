@@ -291,6 +291,12 @@ pub trait OpDef: Sync {
         &[]
     }
 
+    /// What this op can be as a stage of a matrix product's epilogue (cuBLASLt's bias, GELU
+    /// and GELU-gradient epilogues), when it reads the product: codegen folds it into the GEMM.
+    fn gemm_epilogue(&self) -> Option<crate::kernel::EpilogueStage> {
+        None
+    }
+
     /// Pairs `(result, operand)` where the result may share the operand's buffer (optimizer
     /// updates write the parameter in place). Codegen aliases them when the operand is dead
     /// after the op; kernels of such ops read the old value from the result buffer.

@@ -66,6 +66,10 @@ struct Workload {
     name: String,
     program: PathBuf,
     steps: u64,
+    /// Runs the GEMM epilogues as the plain GEMM and the epilogue kernel (`SHARDC_CUBLASLT=0`),
+    /// to measure what cuBLASLt's fused epilogues save.
+    #[serde(default)]
+    without_cublaslt: bool,
 }
 
 /// Attention forward and backward at one shape, as `gpu-check-plans attention` staged them.
@@ -342,7 +346,17 @@ fn bench(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
         let path = dir.join(&w.program);
         let programs = step_programs(&path, true)?;
         let corpus = corpus(manifest, dir, &programs)?;
-        let run = cuda::train_programs(&programs, 0, layers(&programs), &corpus, w.steps.max(2), placement).map_err(|e| format!("{}: {e}", w.name))?;
+        if w.without_cublaslt {
+            // SAFETY: set while this process runs no other thread (each case's ranks are
+            // joined before the next case starts), read by the runtime's GEMM calls.
+            unsafe { std::env::set_var("SHARDC_CUBLASLT", "0") };
+        }
+        let run = cuda::train_programs(&programs, 0, layers(&programs), &corpus, w.steps.max(2), placement).map_err(|e| format!("{}: {e}", w.name));
+        if w.without_cublaslt {
+            // SAFETY: as above.
+            unsafe { std::env::remove_var("SHARDC_CUBLASLT") };
+        }
+        let run = run?;
         results.device = run.device.clone();
         // The first step compiles nothing but warms caches and cuBLAS heuristics.
         let mut sorted = run.step_seconds[1..].to_vec();
@@ -393,7 +407,9 @@ fn bench(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
             result: result.join(", "),
             ok: true,
         });
-        measured.insert(w.program.display().to_string(), serde_json::json!(median));
+        if !w.without_cublaslt {
+            measured.insert(w.program.display().to_string(), serde_json::json!(median));
+        }
     }
     if !manifest.attention.is_empty() {
         println!("{:<58} {:>12} {:>12} {:>12} {:>14} {:>10}", "attention", "fwd ms", "bwd ms", "TFLOP/s", "predicted ms", "pred/meas");

@@ -83,6 +83,18 @@ impl ColumnMajorGemm {
     }
 }
 
+/// An epilogue with device pointers (0: absent). In cuBLAS's column-major terms the bias is a
+/// vector of C's rows; `aux` has C's layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceEpilogue {
+    /// Bias pointer.
+    pub bias: u64,
+    /// What follows the bias.
+    pub activation: crate::program::EpilogueActivation,
+    /// The pre-activation: written under GELU, read under its gradient.
+    pub aux: u64,
+}
+
 /// A device the executor drives. Every operation is ordered after the ones before it.
 pub trait Device {
     /// Allocates `bytes` (zeroed).
@@ -101,6 +113,13 @@ pub trait Device {
     fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, shared_bytes: u32, args: &[KernelValue]) -> Result<(), RuntimeError>;
     /// A GEMM with fp32 (fp64 for f64) accumulation.
     fn gemm(&self, dtype: DType, g: &ColumnMajorGemm) -> Result<(), RuntimeError>;
+    /// A GEMM with a fused epilogue, as cuBLASLt runs it: the product (kept in the
+    /// accumulator type), plus the bias, through the activation, stored once. Returns false
+    /// where the device has no fused form for it (the caller then runs [`Device::gemm`] and
+    /// the prelude's epilogue kernel).
+    fn gemm_epilogue(&self, _dtype: DType, _g: &ColumnMajorGemm, _e: &DeviceEpilogue) -> Result<bool, RuntimeError> {
+        Ok(false)
+    }
     /// Waits for everything queued.
     fn synchronize(&self) -> Result<(), RuntimeError>;
     /// Its name, for reports.
@@ -116,6 +135,9 @@ pub trait Device {
 
 /// A GPU: one context, one stream, the module compiled by NVRTC, cuBLAS.
 pub struct Gpu {
+    /// None where cuBLASLt's library is absent: epilogues then run unfused. First, so it is
+    /// dropped (its handle and workspace freed) while the context still lives.
+    lt: Option<super::lt::Lt>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     comm: Arc<CudaStream>,
@@ -147,7 +169,9 @@ impl Gpu {
         }
         let blas = cudarc::cublas::CudaBlas::new(stream.clone()).map_err(|e| err(format!("cuBLAS: {e:?}")))?;
         let comm = ctx.new_stream().map_err(|e| err(format!("creating a stream: {e:?}")))?;
-        Ok(Gpu { ctx, stream, comm, _module: module, functions, blas })
+        // SAFETY: only tries to dlopen the library.
+        let lt = if unsafe { cudarc::cublaslt::sys::is_culib_present() } { Some(super::lt::Lt::new(capability.0)?) } else { None };
+        Ok(Gpu { ctx, stream, comm, _module: module, functions, blas, lt })
     }
 }
 
@@ -243,6 +267,12 @@ impl Device for Gpu {
             )
         }
         .map_err(|e| err(format!("cuBLAS GEMM {}x{}x{}: {e:?}", g.m, g.n, g.k)))
+    }
+    fn gemm_epilogue(&self, dtype: DType, g: &ColumnMajorGemm, e: &DeviceEpilogue) -> Result<bool, RuntimeError> {
+        match &self.lt {
+            Some(lt) => lt.matmul(dtype, g, e, self.stream.cu_stream() as _),
+            None => Ok(false),
+        }
     }
     fn synchronize(&self) -> Result<(), RuntimeError> {
         self.stream.synchronize().map_err(|e| err(format!("{e:?}")))?;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::device::{ColumnMajorGemm, Device, KernelValue};
+use super::device::{DeviceEpilogue, ColumnMajorGemm, Device, KernelValue};
 use super::err;
 use crate::{DType, RuntimeError};
 
@@ -287,41 +287,15 @@ impl Device for Emulated {
         Ok(())
     }
     fn gemm(&self, dtype: DType, g: &ColumnMajorGemm) -> Result<(), RuntimeError> {
-        // cuBLAS's contract: C(m x n, ldc) = op(A) op(B), column-major, per batch item.
-        let size = dtype.bytes();
-        let read = |base: u64, index: usize| -> f64 {
-            let at = (base as usize + index * size) as *const u8;
-            // SAFETY: indices within the operands as the GEMM describes them.
-            unsafe {
-                match dtype {
-                    DType::F64 => (at as *const f64).read_unaligned(),
-                    DType::Bf16 => f32::from_bits(((at as *const u16).read_unaligned() as u32) << 16) as f64,
-                    _ => (at as *const f32).read_unaligned() as f64,
-                }
-            }
-        };
-        for item in 0..g.batch {
-            for j in 0..g.n {
-                for i in 0..g.m {
-                    let mut acc = 0.0f64;
-                    for p in 0..g.k {
-                        let a = if g.transpose_a { read(g.a, item * g.stride_a + i * g.lda + p) } else { read(g.a, item * g.stride_a + p * g.lda + i) };
-                        let b = if g.transpose_b { read(g.b, item * g.stride_b + p * g.ldb + j) } else { read(g.b, item * g.stride_b + j * g.ldb + p) };
-                        acc += a * b;
-                    }
-                    let at = (g.c as usize + (item * g.stride_c + j * g.ldc + i) * size) as *mut u8;
-                    // SAFETY: as `read`, for C.
-                    unsafe {
-                        match dtype {
-                            DType::F64 => (at as *mut f64).write_unaligned(acc),
-                            DType::Bf16 => (at as *mut u16).write_unaligned(super::bf16_bits(acc as f32)),
-                            _ => (at as *mut f32).write_unaligned(acc as f32),
-                        }
-                    }
-                }
-            }
+        gemm_with(dtype, g, None)
+    }
+    fn gemm_epilogue(&self, dtype: DType, g: &ColumnMajorGemm, e: &DeviceEpilogue) -> Result<bool, RuntimeError> {
+        // As on a GPU, SHARDC_CUBLASLT=0 leaves the epilogue to the plain GEMM and its kernel.
+        if std::env::var("SHARDC_CUBLASLT").is_ok_and(|v| v == "0") {
+            return Ok(false);
         }
-        Ok(())
+        gemm_with(dtype, g, Some(e))?;
+        Ok(true)
     }
     fn synchronize(&self) -> Result<(), RuntimeError> {
         Ok(())
@@ -332,4 +306,78 @@ impl Device for Emulated {
     fn stream(&self) -> Option<&Arc<CudaStream>> {
         None
     }
+}
+
+/// cuBLAS's contract, `C(m x n, ldc) = op(A) op(B)` column-major per batch item, and
+/// cuBLASLt's epilogues on it: the bias (a vector of C's rows) and the activation applied to
+/// the accumulated value, rounded to the storage type once; GELU stores its input in `aux`.
+fn gemm_with(dtype: DType, g: &ColumnMajorGemm, epilogue: Option<&DeviceEpilogue>) -> Result<(), RuntimeError> {
+    use crate::program::EpilogueActivation;
+    let size = dtype.bytes();
+    let read = |base: u64, index: usize| -> f64 {
+        let at = (base as usize + index * size) as *const u8;
+        // SAFETY: indices within the operands as the GEMM describes them.
+        unsafe {
+            match dtype {
+                DType::F64 => (at as *const f64).read_unaligned(),
+                DType::Bf16 => f32::from_bits(((at as *const u16).read_unaligned() as u32) << 16) as f64,
+                _ => (at as *const f32).read_unaligned() as f64,
+            }
+        }
+    };
+    let write = |base: u64, index: usize, v: f64| {
+        let at = (base as usize + index * size) as *mut u8;
+        // SAFETY: as `read`, for C and the epilogue's auxiliary matrix (C's layout).
+        unsafe {
+            match dtype {
+                DType::F64 => (at as *mut f64).write_unaligned(v),
+                DType::Bf16 => (at as *mut u16).write_unaligned(super::bf16_bits(v as f32)),
+                _ => (at as *mut f32).write_unaligned(v as f32),
+            }
+        }
+    };
+    // The kernels' GELU in the accumulator type (fp32 beside fp32 and bf16 storage).
+    let gelu = |x: f64| {
+        let x = x as f32;
+        let t = (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh();
+        (0.5 * x * (1.0 + t)) as f64
+    };
+    let gelu_df = |x: f64| {
+        let x = x as f32;
+        let t = (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh();
+        (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.797_884_6 * (1.0 + 3.0 * 0.044715 * x * x)) as f64
+    };
+    for item in 0..g.batch {
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let mut acc = 0.0f64;
+                for p in 0..g.k {
+                    let a = if g.transpose_a { read(g.a, item * g.stride_a + i * g.lda + p) } else { read(g.a, item * g.stride_a + p * g.lda + i) };
+                    let b = if g.transpose_b { read(g.b, item * g.stride_b + p * g.ldb + j) } else { read(g.b, item * g.stride_b + j * g.ldb + p) };
+                    acc += a * b;
+                }
+                let at = item * g.stride_c + j * g.ldc + i;
+                if let Some(e) = epilogue {
+                    if dtype != DType::F64 {
+                        acc = acc as f32 as f64;
+                    }
+                    if e.bias != 0 {
+                        acc += read(e.bias, i);
+                    }
+                    match e.activation {
+                        EpilogueActivation::None => {}
+                        EpilogueActivation::Gelu => {
+                            if e.aux != 0 {
+                                write(e.aux, at, acc);
+                            }
+                            acc = gelu(acc);
+                        }
+                        EpilogueActivation::GeluGrad => acc *= gelu_df(read(e.aux, at)),
+                    }
+                }
+                write(g.c, at, acc);
+            }
+        }
+    }
+    Ok(())
 }

@@ -17,6 +17,7 @@
 
 pub mod device;
 pub mod emulate;
+mod lt;
 pub mod nccl;
 
 use std::collections::HashMap;
@@ -228,8 +229,30 @@ impl std::fmt::Debug for CudaExecutor {
     }
 }
 
+/// Every buffer a device call names exists, and a fused call names an instruction that
+/// computes it (a plan read from a file is checked before any pointer is made of it).
+fn check_call_buffers(program: &Program, plan: &DevicePlan) -> Result<(), RuntimeError> {
+    let n = program.buffers.len();
+    for (index, calls) in plan.calls.iter().enumerate() {
+        for call in calls {
+            let named: Vec<usize> = match call {
+                DeviceCall::Launch { args, .. } => args.iter().filter_map(|a| if let KernelArg::Buffer(b) = a { Some(*b) } else { None }).collect(),
+                DeviceCall::Gemm(g) => vec![g.a, g.b, g.c],
+                DeviceCall::GemmEpilogue { gemm: g, epilogue } => [g.a, g.b, g.c].into_iter().chain(epilogue.bias).chain(epilogue.aux).collect(),
+                DeviceCall::Copy { from, to } => vec![*from, *to],
+                DeviceCall::Fused { into } if *into >= plan.calls.len() => return Err(err(format!("instruction {index}'s device call is fused into instruction {into}, which does not exist"))),
+                DeviceCall::Fused { .. } | DeviceCall::Runtime => Vec::new(),
+            };
+            if let Some(b) = named.into_iter().find(|&b| b >= n) {
+                return Err(err(format!("instruction {index}'s device call names buffer {b}, but the program has {n}")));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The prelude's kernels the executor itself launches.
-const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate", "shardc_accumulate_f32"];
+const HELPERS: &[&str] = &["shardc_fill_zero", "shardc_copy_blocks", "shardc_accumulate", "shardc_accumulate_f32", crate::program::GEMM_EPILOGUE_KERNEL];
 
 /// Ops the device plan leaves to the runtime.
 const RUNTIME_OPS: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.all_to_all", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
@@ -243,6 +266,7 @@ impl CudaExecutor {
             return Err(err("the device plan does not match the program's instructions"));
         }
         let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
+        check_call_buffers(&program, &plan)?;
         for (instr, calls) in program.instrs.iter().zip(&plan.calls) {
             if calls.iter().any(|c| matches!(c, DeviceCall::Runtime)) && !RUNTIME_OPS.contains(&instr.op.as_str()) {
                 return Err(err(format!("`{}` (at {}) has no CUDA implementation", instr.op, instr.loc)));
@@ -707,6 +731,12 @@ impl CudaExecutor {
             DeviceCall::Gemm(g) => {
                 let (a, b, c) = (self.buffer_ptr(local, g.a), self.buffer_ptr(local, g.b), self.buffer_ptr(local, g.c));
                 self.device.gemm(self.plan.dtype, &ColumnMajorGemm::of(g, a, b, c))
+            }
+            DeviceCall::GemmEpilogue { gemm: g, epilogue } => {
+                let ptr = |b: Option<usize>| b.map_or(0, |b| self.buffer_ptr(local, b));
+                let (a, b, c) = (self.buffer_ptr(local, g.a), self.buffer_ptr(local, g.b), self.buffer_ptr(local, g.c));
+                let fused = device::DeviceEpilogue { bias: ptr(epilogue.bias), activation: epilogue.activation, aux: ptr(epilogue.aux) };
+                gemm_with_epilogue(&*self.device, self.plan.dtype, &ColumnMajorGemm::of(g, a, b, c), &fused, g.batch * g.m * g.n, g.n)
             }
             DeviceCall::Copy { from, to } => self.copy(local, *from, *to),
             DeviceCall::Fused { .. } | DeviceCall::Runtime => Ok(()),
@@ -1840,6 +1870,24 @@ fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, me
 /// (whose own error says why): a launcher reporting one error prefers the others.
 pub const ANOTHER_PROCESS_FAILED: &str = "another process failed: ";
 
+/// A GEMM with epilogue `e` (`elements` results in rows of `cols`): fused where the device
+/// can (cuBLASLt, the emulation), else the plain GEMM and the prelude's epilogue kernel.
+pub fn gemm_with_epilogue(device: &dyn Device, dtype: DType, g: &ColumnMajorGemm, e: &device::DeviceEpilogue, elements: usize, cols: usize) -> Result<(), RuntimeError> {
+    if device.gemm_epilogue(dtype, g, e)? {
+        return Ok(());
+    }
+    gemm_then_epilogue(device, dtype, g, e, elements, cols)
+}
+
+/// The unfused form of [`gemm_with_epilogue`]: the GEMM rounds its product to the storage
+/// type, then one kernel applies the epilogue (what the element-wise ops would compute).
+pub fn gemm_then_epilogue(device: &dyn Device, dtype: DType, g: &ColumnMajorGemm, e: &device::DeviceEpilogue, elements: usize, cols: usize) -> Result<(), RuntimeError> {
+    device.gemm(dtype, g)?;
+    let grid = elements.div_ceil(256).clamp(1, 65_535) as u32;
+    let args = [KernelValue::Ptr(g.c), KernelValue::Ptr(e.aux), KernelValue::Ptr(e.bias), KernelValue::I64(elements as i64), KernelValue::I64(cols.max(1) as i64), KernelValue::I32(e.activation.code())];
+    device.launch(crate::program::GEMM_EPILOGUE_KERNEL, [grid, 1, 1], 256, 0, &args)
+}
+
 /// Measures cuBLAS on one square GEMM (`size`^3, `dtype` operands, fp32 accumulation):
 /// TFLOP/s over `iterations` calls after a warm-up. The reference the GPU check compares
 /// achieved throughput with.
@@ -1894,7 +1942,14 @@ const PRELUDE_ONLY: &str = "extern \"C\" __global__ void shardc_nothing() {}\n";
 /// FLOPs of a device plan's GEMMs (2 m n k per batch item): what the step's matrix products
 /// execute.
 pub fn gemm_flops(plan: &DevicePlan) -> f64 {
-    plan.calls.iter().flatten().map(|c| if let DeviceCall::Gemm(g) = c { 2.0 * (g.m * g.n * g.k * g.batch) as f64 } else { 0.0 }).sum()
+    plan.calls
+        .iter()
+        .flatten()
+        .map(|c| match c {
+            DeviceCall::Gemm(g) | DeviceCall::GemmEpilogue { gemm: g, .. } => 2.0 * (g.m * g.n * g.k * g.batch) as f64,
+            _ => 0.0,
+        })
+        .sum()
 }
 
 /// How an all-to-all's parts lie in its buffers, in bytes: part k of the input is
