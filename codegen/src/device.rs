@@ -353,6 +353,9 @@ fn gemm_epilogues(program: &Program, kernels: &[Option<DeviceKernel>], readers: 
                 aux = Some(first_instr.inputs[0]);
                 activation = EpilogueActivation::GeluGrad;
                 out = first_instr.outputs[0];
+                if buffers[out].dtype != dtype {
+                    continue;
+                }
             }
             Some(EpilogueStage::Bias | EpilogueStage::Gelu) => {
                 // The value after the bias (the product itself without one) and how many of its
@@ -407,9 +410,13 @@ fn gemm_epilogues(program: &Program, kernels: &[Option<DeviceKernel>], readers: 
             continue;
         }
         let writes_apart = writes.iter().all(|&w| reads.iter().all(|&r| disjoint(w, r))) && writes.len() == writes.iter().collect::<HashSet<_>>().len() && writes.iter().all(|&w| writes.iter().all(|&v| v == w || disjoint(v, w)));
+        // A wait in between may end an asynchronous collective whose input (not the wait's
+        // operand) the memory plan frees there: the call's results could land on bytes the
+        // communication stream still reads.
         let between_apart = (i + 1..last).filter(|k| !members.contains(k)).all(|k| {
             let between = &program.instrs[k];
-            between.inputs.iter().chain(&between.outputs).all(|&x| writes.iter().all(|&w| disjoint(x, w))) && between.outputs.iter().all(|&y| reads.iter().all(|&r| disjoint(y, r)))
+            between.op != "xf.wait"
+                && between.inputs.iter().chain(&between.outputs).all(|&x| writes.iter().all(|&w| disjoint(x, w))) && between.outputs.iter().all(|&y| reads.iter().all(|&r| disjoint(y, r)))
         });
         if !writes_apart || !between_apart {
             continue;

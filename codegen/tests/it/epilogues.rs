@@ -147,4 +147,24 @@ fn a_device_call_naming_a_missing_buffer_is_refused() {
     }
     let message = CudaExecutor::new(program, &Placement::Emulated).err().expect("refused").to_string();
     assert!(message.contains(&format!("names buffer {}", buffers + 7)), "{message}");
+
+    // Epilogues whose buffers do not fit them: GELU's gradient without its pre-activation, a
+    // bias of the wrong length, a product past its buffer, dimensions that overflow.
+    let fresh = || shardc_codegen::device::with_device_plan(chain(1, 2, 3, 4, DType::F32)).unwrap();
+    let edit = |f: &dyn Fn(&mut shardc_runtime::program::Gemm, &mut shardc_runtime::program::Epilogue, usize), want: &str| {
+        let mut program = fresh();
+        let x = program.arg("x").unwrap().buffer;
+        let plan = program.device.as_mut().unwrap();
+        for call in plan.calls.iter_mut().flatten() {
+            if let DeviceCall::GemmEpilogue { gemm, epilogue } = call {
+                f(gemm, epilogue, x);
+            }
+        }
+        let message = CudaExecutor::new(program, &Placement::Emulated).err().expect("refused").to_string();
+        assert!(message.contains(want), "{want}: {message}");
+    };
+    edit(&|_, e, _| if e.activation == EpilogueActivation::GeluGrad { e.aux = None }, "without the pre-activation");
+    edit(&|_, e, x| if e.bias.is_some() { e.bias = Some(x) }, "not one vector");
+    edit(&|g, _, _| g.m *= 100, "into a smaller buffer");
+    edit(&|g, _, _| g.batch = usize::MAX, "outside cuBLAS's range");
 }

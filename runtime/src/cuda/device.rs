@@ -175,6 +175,14 @@ impl Gpu {
     }
 }
 
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Work still queued may use cuBLASLt's workspace, which `lt` frees first.
+        let _ = self.stream.synchronize();
+        let _ = self.comm.synchronize();
+    }
+}
+
 impl Device for Gpu {
     fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
         // SAFETY: a fresh allocation on this context, zeroed before use.

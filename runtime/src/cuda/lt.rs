@@ -92,7 +92,14 @@ impl Lt {
         let handle = lt::create_handle().map_err(|e| err(format!("cuBLASLt: {e:?}")))?;
         let workspace_bytes = if compute_major >= 9 { 32 << 20 } else { 4 << 20 };
         // SAFETY: a fresh allocation on the current context, owned by this handle.
-        let workspace = unsafe { drv::malloc_sync(workspace_bytes) }.map_err(|e| err(format!("allocating cuBLASLt's workspace: {e:?}")))?;
+        let workspace = match unsafe { drv::malloc_sync(workspace_bytes) } {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                let _ = unsafe { lt::destroy_handle(handle) };
+                return Err(err(format!("allocating cuBLASLt's workspace: {e:?}")));
+            }
+        };
         Ok(Lt { handle, workspace, workspace_bytes, plans: Mutex::new(HashMap::new()) })
     }
 
@@ -115,7 +122,7 @@ impl Lt {
         };
         let mut plans = self.plans.lock().map_err(|_| err("cuBLASLt's plan cache was poisoned by a failed call"))?;
         if let std::collections::hash_map::Entry::Vacant(slot) = plans.entry(key) {
-            slot.insert(self.plan(&key)?);
+            slot.insert(self.plan(&key, e)?);
         }
         let Some(plan) = plans.get(&key).and_then(|p| p.as_ref()) else { return Ok(false) };
         let lt_err = |what: &str, e: lt::CublasError| err(format!("cuBLASLt {what} for a {}x{}x{} GEMM: {e:?}", g.m, g.n, g.k));
@@ -157,9 +164,14 @@ impl Lt {
     }
 
     /// The descriptors and algorithm of `key`'s shape; None where cuBLASLt offers none.
-    fn plan(&self, key: &Key) -> Result<Option<Plan>, RuntimeError> {
+    fn plan(&self, key: &Key, e: &DeviceEpilogue) -> Result<Option<Plan>, RuntimeError> {
         use sys::cublasLtMatmulDescAttributes_t as D;
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        // cuBLASLt's epilogue matrix wants a leading dimension and batch stride in multiples
+        // of 8 elements; other shapes take the fallback.
+        if key.aux && (key.ld.2 % 8 != 0 || (key.batch > 1 && key.strides.2 % 8 != 0)) {
+            return Ok(None);
+        }
         let ty = if key.bf16 { sys::cudaDataType_t::CUDA_R_16BF } else { sys::cudaDataType_t::CUDA_R_32F };
         let fail = |what: &str, e: lt::CublasError| err(format!("cuBLASLt {what}: {e:?}"));
         let (m, n, k) = key.mnk;
@@ -184,7 +196,7 @@ impl Lt {
                 }
             }
             if key.batch > 1 {
-                let (count, offset) = (key.batch as i32, stride as i64);
+                let (count, offset) = (i32::try_from(key.batch).unwrap_or(i32::MAX), stride as i64);
                 // SAFETY: a live layout; the values outlive the calls.
                 unsafe {
                     lt::set_matrix_layout_attribute(*slot, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count as *const i32 as *const c_void, size_of::<i32>()).map_err(|e| fail("batch count", e))?;
@@ -214,6 +226,14 @@ impl Lt {
             set(D::CUBLASLT_MATMUL_DESC_TRANSA, &ta as *const i32 as *const c_void, size_of::<i32>())?;
             set(D::CUBLASLT_MATMUL_DESC_TRANSB, &tb as *const i32 as *const c_void, size_of::<i32>())?;
             set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue as *const sys::cublasLtEpilogue_t as *const c_void, size_of::<sys::cublasLtEpilogue_t>())?;
+            // The heuristic reads the bias and aux pointers for their alignment (cuBLASLt's
+            // docs): this call's, which the key's alignments match for every later call.
+            if e.bias != 0 {
+                set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &e.bias as *const u64 as *const c_void, size_of::<u64>())?;
+            }
+            if e.aux != 0 {
+                set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &e.aux as *const u64 as *const c_void, size_of::<u64>())?;
+            }
             if key.aux {
                 set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld as *const i64 as *const c_void, size_of::<i64>())?;
                 if key.batch > 1 {
@@ -227,7 +247,7 @@ impl Lt {
         let heuristic = unsafe {
             let mut ok = lt::set_matmul_pref_attribute(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace as *const u64 as *const c_void, size_of::<u64>()).is_ok();
             let attrs = [P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES];
-            let aligns = [key.align[0], key.align[1], key.align[2], key.align[2].min(key.align[3])];
+            let aligns = [key.align[0], key.align[1], key.align[2], key.align[2]];
             for (attr, align) in attrs.into_iter().zip(aligns) {
                 ok &= lt::set_matmul_pref_attribute(pref, attr, &align as *const u32 as *const c_void, size_of::<u32>()).is_ok();
             }

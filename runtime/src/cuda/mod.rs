@@ -238,7 +238,30 @@ fn check_call_buffers(program: &Program, plan: &DevicePlan) -> Result<(), Runtim
             let named: Vec<usize> = match call {
                 DeviceCall::Launch { args, .. } => args.iter().filter_map(|a| if let KernelArg::Buffer(b) = a { Some(*b) } else { None }).collect(),
                 DeviceCall::Gemm(g) => vec![g.a, g.b, g.c],
-                DeviceCall::GemmEpilogue { gemm: g, epilogue } => [g.a, g.b, g.c].into_iter().chain(epilogue.bias).chain(epilogue.aux).collect(),
+                DeviceCall::GemmEpilogue { gemm: g, epilogue } => {
+                    let named: Vec<usize> = [g.a, g.b, g.c].into_iter().chain(epilogue.bias).chain(epilogue.aux).collect();
+                    if let Some(b) = named.iter().find(|&&b| b >= n) {
+                        return Err(err(format!("instruction {index}'s device call names buffer {b}, but the program has {n}")));
+                    }
+                    let bad = |why: String| Err(err(format!("instruction {index}'s GEMM epilogue {why}")));
+                    let fits = |v: usize| i32::try_from(v).is_ok();
+                    let elements = g.batch.checked_mul(g.m).and_then(|x| x.checked_mul(g.n));
+                    match elements {
+                        Some(e) if e > 0 && [g.m, g.n, g.k, g.batch].into_iter().all(fits) => {
+                            if program.buffers[g.c].len() < e || epilogue.aux.is_some_and(|a| program.buffers[a].len() < e) {
+                                return bad(format!("writes {e} elements into a smaller buffer"));
+                            }
+                        }
+                        _ => return bad(format!("has dimensions {}x{}x{} (batch {}) outside cuBLAS's range", g.m, g.n, g.k, g.batch)),
+                    }
+                    if epilogue.bias.is_some_and(|b| program.buffers[b].len() != g.n) {
+                        return bad(format!("has a bias that is not one vector of the product's {} columns", g.n));
+                    }
+                    if epilogue.activation == crate::program::EpilogueActivation::GeluGrad && epilogue.aux.is_none() {
+                        return bad("takes GELU's gradient without the pre-activation (aux) it reads".into());
+                    }
+                    named
+                }
                 DeviceCall::Copy { from, to } => vec![*from, *to],
                 DeviceCall::Fused { into } if *into >= plan.calls.len() => return Err(err(format!("instruction {index}'s device call is fused into instruction {into}, which does not exist"))),
                 DeviceCall::Fused { .. } | DeviceCall::Runtime => Vec::new(),
