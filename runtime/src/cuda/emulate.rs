@@ -336,17 +336,9 @@ fn gemm_with(dtype: DType, g: &ColumnMajorGemm, epilogue: Option<&DeviceEpilogue
             }
         }
     };
-    // The kernels' GELU in the accumulator type (fp32 beside fp32 and bf16 storage).
-    let gelu = |x: f64| {
-        let x = x as f32;
-        let t = (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh();
-        (0.5 * x * (1.0 + t)) as f64
-    };
-    let gelu_df = |x: f64| {
-        let x = x as f32;
-        let t = (0.797_884_6_f32 * (x + 0.044715 * x * x * x)).tanh();
-        (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.797_884_6 * (1.0 + 3.0 * 0.044715 * x * x)) as f64
-    };
+    // GELU as the CPU kernels compute it, in the accumulator type (fp32 beside fp32 and bf16).
+    let gelu = |x: f64| crate::cpu::gelu(x as f32) as f64;
+    let gelu_df = |x: f64| crate::cpu::gelu_derivative(x as f32) as f64;
     for item in 0..g.batch {
         for j in 0..g.n {
             for i in 0..g.m {

@@ -56,12 +56,12 @@ pub(super) const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
 
 pub(super) const GELU_A: f64 = 0.044_715;
 
-pub(super) fn gelu<T: Real>(x: T) -> T {
+pub(crate) fn gelu<T: Real>(x: T) -> T {
     let u = T::of(GELU_C) * (x + T::of(GELU_A) * x * x * x);
     T::of(0.5) * x * (T::one() + u.tanh())
 }
 
-pub(super) fn gelu_derivative<T: Real>(x: T) -> T {
+pub(crate) fn gelu_derivative<T: Real>(x: T) -> T {
     let u = T::of(GELU_C) * (x + T::of(GELU_A) * x * x * x);
     let t = u.tanh();
     let du = T::of(GELU_C) * (T::one() + T::of(3.0 * GELU_A) * x * x);

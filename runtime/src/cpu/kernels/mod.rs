@@ -31,6 +31,8 @@ macro_rules! kernel {
 mod attention;
 mod cast;
 mod elementwise;
+// The emulated device's GEMM epilogues apply the CPU kernels' GELU.
+pub(crate) use elementwise::{gelu, gelu_derivative};
 mod embedding;
 mod heads;
 mod loss;
