@@ -1686,6 +1686,15 @@ fn inspect_refuses_plans_whose_numbers_do_not_add_up() {
         (Box::new(|p| p["programs"][1]["memory"]["arena_bytes"] = serde_json::json!(16)), "must be at least its live bound"),
         (Box::new(|p| p["programs"][0]["memory"]["slots"][0][0] = max.clone()), "more than the 281474976710656 a buffer may have"),
         (Box::new(|p| p["programs"][0]["format_version"] = serde_json::json!(7)), "format version 7"),
+        // A program from another shardc fails with its version before serde meets a field or
+        // device call this one does not know.
+        (
+            Box::new(|p| {
+                p["programs"][0]["format_version"] = serde_json::json!(1);
+                p["programs"][0]["device"] = serde_json::json!({"calls": [{"unknown_call": {}}]});
+            }),
+            "format version 1 is not supported (this runtime reads version 2)",
+        ),
         (Box::new(|p| p["format_version"] = serde_json::json!(7)), "plan `format_version` is 7"),
         (Box::new(|p| p["programs"][2]["mesh"] = serde_json::json!([u64::MAX, 2])), "mesh [18446744073709551615, 2]"),
     ];

@@ -75,7 +75,7 @@ pub fn read_plan(text: &str) -> Result<(Option<PlanHeader>, Vec<Program>), Runti
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let program: Program = serde_json::from_value(p.clone()).map_err(|e| bad(format!("`programs[{i}]`: {e}")))?;
+            let program = Program::from_value(p.clone()).map_err(|e| bad(format!("`programs[{i}]`: {e}")))?;
             program.validate().map_err(|e| bad(format!("`programs[{i}]` (@{}): {e}", shown(&program.name))))?;
             Ok(program)
         })

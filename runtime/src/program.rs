@@ -10,8 +10,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// Bumped whenever the format changes incompatibly.
-pub const FORMAT_VERSION: u32 = 1;
+/// Bumped whenever the format changes incompatibly. 2: device calls with GEMM epilogues
+/// (`gemm_epilogue`), which a reader of version 1 does not know.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Most elements one buffer may have: what a spec allows one tensor (2^48, see
 /// `shardc_ir::spec::MAX_TENSOR_ELEMENTS`), so that a buffer's bytes and the memory plan's
@@ -851,11 +852,20 @@ impl Program {
 
     /// Reads a program from JSON, checking the format version.
     pub fn from_json(text: &str) -> Result<Program, crate::RuntimeError> {
-        let program: Program = serde_json::from_str(text).map_err(|e| crate::RuntimeError::Program(format!("not a rank program: {e}")))?;
-        if program.format_version != FORMAT_VERSION {
-            return Err(crate::RuntimeError::Program(format!("format version {} is not supported (this runtime reads version {FORMAT_VERSION}); recompile the plan", program.format_version)));
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| crate::RuntimeError::Program(format!("not a rank program: {e}")))?;
+        Program::from_value(value)
+    }
+
+    /// Reads a program from parsed JSON. The format version is checked before anything else,
+    /// so a program written by another shardc fails with its version, not with a field or a
+    /// device call this one does not know.
+    pub fn from_value(value: serde_json::Value) -> Result<Program, crate::RuntimeError> {
+        match value.get("format_version").and_then(serde_json::Value::as_u64) {
+            Some(v) if v == u64::from(FORMAT_VERSION) => {}
+            Some(v) => return Err(crate::RuntimeError::Program(format!("format version {v} is not supported (this runtime reads version {FORMAT_VERSION}); recompile the plan"))),
+            None => return Err(crate::RuntimeError::Program("not a rank program: it has no `format_version`".into())),
         }
-        Ok(program)
+        serde_json::from_value(value).map_err(|e| crate::RuntimeError::Program(format!("not a rank program: {e}")))
     }
 
     /// Checks internal consistency: buffer and slot indices in range, slots large enough and

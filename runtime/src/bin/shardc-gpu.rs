@@ -160,7 +160,7 @@ fn read_json(path: &Path) -> Result<serde_json::Value, String> {
 fn step_programs(path: &Path, device: bool) -> Result<Vec<Program>, String> {
     let plan = read_json(path)?;
     let programs = plan.get("programs").and_then(|p| p.as_array()).ok_or_else(|| format!("{}: not a shardc plan", path.display()))?;
-    let parse = |p: &serde_json::Value| serde_json::from_value::<Program>(p.clone()).map_err(|e| format!("{}: {e}", path.display()));
+    let parse = |p: &serde_json::Value| Program::from_value(p.clone()).map_err(|e| format!("{}: {e}", path.display()));
     let ranks = programs.iter().filter(|p| p.get("pipeline").is_some_and(|x| !x.is_null())).map(parse).collect::<Result<Vec<_>, _>>()?;
     let mut chosen = if ranks.is_empty() {
         let step = programs.iter().find(|p| p.get("name").and_then(|n| n.as_str()) == Some("train_step")).ok_or_else(|| format!("{}: no train_step", path.display()))?;
@@ -417,7 +417,7 @@ fn bench(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
     for a in &manifest.attention {
         let mut times = Vec::new();
         for op in [&a.forward, &a.backward] {
-            let program: Program = serde_json::from_value(read_json(&dir.join(&op.program))?).map_err(|e| format!("{}: {e}", op.program.display()))?;
+            let program = Program::from_value(read_json(&dir.join(&op.program))?).map_err(|e| format!("{}: {e}", op.program.display()))?;
             let seconds = cuda::time_program(program, placement, a.repeats).map_err(|e| format!("{}: {e}", a.name))?;
             measured.insert(op.program.display().to_string(), serde_json::json!(seconds));
             times.push(seconds);
@@ -501,7 +501,7 @@ fn calibrate(dir: &Path, placement: &Placement) -> Result<bool, String> {
     let mut measured = serde_json::Map::new();
     for k in &kernels {
         let path = dir.join(&k.program);
-        let program: Program = serde_json::from_value(read_json(&path)?).map_err(|e| format!("{}: {e}", path.display()))?;
+        let program = Program::from_value(read_json(&path)?).map_err(|e| format!("{}: {e}", path.display()))?;
         let seconds = cuda::time_program(program, placement, 5).map_err(|e| format!("{}: {e}", k.name))?;
         if seconds > 1e-3 {
             println!("  {:<78} {:>9.3} ms", k.name, 1e3 * seconds);
