@@ -357,7 +357,7 @@ impl Summary {
             line(
                 "memory/GPU",
                 format!(
-                    "{} {}: weights {}, gradients {}, optimizer {}, activations {}, temporaries {}{}; {} in {}'s {}",
+                    "{} {}: weights {}, gradients {}, optimizer {}, activations {}, temporaries {}{}{}; {} in {}'s {}",
                     gb(m.total),
                     match spec.model.dtype {
                         shardc_ir::spec::SpecDType::Bf16 => "in mixed precision (bf16 weights; fp32 gradients, master weights and moments)",
@@ -375,6 +375,8 @@ impl Summary {
                         format!("{} ({} micro-batch{} in flight)", gb(m.activations), m.in_flight, if m.in_flight == 1 { "" } else { "es" })
                     },
                     gb(m.temporaries),
+                    // MiB-sized: shown in MiB, where GB would round it away.
+                    if m.device_scratch > 0.0 { format!(", device scratch {:.1} MiB", m.device_scratch / (1u64 << 20) as f64) } else { String::new() },
                     // Bucketed gradients are reduced in place in their own buffers: part of
                     // the gradients and temporaries above, not extra.
                     if m.buckets > 0.0 { format!(" (dp buckets: {} of reduced gradients, in place, counted above)", gb(m.buckets)) } else { String::new() },

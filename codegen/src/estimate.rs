@@ -15,9 +15,9 @@
 use std::collections::BTreeMap;
 
 use shardc_ir::cluster::{Cluster, Collective};
-use shardc_ir::ops::{lookup, KernelClass};
+use shardc_ir::ops::{lookup, Cost, KernelClass};
 use shardc_ir::{AttrValue, Attrs, TensorTy};
-use shardc_runtime::program::{Attr, Instr, Program, Phase};
+use shardc_runtime::program::{Attr, DeviceCall, Instr, KernelArg, Program, Phase};
 use shardc_runtime::pipeline::schedule_of;
 use shardc_runtime::schedule::{simulate_shared, simulate_with, Work};
 use shardc_ir::DType;
@@ -139,6 +139,104 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
     }
 }
 
+/// The kernels of a program's device plan that compute more than their own instruction: a
+/// fused element-wise kernel (or a multi-tensor batch) at its first instruction, a GEMM with
+/// an epilogue at its product. Such a kernel is priced once, as the one kernel it is, and the
+/// instructions it absorbed cost nothing of their own. Empty without a device plan (the CPU
+/// backend runs every instruction as its own kernel).
+#[derive(Default)]
+struct Fusion {
+    /// Kernel's instruction -> the instructions it computes besides its own.
+    members: std::collections::HashMap<usize, Vec<usize>>,
+}
+
+impl Fusion {
+    fn of(program: &Program) -> Fusion {
+        let mut members: std::collections::HashMap<usize, Vec<usize>> = std::collections::HashMap::new();
+        if let Some(plan) = &program.device {
+            for (index, calls) in plan.calls.iter().enumerate() {
+                if let [DeviceCall::Fused { into }] = calls.as_slice() {
+                    members.entry(*into).or_default().push(index);
+                }
+            }
+        }
+        Fusion { members }
+    }
+}
+
+/// [`price`] for instruction `index` as its device plan runs it (see [`Fusion`]).
+fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster) -> Priced {
+    let instr = &program.instrs[index];
+    let Some(plan) = &program.device else { return price(program, instr, cluster) };
+    let types = |i: &Instr| -> (Vec<TensorTy>, Vec<TensorTy>) { (i.inputs.iter().map(|&b| buffer_type(program, b)).collect(), i.outputs.iter().map(|&b| buffer_type(program, b)).collect()) };
+    // The arithmetic of the instructions a kernel absorbed (their bytes stay on chip).
+    let absorbed = |leader: usize| -> Cost {
+        let mut total = Cost::default();
+        for &m in fusion.members.get(&leader).into_iter().flatten() {
+            let member = &program.instrs[m];
+            if let Some(def) = lookup(&member.op) {
+                let (inputs, outputs) = types(member);
+                let c = def.cost(&inputs.iter().collect::<Vec<_>>(), &outputs, &instr_attrs(member));
+                total.flops += c.flops;
+                total.special += c.special;
+            }
+        }
+        total
+    };
+    let class_of = |i: &Instr| if matches!(i.op.as_str(), "xf.adamw" | "xf.sgd") { "optimizer" } else { "memory-bound" };
+    match plan.calls.get(index).map(Vec::as_slice) {
+        Some([DeviceCall::Fused { into }]) => Priced::Compute(program.instrs.get(*into).map_or("memory-bound", class_of), 0.0),
+        Some([DeviceCall::GemmEpilogue { epilogue, .. }]) => {
+            let Some(def) = lookup(&instr.op) else { return price(program, instr, cluster) };
+            let (inputs, outputs) = types(instr);
+            let refs: Vec<&TensorTy> = inputs.iter().collect();
+            let attrs = instr_attrs(instr);
+            let mut cost = def.cost(&refs, &outputs, &attrs);
+            let extra = absorbed(index);
+            cost.flops += extra.flops;
+            cost.special += extra.special;
+            // The epilogue reads the bias, and stores (GELU) or reads (its gradient) the
+            // pre-activation besides the product.
+            let bytes = |b: Option<usize>| b.map_or(0.0, |b| buffer_type(program, b).bytes() as f64);
+            cost.bytes += bytes(epilogue.bias) + bytes(epilogue.aux);
+            let bf16 = inputs.first().is_some_and(|t| t.dtype == DType::Bf16);
+            Priced::Compute("gemm", cluster.kernel_time(&def.kernel_class(&refs, &attrs), &cost, bf16))
+        }
+        Some([DeviceCall::Launch { args, .. }]) if fusion.members.contains_key(&index) => {
+            // One pass over memory: every buffer the kernel takes is read from memory, or
+            // written, or both; the values between its instructions never leave the chip.
+            let mut group: Vec<usize> = fusion.members[&index].clone();
+            group.push(index);
+            group.sort_unstable();
+            let mut written: std::collections::HashSet<usize> = std::collections::HashSet::new();
+            let mut read: std::collections::HashSet<usize> = std::collections::HashSet::new();
+            for &m in &group {
+                let member = &program.instrs[m];
+                read.extend(member.inputs.iter().filter(|b| !written.contains(b)));
+                written.extend(member.outputs.iter().copied());
+            }
+            let mut cost = absorbed(index);
+            if let Some(def) = lookup(&instr.op) {
+                let (inputs, outputs) = types(instr);
+                let own = def.cost(&inputs.iter().collect::<Vec<_>>(), &outputs, &instr_attrs(instr));
+                cost.flops += own.flops;
+                cost.special += own.special;
+            }
+            let mut seen = std::collections::HashSet::new();
+            for arg in args {
+                if let KernelArg::Buffer(b) = arg
+                    && seen.insert(*b)
+                {
+                    let passes = (usize::from(read.contains(b)) + usize::from(written.contains(b))).max(1);
+                    cost.bytes += (passes * program.buffers[*b].len().saturating_mul(program.buffers[*b].dtype.bytes())) as f64;
+                }
+            }
+            Priced::Compute(class_of(instr), cluster.kernel_time(&KernelClass::Memory, &cost, false))
+        }
+        _ => price(program, instr, cluster),
+    }
+}
+
 /// The collective an instruction runs and the bytes it is priced by: a gather's whole
 /// result, else its input (a bucket is priced as one collective of its members' sum).
 fn collective_of(program: &Program, instr: &Instr) -> Option<(Collective, f64)> {
@@ -190,7 +288,9 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     // when that bucket ends. Communicator (its axes) -> when its last operation ends.
     let mut communicator_free: BTreeMap<Vec<usize>, f64> = BTreeMap::new();
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
-    for instr in &program.instrs[range] {
+    let fusion = Fusion::of(program);
+    for index in range {
+        let instr = &program.instrs[index];
         if let (Ok(bucket), true) = (instr.int("xf.bucket"), instr.bool("xf.async").unwrap_or(false)) {
             let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
             let members = instr.int("xf.bucket_members").unwrap_or(1);
@@ -221,7 +321,7 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
             }
             continue;
         }
-        match price(program, instr, cluster) {
+        match price_at(program, index, &fusion, cluster) {
             Priced::Compute(class, t) => {
                 w.compute += t;
                 w.clock += t;
@@ -432,6 +532,11 @@ pub struct MemoryEstimate {
     /// every backend today (see `buckets`); added to `total`.
     #[serde(default)]
     pub bucket_staging: f64,
+    /// Bytes the CUDA backend allocates beside the memory plan, read from the device plan:
+    /// its scratch (the launches' shared workspace) and, when it has GEMMs with epilogues,
+    /// cuBLASLt's workspace. 0 for a program without device code; added to `total`.
+    #[serde(default)]
+    pub device_scratch: f64,
     /// The sum.
     pub total: f64,
 }
@@ -650,8 +755,12 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
             let buckets = bucket_bytes(program);
             // Members are reduced in their own output buffers (see `MemoryEstimate::buckets`).
             let bucket_staging = 0.0;
-            let mut m = MemoryEstimate { parameters, gradients, all_gradients, optimizer, activations, kept_per_microbatch, in_flight, temporaries, buckets, bucket_staging, total: 0.0 };
-            m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.bucket_staging;
+            let device_scratch = program.device.as_ref().map_or(0.0, |plan| {
+                let lt = plan.calls.iter().flatten().any(|c| matches!(c, DeviceCall::GemmEpilogue { .. }));
+                (plan.workspace_bytes + if lt { shardc_runtime::program::CUBLASLT_WORKSPACE_BYTES } else { 0 }) as f64
+            });
+            let mut m = MemoryEstimate { parameters, gradients, all_gradients, optimizer, activations, kept_per_microbatch, in_flight, temporaries, buckets, bucket_staging, device_scratch, total: 0.0 };
+            m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.bucket_staging + m.device_scratch;
             m
         })
         .collect()
@@ -811,6 +920,7 @@ fn backward_start(program: &Program) -> Option<usize> {
 /// Measures [`UnitCosts`] on the training step of a one-layer model.
 pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
     let mut u = UnitCosts::default();
+    let fusion = Fusion::of(program);
     let seed = backward_start(program).unwrap_or(program.instrs.len());
     for (index, instr) in program.instrs.iter().enumerate() {
         // Data-parallel gradient syncs (buckets over dp) are the planner's to price for each
@@ -828,7 +938,7 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
         if instr.op == "xf.adamw" || instr.op == "xf.sgd" || instr.op == "xf.wait" || dp_bucket || cp_sync {
             continue;
         }
-        let priced = price(program, instr, cluster);
+        let priced = price_at(program, index, &fusion, cluster);
         let t = priced.seconds();
         let key = match &priced {
             Priced::Compute(class, _) => class.to_string(),

@@ -341,6 +341,14 @@ pub enum DeviceCall {
 /// The prelude's kernel that runs an [`Epilogue`] after a plain GEMM.
 pub const GEMM_EPILOGUE_KERNEL: &str = "shardc_gemm_epilogue";
 
+/// The workspace the CUDA backend gives cuBLASLt on a GPU of compute capability 9 or later
+/// (NVIDIA's recommended size; [`CUBLASLT_WORKSPACE_BYTES_BEFORE_SM90`] before), once per GPU
+/// that runs GEMM epilogues.
+pub const CUBLASLT_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// [`CUBLASLT_WORKSPACE_BYTES`] on GPUs before compute capability 9.
+pub const CUBLASLT_WORKSPACE_BYTES_BEFORE_SM90: usize = 4 << 20;
+
 /// What a [`DeviceCall::GemmEpilogue`] applies to the product `P` (row-major, contiguous), in
 /// order: `P + bias`, then the activation.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

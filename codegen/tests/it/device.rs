@@ -1010,3 +1010,64 @@ mod emulated {
         check("tiny-llama", "bf16", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 2e-2, 2e-2);
     }
 }
+
+/// The estimate prices the kernels a device plan launches, not the instructions: a fused
+/// element-wise kernel or a GEMM with its epilogue is one launch, and the values passed
+/// between the instructions it absorbed never go to memory.
+#[test]
+fn the_estimate_prices_the_kernels_the_device_plan_launches() {
+    use shardc_codegen::device::with_device_plan;
+    use shardc_codegen::estimate::{estimate, ModelShape};
+    use shardc_ir::cluster::Cluster;
+    let shape = ModelShape { parameters: 1.0, layers: 1.0, hidden: 1.0, seq: 1.0, tokens_per_step: 1.0 };
+    // Every kernel costs its launch (1 s) and nothing else; or its bytes (1 s each) only.
+    let mut launches = Cluster::default();
+    (launches.gpu.memory_bandwidth, launches.gpu.fp32_flops, launches.gpu.bf16_flops, launches.gpu.kernel_launch) = (f64::INFINITY, f64::INFINITY, f64::INFINITY, 1.0);
+    let mut bytes = Cluster::default();
+    (bytes.gpu.memory_bandwidth, bytes.gpu.memory_efficiency, bytes.gpu.fp32_flops, bytes.gpu.bf16_flops, bytes.gpu.kernel_launch) = (1.0, 1.0, f64::INFINITY, f64::INFINITY, 0.0);
+    for dtype in ["f32", "bf16"] {
+        let cpu = train_step("tiny", dtype, Mesh::default(), false);
+        let gpu = with_device_plan(cpu.clone()).unwrap();
+        let plan = gpu.device.as_ref().unwrap();
+        let absorbed = plan.calls.iter().filter(|c| matches!(c.as_slice(), [DeviceCall::Fused { .. }])).count();
+        assert!(absorbed > 50, "{dtype}: {absorbed}");
+        let seconds = |p: &Program, c: &Cluster| estimate(std::slice::from_ref(p), c, shape).compute_seconds;
+        // Each absorbed instruction is one launch fewer.
+        assert_eq!(seconds(&cpu, &launches) - seconds(&gpu, &launches), absorbed as f64, "{dtype}");
+        // And its results, kept on chip, are bytes not moved; what the plan still stores (the
+        // pre-activation GELU's gradient reads) is counted.
+        let (moved_cpu, moved_gpu) = (seconds(&cpu, &bytes), seconds(&gpu, &bytes));
+        assert!(moved_gpu < moved_cpu, "{dtype}: {moved_gpu} of {moved_cpu} bytes");
+        let up = gpu.instrs.iter().position(|i| i.op == "xf.matmul" && i.loc.ends_with("layers.0.mlp.up")).unwrap();
+        let DeviceCall::GemmEpilogue { gemm, epilogue } = &plan.calls[up][0] else { panic!("{dtype}: the up projection has no epilogue") };
+        let size = |b: usize| (gpu.buffers[b].len() * gpu.buffers[b].dtype.bytes()) as f64;
+        let mut alone = gpu.clone();
+        alone.instrs = vec![gpu.instrs[up].clone()];
+        alone.device.as_mut().unwrap().calls = vec![plan.calls[up].clone()];
+        let want = size(gemm.a) + size(gemm.b) + size(gemm.c) + size(epilogue.bias.unwrap()) + size(epilogue.aux.unwrap());
+        assert_eq!(seconds(&alone, &bytes), want, "{dtype}: the up projection with bias, GELU and its stored pre-activation");
+    }
+}
+
+/// `memory/GPU` is what the CUDA backend allocates. The executor holds the memory plan's
+/// argument slots and arena and the device plan's scratch; the estimate counts the same,
+/// except the step's inputs (tokens, targets and the step counter: bytes, not gigabytes),
+/// and adds cuBLASLt's workspace, which the device holds once for every executor on it.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_memory_estimate_is_what_the_cuda_backend_allocates() {
+    use shardc_runtime::cuda::{CudaExecutor, Placement};
+    use shardc_runtime::program::{Role, CUBLASLT_WORKSPACE_BYTES};
+    for (dtype, zero) in [("f32", 0), ("bf16", 0), ("bf16", 1)] {
+        let mesh = if zero > 0 { Mesh { dp: 2, ..Mesh::default() } } else { Mesh::default() };
+        let program = shardc_codegen::device::with_device_plan(train_step_zero("tiny", dtype, mesh, false, zero)).unwrap();
+        let estimate = shardc_codegen::estimate::memory(std::slice::from_ref(&program), zero).remove(0);
+        let executor = CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
+        let ranks = program.mesh.iter().product::<usize>().max(1);
+        let per_rank = executor.device_bytes() / ranks;
+        let inputs: usize = program.args.iter().filter(|a| a.role == Some(Role::Input)).map(|a| program.buffers[a.buffer].len() * program.buffers[a.buffer].dtype.bytes()).sum();
+        let lt = if estimate.device_scratch >= CUBLASLT_WORKSPACE_BYTES as f64 { CUBLASLT_WORKSPACE_BYTES } else { 0 };
+        assert_eq!(lt, CUBLASLT_WORKSPACE_BYTES, "{dtype}: tiny's GEMMs have epilogues");
+        assert_eq!(per_rank as f64, estimate.total - lt as f64 + inputs as f64, "{dtype} ZeRO-{zero}: allocated vs estimated ({estimate:?})");
+    }
+}

@@ -376,7 +376,9 @@ fn bench(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
         // MFU: model FLOPs over the GPU's nominal peak, which the estimate's MFU fixes.
         let estimate = estimate(&path);
         let field = |name: &str| estimate.as_ref().and_then(|e| e.get(name)).and_then(|v| v.as_f64());
-        let (predicted, model_mfu) = (field("step_seconds"), field("mfu"));
+        // The plan's estimate prices its GEMM epilogues as cuBLASLt runs them, fused: it
+        // predicts nothing for the fallback this row times.
+        let (predicted, model_mfu) = if w.without_cublaslt { (None, None) } else { (field("step_seconds"), field("mfu")) };
         let fmt = |x: Option<f64>, f: &dyn Fn(f64) -> String| x.map_or_else(|| "-".to_string(), f);
         println!(
             "{:<34} {:>6} {:>10.2} {:>14} {:>12} {:>8} {:>14} {:>10}",

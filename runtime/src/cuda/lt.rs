@@ -90,7 +90,7 @@ impl Lt {
     /// Hopper and later, 4 MiB before).
     pub fn new(compute_major: i32) -> Result<Lt, RuntimeError> {
         let handle = lt::create_handle().map_err(|e| err(format!("cuBLASLt: {e:?}")))?;
-        let workspace_bytes = if compute_major >= 9 { 32 << 20 } else { 4 << 20 };
+        let workspace_bytes = if compute_major >= 9 { crate::program::CUBLASLT_WORKSPACE_BYTES } else { crate::program::CUBLASLT_WORKSPACE_BYTES_BEFORE_SM90 };
         // SAFETY: a fresh allocation on the current context, owned by this handle.
         let workspace = match unsafe { drv::malloc_sync(workspace_bytes) } {
             Ok(w) => w,
