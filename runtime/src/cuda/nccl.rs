@@ -1,6 +1,7 @@
 //! NCCL collectives, one process per GPU, bootstrapped the torchrun way: `RANK`,
 //! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. Rank 0 creates the NCCL unique
-//! id and serves it over TCP; the others fetch it. One communicator spans the world and one
+//! id and serves it over TCP on the port after `MASTER_PORT` (torchrun's own store listens on
+//! `MASTER_PORT` itself; `SHARDC_BOOTSTRAP_PORT` names another); the others fetch it. One communicator spans the world and one
 //! more is split off for every set of grid axes the program's collectives run over.
 
 use std::collections::HashMap;
@@ -35,7 +36,9 @@ pub struct Bootstrap {
 
 impl Bootstrap {
     /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default: `RANK`), `MASTER_ADDR` (default
-    /// 127.0.0.1) and `MASTER_PORT` (default 29500).
+    /// 127.0.0.1) and `MASTER_PORT` (default 29500). Rank 0 serves the NCCL id on
+    /// `MASTER_PORT + 1`, or on `SHARDC_BOOTSTRAP_PORT` when set: under torchrun,
+    /// `MASTER_PORT` is its agent's store, which the workers' own processes must not bind.
     pub fn from_env() -> Result<Bootstrap, RuntimeError> {
         Bootstrap::from_vars(|name| std::env::var(name).ok())
     }
@@ -52,7 +55,13 @@ impl Bootstrap {
         }
         let local_rank = number("LOCAL_RANK", var("LOCAL_RANK"))?.unwrap_or(rank);
         let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-        let port = number("MASTER_PORT", var("MASTER_PORT"))?.unwrap_or(29500);
+        let port = match number("SHARDC_BOOTSTRAP_PORT", var("SHARDC_BOOTSTRAP_PORT"))? {
+            Some(port) => port,
+            None => number("MASTER_PORT", var("MASTER_PORT"))?.unwrap_or(29500) + 1,
+        };
+        if !(1..=65535).contains(&port) {
+            return Err(err(format!("the NCCL id would be served on port {port} (MASTER_PORT + 1, or SHARDC_BOOTSTRAP_PORT), which is not a TCP port: set SHARDC_BOOTSTRAP_PORT to a free port below 65536")));
+        }
         Ok(Bootstrap { rank, world, local_rank, master: format!("{addr}:{port}"), timeout: Duration::from_secs(120) })
     }
 
@@ -63,11 +72,29 @@ impl Bootstrap {
 
     /// The NCCL unique id: made by rank 0 and sent to every other rank over TCP.
     fn unique_id(&self) -> Result<ns::ncclUniqueId, RuntimeError> {
+        let bytes = self.exchange_id(|| {
+            let id = nr::get_uniqueid().map_err(|e| err(format!("ncclGetUniqueId: {e:?}")))?;
+            let mut bytes = [0u8; 128];
+            for (d, &s) in bytes.iter_mut().zip(id.internal.iter()) {
+                *d = s as u8;
+            }
+            Ok(bytes)
+        })?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (d, s) in internal.iter_mut().zip(bytes) {
+            *d = s as std::ffi::c_char;
+        }
+        Ok(ns::ncclUniqueId { internal })
+    }
+
+    /// The 128 bytes of the NCCL id: rank 0 makes them with `make` and serves them on
+    /// [`Bootstrap::master`] to every other rank, which fetches them, both within the timeout.
+    pub fn exchange_id(&self, make: impl FnOnce() -> Result<[u8; 128], RuntimeError>) -> Result<[u8; 128], RuntimeError> {
         let timeout = self.timeout;
         if self.rank == 0 {
-            let id = nr::get_uniqueid().map_err(|e| err(format!("ncclGetUniqueId: {e:?}")))?;
-            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-            let listener = std::net::TcpListener::bind(&self.master).map_err(|e| err(format!("rank 0 cannot listen on MASTER_ADDR:MASTER_PORT {}: {e}", self.master)))?;
+            let bytes = make()?;
+            let listener = std::net::TcpListener::bind(&self.master)
+                .map_err(|e| err(format!("rank 0 cannot listen on {} (MASTER_ADDR, and MASTER_PORT + 1 or SHARDC_BOOTSTRAP_PORT) for the NCCL id: {e}; set SHARDC_BOOTSTRAP_PORT to a free port", self.master)))?;
             listener.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
             let began = Instant::now();
             let mut served = 0;
@@ -87,19 +114,20 @@ impl Bootstrap {
                     Err(e) => return Err(err(format!("accepting on {}: {e}", self.master))),
                 }
             }
-            Ok(id)
+            Ok(bytes)
         } else {
             let began = Instant::now();
             loop {
                 match std::net::TcpStream::connect(&self.master) {
                     Ok(mut stream) => {
+                        // Something else on the port (not rank 0) may never send the id.
+                        let left = timeout.saturating_sub(began.elapsed()).max(Duration::from_millis(100));
+                        stream.set_read_timeout(Some(left)).map_err(|e| err(e.to_string()))?;
                         let mut bytes = [0u8; 128];
-                        stream.read_exact(&mut bytes).map_err(|e| err(format!("reading the NCCL id from {}: {e}", self.master)))?;
-                        let mut internal = [0 as std::ffi::c_char; 128];
-                        for (d, s) in internal.iter_mut().zip(bytes) {
-                            *d = s as std::ffi::c_char;
-                        }
-                        return Ok(ns::ncclUniqueId { internal });
+                        stream
+                            .read_exact(&mut bytes)
+                            .map_err(|e| err(format!("rank {} reading the NCCL id from {}: {e} (is rank 0 serving there? SHARDC_BOOTSTRAP_PORT must be the same on every rank)", self.rank, self.master)))?;
+                        return Ok(bytes);
                     }
                     Err(_) if began.elapsed() < timeout => std::thread::sleep(Duration::from_millis(100)),
                     Err(e) => return Err(err(format!("rank {} cannot reach rank 0 at {} within {timeout:?}: {e}", self.rank, self.master))),
