@@ -85,7 +85,8 @@ enum Command {
         #[command(flatten)]
         step: StepArgs,
     },
-    /// Train a spec on the CPU runtime, on a text corpus read as bytes.
+    /// Train a spec on the CPU backend, or on GPUs with --backend cuda, on a corpus (text read
+    /// as bytes unless the data says otherwise).
     ///
     /// Example: shardc run models/tiny.toml --steps 200 --save tiny.safetensors
     Run(train::RunArgs),

@@ -2885,11 +2885,12 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     close(&reference, &losses_by_step(&cpu(&[&pipelined[..], &["--steps", "3", "--resume", &pp_checkpoint]].concat())), "pp=2 resumed on the CPU");
     // What a GPU run cannot do is refused before any work, with the reason.
     for (args, env, says) in [
-        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes a pipeline schedule's measured timeline, and GPU runs have no pipeline stages"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes the timeline the CPU pipeline runtime measures item by item"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save", "x.safetensors"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "--save: each process of a multi-process GPU run holds only its own shards"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save-hf", "hf-x"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--save-hf: each process of a multi-process GPU run holds only its own shards"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--eval-every", "1"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--eval-every 1: the held-out loss is computed from the whole model"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--checkpoint", "ck"], vec![("SHARDC_EMULATE_PROCESSES", "3")], "SHARDC_EMULATE_PROCESSES=3: the mesh dp=2,tp=1,pp=1 has 2 ranks, one per process"),
     ] {
         let out = gpu(&args, &env);

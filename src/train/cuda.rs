@@ -15,7 +15,10 @@ pub(super) fn emulating_the_gpu() -> bool {
 #[cfg(feature = "cuda")]
 pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     if args.trace.is_some() {
-        return Err(miette!(help = "trace a pipeline on the CPU backend (--backend cpu with --mesh pp=N or --microbatches M)", "--trace writes a pipeline schedule's measured timeline, and GPU runs have no pipeline stages"));
+        return Err(miette!(
+            help = "trace the same schedule on the CPU backend (--backend cpu with --mesh pp=N or --microbatches M)",
+            "--trace writes the timeline the CPU pipeline runtime measures item by item; the CUDA backend runs a schedule's items on its streams without timing each"
+        ));
     }
     if args.collectives != "ring" {
         return Err(miette!(help = "leave the choice to NCCL (its NCCL_ALGO variable selects ring or tree), or run on the CPU backend", "--collectives {}: the CPU backend's algorithm; a GPU run's collectives are NCCL's or device copies", args.collectives));
@@ -26,6 +29,14 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     // A process of a multi-process run holds its own shards only: whole files need them all
     // (a checkpoint is one rank file per process).
     if std::env::var_os("RANK").is_some() || std::env::var_os("SHARDC_EMULATE_PROCESSES").is_some() {
+        // The held-out loss is computed on the CPU from the whole state.
+        if args.input.eval_every > 0 {
+            return Err(miette!(
+                help = "checkpoint with --checkpoint DIR and evaluate on one host, resuming it there with --eval-every (every rank on one GPU, or the CPU backend)",
+                "--eval-every {}: the held-out loss is computed from the whole model, and each process of a multi-process GPU run holds only its own shards",
+                args.input.eval_every
+            ));
+        }
         for (flag, given) in [("--save", args.save.is_some()), ("--save-hf", args.save_hf.is_some())] {
             if given {
                 return Err(miette!(

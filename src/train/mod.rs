@@ -50,7 +50,8 @@ pub struct RunArgs {
     /// Print `step N loss X` every N steps (0: only the summary).
     #[arg(long, default_value_t = 0)]
     pub log_every: u64,
-    /// Backend: cpu (the default and the reference).
+    /// Backend: cpu (the default and the reference) or cuda (every rank on one GPU, or one
+    /// process per GPU under torchrun).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
     /// Device mesh as axis=size pairs: one CPU thread per rank, real collectives.

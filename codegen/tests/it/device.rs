@@ -48,6 +48,18 @@ fn configurations() -> Vec<(String, Program)> {
         out.push((format!("tiny-moe {dtype}"), train_step("tiny-moe", dtype, Mesh::default(), false)));
     }
     out.push(("tiny-moe f32 dp=2,ep=2,tp=2".into(), train_step("tiny-moe", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 2 }, false)));
+    // ZeRO-3's gathered parameters, and context parallelism: the ring's block kernels and
+    // merge, and the gathered keys' scalar kernels, at head dims 4 and 16.
+    out.push(("tiny bf16 dp=2 ZeRO-3".into(), train_step_zero("tiny", "bf16", Mesh { dp: 2, ..Mesh::default() }, false, 3)));
+    for (dtype, hidden) in [("f32", 16), ("bf16", 64)] {
+        for policy in [shardc_passes::sharding::ContextAttention::Ring, shardc_passes::sharding::ContextAttention::AllGather] {
+            let mut spec = spec_with_dtype("tiny-llama", dtype);
+            spec.model.hidden = hidden;
+            spec.training.micro_batch = 2;
+            let options = CompileOptions { mesh: Mesh { cp: 2, ..Mesh::default() }, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, context_attention: policy, ..Default::default() };
+            out.push((format!("tiny-llama {dtype} hidden {hidden} cp=2 {policy:?}"), compiled_step(&spec, &options)));
+        }
+    }
     out
 }
 
@@ -1070,4 +1082,42 @@ fn the_memory_estimate_is_what_the_cuda_backend_allocates() {
         assert_eq!(lt, CUBLASLT_WORKSPACE_BYTES, "{dtype}: tiny's GEMMs have epilogues");
         assert_eq!(per_rank as f64, estimate.total - lt as f64 + inputs as f64, "{dtype} ZeRO-{zero}: allocated vs estimated ({estimate:?})");
     }
+}
+
+/// The cost model prices attention on tensor cores exactly where the device plan launches
+/// the tensor-core kernels: bf16 with a head dim they take, one whole sequence; a context-
+/// parallel rank (gathered keys or a ring step) runs the scalar flash kernels.
+#[test]
+fn attention_is_priced_on_tensor_cores_where_it_runs_on_them() {
+    use shardc_ir::ops::{lookup, KernelClass};
+    use shardc_passes::sharding::ContextAttention;
+    let mut seen = [false; 2];
+    for (dtype, mesh, policy) in [
+        ("bf16", Mesh::default(), ContextAttention::Auto),
+        ("f32", Mesh::default(), ContextAttention::Auto),
+        ("bf16", Mesh { cp: 2, ..Mesh::default() }, ContextAttention::AllGather),
+        ("bf16", Mesh { cp: 2, ..Mesh::default() }, ContextAttention::Ring),
+    ] {
+        let mut spec = spec_with_dtype("tiny-llama", dtype);
+        // Head dim 16: the smallest the tensor-core kernels take.
+        spec.model.hidden = 64;
+        spec.training.micro_batch = 2;
+        let options = CompileOptions { mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, context_attention: policy, ..Default::default() };
+        let program = compiled_step(&spec, &options);
+        let plan = device_plan(&program).unwrap();
+        let mut attention = 0;
+        for (index, instr) in program.instrs.iter().enumerate() {
+            let Some(def) = lookup(&instr.op).filter(|_| instr.op.starts_with("xf.attention")) else { continue };
+            let inputs: Vec<_> = instr.inputs.iter().map(|&b| shardc_codegen::estimate::buffer_type(&program, b)).collect();
+            let refs: Vec<_> = inputs.iter().collect();
+            // (A ring's merge of partial results is element-wise.)
+            let KernelClass::Attention { tensor_cores, .. } = def.kernel_class(&refs, &shardc_codegen::estimate::instr_attrs(instr)) else { continue };
+            let launched = plan.calls[index].iter().any(|c| matches!(c, DeviceCall::Launch { kernel, .. } if kernel.contains("mma")));
+            assert_eq!(tensor_cores, launched, "{dtype} {mesh} {policy:?}: {} at {}", instr.op, instr.loc);
+            seen[usize::from(launched)] = true;
+            attention += 1;
+        }
+        assert!(attention >= 4, "{dtype} {mesh} {policy:?}: {attention} attention instructions");
+    }
+    assert_eq!(seen, [true, true], "both kinds of kernel were checked");
 }

@@ -68,7 +68,7 @@ impl OpDef for Attention {
         Cost { flops, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
-        attention_class(inputs, attrs, 2.0)
+        attention_class(inputs, attrs, 2.0, on_tensor_cores(inputs, attrs))
     }
     fn differentiable(&self) -> bool {
         true
@@ -201,7 +201,7 @@ impl OpDef for AttentionBlock {
         Attention.cost(inputs, outputs, attrs)
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
-        attention_class(inputs, attrs, 2.0)
+        attention_class(inputs, attrs, 2.0, false)
     }
     fn statistics_slots(&self) -> &'static [usize] {
         // lse
@@ -309,10 +309,10 @@ impl OpDef for AttentionBlockGrad {
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
         // Priced as the gathered attention's backward (nine products, see AttentionGrad):
-        // with the statistics given, a kernel of its own could do five, but there is none on
-        // the GPU yet, and the two forms should differ in what they send, not in an assumed
-        // kernel.
-        attention_class(inputs, attrs, 9.0)
+        // the GPU runs a ring step's backward on the same scalar flash kernels, which, given
+        // the statistics, could do five, so the two forms differ in what they send, not in
+        // an assumed kernel. Neither runs on tensor cores (see `mma_kernels`).
+        attention_class(inputs, attrs, 9.0, false)
     }
     fn statistics_slots(&self) -> &'static [usize] {
         // lse
@@ -411,7 +411,7 @@ impl OpDef for AttentionGrad {
         // The dq kernel walks the keys twice (scores and dp; then scores, dp and dq) and the
         // keys' kernel does scores, dp, dk and dv: nine products, where FlashAttention-2's
         // one kernel with atomic dq does five.
-        attention_class(inputs, attrs, 9.0)
+        attention_class(inputs, attrs, 9.0, on_tensor_cores(inputs, attrs))
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // As the forward's; dk and dv lack the query positions, so with those split each
@@ -424,7 +424,7 @@ impl OpDef for AttentionGrad {
 }
 
 /// The flash-attention work of `q` `[b, h, s, d]` against keys `[b, kv, t, d]`.
-fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64) -> KernelClass {
+fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_cores: bool) -> KernelClass {
     let (q, k) = (inputs[0], inputs[1]);
     if q.rank() != 4 || k.rank() != 4 {
         return KernelClass::Memory;
@@ -436,8 +436,16 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64) -> Kernel
         head_dim: q.shape[3] as f64,
         causal: attrs.bool("causal").unwrap_or(true),
         products,
-        tensor_cores: q.dtype == crate::types::DType::Bf16 && mma_head_dim(q.shape[3] as usize).is_some(),
+        tensor_cores,
     }
+}
+
+/// Whether the attention (forward or backward, not a ring step) of these operands runs on
+/// the tensor-core kernels ([`mma_kernels`], whose results have the operands' type): the
+/// cost model prices what the device plan launches.
+fn on_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
+    let d = if inputs[0].rank() == 4 { inputs[0].shape[3] as usize } else { 0 };
+    mma_head_dim(d).is_some() && inputs.iter().all(|t| t.dtype == crate::types::DType::Bf16) && !context_parallel(inputs, attrs)
 }
 
 /// Threads per block of the attention kernels.
@@ -746,13 +754,13 @@ fn mma_kernels(cx: &KernelCx<'_>) -> Option<[&'static str; 3]> {
     let bf16 = cx.inputs.iter().all(|t| t.dtype == DType::Bf16) && cx.outputs.iter().all(|t| t.dtype == DType::Bf16);
     // The tensor-core kernels attend within one whole sequence in its natural order; a
     // context-parallel rank's queries take the scalar kernels.
-    mma_head_dim(d).filter(|_| bf16 && !context_parallel(cx))
+    mma_head_dim(d).filter(|_| bf16 && !context_parallel(cx.inputs, cx.attrs))
 }
 
 /// Whether the op attends from a part of the sequence (context parallelism): its keys are
 /// more than its queries, its positions are split or in zigzag order.
-fn context_parallel(cx: &KernelCx<'_>) -> bool {
-    cx.attrs.get("xf.seq_split_axes").is_some() || cx.attrs.get(super::ZIGZAG_ATTR).is_some() || cx.inputs[0].shape.get(2) != cx.inputs[1].shape.get(2)
+fn context_parallel(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
+    attrs.get("xf.seq_split_axes").is_some() || attrs.get(super::ZIGZAG_ATTR).is_some() || inputs[0].shape.get(2) != inputs[1].shape.get(2)
 }
 
 /// The scalar kernels' context-parallel arguments: the keys, this rank's first query row,
