@@ -3,10 +3,13 @@
 //!
 //! ```text
 //! cargo run --example gpu-check-plans -- attention --seq S --batch B --heads H --head-dim D
-//!     [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR]
+//!     [--kv-heads K] [--causal true|false] [--tag NAME] [--dtype bf16|f32]
+//!     (--gpu NAME | --cluster FILE) [--emit DIR]
 //! ```
 //!
-//! * `attention` builds the two one-op programs of causal attention at that shape
+//! * `attention` builds the two one-op programs of attention at that shape (causal unless
+//!   `--causal false`; `K` key/value heads, default `H`; files named `attention-sS-` or,
+//!   with a tag, `attention-NAME-`)
 //!   (`xf.attention` and its backward `xf.attention_grad`, as `shardc calibrate` builds its
 //!   kernel programs), writes them with their device plans to `DIR` (with `--emit`), and prints
 //!   one JSON object: for each, the program's path (`DIR`'s last component joined with the
@@ -39,7 +42,7 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} wants a value"))?;
-        if !matches!(flag.as_str(), "--seq" | "--batch" | "--heads" | "--head-dim" | "--dtype" | "--gpu" | "--cluster" | "--emit") {
+        if !matches!(flag.as_str(), "--seq" | "--batch" | "--heads" | "--head-dim" | "--kv-heads" | "--causal" | "--tag" | "--dtype" | "--gpu" | "--cluster" | "--emit") {
             return Err(format!("unknown option {flag}"));
         }
         options.insert(flag.trim_start_matches('-').to_string(), value.clone());
@@ -49,6 +52,20 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
         text.parse::<i64>().ok().filter(|&n| n > 0).ok_or_else(|| format!("--{name} {text}: not a positive integer"))
     };
     let (seq, batch, heads, head_dim) = (number("seq")?, number("batch")?, number("heads")?, number("head-dim")?);
+    let kv_heads = if options.contains_key("kv-heads") { number("kv-heads")? } else { heads };
+    if heads % kv_heads != 0 {
+        return Err(format!("--kv-heads {kv_heads} must divide --heads {heads}"));
+    }
+    let causal = match options.get("causal").map_or("true", String::as_str) {
+        "true" => true,
+        "false" => false,
+        other => return Err(format!("--causal {other}: use true or false")),
+    };
+    let stem = match options.get("tag") {
+        Some(tag) if !tag.is_empty() && tag.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') => format!("attention-{tag}"),
+        Some(tag) => return Err(format!("--tag {tag}: use letters, digits and dashes")),
+        None => format!("attention-s{seq}"),
+    };
     let dtype = match options.get("dtype").map_or("bf16", String::as_str) {
         "bf16" => DType::Bf16,
         "f32" => DType::F32,
@@ -60,13 +77,15 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
         _ => return Err("give one of --gpu NAME and --cluster FILE".into()),
     };
     let emit = options.get("emit").map(PathBuf::from);
-    let qkv = TensorTy::new([batch, heads, seq, head_dim], dtype);
-    let attrs = Attrs::new().with("causal", AttrValue::Bool(true)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt()));
+    let q = TensorTy::new([batch, heads, seq, head_dim], dtype);
+    let kv = TensorTy::new([batch, kv_heads, seq, head_dim], dtype);
+    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt()));
     let mut out = serde_json::Map::new();
     for (key, short, op, operands) in [("forward", "fwd", "xf.attention", 3), ("backward", "bwd", "xf.attention_grad", 4)] {
-        let types = vec![qkv.clone(); operands];
+        // q, k, v, and the output's gradient (q's shape).
+        let types: Vec<TensorTy> = [q.clone(), kv.clone(), kv.clone(), q.clone()].into_iter().take(operands).collect();
         let (flops, seconds) = price(&cluster, op, &types, &attrs)?;
-        let file = format!("attention-s{seq}-{short}.json");
+        let file = format!("{stem}-{short}.json");
         let mut entry = serde_json::json!({ "flops": flops, "predicted_seconds": seconds });
         if let Some(dir) = &emit {
             std::fs::create_dir_all(dir).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
@@ -77,7 +96,8 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
         }
         out.insert(key.to_string(), entry);
     }
-    let dims = format!("b={batch}, {heads} heads of {head_dim}, causal, {}", if dtype == DType::Bf16 { "bf16" } else { "f32" });
+    let heads_text = if kv_heads == heads { format!("{heads} heads") } else { format!("{heads} heads ({kv_heads} kv)") };
+    let dims = format!("b={batch}, {heads_text} of {head_dim}, {}{}", if causal { "causal, " } else { "" }, if dtype == DType::Bf16 { "bf16" } else { "f32" });
     out.insert("name".into(), serde_json::json!(format!("attention fwd+bwd s={seq} ({dims})")));
     out.insert("gpu".into(), serde_json::json!(cluster.gpu.name));
     Ok(serde_json::Value::Object(out))

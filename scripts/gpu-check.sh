@@ -17,7 +17,10 @@
 #            gradients. Tolerances (relative): f32 loss 1e-4, gradients 1e-3 (summation
 #            order differs: cuBLAS, block reductions); bf16 loss 3e-2 (8-bit mantissa,
 #            against the f32 CPU run), gradients not compared (a bf16 parameter cannot
-#            resolve one small SGD step);
+#            resolve one small SGD step); and attention's outputs and gradients at three
+#            bf16 shapes (the tensor-core kernels, which only a GPU runs: the emulation
+#            takes their fallback) against the CPU backend, relative 2e-2; a case that
+#            cannot run is an ERROR row and the others still run;
 #         2. times a gpt2-small training step (s=1024, micro-batch 8, bf16 and f32; bf16 again
 #            with cuBLASLt's fused GEMM epilogues replaced by the GEMM and a kernel), a wide
 #            GEMM-bound layer, and attention forward+backward at s=4096 and 16384, each
@@ -87,6 +90,16 @@ prepare() {
     # shellcheck disable=SC2086
     entries+=("$("$helper" attention $shape "${attention_dims[@]}" --gpu h200 --emit "$dir/plans")")
   done
+  # Attention whose outputs and gradients `check` compares with the CPU backend: bf16 on the
+  # tensor-core kernels (head dims 128 and 64, grouped-query, causal and not), and an odd
+  # shape; small enough for the CPU oracle (a few GFLOP each).
+  local checks=()
+  for shape in "${attention_check_shapes[@]}"; do
+    # shellcheck disable=SC2086
+    checks+=("$("$helper" attention $shape --dtype bf16 --gpu h200 --emit "$dir/plans")")
+  done
+  local attention_checks
+  attention_checks=$(IFS=,; echo "${checks[*]}")
   # The kernels `shardc-gpu calibrate` times on the GPU, for `report` to fit on.
   "$shardc" calibrate "${calibration[@]}" --emit "$dir/calibration"
   local attention
@@ -112,7 +125,8 @@ prepare() {
     {"name": "gpt2-small step (s=1024, b=8)", "program": "plans/bench-gpt2-f32.json", "steps": 4},
     {"name": "wide layer h=4096 (s=512, b=8)", "program": "plans/bench-wide-bf16.json", "steps": 6}
   ],
-  "attention": [$attention]
+  "attention": [$attention],
+  "attention_checks": [$attention_checks]
 }
 JSON
   local size
@@ -145,6 +159,11 @@ bench_plans() {
 # even at 2 TFLOP/s the two sequences take about 20 s, and q, k, v take 64 MB each.
 attention_shapes=("--seq 4096 --batch 4" "--seq 16384 --batch 1")
 attention_dims=(--heads 16 --head-dim 128 --dtype bf16)
+attention_check_shapes=(
+  "--seq 1024 --batch 1 --heads 4 --kv-heads 2 --head-dim 128 --tag check-s1024-d128-gqa"
+  "--seq 1024 --batch 1 --heads 2 --head-dim 64 --causal false --tag check-s1024-d64-full"
+  "--seq 333 --batch 2 --heads 2 --head-dim 32 --tag check-s333-d32"
+)
 # The calibration workload: gpt2-small's bf16 step at the benchmark's sequence length.
 calibration=(models/gpt2-small.toml --backend cuda --gpu h200 --seq 1024 --dtype bf16)
 

@@ -74,6 +74,14 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     assert_eq!(attention["forward"]["flops"], 4.0 * 2.0 * 1600.0 * 8.0 + 5.0 * 2.0 * 1600.0);
     assert!(attention["backward"]["predicted_seconds"].as_f64().unwrap() > 0.0);
 
+    // Outputs and gradients against the CPU backend: bf16, grouped-query, not causal, an odd
+    // sequence, head dim 16 (the tensor-core kernels on a GPU; their fallback here).
+    let attention_check = plans::attention(
+        &["--seq", "37", "--batch", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--causal", "false", "--tag", "check-gqa", "--gpu", "h200", "--emit"].map(String::from).into_iter().chain([dir.join("plans").display().to_string()]).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    assert_eq!(attention_check["backward"]["program"], "plans/attention-check-gqa-bwd.json");
+
     let case = |name: &str, program: &str, reference: &str| {
         serde_json::json!({"name": name, "program": format!("plans/{program}.json"), "reference": format!("plans/{reference}.json"), "steps": 2, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3})
     };
@@ -88,10 +96,14 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
         vec![serde_json::json!({"name": "tiny step", "program": "plans/one.json", "steps": 2}), serde_json::json!({"name": "tiny step unfused", "program": "plans/one.json", "steps": 2, "without_cublaslt": true})],
         vec![attention],
     );
+    let mut with_checks: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&good).unwrap()).unwrap();
+    with_checks["attention_checks"] = serde_json::json!([attention_check]);
+    std::fs::write(&good, with_checks.to_string()).unwrap();
     assert_eq!(cli(&["check", &good]), Ok(true));
     let check = results(&dir, "check");
     let cases: Vec<&str> = check.rows.iter().map(|r| r.case.as_str()).collect();
-    assert_eq!(cases, ["tiny f32 (1,1,1)", "tiny f32 (2,2,1)", "tiny f32 (1,1,2) 1F1B x4"], "{check:?}");
+    assert_eq!(cases, ["tiny f32 (1,1,1)", "tiny f32 (2,2,1)", "tiny f32 (1,1,2) 1F1B x4", "attention fwd+bwd s=37 (b=2, 4 heads (2 kv) of 16, bf16)"], "{check:?}");
+    assert!(check.rows[3].measured.starts_with("rel "), "{check:?}");
     assert!(check.rows.iter().all(|r| r.ok && r.result.starts_with("match")), "{check:?}");
     assert_eq!(cli(&["bench", &good]), Ok(true));
     let bench = results(&dir, "bench");
@@ -114,8 +126,12 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     let row = &results(&dir, "check").rows[0];
     assert!(!row.ok && row.result.contains("MISMATCH") && row.result.contains("gradient"), "{row:?}");
     assert_eq!(cli(&["table", &bad]), Ok(false));
-    let bare = manifest("bare.json", vec![case("tiny f32", "pp2-bare", "pp2-bare")], vec![], vec![]);
-    let err = cli(&["check", &bare]).unwrap_err();
-    assert!(err.contains("pipeline_rank0") && err.contains("no device code") && err.contains("--target cuda"), "{err}");
+    // A case that cannot run is an error row, and the cases after it still run.
+    let bare = manifest("bare.json", vec![case("tiny f32", "pp2-bare", "pp2-bare"), case("tiny f32", "one", "one")], vec![], vec![]);
+    assert_eq!(cli(&["check", &bare]), Ok(false));
+    let rows = results(&dir, "check").rows;
+    let err = &rows[0].result;
+    assert!(!rows[0].ok && err.starts_with("ERROR") && err.contains("pipeline_rank0") && err.contains("no device code") && err.contains("--target cuda"), "{err}");
+    assert!(rows[1].ok && rows[1].result.starts_with("match"), "{rows:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -41,6 +41,10 @@ struct Manifest {
     bench: Vec<Workload>,
     #[serde(default)]
     attention: Vec<AttentionCase>,
+    /// Attention shapes whose outputs `check` compares with the CPU backend's (the
+    /// tensor-core kernels run only on a GPU: the emulation takes their fallback).
+    #[serde(default)]
+    attention_checks: Vec<AttentionCase>,
 }
 
 /// A GPU run compared with a CPU run.
@@ -81,6 +85,9 @@ struct AttentionCase {
     /// Timed runs of each (the fastest counts), after a warm-up run.
     #[serde(default = "three")]
     repeats: usize,
+    /// For `attention_checks`: the largest difference of any result over its scale.
+    #[serde(default)]
+    tolerance: Option<f64>,
 }
 
 fn three() -> usize {
@@ -249,21 +256,91 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
     let mut results = Results::default();
     println!("{:<40} {:>10} {:>10} {:>10} {:>12} {:>8}", "case (CPU vs GPU)", "loss CPU", "loss GPU", "loss rel", "grad rel", "match");
     for case in &manifest.cases {
-        let (programs, reference) = (step_programs(&dir.join(&case.program), true)?, step_programs(&dir.join(&case.reference), false)?);
-        let corpus = corpus(manifest, dir, &programs)?;
+        // A case that cannot run is a failed row: the cases after it still run.
+        let row = check_case(manifest, dir, placement, case, &mut results.device).unwrap_or_else(|(label, e)| {
+            println!("{label:<40} {:>10} {:>10} {:>10} {:>12} {:>8}", "-", "-", "-", "-", "ERROR");
+            Row { case: label, measured: "-".into(), predicted: "-".into(), ratio: "-".into(), result: format!("ERROR: {e}"), ok: false }
+        });
+        all &= row.ok;
+        results.rows.push(row);
+    }
+    for a in &manifest.attention_checks {
+        let tolerance = a.tolerance.unwrap_or(2e-2);
+        let mut worst: (f64, String) = (0.0, String::new());
+        let mut error = None;
+        for (what, op) in [("forward", &a.forward), ("backward", &a.backward)] {
+            let program = read_json(&dir.join(&op.program)).and_then(|v| Program::from_value(v).map_err(|e| format!("{}: {e}", op.program.display())));
+            match program.and_then(|p| one_op_against_the_cpu(&p, placement)) {
+                Ok(errors) => {
+                    for (name, rel) in errors {
+                        if rel > worst.0 || worst.1.is_empty() {
+                            worst = (rel, format!("{what} {name}"));
+                        }
+                    }
+                }
+                Err(e) => error = Some(format!("{what}: {e}")),
+            }
+        }
+        let ok = error.is_none() && worst.0 <= tolerance;
+        println!("{:<40} {:>10} {:>10} {:>10.2e} {:>12} {:>8}", a.name, "-", "-", worst.0, "-", if ok { "yes" } else { "NO" });
+        all &= ok;
+        results.rows.push(Row {
+            case: a.name.clone(),
+            measured: format!("rel {:.1e} ({})", worst.0, worst.1),
+            predicted: "-".into(),
+            ratio: "-".into(),
+            result: match error {
+                Some(e) => format!("ERROR: {e}"),
+                None if ok => format!("match (outputs and gradients {tolerance:.0e})"),
+                None => format!("MISMATCH: {} rel {:.2e} > {tolerance:.0e}", worst.1, worst.0),
+            },
+            ok,
+        });
+    }
+    results.notes.push(format!("numerics: {} steps per case from seed 0, GPU against the CPU backend (the bf16 cases against the f32 plan)", manifest.cases.iter().map(|c| c.steps).max().unwrap_or(0)));
+    write_results(dir, "check", &results)?;
+    Ok(all)
+}
+
+/// Runs a one-op program on the GPU and on the CPU backend from the same inputs (q, k and v
+/// at a few units, so the softmax has real peaks to track; the output gradient at one): each
+/// result's name and largest difference over its scale.
+fn one_op_against_the_cpu(program: &Program, placement: &Placement) -> Result<Vec<(String, f64)>, String> {
+    let text = |e: shardc_runtime::RuntimeError| e.to_string();
+    let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).map_err(text)?;
+    let mut gpu = cuda::CudaExecutor::new(program.clone(), placement).map_err(text)?;
+    for (i, arg) in program.args.iter().enumerate() {
+        let scale = if i < 3 { 3.0 } else { 1.0 };
+        let values: Vec<f64> = (0..program.buffers[arg.buffer].len()).map(|j| 2.0 * (shardc_runtime::init::uniform(i as u64 + 11, j as u64) - 0.5) * scale).collect();
+        cpu.write_f64(&arg.name, &values).map_err(text)?;
+        gpu.write(0, &arg.name, &values).map_err(text)?;
+    }
+    cpu.run().map_err(text)?;
+    gpu.run().map_err(text)?;
+    gpu.synchronize().map_err(text)?;
+    program.results.iter().map(|r| Ok((r.name.clone(), relative(&cpu.read_f64(&r.name).map_err(text)?, &gpu.read(0, &r.name).map_err(text)?)))).collect()
+}
+
+/// One case of `check`: its row, or its label and why it could not run.
+fn check_case(manifest: &Manifest, dir: &Path, placement: &Placement, case: &Case, device: &mut String) -> Result<Row, (String, String)> {
+    let unnamed = |e: String| (case.name.clone(), e);
+    let (programs, reference) = (step_programs(&dir.join(&case.program), true).map_err(unnamed)?, step_programs(&dir.join(&case.reference), false).map_err(unnamed)?);
+    let label = format!("{} {}", case.name, layout_note(&programs));
+    let named = |e: String| (label.clone(), e);
+    {
+        let corpus = corpus(manifest, dir, &programs).map_err(named)?;
         let layers = layers(&programs);
-        let label = format!("{} {}", case.name, layout_note(&programs));
-        let gpu = cuda::train_programs(&programs, 0, layers, &corpus, case.steps, placement).map_err(|e| format!("{label}: {e}"))?;
-        results.device = gpu.device.clone();
-        let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps).map_err(|e| format!("{label} (CPU): {e}"))?;
+        let gpu = cuda::train_programs(&programs, 0, layers, &corpus, case.steps, placement).map_err(|e| named(e.to_string()))?;
+        device.clone_from(&gpu.device);
+        let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps).map_err(|e| named(format!("(CPU) {e}")))?;
         let loss_rel = cpu_losses.iter().zip(&gpu.losses).map(|(c, g)| (c - g).abs() / c.abs().max(1e-12)).fold(0.0, f64::max);
         let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.len() == cpu_losses.len() && gpu.losses.iter().all(|l| l.is_finite());
         let mut why = if ok { String::new() } else { format!("loss rel {loss_rel:.2e} > {:.0e}", case.loss_tolerance) };
         let mut grad_text = "n/a".to_string();
         if let Some(tolerance) = case.gradient_tolerance {
             // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
-            let gpu_one = cuda::train_programs(&programs, 0, layers, &corpus, 1, placement).map_err(|e| format!("{label}: {e}"))?;
-            let (_, cpu_one) = cpu_run(&reference, &corpus, 1).map_err(|e| format!("{label} (CPU): {e}"))?;
+            let gpu_one = cuda::train_programs(&programs, 0, layers, &corpus, 1, placement).map_err(|e| named(e.to_string()))?;
+            let (_, cpu_one) = cpu_run(&reference, &corpus, 1).map_err(|e| named(format!("(CPU) {e}")))?;
             let mut worst: Option<(f64, String)> = None;
             for (name, shape, after_gpu) in &gpu_one.parameters {
                 let Some((_, after_cpu)) = cpu_one.iter().find(|(n, _)| n == name) else { continue };
@@ -275,7 +352,7 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
                 }
             }
             let Some(worst) = worst else {
-                return Err(format!("{label}: no parameter of the GPU run is in the CPU run"));
+                return Err(named("no parameter of the GPU run is in the CPU run".into()));
             };
             grad_text = format!("{:.2e}", worst.0);
             if worst.0 > tolerance {
@@ -284,7 +361,6 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
                 why = format!("{why}{}gradient of {} rel {:.2e} > {tolerance:.0e}", if why.is_empty() { "" } else { "; " }, worst.1, worst.0);
             }
         }
-        all &= ok;
         println!(
             "{:<40} {:>10.5} {:>10.5} {:>10.2e} {:>12} {:>8}",
             label,
@@ -298,18 +374,15 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
             Some(g) => format!("loss {:.0e}, grad {g:.0e}", case.loss_tolerance),
             None => format!("loss {:.0e}", case.loss_tolerance),
         };
-        results.rows.push(Row {
-            case: label,
+        Ok(Row {
+            case: label.clone(),
             measured: if case.gradient_tolerance.is_some() { format!("loss rel {loss_rel:.1e}, grad rel {grad_text}") } else { format!("loss rel {loss_rel:.1e}") },
             predicted: "-".into(),
             ratio: "-".into(),
             result: if ok { format!("match ({tolerances})") } else { format!("MISMATCH: {why}") },
             ok,
-        });
+        })
     }
-    results.notes.push(format!("numerics: {} steps per case from seed 0, GPU against the CPU backend (the bf16 cases against the f32 plan)", manifest.cases.iter().map(|c| c.steps).max().unwrap_or(0)));
-    write_results(dir, "check", &results)?;
-    Ok(all)
 }
 
 fn write_results(dir: &Path, what: &str, results: &Results) -> Result<(), String> {
