@@ -2883,6 +2883,13 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     let reference = losses_by_step(&cpu(&[&pipelined[..], &["--steps", "3"]].concat()));
     close(&reference, &losses_by_step(&gpu(&[&pipelined[..], &["--steps", "2", "--checkpoint", &pp_checkpoint]].concat(), &[])), "pp=2 interleaved on the GPU");
     close(&reference, &losses_by_step(&cpu(&[&pipelined[..], &["--steps", "3", "--resume", &pp_checkpoint]].concat())), "pp=2 resumed on the CPU");
+    // Every rank's file written from its shards in device memory (ZeRO-1's sharded moments
+    // too), never the assembled state, and resumed on the CPU.
+    let (sharded, tp_checkpoint) = (["models/tiny.toml", "--mesh", "dp=2,tp=2", "--zero", "1", "--microbatches", "1", "--log-every", "1", "--lr-decay-steps", "3"], path("tp-ckpt"));
+    let reference = losses_by_step(&cpu(&[&sharded[..], &["--steps", "3"]].concat()));
+    close(&reference, &losses_by_step(&gpu(&[&sharded[..], &["--steps", "2", "--checkpoint", &tp_checkpoint]].concat(), &[])), "dp=2,tp=2 ZeRO-1 on the GPU");
+    assert!(dir.join("tp-ckpt/step-00000002/rank-00003.safetensors").is_file());
+    close(&reference, &losses_by_step(&cpu(&[&sharded[..], &["--steps", "3", "--resume", &tp_checkpoint]].concat())), "dp=2,tp=2 ZeRO-1 resumed on the CPU");
     // What a GPU run cannot do is refused before any work, with the reason.
     for (args, env, says) in [
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes the timeline the CPU pipeline runtime measures item by item"),

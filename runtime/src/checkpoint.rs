@@ -279,22 +279,39 @@ pub fn save_sharded(
     abort_after_rank: Option<usize>,
 ) -> Result<std::path::PathBuf, RuntimeError> {
     let mesh = checkpoint_mesh(programs)?;
+    save_rank_shards(dir, state.step, programs, spec, seed, data, abort_after_rank, |rank, tensor, layout| {
+        let global = state.for_program(tensor, &layout.global_shape)?;
+        Ok(crate::layout::local_shard(&global, layout, &mesh, rank))
+    })
+}
+
+/// [`save_sharded`] from each rank's shards as `shard(rank, tensor, layout)` gives them, one
+/// tensor of one rank at a time: a process that holds every rank on its devices writes their
+/// files from device memory without assembling the global state.
+#[allow(clippy::too_many_arguments)]
+pub fn save_rank_shards(
+    dir: &std::path::Path,
+    step: u64,
+    programs: &[Program],
+    spec: serde_json::Value,
+    seed: u64,
+    data: Option<crate::data::DataRecord>,
+    abort_after_rank: Option<usize>,
+    shard: impl Fn(usize, &crate::program::Binding, &crate::program::Layout) -> Result<Vec<f64>, RuntimeError>,
+) -> Result<std::path::PathBuf, RuntimeError> {
+    let mesh = checkpoint_mesh(programs)?;
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    let partial = dir.join(format!(".partial-{}-{}", step_folder(state.step), std::process::id()));
+    let partial = dir.join(format!(".partial-{}-{}", step_folder(step), std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
     let mut checksums = Vec::new();
     for rank in 0..mesh.ranks() {
-        let crc = write_rank_file(&partial, programs, rank, |tensor, layout| {
-            let global = state.for_program(tensor, &layout.global_shape)?;
-            Ok(crate::layout::local_shard(&global, layout, &mesh, rank))
-        })?;
-        checksums.push(crc);
+        checksums.push(write_rank_file(&partial, programs, rank, |tensor, layout| shard(rank, tensor, layout))?);
         if abort_after_rank == Some(rank) {
             std::process::abort();
         }
     }
-    commit(dir, &partial, programs, state.step, spec, seed, data, checksums)
+    commit(dir, &partial, programs, step, spec, seed, data, checksums)
 }
 
 /// The folder a checkpoint of step `step` is kept in.

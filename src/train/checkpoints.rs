@@ -182,6 +182,18 @@ impl Checkpoints {
         Ok(())
     }
 
+    /// A GPU run holding every rank checkpoints each rank's shards from device memory, one
+    /// tensor at a time (the files [`Checkpoints::save`] writes from the global state).
+    #[cfg(feature = "cuda")]
+    pub(super) fn save_every_rank(&mut self, trainer: &shardc_runtime::cuda::CudaTrainer, data: shardc_runtime::data::DataRecord) -> Result<()> {
+        let Some(dir) = &self.dir else { return Ok(()) };
+        self.saved += 1;
+        let abort = self.fault.filter(|(n, _)| *n == self.saved).map(|(_, rank)| rank);
+        let path = trainer.checkpoint_every_rank(dir, self.spec.clone(), Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        println!("  checkpoint  step {} in {}", trainer.steps_taken(), path.display());
+        Ok(())
+    }
+
     /// One process of a multi-process GPU run checkpoints its own shards from device memory;
     /// rank 0 commits the checkpoint once every rank's file is written.
     #[cfg(feature = "cuda")]

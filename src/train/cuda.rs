@@ -208,7 +208,7 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
             if process_rank.is_some() {
                 checkpoints.save_own_shards(&mut trainer, corpus.record(at, rows))?;
             } else {
-                checkpoints.save(&trainer.state().into_diagnostic()?, &programs, seed, corpus.record(at, rows))?;
+                checkpoints.save_every_rank(&trainer, corpus.record(at, rows))?;
             }
         }
         if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {

@@ -278,7 +278,9 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
                         }
                     }
                 }
-                Err(e) => error = Some(format!("{what}: {e}")),
+                Err(e) => {
+                    error.get_or_insert(format!("{what}: {e}"));
+                }
             }
         }
         let ok = error.is_none() && worst.0 <= tolerance;

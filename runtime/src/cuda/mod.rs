@@ -1549,6 +1549,28 @@ impl CudaTrainer {
         }
     }
 
+    /// Checkpoints a process that holds every rank ([`crate::checkpoint::save_sharded`]'s
+    /// files and manifest), each rank's file written from its shards in device memory, one
+    /// tensor at a time: the global state is never assembled on the host.
+    pub fn checkpoint_every_rank(&self, dir: &std::path::Path, spec: serde_json::Value, data: Option<crate::data::DataRecord>, abort_after_rank: Option<usize>) -> Result<std::path::PathBuf, RuntimeError> {
+        if !self.holds_every_rank() {
+            return Err(err("this process holds only its own shards: checkpoint with checkpoint_own_shards"));
+        }
+        // Global rank -> (runner, its local index).
+        let mut at = vec![None; self.mesh.ranks()];
+        for (r, runner) in self.runners.iter().enumerate() {
+            for (local, rank) in runner.exec.ranks().into_iter().enumerate() {
+                if let Some(slot) = at.get_mut(rank) {
+                    *slot = Some((r, local));
+                }
+            }
+        }
+        crate::checkpoint::save_rank_shards(dir, self.step, &self.every_program, spec, self.seed, data, abort_after_rank, |rank, tensor, _| {
+            let (r, local) = at.get(rank).copied().flatten().ok_or_else(|| err(format!("no executor of this process holds rank {rank}")))?;
+            self.runners[r].exec.read(local, &tensor.name)
+        })
+    }
+
     /// The run's seed (initialisation and data order; a resumed run's is its checkpoint's).
     pub fn seed(&self) -> u64 {
         self.seed
