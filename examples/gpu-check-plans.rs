@@ -15,7 +15,8 @@
 //!   one JSON object: for each, the program's path (`DIR`'s last component joined with the
 //!   file name: relative to the folder that holds `DIR`, where the manifest lies), its FLOPs
 //!   (the op registry's cost, as every estimate counts them) and the cluster model's predicted
-//!   seconds for one run (`Cluster::op_time`: launch plus the flash-attention block model).
+//!   seconds for one run (`Cluster::op_time`: launch plus the flash-attention block model),
+//!   and its FLOPs as FlashAttention's benchmarks count them (`fa_flops`).
 
 use std::path::{Path, PathBuf};
 
@@ -86,7 +87,11 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
         let types: Vec<TensorTy> = [q.clone(), kv.clone(), kv.clone(), q.clone()].into_iter().take(operands).collect();
         let (flops, seconds) = price(&cluster, op, &types, &attrs)?;
         let file = format!("{stem}-{short}.json");
-        let mut entry = serde_json::json!({ "flops": flops, "predicted_seconds": seconds });
+        // FlashAttention's benchmarks count 4 b h s^2 d forward (two products), halved when
+        // causal, and 2.5 times that backward: published rates use this count.
+        let forward_fa = 4.0 * (batch * heads * seq * seq * head_dim) as f64 * if causal { 0.5 } else { 1.0 };
+        let fa_flops = if key == "forward" { forward_fa } else { 2.5 * forward_fa };
+        let mut entry = serde_json::json!({ "flops": flops, "predicted_seconds": seconds, "fa_flops": fa_flops });
         if let Some(dir) = &emit {
             std::fs::create_dir_all(dir).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
             let program = one_op_program(op, &types, &attrs)?;

@@ -155,7 +155,8 @@ bench_plans() {
 # Attention: 16384 tokens a run at each sequence (batch 4 at 4096, 1 at 16384, as flash
 # attention's benchmarks hold tokens fixed), 16 heads of 128 (hidden 2048), causal, bf16.
 # Forward and backward do 1.9 TFLOP at s=4096 and 7.8 TFLOP at s=16384 (the registry counts
-# the causal half in full); `shardc-gpu bench` runs each a warm-up and 3 timed times, so
+# the causal half in full; the table also gives the rate by FlashAttention's count, which
+# halves causal attention); `shardc-gpu bench` runs each a warm-up and 3 timed times, so
 # even at 2 TFLOP/s the two sequences take about 20 s, and q, k, v take 64 MB each.
 attention_shapes=("--seq 4096 --batch 4" "--seq 16384 --batch 1")
 attention_dims=(--heads 16 --head-dim 128 --dtype bf16)

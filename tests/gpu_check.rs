@@ -73,6 +73,8 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     // FLOPs are the registry's: 4 b h s^2 d + 5 b h s^2 forward.
     assert_eq!(attention["forward"]["flops"], 4.0 * 2.0 * 1600.0 * 8.0 + 5.0 * 2.0 * 1600.0);
     assert!(attention["backward"]["predicted_seconds"].as_f64().unwrap() > 0.0);
+    // FlashAttention's count: 4 b h s^2 d forward, halved when causal; 2.5 times that backward.
+    assert_eq!((attention["forward"]["fa_flops"].as_f64(), attention["backward"]["fa_flops"].as_f64()), (Some(0.5 * 4.0 * 2.0 * 1600.0 * 8.0), Some(2.5 * 0.5 * 4.0 * 2.0 * 1600.0 * 8.0)));
 
     // Outputs and gradients against the CPU backend: bf16, grouped-query, not causal, an odd
     // sequence, head dim 16 (the tensor-core kernels on a GPU; their fallback here).
@@ -114,7 +116,7 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     // The plan's own prediction (compiled with --gpu h200) beside the measured step, and the
     // attention row's TFLOP/s.
     assert!(bench.rows[0].predicted.ends_with("ms") && bench.rows[0].result.contains("MFU"), "{bench:?}");
-    assert!(bench.rows[2].case.starts_with("attention fwd+bwd s=40") && bench.rows[2].result.contains("TFLOP/s"), "{bench:?}");
+    assert!(bench.rows[2].case.starts_with("attention fwd+bwd s=40") && bench.rows[2].result.contains("TFLOP/s") && bench.rows[2].result.contains("FlashAttention's count"), "{bench:?}");
     let measured: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("bench-measured.json")).unwrap()).unwrap();
     assert!(measured["plans/one.json"].as_f64().unwrap() > 0.0 && measured["plans/attention-s40-bwd.json"].as_f64().unwrap() > 0.0, "{measured}");
     assert_eq!(cli(&["table", &good]), Ok(true));

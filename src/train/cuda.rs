@@ -158,8 +158,8 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
             let folder = checkpoints.resume_manifest(args, &programs, &mut corpus)?.unwrap_or_else(|| dir.clone());
             cuda::CudaTrainer::resume(&programs, &placement, &folder).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
         }
-        // Nor does it hold a whole tensor of `--load` or Hugging Face weights: it keeps its
-        // shards of each parameter as it reads them.
+        // Nor does it hold the whole model of `--load` or Hugging Face weights: it reads one
+        // tensor at a time (whole, in f64) and keeps only its shards of it.
         None if process_rank.is_some() && args.load.is_some() => {
             let path = args.load.as_ref().expect("matched");
             let file = shardc_runtime::tensor_file::TensorFile::open(path).map_err(|e| miette!("--load {e}"))?;

@@ -100,6 +100,10 @@ struct OneOp {
     program: PathBuf,
     flops: f64,
     predicted_seconds: f64,
+    /// Attention's FLOPs as FlashAttention's benchmarks count them (`4 b h s^2 d` forward,
+    /// halved when causal; 2.5 times that backward), to compare with published rates.
+    #[serde(default)]
+    fa_flops: Option<f64>,
 }
 
 /// One line of the final table.
@@ -506,7 +510,10 @@ fn bench(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
         let fmt = |x: f64| if x >= 100.0 { format!("{x:.0}") } else if x >= 1.0 { format!("{x:.1}") } else { format!("{x:.3}") };
         let rate = tflops(a.forward.flops + a.backward.flops, total);
         println!("{:<58} {:>12.3} {:>12.3} {:>12.1} {:>14.3} {:>10.2}", a.name, 1e3 * fwd, 1e3 * bwd, rate, 1e3 * predicted, predicted / total);
-        let share = peaks.map_or_else(String::new, |(bf16, _)| format!(", {:.0}% of cuBLAS bf16", 100.0 * rate / bf16));
+        let mut share = peaks.map_or_else(String::new, |(bf16, _)| format!(", {:.0}% of cuBLAS bf16", 100.0 * rate / bf16));
+        if let (Some(f), Some(b)) = (a.forward.fa_flops, a.backward.fa_flops) {
+            share.push_str(&format!("; FlashAttention's count: {} TFLOP/s (fwd {}, bwd {})", fmt(tflops(f + b, total)), fmt(tflops(f, fwd)), fmt(tflops(b, bwd))));
+        }
         results.rows.push(Row {
             case: a.name.clone(),
             measured: format!("{} + {} = {}", ms(fwd), ms(bwd), ms(total)),
