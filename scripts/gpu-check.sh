@@ -161,8 +161,8 @@ bench_plans() {
 attention_shapes=("--seq 4096 --batch 4" "--seq 16384 --batch 1")
 attention_dims=(--heads 16 --head-dim 128 --dtype bf16)
 attention_check_shapes=(
-  "--seq 1024 --batch 1 --heads 4 --kv-heads 2 --head-dim 128 --tag check-s1024-d128-gqa"
-  "--seq 1024 --batch 1 --heads 2 --head-dim 64 --causal false --tag check-s1024-d64-full"
+  "--seq 512 --batch 1 --heads 4 --kv-heads 2 --head-dim 128 --tag check-s512-d128-gqa"
+  "--seq 512 --batch 1 --heads 2 --head-dim 64 --causal false --tag check-s512-d64-full"
   "--seq 333 --batch 2 --heads 2 --head-dim 32 --tag check-s333-d32"
 )
 # The calibration workload: gpt2-small's bf16 step at the benchmark's sequence length.

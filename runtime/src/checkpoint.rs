@@ -346,8 +346,8 @@ fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, 
         if local.len() != shape.iter().product::<usize>() {
             return Err(RuntimeError::Program(format!("rank {rank}'s shard of `{}` has {} values, its shape {shape:?} holds {}", tensor.name, local.len(), shape.iter().product::<usize>())));
         }
-        if let Some(bad) = local.iter().find(|v| !v.is_finite()) {
-            return Err(RuntimeError::Binding(format!("`{}` holds {bad} on rank {rank}: not checkpointed", tensor.name)));
+        if let Some(&value) = local.iter().find(|v| !v.is_finite()) {
+            return Err(RuntimeError::NonFiniteState { tensor: tensor.name.clone(), rank, value });
         }
         shards.push((tensor.name.clone(), shape, local));
     }

@@ -36,4 +36,15 @@ pub enum RuntimeError {
         /// The loss.
         loss: f64,
     },
+    /// A state tensor holds a value that is not finite (a finite loss can precede an update
+    /// that overflowed): it is not checkpointed.
+    #[error("`{tensor}` holds {value} on rank {rank}: not checkpointed")]
+    NonFiniteState {
+        /// The tensor.
+        tensor: String,
+        /// The rank whose shard holds it.
+        rank: usize,
+        /// The value.
+        value: f64,
+    },
 }

@@ -189,7 +189,14 @@ impl Checkpoints {
         let Some(dir) = &self.dir else { return Ok(()) };
         self.saved += 1;
         let abort = self.fault.filter(|(n, _)| *n == self.saved).map(|(_, rank)| rank);
-        let path = trainer.checkpoint_every_rank(dir, self.spec.clone(), Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        let path = match trainer.checkpoint_every_rank(dir, self.spec.clone(), Some(data), abort) {
+            Ok(path) => path,
+            // As `save` says it of the global state.
+            Err(shardc_runtime::RuntimeError::NonFiniteState { tensor, value, .. }) => {
+                return Err(miette!(help = "lower --lr; the checkpoints already in the folder are from before this step", "`{tensor}` is not finite ({value}) after step {}: not checkpointed", trainer.steps_taken()));
+            }
+            Err(e) => return Err(e).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display())),
+        };
         println!("  checkpoint  step {} in {}", trainer.steps_taken(), path.display());
         Ok(())
     }
