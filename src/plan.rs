@@ -758,6 +758,11 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     if best.sequence_parallel {
         command.push_str(" --sequence-parallel");
     }
+    // The form of context-parallel attention the plan was priced with: a step of several
+    // micro-batches compiled with `auto` would choose again, without the ring's overlap.
+    if let Some(form) = units.get(best.unit).and_then(|u| u.context_attention) {
+        command.push_str(&format!(" --cp-attention {form}"));
+    }
     if step.batch.seq.is_some() {
         command.push_str(&format!(" --seq {}", spec.seq_len()));
     }

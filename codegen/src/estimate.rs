@@ -810,6 +810,9 @@ pub struct UnitCosts {
     pub embed_breakdown: BTreeMap<String, f64>,
     /// The same for the head's forward and backward.
     pub head_breakdown: BTreeMap<String, f64>,
+    /// Under context parallelism, the form of attention the unit compiled to: `ring` (key
+    /// and value blocks passed around the ring) or `all-gather`; `None` without it.
+    pub context_attention: Option<&'static str>,
 }
 
 /// Bytes per parameter the data-parallel collectives of a compiled step move, by kind, as
@@ -964,6 +967,12 @@ pub fn unit_costs(program: &Program, cluster: &Cluster) -> UnitCosts {
             &mut u.head.0
         };
         *slot += t;
+    }
+    if program.instrs.iter().any(|i| i.origin.block.layer().is_some() && i.op == "xf.attention") && program.mesh.get(shardc_ir::mesh::CP_AXIS).is_some_and(|&cp| cp > 1) {
+        u.context_attention = Some("all-gather");
+    }
+    if program.instrs.iter().any(|i| i.op == "xf.attention_block") {
+        u.context_attention = Some("ring");
     }
     // Kept values, by where they were made.
     let args: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
