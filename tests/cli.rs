@@ -1945,15 +1945,26 @@ fn schedules_of_many_stages_simulate_in_linear_time() {
 #[test]
 fn a_non_finite_step_stops_every_layout_and_is_never_checkpointed() {
     let dir = tempdir("ckpt-nan");
-    for mesh in ["dp=1", "dp=2", "tp=2", "pp=2"] {
-        let ckpt = dir.join(mesh);
+    // The CPU backend at each layout, and the GPU's (emulated) with every rank on the device
+    // and as two processes, each writing its own shards.
+    let gpu = |env: &'static [(&'static str, &'static str)]| move |args: &[&str]| run_on_emulated_gpu(&args[1..], env);
+    let runs: Vec<(&str, Box<dyn Fn(&[&str]) -> Output>)> = vec![
+        ("dp=1", Box::new(|a: &[&str]| shardc(a))),
+        ("dp=2", Box::new(|a: &[&str]| shardc(a))),
+        ("tp=2", Box::new(|a: &[&str]| shardc(a))),
+        ("pp=2", Box::new(|a: &[&str]| shardc(a))),
+        ("tp=2", Box::new(gpu(&[]))),
+        ("dp=2", Box::new(gpu(&[("SHARDC_EMULATE_PROCESSES", "2")]))),
+    ];
+    for (i, (mesh, run)) in runs.iter().enumerate() {
+        let ckpt = dir.join(format!("{i}-{mesh}"));
         let ckpt_arg = ckpt.to_str().unwrap();
         // In f64, where a learning rate of 1e300 is in range (f32 refuses it up front): step 3
         // takes the weights to about 1e300, and step 4's logits overflow.
         let base = ["run", "models/tiny.toml", "--dtype", "f64", "--micro-batch", "2", "--mesh", mesh, "--checkpoint", ckpt_arg, "--checkpoint-every", "1"];
-        let out = shardc(&[&base[..], &["--steps", "2"]].concat());
+        let out = run(&[&base[..], &["--steps", "2"]].concat());
         assert!(out.status.success(), "{mesh}: {}", stderr(&out));
-        let out = shardc(&[&base[..], &["--steps", "5", "--resume", ckpt_arg, "--lr", "1e300", "--override-schedule"]].concat());
+        let out = run(&[&base[..], &["--steps", "5", "--resume", ckpt_arg, "--lr", "1e300", "--override-schedule"]].concat());
         assert!(!out.status.success(), "{mesh}: a run that blew up exited 0:\n{}", stdout(&out));
         assert!(stderr(&out).contains("lower --lr"), "{mesh}: {}", stderr(&out));
         let latest = std::fs::read_to_string(ckpt.join("LATEST")).unwrap();

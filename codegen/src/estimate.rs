@@ -155,7 +155,11 @@ impl Fusion {
         let mut members: std::collections::HashMap<usize, Vec<usize>> = std::collections::HashMap::new();
         if let Some(plan) = &program.device {
             for (index, calls) in plan.calls.iter().enumerate() {
-                if let [DeviceCall::Fused { into }] = calls.as_slice() {
+                // (Indices out of range, from an edited plan, are left to price alone.)
+                if let [DeviceCall::Fused { into }] = calls.as_slice()
+                    && *into < program.instrs.len()
+                    && index < program.instrs.len()
+                {
                     members.entry(*into).or_default().push(index);
                 }
             }
@@ -225,10 +229,11 @@ fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster)
             let mut seen = std::collections::HashSet::new();
             for arg in args {
                 if let KernelArg::Buffer(b) = arg
+                    && let Some(buffer) = program.buffers.get(*b)
                     && seen.insert(*b)
                 {
                     let passes = (usize::from(read.contains(b)) + usize::from(written.contains(b))).max(1);
-                    cost.bytes += (passes * program.buffers[*b].len().saturating_mul(program.buffers[*b].dtype.bytes())) as f64;
+                    cost.bytes += passes as f64 * buffer.len().saturating_mul(buffer.dtype.bytes()) as f64;
                 }
             }
             Priced::Compute(class_of(instr), cluster.kernel_time(&KernelClass::Memory, &cost, false))
@@ -532,9 +537,9 @@ pub struct MemoryEstimate {
     /// every backend today (see `buckets`); added to `total`.
     #[serde(default)]
     pub bucket_staging: f64,
-    /// Bytes the CUDA backend allocates beside the memory plan, read from the device plan:
-    /// its scratch (the launches' shared workspace) and, when it has GEMMs with epilogues,
-    /// cuBLASLt's workspace. 0 for a program without device code; added to `total`.
+    /// Bytes the CUDA backend allocates beside the memory plan: the device plan's scratch (the
+    /// launches' shared workspace) and cuBLASLt's workspace (its sm_90 size; 4 MiB on older
+    /// GPUs). 0 for a program without device code; added to `total`.
     #[serde(default)]
     pub device_scratch: f64,
     /// The sum.
@@ -755,10 +760,9 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
             let buckets = bucket_bytes(program);
             // Members are reduced in their own output buffers (see `MemoryEstimate::buckets`).
             let bucket_staging = 0.0;
-            let device_scratch = program.device.as_ref().map_or(0.0, |plan| {
-                let lt = plan.calls.iter().flatten().any(|c| matches!(c, DeviceCall::GemmEpilogue { .. }));
-                (plan.workspace_bytes + if lt { shardc_runtime::program::CUBLASLT_WORKSPACE_BYTES } else { 0 }) as f64
-            });
+            // The CUDA backend gives cuBLASLt its workspace on every GPU where the library
+            // loads, whatever the plan: counted at its sm_90 size, the larger.
+            let device_scratch = program.device.as_ref().map_or(0.0, |plan| (plan.workspace_bytes + shardc_runtime::program::CUBLASLT_WORKSPACE_BYTES) as f64);
             let mut m = MemoryEstimate { parameters, gradients, all_gradients, optimizer, activations, kept_per_microbatch, in_flight, temporaries, buckets, bucket_staging, device_scratch, total: 0.0 };
             m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.bucket_staging + m.device_scratch;
             m

@@ -306,7 +306,14 @@ pub fn save_rank_shards(
     std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
     let mut checksums = Vec::new();
     for rank in 0..mesh.ranks() {
-        checksums.push(write_rank_file(&partial, programs, rank, |tensor, layout| shard(rank, tensor, layout))?);
+        match write_rank_file(&partial, programs, rank, |tensor, layout| shard(rank, tensor, layout)) {
+            Ok(crc) => checksums.push(crc),
+            Err(e) => {
+                // Nothing of a checkpoint that is not kept stays behind.
+                let _ = std::fs::remove_dir_all(&partial);
+                return Err(e);
+            }
+        }
         if abort_after_rank == Some(rank) {
             std::process::abort();
         }

@@ -871,6 +871,7 @@ impl Program {
         match value.get("format_version").and_then(serde_json::Value::as_u64) {
             Some(v) if v == u64::from(FORMAT_VERSION) => {}
             Some(v) => return Err(crate::RuntimeError::Program(format!("format version {v} is not supported (this runtime reads version {FORMAT_VERSION}); recompile the plan"))),
+            None if value.get("format_version").is_some() => return Err(crate::RuntimeError::Program(format!("`format_version` is {}, not a version number (this runtime reads version {FORMAT_VERSION})", value["format_version"]))),
             None => return Err(crate::RuntimeError::Program("not a rank program: it has no `format_version`".into())),
         }
         serde_json::from_value(value).map_err(|e| crate::RuntimeError::Program(format!("not a rank program: {e}")))

@@ -192,9 +192,7 @@ impl Checkpoints {
         let path = match trainer.checkpoint_every_rank(dir, self.spec.clone(), Some(data), abort) {
             Ok(path) => path,
             // As `save` says it of the global state.
-            Err(shardc_runtime::RuntimeError::NonFiniteState { tensor, value, .. }) => {
-                return Err(miette!(help = "lower --lr; the checkpoints already in the folder are from before this step", "`{tensor}` is not finite ({value}) after step {}: not checkpointed", trainer.steps_taken()));
-            }
+            Err(shardc_runtime::RuntimeError::NonFiniteState { tensor, value, .. }) => return Err(not_finite(&tensor, value, trainer.steps_taken(), None)),
             Err(e) => return Err(e).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display())),
         };
         println!("  checkpoint  step {} in {}", trainer.steps_taken(), path.display());
@@ -208,12 +206,24 @@ impl Checkpoints {
         let Some(dir) = &self.dir else { return Ok(()) };
         self.saved += 1;
         let abort = self.fault.is_some_and(|(n, rank)| n == self.saved && trainer.process_rank() == Some(rank));
-        let committed = trainer.checkpoint_own_shards(dir, self.spec.clone(), Some(data), abort).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display()))?;
+        let committed = match trainer.checkpoint_own_shards(dir, self.spec.clone(), Some(data), abort) {
+            Ok(committed) => committed,
+            Err(shardc_runtime::RuntimeError::NonFiniteState { tensor, value, rank }) => return Err(not_finite(&tensor, value, trainer.steps_taken(), Some(rank))),
+            Err(e) => return Err(e).into_diagnostic().wrap_err_with(|| format!("checkpointing into {}", dir.display())),
+        };
         if let Some(path) = committed {
             println!("  checkpoint  step {} in {} (each process wrote its own rank file)", trainer.steps_taken(), path.display());
         }
         Ok(())
     }
+}
+
+/// A state tensor that is not finite after `step`, refused as a checkpoint of the global
+/// state refuses it (`rank`: the process whose shard holds it, in a multi-process run).
+#[cfg(feature = "cuda")]
+fn not_finite(tensor: &str, value: f64, step: u64, rank: Option<usize>) -> miette::Report {
+    let on = rank.map_or_else(String::new, |r| format!(" on rank {r}"));
+    miette!(help = "lower --lr; the checkpoints already in the folder are from before this step", "`{tensor}` is not finite after step {step} ({value}{on}): not checkpointed")
 }
 
 /// Every place the run will write, checked before training: a wrong or read-only path found

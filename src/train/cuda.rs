@@ -29,8 +29,10 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     // A process of a multi-process run holds its own shards only: whole files need them all
     // (a checkpoint is one rank file per process).
     if std::env::var_os("RANK").is_some() || std::env::var_os("SHARDC_EMULATE_PROCESSES").is_some() {
-        // The held-out loss is computed on the CPU from the whole state.
-        if args.input.eval_every > 0 {
+        // The held-out loss is computed on the CPU from the whole state, which a process
+        // holds only in a world of one.
+        let processes = std::env::var("WORLD_SIZE").or_else(|_| std::env::var("SHARDC_EMULATE_PROCESSES")).ok().and_then(|n| n.trim().parse::<usize>().ok()).unwrap_or(2);
+        if args.input.eval_every > 0 && processes > 1 {
             return Err(miette!(
                 help = "checkpoint with --checkpoint DIR and evaluate on one host, resuming it there with --eval-every (every rank on one GPU, or the CPU backend)",
                 "--eval-every {}: the held-out loss is computed from the whole model, and each process of a multi-process GPU run holds only its own shards",

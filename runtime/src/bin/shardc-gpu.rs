@@ -239,7 +239,11 @@ fn cpu_run(programs: &[Program], corpus: &ByteCorpus, steps: u64) -> Result<(Vec
 }
 
 /// max |a - b| / max(max |a|, 0.01): the initialisation scale floors the denominator.
+/// Infinite when the lengths differ or any value is not finite (`f64::max` would skip a NaN).
 fn relative(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() || a.iter().chain(b).any(|x| !x.is_finite()) {
+        return f64::INFINITY;
+    }
     let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
     diff / a.iter().map(|x| x.abs()).fold(0.01, f64::max)
 }
@@ -288,7 +292,7 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
             }
         }
         let ok = error.is_none() && worst.0 <= tolerance;
-        println!("{:<40} {:>10} {:>10} {:>10.2e} {:>12} {:>8}", a.name, "-", "-", worst.0, "-", if ok { "yes" } else { "NO" });
+        println!("{:<40} {:>10} {:>10} {:>10.2e} {:>12} {:>8}", a.name, "-", "-", worst.0, "-", if ok { "yes" } else if error.is_some() { "ERROR" } else { "NO" });
         all &= ok;
         results.rows.push(Row {
             case: a.name.clone(),

@@ -1190,6 +1190,19 @@ impl CudaExecutor {
     }
 }
 
+/// What a checkpoint holds of `name` on local rank `local`: a bf16 parameter's fp32 master
+/// value where the rank holds the master whole (as a checkpoint of the global state writes
+/// it), else the values the device holds (under ZeRO the master is a shard of other ranks'
+/// rows; its own entry keeps the fp32 values a resume reads).
+fn read_for_checkpoint(exec: &CudaExecutor, local: usize, name: &str) -> Result<Vec<f64>, RuntimeError> {
+    let program = exec.program();
+    let master = shardc_ir::facts::master_name(name);
+    match (program.arg(name), program.arg(&master)) {
+        (Some(p), Some(m)) if program.buffers[p.buffer].len() == program.buffers[m.buffer].len() => exec.read(local, &master),
+        _ => exec.read(local, name),
+    }
+}
+
 /// f64 values as the bytes of `dtype` (bf16 rounded to nearest even).
 pub fn encode(values: &[f64], dtype: DType) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * dtype.bytes());
@@ -1517,7 +1530,7 @@ impl CudaTrainer {
             if program.arg(&binding.name).is_none() {
                 return Err(err(format!("rank {rank}'s program (pipeline rank {program_index}) has no `{}`", binding.name)));
             }
-            runner.exec.read(0, &binding.name)
+            read_for_checkpoint(&runner.exec, 0, &binding.name)
         });
         if abort && written.is_ok() {
             std::process::abort();
@@ -1530,7 +1543,11 @@ impl CudaTrainer {
         };
         let all = self.gather_from_every_process(&[ok, crc]);
         // As when loading: a failed write is this rank's own error, whatever the gather did.
-        written.map_err(|e| err(format!("rank {rank} could not write its checkpoint file: {e}")))?;
+        written.map_err(|e| match e {
+            // Said as a run of one process says it (the CLI adds what to do).
+            e @ RuntimeError::NonFiniteState { .. } => e,
+            e => err(format!("rank {rank} could not write its checkpoint file: {e}")),
+        })?;
         let all = all?;
         if let Some(failed) = all.chunks_exact(2).position(|p| p[0] == 0) {
             return Err(err(format!("{ANOTHER_PROCESS_FAILED}rank {failed} could not write its checkpoint file; the checkpoint of step {} is not kept", self.step)));
@@ -1567,7 +1584,7 @@ impl CudaTrainer {
         }
         crate::checkpoint::save_rank_shards(dir, self.step, &self.every_program, spec, self.seed, data, abort_after_rank, |rank, tensor, _| {
             let (r, local) = at.get(rank).copied().flatten().ok_or_else(|| err(format!("no executor of this process holds rank {rank}")))?;
-            self.runners[r].exec.read(local, &tensor.name)
+            read_for_checkpoint(&self.runners[r].exec, local, &tensor.name)
         })
     }
 

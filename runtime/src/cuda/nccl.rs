@@ -57,7 +57,7 @@ impl Bootstrap {
         let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = match number("SHARDC_BOOTSTRAP_PORT", var("SHARDC_BOOTSTRAP_PORT"))? {
             Some(port) => port,
-            None => number("MASTER_PORT", var("MASTER_PORT"))?.unwrap_or(29500) + 1,
+            None => number("MASTER_PORT", var("MASTER_PORT"))?.unwrap_or(29500).saturating_add(1),
         };
         if !(1..=65535).contains(&port) {
             return Err(err(format!("the NCCL id would be served on port {port} (MASTER_PORT + 1, or SHARDC_BOOTSTRAP_PORT), which is not a TCP port: set SHARDC_BOOTSTRAP_PORT to a free port below 65536")));
