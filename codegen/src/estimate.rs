@@ -172,14 +172,13 @@ impl Fusion {
 fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster) -> Priced {
     let instr = &program.instrs[index];
     let Some(plan) = &program.device else { return price(program, instr, cluster) };
-    let types = |i: &Instr| -> (Vec<TensorTy>, Vec<TensorTy>) { (i.inputs.iter().map(|&b| buffer_type(program, b)).collect(), i.outputs.iter().map(|&b| buffer_type(program, b)).collect()) };
-    // The arithmetic of the instructions a kernel absorbed (their bytes stay on chip).
-    let absorbed = |leader: usize| -> Cost {
+    // The arithmetic of instructions one kernel computes (their values stay on chip).
+    let arithmetic = |instrs: &[usize]| -> Cost {
         let mut total = Cost::default();
-        for &m in fusion.members.get(&leader).into_iter().flatten() {
-            let member = &program.instrs[m];
+        for member in instrs.iter().filter_map(|&m| program.instrs.get(m)) {
             if let Some(def) = lookup(&member.op) {
-                let (inputs, outputs) = types(member);
+                let inputs: Vec<TensorTy> = member.inputs.iter().map(|&b| buffer_type(program, b)).collect();
+                let outputs: Vec<TensorTy> = member.outputs.iter().map(|&b| buffer_type(program, b)).collect();
                 let c = def.cost(&inputs.iter().collect::<Vec<_>>(), &outputs, &instr_attrs(member));
                 total.flops += c.flops;
                 total.special += c.special;
@@ -187,16 +186,18 @@ fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster)
         }
         total
     };
+    let members = fusion.members.get(&index).map_or(&[][..], Vec::as_slice);
     let class_of = |i: &Instr| if matches!(i.op.as_str(), "xf.adamw" | "xf.sgd") { "optimizer" } else { "memory-bound" };
     match plan.calls.get(index).map(Vec::as_slice) {
         Some([DeviceCall::Fused { into }]) => Priced::Compute(program.instrs.get(*into).map_or("memory-bound", class_of), 0.0),
         Some([DeviceCall::GemmEpilogue { epilogue, .. }]) => {
             let Some(def) = lookup(&instr.op) else { return price(program, instr, cluster) };
-            let (inputs, outputs) = types(instr);
+            let inputs: Vec<TensorTy> = instr.inputs.iter().map(|&b| buffer_type(program, b)).collect();
+            let outputs: Vec<TensorTy> = instr.outputs.iter().map(|&b| buffer_type(program, b)).collect();
             let refs: Vec<&TensorTy> = inputs.iter().collect();
             let attrs = instr_attrs(instr);
             let mut cost = def.cost(&refs, &outputs, &attrs);
-            let extra = absorbed(index);
+            let extra = arithmetic(members);
             cost.flops += extra.flops;
             cost.special += extra.special;
             // The epilogue reads the bias, and stores (GELU) or reads (its gradient) the
@@ -209,7 +210,7 @@ fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster)
         Some([DeviceCall::Launch { args, .. }]) if fusion.members.contains_key(&index) => {
             // One pass over memory: every buffer the kernel takes is read from memory, or
             // written, or both; the values between its instructions never leave the chip.
-            let mut group: Vec<usize> = fusion.members[&index].clone();
+            let mut group: Vec<usize> = members.to_vec();
             group.push(index);
             group.sort_unstable();
             let mut written: std::collections::HashSet<usize> = std::collections::HashSet::new();
@@ -219,13 +220,7 @@ fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster)
                 read.extend(member.inputs.iter().filter(|b| !written.contains(b)));
                 written.extend(member.outputs.iter().copied());
             }
-            let mut cost = absorbed(index);
-            if let Some(def) = lookup(&instr.op) {
-                let (inputs, outputs) = types(instr);
-                let own = def.cost(&inputs.iter().collect::<Vec<_>>(), &outputs, &instr_attrs(instr));
-                cost.flops += own.flops;
-                cost.special += own.special;
-            }
+            let mut cost = arithmetic(&group);
             let mut seen = std::collections::HashSet::new();
             for arg in args {
                 if let KernelArg::Buffer(b) = arg
