@@ -337,62 +337,60 @@ fn check_case(manifest: &Manifest, dir: &Path, placement: &Placement, case: &Cas
     let (programs, reference) = (step_programs(&dir.join(&case.program), true).map_err(unnamed)?, step_programs(&dir.join(&case.reference), false).map_err(unnamed)?);
     let label = format!("{} {}", case.name, layout_note(&programs));
     let named = |e: String| (label.clone(), e);
-    {
-        let corpus = corpus(manifest, dir, &programs).map_err(named)?;
-        let layers = layers(&programs);
-        let gpu = cuda::train_programs(&programs, 0, layers, &corpus, case.steps, placement).map_err(|e| named(e.to_string()))?;
-        device.clone_from(&gpu.device);
-        let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps).map_err(|e| named(format!("(CPU) {e}")))?;
-        let loss_rel = cpu_losses.iter().zip(&gpu.losses).map(|(c, g)| (c - g).abs() / c.abs().max(1e-12)).fold(0.0, f64::max);
-        let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.len() == cpu_losses.len() && gpu.losses.iter().all(|l| l.is_finite());
-        let mut why = if ok { String::new() } else { format!("loss rel {loss_rel:.2e} > {:.0e}", case.loss_tolerance) };
-        let mut grad_text = "n/a".to_string();
-        if let Some(tolerance) = case.gradient_tolerance {
-            // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
-            let gpu_one = cuda::train_programs(&programs, 0, layers, &corpus, 1, placement).map_err(|e| named(e.to_string()))?;
-            let (_, cpu_one) = cpu_run(&reference, &corpus, 1).map_err(|e| named(format!("(CPU) {e}")))?;
-            let mut worst: Option<(f64, String)> = None;
-            for (name, shape, after_gpu) in &gpu_one.parameters {
-                let Some((_, after_cpu)) = cpu_one.iter().find(|(n, _)| n == name) else { continue };
-                let initial = shardc_runtime::init::init_param(name, shape.iter().product(), 0, layers);
-                let grad = |after: &[f64]| initial.iter().zip(after).map(|(p0, p1)| (p0 - p1) / case.lr).collect::<Vec<f64>>();
-                let rel = relative(&grad(after_cpu), &grad(after_gpu));
-                if worst.as_ref().is_none_or(|(w, _)| rel > *w) {
-                    worst = Some((rel, name.clone()));
-                }
-            }
-            let Some(worst) = worst else {
-                return Err(named("no parameter of the GPU run is in the CPU run".into()));
-            };
-            grad_text = format!("{:.2e}", worst.0);
-            if worst.0 > tolerance {
-                ok = false;
-                grad_text.push_str(&format!(" ({})", worst.1));
-                why = format!("{why}{}gradient of {} rel {:.2e} > {tolerance:.0e}", if why.is_empty() { "" } else { "; " }, worst.1, worst.0);
+    let corpus = corpus(manifest, dir, &programs).map_err(named)?;
+    let layers = layers(&programs);
+    let gpu = cuda::train_programs(&programs, 0, layers, &corpus, case.steps, placement).map_err(|e| named(e.to_string()))?;
+    device.clone_from(&gpu.device);
+    let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps).map_err(|e| named(format!("(CPU) {e}")))?;
+    let loss_rel = cpu_losses.iter().zip(&gpu.losses).map(|(c, g)| (c - g).abs() / c.abs().max(1e-12)).fold(0.0, f64::max);
+    let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.len() == cpu_losses.len() && gpu.losses.iter().all(|l| l.is_finite());
+    let mut why = if ok { String::new() } else { format!("loss rel {loss_rel:.2e} > {:.0e}", case.loss_tolerance) };
+    let mut grad_text = "n/a".to_string();
+    if let Some(tolerance) = case.gradient_tolerance {
+        // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
+        let gpu_one = cuda::train_programs(&programs, 0, layers, &corpus, 1, placement).map_err(|e| named(e.to_string()))?;
+        let (_, cpu_one) = cpu_run(&reference, &corpus, 1).map_err(|e| named(format!("(CPU) {e}")))?;
+        let mut worst: Option<(f64, String)> = None;
+        for (name, shape, after_gpu) in &gpu_one.parameters {
+            let Some((_, after_cpu)) = cpu_one.iter().find(|(n, _)| n == name) else { continue };
+            let initial = shardc_runtime::init::init_param(name, shape.iter().product(), 0, layers);
+            let grad = |after: &[f64]| initial.iter().zip(after).map(|(p0, p1)| (p0 - p1) / case.lr).collect::<Vec<f64>>();
+            let rel = relative(&grad(after_cpu), &grad(after_gpu));
+            if worst.as_ref().is_none_or(|(w, _)| rel > *w) {
+                worst = Some((rel, name.clone()));
             }
         }
-        println!(
-            "{:<40} {:>10.5} {:>10.5} {:>10.2e} {:>12} {:>8}",
-            label,
-            cpu_losses.last().copied().unwrap_or(f64::NAN),
-            gpu.losses.last().copied().unwrap_or(f64::NAN),
-            loss_rel,
-            grad_text,
-            if ok { "yes" } else { "NO" }
-        );
-        let tolerances = match case.gradient_tolerance {
-            Some(g) => format!("loss {:.0e}, grad {g:.0e}", case.loss_tolerance),
-            None => format!("loss {:.0e}", case.loss_tolerance),
+        let Some(worst) = worst else {
+            return Err(named("no parameter of the GPU run is in the CPU run".into()));
         };
-        Ok(Row {
-            case: label.clone(),
-            measured: if case.gradient_tolerance.is_some() { format!("loss rel {loss_rel:.1e}, grad rel {grad_text}") } else { format!("loss rel {loss_rel:.1e}") },
-            predicted: "-".into(),
-            ratio: "-".into(),
-            result: if ok { format!("match ({tolerances})") } else { format!("MISMATCH: {why}") },
-            ok,
-        })
+        grad_text = format!("{:.2e}", worst.0);
+        if worst.0 > tolerance {
+            ok = false;
+            grad_text.push_str(&format!(" ({})", worst.1));
+            why = format!("{why}{}gradient of {} rel {:.2e} > {tolerance:.0e}", if why.is_empty() { "" } else { "; " }, worst.1, worst.0);
+        }
     }
+    println!(
+        "{:<40} {:>10.5} {:>10.5} {:>10.2e} {:>12} {:>8}",
+        label,
+        cpu_losses.last().copied().unwrap_or(f64::NAN),
+        gpu.losses.last().copied().unwrap_or(f64::NAN),
+        loss_rel,
+        grad_text,
+        if ok { "yes" } else { "NO" }
+    );
+    let tolerances = match case.gradient_tolerance {
+        Some(g) => format!("loss {:.0e}, grad {g:.0e}", case.loss_tolerance),
+        None => format!("loss {:.0e}", case.loss_tolerance),
+    };
+    Ok(Row {
+        case: label.clone(),
+        measured: if case.gradient_tolerance.is_some() { format!("loss rel {loss_rel:.1e}, grad rel {grad_text}") } else { format!("loss rel {loss_rel:.1e}") },
+        predicted: "-".into(),
+        ratio: "-".into(),
+        result: if ok { format!("match ({tolerances})") } else { format!("MISMATCH: {why}") },
+        ok,
+    })
 }
 
 fn write_results(dir: &Path, what: &str, results: &Results) -> Result<(), String> {
