@@ -289,8 +289,27 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     let mut communicator_free: BTreeMap<Vec<usize>, f64> = BTreeMap::new();
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
     let fusion = Fusion::of(program);
+    // A pipeline rank's step buckets: each is one collective of its region's bytes, priced
+    // at its first member (as if it started there, not at the chunk's last backward).
+    let step_bucket_of: BTreeMap<usize, usize> = if program.pipeline.is_some() { program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, k))).collect() } else { BTreeMap::new() };
+    let mut step_buckets_priced = std::collections::BTreeSet::new();
     for index in range {
         let instr = &program.instrs[index];
+        if let Some(&k) = step_bucket_of.get(&index) {
+            if step_buckets_priced.insert(k) {
+                let r = &program.memory.buckets[k];
+                let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
+                let t = cluster.time(Collective::AllReduce, r.bytes as f64, &grid, &axes);
+                let free = communicator_free.entry(axes.clone()).or_insert(0.0);
+                let queued = (*free - w.clock).max(0.0);
+                *free = w.clock + queued + t;
+                w.communication += t;
+                *w.breakdown.entry(format!("all_reduce {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
+                *w.exposed.entry(axis_names(&axes)).or_insert(0.0) += queued + t;
+                w.clock += queued + t;
+            }
+            continue;
+        }
         if let (Ok(bucket), true) = (instr.int("xf.bucket"), instr.bool("xf.async").unwrap_or(false)) {
             let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
             let members = instr.int("xf.bucket_members").unwrap_or(1);
@@ -740,8 +759,13 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
                 // them only without accumulation), as Megatron's gradient buffer is whole.
                 Some(plan) => {
                     let bytes = |ids: &[usize]| ids.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
-                    let sums: f64 = plan.chunks.iter().map(|c| bytes(&c.sum_backward) + bytes(&c.sum_weight)).sum();
-                    (kept_per_microbatch, sums, (program.memory.temporary_bytes as f64 - kept_per_microbatch).max(0.0))
+                    // A step bucket's gradients are summed in its region of the arena (alive the
+                    // whole step), not in storage of their own: counted as gradients, once.
+                    let in_region: std::collections::HashSet<usize> = program.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| program.instrs[m].inputs[0])).collect();
+                    let held = |ids: &[usize]| bytes(&ids.iter().copied().filter(|b| !in_region.contains(b)).collect::<Vec<_>>());
+                    let regions: f64 = program.memory.buckets.iter().map(|r| r.bytes as f64).sum();
+                    let sums: f64 = plan.chunks.iter().map(|c| held(&c.sum_backward) + held(&c.sum_weight)).sum::<f64>() + regions;
+                    (kept_per_microbatch, sums, (program.memory.temporary_bytes as f64 - kept_per_microbatch - regions).max(0.0))
                 }
                 // A step without a pipeline holds its gradients in the arena, from the
                 // backward pass to the update: the terms are what the arena holds at its peak.

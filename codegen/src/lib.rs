@@ -265,17 +265,29 @@ struct BucketGroup {
     last: usize,
 }
 
-/// The bucket groups of a program: the outputs of its asynchronous bucketed all-reduces, by
-/// (bucket, element type), in the order of their first members.
+/// The bucket groups of a program: the outputs of its asynchronous bucketed all-reduces (or
+/// of a pipeline rank's step buckets), by (bucket, element type), in the order of their
+/// first members.
 fn bucket_groups(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last: &[usize], end: usize) -> Vec<BucketGroup> {
     let mut by_key: std::collections::HashMap<(i64, DType), Vec<(usize, usize)>> = std::collections::HashMap::new();
     let mut in_bucket = vec![false; buffers.len()];
+    let mut step_bucket: std::collections::HashSet<i64> = std::collections::HashSet::new();
     for (i, instr) in instrs.iter().enumerate() {
         if let (true, Ok(true), Ok(bucket), Some(&b)) = (instr.op == "shard.all_reduce", instr.bool("xf.async"), instr.int("xf.bucket"), instr.outputs.first())
             && !is_arg[b]
             && !in_bucket[b]
         {
             in_bucket[b] = true;
+            by_key.entry((bucket, buffers[b].dtype)).or_default().push((i, b));
+        }
+        // A step bucket of a pipeline stage (`bucket-step-gradients`): the micro-batches'
+        // gradients are summed into its region and it is sent before the step section runs.
+        if let (true, Ok(bucket), Some(&b)) = (instr.op == "shard.all_reduce", instr.int("xf.step_bucket"), instr.outputs.first())
+            && !is_arg[b]
+            && !in_bucket[b]
+        {
+            in_bucket[b] = true;
+            step_bucket.insert(bucket);
             by_key.entry((bucket, buffers[b].dtype)).or_default().push((i, b));
         }
     }
@@ -293,6 +305,9 @@ fn bucket_groups(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_l
         .map(|((bucket, dtype), members)| {
             let first = members.iter().map(|&(_, b)| first_write[b]).min().unwrap_or(0);
             let last = members.iter().map(|&(i, b)| buffer_last[b].min(end).max(i)).max().unwrap_or(0);
+            // A step bucket's region is written from the first micro-batch's backward on,
+            // while any section may run: it is alive over the whole program.
+            let (first, last) = if step_bucket.contains(&bucket) { (0, end) } else { (first, last) };
             BucketGroup { bucket, dtype, members, first, last }
         })
         .collect();
@@ -379,9 +394,11 @@ fn live_bound(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last
     // A bucket's members are alive from the bucket region's first write: the region is one
     // range of memory, so any plan holds all of it from then on.
     let mut born = vec![usize::MAX; buffers.len()];
+    let mut dies = vec![0; buffers.len()];
     for g in groups {
         for &(_, b) in &g.members {
             born[b] = g.first;
+            dies[b] = g.last;
         }
     }
     for (i, instr) in instrs.iter().enumerate() {
@@ -391,7 +408,7 @@ fn live_bound(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_last
             }
             let bytes = buffers[b].len().saturating_mul(buffers[b].dtype.bytes()) as i128;
             delta[born[b].min(i)] += bytes;
-            delta[buffer_last[b].min(end).max(i) + 1] -= bytes;
+            delta[buffer_last[b].min(end).max(i).max(dies[b]) + 1] -= bytes;
         }
     }
     let (mut live, mut peak) = (0i128, 0i128);
@@ -559,6 +576,12 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
     }
     for plan in &mut plans {
         plan.early_syncs = early_syncs(program, plan);
+    }
+    // `bucket-step-gradients` buckets only what may start early.
+    for region in &program.memory.buckets {
+        if let Some(&m) = region.members.iter().find(|m| !plans.iter().any(|c| c.early_syncs.contains(m))) {
+            return Err(format!("{}: step bucket {} holds an all-reduce that cannot start before its step section", program.instrs[m].loc, region.bucket));
+        }
     }
     Ok(PipelinePlan { rank, ranks: pp, chunks: plans, kind: Kind::OneFOneB, microbatches: 1, items: Vec::new() })
 }

@@ -129,14 +129,16 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
     let pipeline = if options.mesh.cp > 1 { pipeline.then(sharding::RingAttention { policy: options.context_attention, cluster: options.cluster.clone(), overlap: options.pipeline.is_none() }) } else { pipeline };
     if let Some(stages) = &options.pipeline {
         // Gradient syncs run once per global batch on the accumulated gradients, in the
-        // stages' step sections; buckets are for syncs inside a single backward pass.
-        return pipeline.then(SplitStages {
+        // stages' step sections.
+        let pipeline = pipeline.then(SplitStages {
             ranks: options.mesh.pp as usize,
             chunks: stages.chunks,
             microbatches: stages.microbatches,
             manual: stages.manual.clone(),
             split_weight_grads: stages.split_weight_grads,
         });
+        // Those syncs travel in buckets that start once a chunk's backward work is done.
+        return if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 { pipeline.then(sharding::BucketStepGradients { bucket_bytes: options.grad_bucket_bytes }) } else { pipeline };
     }
     let pipeline = if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 { pipeline.then(sharding::BucketGradients { bucket_bytes: options.grad_bucket_bytes }) } else { pipeline };
     // Parameter gathers run ahead by up to a gradient bucket's bytes.

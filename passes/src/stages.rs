@@ -26,7 +26,8 @@
 //! step section once per global batch. The loss seed becomes `1/m`, so the summed gradients
 //! are those of the mean loss over the `m` micro-batches. Gradient collectives and gradient
 //! sums (`xf.add`) that only feed updates move into the step section too: they are linear, so
-//! a data-parallel all-reduce runs once per step on the summed gradient, not per micro-batch.
+//! a data-parallel all-reduce runs once per step on the summed gradient, not per micro-batch
+//! (and `bucket-step-gradients` then puts those all-reduces in buckets).
 //!
 //! **Boundaries.** A value made on one stage and read on another travels by an explicit
 //! `shard.send` on the sender and a `shard.recv` on the receiver, over the `pp` grid axis,

@@ -543,10 +543,9 @@ impl Program {
     /// are asynchronous all-reduces of that bucket, of the region's type, over one set of
     /// axes, and each member's output lies inside the region; regions alive at once do not overlap.
     fn check_bucket_regions(&self) -> Result<(), String> {
-        // A region's collective is issued by its last member in program order: only a
-        // program that runs straight through (no pipeline sections) has one.
-        if !self.memory.buckets.is_empty() && self.pipeline.is_some() {
-            return Err("a pipeline rank's program has gradient bucket regions; only a program without pipeline sections may".into());
+        // A pipeline rank's regions are step buckets, sent before the step section runs.
+        if let Some(pipeline) = &self.pipeline {
+            return self.check_step_bucket_regions(pipeline);
         }
         let mut claimed = std::collections::HashSet::new();
         for region in &self.memory.buckets {
@@ -604,6 +603,76 @@ impl Program {
                 if a.2 <= b.3 && b.2 <= a.3 {
                     return Err(format!("gradient bucket regions {} and {} overlap while both are alive", a.4, b.4));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pipeline rank's bucket regions (`xf.step_bucket`): each lies in the arena and holds
+    /// exactly its members' outputs; the members are synchronous sum all-reduces of that
+    /// bucket over one set of axes, all early syncs of one chunk, each the only reader of its
+    /// input (a backend sums the micro-batches' gradients into the region instead); and since
+    /// the region is written from the first micro-batch on, while any section runs, no other
+    /// temporary and no other region shares its storage.
+    fn check_step_bucket_regions(&self, pipeline: &PipelinePlan) -> Result<(), String> {
+        if self.memory.buckets.is_empty() {
+            return Ok(());
+        }
+        if self.memory.offsets.is_empty() {
+            return Err("the plan has gradient bucket regions but no arena".into());
+        }
+        let mut readers = vec![0usize; self.buffers.len()];
+        for instr in &self.instrs {
+            for &b in &instr.inputs {
+                readers[b] += 1;
+            }
+        }
+        let mut claimed = std::collections::HashSet::new();
+        let mut spans: Vec<(usize, usize, i64)> = Vec::new();
+        for region in &self.memory.buckets {
+            let name = format!("step bucket {}", region.bucket);
+            let end = region.offset.checked_add(region.bytes).filter(|&e| e <= self.memory.arena_bytes).ok_or(format!("{name}'s region lies outside the arena"))?;
+            if region.bytes % region.dtype.bytes() != 0 || region.members.is_empty() {
+                return Err(format!("{name}'s region is not whole elements of its members"));
+            }
+            let chunk = pipeline.chunks.iter().find(|c| c.early_syncs.contains(&region.members[0])).ok_or(format!("{name}: instruction {} is not an early sync of any chunk", region.members[0]))?;
+            let mut axes = None;
+            for &m in &region.members {
+                let instr = self.instrs.get(m).ok_or(format!("{name} names instruction {m}, out of range"))?;
+                if instr.op != "shard.all_reduce" || instr.bool("xf.async").unwrap_or(false) || instr.int("xf.step_bucket") != Ok(region.bucket) || !claimed.insert(m) {
+                    return Err(format!("{name} names instruction {m} ({}), not a synchronous all-reduce of the bucket once", instr.op));
+                }
+                if instr.int("xf.step_bucket_members") != Ok(region.members.len() as i64) {
+                    return Err(format!("{name}: instruction {m} says its bucket has {:?} members; the region has {}", instr.int("xf.step_bucket_members").ok(), region.members.len()));
+                }
+                if !chunk.early_syncs.contains(&m) {
+                    return Err(format!("{name}: instruction {m} ({}) is not an early sync of chunk {} (a bucket goes out at its chunk's last backward)", instr.loc, chunk.stage));
+                }
+                if axes.get_or_insert_with(|| instr.ints("grid_axes").ok()) != &instr.ints("grid_axes").ok() {
+                    return Err(format!("{name}'s members reduce over different axes"));
+                }
+                if readers[instr.inputs[0]] != 1 {
+                    return Err(format!("{name}: the input of instruction {m} ({}) has other readers; its micro-batches are summed into the region instead", self.buffers[instr.inputs[0]].name));
+                }
+                let out = *instr.outputs.first().ok_or(format!("{name}: instruction {m} has no output"))?;
+                let (at, bytes) = self.arena_range(out).ok_or(format!("{name}: the output of instruction {m} is not in the arena"))?;
+                if self.buffers[out].dtype != region.dtype || at < region.offset || at + bytes > end {
+                    return Err(format!("{name}: the output of instruction {m} lies outside the bucket's region or has another type"));
+                }
+            }
+            spans.push((region.offset, end, region.bucket));
+        }
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(format!("step bucket regions {} and {} overlap", w[0].2, w[1].2));
+        }
+        let outputs: std::collections::HashSet<BufferId> = self.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| self.instrs[m].outputs[0])).collect();
+        for b in 0..self.buffers.len() {
+            let Some((at, bytes)) = self.arena_range(b).filter(|&(_, bytes)| bytes > 0 && !outputs.contains(&b)) else { continue };
+            // The last region starting before the buffer's end.
+            let k = spans.partition_point(|s| s.0 < at + bytes);
+            if k > 0 && spans[k - 1].1 > at {
+                return Err(format!("buffer {b} ({}) shares storage with step bucket {}, which is alive the whole step", self.buffers[b].name, spans[k - 1].2));
             }
         }
         Ok(())

@@ -42,12 +42,19 @@ fn corpus(spec: &shardc_ir::spec::Spec) -> ByteCorpus {
 
 /// The pipeline programs and schedule of `name` on `mesh`.
 pub fn compile_stages(name: &str, mesh: Mesh, kind: Kind, microbatches: usize) -> (Vec<Program>, shardc_ir::spec::Spec) {
+    compile_stages_with(name, mesh, kind, microbatches, |_| {})
+}
+
+/// [`compile_stages`] with the compile options changed by `edit`.
+pub fn compile_stages_with(name: &str, mesh: Mesh, kind: Kind, microbatches: usize, edit: impl Fn(&mut CompileOptions)) -> (Vec<Program>, shardc_ir::spec::Spec) {
     let spec = spec_with_dtype(name, "f32");
     let chunks = if kind == Kind::Interleaved { 2 } else { 1 };
     let stages = PipelineOptions { chunks, microbatches, manual: None, split_weight_grads: kind == Kind::ZeroBubble };
     let mut module = model_in_order(&spec, if mesh.cp > 1 { 2 * mesh.cp } else { 1 });
     let cx = shardc_ir::mlir::IrContext::new().unwrap();
-    compile_pipeline(&options(&spec, mesh, Some(stages))).run(&cx, &mut module, |_| false, |_, _| {}).unwrap_or_else(|e| panic!("{name} {mesh}: {e:?}"));
+    let mut options = options(&spec, mesh, Some(stages));
+    edit(&mut options);
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap_or_else(|e| panic!("{name} {mesh}: {e:?}"));
     let grid = module.grids[0].shape.clone();
     let schedule = generate(kind, mesh.pp as usize, microbatches, chunks).unwrap();
     (shardc_codegen::lower_pipeline(&module, &grid, &schedule).unwrap(), spec)
@@ -220,9 +227,44 @@ fn data_parallel_syncs_start_when_a_chunk_is_done() {
             assert!(syncs > 0, "{}: rank {rank} has dp syncs", kind.label());
             let early: usize = plan.chunks.iter().map(|c| c.early_syncs.len()).sum();
             assert!(early > 0 && early <= syncs, "{}: rank {rank}: {early} of {syncs} syncs may start early", kind.label());
-            assert_eq!(run.early_syncs[rank], early, "{}: rank {rank}", kind.label());
+            // Every early sync travels in a step bucket (the tiny model's fit in one per
+            // chunk and element type): one collective per bucket.
+            let regions = &program.memory.buckets;
+            let bucketed: usize = regions.iter().map(|r| r.members.len()).sum();
+            assert_eq!(bucketed, early, "{}: rank {rank}: every early sync is in a bucket", kind.label());
+            assert_eq!(regions.len(), plan.chunks.len(), "{}: rank {rank}: one bucket per chunk", kind.label());
+            assert_eq!(run.early_syncs[rank], regions.len(), "{}: rank {rank}: one collective per bucket", kind.label());
         }
     }
+}
+
+/// Without buckets (`grad_bucket_bytes` 0) each early sync is a collective of its own, and
+/// buckets of a few bytes hold one gradient each; the trained parameters are the same.
+#[test]
+fn step_buckets_change_the_collectives_not_the_result() {
+    let mesh = Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 };
+    let run = |bytes: u64| {
+        let (programs, spec) = compile_stages_with("tiny", mesh, Kind::OneFOneB, 4, |o| o.grad_bucket_bytes = bytes);
+        let run = train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 2, Duration::from_secs(30), Algorithm::Ring).unwrap();
+        (programs, run)
+    };
+    let (whole, bucketed) = run(25 << 20);
+    let (none, unbucketed) = run(0);
+    let (single, one_each) = run(1);
+    for rank in 0..2 {
+        let early: usize = none[rank].pipeline.as_ref().unwrap().chunks.iter().map(|c| c.early_syncs.len()).sum();
+        assert!(none[rank].memory.buckets.is_empty());
+        assert_eq!(unbucketed.early_syncs[rank], early, "rank {rank}: one collective per gradient without buckets");
+        assert_eq!(single[rank].memory.buckets.len(), early, "rank {rank}: buckets of one byte hold one gradient each");
+        assert_eq!(one_each.early_syncs[rank], early);
+        assert!(bucketed.early_syncs[rank] < early, "rank {rank}: {} collectives for {early} gradients", bucketed.early_syncs[rank]);
+        // The regions are laid out: each member's output inside its region, and no other
+        // temporary shares a region's storage (validated).
+        whole[rank].validate().unwrap();
+    }
+    assert_eq!(bucketed.losses, unbucketed.losses);
+    assert_eq!(bucketed.parameters, unbucketed.parameters);
+    assert_eq!(one_each.parameters, unbucketed.parameters);
 }
 
 /// The step-time estimate over compiled programs: compute, the pipeline's sends, and the

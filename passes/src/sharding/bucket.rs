@@ -278,3 +278,109 @@ impl Pass for BucketGradients {
         Ok(Changed::Yes)
     }
 }
+
+/// The `bucket-step-gradients` pass: data-parallel gradient buckets of the step sections of
+/// pipeline stages (and of gradient accumulation).
+///
+/// Input: the stages of `split-stages`. A stage's step section all-reduces over dp the
+/// gradients its backward (or weight) section summed over the micro-batches. Output: each
+/// such all-reduce, of a sum over `dp` alone whose operand only it reads, carries
+/// `xf.step_bucket` = its bucket (numbered across the module, so unique on every pipeline
+/// rank) and `xf.step_bucket_members` = the bucket's size. Buckets fill in the order of the
+/// step section, one open bucket per element type, up to `bucket_bytes`.
+///
+/// The ops stay synchronous where they are; what the attribute promises is that a bucket's
+/// members read gradients final after the chunk's last backward work of the step. The memory
+/// plan lays each bucket's outputs back to back as one region alive the whole step, a backend
+/// sums the micro-batches' gradients into that region, and sends the bucket as one
+/// collective, on its communication stream or thread, as soon as the chunk's last backward is
+/// done (Megatron-LM's contiguous gradient buffer with `--overlap-grad-reduce`); the step
+/// section's members then only wait for it.
+#[derive(Clone, Copy, Debug)]
+pub struct BucketStepGradients {
+    /// Largest bucket, in bytes.
+    pub bucket_bytes: u64,
+}
+
+fn is_stage(func: &Func) -> bool {
+    func.name.strip_prefix("stage").is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+}
+
+fn phase_of(op: &Op) -> Option<&str> {
+    match op.attrs.get("xf.phase") {
+        Some(AttrValue::Str(p)) => Some(p.as_str()),
+        _ => None,
+    }
+}
+
+/// The step-section all-reduces of `func` that may travel in a step bucket, in op order.
+fn step_candidates(func: &Func) -> Vec<usize> {
+    let mut made_in: HashMap<Value, &str> = HashMap::new();
+    let mut readers: HashMap<Value, usize> = HashMap::new();
+    for op in &func.ops {
+        for r in &op.results {
+            made_in.insert(*r, phase_of(op).unwrap_or(""));
+        }
+        for v in &op.operands {
+            *readers.entry(*v).or_insert(0) += 1;
+        }
+    }
+    for v in &func.returns {
+        *readers.entry(*v).or_insert(0) += 1;
+    }
+    let sum = |op: &Op| !matches!(op.attrs.get("reduction"), Some(AttrValue::Reduction(r)) if *r != shardc_ir::Reduction::Sum);
+    (0..func.ops.len())
+        .filter(|&i| {
+            let op = &func.ops[i];
+            op.name == "shard.all_reduce"
+                && phase_of(op) == Some("step")
+                && dp_only(op)
+                && sum(op)
+                && op.attrs.get("xf.async").is_none()
+                && op.operands.len() == 1
+                && matches!(made_in.get(&op.operands[0]), Some(&"backward") | Some(&"weight"))
+                && readers.get(&op.operands[0]) == Some(&1)
+        })
+        .collect()
+}
+
+impl Pass for BucketStepGradients {
+    fn name(&self) -> &'static str {
+        "bucket-step-gradients"
+    }
+
+    fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
+        let mut next = 0i64;
+        let mut changed = Changed::No;
+        for func in module.funcs.iter_mut().filter(|f| is_stage(f)) {
+            // (op, bucket) in op order; one open bucket per element type.
+            let mut bucket_of: Vec<(usize, i64)> = Vec::new();
+            let mut open: HashMap<shardc_ir::DType, (i64, u64)> = HashMap::new();
+            for i in step_candidates(func) {
+                let op = &func.ops[i];
+                let Some(t) = func.tensor(op.operands[0]) else { continue };
+                let bytes = t.bytes();
+                let entry = open.entry(t.dtype).or_insert_with(|| {
+                    next += 1;
+                    (next - 1, 0)
+                });
+                if entry.1 > 0 && entry.1.saturating_add(bytes) > self.bucket_bytes {
+                    next += 1;
+                    *entry = (next - 1, 0);
+                }
+                entry.1 = entry.1.saturating_add(bytes);
+                bucket_of.push((i, entry.0));
+            }
+            let mut members: HashMap<i64, i64> = HashMap::new();
+            for (_, b) in &bucket_of {
+                *members.entry(*b).or_insert(0) += 1;
+            }
+            for (i, b) in bucket_of {
+                let op = &mut func.ops[i];
+                op.attrs = std::mem::take(&mut op.attrs).with("xf.step_bucket", AttrValue::Int(b)).with("xf.step_bucket_members", AttrValue::Int(members[&b]));
+                changed = Changed::Yes;
+            }
+        }
+        Ok(changed)
+    }
+}

@@ -19,7 +19,7 @@ use shardc_ir::ops::lookup;
 use shardc_ir::sharding::{Axis, FactorKind, Linearity, Sharding};
 use shardc_ir::{Func, Op, TensorTy};
 
-pub use bucket::BucketGradients;
+pub use bucket::{BucketGradients, BucketStepGradients};
 pub use expand_kv::ExpandKvHeads;
 pub use megatron::ShardMegatron;
 pub use norm::GroupNormSums;

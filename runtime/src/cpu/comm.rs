@@ -7,6 +7,7 @@ use super::*;
 pub(super) const COLLECTIVES: &[&str] = &["shard.all_reduce", "shard.all_gather", "shard.all_slice", "shard.reduce_scatter", "shard.all_to_all", "shard.broadcast", "shard.send", "shard.recv", "shard.shift", "tensor.empty"];
 
 /// A gradient bucket on the wire: its ticket and where its members' values go back.
+#[derive(Debug)]
 pub(super) struct InFlight {
     pub(super) ticket: u64,
     pub(super) dtype: DType,
@@ -47,31 +48,64 @@ pub(super) fn send_bucket(members: &[usize], program: &Program, slots: &mut [Sto
         return send_group(members, program, slots, comm, group);
     }
     let buffers: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
-    pub(super) fn join<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &[Storage]) -> Result<Vec<T>, String> {
-        let mut joined: Vec<T> = crate::collectives::pool::buffer(buffers.iter().map(|b| b.len()).sum());
-        let mut at = 0;
-        for b in buffers {
-            joined[at..at + b.len()].copy_from_slice(&T::slice(&slots[b.slot]).ok_or("bucket member of another type")?[..b.len()]);
-            at += b.len();
-        }
-        Ok(joined)
-    }
     let dtype = buffers[0].dtype;
     let ticket = match dtype {
         DType::F64 => {
-            let mut data = join::<f64>(&buffers, slots)?;
+            let mut data = join_buffers::<f64>(&buffers, slots)?;
             comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
         }
         DType::Bf16 => {
-            let mut data = join::<half::bf16>(&buffers, slots)?;
+            let mut data = join_buffers::<half::bf16>(&buffers, slots)?;
             comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
         }
         _ => {
-            let mut data = join::<f32>(&buffers, slots)?;
+            let mut data = join_buffers::<f32>(&buffers, slots)?;
             comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
         }
     };
     Ok(InFlight { ticket, dtype, members: buffers.iter().map(|b| (b.slot, b.len())).collect() })
+}
+
+/// A step bucket started early (see [`CpuExecutor::start_early`]): one all-reduce over the
+/// members' inputs (the gradients summed over the micro-batches), concatenated, landing in
+/// their outputs.
+pub(super) fn send_bucket_of_inputs(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<InFlight, String> {
+    let first = &program.instrs[members[0]];
+    let axes: Vec<usize> = first.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
+    let group = mesh.group(rank, &axes);
+    let inputs: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].inputs[0]]).collect();
+    let outputs: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
+    if inputs.iter().zip(&outputs).any(|(i, o)| i.dtype != o.dtype || i.len() != o.len()) || inputs.iter().any(|b| b.dtype != inputs[0].dtype) {
+        return Err(format!("step bucket at {}: its members' inputs and outputs differ in type or size", first.loc));
+    }
+    let dtype = inputs[0].dtype;
+    let ticket = match dtype {
+        DType::F64 => {
+            let mut data = join_buffers::<f64>(&inputs, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
+        DType::Bf16 => {
+            let mut data = join_buffers::<half::bf16>(&inputs, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
+        DType::F32 => {
+            let mut data = join_buffers::<f32>(&inputs, slots)?;
+            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
+        }
+        other => return Err(format!("step bucket at {}: {other:?} values are not summed", first.loc)),
+    };
+    Ok(InFlight { ticket, dtype, members: outputs.iter().map(|b| (b.slot, b.len())).collect() })
+}
+
+/// `buffers`' values, concatenated.
+fn join_buffers<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &[Storage]) -> Result<Vec<T>, String> {
+    let mut joined: Vec<T> = crate::collectives::pool::buffer(buffers.iter().map(|b| b.len()).sum());
+    let mut at = 0;
+    for b in buffers {
+        joined[at..at + b.len()].copy_from_slice(&T::slice(&slots[b.slot]).ok_or("bucket member of another type")?[..b.len()]);
+        at += b.len();
+    }
+    Ok(joined)
 }
 
 /// A reduce-scatter or all-gather bucket (see [`send_bucket`]): every member's input is

@@ -59,6 +59,10 @@ pub struct CpuExecutor {
     /// All-reduces started ahead of their instruction ([`CpuExecutor::start_early`]): the
     /// instruction then only takes the result.
     early: std::collections::HashMap<usize, (u64, DType)>,
+    /// Step buckets started ahead of their members: member -> bucket, and the buckets on
+    /// the wire. The first member run lands the bucket; the others find it landed.
+    early_buckets: std::collections::HashMap<usize, i64>,
+    early_flights: std::collections::HashMap<i64, comm::InFlight>,
     /// An injected fault (`SHARDC_FAULT`), for testing how a run ends when a rank fails.
     fault: Option<Fault>,
     /// The world's abort flag (set when any rank fails).
@@ -137,6 +141,8 @@ impl CpuExecutor {
             transfer_context: (0, 0),
             waited: std::time::Duration::ZERO,
             early: Default::default(),
+            early_buckets: Default::default(),
+            early_flights: Default::default(),
             fault: None,
             abort: None,
             numerics: CHECK_NUMERICS.load(std::sync::atomic::Ordering::SeqCst),
@@ -352,12 +358,29 @@ impl CpuExecutor {
     /// instructions, when run, wait for them instead. Returns how many started. This is how a
     /// pipeline rank overlaps its data-parallel gradient sync with the backward work it still
     /// has to do.
+    ///
+    /// A step bucket (a region of the memory plan) whose members are all among `indices`
+    /// goes out as one all-reduce over its members' inputs, concatenated, and counts once.
     pub fn start_early(&mut self, indices: &[usize], ready: &[BufferId]) -> Result<usize, RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm, early, .. } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm, early, early_buckets, early_flights, .. } = self;
         let Some(comm) = comm.as_mut() else { return Ok(0) };
         let rank = comm.rank();
         let mut started = 0;
-        for &index in indices {
+        let mut bucketed = std::collections::HashSet::new();
+        if program.pipeline.is_some() {
+            for region in &program.memory.buckets {
+                let members = &region.members;
+                if !members.iter().all(|m| indices.contains(m) && program.instrs.get(*m).is_some_and(|i| ready.contains(&i.inputs[0]))) || early_flights.contains_key(&region.bucket) {
+                    continue;
+                }
+                let flight = comm::send_bucket_of_inputs(members, program, slots, comm, mesh, rank, *algorithm).map_err(RuntimeError::Program)?;
+                early_flights.insert(region.bucket, flight);
+                early_buckets.extend(members.iter().map(|&m| (m, region.bucket)));
+                bucketed.extend(members.iter().copied());
+                started += 1;
+            }
+        }
+        for &index in indices.iter().filter(|i| !bucketed.contains(*i)) {
             let instr = program.instrs.get(index).ok_or_else(|| RuntimeError::Program(format!("early sync {index} is out of range")))?;
             let sum = !matches!(instr.attrs.get("reduction"), Some(crate::program::Attr::Str(k)) if k != "sum");
             if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || !ready.contains(&instr.inputs[0]) || early.contains_key(&index) {
@@ -395,7 +418,7 @@ impl CpuExecutor {
 
     /// Runs the instructions of `range` (one section of a pipeline stage) once.
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
-        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, fault, abort, numerics, profile } = self;
+        let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, early_buckets, early_flights, fault, abort, numerics, profile } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
@@ -427,6 +450,14 @@ impl CpuExecutor {
                         return Err(fail("hung (injected) and was stopped once the other ranks gave up on it".into()));
                     }
                 }
+            }
+            // A member of a step bucket started early: the first lands the whole bucket.
+            if let Some(bucket) = early_buckets.remove(&index) {
+                if let Some(flight) = early_flights.remove(&bucket) {
+                    let comm = comm.as_mut().ok_or_else(|| RuntimeError::Program("an early bucket without a communicator".into()))?;
+                    flight.land(comm, slots).map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+                }
+                continue;
             }
             // Started early: take the result.
             if let Some((ticket, dtype)) = early.remove(&index) {

@@ -168,6 +168,11 @@ pub struct CudaExecutor {
     /// Gradient buckets with a region of the arena: instruction -> (region, whether it is the
     /// region's last member, which sends the whole region with one collective).
     bucket_regions: HashMap<usize, (usize, bool)>,
+    /// A pipeline rank's step buckets (its regions): the input of each member -> the member,
+    /// whose output the micro-batches' gradients are summed into; and the regions sent this
+    /// step, with the events their first member makes the compute stream wait for.
+    step_bucket_inputs: HashMap<BufferId, usize>,
+    step_buckets_sent: HashMap<usize, Vec<cudarc::driver::CudaEvent>>,
     /// Collectives issued (one per instruction or bucket region, whatever the local ranks).
     collectives_issued: usize,
     /// A process's copies of the buffers it sent to other processes' pipeline ranks:
@@ -355,7 +360,8 @@ impl CudaExecutor {
         };
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
+        let step_bucket_inputs = if program.pipeline.is_some() { program.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| (program.instrs[m].inputs[0], m))).collect() } else { HashMap::new() };
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, step_buckets_sent: HashMap::new(), collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
     }
 
     /// The program.
@@ -520,6 +526,100 @@ impl CudaExecutor {
     /// Frees a hold for reuse by a later [`CudaExecutor::hold`].
     pub fn release(&mut self, id: HoldId) {
         self.holds[id.0].in_use = false;
+    }
+
+    /// Sums those of `buffers` that a step bucket reduces into their member's place in the
+    /// bucket's region (`first`: the step's first micro-batch, copied), on every local rank,
+    /// as Megatron-LM accumulates into its contiguous gradient buffer; returns the others,
+    /// for a hold.
+    pub fn sum_into_step_buckets(&self, buffers: &[BufferId], first: bool) -> Result<Vec<BufferId>, RuntimeError> {
+        let mut rest = Vec::with_capacity(buffers.len());
+        for &b in buffers {
+            let Some(&member) = self.step_bucket_inputs.get(&b) else {
+                rest.push(b);
+                continue;
+            };
+            let out = self.program.instrs[member].outputs[0];
+            let buffer = &self.program.buffers[b];
+            for local in 0..self.ranks.len() {
+                let (dst, src) = (self.buffer_ptr(local, out), self.buffer_ptr(local, b));
+                if first {
+                    self.copy_raw(dst, src, buffer.len() * buffer.dtype.bytes())?;
+                } else if buffer.dtype != DType::F32 && buffer.dtype != self.plan.dtype {
+                    return Err(err(format!("cannot sum {:?} buffer `{}` on the GPU", buffer.dtype, buffer.name)));
+                } else {
+                    self.accumulate(dst, src, buffer.len(), false, buffer.dtype)?;
+                }
+            }
+        }
+        Ok(rest)
+    }
+
+    /// Sends the step buckets of `chunk` (its last backward work of the step done, so its
+    /// regions hold the summed gradients): one collective per region, on the communication
+    /// stream under NCCL, in place among this device's ranks otherwise; the step section's
+    /// first member of each waits for it. Returns how many went out.
+    pub fn start_step_buckets(&mut self, chunk: &crate::program::ChunkPlan) -> Result<usize, RuntimeError> {
+        let regions: Vec<usize> = (0..self.program.memory.buckets.len()).filter(|&k| self.program.memory.buckets[k].members.iter().all(|m| chunk.early_syncs.contains(m))).collect();
+        for &k in &regions {
+            if self.step_buckets_sent.contains_key(&k) {
+                return Err(err(format!("step bucket {} was sent twice in one step", self.program.memory.buckets[k].bucket)));
+            }
+            let events = self.reduce_region(k)?;
+            self.step_buckets_sent.insert(k, events);
+        }
+        Ok(regions.len())
+    }
+
+    /// Sums region `k` of the memory plan over its members' group, in place: on the
+    /// communication stream under NCCL (the events to join), else among this device's ranks
+    /// at once.
+    fn reduce_region(&mut self, k: usize) -> Result<Vec<cudarc::driver::CudaEvent>, RuntimeError> {
+        let r = self.program.memory.buckets[k].clone();
+        let instr = &self.program.instrs[r.members[0]];
+        let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+        self.collectives_issued += 1;
+        if let Some(comms) = &self.nccl {
+            let at = self.ranks[0].arena.0 + r.offset as u64;
+            // On the communicator's stream, joined at the bucket's wait (the emulated device,
+            // without streams, runs it at once).
+            let stream = self.device.stream().cloned();
+            return Ok(comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, stream.as_deref())?.into_iter().collect());
+        }
+        // Sum in rank order into the staging buffer, then hand out: every rank gets the same
+        // bits, as from an instruction's own all-reduce.
+        let staging = self.staging(r.bytes)?;
+        for group in self.local_groups(&axes, "shard.all_reduce")? {
+            let at = |local: usize| self.ranks[local].arena.0 + r.offset as u64;
+            self.copy_raw(staging, at(group[0]), r.bytes)?;
+            for &l in &group[1..] {
+                self.accumulate(staging, at(l), r.len(), false, r.dtype)?;
+            }
+            for &l in &group {
+                self.copy_raw(at(l), staging, r.bytes)?;
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    /// A member of a step bucket in the step section: its value is already in its region,
+    /// sent at its chunk's last backward; the first member reached makes the compute stream
+    /// wait for the bucket.
+    fn step_bucket_member(&mut self, index: usize, region: usize) -> Result<(), RuntimeError> {
+        let r = &self.program.memory.buckets[region];
+        let Some(events) = self.step_buckets_sent.get_mut(&region) else {
+            return Err(err(format!("step bucket {} was not sent at its chunk's last backward", r.bucket)));
+        };
+        if !events.is_empty() {
+            let stream = self.device.stream().cloned().ok_or_else(|| err("no GPU stream"))?;
+            for event in std::mem::take(events) {
+                stream.wait(&event).map_err(|e| err(format!("{e:?}")))?;
+            }
+        }
+        if r.members.last() == Some(&index) {
+            self.step_buckets_sent.remove(&region);
+        }
+        Ok(())
     }
 
     /// Runs instructions `range` once on every local rank, in lockstep (without waiting for
@@ -846,37 +946,16 @@ impl CudaExecutor {
         let instr = &self.program.instrs[index];
         let (input, output) = (instr.inputs[0], instr.outputs[0]);
         let bytes = self.program.buffers[input].len() * self.program.buffers[input].dtype.bytes();
-        let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
         for local in 0..self.ranks.len() {
             self.copy_raw(self.buffer_ptr(local, output), self.buffer_ptr(local, input), bytes)?;
         }
         if !last {
             return Ok(());
         }
-        self.collectives_issued += 1;
-        let r = self.program.memory.buckets[region].clone();
-        if let Some(comms) = &self.nccl {
-            let at = self.ranks[0].arena.0 + r.offset as u64;
-            // On the communicator's stream, joined at the bucket's wait (the emulated device,
-            // without streams, runs it at once).
-            let stream = self.device.stream().cloned();
-            if let Some(done) = comms.all_reduce_in_place(&axes, at, r.len(), r.dtype, self.ranks[0].rank, stream.as_deref())? {
-                self.buckets.entry(r.bucket).or_default().push(done);
-            }
-            return Ok(());
-        }
-        // Sum in rank order into the staging buffer, then hand out: every rank gets the same
-        // bits, as from an instruction's own all-reduce.
-        let staging = self.staging(r.bytes)?;
-        for group in self.local_groups(&axes, "shard.all_reduce")? {
-            let at = |local: usize| self.ranks[local].arena.0 + r.offset as u64;
-            self.copy_raw(staging, at(group[0]), r.bytes)?;
-            for &l in &group[1..] {
-                self.accumulate(staging, at(l), r.len(), false, r.dtype)?;
-            }
-            for &l in &group {
-                self.copy_raw(at(l), staging, r.bytes)?;
-            }
+        let events = self.reduce_region(region)?;
+        let bucket = self.program.memory.buckets[region].bucket;
+        if !events.is_empty() {
+            self.buckets.entry(bucket).or_default().extend(events);
         }
         Ok(())
     }
@@ -892,6 +971,9 @@ impl CudaExecutor {
             return Ok(());
         }
         if let Some(&(region, last)) = self.bucket_regions.get(&index) {
+            if self.program.pipeline.is_some() {
+                return self.step_bucket_member(index, region);
+            }
             return self.bucket_member(index, region, last);
         }
         self.collectives_issued += 1;
@@ -1721,6 +1803,11 @@ impl CudaTrainer {
                     }
                     if let Some(item) = item {
                         loss_sum += self.finish_item(s, &mut walks[s], item, splits_w)?;
+                        // The chunk's last backward work of the step: its gradients are final
+                        // and its step buckets go out while the rank works on.
+                        if items.iter().rposition(|i| i.chunk == item.chunk && i.work != crate::schedule::Work::F) == Some(walks[s].position) {
+                            self.runners[s].exec.start_step_buckets(&plan.chunks[item.chunk])?;
+                        }
                         walks[s].position += 1;
                     }
                     progressed = true;
@@ -1789,8 +1876,10 @@ impl CudaTrainer {
         let plan = program.pipeline.as_ref().ok_or_else(|| err("not a pipeline program"))?;
         let chunk = &plan.chunks[c];
         let runner = &mut self.runners[s];
-        // Sums a chunk's gradient buffers into its hold (the step's first micro-batch copies).
+        // Sums a chunk's gradient buffers into its step buckets' regions and the rest into its
+        // hold (the step's first micro-batch copies).
         let sum_into = |exec: &mut CudaExecutor, buffers: &[BufferId], hold: &mut Option<HoldId>, started: &mut bool| -> Result<(), RuntimeError> {
+            let buffers = &exec.sum_into_step_buckets(buffers, !*started)?;
             match *hold {
                 Some(id) => exec.fill(id, std::mem::replace(started, true)),
                 None => {
