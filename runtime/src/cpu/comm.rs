@@ -49,20 +49,7 @@ pub(super) fn send_bucket(members: &[usize], program: &Program, slots: &mut [Sto
     }
     let buffers: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
     let dtype = buffers[0].dtype;
-    let ticket = match dtype {
-        DType::F64 => {
-            let mut data = join_buffers::<f64>(&buffers, slots)?;
-            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
-        }
-        DType::Bf16 => {
-            let mut data = join_buffers::<half::bf16>(&buffers, slots)?;
-            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
-        }
-        _ => {
-            let mut data = join_buffers::<f32>(&buffers, slots)?;
-            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
-        }
-    };
+    let ticket = submit_joined_all_reduce(&buffers, slots, comm, group, algorithm)?;
     Ok(InFlight { ticket, dtype, members: buffers.iter().map(|b| (b.slot, b.len())).collect() })
 }
 
@@ -79,22 +66,23 @@ pub(super) fn send_bucket_of_inputs(members: &[usize], program: &Program, slots:
         return Err(format!("step bucket at {}: its members' inputs and outputs differ in type or size", first.loc));
     }
     let dtype = inputs[0].dtype;
-    let ticket = match dtype {
-        DType::F64 => {
-            let mut data = join_buffers::<f64>(&inputs, slots)?;
-            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
-        }
-        DType::Bf16 => {
-            let mut data = join_buffers::<half::bf16>(&inputs, slots)?;
-            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
-        }
-        DType::F32 => {
-            let mut data = join_buffers::<f32>(&inputs, slots)?;
-            comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data))
-        }
-        other => return Err(format!("step bucket at {}: {other:?} values are not summed", first.loc)),
-    };
+    let ticket = submit_joined_all_reduce(&inputs, slots, comm, group, algorithm)?;
     Ok(InFlight { ticket, dtype, members: outputs.iter().map(|b| (b.slot, b.len())).collect() })
+}
+
+/// Submits one sum all-reduce over `buffers`' values, concatenated (all of one float type),
+/// to the communication thread; returns its ticket.
+fn submit_joined_all_reduce(buffers: &[&Buffer], slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>, algorithm: Algorithm) -> Result<u64, String> {
+    fn submit<T: Element + crate::collectives::Elem>(buffers: &[&Buffer], slots: &[Storage], comm: &mut AsyncComm, group: Vec<usize>, algorithm: Algorithm) -> Result<u64, String> {
+        let mut data = join_buffers::<T>(buffers, slots)?;
+        Ok(comm.submit(move |c: &mut Communicator| c.all_reduce(&group, &mut data, ReduceOp::Sum, algorithm).map(|()| data)))
+    }
+    match buffers[0].dtype {
+        DType::F64 => submit::<f64>(buffers, slots, comm, group, algorithm),
+        DType::Bf16 => submit::<half::bf16>(buffers, slots, comm, group, algorithm),
+        DType::F32 => submit::<f32>(buffers, slots, comm, group, algorithm),
+        other => Err(format!("a bucket of {other:?} values: only floats are summed")),
+    }
 }
 
 /// `buffers`' values, concatenated.

@@ -367,10 +367,11 @@ impl CpuExecutor {
         let rank = comm.rank();
         let mut started = 0;
         let mut bucketed = std::collections::HashSet::new();
-        if program.pipeline.is_some() {
+        if program.pipeline.is_some() && !program.memory.buckets.is_empty() {
+            let (wanted, ready): (std::collections::HashSet<usize>, std::collections::HashSet<BufferId>) = (indices.iter().copied().collect(), ready.iter().copied().collect());
             for region in &program.memory.buckets {
                 let members = &region.members;
-                if !members.iter().all(|m| indices.contains(m) && program.instrs.get(*m).is_some_and(|i| ready.contains(&i.inputs[0]))) || early_flights.contains_key(&region.bucket) {
+                if !members.iter().all(|m| wanted.contains(m) && program.instrs.get(*m).is_some_and(|i| ready.contains(&i.inputs[0]))) || early_flights.contains_key(&region.bucket) {
                     continue;
                 }
                 let flight = comm::send_bucket_of_inputs(members, program, slots, comm, mesh, rank, *algorithm).map_err(RuntimeError::Program)?;
