@@ -31,7 +31,9 @@
 #            `shardc calibrate --measured` fits the cluster model on;
 #         4. prints one table of every case: measured, predicted, their ratio, and the
 #            verdict, MFU or TFLOP/s (`shardc-gpu table`).
-#       Exits non-zero on any mismatch. Budget: under 8 minutes on one H200, by the sizing
+#       Each of 1-3 runs under a time limit (GPU_CHECK_LIMITS, default "200 140 100" s) and
+#       writes its rows as it goes, so a hang costs one phase and the table shows what did
+#       not finish. Exits non-zero on any mismatch. Budget: under 8 minutes on one H200, by the sizing
 #       notes at each workload below: numerics 1-2 minutes (mostly the CPU oracle of
 #       gpt2-small), speed about a minute, calibration 1-2 minutes (an NVRTC compile per
 #       kernel program); the run prints its wall time.
@@ -225,13 +227,26 @@ run() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   ./shardc-gpu available
   local status=0
-  rm -f results-check.json results-bench.json
+  rm -f results-check.json results-bench.json bench-measured.json calibration/measured.json
+  # Each phase has a time limit (seconds; GPU_CHECK_LIMITS="check bench calibrate"), so a
+  # kernel that hangs costs its phase, not the lease: the rows written so far stay and
+  # `table` marks what did not finish.
+  local limits
+  read -r -a limits <<< "${GPU_CHECK_LIMITS:-200 140 100}"
+  phase() { # limit, then the shardc-gpu command
+    local limit="$1"; shift
+    local began=$SECONDS rc=0
+    timeout --kill-after=5 "$limit" ./shardc-gpu "$@" || rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "gpu-check: shardc-gpu $1 stopped at its limit of $limit s"; fi
+    echo "gpu-check: shardc-gpu $1 took $((SECONDS - began)) s"
+    return "$rc"
+  }
   echo "== numerics: GPU against the CPU backend =="
-  ./shardc-gpu check manifest.json || status=1
+  phase "${limits[0]}" check manifest.json || status=1
   echo "== speed =="
-  ./shardc-gpu bench manifest.json || status=1
+  phase "${limits[1]}" bench manifest.json || status=1
   echo "== calibration: the step's kernels, one at a time (fit with gpu-check.sh report) =="
-  ./shardc-gpu calibrate calibration || status=1
+  phase "${limits[2]}" calibrate calibration || status=1
   echo "== gpu-check: every case =="
   ./shardc-gpu table manifest.json || status=1
   echo "gpu-check: run took ${SECONDS} s (budget 480 s)"

@@ -120,6 +120,13 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     let measured: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("bench-measured.json")).unwrap()).unwrap();
     assert!(measured["plans/one.json"].as_f64().unwrap() > 0.0 && measured["plans/attention-s40-bwd.json"].as_f64().unwrap() > 0.0, "{measured}");
     assert_eq!(cli(&["table", &good]), Ok(true));
+    // Rows are written as each case finishes: a check stopped by its time limit leaves them
+    // without `complete`, and the table says it did not finish.
+    let mut partial: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("results-check.json")).unwrap()).unwrap();
+    assert_eq!(partial["complete"], true);
+    partial["complete"] = false.into();
+    std::fs::write(dir.join("results-check.json"), partial.to_string()).unwrap();
+    assert_eq!(cli(&["table", &good]), Ok(false));
 
     // A reference that trains differently (twice the learning rate) is a mismatch, in the
     // table too; a pipeline plan without device plans is refused by name.

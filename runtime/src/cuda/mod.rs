@@ -70,16 +70,28 @@ pub fn compile_ptx_for(source: &str, capability: Option<(i32, i32)>) -> Result<S
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(err("NVRTC (libnvrtc.so.13) was not found: put pip's nvidia-cuda-nvrtc (nvidia/cu13/lib) on LD_LIBRARY_PATH"));
     }
+    // A process compiles the same module many times (a check's gradient run after its
+    // steps, attention's forward and backward, calibration's kernels): NVRTC takes seconds
+    // on a large bf16 module, so each (source, architecture) is compiled once.
+    type Compiled = HashMap<(String, Option<(i32, i32)>), String>;
+    static COMPILED: std::sync::OnceLock<std::sync::Mutex<Compiled>> = std::sync::OnceLock::new();
+    let cache = COMPILED.get_or_init(Default::default);
+    let key = (source.to_string(), capability);
+    if let Some(ptx) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(ptx.clone());
+    }
     let options = cudarc::nvrtc::CompileOptions {
         name: Some("shardc.cu".into()),
         options: capability.map(|(major, minor)| format!("--gpu-architecture=compute_{major}{minor}")).into_iter().collect(),
         ..Default::default()
     };
-    match cudarc::nvrtc::compile_ptx_with_opts(source, options) {
-        Ok(ptx) => Ok(ptx.to_src()),
-        Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => Err(err(format!("NVRTC rejected the module:\n{}", log.to_string_lossy()))),
-        Err(e) => Err(err(format!("NVRTC failed: {e:?}"))),
-    }
+    let ptx = match cudarc::nvrtc::compile_ptx_with_opts(source, options) {
+        Ok(ptx) => ptx.to_src(),
+        Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => return Err(err(format!("NVRTC rejected the module:\n{}", log.to_string_lossy()))),
+        Err(e) => return Err(err(format!("NVRTC failed: {e:?}"))),
+    };
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, ptx.clone());
+    Ok(ptx)
 }
 
 /// One rank's memory on the device: (pointer, bytes) of each slot and of its scratch.
