@@ -31,7 +31,9 @@
 #            `shardc calibrate --measured` fits the cluster model on;
 #         4. prints one table of every case: measured, predicted, their ratio, and the
 #            verdict, MFU or TFLOP/s (`shardc-gpu table`).
-#       Each of 1-3 runs under a time limit (GPU_CHECK_LIMITS, default "200 140 100" s) and
+#         2b. profiles each timed step (`shardc-gpu profile`): every instruction timed on the
+#            device with events, summed by op and by op and shapes (profile-N.json);
+#       Each of 1-3 runs under a time limit (GPU_CHECK_LIMITS, default "200 140 50 90" s) and
 #       writes its rows as it goes, so a hang costs one phase and the table shows what did
 #       not finish. Exits non-zero on any mismatch. Budget: under 8 minutes on one H200, by the sizing
 #       notes at each workload below: numerics 1-2 minutes (mostly the CPU oracle of
@@ -227,12 +229,12 @@ run() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   ./shardc-gpu available
   local status=0
-  rm -f results-check.json results-bench.json bench-measured.json calibration/measured.json
-  # Each phase has a time limit (seconds; GPU_CHECK_LIMITS="check bench calibrate"), so a
+  rm -f results-check.json results-bench.json bench-measured.json profile-*.json calibration/measured.json
+  # Each phase has a time limit (seconds; GPU_CHECK_LIMITS="check bench profile calibrate"), so a
   # kernel that hangs costs its phase, not the lease: the rows written so far stay and
   # `table` marks what did not finish.
   local limits
-  read -r -a limits <<< "${GPU_CHECK_LIMITS:-200 140 100}"
+  read -r -a limits <<< "${GPU_CHECK_LIMITS:-200 140 50 90}"
   phase() { # limit, then the shardc-gpu command
     local limit="$1"; shift
     local began=$SECONDS rc=0
@@ -245,8 +247,10 @@ run() {
   phase "${limits[0]}" check manifest.json || status=1
   echo "== speed =="
   phase "${limits[1]}" bench manifest.json || status=1
+  echo "== profile: each timed step's instructions on the device =="
+  phase "${limits[2]}" profile manifest.json || status=1
   echo "== calibration: the step's kernels, one at a time (fit with gpu-check.sh report) =="
-  phase "${limits[2]}" calibrate calibration || status=1
+  phase "${limits[3]}" calibrate calibration || status=1
   echo "== gpu-check: every case =="
   ./shardc-gpu table manifest.json || status=1
   echo "gpu-check: run took ${SECONDS} s (budget 480 s)"

@@ -149,11 +149,12 @@ pub fn cli(args: &[String], placement: &Placement) -> Result<bool, String> {
         [command, manifest] if command == "bench" => load(manifest).and_then(|(m, dir)| bench(&m, &dir, placement)),
         [command, manifest] if command == "table" => table(Path::new(manifest).parent().unwrap_or(Path::new(""))),
         [command, dir] if command == "calibrate" => calibrate(Path::new(dir), placement),
+        [command, manifest] if command == "profile" => load(manifest).and_then(|(m, dir)| profile(&m, &dir, placement)),
         [command] if command == "available" => match placement {
             Placement::Emulated => Ok(true),
             _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
         },
-        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | table MANIFEST | calibrate DIR | available".into()),
+        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | profile MANIFEST | table MANIFEST | calibrate DIR | available".into()),
     }
 }
 
@@ -267,7 +268,7 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
     let mut all = true;
     let mut results = Results::default();
     results.notes.push(format!("numerics: {} steps per case from seed 0, GPU against the CPU backend (the bf16 cases against the f32 plan)", manifest.cases.iter().map(|c| c.steps).max().unwrap_or(0)));
-    println!("{:<40} {:>10} {:>10} {:>10} {:>12} {:>8}", "case (CPU vs GPU)", "loss CPU", "loss GPU", "loss rel", "grad rel", "match");
+    println!("{:<40} {:>10} {:>10} {:>10} {:>12} {:>8} {:>6}", "case (CPU vs GPU)", "loss CPU", "loss GPU", "loss rel", "grad rel", "match", "s");
     for case in &manifest.cases {
         // A case that cannot run is a failed row: the cases after it still run.
         let row = check_case(manifest, dir, placement, case, &mut results.device).unwrap_or_else(|(label, e)| {
@@ -280,6 +281,7 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
         write_results(dir, "check", &results)?;
     }
     for a in &manifest.attention_checks {
+        let began = std::time::Instant::now();
         let tolerance = a.tolerance.unwrap_or(2e-2);
         let mut worst: (f64, String) = (0.0, String::new());
         let mut error = None;
@@ -299,7 +301,7 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
             }
         }
         let ok = error.is_none() && worst.0 <= tolerance;
-        println!("{:<40} {:>10} {:>10} {:>10.2e} {:>12} {:>8}", a.name, "-", "-", worst.0, "-", if ok { "yes" } else if error.is_some() { "ERROR" } else { "NO" });
+        println!("{:<40} {:>10} {:>10} {:>10.2e} {:>12} {:>8} {:>6.1}", a.name, "-", "-", worst.0, "-", if ok { "yes" } else if error.is_some() { "ERROR" } else { "NO" }, began.elapsed().as_secs_f64());
         all &= ok;
         results.rows.push(Row {
             case: a.name.clone(),
@@ -347,17 +349,31 @@ fn check_case(manifest: &Manifest, dir: &Path, placement: &Placement, case: &Cas
     let named = |e: String| (label.clone(), e);
     let corpus = corpus(manifest, dir, &programs).map_err(named)?;
     let layers = layers(&programs);
-    let gpu = cuda::train_programs(&programs, 0, layers, &corpus, case.steps, placement).map_err(|e| named(e.to_string()))?;
+    let began = std::time::Instant::now();
+    // The CPU oracle (its steps, then one step for the gradients) runs on its own thread
+    // while the GPU trains: neither waits for the other.
+    let (gpu, gpu_one, cpu, cpu_one) = std::thread::scope(|s| {
+        let oracle = s.spawn(|| {
+            let steps = cpu_run(&reference, &corpus, case.steps);
+            let one = if case.gradient_tolerance.is_some() { Some(cpu_run(&reference, &corpus, 1)) } else { None };
+            (steps, one)
+        });
+        let gpu = cuda::train_programs(&programs, 0, layers, &corpus, case.steps, placement);
+        // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
+        let gpu_one = if case.gradient_tolerance.is_some() && gpu.is_ok() { Some(cuda::train_programs(&programs, 0, layers, &corpus, 1, placement)) } else { None };
+        let (cpu, cpu_one) = oracle.join().unwrap_or_else(|_| (Err("the CPU oracle panicked".into()), None));
+        (gpu, gpu_one, cpu, cpu_one)
+    });
+    let gpu = gpu.map_err(|e| named(e.to_string()))?;
     device.clone_from(&gpu.device);
-    let (cpu_losses, _) = cpu_run(&reference, &corpus, case.steps).map_err(|e| named(format!("(CPU) {e}")))?;
+    let (cpu_losses, _) = cpu.map_err(|e| named(format!("(CPU) {e}")))?;
     let loss_rel = cpu_losses.iter().zip(&gpu.losses).map(|(c, g)| (c - g).abs() / c.abs().max(1e-12)).fold(0.0, f64::max);
     let mut ok = loss_rel <= case.loss_tolerance && gpu.losses.len() == cpu_losses.len() && gpu.losses.iter().all(|l| l.is_finite());
     let mut why = if ok { String::new() } else { format!("loss rel {loss_rel:.2e} > {:.0e}", case.loss_tolerance) };
     let mut grad_text = "n/a".to_string();
     if let Some(tolerance) = case.gradient_tolerance {
-        // First-step gradients from one SGD step on each backend: (p0 - p1) / lr.
-        let gpu_one = cuda::train_programs(&programs, 0, layers, &corpus, 1, placement).map_err(|e| named(e.to_string()))?;
-        let (_, cpu_one) = cpu_run(&reference, &corpus, 1).map_err(|e| named(format!("(CPU) {e}")))?;
+        let gpu_one = gpu_one.ok_or_else(|| named("no one-step GPU run".into()))?.map_err(|e| named(e.to_string()))?;
+        let (_, cpu_one) = cpu_one.ok_or_else(|| named("no one-step CPU run".into()))?.map_err(|e| named(format!("(CPU) {e}")))?;
         let mut worst: Option<(f64, String)> = None;
         for (name, shape, after_gpu) in &gpu_one.parameters {
             let Some((_, after_cpu)) = cpu_one.iter().find(|(n, _)| n == name) else { continue };
@@ -379,13 +395,14 @@ fn check_case(manifest: &Manifest, dir: &Path, placement: &Placement, case: &Cas
         }
     }
     println!(
-        "{:<40} {:>10.5} {:>10.5} {:>10.2e} {:>12} {:>8}",
+        "{:<40} {:>10.5} {:>10.5} {:>10.2e} {:>12} {:>8} {:>6.1}",
         label,
         cpu_losses.last().copied().unwrap_or(f64::NAN),
         gpu.losses.last().copied().unwrap_or(f64::NAN),
         loss_rel,
         grad_text,
-        if ok { "yes" } else { "NO" }
+        if ok { "yes" } else { "NO" },
+        began.elapsed().as_secs_f64()
     );
     let tolerances = match case.gradient_tolerance {
         Some(g) => format!("loss {:.0e}, grad {g:.0e}", case.loss_tolerance),
@@ -582,6 +599,67 @@ fn bench_attention(dir: &Path, placement: &Placement, a: &AttentionCase, peaks: 
         result: format!("{} TFLOP/s (fwd {}, bwd {}){share}", fmt(rate), fmt(tflops(a.forward.flops, fwd)), fmt(tflops(a.backward.flops, bwd))),
         ok: true,
     })
+}
+
+/// `profile MANIFEST`: each timed workload's step with every instruction timed on the device
+/// (after two warm-up steps): where the step's time goes, by op and by op and shapes, and
+/// how much of the step the device spent in instructions at all (the rest is the host:
+/// launches it could not queue ahead, uploads, the loss read back). Writes
+/// `profile-N.json` beside the manifest for each workload N (instruction, op, shapes,
+/// seconds), for the cost model to be checked against.
+fn profile(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool, String> {
+    let mut all = true;
+    for (n, w) in manifest.bench.iter().enumerate().filter(|(_, w)| !w.without_cublaslt) {
+        match profile_workload(manifest, dir, placement, w, n) {
+            Ok(()) => {}
+            Err(e) => {
+                println!("{}: ERROR {e}", w.name);
+                all = false;
+            }
+        }
+    }
+    Ok(all)
+}
+
+fn profile_workload(manifest: &Manifest, dir: &Path, placement: &Placement, w: &Workload, n: usize) -> Result<(), String> {
+    let programs = step_programs(&dir.join(&w.program), true)?;
+    let corpus = corpus(manifest, dir, &programs)?;
+    let text = |e: shardc_runtime::RuntimeError| e.to_string();
+    let mut trainer = cuda::CudaTrainer::new(&programs, placement, 0, layers(&programs), None).map_err(text)?;
+    for _ in 0..2 {
+        trainer.step(&corpus).map_err(text)?;
+    }
+    let (_, wall, spans) = trainer.profiled_step(&corpus).map_err(text)?;
+    // (op, operand shapes) of each instruction run, with its seconds.
+    let shapes = |p: &Program, ids: &[usize]| ids.iter().map(|&b| format!("{:?}", p.buffers[b].shape)).collect::<Vec<_>>().join(" ");
+    let mut runs: Vec<(String, String, f64)> = Vec::new();
+    for (program, spans) in trainer.programs().iter().zip(&spans) {
+        for &(index, seconds) in spans {
+            let instr = &program.instrs[index];
+            runs.push((instr.op.clone(), format!("{} -> {}", shapes(program, &instr.inputs), shapes(program, &instr.outputs)), seconds));
+        }
+    }
+    let busy: f64 = runs.iter().map(|r| r.2).sum();
+    println!("== {} ({} instructions run): step {} wall, {} in instructions on the device ({:.0}%) ==", w.name, runs.len(), ms(wall), ms(busy), 100.0 * busy / wall);
+    let top = |key: &dyn Fn(&(String, String, f64)) -> String, title: &str, count: usize| {
+        let mut by: std::collections::HashMap<String, (f64, usize)> = std::collections::HashMap::new();
+        for r in &runs {
+            let e = by.entry(key(r)).or_default();
+            e.0 += r.2;
+            e.1 += 1;
+        }
+        let mut rows: Vec<_> = by.into_iter().collect();
+        rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+        println!("  {:<100} {:>6} {:>12} {:>6}", title, "runs", "total", "share");
+        for (k, (seconds, runs)) in rows.into_iter().take(count) {
+            println!("  {:<100} {:>6} {:>12} {:>5.1}%", k.chars().take(100).collect::<String>(), runs, ms(seconds), 100.0 * seconds / wall);
+        }
+    };
+    top(&|r| r.0.clone(), "op", 12);
+    top(&|r| format!("{} {}", r.0, r.1), "op and shapes", 15);
+    let json: Vec<_> = runs.iter().map(|(op, shapes, seconds)| serde_json::json!({"op": op, "shapes": shapes, "seconds": seconds})).collect();
+    let out = dir.join(format!("profile-{n}.json"));
+    std::fs::write(&out, serde_json::to_string(&serde_json::json!({"workload": w.name, "wall_seconds": wall, "instructions": json})).map_err(|e| e.to_string())?).map_err(|e| format!("writing {}: {e}", out.display()))
 }
 
 /// `table MANIFEST`: one table of the rows `check` and `bench` wrote beside the manifest;

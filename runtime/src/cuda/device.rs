@@ -95,6 +95,26 @@ pub struct DeviceEpilogue {
     pub aux: u64,
 }
 
+/// A point in a device's queue of work: the time between two is what the device spent on
+/// the calls queued between them.
+pub enum Marker {
+    /// An event recorded on the GPU's stream (timed when the GPU reaches it).
+    Event(cudarc::driver::CudaEvent),
+    /// The host's clock, for a device that runs each call before returning (the emulation).
+    Host(std::time::Instant),
+}
+
+impl Marker {
+    /// Seconds from this marker to `end` (waits for `end` to be reached).
+    pub fn seconds_to(&self, end: &Marker) -> Result<f64, RuntimeError> {
+        match (self, end) {
+            (Marker::Event(a), Marker::Event(b)) => a.elapsed_ms(b).map(|ms| ms as f64 / 1e3).map_err(|e| err(format!("timing events: {e:?}"))),
+            (Marker::Host(a), Marker::Host(b)) => Ok(b.saturating_duration_since(*a).as_secs_f64()),
+            _ => Err(err("markers of two kinds of device")),
+        }
+    }
+}
+
 /// A device the executor drives. Every operation is ordered after the ones before it.
 pub trait Device {
     /// Allocates `bytes` (zeroed).
@@ -119,6 +139,10 @@ pub trait Device {
     /// the prelude's epilogue kernel).
     fn gemm_epilogue(&self, _dtype: DType, _g: &ColumnMajorGemm, _e: &DeviceEpilogue) -> Result<bool, RuntimeError> {
         Ok(false)
+    }
+    /// A marker after everything queued so far (the host's clock where calls run at once).
+    fn marker(&self) -> Result<Marker, RuntimeError> {
+        Ok(Marker::Host(std::time::Instant::now()))
     }
     /// Waits for everything queued.
     fn synchronize(&self) -> Result<(), RuntimeError>;
@@ -281,6 +305,10 @@ impl Device for Gpu {
             Some(lt) => lt.matmul(dtype, g, e, self.stream.cu_stream() as _),
             None => Ok(false),
         }
+    }
+    fn marker(&self) -> Result<Marker, RuntimeError> {
+        let timed = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        self.stream.record_event(Some(timed)).map(Marker::Event).map_err(|e| err(format!("recording an event: {e:?}")))
     }
     fn synchronize(&self) -> Result<(), RuntimeError> {
         self.stream.synchronize().map_err(|e| err(format!("{e:?}")))?;

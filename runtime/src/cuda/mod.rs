@@ -207,6 +207,9 @@ pub struct CudaExecutor {
     /// A fault to inject in this process (`SHARDC_FAULT=RANK:INSTRUCTION:KIND`, one process
     /// of a multi-process run): how the others end when one fails.
     fault: Option<crate::cpu::Fault>,
+    /// While profiling: a marker before each run of instructions (`None`) and after each
+    /// instruction (its index), on the compute stream.
+    profile: Option<Vec<(Option<usize>, device::Marker)>>,
 }
 
 /// Device copies of some buffers of every local rank: values a pipeline keeps from one
@@ -373,7 +376,7 @@ impl CudaExecutor {
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
         let step_bucket_inputs = if program.pipeline.is_some() { program.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| (program.instrs[m].inputs[0], m))).collect() } else { HashMap::new() };
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, step_buckets_sent: HashMap::new(), collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, step_buckets_sent: HashMap::new(), collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault, profile: None })
     }
 
     /// The program.
@@ -666,6 +669,10 @@ impl CudaExecutor {
     /// Runs `indices` in order on every local rank until one is a pipeline receive whose
     /// message has not been sent yet; returns how many were left (0: all ran).
     pub fn run_until_blocked(&mut self, indices: &[usize]) -> Result<usize, RuntimeError> {
+        if self.profile.is_some() {
+            let start = self.device.marker()?;
+            self.profile.as_mut().map(|p| p.push((None, start)));
+        }
         for (done, &index) in indices.iter().enumerate() {
             if let Some(f) = self.fault.filter(|f| f.instruction == index) {
                 self.inject(f)?;
@@ -694,8 +701,35 @@ impl CudaExecutor {
                     RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message: e.to_string() }
                 })?;
             }
+            if self.profile.is_some() {
+                let after = self.device.marker()?;
+                self.profile.as_mut().map(|p| p.push((Some(index), after)));
+            }
         }
         Ok(0)
+    }
+
+    /// Starts (or stops) timing each instruction on the device: every local rank's calls of
+    /// an instruction count as one span, between markers on the compute stream.
+    pub fn set_profiling(&mut self, on: bool) {
+        self.profile = on.then(Vec::new);
+    }
+
+    /// The device seconds of each instruction run since profiling started (in run order; an
+    /// instruction that ran twice appears twice), waiting for the device; profiling goes on.
+    /// A pipeline receive's span includes its wait for the send.
+    pub fn take_profile(&mut self) -> Result<Vec<(usize, f64)>, RuntimeError> {
+        let Some(markers) = self.profile.as_mut().map(std::mem::take) else { return Ok(Vec::new()) };
+        self.device.synchronize()?;
+        let mut spans = Vec::new();
+        for pair in markers.windows(2) {
+            if let (_, before) = &pair[0]
+                && let (Some(index), after) = &pair[1]
+            {
+                spans.push((*index, before.seconds_to(after)?));
+            }
+        }
+        Ok(spans)
     }
 
     /// A pipeline send (a copy of the buffer posted for its receiver) or receive (the posted
@@ -1735,6 +1769,28 @@ impl CudaTrainer {
         let seconds = began.elapsed().as_secs_f64();
         self.step = step;
         Ok((loss, seconds))
+    }
+
+    /// [`CudaTrainer::step`] with every instruction timed on the device: the loss, the step's
+    /// wall seconds and, per pipeline rank, (instruction, device seconds) in run order.
+    pub fn profiled_step(&mut self, corpus: &crate::data::Corpus) -> Result<(f64, f64, Vec<Vec<(usize, f64)>>), RuntimeError> {
+        for runner in &mut self.runners {
+            runner.exec.set_profiling(true);
+        }
+        let stepped = self.step(corpus);
+        let mut spans = Vec::with_capacity(self.runners.len());
+        for runner in &mut self.runners {
+            spans.push(runner.exec.take_profile());
+            runner.exec.set_profiling(false);
+        }
+        let (loss, seconds) = stepped?;
+        Ok((loss, seconds, spans.into_iter().collect::<Result<_, _>>()?))
+    }
+
+    /// The programs this process runs, one per pipeline rank (what
+    /// [`CudaTrainer::profiled_step`]'s spans index).
+    pub fn programs(&self) -> &[Program] {
+        &self.programs
     }
 
     /// Writes micro-batch `j` of the step's tokens and targets (`t`, `g`) on every local rank
