@@ -2588,6 +2588,12 @@ fn gpu_calibration_recovers_the_parameters_that_made_the_times() {
     known.gpu.kernel_launch = 6e-6;
     let list: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(kernels.join("kernels.json")).unwrap()).unwrap();
     assert!(list.len() > 20, "{} kernels", list.len());
+    // The chain that times a launch launches each of its 200 adds (fused, it would be one
+    // kernel: on an H200 it timed 0.1 us a "launch").
+    let chain: shardc_runtime::Program = serde_json::from_str(&std::fs::read_to_string(kernels.join(list[1]["program"].as_str().unwrap())).unwrap()).unwrap();
+    assert!(list[1]["name"].as_str().unwrap().contains("200 dependent tiny adds"), "{:?}", list[1]);
+    let launches = chain.device.as_ref().unwrap().calls.iter().flatten().filter(|c| matches!(c, shardc_runtime::program::DeviceCall::Launch { .. })).count();
+    assert_eq!(launches, 200);
     let mut measured = serde_json::Map::new();
     for k in &list {
         let program: shardc_runtime::Program = serde_json::from_str(&std::fs::read_to_string(kernels.join(k["program"].as_str().unwrap())).unwrap()).unwrap();

@@ -96,11 +96,15 @@ pub struct DeviceOptions {
     /// Fold bias adds, GELU and GELU's gradient into the GEMMs that feed them (cuBLASLt's
     /// epilogues); off, they run as element-wise kernels.
     pub gemm_epilogues: bool,
+    /// Fuse runs of element-wise instructions into one kernel (and optimizer updates into
+    /// multi-tensor batches); off, each instruction is its own launch (what calibration's
+    /// chain of tiny kernels needs to measure a launch).
+    pub elementwise_fusion: bool,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        DeviceOptions { gemm_epilogues: true }
+        DeviceOptions { gemm_epilogues: true, elementwise_fusion: true }
     }
 }
 
@@ -122,8 +126,13 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
     let epilogues = if options.gemm_epilogues { gemm_epilogues(program, &kernels, &readers, dtype) } else { HashMap::new() };
     let fused_into: HashMap<usize, usize> = epilogues.iter().flat_map(|(&gemm, (_, e))| e.members.iter().map(move |&m| (m, gemm))).collect();
     let taken: HashSet<usize> = fused_into.keys().copied().collect();
-    let groups = elementwise_groups(program, &kernels, &taken);
-    let batches = multi_tensor_batches(program, &groups);
+    let groups = if options.elementwise_fusion {
+        elementwise_groups(program, &kernels, &taken)
+    } else {
+        // Each element-wise instruction a kernel of its own.
+        kernels.iter().enumerate().filter(|(i, k)| matches!(k, Some(DeviceKernel::Elementwise { .. })) && !taken.contains(i)).map(|(i, _)| (i, vec![i])).collect()
+    };
+    let batches = if options.elementwise_fusion { multi_tensor_batches(program, &groups) } else { HashMap::new() };
 
     let mut sources: Vec<&'static str> = Vec::new();
     // Sources instantiated for fp32 buffers in a bf16 module (mixed precision).

@@ -149,7 +149,7 @@ fn elementwise_chains_fuse_and_keep_only_what_others_read() {
     // With the epilogues on, the bias adds and GELU are the GEMMs' (see above): no kernel has them.
     let with_epilogues = device_plan(&program).unwrap();
     assert!(!with_epilogues.source.contains("// xf.add -> xf.gelu\n") && !with_epilogues.source.contains("// xf.add -> xf.add\n"));
-    let plan = shardc_codegen::device::device_plan_with(&program, shardc_codegen::device::DeviceOptions { gemm_epilogues: false }).unwrap();
+    let plan = shardc_codegen::device::device_plan_with(&program, shardc_codegen::device::DeviceOptions { gemm_epilogues: false, ..Default::default() }).unwrap();
     let fused = plan.calls.iter().filter(|c| matches!(c.first(), Some(DeviceCall::Fused { .. }))).count();
     assert!(fused >= 8, "only {fused} instructions fused");
     // Bias add and GELU in one kernel; both values are stored because the backward's

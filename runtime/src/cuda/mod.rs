@@ -2133,9 +2133,12 @@ pub fn gemm_peak(device: usize, size: usize, dtype: DType, iterations: usize) ->
 }
 
 /// Seconds of one run of `program` (one kernel, or a chain of them, for calibration) on the
-/// device of `placement`: the fastest of `repeats` timed runs after a warm-up, each waited
-/// for. Inputs are step-like values: floats of order one (positive, as second moments are)
-/// and integers of 1 (a token id, a step count).
+/// device of `placement`, as a step pays it: queued behind the runs before it, not waited
+/// for on its own. A short program runs many times between two waits (enough for a
+/// millisecond), so the host's round trip of a wait (some 10 us on a GPU, longer than a
+/// small kernel) is spread over them, as it is over a step's kernels. The fastest of
+/// `repeats` such timings after a warm-up. Inputs are step-like values: floats of order one
+/// (positive, as second moments are) and integers of 1 (a token id, a step count).
 pub fn time_program(program: Program, placement: &Placement, repeats: usize) -> Result<f64, RuntimeError> {
     let mut exec = CudaExecutor::new(program, placement)?;
     for arg in exec.program().args.clone() {
@@ -2143,17 +2146,27 @@ pub fn time_program(program: Program, placement: &Placement, repeats: usize) -> 
         let values = crate::init::step_like_values(buffer.len(), buffer.dtype);
         exec.write(0, &arg.name, &values)?;
     }
+    let began = std::time::Instant::now();
     exec.run()?;
     exec.synchronize()?;
+    let single = began.elapsed().as_secs_f64();
+    let runs = (TIMED_SPAN_SECONDS / single.max(1e-9)).ceil().clamp(1.0, MAX_RUNS_PER_TIMING as f64) as usize;
     let mut fastest = f64::INFINITY;
     for _ in 0..repeats.max(1) {
         let began = std::time::Instant::now();
-        exec.run()?;
+        for _ in 0..runs {
+            exec.run_range(0..exec.program().instrs.len())?;
+        }
         exec.synchronize()?;
-        fastest = fastest.min(began.elapsed().as_secs_f64());
+        fastest = fastest.min(began.elapsed().as_secs_f64() / runs as f64);
     }
     Ok(fastest)
 }
+
+/// How long one timing of [`time_program`] lasts at least (runs of a short program added).
+const TIMED_SPAN_SECONDS: f64 = 1e-3;
+/// The most runs of one program in one timing.
+const MAX_RUNS_PER_TIMING: usize = 200;
 
 /// A module with no kernels, for a device used only for cuBLAS.
 const PRELUDE_ONLY: &str = "extern \"C\" __global__ void shardc_nothing() {}\n";
