@@ -1290,5 +1290,9 @@ mod tests {
             }
         }
         assert_eq!(ATTENTION_MMA_CUDA.matches("extern \"C\" __global__ void ").count(), 3 * MMA_HEAD_DIMS.len());
+        // The kernels stage tiles in strides of their compile-time thread count and own
+        // compile-time rows per block: both must be the launches'.
+        assert!(ATTENTION_MMA_CUDA.contains(&format!("#define FA_MMA_THREADS {FLASH_THREADS}\n")));
+        assert!(ATTENTION_MMA_CUDA.contains(&format!("#define FA_MMA_ROWS {MMA_ROWS}\n")));
     }
 }
