@@ -330,8 +330,8 @@ fn skipping_nvrtc(e: &shardc_runtime::RuntimeError, test: &str) -> bool {
     false
 }
 
-/// The tensor-core attention kernels compile to `mma.sync` for an sm_90 GPU (an H100 or
-/// H200), and to the shuffle fallback for sm_75.
+/// The tensor-core attention kernels compile to `mma.sync`, `ldmatrix` and `cp.async` for an
+/// sm_90 GPU (an H100 or H200), and to the shuffle fallback for sm_75.
 #[cfg(feature = "cuda")]
 #[test]
 fn tensor_core_attention_compiles_to_mma_for_sm_90() {
@@ -341,6 +341,10 @@ fn tensor_core_attention_compiles_to_mma_for_sm_90() {
         Ok(ptx) => {
             assert!(ptx.contains(".target sm_90"), "not compiled for sm_90");
             assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "no tensor-core products in the sm_90 PTX");
+            // B fragments by ldmatrix (transposed for P times a tile), tiles staged by cp.async.
+            for instruction in ["ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global", "cp.async.wait_group"] {
+                assert!(ptx.contains(instruction), "no {instruction} in the sm_90 PTX");
+            }
             for kernel in ["attention_fwd_mma64", "attention_grad_q_mma64", "attention_grad_kv_mma64"] {
                 assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} is not in the PTX");
             }
@@ -349,7 +353,7 @@ fn tensor_core_attention_compiles_to_mma_for_sm_90() {
         Err(e) => panic!("{e}"),
     }
     let fallback = shardc_runtime::cuda::compile_ptx_for(source, Some((7, 5))).unwrap();
-    assert!(!fallback.contains("mma.sync") && fallback.contains("shfl.sync"), "sm_75 has no bf16 mma.sync: the kernel must gather fragments by shuffles");
+    assert!(!fallback.contains("mma.sync") && !fallback.contains("ldmatrix") && !fallback.contains("cp.async") && fallback.contains("shfl.sync"), "sm_75 has no bf16 mma.sync (nor cp.async): the kernel must gather fragments by shuffles");
 }
 
 /// NVRTC compiles every generated module (a missing NVRTC fails unless skipped by name: see
@@ -565,16 +569,18 @@ mod emulated {
         }
     }
 
-    /// bf16 attention forward and backward on tensor cores (`mma.m16n8k16` fragments, which
-    /// the emulated device gathers by warp shuffles as pre-sm_80 GPUs do): head dims from the
-    /// smallest to the largest built, both tile sizes (64 rows up to d = 64, 32 past it),
-    /// ragged tiles (s = 1, 70, 130, 200), causal and not, grouped-query heads, equal to the
-    /// CPU backend to bf16's resolution (a wrong fragment layout is off by the values' own
-    /// scale).
+    /// bf16 attention forward and backward on tensor cores (`mma.m16n8k16` fragments and
+    /// `ldmatrix` loads, which the emulated device gathers by warp shuffles as pre-sm_80 GPUs
+    /// do, and `cp.async` staging, which it copies at once): every head dim built
+    /// (16, 32, 48, 64, 80, 96, 112, 128), both tile sizes (64 rows up to d = 64,
+    /// 32 past it), ragged tiles (s = 1, 70, 130, 150, 200, 260), causal and not, tiles wholly
+    /// visible (unmasked) and not, grouped-query heads (the keys' kernel pipelining across the
+    /// query heads of its kv head), equal to the CPU backend to bf16's resolution (a wrong
+    /// fragment layout is off by the values' own scale).
     #[test]
     fn attention_on_tensor_cores_equals_the_cpu() {
         use shardc_ir::types::DType;
-        let cases = [(1i64, true, (1i64, 1i64, 1i64, 16i64)), (70, true, (1, 2, 1, 64)), (200, false, (2, 4, 2, 32)), (70, false, (1, 2, 2, 128)), (130, true, (1, 1, 1, 48)), (150, true, (1, 2, 1, 96))];
+        let cases = [(1i64, true, (1i64, 1i64, 1i64, 16i64)), (70, true, (1, 2, 1, 64)), (200, false, (2, 4, 2, 32)), (70, false, (1, 2, 2, 128)), (130, true, (1, 1, 1, 48)), (150, true, (1, 2, 1, 96)), (260, true, (1, 4, 2, 80)), (100, false, (1, 2, 1, 112))];
         for (s, causal, shape) in cases {
             let (what, kernels, errors) = attention_against_the_cpu(DType::Bf16, s, causal, shape);
             for kernel in ["attention_fwd_mma", "attention_grad_q_mma", "attention_grad_kv_mma"] {

@@ -780,13 +780,19 @@ const ATTENTION_MMA_CUDA: &str = r#"#if defined(BF16)
 // Flash attention on tensor cores, bf16 with fp32 accumulation, in FlashAttention-2's layout:
 // a block of four warps owns 64 rows (queries forward and for dq, keys for dk and dv), 16 per
 // warp, held as mma A fragments in registers; the other side comes in tiles of rows staged in
-// shared memory (bf16 bits, row stride D + 8 against bank conflicts). Every product is an
-// m16n8k16 mma whose B operand is read straight from the staged rows, so nothing is transposed:
-// the keys' kernel computes S^T = K Q^T and dP^T = V dO^T. A product's accumulators become the
-// next product's A fragments (their layouts line up), rounded to bf16. Online softmax per row
-// across tiles: the four threads of a quad that share a row exchange its max by shuffles and
-// keep partial sums, added up at the end. Causal tiles wholly past the diagonal are skipped.
+// shared memory (bf16 bits, row stride D + 8 against bank conflicts, 16 bytes per copy, by
+// cp.async from sm_80 so that a tile loads while the previous one is multiplied). Every
+// product is an m16n8k16 mma whose B operand is read from the staged rows by ldmatrix
+// (transposed where the tile's rows are the reduced index), so nothing is transposed in
+// memory: the keys' kernel computes S^T = K Q^T and dP^T = V dO^T. A product's accumulators
+// become the next product's A fragments (their layouts line up), rounded to bf16. Online
+// softmax per row across tiles, in base 2 (scores times scale * log2(e), exp2): the four
+// threads of a quad that share a row exchange its max by shuffles and keep partial sums,
+// added up at the end. Causal tiles wholly past the diagonal are skipped, and tiles wholly
+// visible are not masked. Causal query tiles run in reverse (the longest first).
 #define FA_MMA_ROWS 64
+#define FA_MMA_THREADS 128
+#define FA_LOG2E 1.4426950408889634f
 __device__ __forceinline__ float fa_lo(unsigned u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float fa_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ unsigned fa_pair(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
@@ -826,6 +832,67 @@ __device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsign
     }
 #endif
 }
+// Four 8x8 bf16 matrices from shared memory, as ldmatrix.x4 loads them: lane l names (by `at`,
+// its offset in `tile`, 16-byte aligned) row l % 8 of matrix l / 8, and gets in r[m] matrix m's
+// row g, columns 2t and 2t + 1 (an mma B fragment of a tile whose rows are B's columns) or,
+// TRANS, its column g, rows 2t and 2t + 1 (of a tile whose rows are B's rows). Before sm_80
+// (and on the emulated device) the warp gathers the same by shuffling the lanes' offsets.
+template <bool TRANS>
+__device__ __forceinline__ void fa_ldsm(unsigned* r, const unsigned short* tile, int at) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned a = (unsigned)__cvta_generic_to_shared(tile + at);
+  if (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+  int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int m = 0; m < 4; m++)
+    if (TRANS) {
+      int lo = __shfl_sync(0xffffffffu, at, 8 * m + 2 * t), hi = __shfl_sync(0xffffffffu, at, 8 * m + 2 * t + 1);
+      r[m] = fa_pair(tile[lo + g], tile[hi + g]);
+    } else {
+      int row = __shfl_sync(0xffffffffu, at, 8 * m + g);
+      r[m] = fa_pair(tile[row + 2 * t], tile[row + 2 * t + 1]);
+    }
+#endif
+}
+// 16 bytes from global `src` to shared `dst` (both 16-byte aligned), zeros where !inside (src
+// is then not read): cp.async from sm_80, complete once the thread's fa_wait returns and
+// visible to the block after a __syncthreads; before (and on the emulated device) at once.
+__device__ __forceinline__ void fa_copy16(unsigned short* dst, const unsigned short* src, bool inside) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned to = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(inside ? 16 : 0) : "memory");
+#else
+  unsigned* d4 = (unsigned*)dst;
+  const unsigned* s4 = (const unsigned*)src;
+  for (int w = 0; w < 4; w++) d4[w] = inside ? s4[w] : 0u;
+#endif
+}
+// The same for one float (zero where !inside).
+__device__ __forceinline__ void fa_copy4(float* dst, const float* src, bool inside) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned to = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(to), "l"(src), "r"(inside ? 4 : 0) : "memory");
+#else
+  *dst = inside ? *src : 0.0f;
+#endif
+}
+// Ends a group of this thread's copies; waits for all of them.
+__device__ __forceinline__ void fa_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fa_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+// A shared tile of ROWS rows of D bf16 at stride D + 8, 16-byte aligned.
+struct alignas(16) fa_vec { unsigned x, y, z, w; };
+#define FA_TILE(D, ROWS) ((ROWS) * ((D) + 8) / 8)
 // A fragments of the 16 rows from `row0` of a [s][D] matrix (zeros past s).
 template <int D>
 __device__ void fa_fragments(unsigned (*a)[4], const unsigned short* m, i64 row0, i64 s) {
@@ -834,44 +901,51 @@ __device__ void fa_fragments(unsigned (*a)[4], const unsigned short* m, i64 row0
     for (int x = 0; x < 4; x++) {
       i64 row = row0 + g + (x & 1) * 8;
       int col = kk * 16 + 2 * t + (x >> 1) * 8;
-      a[kk][x] = row < s ? fa_pair(m[row * D + col], m[row * D + col + 1]) : 0u;
+      a[kk][x] = row < s ? *(const unsigned*)(m + row * D + col) : 0u;
     }
 }
-// Rows [first, first + n) of a [s][D] matrix into a shared tile of stride D + 8 (zeros past s).
-template <int D>
-__device__ void fa_stage(unsigned short* tile, const unsigned short* m, i64 first, int n, i64 s) {
-  for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
-    int r = e / D, c = e % D;
-    tile[r * (D + 8) + c] = first + r < s ? m[(first + r) * D + c] : (unsigned short)0;
+// Rows [first, first + ROWS) of a [s][D] matrix into a shared tile of stride D + 8 (zeros past
+// s), 8 values per copy (rows of D * 2 bytes, a multiple of 16, from 16-byte aligned buffers).
+template <int D, int ROWS>
+__device__ __forceinline__ void fa_stage(unsigned short* tile, const unsigned short* m, i64 first, i64 s) {
+  for (int e = threadIdx.x; e < ROWS * (D / 8); e += FA_MMA_THREADS) {
+    int r = e / (D / 8), c = e % (D / 8) * 8;
+    bool inside = first + r < s;
+    fa_copy16(tile + r * (D + 8) + c, m + (inside ? first + r : 0) * D + c, inside);
   }
 }
 // out[n] = A times rows n*8 .. n*8+7 of the tile (A B^T: the tile's rows are B's columns),
-// for N tiles of 8 rows.
+// for N (even) tiles of 8 rows.
 template <int D, int N>
 __device__ __forceinline__ void fa_products(float (*out)[4], const unsigned (*a)[4], const unsigned short* tile) {
-  int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  for (int n = 0; n < N; n++) {
+  int lane = threadIdx.x & 31;
+  // Matrix lane / 8: rows 8n + 8 (lane / 16) + lane % 8, columns 16kk + 8 ((lane / 8) % 2).
+  int at = ((lane >> 4) * 8 + (lane & 7)) * (D + 8) + ((lane >> 3) & 1) * 8;
+  for (int n = 0; n < N; n++)
     for (int x = 0; x < 4; x++) out[n][x] = 0;
+  for (int n = 0; n < N; n += 2)
     for (int kk = 0; kk < D / 16; kk++) {
-      const unsigned short* row = tile + (n * 8 + g) * (D + 8) + kk * 16 + 2 * t;
-      unsigned bf[2] = {fa_pair(row[0], row[1]), fa_pair(row[8], row[9])};
+      unsigned bf[4];
+      fa_ldsm<false>(bf, tile, at + n * 8 * (D + 8) + kk * 16);
       fa_mma(out[n], a[kk], bf);
+      fa_mma(out[n + 1], a[kk], bf + 2);
     }
-  }
 }
 // acc += P times the tile (8N rows of D), P being N accumulator tiles of 8 columns rounded to
 // bf16 A fragments, 16 columns at a time.
 template <int D, int N>
 __device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const unsigned short* tile) {
-  int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  int lane = threadIdx.x & 31;
+  // Matrix lane / 8: rows 16kk + 8 ((lane / 8) % 2) + lane % 8, columns 8n + 8 (lane / 16).
+  int at = (((lane >> 3) & 1) * 8 + (lane & 7)) * (D + 8) + (lane >> 4) * 8;
   for (int kk = 0; kk < N / 2; kk++) {
     unsigned pa[4] = {fa_round_pair(p[2 * kk][0], p[2 * kk][1]), fa_round_pair(p[2 * kk][2], p[2 * kk][3]),
                       fa_round_pair(p[2 * kk + 1][0], p[2 * kk + 1][1]), fa_round_pair(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-    const unsigned short* rows = tile + (kk * 16 + 2 * t) * (D + 8);
-    for (int n = 0; n < D / 8; n++) {
-      int col = n * 8 + g;
-      unsigned bf[2] = {fa_pair(rows[col], rows[(D + 8) + col]), fa_pair(rows[8 * (D + 8) + col], rows[9 * (D + 8) + col])};
+    for (int n = 0; n < D / 8; n += 2) {
+      unsigned bf[4];
+      fa_ldsm<true>(bf, tile, at + kk * 16 * (D + 8) + n * 8);
       fa_mma(acc[n], pa, bf);
+      fa_mma(acc[n + 1], pa, bf + 2);
     }
   }
 }
@@ -884,22 +958,30 @@ __device__ __forceinline__ float fa_quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
+// Whether every score of a warp's 16 rows from row0 against the cols from col0 is visible
+// (inside the sequence, and, causal, no column after its row): such tiles go unmasked.
+// `transposed`: rows are keys and columns queries (the keys' kernel).
+__device__ __forceinline__ bool fa_whole(i64 row0, i64 col0, int cols, i64 s, i64 causal, bool transposed) {
+  if (row0 + 16 > s || col0 + cols > s) return false;
+  return !causal || (transposed ? row0 + 15 <= col0 : col0 + cols - 1 <= row0);
+}
 // One tile's online-softmax step on scores `sc` (N tiles of 8 columns from key j0; this
-// thread's rows rows[0], rows[1]): masks and scales them, grows the rows' maxima, rescales
-// `sum` and `carried` by the growth, and leaves sc = exp(score - max) (0 where masked).
+// thread's rows rows[0], rows[1]): masks (unless `whole`) and scales them by scale2 = scale *
+// log2(e), grows the rows' maxima (base 2), rescales `sum` and `carried` by the growth, and
+// leaves sc = exp2(score - max) (0 where masked).
 template <int N>
-__device__ void fa_online(float (*sc)[4], float* mx, float* sum, float* carried, const i64* rows, i64 j0, i64 s, i64 causal, float scale) {
+__device__ __forceinline__ void fa_online(float (*sc)[4], float* mx, float* sum, float* carried, const i64* rows, i64 j0, i64 s, i64 causal, float scale2, bool whole) {
   int t = threadIdx.x & 3;
   float grown[2] = {mx[0], mx[1]};
   for (int n = 0; n < N; n++)
     for (int x = 0; x < 4; x++) {
       i64 i = rows[x >> 1], j = j0 + n * 8 + 2 * t + (x & 1);
-      sc[n][x] = i < s && j < s && (!causal || j <= i) ? sc[n][x] * scale : NEG_INF;
+      sc[n][x] = whole || (i < s && j < s && (!causal || j <= i)) ? sc[n][x] * scale2 : NEG_INF;
       grown[x >> 1] = fmax(grown[x >> 1], sc[n][x]);
     }
   for (int half = 0; half < 2; half++) {
     grown[half] = fa_quad_max(grown[half]);
-    float rescale = grown[half] == NEG_INF ? 1.0f : exp(mx[half] - grown[half]);
+    float rescale = grown[half] == NEG_INF ? 1.0f : exp2f(mx[half] - grown[half]);
     mx[half] = grown[half];
     sum[half] *= rescale;
     carried[half] = rescale;
@@ -907,46 +989,65 @@ __device__ void fa_online(float (*sc)[4], float* mx, float* sum, float* carried,
   for (int n = 0; n < N; n++)
     for (int x = 0; x < 4; x++) {
       float m = mx[x >> 1];
-      sc[n][x] = m == NEG_INF ? 0.0f : exp(sc[n][x] - m);
+      sc[n][x] = m == NEG_INF ? 0.0f : exp2f(sc[n][x] - m);
       sum[x >> 1] += sc[n][x];
     }
 }
-// Writes a warp's 16 rows of D accumulators (scaled by `by` per row) to a [s][D] matrix.
+// Writes a warp's 16 rows of D accumulators (scaled by `by` per row) to a [s][D] matrix, a
+// pair of values per 32-bit store.
 template <int D>
 __device__ void fa_write(unsigned short* m, const float (*acc)[4], const i64* rows, const float* by, i64 s) {
   int t = threadIdx.x & 3;
   for (int n = 0; n < D / 8; n++)
-    for (int x = 0; x < 4; x++)
-      if (rows[x >> 1] < s) m[rows[x >> 1] * D + n * 8 + 2 * t + (x & 1)] = ::store(acc[n][x] * by[x >> 1]).bits;
+    for (int half = 0; half < 2; half++)
+      if (rows[half] < s) *(unsigned*)(m + rows[half] * D + n * 8 + 2 * t) = fa_round_pair(acc[n][2 * half] * by[half], acc[n][2 * half + 1] * by[half]);
 }
-// Forward: grid (query tiles of 64, batch x query heads); key tiles of 64.
+// The query tile of this block: in reverse when causal (the tiles with the most keys first).
+__device__ __forceinline__ i64 fa_query_tile(i64 causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
+// Forward: grid (query tiles of 64, batch x query heads); key tiles of 64. The block loads a
+// tile's V while it multiplies Q K^T, and the next tile's K while it multiplies P V.
 template <int D>
 __device__ void fa_mma_forward(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
   const int KT = 64;
-  __shared__ unsigned short ks[KT * (D + 8)];
-  __shared__ unsigned short vs[KT * (D + 8)];
+  __shared__ fa_vec ks_[FA_TILE(D, KT)];
+  __shared__ fa_vec vs_[FA_TILE(D, KT)];
+  unsigned short* ks = (unsigned short*)ks_;
+  unsigned short* vs = (unsigned short*)vs_;
   int warp = threadIdx.x >> 5;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
   i64 kv = (b * hk + h / (hq / hk)) * s * D;
-  i64 i0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = i0 + warp * 16;
+  i64 i0 = fa_query_tile(causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
   i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
+  float scale2 = (float)scale_ * FA_LOG2E;
+  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
+  if (keys > 0) {
+    fa_stage<D, KT>(ks, k + kv, 0, s);
+    fa_commit();
+  }
   unsigned qa[D / 16][4];
   fa_fragments<D>(qa, q + bh * s * D, row0, s);
   float o[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) o[n][x] = 0;
   float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, rescale[2];
-  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
   for (i64 j0 = 0; j0 < keys; j0 += KT) {
+    // This tile's K is in, and every warp is done with the last tile's V.
+    fa_wait();
     __syncthreads();
-    fa_stage<D>(ks, k + kv, j0, KT, s);
-    fa_stage<D>(vs, v + kv, j0, KT, s);
-    __syncthreads();
+    fa_stage<D, KT>(vs, v + kv, j0, s);
+    fa_commit();
     float sc[KT / 8][4];
     fa_products<D, KT / 8>(sc, qa, ks);
-    fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, (float)scale_);
+    fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, scale2, fa_whole(row0, j0, KT, s, causal, false));
     for (int n = 0; n < D / 8; n++)
       for (int x = 0; x < 4; x++) o[n][x] *= rescale[x >> 1];
+    // This tile's V is in, and every warp is done with its K.
+    fa_wait();
+    __syncthreads();
+    if (j0 + KT < keys) {
+      fa_stage<D, KT>(ks, k + kv, j0 + KT, s);
+      fa_commit();
+    }
     fa_accumulate<D, KT / 8>(o, sc, vs);
   }
   float inverse[2] = {1.0f / fa_quad_sum(sum[0]), 1.0f / fa_quad_sum(sum[1])};
@@ -954,58 +1055,70 @@ __device__ void fa_mma_forward(unsigned short* out, const unsigned short* q, con
 }
 // Backward for dq: grid (query tiles of 64, batch x query heads), key tiles of KT, two walks.
 // The first finds each row's max, sum and rowdot = sum p dp (dp = dout . v) online; the
-// second, with p = exp(score - max) / sum and ds = p (dp - rowdot) scale, sums dq = ds k.
-// Each row's (max, sum, rowdot) goes to `stats` for the keys' kernel.
+// second, with p = exp2(score - lse) (lse = max + log2(sum), base 2) and
+// ds = p (dp - rowdot) scale, sums dq = ds k. Each row's (lse, sum, rowdot) goes to `stats`
+// for the keys' kernel. The two walks are one pipeline over 2 x tiles steps: K and V tiles in
+// two buffers, the next step's loading while this one's are multiplied.
 template <int D, int KT>
 __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
-  __shared__ unsigned short ks[KT * (D + 8)];
-  __shared__ unsigned short vs[KT * (D + 8)];
+  __shared__ fa_vec ks_[2][FA_TILE(D, KT)];
+  __shared__ fa_vec vs_[2][FA_TILE(D, KT)];
   int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
   i64 kv = (b * hk + h / (hq / hk)) * s * D;
-  i64 i0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = i0 + warp * 16;
+  i64 i0 = fa_query_tile(causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
   i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
-  float scale = (float)scale_;
+  float scale = (float)scale_, scale2 = scale * FA_LOG2E;
+  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
+  i64 tiles = (keys + KT - 1) / KT;
+  if (tiles > 0) {
+    fa_stage<D, KT>((unsigned short*)ks_[0], k + kv, 0, s);
+    fa_stage<D, KT>((unsigned short*)vs_[0], v + kv, 0, s);
+    fa_commit();
+  }
   unsigned qa[D / 16][4], da[D / 16][4];
   fa_fragments<D>(qa, q + bh * s * D, row0, s);
   fa_fragments<D>(da, dout + bh * s * D, row0, s);
-  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, dot[2] = {0, 0}, rescale[2];
-  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
-  for (i64 j0 = 0; j0 < keys; j0 += KT) {
-    __syncthreads();
-    fa_stage<D>(ks, k + kv, j0, KT, s);
-    fa_stage<D>(vs, v + kv, j0, KT, s);
-    __syncthreads();
-    float sc[KT / 8][4], dp[KT / 8][4];
-    fa_products<D, KT / 8>(sc, qa, ks);
-    fa_products<D, KT / 8>(dp, da, vs);
-    fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, scale);
-    for (int half = 0; half < 2; half++) dot[half] *= rescale[half];
-    for (int n = 0; n < KT / 8; n++)
-      for (int x = 0; x < 4; x++) dot[x >> 1] += sc[n][x] * dp[n][x];
-  }
-  float rowdot[2];
-  for (int half = 0; half < 2; half++) {
-    sum[half] = fa_quad_sum(sum[half]);
-    dot[half] = fa_quad_sum(dot[half]);
-    rowdot[half] = sum[half] > 0 ? dot[half] / sum[half] : 0.0f;
-  }
+  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, dot[2] = {0, 0}, rescale[2], lse[2], rowdot[2];
   float acc[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) acc[n][x] = 0;
-  for (i64 j0 = 0; j0 < keys; j0 += KT) {
+  for (i64 step = 0; step < 2 * tiles; step++) {
+    i64 j0 = (step < tiles ? step : step - tiles) * KT;
+    const unsigned short* ks = (const unsigned short*)ks_[step & 1];
+    const unsigned short* vs = (const unsigned short*)vs_[step & 1];
+    // This step's tiles are in, and every warp is done with the other buffers (the last step's).
+    fa_wait();
     __syncthreads();
-    fa_stage<D>(ks, k + kv, j0, KT, s);
-    fa_stage<D>(vs, v + kv, j0, KT, s);
-    __syncthreads();
+    if (step + 1 < 2 * tiles) {
+      i64 next = (step + 1 < tiles ? step + 1 : step + 1 - tiles) * KT;
+      fa_stage<D, KT>((unsigned short*)ks_[(step + 1) & 1], k + kv, next, s);
+      fa_stage<D, KT>((unsigned short*)vs_[(step + 1) & 1], v + kv, next, s);
+      fa_commit();
+    }
     float sc[KT / 8][4], dp[KT / 8][4];
     fa_products<D, KT / 8>(sc, qa, ks);
     fa_products<D, KT / 8>(dp, da, vs);
+    bool whole = fa_whole(row0, j0, KT, s, causal, false);
+    if (step < tiles) {
+      fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, scale2, whole);
+      for (int half = 0; half < 2; half++) dot[half] *= rescale[half];
+      for (int n = 0; n < KT / 8; n++)
+        for (int x = 0; x < 4; x++) dot[x >> 1] += sc[n][x] * dp[n][x];
+      continue;
+    }
+    if (step == tiles)
+      for (int half = 0; half < 2; half++) {
+        sum[half] = fa_quad_sum(sum[half]);
+        dot[half] = fa_quad_sum(dot[half]);
+        rowdot[half] = sum[half] > 0 ? dot[half] / sum[half] : 0.0f;
+        lse[half] = sum[half] > 0 ? mx[half] + log2f(sum[half]) : NEG_INF;
+      }
     for (int n = 0; n < KT / 8; n++)
       for (int x = 0; x < 4; x++) {
         int half = x >> 1;
         i64 i = rows[half], j = j0 + n * 8 + 2 * t + (x & 1);
-        float p = i < s && j < s && (!causal || j <= i) ? exp(sc[n][x] * scale - mx[half]) / sum[half] : 0.0f;
+        float p = whole || (i < s && j < s && (!causal || j <= i)) ? exp2f(sc[n][x] * scale2 - lse[half]) : 0.0f;
         sc[n][x] = p * (dp[n][x] - rowdot[half]) * scale;
       }
     fa_accumulate<D, KT / 8>(acc, sc, ks);
@@ -1016,56 +1129,74 @@ __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned s
     for (int half = 0; half < 2; half++)
       if (rows[half] < s) {
         float* st = stats + (bh * s + rows[half]) * 3;
-        st[0] = mx[half];
+        st[0] = tiles > 0 ? lse[half] : NEG_INF;
         st[1] = sum[half];
-        st[2] = rowdot[half];
+        st[2] = tiles > 0 ? rowdot[half] : 0.0f;
       }
 }
 // Backward for dk and dv: grid (key tiles of 64, batch x kv heads), query tiles of QT. Each
 // warp's 16 keys hold K and V as A fragments, so S^T = K Q^T and dP^T = V dO^T come out with
 // keys as rows; p^T and ds^T follow from the query rows' stats, and dv += p^T dout and
 // dk += ds^T q, summed over the query heads sharing the kv head and the query tiles that see
-// the keys, in order.
+// the keys, in order: one pipeline over (head, query tile) steps, with Q, dO and the stats in
+// two buffers, the next step's loading while this one's are multiplied.
 template <int D, int QT>
 __device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
-  __shared__ unsigned short qs[QT * (D + 8)];
-  __shared__ unsigned short dos[QT * (D + 8)];
-  __shared__ float st[QT][3];
+  __shared__ fa_vec qs_[2][FA_TILE(D, QT)];
+  __shared__ fa_vec dos_[2][FA_TILE(D, QT)];
+  // Per buffer, the query rows' lse (base 2) then their rowdot.
+  __shared__ float st_[2][2][QT];
   int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   i64 bg = blockIdx.y, b = bg / hk, gk = bg % hk, group = hq / hk;
   i64 j0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = j0 + warp * 16;
   i64 keys[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
-  float scale = (float)scale_;
+  float scale = (float)scale_, scale2 = scale * FA_LOG2E;
+  // Causal: the first query tile holding a query that sees key j0.
+  i64 first = causal ? j0 / QT * QT : 0;
+  i64 tiles = s > first ? (s - first + QT - 1) / QT : 0, steps = group * tiles;
+  // Step x's query tile into buffer x % 2.
+  auto stage = [&](i64 x) {
+    i64 bh = b * hq + gk * group + x / tiles, i0 = first + x % tiles * QT;
+    fa_stage<D, QT>((unsigned short*)qs_[x & 1], q + bh * s * D, i0, s);
+    fa_stage<D, QT>((unsigned short*)dos_[x & 1], dout + bh * s * D, i0, s);
+    for (int e = threadIdx.x; e < 2 * QT; e += FA_MMA_THREADS) {
+      int c = e % QT;
+      bool inside = i0 + c < s;
+      fa_copy4(&st_[x & 1][e / QT][c], stats + (bh * s + (inside ? i0 + c : 0)) * 3 + (e / QT) * 2, inside);
+    }
+    fa_commit();
+  };
+  if (steps > 0) stage(0);
   unsigned ka[D / 16][4], va[D / 16][4];
   fa_fragments<D>(ka, k + bg * s * D, row0, s);
   fa_fragments<D>(va, v + bg * s * D, row0, s);
   float dka[D / 8][4], dva[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) { dka[n][x] = 0; dva[n][x] = 0; }
-  // Causal: the first query tile holding a query that sees key j0.
-  i64 first = causal ? j0 / QT * QT : 0;
-  for (i64 gh = 0; gh < group; gh++) {
-    i64 bh = b * hq + gk * group + gh;
-    for (i64 i0 = first; i0 < s; i0 += QT) {
-      __syncthreads();
-      fa_stage<D>(qs, q + bh * s * D, i0, QT, s);
-      fa_stage<D>(dos, dout + bh * s * D, i0, QT, s);
-      for (int e = threadIdx.x; e < QT * 3; e += blockDim.x) st[e / 3][e % 3] = i0 + e / 3 < s ? stats[(bh * s + i0) * 3 + e] : (e % 3 == 1 ? 1.0f : 0.0f);
-      __syncthreads();
-      float sc[QT / 8][4], dp[QT / 8][4];
-      fa_products<D, QT / 8>(sc, ka, qs);
-      fa_products<D, QT / 8>(dp, va, dos);
-      for (int n = 0; n < QT / 8; n++)
-        for (int x = 0; x < 4; x++) {
-          int c = n * 8 + 2 * t + (x & 1);
-          i64 i = i0 + c, j = keys[x >> 1];
-          float p = i < s && j < s && (!causal || j <= i) ? exp(sc[n][x] * scale - st[c][0]) / st[c][1] : 0.0f;
-          sc[n][x] = p;
-          dp[n][x] = p * (dp[n][x] - st[c][2]) * scale;
-        }
-      fa_accumulate<D, QT / 8>(dva, sc, dos);
-      fa_accumulate<D, QT / 8>(dka, dp, qs);
-    }
+  for (i64 step = 0; step < steps; step++) {
+    i64 i0 = first + step % tiles * QT;
+    const unsigned short* qs = (const unsigned short*)qs_[step & 1];
+    const unsigned short* dos = (const unsigned short*)dos_[step & 1];
+    const float* lse = st_[step & 1][0];
+    const float* rowdot = st_[step & 1][1];
+    // This step's tiles are in, and every warp is done with the other buffers (the last step's).
+    fa_wait();
+    __syncthreads();
+    if (step + 1 < steps) stage(step + 1);
+    float sc[QT / 8][4], dp[QT / 8][4];
+    fa_products<D, QT / 8>(sc, ka, qs);
+    fa_products<D, QT / 8>(dp, va, dos);
+    bool whole = fa_whole(row0, i0, QT, s, causal, true);
+    for (int n = 0; n < QT / 8; n++)
+      for (int x = 0; x < 4; x++) {
+        int c = n * 8 + 2 * t + (x & 1);
+        i64 i = i0 + c, j = keys[x >> 1];
+        float p = whole || (i < s && j < s && (!causal || j <= i)) ? exp2f(sc[n][x] * scale2 - lse[c]) : 0.0f;
+        sc[n][x] = p;
+        dp[n][x] = p * (dp[n][x] - rowdot[c]) * scale;
+      }
+    fa_accumulate<D, QT / 8>(dva, sc, dos);
+    fa_accumulate<D, QT / 8>(dka, dp, qs);
   }
   float one[2] = {1.0f, 1.0f};
   fa_write<D>(dk + bg * s * D, dka, keys, one, s);
@@ -1159,5 +1290,9 @@ mod tests {
             }
         }
         assert_eq!(ATTENTION_MMA_CUDA.matches("extern \"C\" __global__ void ").count(), 3 * MMA_HEAD_DIMS.len());
+        // The kernels stage tiles in strides of their compile-time thread count and own
+        // compile-time rows per block: both must be the launches'.
+        assert!(ATTENTION_MMA_CUDA.contains(&format!("#define FA_MMA_THREADS {FLASH_THREADS}\n")));
+        assert!(ATTENTION_MMA_CUDA.contains(&format!("#define FA_MMA_ROWS {MMA_ROWS}\n")));
     }
 }
