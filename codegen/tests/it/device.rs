@@ -1128,3 +1128,34 @@ fn attention_is_priced_on_tensor_cores_where_it_runs_on_them() {
     }
     assert_eq!(seen, [true, true], "both kinds of kernel were checked");
 }
+
+/// `xf.sum_leading` on the device sums its rows in chunks, each chunk apart, then the chunks
+/// in order: on the emulated device it equals the CPU backend at shapes with several chunks,
+/// a ragged last column tile and a ragged last chunk, and with one row.
+#[cfg(feature = "cuda")]
+#[test]
+fn bias_gradients_sum_their_rows_in_chunks_as_the_cpu_does() {
+    use shardc_ir::attrs::{AttrValue, Attrs};
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    use shardc_runtime::cuda::{CudaExecutor, Placement};
+    for (rows, columns) in [(1000, 70), (4096, 33), (1, 40), (130, 1)] {
+        let mut fb = FuncBuilder::new("sum");
+        let x = fb.arg("x", TensorTy::new(vec![rows, columns], DType::F32), ArgRole::Input);
+        let y = fb.op("xf.sum_leading", &[x], Attrs::new().with("keep", AttrValue::Int(1)), "sum").unwrap();
+        let func = fb.finish(&[y], &["y".to_string()]);
+        let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap();
+        let values: Vec<f64> = (0..rows * columns).map(|i| ((i * 7919 % 1000) as f64 - 500.0) / 250.0).collect();
+        let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
+        cpu.write_f64("x", &values).unwrap();
+        cpu.run().unwrap();
+        let mut gpu = CudaExecutor::new(program, &Placement::Emulated).unwrap();
+        gpu.write(0, "x", &values).unwrap();
+        gpu.run().unwrap();
+        let (want, got) = (cpu.read_f64("y").unwrap(), gpu.read(0, "y").unwrap());
+        assert_eq!(want.len(), columns as usize);
+        for (j, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!((w - g).abs() <= 1e-4 * (1.0 + w.abs()), "[{rows}, {columns}] column {j}: CPU {w}, device {g}");
+        }
+    }
+}

@@ -20,11 +20,27 @@ impl OpDef for SumLeading {
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let n = elements(&cx.outputs[0]).max(1);
         let rows = (elements(cx.inputs[0]) / n) as i64;
-        Ok(DeviceKernel::Launches(vec![if n == 1 {
-            Launch { grid: [1, 1, 1], ..flat("sum_leading_all", SUM_CUDA, 1, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows)]) }
-        } else {
-            flat("sum_leading_columns", SUM_CUDA, n, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows), Arg::Int(n as i64)])
-        }]))
+        if n == 1 {
+            return Ok(DeviceKernel::Launches(vec![Launch { grid: [1, 1, 1], ..flat("sum_leading_all", SUM_CUDA, 1, vec![Arg::Out(0), Arg::In(0), Arg::Int(rows)]) }]));
+        }
+        // Blocks of 32 columns by a chunk of the rows, enough of them to fill the GPU, each
+        // chunk's sums written apart and then added in chunk order (deterministic). One
+        // thread per column walking every row left a bias gradient of gpt2-small's 8192
+        // tokens at 0.7 ms on an H200, half the step.
+        let column_blocks = n.div_ceil(SUM_COLUMNS);
+        let chunks = (rows as usize / SUM_ROWS_PER_CHUNK).clamp(1, (SUM_TARGET_BLOCKS / column_blocks).max(1));
+        let partial = Launch {
+            kernel: "sum_leading_partial",
+            source: SUM_CUDA,
+            grid: [column_blocks as u32, chunks as u32, 1],
+            // 32 columns by 8 row lanes, as the kernel reads its thread index.
+            block: (SUM_COLUMNS * 8) as u32,
+            shared: 0,
+            workspace: chunks * n,
+            args: vec![Arg::Workspace, Arg::In(0), Arg::Int(rows), Arg::Int(n as i64)],
+        };
+        let finish = Launch { workspace: chunks * n, ..flat("sum_leading_finish", SUM_CUDA, n, vec![Arg::Out(0), Arg::Workspace, Arg::Int(chunks as i64), Arg::Int(n as i64)]) };
+        Ok(DeviceKernel::Launches(vec![partial, finish]))
     }
     fn summary(&self) -> &'static str {
         "sum over the leading dims, keeping the trailing `keep` dims"
@@ -165,11 +181,38 @@ impl OpDef for Wait {
     }
 }
 
+/// Columns of one block of `sum_leading_partial` (a warp's width).
+const SUM_COLUMNS: usize = 32;
+/// Rows a chunk of `sum_leading_partial` takes at least.
+const SUM_ROWS_PER_CHUNK: usize = 64;
+/// Blocks `sum_leading_partial` aims at (a few per SM of a large GPU).
+const SUM_TARGET_BLOCKS: usize = 528;
+
 /// CUDA C of this file's ops (see [`crate::kernel`]).
-const SUM_CUDA: &str = r#"extern "C" __global__ void sum_leading_columns(T* y, const T* x, i64 rows, i64 n) {
+const SUM_CUDA: &str = r#"// Block (column tile, chunk): 32 columns (a warp's lanes, coalesced) by 8 row lanes; each
+// thread sums its rows of the chunk in order, the 8 row lanes are added in order, and the
+// chunk's sums go to partial[chunk][column].
+extern "C" __global__ void sum_leading_partial(acc_t* partial, const T* x, i64 rows, i64 n) {
+  __shared__ acc_t lanes[8][32];
+  int column_lane = threadIdx.x & 31, row_lane = threadIdx.x >> 5;
+  i64 j = (i64)blockIdx.x * 32 + column_lane;
+  i64 per_chunk = (rows + gridDim.y - 1) / gridDim.y;
+  i64 first = (i64)blockIdx.y * per_chunk, last = first + per_chunk < rows ? first + per_chunk : rows;
+  acc_t acc = 0;
+  if (j < n)
+    for (i64 r = first + row_lane; r < last; r += 8) acc += load(x[r * n + j]);
+  lanes[row_lane][column_lane] = acc;
+  __syncthreads();
+  if (row_lane == 0 && j < n) {
+    acc_t sum = 0;
+    for (int l = 0; l < 8; l++) sum += lanes[l][column_lane];
+    partial[(i64)blockIdx.y * n + j] = sum;
+  }
+}
+extern "C" __global__ void sum_leading_finish(T* y, const acc_t* partial, i64 chunks, i64 n) {
   GRID_STRIDE(j, n) {
     acc_t acc = 0;
-    for (i64 r = 0; r < rows; r++) acc += load(x[r * n + j]);
+    for (i64 c = 0; c < chunks; c++) acc += partial[c * n + j];
     y[j] = store(acc);
   }
 }
