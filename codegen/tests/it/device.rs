@@ -1159,3 +1159,40 @@ fn bias_gradients_sum_their_rows_in_chunks_as_the_cpu_does() {
         }
     }
 }
+
+/// `xf.embedding_grad` on the device deals the vocabulary rows to threads by residue: on the
+/// emulated device it equals the CPU backend with repeated ids, a vocabulary smaller than the
+/// split and one that is not a power of two.
+#[cfg(feature = "cuda")]
+#[test]
+fn embedding_gradients_sum_repeated_ids_as_the_cpu_does() {
+    use shardc_ir::attrs::{AttrValue, Attrs};
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    use shardc_runtime::cuda::{CudaExecutor, Placement};
+    for (vocab, tokens, hidden) in [(37, 100, 8), (5, 40, 3), (300, 257, 33)] {
+        let mut fb = FuncBuilder::new("embed");
+        let ids = fb.arg("ids", TensorTy::new(vec![1, tokens], DType::I32), ArgRole::Input);
+        let dy = fb.arg("dy", TensorTy::new(vec![1, tokens, hidden], DType::F32), ArgRole::Input);
+        let grad = fb.op("xf.embedding_grad", &[ids, dy], Attrs::new().with("vocab", AttrValue::Int(vocab)), "embed").unwrap();
+        let func = fb.finish(&[grad], &["grad".to_string()]);
+        let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap();
+        // Ids repeat (a few rows take many tokens); every row past them stays zero.
+        let id_values: Vec<f64> = (0..tokens).map(|t| ((t * t + 3 * t) % vocab.min(29)) as f64).collect();
+        let dy_values: Vec<f64> = (0..tokens * hidden).map(|i| ((i * 7919 % 1000) as f64 - 500.0) / 250.0).collect();
+        let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
+        let mut gpu = CudaExecutor::new(program, &Placement::Emulated).unwrap();
+        cpu.write("ids", &id_values.iter().map(|&v| v as i32).collect::<Vec<i32>>()).unwrap();
+        cpu.write_f64("dy", &dy_values).unwrap();
+        for (name, values) in [("ids", &id_values), ("dy", &dy_values)] {
+            gpu.write(0, name, values).unwrap();
+        }
+        cpu.run().unwrap();
+        gpu.run().unwrap();
+        let (want, got) = (cpu.read_f64("grad").unwrap(), gpu.read(0, "grad").unwrap());
+        assert_eq!(want.len(), (vocab * hidden) as usize);
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!((w - g).abs() <= 1e-4 * (1.0 + w.abs()), "vocab {vocab}, element {i}: CPU {w}, device {g}");
+        }
+    }
+}

@@ -69,7 +69,7 @@ impl OpDef for Embedding {
 }
 
 /// Threads per column of the embedding gradient's kernel (each takes the vocabulary rows of
-/// one residue).
+/// one residue; a power of two).
 const EMBEDDING_GRAD_SPLIT: i64 = 64;
 
 /// `out[v, :] = sum of dy[t, :] over every position t with ids[t] = v`: the scatter-add that
@@ -87,8 +87,9 @@ impl OpDef for EmbeddingGrad {
         let zero = flat("shardc_fill_zero", "", elements(&cx.outputs[0]), vec![Arg::Out(0), Arg::Int(rows * hidden)]);
         // Vocabulary rows are dealt to `split` threads per column, so that many more threads
         // work than columns (one per column left an H200 at 1.9 ms for gpt2-small's 4096
-        // tokens).
-        let split = rows.clamp(1, EMBEDDING_GRAD_SPLIT);
+        // tokens); a power of two, so a thread picks its rows with a mask, not a 64-bit
+        // division per token.
+        let split = (rows.clamp(1, EMBEDDING_GRAD_SPLIT) as u64).next_power_of_two() as i64;
         let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::Int(tokens), Arg::Int(hidden), Arg::Int(rows), Arg::Int(split)];
         Ok(DeviceKernel::Launches(vec![zero, flat("embedding_grad", EMBEDDING_CUDA, (hidden * split) as usize, args)]))
     }
@@ -137,15 +138,15 @@ const EMBEDDING_CUDA: &str = r#"extern "C" __global__ void embedding(T* out, con
   }
 }
 // Thread (part, column) walks the tokens in order and adds those whose id is `part` modulo
-// `split`: each output element is summed by one thread in token order (deterministic, the
-// same sums as one thread per column), and a warp's threads share the part, so the walk
-// does not diverge.
+// `split` (a power of two): each output element is summed by one thread in token order
+// (deterministic, the same sums as one thread per column), and a warp's threads share the
+// part, so the walk does not diverge.
 extern "C" __global__ void embedding_grad(T* out, const int* ids, const T* dy, i64 tokens, i64 hidden, i64 rows, i64 split) {
   GRID_STRIDE(i, hidden * split) {
     i64 c = i % hidden, part = i / hidden;
     for (i64 t = 0; t < tokens; t++) {
       i64 r = ids[t];
-      if (r >= 0 && r < rows && r % split == part) out[r * hidden + c] = store(load(out[r * hidden + c]) + load(dy[t * hidden + c]));
+      if (r >= 0 && r < rows && (r & (split - 1)) == part) out[r * hidden + c] = store(load(out[r * hidden + c]) + load(dy[t * hidden + c]));
     }
   }
 }

@@ -273,7 +273,7 @@ fn check(manifest: &Manifest, dir: &Path, placement: &Placement) -> Result<bool,
         // A case that cannot run is a failed row: the cases after it still run.
         let row = check_case(manifest, dir, placement, case, &mut results.device).unwrap_or_else(|(label, e)| {
             println!("{label:<40} {:>10} {:>10} {:>10} {:>12} {:>8}", "-", "-", "-", "-", "ERROR");
-            Row { case: label, measured: "-".into(), predicted: "-".into(), ratio: "-".into(), result: format!("ERROR: {e}"), ok: false }
+            error_row(&label, &e)
         });
         all &= row.ok;
         results.rows.push(row);

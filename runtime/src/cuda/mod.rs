@@ -669,10 +669,7 @@ impl CudaExecutor {
     /// Runs `indices` in order on every local rank until one is a pipeline receive whose
     /// message has not been sent yet; returns how many were left (0: all ran).
     pub fn run_until_blocked(&mut self, indices: &[usize]) -> Result<usize, RuntimeError> {
-        if self.profile.is_some() {
-            let start = self.device.marker()?;
-            self.profile.as_mut().map(|p| p.push((None, start)));
-        }
+        self.mark(None)?;
         for (done, &index) in indices.iter().enumerate() {
             if let Some(f) = self.fault.filter(|f| f.instruction == index) {
                 self.inject(f)?;
@@ -686,6 +683,7 @@ impl CudaExecutor {
                 if !ran {
                     return Ok(indices.len() - done);
                 }
+                self.mark(Some(index))?;
                 continue;
             }
             let calls = self.plan.calls[index].clone();
@@ -701,12 +699,18 @@ impl CudaExecutor {
                     RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message: e.to_string() }
                 })?;
             }
-            if self.profile.is_some() {
-                let after = self.device.marker()?;
-                self.profile.as_mut().map(|p| p.push((Some(index), after)));
-            }
+            self.mark(Some(index))?;
         }
         Ok(0)
+    }
+
+    /// While profiling, a marker on the compute stream after `instruction` (`None`: before a
+    /// run of instructions).
+    fn mark(&mut self, instruction: Option<usize>) -> Result<(), RuntimeError> {
+        if let Some(markers) = &mut self.profile {
+            markers.push((instruction, self.device.marker()?));
+        }
+        Ok(())
     }
 
     /// Starts (or stops) timing each instruction on the device: every local rank's calls of
@@ -717,7 +721,7 @@ impl CudaExecutor {
 
     /// The device seconds of each instruction run since profiling started (in run order; an
     /// instruction that ran twice appears twice), waiting for the device; profiling goes on.
-    /// A pipeline receive's span includes its wait for the send.
+    /// A pipeline send or receive is a span of its own (its copy on the stream).
     pub fn take_profile(&mut self) -> Result<Vec<(usize, f64)>, RuntimeError> {
         let Some(markers) = self.profile.as_mut().map(std::mem::take) else { return Ok(Vec::new()) };
         self.device.synchronize()?;
