@@ -244,13 +244,13 @@ run() {
     return "$rc"
   }
   echo "== numerics: GPU against the CPU backend =="
-  phase "${limits[0]}" check manifest.json || status=1
+  phase "${limits[0]:-200}" check manifest.json || status=1
   echo "== speed =="
-  phase "${limits[1]}" bench manifest.json || status=1
+  phase "${limits[1]:-140}" bench manifest.json || status=1
   echo "== profile: each timed step's instructions on the device =="
-  phase "${limits[2]}" profile manifest.json || status=1
+  phase "${limits[2]:-50}" profile manifest.json || status=1
   echo "== calibration: the step's kernels, one at a time (fit with gpu-check.sh report) =="
-  phase "${limits[3]}" calibrate calibration || status=1
+  phase "${limits[3]:-90}" calibrate calibration || status=1
   echo "== gpu-check: every case =="
   ./shardc-gpu table manifest.json || status=1
   echo "gpu-check: run took ${SECONDS} s (budget 480 s)"
