@@ -106,6 +106,16 @@ prepare() {
   attention_checks=$(IFS=,; echo "${checks[*]}")
   # The kernels `shardc-gpu calibrate` times on the GPU, for `report` to fit on.
   "$shardc" calibrate "${calibration[@]}" --emit "$dir/calibration"
+  # Every module compiled ahead for the H200 (sm_90) by NVRTC, which needs no GPU, so the GPU
+  # machine loads machine code instead of compiling (seconds per large bf16 module, and an
+  # NVRTC compile per calibration kernel). Staged as one archive (cubins compress about 7x);
+  # a module the cache lacks (another GPU, a changed plan) is compiled there as before.
+  echo "gpu-check: compiling every module for sm_90 (the kernel cache)"
+  local cache
+  cache=$(mktemp -d)
+  LD_LIBRARY_PATH="$(scripts/setup-nvrtc)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$dir/shardc-gpu" precompile sm_90 "$cache/kernel-cache" "$dir/plans" "$dir/calibration" | tail -n 1
+  tar czf "$dir/kernel-cache.tgz" -C "$cache" kernel-cache
+  rm -rf "$cache"
   local attention
   attention=$(IFS=,; echo "${entries[*]}")
   cat > "$dir/manifest.json" <<JSON
@@ -228,6 +238,12 @@ run() {
   echo "gpu-check: CUDA libraries from ${#libs[@]} folders under site-packages"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   ./shardc-gpu available
+  # The modules `prepare` compiled for sm_90, loaded instead of compiled.
+  if [ -f kernel-cache.tgz ]; then
+    rm -rf kernel-cache && tar xzf kernel-cache.tgz
+    export SHARDC_KERNEL_CACHE="$PWD/kernel-cache"
+    echo "gpu-check: kernel cache of $(find kernel-cache -name '*.cubin' | wc -l) modules"
+  fi
   local status=0
   rm -f results-check.json results-bench.json bench-measured.json profile-*.json calibration/measured.json
   # Each phase has a time limit (seconds; GPU_CHECK_LIMITS="check bench profile calibrate"), so a

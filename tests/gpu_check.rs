@@ -156,3 +156,60 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     assert!(rows[1].ok && rows[1].result.starts_with("match"), "{rows:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `shardc-gpu precompile` (what `gpu-check.sh prepare` runs): every distinct module of the
+/// plans and one-op programs under the paths it is given, compiled by NVRTC to sm_90 machine
+/// code in the cache folder, which a run then reads instead of compiling. A cached cubin is
+/// used only for the very source it was compiled from.
+#[test]
+fn precompile_fills_the_kernel_cache_with_each_module_once() {
+    use shardc_runtime::cuda::compile::{precompile, Origin};
+    let dir = tempdir("precompile");
+    let plan = compile(&dir, "one", &["--lr", "0.1", "--microbatches", "1"]);
+    compile(&dir, "one-again", &["--lr", "0.1", "--microbatches", "1"]);
+    plans::attention(&["--seq", "40", "--batch", "1", "--heads", "2", "--head-dim", "8", "--gpu", "h200", "--emit"].map(String::from).into_iter().chain([dir.join("plans").display().to_string()]).collect::<Vec<_>>()).unwrap();
+    // Something that is not a program is passed over.
+    std::fs::write(dir.join("plans/kernels.json"), "[]").unwrap();
+    let cache = dir.join("cache");
+    let cache_arg = cache.display().to_string();
+    match cli(&["precompile", "sm_90", &cache_arg, &dir.join("plans").display().to_string()]) {
+        Ok(true) => {}
+        Err(e) if e.contains("was not found") && std::env::var("SHARDC_REQUIRE_NVRTC").map_or(true, |v| v != "1") => {
+            eprintln!("SKIPPED precompile_fills_the_kernel_cache_with_each_module_once: {e}");
+            return;
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut cubins: Vec<PathBuf> = std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "cubin")).collect();
+    cubins.sort();
+    // The two identical plans share one module, and attention's forward and backward another.
+    assert_eq!(cubins.len(), 2, "{cubins:?}");
+    for cubin in &cubins {
+        let bytes = std::fs::read(cubin).unwrap();
+        assert_eq!(&bytes[..4], b"\x7fELF", "{} is not machine code", cubin.display());
+        assert!(cubin.file_name().unwrap().to_str().unwrap().starts_with("sm_90-"));
+    }
+    // What a run loads: the plan's module, read back from the folder.
+    let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    let step = value["programs"].as_array().unwrap().iter().find(|p| p["name"] == "train_step").unwrap();
+    let program = shardc_runtime::Program::from_value(step.clone()).unwrap();
+    let source = &program.device.as_ref().unwrap().source;
+    assert_eq!(precompile(source, (9, 0), &cache).unwrap(), Origin::Disk);
+    // A cached source that differs (a stale or damaged entry under the same name) is not
+    // trusted: the module is compiled again and the entry rewritten.
+    let stem = cubins.iter().map(|c| c.with_extension("cu")).find(|cu| std::fs::read_to_string(cu).unwrap() == *source).unwrap();
+    std::fs::write(&stem, format!("{source}\n// changed")).unwrap();
+    assert_eq!(precompile(source, (9, 0), &cache).unwrap(), Origin::Compiled);
+    assert_eq!(std::fs::read_to_string(&stem).unwrap(), *source);
+    assert_eq!(precompile(source, (9, 0), &cache).unwrap(), Origin::Disk);
+    // Another architecture is another entry.
+    assert_eq!(precompile(source, (8, 0), &cache).unwrap(), Origin::Compiled);
+    // Bad input names the fix.
+    for arch in ["90", "sm_9", "compute_90", "sm_9x"] {
+        let e = cli(&["precompile", arch, &cache_arg, &plan.display().to_string()]).unwrap_err();
+        assert!(e.contains("sm_90"), "{arch}: {e}");
+    }
+    let e = cli(&["precompile", "sm_90", &cache_arg, &dir.join("plans/kernels.json").display().to_string()]).unwrap_err();
+    assert!(e.contains("--target cuda"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

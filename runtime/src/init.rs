@@ -46,12 +46,14 @@ pub fn normal(key: u64, i: u64) -> f64 {
 
 /// The initial value of every element of parameter `name` with `len` elements.
 pub fn init_param(name: &str, len: usize, seed: u64, layers: usize) -> Vec<f64> {
+    use rayon::prelude::*;
+    // Every core: a large model's parameters are hundreds of millions of elements.
     let value = element_initializer(name, seed, layers);
-    (0..len as u64).map(value).collect()
+    (0..len as u64).into_par_iter().map(value).collect()
 }
 
 /// Element `i` (in the global tensor) of parameter `name`'s initial value.
-fn element_initializer(name: &str, seed: u64, layers: usize) -> impl Fn(u64) -> f64 {
+fn element_initializer(name: &str, seed: u64, layers: usize) -> impl Fn(u64) -> f64 + Sync + Send {
     let (constant, std) = if name.ends_with(".bias") {
         (Some(0.0), 0.0)
     } else if name.ends_with("norm.weight") {
@@ -75,7 +77,7 @@ pub fn init_shard(binding: &crate::program::Binding, shape: &[usize], mesh: &cra
     let name = crate::program::master_of(&binding.name).unwrap_or(&binding.name);
     let value = element_initializer(name, seed, layers);
     // A padded tensor's real elements sit at the start of each dimension; the rest are 0.
-    crate::layout::shard_from(layout, mesh, rank, |g| {
+    crate::layout::shard_from_par(layout, mesh, rank, |g| {
         let (mut rest, mut unpadded, mut stride) = (g, 0u64, 1u64);
         for (&n, &real) in shape.iter().zip(&logical).rev() {
             let i = rest % n;

@@ -61,6 +61,13 @@ pub fn shard_from<T: Copy + Default>(layout: &Layout, mesh: &MeshShape, rank: us
     out
 }
 
+/// [`shard_from`] with `value` evaluated on every core (a large parameter's initial values).
+pub fn shard_from_par<T: Copy + Default + Send>(layout: &Layout, mesh: &MeshShape, rank: usize, value: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    use rayon::prelude::*;
+    let globals = shard_from(layout, mesh, rank, |g| g);
+    globals.into_par_iter().map(&value).collect()
+}
+
 /// The global tensor from every rank's shard (`shards[rank]`); replicas overwrite each other
 /// with what must be the same values.
 pub fn assemble<T: Copy + Default>(shards: &[Vec<T>], layout: &Layout, mesh: &MeshShape) -> Vec<T> {

@@ -18,7 +18,11 @@
 //!   ratio, and the verdict, MFU or TFLOP/s;
 //! * `calibrate DIR`: times each single-kernel program that `shardc calibrate --backend cuda
 //!   --emit DIR` listed in `DIR/kernels.json` and writes `DIR/measured.json`, from which
-//!   `shardc calibrate --measured` fits the cluster model on the build machine.
+//!   `shardc calibrate --measured` fits the cluster model on the build machine;
+//! * `precompile ARCH CACHE PATH...`: compiles the device module of every plan and program
+//!   under each PATH (a JSON file or a folder of them) to machine code for ARCH (`sm_90`)
+//!   with NVRTC, into the kernel cache folder CACHE, with no GPU needed: a run with
+//!   `SHARDC_KERNEL_CACHE=CACHE` then loads each module without compiling it.
 //!
 //! Exit status 1 when a case does not match (or anything fails). With
 //! `SHARDC_GPU_EMULATE=1` the device is the CPU emulation (for trying the check without a
@@ -150,12 +154,84 @@ pub fn cli(args: &[String], placement: &Placement) -> Result<bool, String> {
         [command, manifest] if command == "table" => table(Path::new(manifest).parent().unwrap_or(Path::new(""))),
         [command, dir] if command == "calibrate" => calibrate(Path::new(dir), placement),
         [command, manifest] if command == "profile" => load(manifest).and_then(|(m, dir)| profile(&m, &dir, placement)),
+        [command, arch, cache, paths @ ..] if command == "precompile" && !paths.is_empty() => precompile(arch, Path::new(cache), paths),
         [command] if command == "available" => match placement {
             Placement::Emulated => Ok(true),
             _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
         },
-        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | profile MANIFEST | table MANIFEST | calibrate DIR | available".into()),
+        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | profile MANIFEST | table MANIFEST | calibrate DIR | precompile ARCH CACHE PATH... | available".into()),
     }
+}
+
+/// `precompile`: every distinct device module under `paths` compiled for `arch` into `cache`.
+fn precompile(arch: &str, cache: &Path, paths: &[String]) -> Result<bool, String> {
+    let capability = arch
+        .strip_prefix("sm_")
+        .filter(|d| d.len() >= 2 && d.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|d| Some((d[..d.len() - 1].parse::<i32>().ok()?, d[d.len() - 1..].parse::<i32>().ok()?)))
+        .ok_or_else(|| format!("architecture `{arch}`: give a real GPU architecture such as sm_90 (an H100 or H200) or sm_80 (an A100)"))?;
+    let mut files = Vec::new();
+    for path in paths.iter().map(Path::new) {
+        if path.is_dir() {
+            let entries = std::fs::read_dir(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let mut inside: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "json")).collect();
+            inside.sort();
+            files.extend(inside);
+        } else {
+            files.push(path.to_path_buf());
+        }
+    }
+    // A plan file holds `programs`; a one-op or calibration program is one program. Other
+    // JSON (a kernel list, measured times) has no device source and is passed over.
+    let mut sources: Vec<String> = Vec::new();
+    for file in &files {
+        let value = read_json(file)?;
+        let programs = match value.get("programs").and_then(|p| p.as_array()) {
+            Some(programs) => programs.iter().collect(),
+            None => vec![&value],
+        };
+        for program in programs {
+            if let Some(source) = program.get("device").and_then(|d| d.get("source")).and_then(|s| s.as_str())
+                && !sources.iter().any(|s| s == source)
+            {
+                sources.push(source.to_string());
+            }
+        }
+    }
+    if sources.is_empty() {
+        return Err(format!("no device code in {} file(s): compile the plans with `shardc compile --target cuda`", files.len()));
+    }
+    let began = std::time::Instant::now();
+    // Modules compile side by side, a thread per core (NVRTC compiles separate programs
+    // concurrently), each taking the next module in turn.
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(sources.len());
+    let compile_next = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(source) = sources.get(i) else { return done };
+            let one = std::time::Instant::now();
+            let origin = cuda::compile::precompile(source, capability, cache).map_err(|e| format!("module {} of {}: {e}", i + 1, sources.len()));
+            done.push((i, origin.map(|o| (o, one.elapsed().as_secs_f64()))));
+        }
+    };
+    type Compiled = (usize, Result<(cuda::compile::Origin, f64), String>);
+    let mut done: Vec<Compiled> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers).map(|_| s.spawn(compile_next)).collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    let done = done.into_iter().map(|(_, r)| r).collect::<Result<Vec<_>, String>>()?;
+    let mut compiled = 0;
+    for (source, (origin, seconds)) in sources.iter().zip(&done) {
+        let fresh = *origin == cuda::compile::Origin::Compiled;
+        compiled += usize::from(fresh);
+        let first_line = source.lines().next().unwrap_or("").trim_start_matches("// ");
+        println!("  {seconds:>6.1} s  {:<9} {first_line}", if fresh { "compiled" } else { "cached" });
+    }
+    println!("shardc-gpu precompile: {} modules for {arch} in {} ({compiled} compiled now) in {:.0} s", sources.len(), cache.display(), began.elapsed().as_secs_f64());
+    Ok(true)
 }
 
 fn load(path: &str) -> Result<(Manifest, PathBuf), String> {

@@ -157,7 +157,7 @@ pub trait Device {
     }
 }
 
-/// A GPU: one context, one stream, the module compiled by NVRTC, cuBLAS.
+/// A GPU: one context, one stream, the module (a cubin from NVRTC or the kernel cache), cuBLAS.
 pub struct Gpu {
     /// None where cuBLASLt's library is absent: epilogues then run unfused. First, so it is
     /// dropped (its handle and workspace freed) while the context still lives.
@@ -171,7 +171,7 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// Opens GPU `device` and loads `source` (compiled to PTX by NVRTC) with `kernels`.
+    /// Opens GPU `device` and loads `source` (its cubin from NVRTC or the kernel cache) with `kernels`.
     pub fn new(device: usize, source: &str, kernels: &[String]) -> Result<Gpu, RuntimeError> {
         super::check_available()?;
         let count = CudaContext::device_count().map_err(|e| err(format!("{e:?}")))? as usize;
@@ -183,8 +183,16 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let capability = ctx.compute_capability().map_err(|e| err(format!("reading GPU {device}'s compute capability: {e:?}")))?;
-        let ptx = super::compile_ptx_for(source, Some(capability))?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| err(format!("loading the module: {e:?}")))?;
+        // The GPU's own machine code (cached on disk), so the driver has nothing to JIT; should
+        // the driver refuse a cubin (one from a newer NVRTC than it knows), it JITs the PTX.
+        let cubin = super::compile::cubin_for(source, capability)?;
+        let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
+            Ok(module) => module,
+            Err(refused) => {
+                let ptx = super::compile_ptx_for(source, Some(capability))?;
+                ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| err(format!("loading the module: {e:?} (its cubin: {refused:?})")))?
+            }
+        };
         let mut functions = HashMap::new();
         for kernel in kernels {
             if !functions.contains_key(kernel) {

@@ -1,7 +1,8 @@
 //! The CUDA backend (cargo feature `cuda`): runs a rank program's device plan
 //! ([`crate::program::DevicePlan`]) on an NVIDIA GPU.
 //!
-//! The module is compiled by NVRTC when the program is loaded; matrix products go to cuBLAS
+//! The module is compiled by NVRTC to the GPU's machine code when the program is loaded
+//! (kept in a cache on disk: [`compile`]); matrix products go to cuBLAS
 //! (fp32 accumulation); collectives run either among ranks that share one GPU (the
 //! single-device mode for development: every rank of a small mesh has its own memory on one
 //! card, and collectives are device copies and sums in a fixed order), or over NCCL with one
@@ -15,6 +16,7 @@
 
 #![allow(unsafe_code)]
 
+pub mod compile;
 pub mod device;
 pub mod emulate;
 mod lt;
@@ -24,6 +26,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::{sys as dsys, CudaContext};
 
+pub use compile::{compile_ptx, compile_ptx_for};
 use device::{ColumnMajorGemm, Device, KernelValue};
 
 use crate::collectives::MeshShape;
@@ -54,44 +57,6 @@ pub fn check_available() -> Result<(), RuntimeError> {
         Ok(_) => Err(err("the CUDA driver reports no GPU")),
         Err(e) => Err(err(format!("the CUDA driver failed to start: {e:?}"))),
     }
-}
-
-/// Compiles a device module to PTX with NVRTC (checks that NVRTC is present first), for
-/// NVRTC's default architecture.
-pub fn compile_ptx(source: &str) -> Result<String, RuntimeError> {
-    compile_ptx_for(source, None)
-}
-
-/// Compiles a device module to PTX for a compute capability `(major, minor)` (NVRTC's default
-/// architecture when `None`). Kernels take their tensor-core paths (`mma.sync`, sm_80 on) only
-/// when compiled for a GPU that has them, so a GPU's module is compiled for that GPU.
-pub fn compile_ptx_for(source: &str, capability: Option<(i32, i32)>) -> Result<String, RuntimeError> {
-    // SAFETY: only tries to dlopen the library.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(err("NVRTC (libnvrtc.so.13) was not found: put pip's nvidia-cuda-nvrtc (nvidia/cu13/lib) on LD_LIBRARY_PATH"));
-    }
-    // A process compiles the same module many times (a check's gradient run after its
-    // steps, attention's forward and backward, calibration's kernels): NVRTC takes seconds
-    // on a large bf16 module, so each (source, architecture) is compiled once.
-    type Compiled = HashMap<(String, Option<(i32, i32)>), String>;
-    static COMPILED: std::sync::OnceLock<std::sync::Mutex<Compiled>> = std::sync::OnceLock::new();
-    let cache = COMPILED.get_or_init(Default::default);
-    let key = (source.to_string(), capability);
-    if let Some(ptx) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        return Ok(ptx.clone());
-    }
-    let options = cudarc::nvrtc::CompileOptions {
-        name: Some("shardc.cu".into()),
-        options: capability.map(|(major, minor)| format!("--gpu-architecture=compute_{major}{minor}")).into_iter().collect(),
-        ..Default::default()
-    };
-    let ptx = match cudarc::nvrtc::compile_ptx_with_opts(source, options) {
-        Ok(ptx) => ptx.to_src(),
-        Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => return Err(err(format!("NVRTC rejected the module:\n{}", log.to_string_lossy()))),
-        Err(e) => return Err(err(format!("NVRTC failed: {e:?}"))),
-    };
-    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, ptx.clone());
-    Ok(ptx)
 }
 
 /// One rank's memory on the device: (pointer, bytes) of each slot and of its scratch.
