@@ -630,26 +630,29 @@ fn fit_vectors(cluster: &mut Cluster, vectors: &[&Sample]) {
     cluster.gpu.special_cost = best.2;
 }
 
-/// The share (0..1] that, set by `set`, makes the time-weighted geometric mean of predicted /
-/// measured 1 for `samples` (1 when there are none or they are bound by memory).
+/// The share (0..1] that, set by `set`, makes the time-weighted median of predicted /
+/// measured 1 for `samples` (1 when there are none or they are bound by memory): as much of
+/// the kernels' time is over-predicted as under-predicted. A median, not a mean, so that one
+/// kernel the model cannot explain (a serial walk the cost registry sees as a few bytes)
+/// does not drag the share, and with it every other kernel, by orders of magnitude.
 fn fit_share(cluster: &Cluster, samples: &[&Sample], set: impl Fn(&mut Cluster, f64)) -> f64 {
     if samples.is_empty() {
         return 1.0;
     }
-    // Bisection on the log ratio, which falls as the share grows.
-    let mean_log = |x: f64| {
+    // Bisection on the time over-predicted less the time under-predicted, which falls as the
+    // share grows.
+    let balance = |x: f64| {
         let mut c = cluster.clone();
         set(&mut c, x);
-        let total: f64 = samples.iter().map(|s| s.seconds).sum::<f64>().max(1e-30);
-        samples.iter().map(|s| s.seconds / total * (c.kernel_time(&s.class, &s.cost, s.bf16) / s.seconds).ln()).sum::<f64>()
+        samples.iter().map(|s| s.seconds * (c.kernel_time(&s.class, &s.cost, s.bf16) / s.seconds).ln().signum()).sum::<f64>()
     };
     let (mut lo, mut hi) = (1e-4f64, 1.0f64);
-    if mean_log(hi) >= 0.0 {
+    if balance(hi) >= 0.0 {
         return hi;
     }
     for _ in 0..60 {
         let mid = (lo * hi).sqrt();
-        if mean_log(mid) > 0.0 { lo = mid } else { hi = mid }
+        if balance(mid) > 0.0 { lo = mid } else { hi = mid }
     }
     hi
 }

@@ -422,15 +422,18 @@ pub fn flops(n: f64) -> String {
     format!("{value:.2} {}", units[unit])
 }
 
-/// Collectives of `program` grouped by op and axes, for rank 0: a bucket counts as the one
-/// collective (an all-reduce) or NCCL group (of gathers or scatters) issued for it, not one
-/// per member.
+/// Collectives of `program` grouped by op and axes, for rank 0: a bucket (of one step, or of
+/// a pipeline or accumulation step's step section) counts as the one collective (an
+/// all-reduce) or NCCL group (of gathers or scatters) issued for it, not one per member.
 fn communication(program: &shardc_runtime::Program) -> Vec<CommSummary> {
     let mut groups: std::collections::BTreeMap<(String, String), (usize, u64)> = std::collections::BTreeMap::new();
     let mut buckets_seen = std::collections::HashSet::new();
     for r in shardc_runtime::report::comm_records(program, 0) {
         let entry = groups.entry((r.op.trim_start_matches("shard.").to_string(), axis_names(&r.axes))).or_insert((0, 0));
-        let bucket = program.instrs[r.index].int("xf.bucket").ok();
+        // Buckets of a single step (`xf.bucket`) and of a pipeline or accumulation step's
+        // step section (`xf.step_bucket`), numbered apart.
+        let instr = &program.instrs[r.index];
+        let bucket = instr.int("xf.bucket").ok().map(|b| (false, b)).or_else(|| instr.int("xf.step_bucket").ok().map(|b| (true, b)));
         if bucket.is_none_or(|b| buckets_seen.insert(b)) {
             entry.0 += 1;
         }

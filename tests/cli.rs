@@ -953,6 +953,19 @@ fn compile_for_cuda_writes_device_code() {
     assert!(!buckets.is_empty(), "{:?}", dp_all_reduces.first());
     let expected = format!(" {} all_reduce over dp (", unbucketed + buckets.len());
     assert!(stdout(&out).contains(&expected), "{expected} in {}", stdout(&out));
+    // And a step of several micro-batches, whose step section sends the gradients in step
+    // buckets (`xf.step_bucket`): one all-reduce over dp each.
+    let out = shardc(&["compile", "models/tiny.toml", "--mesh", "dp=2", "--microbatches", "4", "--target", "cuda", "-o", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let ranks: Vec<&serde_json::Value> = plan["programs"].as_array().unwrap().iter().filter(|p| !p["pipeline"].is_null()).collect();
+    assert_eq!(ranks.len(), 1, "gradient accumulation runs as one pipeline rank");
+    let dp_all_reduces: Vec<&serde_json::Value> = ranks[0]["instrs"].as_array().unwrap().iter().filter(|i| i["op"] == "shard.all_reduce" && i["attrs"]["grid_axes"] == serde_json::json!([0])).collect();
+    let step_buckets: std::collections::BTreeSet<i64> = dp_all_reduces.iter().filter_map(|i| i["attrs"]["xf.step_bucket"].as_i64()).collect();
+    let unbucketed = dp_all_reduces.iter().filter(|i| i["attrs"]["xf.step_bucket"].is_null()).count();
+    assert!(!step_buckets.is_empty() && dp_all_reduces.len() > step_buckets.len() + unbucketed, "tiny at dp=2 over 4 micro-batches has step buckets of several gradients");
+    let expected = format!(" {} all_reduce over dp (", unbucketed + step_buckets.len());
+    assert!(stdout(&out).contains(&expected), "{expected} in {}", stdout(&out));
     // Pipeline ranks get device code too (the CUDA backend runs pipeline schedules).
     let out = shardc(&["compile", "models/tiny.toml", "--mesh", "pp=2", "--microbatches", "4", "--target", "cuda", "-o", path.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -1701,7 +1714,7 @@ fn inspect_refuses_plans_whose_numbers_do_not_add_up() {
                 p["programs"][0]["format_version"] = serde_json::json!(1);
                 p["programs"][0]["device"] = serde_json::json!({"calls": [{"unknown_call": {}}]});
             }),
-            "format version 1 is not supported (this runtime reads version 2)",
+            "format version 1 is not supported (this runtime reads version 3)",
         ),
         (Box::new(|p| p["format_version"] = serde_json::json!(7)), "plan `format_version` is 7"),
         (Box::new(|p| p["programs"][2]["mesh"] = serde_json::json!([u64::MAX, 2])), "mesh [18446744073709551615, 2]"),

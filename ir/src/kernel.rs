@@ -250,6 +250,8 @@ __device__ acc_t block_sum(acc_t v) {
   __shared__ acc_t part[32];
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
   v = warp_sum(v);
+  // A block of one warp (a row kernel's warp per row): lane 0's sum is the block's, no barrier.
+  if (blockDim.x == 32) return __shfl_sync(0xffffffffu, v, 0);
   __syncthreads();
   if (lane == 0) part[warp] = v;
   __syncthreads();
@@ -263,6 +265,7 @@ __device__ acc_t block_max(acc_t v) {
   __shared__ acc_t part[32];
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
   v = warp_max(v);
+  if (blockDim.x == 32) return __shfl_sync(0xffffffffu, v, 0);
   __syncthreads();
   if (lane == 0) part[warp] = v;
   __syncthreads();

@@ -11,8 +11,10 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the format changes incompatibly. 2: device calls with GEMM epilogues
-/// (`gemm_epilogue`), which a reader of version 1 does not know.
-pub const FORMAT_VERSION: u32 = 2;
+/// (`gemm_epilogue`), which a reader of version 1 does not know. 3: gradient bucket regions
+/// in pipeline and accumulation programs (`xf.step_bucket`), which a reader of version 2
+/// refuses with a message about bucket regions instead of its version.
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Most elements one buffer may have: what a spec allows one tensor (2^48, see
 /// `shardc_ir::spec::MAX_TENSOR_ELEMENTS`), so that a buffer's bytes and the memory plan's

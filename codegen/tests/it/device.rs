@@ -1129,6 +1129,27 @@ fn attention_is_priced_on_tensor_cores_where_it_runs_on_them() {
     assert_eq!(seen, [true, true], "both kinds of kernel were checked");
 }
 
+/// Runs the one-op function `func` on the CPU backend and on the emulated device from the same
+/// `inputs` (name, values): the CPU's and the device's value of its result `result`.
+#[cfg(feature = "cuda")]
+fn cpu_and_emulated(func: &shardc_ir::graph::Func, inputs: &[(&str, &[f64])], result: &str) -> (Vec<f64>, Vec<f64>) {
+    use shardc_runtime::cuda::{CudaExecutor, Placement};
+    let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(func).unwrap()).unwrap();
+    let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
+    let mut gpu = CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
+    for &(name, values) in inputs {
+        if program.arg(name).is_some_and(|a| program.buffers[a.buffer].dtype == shardc_runtime::DType::I32) {
+            cpu.write(name, &values.iter().map(|&v| v as i32).collect::<Vec<i32>>()).unwrap();
+        } else {
+            cpu.write_f64(name, values).unwrap();
+        }
+        gpu.write(0, name, values).unwrap();
+    }
+    cpu.run().unwrap();
+    gpu.run().unwrap();
+    (cpu.read_f64(result).unwrap(), gpu.read(0, result).unwrap())
+}
+
 /// `xf.sum_leading` on the device sums its rows in chunks, each chunk apart, then the chunks
 /// in order: on the emulated device it equals the CPU backend at shapes with several chunks,
 /// a ragged last column tile and a ragged last chunk, and with one row.
@@ -1138,21 +1159,13 @@ fn bias_gradients_sum_their_rows_in_chunks_as_the_cpu_does() {
     use shardc_ir::attrs::{AttrValue, Attrs};
     use shardc_ir::graph::{ArgRole, FuncBuilder};
     use shardc_ir::types::{DType, TensorTy};
-    use shardc_runtime::cuda::{CudaExecutor, Placement};
     for (rows, columns) in [(1000, 70), (4096, 33), (1, 40), (130, 1)] {
         let mut fb = FuncBuilder::new("sum");
         let x = fb.arg("x", TensorTy::new(vec![rows, columns], DType::F32), ArgRole::Input);
         let y = fb.op("xf.sum_leading", &[x], Attrs::new().with("keep", AttrValue::Int(1)), "sum").unwrap();
         let func = fb.finish(&[y], &["y".to_string()]);
-        let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap();
         let values: Vec<f64> = (0..rows * columns).map(|i| ((i * 7919 % 1000) as f64 - 500.0) / 250.0).collect();
-        let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
-        cpu.write_f64("x", &values).unwrap();
-        cpu.run().unwrap();
-        let mut gpu = CudaExecutor::new(program, &Placement::Emulated).unwrap();
-        gpu.write(0, "x", &values).unwrap();
-        gpu.run().unwrap();
-        let (want, got) = (cpu.read_f64("y").unwrap(), gpu.read(0, "y").unwrap());
+        let (want, got) = cpu_and_emulated(&func, &[("x", &values)], "y");
         assert_eq!(want.len(), columns as usize);
         for (j, (w, g)) in want.iter().zip(&got).enumerate() {
             assert!((w - g).abs() <= 1e-4 * (1.0 + w.abs()), "[{rows}, {columns}] column {j}: CPU {w}, device {g}");
@@ -1169,30 +1182,91 @@ fn embedding_gradients_sum_repeated_ids_as_the_cpu_does() {
     use shardc_ir::attrs::{AttrValue, Attrs};
     use shardc_ir::graph::{ArgRole, FuncBuilder};
     use shardc_ir::types::{DType, TensorTy};
-    use shardc_runtime::cuda::{CudaExecutor, Placement};
     for (vocab, tokens, hidden) in [(37, 100, 8), (5, 40, 3), (300, 257, 33)] {
         let mut fb = FuncBuilder::new("embed");
         let ids = fb.arg("ids", TensorTy::new(vec![1, tokens], DType::I32), ArgRole::Input);
         let dy = fb.arg("dy", TensorTy::new(vec![1, tokens, hidden], DType::F32), ArgRole::Input);
         let grad = fb.op("xf.embedding_grad", &[ids, dy], Attrs::new().with("vocab", AttrValue::Int(vocab)), "embed").unwrap();
         let func = fb.finish(&[grad], &["grad".to_string()]);
-        let program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap();
         // Ids repeat (a few rows take many tokens); every row past them stays zero.
         let id_values: Vec<f64> = (0..tokens).map(|t| ((t * t + 3 * t) % vocab.min(29)) as f64).collect();
         let dy_values: Vec<f64> = (0..tokens * hidden).map(|i| ((i * 7919 % 1000) as f64 - 500.0) / 250.0).collect();
-        let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
-        let mut gpu = CudaExecutor::new(program, &Placement::Emulated).unwrap();
-        cpu.write("ids", &id_values.iter().map(|&v| v as i32).collect::<Vec<i32>>()).unwrap();
-        cpu.write_f64("dy", &dy_values).unwrap();
-        for (name, values) in [("ids", &id_values), ("dy", &dy_values)] {
-            gpu.write(0, name, values).unwrap();
-        }
-        cpu.run().unwrap();
-        gpu.run().unwrap();
-        let (want, got) = (cpu.read_f64("grad").unwrap(), gpu.read(0, "grad").unwrap());
+        let (want, got) = cpu_and_emulated(&func, &[("ids", &id_values), ("dy", &dy_values)], "grad");
         assert_eq!(want.len(), (vocab * hidden) as usize);
         for (i, (w, g)) in want.iter().zip(&got).enumerate() {
             assert!((w - g).abs() <= 1e-4 * (1.0 + w.abs()), "vocab {vocab}, element {i}: CPU {w}, device {g}");
+        }
+    }
+}
+
+/// `xf.split_heads` and `xf.merge_heads` on the device move whole rows of a head, 16 bytes a
+/// thread where rows are whole 16-byte units and an element a thread where not: on the
+/// emulated device both equal the CPU backend exactly, in f32 and bf16, with head dims on
+/// and off the 16-byte unit.
+#[cfg(feature = "cuda")]
+#[test]
+fn heads_are_split_and_merged_as_the_cpu_does() {
+    use shardc_ir::attrs::{AttrValue, Attrs};
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    for dtype in [DType::F32, DType::Bf16] {
+        for (b, s, heads, d) in [(2, 5, 3, 8), (1, 7, 2, 3), (3, 4, 4, 16), (1, 1, 1, 4)] {
+            let mut fb = FuncBuilder::new("heads");
+            let x = fb.arg("x", TensorTy::new(vec![b, s, heads * d], dtype), ArgRole::Input);
+            let split = fb.op("xf.split_heads", &[x], Attrs::new().with("heads", AttrValue::Int(heads)), "split").unwrap();
+            let merged = fb.op("xf.merge_heads", &[split], Attrs::new(), "merge").unwrap();
+            let func = fb.finish(&[split, merged], &["split".to_string(), "merged".to_string()]);
+            // Small integers: exact in bf16, so the device's copy must equal the CPU's.
+            let values: Vec<f64> = (0..b * s * heads * d).map(|i| (i % 251) as f64 - 125.0).collect();
+            for result in ["split", "merged"] {
+                let (want, got) = cpu_and_emulated(&func, &[("x", &values)], result);
+                assert_eq!(want, got, "{dtype:?} [{b}, {s}, {heads} x {d}] {result}");
+            }
+            let (_, merged) = cpu_and_emulated(&func, &[("x", &values)], "merged");
+            assert_eq!(merged, values, "{dtype:?} [{b}, {s}, {heads} x {d}]: merge_heads does not undo split_heads");
+        }
+    }
+}
+
+/// LayerNorm and RMSNorm forward and backward on the device, with a warp per row (rows enough
+/// to fill a GPU) and with a block per row (few rows): on the emulated device each result
+/// equals the CPU backend's.
+#[cfg(feature = "cuda")]
+#[test]
+fn norms_by_warp_and_by_block_equal_the_cpu() {
+    use shardc_ir::attrs::{AttrValue, Attrs};
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    for (rows, n) in [(1100, 40), (6, 300)] {
+        for centered in [true, false] {
+            let mut fb = FuncBuilder::new("norm");
+            let x = fb.arg("x", TensorTy::new(vec![rows, n], DType::F32), ArgRole::Input);
+            let gamma = fb.arg("gamma", TensorTy::new(vec![n], DType::F32), ArgRole::Input);
+            let dy = fb.arg("dy", TensorTy::new(vec![rows, n], DType::F32), ArgRole::Input);
+            let eps = Attrs::new().with("epsilon", AttrValue::Float(1e-5));
+            let (forward, backward) = if centered { ("xf.layernorm", "xf.layernorm_grad") } else { ("xf.rmsnorm", "xf.rmsnorm_grad") };
+            let mut operands = vec![x, gamma];
+            let beta = centered.then(|| fb.arg("beta", TensorTy::new(vec![n], DType::F32), ArgRole::Input));
+            operands.extend(beta);
+            let y = fb.op(forward, &operands, eps.clone(), "norm").unwrap();
+            let grads = fb.op_multi(backward, &[x, gamma, dy], eps, "norm.grad").unwrap();
+            let mut results = vec![y];
+            results.extend(&grads);
+            let names: Vec<String> = ["y", "dx", "dgamma", "dbeta"][..results.len()].iter().map(|s| s.to_string()).collect();
+            let func = fb.finish(&results, &names);
+            let wave = |len: i64, k: i64| -> Vec<f64> { (0..len).map(|i| (((i * k) % 97) as f64 - 48.0) / 16.0).collect() };
+            let (xs, gs, bs, dys) = (wave(rows * n, 31), wave(n, 7), wave(n, 5), wave(rows * n, 13));
+            let mut inputs: Vec<(&str, &[f64])> = vec![("x", &xs), ("gamma", &gs), ("dy", &dys)];
+            if centered {
+                inputs.push(("beta", &bs));
+            }
+            for name in &names {
+                let (want, got) = cpu_and_emulated(&func, &inputs, name);
+                let scale = want.iter().fold(1.0f64, |m, w| m.max(w.abs()));
+                for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                    assert!((w - g).abs() <= 1e-4 * scale, "{forward} [{rows}, {n}] {name}[{i}]: CPU {w}, device {g}");
+                }
+            }
         }
     }
 }

@@ -305,17 +305,28 @@ __device__ i64 real_classes(i64 classes, i64 first, i64 v) {
   i64 n = classes - first;
   return n < 0 ? 0 : (n < v ? n : v);
 }
+// A row's max and sum of exp(x - max) by the whole block in one pass over the row (online
+// softmax: each thread rescales its running sum when its maximum grows), where two passes
+// read a vocabulary-wide row twice.
+__device__ void row_softmax_stats(const T* x, i64 n, acc_t* max_out, acc_t* sum_out) {
+  acc_t mx = NEG_INF, sum = 0;
+  for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+    acc_t v = load(x[j]);
+    if (v > mx) { sum = sum * exp(mx - v) + (acc_t)1; mx = v; }
+    else sum += exp(v - mx);
+  }
+  acc_t row_max = block_max(mx);
+  *sum_out = block_sum(mx == NEG_INF ? (acc_t)0 : sum * exp(mx - row_max));
+  *max_out = row_max;
+}
 // Per row: its loss (logsumexp - target logit) into `row_loss`.
 extern "C" __global__ void cross_entropy_rows(acc_t* row_loss, const T* logits, const int* targets, i64 rows, i64 v, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
   const T* x = logits + r * v;
   i64 n = real_classes(classes, 0, v);
-  acc_t mx = NEG_INF, sum = 0;
-  for (i64 j = threadIdx.x; j < n; j += blockDim.x) mx = fmax(mx, load(x[j]));
-  mx = block_max(mx);
-  for (i64 j = threadIdx.x; j < n; j += blockDim.x) sum += exp(load(x[j]) - mx);
-  sum = block_sum(sum);
+  acc_t mx, sum;
+  row_softmax_stats(x, n, &mx, &sum);
   if (threadIdx.x == 0) { i64 t = targets[r]; row_loss[r] = (t >= 0 && t < n) ? mx + log(sum) - load(x[t]) : LOSS_NAN; }
 }
 // The mean over `tokens` of per-row values, summed in row order by one thread.
@@ -335,13 +346,7 @@ extern "C" __global__ void cross_entropy_grad(T* g, const T* logits, const int* 
   i64 n = real_classes(classes, first, v);
   acc_t mx, sum;
   if (max_in) { mx = load(max_in[r]); sum = load(sumexp_in[r]); }
-  else {
-    mx = NEG_INF; sum = 0;
-    for (i64 j = threadIdx.x; j < n; j += blockDim.x) mx = fmax(mx, load(x[j]));
-    mx = block_max(mx);
-    for (i64 j = threadIdx.x; j < n; j += blockDim.x) sum += exp(load(x[j]) - mx);
-    sum = block_sum(sum);
-  }
+  else row_softmax_stats(x, n, &mx, &sum);
   acc_t factor = load(dloss[0]) / (acc_t)tokens;
   i64 t = (i64)targets[r] - first;
   for (i64 j = threadIdx.x; j < v; j += blockDim.x) g[r * v + j] = store(j < n ? exp(load(x[j]) - mx) / sum * factor - (j == t ? factor : (acc_t)0) : (acc_t)0);

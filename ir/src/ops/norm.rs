@@ -411,13 +411,27 @@ fn param_chunks(rows: usize) -> (usize, usize) {
     (chunk, rows.div_ceil(chunk).max(1))
 }
 
+/// Threads per row of the row kernels: one warp where there are rows enough to fill the GPU
+/// with warps and a row is short enough for one (a block of 256 spent most of a 768-wide
+/// row's time in its barriers), else a block of [`ROW_BLOCK`].
+fn row_threads(rows: usize, n: usize) -> u32 {
+    if rows >= WARP_ROWS_FROM && n <= WARP_ROW_MAX { 32 } else { ROW_BLOCK }
+}
+
+/// Rows from which a warp per row keeps an H100-class GPU (132 SMs) busy: about 8 warps on
+/// each SM. Fewer, longer rows keep a block each.
+const WARP_ROWS_FROM: usize = 1024;
+
+/// Widest row one warp takes (128 elements a lane).
+const WARP_ROW_MAX: usize = 4096;
+
 /// `layernorm` (`centered`: with mean and beta) or `rmsnorm`, one block per row.
 fn norm_launch(cx: &KernelCx<'_>, centered: bool) -> Result<DeviceKernel, String> {
     let (rows, n) = norm_rows(cx.inputs[0]);
     let cache = row_cache(cx.inputs[0], n, 1);
     let beta = if centered { Arg::In(2) } else { Arg::Null };
     let args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), beta, Arg::Int(rows as i64), Arg::Int(n as i64), Arg::Float(cx.attrs.float("epsilon")?), Arg::Int(centered as i64), Arg::Int((cache > 0) as i64)];
-    Ok(DeviceKernel::Launches(vec![Launch { shared: cache, ..per_row("norm_rows", NORM_CUDA, rows, args) }]))
+    Ok(DeviceKernel::Launches(vec![Launch { shared: cache, block: row_threads(rows, n), ..per_row("norm_rows", NORM_CUDA, rows, args) }]))
 }
 
 /// Backward of a norm: `dx` per row (saving the row statistics), then `dgamma` (and `dbeta`)
@@ -445,7 +459,7 @@ fn norm_grad_launches(cx: &KernelCx<'_>, centered: bool) -> Result<DeviceKernel,
         args: chunk_args,
     };
     Ok(DeviceKernel::Launches(vec![
-        Launch { workspace, shared: cache, ..per_row("norm_grad_rows", NORM_CUDA, rows, row_args) },
+        Launch { workspace, shared: cache, block: row_threads(rows, n), ..per_row("norm_grad_rows", NORM_CUDA, rows, row_args) },
         chunk_launch,
         Launch { workspace, ..flat("norm_grad_params", NORM_CUDA, n, param_args) },
     ]))
