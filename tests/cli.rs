@@ -2942,7 +2942,7 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
         assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
     }
-    assert!(!root().join("t.json").exists() && !root().join("x.safetensors").exists() && !root().join("hf-x").exists());
+    assert!(!root().join("t.json").exists() && !root().join("x.safetensors").exists() && !root().join("hf-x").exists() && !root().join("ck").exists(), "a refused run wrote an output");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -51,6 +51,22 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// The processes `SHARDC_EMULATE_PROCESSES` asks a GPU run to emulate (none when unset),
+/// checked against `mesh` before any work (a refused run leaves no checkpoint folder).
+#[cfg(feature = "cuda")]
+pub(super) fn emulated_processes(mesh: shardc_ir::mesh::Mesh) -> Result<Option<usize>> {
+    let Ok(text) = std::env::var("SHARDC_EMULATE_PROCESSES") else { return Ok(None) };
+    let processes: usize = text.trim().parse().ok().filter(|&n| n >= 1).ok_or_else(|| miette!(help = "give the number of processes, the mesh's ranks", "SHARDC_EMULATE_PROCESSES={text}: not a positive number"))?;
+    // (`check_backend` has refused it outside an emulated GPU run.)
+    if std::env::var_os("RANK").is_some() {
+        return Err(miette!(help = "leave RANK and WORLD_SIZE unset", "SHARDC_EMULATE_PROCESSES={text}: emulated processes are threads of this process, not processes of a torchrun world"));
+    }
+    if processes != mesh.ranks() as usize {
+        return Err(miette!(help = format!("set SHARDC_EMULATE_PROCESSES={}", mesh.ranks()), "SHARDC_EMULATE_PROCESSES={processes}: the mesh {mesh} has {} ranks, one per process", mesh.ranks()));
+    }
+    Ok(Some(processes))
+}
+
 /// `shardc run --backend cuda`: the training step's device plan on one GPU (every rank of the
 /// mesh on it), or one rank per process over NCCL when `RANK`/`WORLD_SIZE` are set. It
 /// starts as the CPU backend does (from `--resume`, `--load`, Hugging Face weights or the
@@ -63,15 +79,7 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
 pub(super) fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
     use shardc_runtime::cuda::{self, Placement};
     let timeout = std::time::Duration::from_secs(args.timeout_seconds());
-    if let Ok(text) = std::env::var("SHARDC_EMULATE_PROCESSES") {
-        let processes: usize = text.trim().parse().ok().filter(|&n| n >= 1).ok_or_else(|| miette!(help = "give the number of processes, the mesh's ranks", "SHARDC_EMULATE_PROCESSES={text}: not a positive number"))?;
-        // (`check_backend` has refused it outside an emulated GPU run.)
-        if std::env::var_os("RANK").is_some() {
-            return Err(miette!(help = "leave RANK and WORLD_SIZE unset", "SHARDC_EMULATE_PROCESSES={text}: emulated processes are threads of this process, not processes of a torchrun world"));
-        }
-        if processes != mesh.ranks() as usize {
-            return Err(miette!(help = format!("set SHARDC_EMULATE_PROCESSES={}", mesh.ranks()), "SHARDC_EMULATE_PROCESSES={processes}: the mesh {mesh} has {} ranks, one per process", mesh.ranks()));
-        }
+    if let Some(processes) = emulated_processes(mesh)? {
         let worlds = cuda::nccl::EmulatedWorld::world(processes, timeout);
         let results: Vec<Result<()>> = std::thread::scope(|scope| {
             let handles: Vec<_> = worlds

@@ -234,6 +234,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
         refuse_what_gpu_runs_cannot_do(args)?;
+        cuda::emulated_processes(mesh)?;
     }
     refuse_rank_options_on_one_rank(args, mesh)?;
     check_outputs(args)?;

@@ -84,8 +84,7 @@ fn cubin_in(source: &str, capability: (i32, i32), dir: Option<&Path>, strict: bo
         Some(cubin) => (cubin, Origin::Disk),
         None => {
             require_nvrtc()?;
-            let (major, minor) = capability;
-            let cubin = nvrtc(source, &[format!("--gpu-architecture=sm_{major}{minor}")], Output::Cubin)?;
+            let cubin = nvrtc(source, &cubin_options(capability), Output::Cubin)?;
             if let Some(entry) = &entry
                 && let Err(e) = entry.write(source, &cubin)
                 && strict
@@ -97,6 +96,11 @@ fn cubin_in(source: &str, capability: (i32, i32), dir: Option<&Path>, strict: bo
     };
     memory.lock().unwrap_or_else(|e| e.into_inner()).insert(key, cubin.clone());
     Ok((cubin, origin))
+}
+
+/// NVRTC's options for a cubin for compute capability `(major, minor)`.
+fn cubin_options((major, minor): (i32, i32)) -> Vec<String> {
+    vec![format!("--gpu-architecture=sm_{major}{minor}")]
 }
 
 /// The cache folder: `SHARDC_KERNEL_CACHE` (`off` or empty: none), else the user's cache.
@@ -120,8 +124,10 @@ struct CacheEntry {
 
 impl CacheEntry {
     fn new(dir: &Path, source: &str, (major, minor): (i32, i32)) -> CacheEntry {
-        // FNV-1a: stable across builds and Rust versions (std's hasher is not promised to be).
-        let hash = source.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+        // FNV-1a: stable across builds and Rust versions (std's hasher is not promised to be),
+        // over NVRTC's options too, so a cubin compiled otherwise is another entry.
+        let options = cubin_options((major, minor)).join(" ");
+        let hash = options.bytes().chain([0]).chain(source.bytes()).fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
         let stem = format!("sm_{major}{minor}-{hash:016x}-{}", source.len());
         CacheEntry { cubin: dir.join(format!("{stem}.cubin")), source: dir.join(format!("{stem}.cu")) }
     }
