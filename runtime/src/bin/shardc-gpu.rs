@@ -716,7 +716,7 @@ fn profile_workload(manifest: &Manifest, dir: &Path, placement: &Placement, w: &
         }
     }
     let busy: f64 = runs.iter().map(|r| r.2).sum();
-    println!("== {} ({} instructions run): step {} wall, {} in instructions on the device ({:.0}%) ==", w.name, runs.len(), ms(wall), ms(busy), 100.0 * busy / wall);
+    println!("== {} ({} instructions with device work timed): step {} wall, {} in their work on the device ({:.0}%) ==", w.name, runs.len(), ms(wall), ms(busy), 100.0 * busy / wall);
     let top = |key: &dyn Fn(&(String, String, f64)) -> String, title: &str, count: usize| {
         let mut by: std::collections::HashMap<String, (f64, usize)> = std::collections::HashMap::new();
         for r in &runs {

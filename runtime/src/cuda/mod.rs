@@ -634,18 +634,20 @@ impl CudaExecutor {
     /// Runs `indices` in order on every local rank until one is a pipeline receive whose
     /// message has not been sent yet; returns how many were left (0: all ran).
     pub fn run_until_blocked(&mut self, indices: &[usize]) -> Result<usize, RuntimeError> {
-        self.mark(None)?;
         for (done, &index) in indices.iter().enumerate() {
             if let Some(f) = self.fault.filter(|f| f.instruction == index) {
                 self.inject(f)?;
             }
             let op = self.program.instrs[index].op.as_str();
+            let allocation = op == "tensor.empty";
             if matches!(op, "shard.send" | "shard.recv") {
+                self.mark(None)?;
                 let ran = self.point_to_point(index).map_err(|e| {
                     let instr = &self.program.instrs[index];
                     RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message: e.to_string() }
                 })?;
                 if !ran {
+                    self.unmark();
                     return Ok(indices.len() - done);
                 }
                 self.mark(Some(index))?;
@@ -653,6 +655,13 @@ impl CudaExecutor {
             }
             let calls = self.plan.calls[index].clone();
             self.wait_for_bucket(index)?;
+            // Only an instruction that puts work on the device is timed, from a marker just
+            // before its work (not after the previous instruction's, which would count the
+            // host's time between them whenever the device waits for it).
+            let works = !allocation && calls.iter().any(|c| !matches!(c, DeviceCall::Fused { .. }));
+            if works {
+                self.mark(None)?;
+            }
             for call in &calls {
                 let result = match call {
                     DeviceCall::Fused { .. } => Ok(()),
@@ -664,13 +673,15 @@ impl CudaExecutor {
                     RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message: e.to_string() }
                 })?;
             }
-            self.mark(Some(index))?;
+            if works {
+                self.mark(Some(index))?;
+            }
         }
         Ok(0)
     }
 
-    /// While profiling, a marker on the compute stream after `instruction` (`None`: before a
-    /// run of instructions).
+    /// While profiling, a marker on the compute stream after `instruction`'s work (`None`:
+    /// before it).
     fn mark(&mut self, instruction: Option<usize>) -> Result<(), RuntimeError> {
         if let Some(markers) = &mut self.profile {
             markers.push((instruction, self.device.marker()?));
@@ -678,15 +689,27 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Starts (or stops) timing each instruction on the device: every local rank's calls of
-    /// an instruction count as one span, between markers on the compute stream.
+    /// Drops the marker before an instruction that did not run after all (a receive whose
+    /// message has not come).
+    fn unmark(&mut self) {
+        if let Some(markers) = &mut self.profile
+            && matches!(markers.last(), Some((None, _)))
+        {
+            markers.pop();
+        }
+    }
+
+    /// Starts (or stops) timing each instruction that puts work on the device (not one fused
+    /// into another, nor an allocation): every local rank's calls of an instruction count as
+    /// one span, between markers on the compute stream just before and after them.
     pub fn set_profiling(&mut self, on: bool) {
         self.profile = on.then(Vec::new);
     }
 
-    /// The device seconds of each instruction run since profiling started (in run order; an
-    /// instruction that ran twice appears twice), waiting for the device; profiling goes on.
-    /// A pipeline send or receive is a span of its own (its copy on the stream).
+    /// The device seconds of each instruction run with work since profiling started (in run
+    /// order; an instruction that ran twice appears twice), waiting for the device;
+    /// profiling goes on. A pipeline send or receive is a span of its own (its copy on the
+    /// stream).
     pub fn take_profile(&mut self) -> Result<Vec<(usize, f64)>, RuntimeError> {
         let Some(markers) = self.profile.as_mut().map(std::mem::take) else { return Ok(Vec::new()) };
         self.device.synchronize()?;
