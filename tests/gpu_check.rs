@@ -212,6 +212,17 @@ fn precompile_fills_the_kernel_cache_with_each_module_once() {
     assert_eq!(precompile(source, (9, 0), &cache).unwrap(), Origin::Compiled);
     assert_eq!(std::fs::read_to_string(&stem).unwrap(), *source);
     assert_eq!(precompile(source, (9, 0), &cache).unwrap(), Origin::Disk);
+    // A damaged cubin beside its very source (cut short) is compiled again and rewritten.
+    let cubin = stem.with_extension("cubin");
+    let whole = std::fs::read(&cubin).unwrap();
+    std::fs::write(&cubin, &whole[..whole.len() - 1]).unwrap();
+    assert_eq!(precompile(source, (9, 0), &cache).unwrap(), Origin::Compiled);
+    assert_eq!(std::fs::read(&cubin).unwrap(), whole);
+    // A cache folder that is a file is refused before any compile.
+    let file = dir.join("not-a-folder");
+    std::fs::write(&file, "").unwrap();
+    let e = cli(&["precompile", "sm_90", &file.display().to_string(), &plan.display().to_string()]).unwrap_err();
+    assert!(e.contains("CACHE") && e.contains("not-a-folder"), "{e}");
     // Another architecture is another entry.
     assert_eq!(precompile(source, (8, 0), &cache).unwrap(), Origin::Compiled);
     // Bad input names the fix.

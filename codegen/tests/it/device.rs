@@ -1270,3 +1270,34 @@ fn norms_by_warp_and_by_block_equal_the_cpu() {
         }
     }
 }
+
+/// Cross-entropy (loss and gradient) with a -inf logit (a masked class) that a thread of the
+/// row's block meets before a larger logit (a row longer than the block of 256): the one-pass
+/// softmax statistics leave it out as the CPU backend does, so the loss stays finite.
+#[cfg(feature = "cuda")]
+#[test]
+fn cross_entropy_leaves_out_negative_infinite_logits_as_the_cpu_does() {
+    use shardc_ir::attrs::Attrs;
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    let (rows, v) = (2i64, 300i64);
+    for dtype in [DType::F32, DType::F64, DType::Bf16] {
+        let mut fb = FuncBuilder::new("ce");
+        let logits = fb.arg("logits", TensorTy::new(vec![rows, v], dtype), ArgRole::Input);
+        let targets = fb.arg("targets", TensorTy::new(vec![rows], DType::I32), ArgRole::Input);
+        let dloss = fb.arg("dloss", TensorTy::scalar(dtype), ArgRole::Input);
+        let loss = fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "ce").unwrap();
+        let grad = fb.op("xf.cross_entropy_grad", &[logits, targets, dloss], Attrs::new(), "ce.grad").unwrap();
+        let func = fb.finish(&[loss, grad], &["loss".to_string(), "grad".to_string()]);
+        let mut xs: Vec<f64> = (0..rows * v).map(|i| ((i * 37 % 17) as f64 - 8.0) / 4.0).collect();
+        xs[0] = f64::NEG_INFINITY; // thread 0's first element of row 0
+        xs[256] = 3.0; // thread 0's second element of row 0: a larger max
+        let inputs: Vec<(&str, &[f64])> = vec![("logits", &xs), ("targets", &[5.0, 7.0]), ("dloss", &[1.0])];
+        for name in ["loss", "grad"] {
+            let (want, got) = cpu_and_emulated(&func, &inputs, name);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert!((w - g).abs() <= 2e-2 * (1.0 + w.abs()), "{dtype:?} {name}[{i}]: CPU {w}, device {g}");
+            }
+        }
+    }
+}

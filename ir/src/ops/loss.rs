@@ -313,7 +313,8 @@ __device__ void row_softmax_stats(const T* x, i64 n, acc_t* max_out, acc_t* sum_
   for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
     acc_t v = load(x[j]);
     if (v > mx) { sum = sum * exp(mx - v) + (acc_t)1; mx = v; }
-    else sum += exp(v - mx);
+    // -inf adds nothing (exp(-inf - -inf) would be NaN, and NaN * 0 stays NaN); NaN still adds NaN.
+    else if (v != NEG_INF) sum += exp(v - mx);
   }
   acc_t row_max = block_max(mx);
   *sum_out = block_sum(mx == NEG_INF ? (acc_t)0 : sum * exp(mx - row_max));

@@ -170,6 +170,16 @@ fn precompile(arch: &str, cache: &Path, paths: &[String]) -> Result<bool, String
         .filter(|d| d.len() >= 2 && d.bytes().all(|b| b.is_ascii_digit()))
         .and_then(|d| Some((d[..d.len() - 1].parse::<i32>().ok()?, d[d.len() - 1..].parse::<i32>().ok()?)))
         .ok_or_else(|| format!("architecture `{arch}`: give a real GPU architecture such as sm_90 (an H100 or H200) or sm_80 (an A100)"))?;
+    // The folder is checked before any compile: a module takes NVRTC seconds, and a folder that
+    // cannot be written would fail each of them only after its compile.
+    if cache.as_os_str().is_empty() {
+        return Err("kernel cache folder (CACHE) is empty: give a folder such as kernel-cache".into());
+    }
+    let probe = cache.join(format!(".probe-{}", std::process::id()));
+    std::fs::create_dir_all(cache)
+        .and_then(|()| std::fs::write(&probe, b""))
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|e| format!("kernel cache folder (CACHE) {}: {e}: give a folder this user can create and write", cache.display()))?;
     let mut files = Vec::new();
     for path in paths.iter().map(Path::new) {
         if path.is_dir() {

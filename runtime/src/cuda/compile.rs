@@ -138,7 +138,7 @@ impl CacheEntry {
         if cached != source.as_bytes() {
             return None;
         }
-        std::fs::read(&self.cubin).ok().filter(|c| !c.is_empty())
+        std::fs::read(&self.cubin).ok().filter(|c| whole_elf(c))
     }
 
     /// Writes both files through temporary names, the source last, so a reader that finds the
@@ -154,6 +154,21 @@ impl CacheEntry {
         }
         Ok(())
     }
+}
+
+/// Whether `image` is a whole 64-bit ELF file (what NVRTC writes for a cubin): a truncated or
+/// damaged entry is compiled again and rewritten, not handed to the driver (which would refuse
+/// it and JIT the PTX in every process, leaving the entry as it is).
+fn whole_elf(image: &[u8]) -> bool {
+    let u16_at = |at: usize| image.get(at..at + 2).map(|b| u64::from(u16::from_le_bytes([b[0], b[1]])));
+    let u64_at = |at: usize| image.get(at..at + 8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map(u64::from_le_bytes);
+    let table_fits = |offset: Option<u64>, size: Option<u64>, count: Option<u64>| {
+        matches!((offset, size, count), (Some(o), Some(s), Some(n)) if o.checked_add(s * n).is_some_and(|end| end <= image.len() as u64))
+    };
+    image.len() >= 64
+        && image.starts_with(b"\x7fELF\x02\x01")
+        && table_fits(u64_at(0x20), u16_at(0x36), u16_at(0x38))
+        && table_fits(u64_at(0x28), u16_at(0x3a), u16_at(0x3c))
 }
 
 #[derive(Clone, Copy)]
