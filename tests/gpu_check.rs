@@ -226,7 +226,7 @@ fn precompile_fills_the_kernel_cache_with_each_module_once() {
     // Another architecture is another entry.
     assert_eq!(precompile(source, (8, 0), &cache).unwrap(), Origin::Compiled);
     // Bad input names the fix.
-    for arch in ["90", "sm_9", "compute_90", "sm_9x"] {
+    for arch in ["90", "sm_9", "compute_90", "sm_9x", "sm_99", "sm_00", "sm_1000"] {
         let e = cli(&["precompile", arch, &cache_arg, &plan.display().to_string()]).unwrap_err();
         assert!(e.contains("sm_90"), "{arch}: {e}");
     }

@@ -170,6 +170,13 @@ fn precompile(arch: &str, cache: &Path, paths: &[String]) -> Result<bool, String
         .filter(|d| d.len() >= 2 && d.bytes().all(|b| b.is_ascii_digit()))
         .and_then(|d| Some((d[..d.len() - 1].parse::<i32>().ok()?, d[d.len() - 1..].parse::<i32>().ok()?)))
         .ok_or_else(|| format!("architecture `{arch}`: give a real GPU architecture such as sm_90 (an H100 or H200) or sm_80 (an A100)"))?;
+    // An architecture of the right form that this NVRTC does not know (sm_99, sm_00) is named
+    // here, with those it does, not by NVRTC's "invalid value" once per module.
+    let archs = cuda::compile::supported_archs().map_err(|e| e.to_string())?;
+    if !archs.contains(&(capability.0 * 10 + capability.1)) {
+        let known: Vec<String> = archs.iter().map(|a| format!("sm_{a}")).collect();
+        return Err(format!("architecture `{arch}`: this NVRTC compiles for {}: give one of those (sm_90 for an H100 or H200)", known.join(", ")));
+    }
     // The folder is checked before any compile: a module takes NVRTC seconds, and a folder that
     // cannot be written would fail each of them only after its compile.
     if cache.as_os_str().is_empty() {
@@ -229,8 +236,8 @@ fn precompile(arch: &str, cache: &Path, paths: &[String]) -> Result<bool, String
     type Compiled = (usize, Result<(cuda::compile::Origin, f64), String>);
     let mut done: Vec<Compiled> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..workers).map(|_| s.spawn(compile_next)).collect();
-        handles.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect()
-    });
+        handles.into_iter().map(|h| h.join().map_err(|_| "a compile worker panicked".to_string())).collect::<Result<Vec<_>, String>>().map(|d| d.into_iter().flatten().collect())
+    })?;
     done.sort_by_key(|(i, _)| *i);
     let done = done.into_iter().map(|(_, r)| r).collect::<Result<Vec<_>, String>>()?;
     let mut compiled = 0;

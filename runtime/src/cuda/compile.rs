@@ -5,7 +5,7 @@
 //! times (every trainer, every process of a mesh, every calibration kernel). A cubin depends
 //! only on the source and the architecture, so it is kept in a cache folder
 //! (`SHARDC_KERNEL_CACHE`; by default `$XDG_CACHE_HOME/shardc/kernels` or
-//! `~/.cache/shardc/kernels`; `off` turns it off) beside the source it came from: a hit is
+//! `~/.cache/shardc/kernels`; `off`, `0`, `false` or `none` turn it off) beside the source it came from: a hit is
 //! the same source byte for byte, never only the same hash. `shardc-gpu precompile` fills the
 //! cache ahead of time on a machine without a GPU (NVRTC needs none), which is how
 //! `scripts/gpu-check.sh prepare` spares the GPU machine every compile.
@@ -25,6 +25,18 @@ fn require_nvrtc() -> Result<(), RuntimeError> {
     Ok(())
 }
 
+/// The real architectures (`major * 10 + minor`: 90 for sm_90) this NVRTC compiles for.
+pub fn supported_archs() -> Result<Vec<i32>, RuntimeError> {
+    require_nvrtc()?;
+    let mut count = 0;
+    // SAFETY: NVRTC writes one int.
+    unsafe { cudarc::nvrtc::sys::nvrtcGetNumSupportedArchs(&mut count) }.result().map_err(|e| err(format!("NVRTC's architectures: {e:?}")))?;
+    let mut archs = vec![0; count.max(0) as usize];
+    // SAFETY: `archs` holds the `count` ints NVRTC writes.
+    unsafe { cudarc::nvrtc::sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }.result().map_err(|e| err(format!("NVRTC's architectures: {e:?}")))?;
+    Ok(archs)
+}
+
 /// Compiles a device module to PTX with NVRTC (checks that NVRTC is present first), for
 /// NVRTC's default architecture.
 pub fn compile_ptx(source: &str) -> Result<String, RuntimeError> {
@@ -36,9 +48,20 @@ pub fn compile_ptx(source: &str) -> Result<String, RuntimeError> {
 /// when compiled for a GPU that has them, so a GPU's module is compiled for that GPU.
 pub fn compile_ptx_for(source: &str, capability: Option<(i32, i32)>) -> Result<String, RuntimeError> {
     require_nvrtc()?;
+    // Compiled once per process (a GPU whose driver refuses the cubins JITs this PTX for
+    // every module it loads).
+    type Compiled = HashMap<(String, Option<(i32, i32)>), String>;
+    static COMPILED: OnceLock<Mutex<Compiled>> = OnceLock::new();
+    let memory = COMPILED.get_or_init(Default::default);
+    let key = (source.to_string(), capability);
+    if let Some(ptx) = memory.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(ptx.clone());
+    }
     let options: Vec<String> = capability.map(|(major, minor)| format!("--gpu-architecture=compute_{major}{minor}")).into_iter().collect();
     let image = nvrtc(source, &options, Output::Ptx)?;
-    String::from_utf8(image).map_err(|_| err("NVRTC returned PTX that is not text"))
+    let ptx = String::from_utf8(image).map_err(|_| err("NVRTC returned PTX that is not text"))?;
+    memory.lock().unwrap_or_else(|e| e.into_inner()).insert(key, ptx.clone());
+    Ok(ptx)
 }
 
 /// The machine code of `source` for a GPU of compute capability `(major, minor)`: from this
@@ -103,10 +126,11 @@ fn cubin_options((major, minor): (i32, i32)) -> Vec<String> {
     vec![format!("--gpu-architecture=sm_{major}{minor}")]
 }
 
-/// The cache folder: `SHARDC_KERNEL_CACHE` (`off` or empty: none), else the user's cache.
+/// The cache folder: `SHARDC_KERNEL_CACHE` (empty, `off`, `0`, `false` or `none`: none), else
+/// the user's cache.
 pub fn cache_dir() -> Option<PathBuf> {
     match std::env::var_os("SHARDC_KERNEL_CACHE") {
-        Some(v) if v.is_empty() || v == "off" => None,
+        Some(v) if v.is_empty() || ["off", "0", "false", "none"].iter().any(|off| v.eq_ignore_ascii_case(off)) => None,
         Some(v) => Some(PathBuf::from(v)),
         None => std::env::var_os("XDG_CACHE_HOME")
             .filter(|v| !v.is_empty())
@@ -149,8 +173,10 @@ impl CacheEntry {
         let unique = format!("{}.{:?}", std::process::id(), std::thread::current().id()).replace(['(', ')'], "");
         for (path, bytes) in [(&self.cubin, cubin), (&self.source, source.as_bytes())] {
             let partial = path.with_extension(format!("partial-{unique}"));
-            std::fs::write(&partial, bytes)?;
-            std::fs::rename(&partial, path)?;
+            if let Err(e) = std::fs::write(&partial, bytes).and_then(|()| std::fs::rename(&partial, path)) {
+                let _ = std::fs::remove_file(&partial);
+                return Err(e);
+            }
         }
         Ok(())
     }
