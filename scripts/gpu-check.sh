@@ -14,7 +14,8 @@
 #       so nothing is compiled there unless the GPU is not an sm_90 one, then
 #         1. checks tiny at (dp,tp,pp) = (1,1,1), (2,2,1) and (1,1,2) (1F1B over 4
 #            micro-batches), every rank on the one GPU, in f32 and in bf16 mixed precision,
-#            tiny with gradient accumulation (4 micro-batches at (1,1,1)), and gpt2-small at
+#            tiny with gradient accumulation (4 micro-batches at (1,1,1)), tiny at 1024 rows
+#            (the norms' warp-per-row kernels), and gpt2-small at
 #            tp=1 and tp=2, against the CPU backend: loss at every step and first-step
 #            gradients. Tolerances (relative): f32 loss 1e-4, gradients 1e-3 (summation
 #            order differs: cuBLAS, block reductions); bf16 loss 3e-2 (8-bit mantissa,
@@ -81,6 +82,11 @@ prepare() {
     plan "tiny-$dtype-pp2" models/tiny.toml "${check[@]}" --dtype "$dtype" --mesh pp=2 --schedule 1f1b
   done
   plan tiny-f32-accum models/tiny.toml "${check[@]}" --dtype f32
+  # tiny at micro-batch 128 (1024 rows of 8 tokens): the norms take a warp per row there, as
+  # gpt2-small's timed step does, where the cases above take a block per row.
+  for dtype in f32 bf16; do
+    plan "tiny-$dtype-rows1024" models/tiny.toml "${check[@]}" --dtype "$dtype" --micro-batch 128 --microbatches 1
+  done
   # gpt2-small at s=128, micro-batch 2 (256 tokens, 0.2 TFLOP a step): the CPU oracle takes
   # about a second a step on 16 cores, 3 steps and the gradient step per case.
   local gpt=(models/gpt2-small.toml --seq 128 --micro-batch 2 --microbatches 1)
@@ -132,6 +138,8 @@ prepare() {
     {"name": "tiny f32", "program": "plans/tiny-f32-pp2.json", "reference": "plans/tiny-f32-pp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
     {"name": "tiny bf16", "program": "plans/tiny-bf16-pp2.json", "reference": "plans/tiny-f32-pp2.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
     {"name": "tiny f32 accumulation", "program": "plans/tiny-f32-accum.json", "reference": "plans/tiny-f32-accum.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "tiny f32 1024 rows", "program": "plans/tiny-f32-rows1024.json", "reference": "plans/tiny-f32-rows1024.json", "steps": 5, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "tiny bf16 1024 rows", "program": "plans/tiny-bf16-rows1024.json", "reference": "plans/tiny-f32-rows1024.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
     {"name": "gpt2-small f32", "program": "plans/gpt2-f32-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
     {"name": "gpt2-small f32", "program": "plans/gpt2-f32-tp2.json", "reference": "plans/gpt2-f32-tp2.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
     {"name": "gpt2-small bf16", "program": "plans/gpt2-bf16-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 3e-2}
