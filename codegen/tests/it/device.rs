@@ -660,6 +660,41 @@ mod emulated {
         }
     }
 
+    /// Step buckets go out inside their chunk's last backward work, as the layers that fill
+    /// them finish (Megatron-LM's `--overlap-grad-reduce`), not after it: with one gradient a
+    /// bucket, most are sent early, and training still equals the CPU pipeline runtime (which
+    /// sends them at the work's end) at dp=2 under 1F1B and ZB-H1 over two stages, and with
+    /// accumulation on one.
+    #[test]
+    fn step_buckets_go_out_as_their_layers_finish() {
+        use shardc_runtime::schedule::Kind;
+        const STEPS: u64 = 2;
+        for (mesh, kind) in [(Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, Kind::OneFOneB), (Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, Kind::ZeroBubble), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::OneFOneB)] {
+            let what = format!("{mesh} {kind:?}");
+            let (programs, spec) = crate::pipeline::compile_stages_with("tiny", mesh, kind, 3, |o| o.grad_bucket_bytes = 1);
+            let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
+            let buckets: usize = programs.iter().map(|p| p.memory.buckets.len()).sum();
+            assert!(buckets > 4, "{what}: one bucket a gradient");
+            let corpus = corpus(&spec);
+            let layers = spec.model.layers as usize;
+            let cpu = shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, STEPS, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
+            let mut trainer = cuda::CudaTrainer::new(&programs, &Placement::Emulated, 0, layers, None).unwrap();
+            let losses: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap().0).collect();
+            for (step, (c, g)) in cpu.losses.iter().zip(&losses).enumerate() {
+                assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} step {}: CPU loss {c}, device {g}", step + 1);
+            }
+            for (param, _, values) in &trainer.parameters().unwrap() {
+                let (_, _, expected) = cpu.parameters.iter().find(|(n, _, _)| n == param).unwrap();
+                let rel = relative(expected, values);
+                assert!(rel <= 1e-4, "{what}: `{param}` differs by {rel:.2e} after {STEPS} steps");
+            }
+            // Each step, every bucket whose gradients are all made before the work's end goes
+            // out early: most of them.
+            let early = trainer.step_buckets_sent_early();
+            assert!(early >= STEPS as usize * buckets / 2 && early <= STEPS as usize * buckets, "{what}: {early} of {} bucket sends went out early", STEPS as usize * buckets);
+        }
+    }
+
     /// Pipeline stages across processes, one per rank as under torchrun (NCCL emulated, a
     /// pair's sends and receives matched by their order alone, as NCCL matches them, the
     /// emulation checking that each receive gets the transfer it expects): each process runs

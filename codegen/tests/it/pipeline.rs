@@ -267,6 +267,29 @@ fn step_buckets_change_the_collectives_not_the_result() {
     assert_eq!(one_each.parameters, unbucketed.parameters);
 }
 
+/// The estimate prices step buckets as a GPU sends them, inside the chunk's last backward
+/// work as their layers finish: with one gradient a bucket at dp=2 over 4 micro-batches (one
+/// pipeline rank), less of their time is exposed than they take, and the last of them is.
+/// On a cluster of shared host cores (the CPU backend, which sends them at the work's end)
+/// all of it is, and more where they queue behind each other.
+#[test]
+fn step_buckets_overlap_the_last_backward_in_the_estimate() {
+    use shardc_codegen::estimate::{estimate, ModelShape};
+    let shape = ModelShape { parameters: 15_040.0, layers: 2.0, hidden: 16.0, seq: 8.0, tokens_per_step: 64.0 };
+    let (programs, _) = compile_stages_with("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::OneFOneB, 4, |o| o.grad_bucket_bytes = 1);
+    assert!(programs[0].memory.buckets.len() > 4, "one bucket a gradient");
+    let dp = |cluster: &shardc_ir::cluster::Cluster| {
+        let e = estimate(&programs, cluster, shape);
+        (e.exposed_communication.get("dp").copied().unwrap_or(0.0), e.breakdown.get("all_reduce dp (bucketed)").copied().unwrap_or(0.0))
+    };
+    let gpu = shardc_ir::cluster::Cluster::default();
+    let (exposed, total) = dp(&gpu);
+    assert!(total > 0.0 && exposed > 0.0 && exposed < 0.9 * total, "exposed {exposed} of {total}");
+    let cpu = shardc_ir::cluster::Cluster { shared_host: true, ..gpu };
+    let (exposed, total) = dp(&cpu);
+    assert!(total > 0.0 && exposed >= total, "the CPU backend sends them at the end: exposed {exposed} of {total}");
+}
+
 /// The step-time estimate over compiled programs: compute, the pipeline's sends, and the
 /// bubble of the schedule the programs carry, simulated with the stages' own costs.
 #[test]

@@ -150,6 +150,12 @@ pub struct CudaExecutor {
     /// step, with the events their first member makes the compute stream wait for.
     step_bucket_inputs: HashMap<BufferId, usize>,
     step_buckets_sent: HashMap<usize, Vec<cudarc::driver::CudaEvent>>,
+    /// Step buckets sent inside their chunk's last backward work (as the layers that fill
+    /// them finish), and the gradient buffers summed into them then: the item's end neither
+    /// sums nor sends them again.
+    sent_early: std::collections::HashSet<usize>,
+    summed_early: std::collections::HashSet<BufferId>,
+    early_sends: usize,
     /// Collectives issued (one per instruction or bucket region, whatever the local ranks).
     collectives_issued: usize,
     /// A process's copies of the buffers it sent to other processes' pipeline ranks:
@@ -341,7 +347,7 @@ impl CudaExecutor {
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
         let step_bucket_inputs = if program.pipeline.is_some() { program.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| (program.instrs[m].inputs[0], m))).collect() } else { HashMap::new() };
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, step_buckets_sent: HashMap::new(), collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault, profile: None })
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, step_buckets_sent: HashMap::new(), sent_early: Default::default(), summed_early: Default::default(), early_sends: 0, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault, profile: None })
     }
 
     /// The program.
@@ -519,6 +525,9 @@ impl CudaExecutor {
                 rest.push(b);
                 continue;
             };
+            if self.summed_early.contains(&b) {
+                continue;
+            }
             let out = self.program.instrs[member].outputs[0];
             let buffer = &self.program.buffers[b];
             for local in 0..self.ranks.len() {
@@ -540,7 +549,9 @@ impl CudaExecutor {
     /// stream under NCCL, in place among this device's ranks otherwise; the step section's
     /// first member of each waits for it. Returns how many went out.
     pub fn start_step_buckets(&mut self, chunk: &crate::program::ChunkPlan) -> Result<usize, RuntimeError> {
-        let regions: Vec<usize> = (0..self.program.memory.buckets.len()).filter(|&k| self.program.memory.buckets[k].members.iter().all(|m| chunk.early_syncs.contains(m))).collect();
+        let regions: Vec<usize> = (0..self.program.memory.buckets.len()).filter(|&k| self.program.memory.buckets[k].members.iter().all(|m| chunk.early_syncs.contains(m)) && !self.sent_early.contains(&k)).collect();
+        self.sent_early.clear();
+        self.summed_early.clear();
         for &k in &regions {
             if self.step_buckets_sent.contains_key(&k) {
                 return Err(err(format!("step bucket {} was sent twice in one step", self.program.memory.buckets[k].bucket)));
@@ -549,6 +560,54 @@ impl CudaExecutor {
             self.step_buckets_sent.insert(k, events);
         }
         Ok(regions.len())
+    }
+
+    /// Where, in the instructions of `chunk`'s last backward work of the step, each of its
+    /// step buckets is complete: (how many of `instructions` must have run, the region), for
+    /// every region whose gradients are all made before the work's end, in that order (ties
+    /// by region). Megatron-LM's `--overlap-grad-reduce`: a bucket goes out as the layers that
+    /// fill it finish, not after the whole backward pass.
+    pub fn step_bucket_triggers(&self, chunk: &crate::program::ChunkPlan, instructions: &[usize]) -> Vec<(usize, usize)> {
+        let mut triggers = Vec::new();
+        for (k, r) in self.program.memory.buckets.iter().enumerate() {
+            if !r.members.iter().all(|m| chunk.early_syncs.contains(m)) {
+                continue;
+            }
+            let inputs: Vec<BufferId> = r.members.iter().map(|&m| self.program.instrs[m].inputs[0]).collect();
+            // After the last instruction that writes one of the bucket's gradients; a gradient
+            // this work does not make leaves the bucket to the work's end.
+            let last = inputs.iter().map(|b| instructions.iter().rposition(|&i| self.program.instrs[i].outputs.contains(b))).collect::<Option<Vec<usize>>>();
+            if let Some(at) = last.and_then(|l| l.into_iter().max()).map(|i| i + 1).filter(|&at| at < instructions.len()) {
+                triggers.push((at, k));
+            }
+        }
+        triggers.sort_unstable();
+        triggers
+    }
+
+    /// Sends step bucket region `k` from inside its chunk's last backward work: sums the
+    /// gradients of this micro-batch into the region (`first(buffer)`: the step's first
+    /// micro-batch, copied) and starts its collective; the work's end then leaves it alone.
+    pub fn send_step_bucket_early(&mut self, k: usize, first: impl Fn(BufferId) -> bool) -> Result<(), RuntimeError> {
+        let inputs: Vec<BufferId> = self.program.memory.buckets[k].members.iter().map(|&m| self.program.instrs[m].inputs[0]).collect();
+        for &b in &inputs {
+            self.sum_into_step_buckets(&[b], first(b))?;
+        }
+        if self.step_buckets_sent.contains_key(&k) {
+            return Err(err(format!("step bucket {} was sent twice in one step", self.program.memory.buckets[k].bucket)));
+        }
+        let events = self.reduce_region(k)?;
+        self.step_buckets_sent.insert(k, events);
+        self.summed_early.extend(inputs);
+        self.sent_early.insert(k);
+        self.early_sends += 1;
+        Ok(())
+    }
+
+    /// How many step buckets went out inside their chunk's last backward work since the
+    /// executor was made.
+    pub fn step_buckets_sent_early(&self) -> usize {
+        self.early_sends
     }
 
     /// Sums region `k` of the memory plan over its members' group, in place: on the
@@ -1445,6 +1504,9 @@ struct Walk {
     kept_backward: HashMap<(usize, usize), HoldId>,
     summing: Vec<bool>,
     summing_weight: Vec<bool>,
+    /// In a chunk's last backward work of the step: where its step buckets go out (see
+    /// [`CudaExecutor::step_bucket_triggers`]), the next first.
+    triggers: Vec<(usize, usize)>,
 }
 
 impl CudaTrainer {
@@ -1837,6 +1899,9 @@ impl CudaTrainer {
                         if walks[s].position < items.len() {
                             let item = items[walks[s].position];
                             let instructions = self.begin_item(s, &mut walks[s], item, step, t, g, splits_w)?;
+                            // The chunk's last backward work: its step buckets go out as they fill.
+                            let last_backward = items.iter().rposition(|i| i.chunk == item.chunk && i.work != crate::schedule::Work::F) == Some(walks[s].position);
+                            walks[s].triggers = if last_backward { self.runners[s].exec.step_bucket_triggers(&plan.chunks[item.chunk], &instructions) } else { Vec::new() };
                             walks[s].running = Some((instructions, 0, Some(item)));
                         } else if !walks[s].step_started {
                             let runner = &mut self.runners[s];
@@ -1854,12 +1919,29 @@ impl CudaTrainer {
                         }
                     }
                     let (instructions, ran, item) = walks[s].running.take().ok_or_else(|| err("nothing running"))?;
-                    let left = self.runners[s].exec.run_until_blocked(&instructions[ran..])?;
-                    let now = instructions.len() - left;
+                    // Up to the next step bucket that fills inside this work, if any.
+                    let stop = walks[s].triggers.first().map_or(instructions.len(), |&(at, _)| at.clamp(ran, instructions.len()));
+                    let left = self.runners[s].exec.run_until_blocked(&instructions[ran..stop])?;
+                    let now = stop - left;
                     progressed |= now > ran;
                     if left > 0 {
                         walks[s].running = Some((instructions, now, item));
                         break;
+                    }
+                    if now < instructions.len() {
+                        let c = item.map(|i| i.chunk).ok_or_else(|| err("a step bucket trigger outside an item"))?;
+                        let chunk = &plan.chunks[c];
+                        while let Some(&(at, k)) = walks[s].triggers.first().filter(|&&(at, _)| at <= now) {
+                            debug_assert_eq!(at, now);
+                            walks[s].triggers.remove(0);
+                            let (summing, summing_weight) = (walks[s].summing[c], walks[s].summing_weight[c]);
+                            // The step's first micro-batch copies into the region, the others add.
+                            let first = |b: BufferId| if chunk.sum_weight.contains(&b) { !summing_weight } else { !summing };
+                            self.runners[s].exec.send_step_bucket_early(k, first)?;
+                        }
+                        walks[s].running = Some((instructions, now, item));
+                        progressed = true;
+                        continue;
                     }
                     if let Some(item) = item {
                         loss_sum += self.finish_item(s, &mut walks[s], item, splits_w)?;
@@ -1972,6 +2054,12 @@ impl CudaTrainer {
             Work::W => sum_into(&mut runner.exec, &chunk.sum_weight, &mut runner.sums_weight[c], &mut walk.summing_weight[c])?,
         }
         Ok(loss)
+    }
+
+    /// How many step buckets went out inside their chunk's last backward work (as the layers
+    /// that fill them finished) since the trainer was made, over its pipeline ranks.
+    pub fn step_buckets_sent_early(&self) -> usize {
+        self.runners.iter().map(|r| r.exec.step_buckets_sent_early()).sum()
     }
 
     /// Where the run stands: steps taken, and every parameter and optimizer-state tensor,
