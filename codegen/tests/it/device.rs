@@ -663,15 +663,16 @@ mod emulated {
     /// Step buckets go out inside their chunk's last backward work, as the layers that fill
     /// them finish (Megatron-LM's `--overlap-grad-reduce`), not after it: with one gradient a
     /// bucket, most are sent early, and training still equals the CPU pipeline runtime (which
-    /// sends them at the work's end) at dp=2 under 1F1B and ZB-H1 over two stages, and with
-    /// accumulation on one.
+    /// sends them at the work's end) at dp=2 under 1F1B, interleaved and ZB-H1 over two stages, and with
+    /// accumulation on one, every rank on one device and one process per rank.
     #[test]
     fn step_buckets_go_out_as_their_layers_finish() {
         use shardc_runtime::schedule::Kind;
         const STEPS: u64 = 2;
-        for (mesh, kind) in [(Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, Kind::OneFOneB), (Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, Kind::ZeroBubble), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::OneFOneB)] {
+        let two_stages = Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 };
+        for (mesh, kind) in [(two_stages, Kind::OneFOneB), (two_stages, Kind::Interleaved), (two_stages, Kind::ZeroBubble), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::OneFOneB)] {
             let what = format!("{mesh} {kind:?}");
-            let (programs, spec) = crate::pipeline::compile_stages_with("tiny", mesh, kind, 3, |o| o.grad_bucket_bytes = 1);
+            let (programs, spec) = crate::pipeline::compile_stages_with("tiny", mesh, kind, 4, |o| o.grad_bucket_bytes = 1);
             let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
             let buckets: usize = programs.iter().map(|p| p.memory.buckets.len()).sum();
             assert!(buckets > 4, "{what}: one bucket a gradient");
@@ -692,6 +693,9 @@ mod emulated {
             // out early: most of them.
             let early = trainer.step_buckets_sent_early();
             assert!(early >= STEPS as usize * buckets / 2 && early <= STEPS as usize * buckets, "{what}: {early} of {} bucket sends went out early", STEPS as usize * buckets);
+            // One process per rank (NCCL emulated, each communicator's operations matched by
+            // their order): every dp peer sends its buckets in the same order.
+            processes_equal_the_cpu(&format!("{what} in processes"), &programs, &spec, STEPS, &cpu.losses, &cpu.parameters);
         }
     }
 
