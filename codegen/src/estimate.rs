@@ -296,6 +296,15 @@ fn walk_with(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster
     // came before, and a synchronous collective over axes with a bucket in flight starts
     // when that bucket ends. Communicator (its axes) -> when its last operation ends.
     let mut communicator_free: BTreeMap<Vec<usize>, f64> = BTreeMap::new();
+    // Step buckets sent inside the chunk's last backward work are still on their
+    // communicator's stream when this section starts (`left` after it): a bucket sent at the
+    // work's end, or a synchronous collective over the same axes, queues behind them, as on
+    // the GPU.
+    for (&k, &(_, left)) in early {
+        let axes: Vec<usize> = program.memory.buckets[k].members.first().map(|&m| program.instrs[m].ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect()).unwrap_or_default();
+        let free = communicator_free.entry(axes).or_insert(0.0);
+        *free = free.max(left);
+    }
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
     let fusion = Fusion::of(program);
     // A pipeline rank's step buckets: each is one collective of its region's bytes, priced

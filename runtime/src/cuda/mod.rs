@@ -610,6 +610,14 @@ impl CudaExecutor {
         self.early_sends
     }
 
+    /// Forgets early sends of a step that ended in an error before its chunk's last backward
+    /// work finished (`start_step_buckets` clears them otherwise): a stale entry would make
+    /// the next step skip that gradient's sums.
+    pub fn forget_early_step_buckets(&mut self) {
+        self.sent_early.clear();
+        self.summed_early.clear();
+    }
+
     /// Sums region `k` of the memory plan over its members' group, in place: on the
     /// communication stream under NCCL (the events to join), else among this device's ranks
     /// at once.
@@ -1877,6 +1885,9 @@ impl CudaTrainer {
             }
         }
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == crate::schedule::Work::W);
+        for runner in &mut self.runners {
+            runner.exec.forget_early_step_buckets();
+        }
         let mut walks: Vec<Walk> = self
             .runners
             .iter()
