@@ -274,8 +274,8 @@ struct Walk {
     breakdown: BTreeMap<String, f64>,
     /// Seconds of every collective, exposed or overlapped.
     communication: f64,
-    /// The clock after each instruction walked: (instruction, seconds since the walk began).
-    after: Vec<(usize, f64)>,
+    /// Each instruction walked and the clock when it began (seconds since the walk began).
+    began: Vec<(usize, f64)>,
 }
 
 fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> Walk {
@@ -312,12 +312,7 @@ fn walk_with(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster
     let step_bucket_of: BTreeMap<usize, usize> = if program.pipeline.is_some() { program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, k))).collect() } else { BTreeMap::new() };
     let mut step_buckets_priced = std::collections::BTreeSet::new();
     for index in range {
-        // The clock after the previous instruction, however its arm below ended.
-        let clock = w.clock;
-        if let Some(last) = w.after.last_mut() {
-            last.1 = clock;
-        }
-        w.after.push((index, f64::NAN));
+        w.began.push((index, w.clock));
         let instr = &program.instrs[index];
         if let Some(&k) = step_bucket_of.get(&index) {
             if let Some(&(t, left)) = early.get(&k) {
@@ -399,46 +394,33 @@ fn walk_with(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster
             }
         }
     }
-    let clock = w.clock;
-    if let Some(last) = w.after.last_mut() {
-        last.1 = clock;
-    }
     w
 }
 
 /// The step buckets of pipeline rank `program` that go out inside a chunk's last backward
-/// work, as the CUDA backend sends them (see `CudaExecutor::step_bucket_triggers`): region ->
-/// (seconds of its collective, seconds of it left when the work ends). Each goes out when
-/// the last instruction making one of its gradients is done, on the dp communicator after
-/// the buckets before it; `backward` and `weight` are the walks of the chunk's backward and
-/// weight sections, the work being the weight section alone when the schedule splits it off.
+/// work, as the CUDA backend sends them ([`Program::step_bucket_triggers`]): region ->
+/// (seconds of its collective, seconds of it left when the work ends). Each starts when its
+/// trigger's instruction begins, on the dp communicator after the buckets before it;
+/// `backward` and `weight` are the walks of the chunk's backward and weight sections, the
+/// work being the weight section alone when the schedule splits it off.
 fn early_step_buckets(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, backward: &Walk, weight: &Walk, splits_w: bool, cluster: &Cluster) -> BTreeMap<usize, (f64, f64)> {
-    // The work's instructions and the clock after each, from the work's start.
-    let mut after: Vec<(usize, f64)> = Vec::new();
-    if !splits_w {
-        after.extend(backward.after.iter().copied());
+    // The work's instructions and when each begins, from the work's start.
+    let (mut began, mut end) = (Vec::new(), 0.0);
+    for w in if splits_w { vec![weight] } else { vec![backward, weight] } {
+        began.extend(w.began.iter().map(|&(i, t)| (i, end + t)));
+        end += w.clock;
     }
-    let offset = after.last().map_or(0.0, |a| a.1);
-    after.extend(weight.after.iter().map(|&(i, t)| (i, offset + t)));
-    let Some(&(_, end)) = after.last() else { return BTreeMap::new() };
+    let instructions: Vec<usize> = began.iter().map(|&(i, _)| i).collect();
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
-    let mut ready: Vec<(f64, usize, f64)> = Vec::new();
-    for (k, r) in program.memory.buckets.iter().enumerate() {
-        if !r.members.iter().all(|m| chunk.early_syncs.contains(m)) {
-            continue;
-        }
-        let last = r.members.iter().map(|&m| program.instrs[m].inputs[0]).map(|b| after.iter().rposition(|&(i, _)| program.instrs[i].outputs.contains(&b))).collect::<Option<Vec<usize>>>();
-        // A bucket whose last gradient comes with the work's last instruction goes at its end.
-        let Some(at) = last.and_then(|l| l.into_iter().max()).filter(|&at| at + 1 < after.len()) else { continue };
-        let axes: Vec<usize> = program.instrs[r.members[0]].ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
-        ready.push((after[at].1, k, cluster.time(Collective::AllReduce, r.bytes as f64, &grid, &axes)));
-    }
-    ready.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     let mut free = 0.0f64;
-    ready
+    program
+        .step_bucket_triggers(chunk, &instructions)
         .into_iter()
-        .map(|(at, k, t)| {
-            free = free.max(at) + t;
+        .map(|(at, k)| {
+            let r = &program.memory.buckets[k];
+            let axes: Vec<usize> = program.instrs[r.members[0]].ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
+            let t = cluster.time(Collective::AllReduce, r.bytes as f64, &grid, &axes);
+            free = free.max(began[at].1) + t;
             (k, (t, (free - end).max(0.0)))
         })
         .collect()
@@ -478,15 +460,18 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         let mut walks: BTreeMap<(usize, usize, usize), Walk> = BTreeMap::new();
         for (rank, plan) in plans.iter().enumerate() {
             for chunk in 0..plan.chunks.len() {
+                let (backward, weight) = (section(rank, chunk, Phase::Backward), section(rank, chunk, Phase::Weight));
                 // Step buckets that go out inside the chunk's last backward work (on a GPU; the
                 // CPU backend's pipeline runtime sends them at its end).
-                let early = if cluster.shared_host {
-                    BTreeMap::new()
-                } else {
-                    early_step_buckets(&programs[rank], &plan.chunks[chunk], &section(rank, chunk, Phase::Backward), &section(rank, chunk, Phase::Weight), splits_w, cluster)
-                };
+                let early = if cluster.shared_host { BTreeMap::new() } else { early_step_buckets(&programs[rank], &plan.chunks[chunk], &backward, &weight, splits_w, cluster) };
+                let step = walk_with(&programs[rank], plan.chunks[chunk].range(Phase::Step), cluster, &early);
                 for s in Phase::ALL {
-                    let mut w = if s == Phase::Step { walk_with(&programs[rank], plan.chunks[chunk].range(s), cluster, &early) } else { section(rank, chunk, s) };
+                    let mut w = match s {
+                        Phase::Forward => section(rank, chunk, s),
+                        Phase::Backward => backward.clone(),
+                        Phase::Weight => weight.clone(),
+                        Phase::Step => step.clone(),
+                    };
                     let t = bookkeeping(&programs[rank], &plan.chunks[chunk], s, splits_w, cluster);
                     w.clock += t;
                     w.compute += t;

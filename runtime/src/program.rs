@@ -505,6 +505,31 @@ impl Program {
         }
     }
 
+    /// The gradients step bucket region `k` reduces: its members' inputs.
+    pub fn step_bucket_inputs(&self, k: usize) -> Vec<BufferId> {
+        self.memory.buckets[k].members.iter().map(|&m| self.instrs[m].inputs[0]).collect()
+    }
+
+    /// Where, in `instructions` (a chunk's last backward work of the step), each of `chunk`'s
+    /// step buckets is complete: (how many of them must have run, the region), for every
+    /// region whose gradients are all made before the work's last instruction, ordered by
+    /// that position, ties by region. A GPU sends each bucket there, as the layers that fill
+    /// it finish (Megatron-LM's `--overlap-grad-reduce`), and the estimate prices it so.
+    pub fn step_bucket_triggers(&self, chunk: &ChunkPlan, instructions: &[usize]) -> Vec<(usize, usize)> {
+        let mut triggers: Vec<(usize, usize)> = (0..self.memory.buckets.len())
+            .filter(|&k| self.memory.buckets[k].members.iter().all(|m| chunk.early_syncs.contains(m)))
+            .filter_map(|k| {
+                // After the last instruction that writes one of the bucket's gradients; a
+                // gradient the work does not make leaves the bucket to the work's end.
+                let last = self.step_bucket_inputs(k).iter().map(|b| instructions.iter().rposition(|&i| self.instrs[i].outputs.contains(b))).collect::<Option<Vec<usize>>>()?;
+                let at = last.into_iter().max()? + 1;
+                (at < instructions.len()).then_some((at, k))
+            })
+            .collect();
+        triggers.sort_unstable();
+        triggers
+    }
+
     /// The invariant that makes starting a collective early sound: an early sync is a sum
     /// all-reduce of the chunk's step section whose input is a summed gradient
     /// (`sum_backward` / `sum_weight`), and no instruction of the step section before it

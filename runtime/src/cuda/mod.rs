@@ -550,54 +550,32 @@ impl CudaExecutor {
     /// first member of each waits for it. Returns how many went out.
     pub fn start_step_buckets(&mut self, chunk: &crate::program::ChunkPlan) -> Result<usize, RuntimeError> {
         let regions: Vec<usize> = (0..self.program.memory.buckets.len()).filter(|&k| self.program.memory.buckets[k].members.iter().all(|m| chunk.early_syncs.contains(m)) && !self.sent_early.contains(&k)).collect();
-        self.sent_early.clear();
-        self.summed_early.clear();
+        self.forget_early_step_buckets();
         for &k in &regions {
-            if self.step_buckets_sent.contains_key(&k) {
-                return Err(err(format!("step bucket {} was sent twice in one step", self.program.memory.buckets[k].bucket)));
-            }
-            let events = self.reduce_region(k)?;
-            self.step_buckets_sent.insert(k, events);
+            self.send_step_bucket(k)?;
         }
         Ok(regions.len())
     }
 
-    /// Where, in the instructions of `chunk`'s last backward work of the step, each of its
-    /// step buckets is complete: (how many of `instructions` must have run, the region), for
-    /// every region whose gradients are all made before the work's end, in that order (ties
-    /// by region). Megatron-LM's `--overlap-grad-reduce`: a bucket goes out as the layers that
-    /// fill it finish, not after the whole backward pass.
-    pub fn step_bucket_triggers(&self, chunk: &crate::program::ChunkPlan, instructions: &[usize]) -> Vec<(usize, usize)> {
-        let mut triggers = Vec::new();
-        for (k, r) in self.program.memory.buckets.iter().enumerate() {
-            if !r.members.iter().all(|m| chunk.early_syncs.contains(m)) {
-                continue;
-            }
-            let inputs: Vec<BufferId> = r.members.iter().map(|&m| self.program.instrs[m].inputs[0]).collect();
-            // After the last instruction that writes one of the bucket's gradients; a gradient
-            // this work does not make leaves the bucket to the work's end.
-            let last = inputs.iter().map(|b| instructions.iter().rposition(|&i| self.program.instrs[i].outputs.contains(b))).collect::<Option<Vec<usize>>>();
-            if let Some(at) = last.and_then(|l| l.into_iter().max()).map(|i| i + 1).filter(|&at| at < instructions.len()) {
-                triggers.push((at, k));
-            }
+    /// Starts step bucket region `k`'s collective, once a step.
+    fn send_step_bucket(&mut self, k: usize) -> Result<(), RuntimeError> {
+        if self.step_buckets_sent.contains_key(&k) {
+            return Err(err(format!("step bucket {} was sent twice in one step", self.program.memory.buckets[k].bucket)));
         }
-        triggers.sort_unstable();
-        triggers
+        let events = self.reduce_region(k)?;
+        self.step_buckets_sent.insert(k, events);
+        Ok(())
     }
 
     /// Sends step bucket region `k` from inside its chunk's last backward work: sums the
     /// gradients of this micro-batch into the region (`first(buffer)`: the step's first
     /// micro-batch, copied) and starts its collective; the work's end then leaves it alone.
     pub fn send_step_bucket_early(&mut self, k: usize, first: impl Fn(BufferId) -> bool) -> Result<(), RuntimeError> {
-        let inputs: Vec<BufferId> = self.program.memory.buckets[k].members.iter().map(|&m| self.program.instrs[m].inputs[0]).collect();
+        let inputs = self.program.step_bucket_inputs(k);
         for &b in &inputs {
             self.sum_into_step_buckets(&[b], first(b))?;
         }
-        if self.step_buckets_sent.contains_key(&k) {
-            return Err(err(format!("step bucket {} was sent twice in one step", self.program.memory.buckets[k].bucket)));
-        }
-        let events = self.reduce_region(k)?;
-        self.step_buckets_sent.insert(k, events);
+        self.send_step_bucket(k)?;
         self.summed_early.extend(inputs);
         self.sent_early.insert(k);
         self.early_sends += 1;
@@ -610,9 +588,9 @@ impl CudaExecutor {
         self.early_sends
     }
 
-    /// Forgets early sends of a step that ended in an error before its chunk's last backward
-    /// work finished (`start_step_buckets` clears them otherwise): a stale entry would make
-    /// the next step skip that gradient's sums.
+    /// Forgets the early sends of a chunk's last backward work: at its end, and at a step's
+    /// start (after a step that failed inside that work, a stale entry would make the next
+    /// step skip that gradient's sums).
     pub fn forget_early_step_buckets(&mut self) {
         self.sent_early.clear();
         self.summed_early.clear();
@@ -1512,8 +1490,9 @@ struct Walk {
     kept_backward: HashMap<(usize, usize), HoldId>,
     summing: Vec<bool>,
     summing_weight: Vec<bool>,
-    /// In a chunk's last backward work of the step: where its step buckets go out (see
-    /// [`CudaExecutor::step_bucket_triggers`]), the next first.
+    /// Whether the running item is its chunk's last backward work of the step, and where its
+    /// step buckets go out then (see [`Program::step_bucket_triggers`]), the next first.
+    last_backward: bool,
     triggers: Vec<(usize, usize)>,
 }
 
@@ -1912,7 +1891,8 @@ impl CudaTrainer {
                             let instructions = self.begin_item(s, &mut walks[s], item, step, t, g, splits_w)?;
                             // The chunk's last backward work: its step buckets go out as they fill.
                             let last_backward = items.iter().rposition(|i| i.chunk == item.chunk && i.work != crate::schedule::Work::F) == Some(walks[s].position);
-                            walks[s].triggers = if last_backward { self.runners[s].exec.step_bucket_triggers(&plan.chunks[item.chunk], &instructions) } else { Vec::new() };
+                            walks[s].last_backward = last_backward;
+                            walks[s].triggers = if last_backward { self.programs[s].step_bucket_triggers(&plan.chunks[item.chunk], &instructions) } else { Vec::new() };
                             walks[s].running = Some((instructions, 0, Some(item)));
                         } else if !walks[s].step_started {
                             let runner = &mut self.runners[s];
@@ -1958,7 +1938,7 @@ impl CudaTrainer {
                         loss_sum += self.finish_item(s, &mut walks[s], item, splits_w)?;
                         // The chunk's last backward work of the step: its gradients are final
                         // and its step buckets go out while the rank works on.
-                        if items.iter().rposition(|i| i.chunk == item.chunk && i.work != crate::schedule::Work::F) == Some(walks[s].position) {
+                        if walks[s].last_backward {
                             self.runners[s].exec.start_step_buckets(&plan.chunks[item.chunk])?;
                         }
                         walks[s].position += 1;
