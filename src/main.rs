@@ -430,6 +430,16 @@ fn explain_records(program: &shardc_runtime::Program, records: &[shardc_runtime:
         let n = runs(r.index);
         let times = if n > 1 { format!(" x{n}") } else { String::new() };
         println!("  {:>5}  {:<18} {:<11} {:>12} elements {:>12}{times}  at {}", r.index, r.op, group, r.elements, summary::bytes(r.bytes), r.loc);
+        // How it travels: in an asynchronous bucket, or in a pipeline or accumulation step's
+        // step bucket, sent once its gradients are final.
+        let travels = match (instr.int("xf.bucket"), instr.int("xf.step_bucket")) {
+            (Ok(b), _) => Some(format!("asynchronous, in bucket {b} ({} members)", instr.int("xf.bucket_members").unwrap_or(1))),
+            (_, Ok(b)) => Some(format!("in step bucket {b} ({} members), sent once the step's last backward has made its gradients", instr.int("xf.step_bucket_members").unwrap_or(1))),
+            _ => None,
+        };
+        if let Some(travels) = travels {
+            println!("         travels: {travels}");
+        }
         if !r.cause.is_empty() {
             println!("         cause: {}", r.cause);
         }

@@ -81,7 +81,8 @@ pub struct StrategyArgs {
     /// gathers of updated shards go out asynchronously in buckets of this size, and ZeRO-3
     /// prefetches up to this much of its parameter gathers (0: none of these; each
     /// collective on its own). Default 25. Steps of several micro-batches or pipeline stages
-    /// reduce their gradients once per step, unbucketed.
+    /// reduce their gradients once per step, in buckets of this size (all-reduces, or ZeRO's
+    /// reduce-scatters) that a GPU sends as the last backward of the step fills them.
     #[arg(long)]
     pub grad_bucket_mb: Option<u64>,
     /// Partition naively (gather every column-parallel matmul's result), to see what the
@@ -173,16 +174,13 @@ impl Default for StepArgs {
 pub const DEFAULT_GRAD_BUCKET_MB: u64 = 25;
 
 impl StepArgs {
-    /// Refuses what the user asked for that this step would not do: buckets and comm-opt's
-    /// choice on a step with several micro-batches or pipeline stages (whose pass pipeline
-    /// reduces gradients once per step and runs no comm-opt). The options are the user's:
-    /// internal callers (the memory estimate skips comm-opt) set fields past this check.
+    /// Refuses what the user asked for that this step would not do: comm-opt's choice on a
+    /// step with several micro-batches or pipeline stages (whose pass pipeline runs no
+    /// comm-opt). The options are the user's: internal callers (the memory estimate skips
+    /// comm-opt) set fields past this check.
     pub fn refuse_what_the_step_does_not_do(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
         let Some(pipeline) = self.pipeline_options(spec, mesh)? else { return Ok(()) };
         let what = if mesh.pp > 1 { format!("pipeline stages (--mesh {mesh})") } else { format!("{} micro-batches", pipeline.microbatches) };
-        if let Some(mb) = self.strategy.grad_bucket_mb {
-            return Err(miette!(help = "leave --grad-bucket-mb out, or give --microbatches 1 at pp=1 to bucket the data-parallel gradients", "--grad-bucket-mb {mb}: a step of {what} reduces its gradients once per step, after the last micro-batch, without buckets"));
-        }
         if self.strategy.no_comm_opt {
             return Err(miette!(help = "leave --no-comm-opt out, or give --microbatches 1 at pp=1 to see comm-opt's work", "--no-comm-opt: comm-opt does not run on a step of {what}"));
         }

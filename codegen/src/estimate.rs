@@ -278,6 +278,18 @@ struct Walk {
     began: Vec<(usize, f64)>,
 }
 
+/// The one collective of a pipeline rank's step bucket region `k`: an all-reduce of the
+/// region in place, or (ZeRO) a group of reduce-scatters of its members' whole gradients;
+/// with its bytes, counted as [`collective_of`] counts them, and its name.
+fn step_bucket_collective(program: &Program, k: usize) -> (Collective, f64, &'static str) {
+    let r = &program.memory.buckets[k];
+    if program.step_bucket_scatters(k) {
+        let bytes: usize = program.step_bucket_inputs(k).iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes())).sum();
+        return (Collective::ReduceScatter, bytes as f64, "reduce_scatter");
+    }
+    (Collective::AllReduce, r.bytes as f64, "all_reduce")
+}
+
 fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> Walk {
     walk_with(program, range, cluster, &BTreeMap::new())
 }
@@ -320,19 +332,20 @@ fn walk_with(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster
                     let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
                     let wait = (left - w.clock).max(0.0);
                     w.communication += t;
-                    *w.breakdown.entry(format!("all_reduce {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
+                    let (_, _, name) = step_bucket_collective(program, k);
+                    *w.breakdown.entry(format!("{name} {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
                     *w.exposed.entry(axis_names(&axes)).or_insert(0.0) += wait;
                     w.clock += wait;
                 }
             } else if step_buckets_priced.insert(k) {
-                let r = &program.memory.buckets[k];
+                let (collective, bytes, name) = step_bucket_collective(program, k);
                 let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
-                let t = cluster.time(Collective::AllReduce, r.bytes as f64, &grid, &axes);
+                let t = cluster.time(collective, bytes, &grid, &axes);
                 let free = communicator_free.entry(axes.clone()).or_insert(0.0);
                 let queued = (*free - w.clock).max(0.0);
                 *free = w.clock + queued + t;
                 w.communication += t;
-                *w.breakdown.entry(format!("all_reduce {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
+                *w.breakdown.entry(format!("{name} {} (bucketed)", axis_names(&axes))).or_insert(0.0) += t;
                 *w.exposed.entry(axis_names(&axes)).or_insert(0.0) += queued + t;
                 w.clock += queued + t;
             }
@@ -419,7 +432,8 @@ fn early_step_buckets(program: &Program, chunk: &shardc_runtime::program::ChunkP
         .map(|(at, k)| {
             let r = &program.memory.buckets[k];
             let axes: Vec<usize> = program.instrs[r.members[0]].ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
-            let t = cluster.time(Collective::AllReduce, r.bytes as f64, &grid, &axes);
+            let (collective, bytes, _) = step_bucket_collective(program, k);
+            let t = cluster.time(collective, bytes, &grid, &axes);
             free = free.max(began[at].1) + t;
             (k, (t, (free - end).max(0.0)))
         })
@@ -603,7 +617,9 @@ pub struct MemoryEstimate {
     /// Bytes of the peak of everything else the memory plan holds at once.
     pub temporaries: f64,
     /// Bytes of data-parallel gradient buckets: the reduced gradients of every bucketed
-    /// `xf.async` all-reduce, held from the bucket's issue to its `xf.wait` at the end of the step.
+    /// `xf.async` all-reduce, held from the bucket's issue to its `xf.wait` at the end of the
+    /// step; in a pipeline rank, its step buckets' regions (all-reduced gradients, or ZeRO's
+    /// reduce-scattered shards), alive the whole step.
     /// Not added to `total`: no backend stages a bucket in device memory of its own. The
     /// memory plan lays a bucket's all-reduce outputs back to back (a [`BucketRegion`] of
     /// the arena, so within `temporaries` and the gradient term's bytes: the input gradients
@@ -826,9 +842,11 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
                 // them only without accumulation), as Megatron's gradient buffer is whole.
                 Some(plan) => {
                     let bytes = |ids: &[usize]| ids.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
-                    // A step bucket's gradients are summed in its region of the arena (alive the
-                    // whole step), not in storage of their own: counted as gradients, once.
-                    let in_region: std::collections::HashSet<usize> = program.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| program.instrs[m].inputs[0])).collect();
+                    // An all-reduce step bucket's gradients are summed in its region of the
+                    // arena (alive the whole step), not in storage of their own: counted as
+                    // gradients, once. A reduce-scatter bucket's are summed whole outside the
+                    // arena, and its region holds their shards besides.
+                    let in_region: std::collections::HashSet<usize> = (0..program.memory.buckets.len()).filter(|&k| !program.step_bucket_scatters(k)).flat_map(|k| program.step_bucket_inputs(k)).collect();
                     let held = |ids: &[usize]| bytes(&ids.iter().copied().filter(|b| !in_region.contains(b)).collect::<Vec<_>>());
                     let regions: f64 = program.memory.buckets.iter().map(|r| r.bytes as f64).sum();
                     let sums: f64 = plan.chunks.iter().map(|c| held(&c.sum_backward) + held(&c.sum_weight)).sum::<f64>() + regions;

@@ -100,8 +100,12 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
     let is_step = |op: &shardc_ir::Op| matches!(op.attrs.get("xf.phase"), Some(AttrValue::Str(p)) if p == "step");
     let steps: Vec<usize> = (0..end).filter(|&i| is_step(&func.ops[i])).collect();
     if steps.windows(2).any(|w| w[1] != w[0] + 1) {
+        // A wait's result is its operand's buffer (in place): the result living to the end
+        // keeps it, and the wait stays its operand's last reader.
+        let waited: std::collections::HashSet<Value> = steps.iter().filter(|&&i| func.ops[i].name == "xf.wait").map(|&i| func.ops[i].operands[0]).collect();
         for &i in &steps {
-            for v in func.ops[i].operands.iter().chain(&func.ops[i].results) {
+            let operands = if func.ops[i].name == "xf.wait" { &[][..] } else { &func.ops[i].operands[..] };
+            for v in operands.iter().chain(&func.ops[i].results).filter(|v| !waited.contains(v)) {
                 last_use[v.0 as usize] = Some(end);
             }
         }
@@ -272,8 +276,13 @@ fn bucket_groups(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_l
     let mut by_key: std::collections::HashMap<(i64, DType), Vec<(usize, usize)>> = std::collections::HashMap::new();
     let mut in_bucket = vec![false; buffers.len()];
     let mut step_bucket: std::collections::HashSet<i64> = std::collections::HashSet::new();
+    // A pipeline rank's regions are its step buckets only: an asynchronous all-reduce inside a
+    // section (`overlap-collectives`, one behind the compute after it) reduces in its own
+    // output.
+    let sectioned = instrs.iter().any(|i| i.attrs.contains_key("xf.phase"));
     for (i, instr) in instrs.iter().enumerate() {
         if let (true, Ok(true), Ok(bucket), Some(&b)) = (instr.op == "shard.all_reduce", instr.bool("xf.async"), instr.int("xf.bucket"), instr.outputs.first())
+            && !sectioned
             && !is_arg[b]
             && !in_bucket[b]
         {
@@ -281,8 +290,9 @@ fn bucket_groups(buffers: &[Buffer], is_arg: &[bool], instrs: &[Instr], buffer_l
             by_key.entry((bucket, buffers[b].dtype)).or_default().push((i, b));
         }
         // A step bucket of a pipeline stage (`bucket-step-gradients`): the micro-batches'
-        // gradients are summed into its region and it is sent before the step section runs.
-        if let (true, Ok(bucket), Some(&b)) = (instr.op == "shard.all_reduce", instr.int("xf.step_bucket"), instr.outputs.first())
+        // gradients are summed into its region (or, reduce-scattered, into whole gradients
+        // whose shards land in it) and it is sent before the step section runs.
+        if let (true, Ok(bucket), Some(&b)) = (matches!(instr.op.as_str(), "shard.all_reduce" | "shard.reduce_scatter"), instr.int("xf.step_bucket"), instr.outputs.first())
             && !is_arg[b]
             && !in_bucket[b]
         {
@@ -580,7 +590,7 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
     // `bucket-step-gradients` buckets only what may start early.
     for region in &program.memory.buckets {
         if let Some(&m) = region.members.iter().find(|m| !plans.iter().any(|c| c.early_syncs.contains(m))) {
-            return Err(format!("{}: step bucket {} holds an all-reduce that cannot start before its step section", program.instrs[m].loc, region.bucket));
+            return Err(format!("{}: step bucket {} holds a collective that cannot start before its step section", program.instrs[m].loc, region.bucket));
         }
     }
     Ok(PipelinePlan { rank, ranks: pp, chunks: plans, kind: Kind::OneFOneB, microbatches: 1, items: Vec::new() })

@@ -138,7 +138,11 @@ pub fn compile_pipeline(options: &CompileOptions) -> Pipeline {
             split_weight_grads: stages.split_weight_grads,
         });
         // Those syncs travel in buckets that start once a chunk's backward work is done.
-        return if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 { pipeline.then(sharding::BucketStepGradients { bucket_bytes: options.grad_bucket_bytes }) } else { pipeline };
+        let pipeline = if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 { pipeline.then(sharding::BucketStepGradients { bucket_bytes: options.grad_bucket_bytes }) } else { pipeline };
+        // Within each forward, backward and weight section, a collective runs behind the
+        // compute after it (sequence parallelism's reduce-scatters behind the weight
+        // gradients' GEMMs, ZeRO-3's gathers ahead of their layers).
+        return pipeline.then(sharding::OverlapCollectives { prefetch_bytes: options.grad_bucket_bytes });
     }
     let pipeline = if options.mesh.dp > 1 && options.grad_bucket_bytes > 0 { pipeline.then(sharding::BucketGradients { bucket_bytes: options.grad_bucket_bytes }) } else { pipeline };
     // Parameter gathers run ahead by up to a gradient bucket's bytes.

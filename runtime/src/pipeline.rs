@@ -39,8 +39,9 @@ pub struct PipelineRun {
     /// Most bytes of kept activations (forward buffers awaiting their backward) each of
     /// those pipeline ranks held at once.
     pub peak_kept_bytes: Vec<usize>,
-    /// Gradient all-reduces each of those pipeline ranks started as soon as their chunk's
-    /// backward work was done, in the last step (overlapping the rest of its work).
+    /// Gradient all-reduces and reduce-scatters (one per step bucket) each of those pipeline
+    /// ranks started as soon as their chunk's backward work was done, in the last step
+    /// (overlapping the rest of its work).
     pub early_syncs: Vec<usize>,
     /// Where the run ended: every parameter and optimizer state, global.
     pub state: crate::train::TrainState,
@@ -218,9 +219,7 @@ pub fn train_pipeline_from(
                 exec.restore(&chunk.sum_backward, &sums[c])?;
                 exec.restore(&chunk.sum_weight, &sums_weight[c])?;
             }
-            for &index in &step_order {
-                exec.run_range(index..index + 1)?;
-            }
+            exec.run_list(&step_order)?;
             exec.carry_state()?;
             // The rank that computes the loss stops the run at the first step that breaks it
             // (the others see it fail and stop too).

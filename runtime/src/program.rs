@@ -436,8 +436,9 @@ pub struct ChunkPlan {
     pub sum_backward: Vec<BufferId>,
     /// Buffers the weight section makes and the step reads: summed over micro-batches.
     pub sum_weight: Vec<BufferId>,
-    /// Step-section all-reduces that may start as soon as the chunk's last backward (and
-    /// weight) work of the step is done, before the step section runs: each reads a summed
+    /// Step-section all-reduces (and reduce-scatters along dimension 0) that may start as
+    /// soon as the chunk's last backward (and weight) work of the step is done, before the
+    /// step section runs: each reads a summed
     /// gradient that no earlier instruction of the step section writes. Checked by
     /// [`Program::validate`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -510,6 +511,12 @@ impl Program {
         self.memory.buckets[k].members.iter().map(|&m| self.instrs[m].inputs[0]).collect()
     }
 
+    /// Whether step bucket region `k` reduce-scatters its gradients (ZeRO; the region holds
+    /// the shards) rather than all-reducing them in place.
+    pub fn step_bucket_scatters(&self, k: usize) -> bool {
+        self.memory.buckets[k].members.first().is_some_and(|&m| self.instrs[m].op == "shard.reduce_scatter")
+    }
+
     /// Where, in `instructions` (a chunk's last backward work of the step), each of `chunk`'s
     /// step buckets is complete: (how many of them must have run, the region), for every
     /// region whose gradients are all made before the work's last instruction, ordered by
@@ -548,8 +555,11 @@ impl Program {
             return Some(format!("early sync {index} is not an instruction of the step section {step:?}"));
         };
         let sum = !matches!(instr.attrs.get("reduction"), Some(Attr::Str(k)) if k != "sum");
-        if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || instr.inputs.len() != 1 {
-            return Some(format!("early sync {index} ({} at {}) is not a synchronous sum all-reduce", instr.op, instr.loc));
+        // A reduce-scatter along dimension 0 (ZeRO's gradient shard) keeps each rank's block
+        // contiguous, so it can go out in a group with others.
+        let collective = instr.op == "shard.all_reduce" || (instr.op == "shard.reduce_scatter" && instr.int("scatter_axis") == Ok(0));
+        if !collective || !sum || instr.bool("xf.async").unwrap_or(false) || instr.inputs.len() != 1 {
+            return Some(format!("early sync {index} ({} at {}) is not a synchronous sum all-reduce or reduce-scatter along dimension 0", instr.op, instr.loc));
         }
         let input = instr.inputs[0];
         if !chunk.sum_backward.contains(&input) && !chunk.sum_weight.contains(&input) {
@@ -636,9 +646,10 @@ impl Program {
     }
 
     /// A pipeline rank's bucket regions (`xf.step_bucket`): each lies in the arena and holds
-    /// exactly its members' outputs; the members are synchronous sum all-reduces of that
-    /// bucket over one set of axes, all early syncs of one chunk, each the only reader of its
-    /// input (a backend sums the micro-batches' gradients into the region instead); and since
+    /// exactly its members' outputs; the members are synchronous sum all-reduces (or
+    /// reduce-scatters along dimension 0, all of one kind) of that bucket over one set of
+    /// axes, all early syncs of one chunk, each the only reader of its input (a backend sums
+    /// the micro-batches' gradients into the region, or a buffer of its own, instead); and since
     /// the region is written from the first micro-batch on, while any section runs, no other
     /// temporary and no other region shares its storage.
     fn check_step_bucket_regions(&self, pipeline: &PipelinePlan) -> Result<(), String> {
@@ -666,8 +677,10 @@ impl Program {
             let mut axes = None;
             for &m in &region.members {
                 let instr = self.instrs.get(m).ok_or(format!("{name} names instruction {m}, out of range"))?;
-                if instr.op != "shard.all_reduce" || instr.bool("xf.async").unwrap_or(false) || instr.int("xf.step_bucket") != Ok(region.bucket) || !claimed.insert(m) {
-                    return Err(format!("{name} names instruction {m} ({}), not a synchronous all-reduce of the bucket once", instr.op));
+                let kind = self.instrs[region.members[0]].op.as_str();
+                let collective = matches!(kind, "shard.all_reduce" | "shard.reduce_scatter") && instr.op == kind && (kind == "shard.all_reduce" || instr.int("scatter_axis") == Ok(0));
+                if !collective || instr.bool("xf.async").unwrap_or(false) || instr.int("xf.step_bucket") != Ok(region.bucket) || !claimed.insert(m) {
+                    return Err(format!("{name} names instruction {m} ({}), not a synchronous all-reduce (or reduce-scatter along dimension 0) of the bucket, of one kind, once", instr.op));
                 }
                 if instr.int("xf.step_bucket_members") != Ok(region.members.len() as i64) {
                     return Err(format!("{name}: instruction {m} says its bucket has {:?} members; the region has {}", instr.int("xf.step_bucket_members").ok(), region.members.len()));
@@ -826,8 +839,8 @@ impl Program {
             let bucket = instr.int("xf.bucket").map_err(|e| format!("asynchronous instruction {i} at {}: {e}", instr.loc))?;
             buckets.entry(bucket).or_default().push(i);
         }
-        if !buckets.is_empty() && self.pipeline.is_some() {
-            return Err("a pipeline rank's program has asynchronous reduce-scatters or all-gathers; only a program without pipeline sections may".into());
+        if let Some(pipeline) = self.pipeline.as_ref().filter(|_| !buckets.is_empty()) {
+            self.check_pipeline_buckets(pipeline, &buckets)?;
         }
         for (bucket, members) in &buckets {
             let first = &self.instrs[members[0]];
@@ -865,6 +878,58 @@ impl Program {
                             "bucket {bucket}: instruction {w} (`{}` at {}) writes `{}`, whose storage the transfer of instruction {m} ({}) still uses until instruction {first_wait} waits for it",
                             writer.op, writer.loc, self.buffers[o].name, self.instrs[m].loc
                         ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pipeline rank's asynchronous buckets each lie, members and waits, in one section of
+    /// one chunk: a forward, backward or weight section (`overlap-collectives`: one
+    /// collective behind the compute after it), which runs whole once per micro-batch, or a
+    /// step section, where they are ZeRO's gathers of updated shards
+    /// (`bucket-step-gradients`). The step sections of several chunks run merged in the
+    /// training step's order (`xf.order`): there every member must be issued before the
+    /// first wait, and no instruction of another chunk's step section may write storage
+    /// that a member reads or writes.
+    fn check_pipeline_buckets(&self, pipeline: &PipelinePlan, buckets: &BTreeMap<i64, Vec<usize>>) -> Result<(), String> {
+        // (Sections are checked against the instructions later; a plan edited out of range
+        // must get an error here, not a panic.)
+        if let Some(c) = pipeline.chunks.iter().position(|c| Phase::ALL.iter().any(|&p| c.range(p).end > self.instrs.len())) {
+            return Err(format!("chunk {c}'s sections run past the program's {} instructions", self.instrs.len()));
+        }
+        // Where each instruction runs in the merged step order.
+        let position: std::collections::HashMap<usize, usize> = self.step_order(&pipeline.chunks).into_iter().enumerate().map(|(k, i)| (i, k)).collect();
+        for (bucket, members) in buckets {
+            let first = &self.instrs[members[0]];
+            let waits: Vec<usize> = self.instrs.iter().enumerate().filter(|(_, i)| i.op == "xf.wait" && i.int("xf.bucket") == Ok(*bucket)).map(|(w, _)| w).collect();
+            let Some((chunk, phase)) = pipeline.chunks.iter().enumerate().find_map(|(c, plan)| Phase::ALL.iter().find(|&&p| plan.range(p).contains(&members[0])).map(|&p| (c, p))) else {
+                return Err(format!("bucket {bucket}: instruction {} ({}) is asynchronous outside every section", members[0], first.loc));
+            };
+            let section = pipeline.chunks[chunk].range(phase);
+            if let Some(i) = members.iter().chain(&waits).copied().find(|i| !section.contains(i)) {
+                return Err(format!("bucket {bucket}: instruction {i} ({}) lies outside the {} section {section:?} of chunk {chunk} that issues the bucket", self.instrs[i].loc, phase.label()));
+            }
+            if phase != Phase::Step {
+                continue;
+            }
+            if first.op != "shard.all_gather" {
+                return Err(format!("a pipeline rank's program has an asynchronous `{}` (bucket {bucket}, at {}) in a step section; only ZeRO's gathers of updated shards may be", first.op, first.loc));
+            }
+            // The rank runs its step sections merged by `xf.order`: there too every member is
+            // issued before the first wait.
+            let last_member = members.iter().filter_map(|m| position.get(m)).max();
+            if let Some(w) = waits.iter().find(|w| position.get(w) < last_member) {
+                return Err(format!("bucket {bucket}: instruction {w} ({}) waits for it before its last member is issued in the step order (`xf.order`)", self.instrs[*w].loc));
+            }
+            for (c, other) in pipeline.chunks.iter().enumerate().filter(|&(c, _)| c != chunk) {
+                for w in other.range(Phase::Step) {
+                    for &m in members {
+                        let touched = [self.instrs[m].inputs[0], self.instrs[m].outputs[0]];
+                        if let Some(&o) = self.instrs[w].outputs.iter().find(|&&o| touched.iter().any(|&t| self.alias(o, t) != Alias::None)) {
+                            return Err(format!("bucket {bucket}: instruction {w} of chunk {c}'s step section writes `{}`, whose storage the transfer of instruction {m} ({}) may still use", self.buffers[o].name, self.instrs[m].loc));
+                        }
                     }
                 }
             }

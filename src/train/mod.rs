@@ -383,11 +383,14 @@ fn print_program(args: &RunArgs, programs: &[Program], mesh: shardc_ir::mesh::Me
     // The busiest pipeline rank's; a bucket's members travel as one message.
     let mut most = (0, 0);
     for program in programs {
-        let (mut messages, mut members) = (0usize, std::collections::BTreeMap::<i64, usize>::new());
+        // Buckets of one step (`xf.bucket`) and of a pipeline or accumulation step's step
+        // section (`xf.step_bucket`), numbered apart.
+        let (mut messages, mut members) = (0usize, std::collections::BTreeMap::<(bool, i64), usize>::new());
         for instr in program.instrs.iter().filter(|i| i.op.starts_with("shard.")) {
-            match instr.int("xf.bucket") {
-                Ok(bucket) => *members.entry(bucket).or_default() += 1,
-                Err(_) => messages += 1,
+            match (instr.int("xf.bucket"), instr.int("xf.step_bucket")) {
+                (Ok(bucket), _) => *members.entry((false, bucket)).or_default() += 1,
+                (_, Ok(bucket)) => *members.entry((true, bucket)).or_default() += 1,
+                _ => messages += 1,
             }
         }
         let shared = members.values().filter(|&&n| n > 1).count();

@@ -663,38 +663,101 @@ mod emulated {
     /// Step buckets go out inside their chunk's last backward work, as the layers that fill
     /// them finish (Megatron-LM's `--overlap-grad-reduce`), not after it: with one gradient a
     /// bucket, most are sent early, and training still equals the CPU pipeline runtime (which
-    /// sends them at the work's end) at dp=2 under 1F1B, interleaved and ZB-H1 over two stages, and with
-    /// accumulation on one, every rank on one device and one process per rank.
+    /// sends them at the work's end) at dp=2 under 1F1B, interleaved and ZB-H1 over two stages,
+    /// and with accumulation on one; with ZeRO-1 and ZeRO-2 the buckets reduce-scatter. Every
+    /// rank on one device, and one process per rank.
     #[test]
     fn step_buckets_go_out_as_their_layers_finish() {
         use shardc_runtime::schedule::Kind;
         const STEPS: u64 = 2;
         let two_stages = Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 };
-        for (mesh, kind) in [(two_stages, Kind::OneFOneB), (two_stages, Kind::Interleaved), (two_stages, Kind::ZeroBubble), (Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::OneFOneB)] {
-            let what = format!("{mesh} {kind:?}");
-            let (programs, spec) = crate::pipeline::compile_stages_with("tiny", mesh, kind, 4, |o| o.grad_bucket_bytes = 1);
+        let accumulation = Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 };
+        for (mesh, kind, zero) in [(two_stages, Kind::OneFOneB, 0), (two_stages, Kind::Interleaved, 0), (two_stages, Kind::ZeroBubble, 0), (accumulation, Kind::OneFOneB, 0), (two_stages, Kind::Interleaved, 1), (accumulation, Kind::OneFOneB, 2)] {
+            let what = format!("{mesh} {kind:?} ZeRO-{zero}");
+            let (programs, spec) = crate::pipeline::compile_stages_with("tiny", mesh, kind, 4, |o| {
+                o.grad_bucket_bytes = 1;
+                o.zero = zero;
+                // ZeRO shards optimizer state: AdamW's moments.
+                if zero > 0 {
+                    o.optimizer = OptimizerKind::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
+                }
+            });
             let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
             let buckets: usize = programs.iter().map(|p| p.memory.buckets.len()).sum();
             assert!(buckets > 4, "{what}: one bucket a gradient");
-            let corpus = corpus(&spec);
-            let layers = spec.model.layers as usize;
-            let cpu = shardc_runtime::pipeline::train_pipeline(&programs, 0, layers, &corpus, STEPS, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
-            let mut trainer = cuda::CudaTrainer::new(&programs, &Placement::Emulated, 0, layers, None).unwrap();
-            let losses: Vec<f64> = (0..STEPS).map(|_| trainer.step(&corpus).unwrap().0).collect();
-            for (step, (c, g)) in cpu.losses.iter().zip(&losses).enumerate() {
-                assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} step {}: CPU loss {c}, device {g}", step + 1);
+            // Under ZeRO the buckets of sharded gradients reduce-scatter (the distributed
+            // optimizer's gradient shards); without it every bucket all-reduces.
+            let scatters: usize = programs.iter().map(|p| (0..p.memory.buckets.len()).filter(|&k| p.step_bucket_scatters(k)).count()).sum();
+            assert!(if zero > 0 { scatters > buckets / 2 } else { scatters == 0 }, "{what}: {scatters} of {buckets} buckets reduce-scatter");
+            // And the gathers of the updated shards are asynchronous, in buckets.
+            let gathers: usize = programs.iter().map(|p| p.instrs.iter().filter(|i| i.op == "shard.all_gather" && i.bool("xf.async") == Ok(true)).count()).sum();
+            assert!(if zero > 0 { gathers > 0 } else { gathers == 0 }, "{what}: {gathers} asynchronous gathers");
+            // Each wait updates its gather's result in place, merged chunks' step sections too
+            // (no second copy of the parameter).
+            for p in &programs {
+                for w in p.instrs.iter().filter(|i| i.op == "xf.wait") {
+                    assert_eq!(w.inputs[0], w.outputs[0], "{what}: {} has a buffer of its own", w.loc);
+                }
             }
-            for (param, _, values) in &trainer.parameters().unwrap() {
-                let (_, _, expected) = cpu.parameters.iter().find(|(n, _, _)| n == param).unwrap();
-                let rel = relative(expected, values);
-                assert!(rel <= 1e-4, "{what}: `{param}` differs by {rel:.2e} after {STEPS} steps");
-            }
+            let (cpu, trainer) = one_device_equals_the_cpu_pipeline(&what, &programs, &spec, STEPS);
             // Each step, every bucket whose gradients are all made before the work's end goes
             // out early: most of them.
             let early = trainer.step_buckets_sent_early();
             assert!(early >= STEPS as usize * buckets / 2 && early <= STEPS as usize * buckets, "{what}: {early} of {} bucket sends went out early", STEPS as usize * buckets);
             // One process per rank (NCCL emulated, each communicator's operations matched by
             // their order): every dp peer sends its buckets in the same order.
+            processes_equal_the_cpu(&format!("{what} in processes"), &programs, &spec, STEPS, &cpu.losses, &cpu.parameters);
+        }
+    }
+
+    /// Trains `programs` (a pipeline's ranks) `steps` steps with every rank on one emulated
+    /// device and on the CPU pipeline runtime; asserts they agree (losses to 1e-5, parameters
+    /// to 1e-4) and returns both.
+    fn one_device_equals_the_cpu_pipeline(what: &str, programs: &[Program], spec: &shardc_ir::spec::Spec, steps: u64) -> (shardc_runtime::pipeline::PipelineRun, cuda::CudaTrainer) {
+        let corpus = corpus(spec);
+        let layers = spec.model.layers as usize;
+        let cpu = shardc_runtime::pipeline::train_pipeline(programs, 0, layers, &corpus, steps, std::time::Duration::from_secs(60), shardc_runtime::collectives::Algorithm::Ring).unwrap();
+        let mut trainer = cuda::CudaTrainer::new(programs, &Placement::Emulated, 0, layers, None).unwrap();
+        let losses: Vec<f64> = (0..steps).map(|_| trainer.step(&corpus).unwrap().0).collect();
+        for (step, (c, g)) in cpu.losses.iter().zip(&losses).enumerate() {
+            assert!((c - g).abs() <= 1e-5 * c.abs(), "{what} step {}: CPU loss {c}, device {g}", step + 1);
+        }
+        for (param, _, values) in &trainer.parameters().unwrap() {
+            let (_, _, expected) = cpu.parameters.iter().find(|(n, _, _)| n == param).unwrap();
+            let rel = relative(expected, values);
+            assert!(rel <= 1e-4, "{what}: `{param}` differs by {rel:.2e} after {steps} steps");
+        }
+        (cpu, trainer)
+    }
+
+    /// Tensor parallelism inside pipeline stages (tp=2, pp=2): a collective with compute
+    /// after it runs asynchronously and is waited for inside its section (tiny GPT's data
+    /// gradients' all-reduces behind their weight gradients' GEMMs, in their own outputs;
+    /// with sequence parallelism, tiny Llama's LM-head reduce-scatter), and training equals
+    /// the CPU pipeline runtime under 1F1B and ZB-H1 (whose backward sections have no weight
+    /// gradients left to hide behind), every rank on one device and one process per rank.
+    #[test]
+    fn tensor_parallel_collectives_overlap_inside_pipeline_stages() {
+        use shardc_runtime::program::Phase;
+        use shardc_runtime::schedule::Kind;
+        const STEPS: u64 = 2;
+        for (name, sequence_parallel, kind) in [("tiny", false, Kind::OneFOneB), ("tiny-llama", true, Kind::OneFOneB), ("tiny-llama", true, Kind::ZeroBubble)] {
+            let what = format!("{name} sp={sequence_parallel} pp=2 {kind:?}");
+            let (programs, spec) = crate::pipeline::compile_stages_with(name, Mesh { dp: 1, tp: 2, pp: 2, cp: 1, ep: 1 }, kind, 4, |o| o.sequence_parallel = sequence_parallel);
+            let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
+            let overlapped: usize = programs
+                .iter()
+                .map(|p| {
+                    let plan = p.pipeline.as_ref().unwrap();
+                    assert!(p.memory.buckets.is_empty(), "{what}: no step buckets without dp, and no regions for the sections' collectives");
+                    let sections: Vec<std::ops::Range<usize>> = plan.chunks.iter().flat_map(|c| [Phase::Forward, Phase::Backward, Phase::Weight].map(|s| c.range(s))).collect();
+                    p.instrs.iter().enumerate().filter(|(i, instr)| instr.op.starts_with("shard.") && instr.bool("xf.async") == Ok(true) && sections.iter().any(|r| r.contains(i))).count()
+                })
+                .sum();
+            if kind != Kind::ZeroBubble {
+                assert!(overlapped >= 1, "{what}: {overlapped} collectives overlap compute");
+            }
+            let (cpu, _) = one_device_equals_the_cpu_pipeline(&what, &programs, &spec, STEPS);
             processes_equal_the_cpu(&format!("{what} in processes"), &programs, &spec, STEPS, &cpu.losses, &cpu.parameters);
         }
     }

@@ -239,12 +239,24 @@ fn data_parallel_syncs_start_when_a_chunk_is_done() {
 }
 
 /// Without buckets (`grad_bucket_bytes` 0) each early sync is a collective of its own, and
-/// buckets of a few bytes hold one gradient each; the trained parameters are the same.
+/// buckets of a few bytes hold one gradient each; the trained parameters are the same. So
+/// under ZeRO-1, whose buckets reduce-scatter the gradients into their shards.
 #[test]
 fn step_buckets_change_the_collectives_not_the_result() {
+    const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, epsilon: 1e-3, weight_decay: 0.1 };
+    for zero in [0u8, 1] {
+        step_buckets_change_the_collectives_not_the_result_with(zero, if zero > 0 { ADAMW } else { SGD });
+    }
+}
+
+fn step_buckets_change_the_collectives_not_the_result_with(zero: u8, optimizer: OptimizerKind) {
     let mesh = Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 };
     let run = |bytes: u64| {
-        let (programs, spec) = compile_stages_with("tiny", mesh, Kind::OneFOneB, 4, |o| o.grad_bucket_bytes = bytes);
+        let (programs, spec) = compile_stages_with("tiny", mesh, Kind::OneFOneB, 4, |o| {
+            o.grad_bucket_bytes = bytes;
+            o.zero = zero;
+            o.optimizer = optimizer;
+        });
         let run = train_pipeline(&programs, SEED, spec.model.layers as usize, &corpus(&spec), 2, Duration::from_secs(30), Algorithm::Ring).unwrap();
         (programs, run)
     };
@@ -261,6 +273,13 @@ fn step_buckets_change_the_collectives_not_the_result() {
         // The regions are laid out: each member's output inside its region, and no other
         // temporary shares a region's storage (validated).
         whole[rank].validate().unwrap();
+        let scatters = (0..whole[rank].memory.buckets.len()).filter(|&k| whole[rank].step_bucket_scatters(k)).count();
+        assert!(if zero > 0 { scatters > 0 } else { scatters == 0 }, "rank {rank} ZeRO-{zero}: {scatters} buckets reduce-scatter");
+        // ZeRO's gathers of the updated shards go out in asynchronous buckets too, waited
+        // for at the end of the step section.
+        let gathers = |p: &Program| p.instrs.iter().filter(|i| i.op == "shard.all_gather" && i.bool("xf.async") == Ok(true)).count();
+        assert!(if zero > 0 { gathers(&whole[rank]) > 0 } else { gathers(&whole[rank]) == 0 }, "rank {rank} ZeRO-{zero}: {} asynchronous gathers", gathers(&whole[rank]));
+        assert_eq!(gathers(&none[rank]), 0, "rank {rank}: no buckets, no asynchronous gathers");
     }
     assert_eq!(bucketed.losses, unbucketed.losses);
     assert_eq!(bucketed.parameters, unbucketed.parameters);
@@ -272,22 +291,43 @@ fn step_buckets_change_the_collectives_not_the_result() {
 /// pipeline rank), less of their time is exposed than they take, and the last of them is.
 /// On a cluster of shared host cores (the CPU backend, which sends them at the work's end)
 /// all of it is, and more where they queue behind each other.
+///
+/// Under ZeRO-1 the buckets are reduce-scatters, priced as such, and overlap the same way.
 #[test]
 fn step_buckets_overlap_the_last_backward_in_the_estimate() {
     use shardc_codegen::estimate::{estimate, ModelShape};
+    const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, epsilon: 1e-3, weight_decay: 0.1 };
     let shape = ModelShape { parameters: 15_040.0, layers: 2.0, hidden: 16.0, seq: 8.0, tokens_per_step: 64.0 };
-    let (programs, _) = compile_stages_with("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::OneFOneB, 4, |o| o.grad_bucket_bytes = 1);
-    assert!(programs[0].memory.buckets.len() > 4, "one bucket a gradient");
-    let dp = |cluster: &shardc_ir::cluster::Cluster| {
-        let e = estimate(&programs, cluster, shape);
-        (e.exposed_communication.get("dp").copied().unwrap_or(0.0), e.breakdown.get("all_reduce dp (bucketed)").copied().unwrap_or(0.0))
-    };
-    let gpu = shardc_ir::cluster::Cluster::default();
-    let (exposed, total) = dp(&gpu);
-    assert!(total > 0.0 && exposed > 0.0 && exposed < 0.9 * total, "exposed {exposed} of {total}");
-    let cpu = shardc_ir::cluster::Cluster { shared_host: true, ..gpu };
-    let (exposed, total) = dp(&cpu);
-    assert!(total > 0.0 && exposed >= total, "the CPU backend sends them at the end: exposed {exposed} of {total}");
+    let mut priced = Vec::new();
+    for zero in [0u8, 1] {
+        let (programs, _) = compile_stages_with("tiny", Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 }, Kind::OneFOneB, 4, |o| {
+            o.grad_bucket_bytes = 1;
+            o.zero = zero;
+            o.optimizer = if zero > 0 { ADAMW } else { SGD };
+        });
+        assert!(programs[0].memory.buckets.len() > 4, "ZeRO-{zero}: one bucket a gradient");
+        let collective = if zero > 0 { "reduce_scatter dp (bucketed)" } else { "all_reduce dp (bucketed)" };
+        let dp = |cluster: &shardc_ir::cluster::Cluster| {
+            let e = estimate(&programs, cluster, shape);
+            (e.exposed_communication.get("dp").copied().unwrap_or(0.0), e.breakdown.get(collective).copied().unwrap_or(0.0))
+        };
+        // Exposed dp time also counts the step section's other dp collectives (ZeRO's
+        // gathers of the updated shards): the buckets' part is what the GPU hides against
+        // the CPU backend, which sends them at the work's end and exposes all of it, and more
+        // where they queue behind each other.
+        let gpu = shardc_ir::cluster::Cluster::default();
+        let (exposed_gpu, total) = dp(&gpu);
+        priced.push(total);
+        let cpu = shardc_ir::cluster::Cluster { shared_host: true, ..gpu };
+        let (exposed_cpu, total_cpu) = dp(&cpu);
+        let others = exposed_cpu - total_cpu;
+        assert!(total > 0.0 && others >= 0.0, "ZeRO-{zero}: the CPU backend sends them at the end: exposed {exposed_cpu} of {total_cpu}");
+        let hidden = total - (exposed_gpu - others);
+        assert!(exposed_gpu > others && hidden > 0.1 * total, "ZeRO-{zero}: exposed {exposed_gpu} on a GPU, {exposed_cpu} on the CPU, for buckets of {total}");
+    }
+    // A reduce-scatter moves half an all-reduce's bytes (ring: (n-1)/n of the input against
+    // 2(n-1)/n); the ZeRO buckets are the same gradients, less the unsharded ones.
+    assert!(priced[1] < priced[0], "reduce-scatters {} s against all-reduces {} s", priced[1], priced[0]);
 }
 
 /// The step-time estimate over compiled programs: compute, the pipeline's sends, and the
@@ -444,4 +484,50 @@ fn zero_under_gradient_accumulation_equals_plain_data_parallelism() {
             }
         }
     }
+}
+
+/// A pipeline rank's asynchronous collectives are ZeRO's gathers of updated shards inside one
+/// chunk's step section; a plan edited otherwise is refused by name: an asynchronous
+/// reduce-scatter, a gather waited for in another chunk's step section or before its bucket
+/// goes out in the merged step order, sections past the instructions.
+#[test]
+fn step_gathers_outside_their_step_section_are_refused() {
+    use shardc_runtime::program::{Attr, Phase};
+    const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, epsilon: 1e-3, weight_decay: 0.1 };
+    let (programs, _) = compile_stages_with("tiny", Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 }, Kind::Interleaved, 4, |o| {
+        o.zero = 1;
+        o.optimizer = ADAMW;
+    });
+    let program = &programs[0];
+    program.validate().unwrap();
+    let plan = program.pipeline.as_ref().unwrap();
+    assert_eq!(plan.chunks.len(), 2);
+    let in_chunk = |c: usize, op: &str| plan.chunks[c].range(Phase::Step).find(|&i| program.instrs[i].op == op && program.instrs[i].bool("xf.async") == Ok(true)).unwrap();
+    // A reduce-scatter of the step section outside the step buckets (the tied embedding's,
+    // summed in the step section) made asynchronous.
+    let mut p = program.clone();
+    let scatter = (0..p.instrs.len()).find(|&i| p.instrs[i].op == "shard.reduce_scatter" && p.instrs[i].int("xf.step_bucket").is_err()).unwrap();
+    for (key, value) in [("xf.async", Attr::Bool(true)), ("xf.bucket", Attr::Int(999)), ("xf.bucket_members", Attr::Int(1))] {
+        p.instrs[scatter].attrs.insert(key.into(), value);
+    }
+    let e = p.validate().unwrap_err().to_string();
+    assert!(e.contains("asynchronous `shard.reduce_scatter`"), "{e}");
+    // Chunk 1's wait made a wait of chunk 0's bucket.
+    let mut p = program.clone();
+    let bucket = p.instrs[in_chunk(0, "shard.all_gather")].int("xf.bucket").unwrap();
+    let wait = plan.chunks[1].range(Phase::Step).find(|&i| p.instrs[i].op == "xf.wait").unwrap();
+    p.instrs[wait].attrs.insert("xf.bucket".into(), Attr::Int(bucket));
+    let e = p.validate().unwrap_err().to_string();
+    assert!(e.contains("outside the step section") && e.contains(&format!("bucket {bucket}")), "{e}");
+    // A wait run before its bucket's last member in the step order (`xf.order`), though
+    // after it in the program.
+    let mut p = program.clone();
+    let wait = plan.chunks[0].range(Phase::Step).find(|&i| p.instrs[i].op == "xf.wait").unwrap();
+    p.instrs[wait].attrs.insert("xf.order".into(), Attr::Int(0));
+    let e = p.validate().unwrap_err().to_string();
+    assert!(e.contains("before its last member is issued in the step order"), "{e}");
+    // A step section past the instructions: an error, not a panic.
+    let mut p = program.clone();
+    p.pipeline.as_mut().unwrap().chunks[1].sections[Phase::Step as usize].1 = p.instrs.len() + 5;
+    assert!(p.validate().is_err());
 }

@@ -283,19 +283,26 @@ impl Pass for BucketGradients {
 /// pipeline stages (and of gradient accumulation).
 ///
 /// Input: the stages of `split-stages`. A stage's step section all-reduces over dp the
-/// gradients its backward (or weight) section summed over the micro-batches. Output: each
-/// such all-reduce, of a sum over `dp` alone whose operand only it reads, carries
-/// `xf.step_bucket` = its bucket (numbered across the module, so unique on every pipeline
-/// rank) and `xf.step_bucket_members` = the bucket's size. Buckets fill in the order of the
-/// step section, one open bucket per element type, up to `bucket_bytes`.
+/// gradients its backward (or weight) section summed over the micro-batches, or, under ZeRO,
+/// reduce-scatters them along dimension 0. Output: each such collective, a sum over `dp`
+/// alone whose operand only it reads, carries `xf.step_bucket` = its bucket (numbered across
+/// the module, so unique on every pipeline rank) and `xf.step_bucket_members` = the bucket's
+/// size. Buckets fill in the order of the step section, one open bucket per kind (all-reduce
+/// or reduce-scatter) and element type, up to `bucket_bytes` of the members' inputs.
 ///
 /// The ops stay synchronous where they are; what the attribute promises is that a bucket's
 /// members read gradients final after the chunk's last backward work of the step. The memory
-/// plan lays each bucket's outputs back to back as one region alive the whole step, a backend
-/// sums the micro-batches' gradients into that region, and sends the bucket as one
-/// collective, on its communication stream or thread, as soon as the chunk's last backward is
-/// done (Megatron-LM's contiguous gradient buffer with `--overlap-grad-reduce`); the step
-/// section's members then only wait for it.
+/// plan lays each bucket's outputs back to back as one region alive the whole step. A backend
+/// sums the micro-batches' gradients into that region (an all-reduce bucket) or into a
+/// buffer of the whole gradients (a reduce-scatter bucket, whose shards land in the region),
+/// and sends the bucket as one collective (one NCCL group for the scatters), on its
+/// communication stream or thread, as soon as the chunk's last backward is done (Megatron-LM's
+/// contiguous gradient buffer with `--overlap-grad-reduce`, and its distributed optimizer's
+/// reduce-scatter); the step section's members then only wait for it.
+///
+/// Under ZeRO the step section then gathers each updated shard back into its parameter: those
+/// gathers become asynchronous buckets, waited for at the section's end (see
+/// `bucket_step_gathers`).
 #[derive(Clone, Copy, Debug)]
 pub struct BucketStepGradients {
     /// Largest bucket, in bytes.
@@ -313,7 +320,8 @@ fn phase_of(op: &Op) -> Option<&str> {
     }
 }
 
-/// The step-section all-reduces of `func` that may travel in a step bucket, in op order.
+/// The step-section all-reduces and reduce-scatters (along dimension 0) of `func` that may
+/// travel in a step bucket, in op order.
 fn step_candidates(func: &Func) -> Vec<usize> {
     let mut made_in: HashMap<Value, &str> = HashMap::new();
     let mut readers: HashMap<Value, usize> = HashMap::new();
@@ -332,7 +340,7 @@ fn step_candidates(func: &Func) -> Vec<usize> {
     (0..func.ops.len())
         .filter(|&i| {
             let op = &func.ops[i];
-            op.name == "shard.all_reduce"
+            (op.name == "shard.all_reduce" || (op.name == "shard.reduce_scatter" && along_dimension_0(op, "scatter_axis")))
                 && phase_of(op) == Some("step")
                 && dp_only(op)
                 && sum(op)
@@ -350,17 +358,17 @@ impl Pass for BucketStepGradients {
     }
 
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
-        let mut next = 0i64;
+        let (mut next, mut next_gather) = (0i64, 0i64);
         let mut changed = Changed::No;
         for func in module.funcs.iter_mut().filter(|f| is_stage(f)) {
-            // (op, bucket) in op order; one open bucket per element type.
+            // (op, bucket) in op order; one open bucket per kind and element type.
             let mut bucket_of: Vec<(usize, i64)> = Vec::new();
-            let mut open: HashMap<shardc_ir::DType, (i64, u64)> = HashMap::new();
+            let mut open: HashMap<(bool, shardc_ir::DType), (i64, u64)> = HashMap::new();
             for i in step_candidates(func) {
                 let op = &func.ops[i];
                 let Some(t) = func.tensor(op.operands[0]) else { continue };
                 let bytes = t.bytes();
-                let entry = open.entry(t.dtype).or_insert_with(|| {
+                let entry = open.entry((op.name == "shard.reduce_scatter", t.dtype)).or_insert_with(|| {
                     next += 1;
                     (next - 1, 0)
                 });
@@ -380,7 +388,117 @@ impl Pass for BucketStepGradients {
                 op.attrs = std::mem::take(&mut op.attrs).with("xf.step_bucket", AttrValue::Int(b)).with("xf.step_bucket_members", AttrValue::Int(members[&b]));
                 changed = Changed::Yes;
             }
+            if bucket_step_gathers(func, &mut next_gather, self.bucket_bytes) {
+                changed = Changed::Yes;
+            }
         }
         Ok(changed)
     }
+}
+
+/// ZeRO's gathers of the updated shards in a stage's step section (all-gathers over `dp`
+/// alone along dimension 0 of an update's result or its bf16 cast, read by nothing but the
+/// stage's results): made asynchronous in buckets (`xf.bucket`, numbered from `next` across
+/// the module; one open bucket per element type, up to `bucket_bytes`), each with an
+/// `xf.wait` at the end of the step section. Each bucket moves up to just after the op that
+/// makes the last of its members' operands, taking that op's `xf.order` (a rank runs its
+/// step sections in that order): it goes out as one NCCL group as soon as its last member's
+/// update is done, while the updates after it run (Megatron-LM's distributed optimizer
+/// gathers its parameter buckets the same way), and the updates between two buckets stay
+/// together for multi-tensor launches. Returns whether anything changed.
+fn bucket_step_gathers(func: &mut Func, next: &mut i64, bucket_bytes: u64) -> bool {
+    let mut read_by_ops: HashSet<Value> = HashSet::new();
+    for op in &func.ops {
+        read_by_ops.extend(op.operands.iter().copied());
+    }
+    let is_step = |op: &Op| phase_of(op) == Some("step");
+    // The step section must be the function's tail, so the waits close it.
+    if !func.ops.last().is_some_and(is_step) {
+        return false;
+    }
+    let found: Vec<usize> = candidates(func)
+        .into_iter()
+        .filter(|&(i, kind)| kind == Kind::ParameterGather && is_step(&func.ops[i]) && !read_by_ops.contains(&func.ops[i].results[0]) && func.returns.contains(&func.ops[i].results[0]))
+        .map(|(i, _)| i)
+        .collect();
+    if found.is_empty() {
+        return false;
+    }
+    let mut bucket_of: Vec<(usize, i64)> = Vec::new();
+    let mut open: HashMap<shardc_ir::DType, (i64, u64)> = HashMap::new();
+    for i in found {
+        let op = &func.ops[i];
+        let Some(t) = func.tensor(op.results[0]) else { continue };
+        let bytes = t.bytes();
+        let entry = open.entry(t.dtype).or_insert_with(|| {
+            *next += 1;
+            (*next - 1, 0)
+        });
+        if entry.1 > 0 && entry.1.saturating_add(bytes) > bucket_bytes {
+            *next += 1;
+            *entry = (*next - 1, 0);
+        }
+        entry.1 = entry.1.saturating_add(bytes);
+        bucket_of.push((i, entry.0));
+    }
+    let mut members: HashMap<i64, i64> = HashMap::new();
+    for (_, b) in &bucket_of {
+        *members.entry(*b).or_insert(0) += 1;
+    }
+    let mut waited: HashMap<Value, Value> = HashMap::new();
+    let mut waits = Vec::with_capacity(bucket_of.len());
+    let buckets_in_order: Vec<i64> = bucket_of.iter().map(|&(_, b)| b).fold(Vec::new(), |mut seen, b| {
+        if !seen.contains(&b) {
+            seen.push(b);
+        }
+        seen
+    });
+    for &(i, b) in &bucket_of {
+        let op = &mut func.ops[i];
+        op.attrs = std::mem::take(&mut op.attrs).with("xf.async", AttrValue::Bool(true)).with("xf.bucket", AttrValue::Int(b)).with("xf.bucket_members", AttrValue::Int(members[&b]));
+        let (value, loc, origin) = (op.results[0], op.loc.clone(), op.origin);
+        func.types.push(func.types[value.0 as usize].clone());
+        let wait = Value(func.types.len() as u32 - 1);
+        // Last in the training step's order too: a rank of several chunks runs their step
+        // sections merged by `xf.order`.
+        let attrs = Attrs::new().with("xf.bucket", AttrValue::Int(b)).with("xf.phase", AttrValue::Str("step".into())).with("xf.order", AttrValue::Int(i64::MAX));
+        waits.push(Op { name: "xf.wait".into(), operands: vec![value], results: vec![wait], attrs, loc: format!("{loc}.wait"), origin });
+        waited.insert(value, wait);
+    }
+    // Each bucket after the op that makes the last of its members' operands.
+    let member_of: HashMap<usize, i64> = bucket_of.iter().copied().collect();
+    let mut members_of: HashMap<i64, Vec<Op>> = HashMap::new();
+    let mut rest = Vec::with_capacity(func.ops.len());
+    for (i, op) in std::mem::take(&mut func.ops).into_iter().enumerate() {
+        match member_of.get(&i) {
+            Some(b) => members_of.entry(*b).or_default().push(op),
+            None => rest.push(op),
+        }
+    }
+    let mut pending: Vec<(HashSet<Value>, Vec<Op>)> = buckets_in_order.iter().map(|b| members_of.remove(b).unwrap_or_default()).map(|members| (members.iter().map(|m| m.operands[0]).collect(), members)).collect();
+    let mut ops = Vec::with_capacity(rest.len() + bucket_of.len() + waits.len());
+    for op in rest {
+        let (results, order) = (op.results.clone(), op.attrs.get("xf.order").cloned());
+        ops.push(op);
+        for (remaining, members) in &mut pending {
+            if !members.is_empty() && results.iter().any(|r| remaining.remove(r)) && remaining.is_empty() {
+                for mut member in members.drain(..) {
+                    if let Some(order) = &order {
+                        member.attrs = std::mem::take(&mut member.attrs).with("xf.order", order.clone());
+                    }
+                    ops.push(member);
+                }
+            }
+        }
+    }
+    // A member whose operand no op made (never an update's result) stays at the end.
+    ops.extend(pending.into_iter().flat_map(|(_, members)| members));
+    ops.extend(waits);
+    func.ops = ops;
+    for v in &mut func.returns {
+        if let Some(w) = waited.get(v) {
+            *v = *w;
+        }
+    }
+    true
 }

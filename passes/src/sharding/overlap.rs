@@ -3,7 +3,11 @@
 //! all-reduce (or, with sequence parallelism, reduce-scatter) with the weight gradient's
 //! GEMM.
 //!
-//! Input: a partitioned training step without pipeline stages, after `bucket-gradients`.
+//! Input: a partitioned training step without pipeline stages, after `bucket-gradients`,
+//! or the stages of `split-stages` (after `bucket-step-gradients`), each forward, backward
+//! and weight section on its own: nothing moves across a section's edge and every wait lies
+//! in its collective's section (at the section's end at the latest), with its phase and
+//! `xf.order`.
 //! Each synchronous sum all-reduce, reduce-scatter, or all-gather of contiguous blocks
 //! (gathered along its first dimension of more than one element) first moves up to just
 //! after the op that makes its operand: nothing between them reads its result, and what
@@ -63,40 +67,84 @@ impl Pass for OverlapCollectives {
     }
 
     fn run(&self, module: &mut Module) -> Result<Changed, PassError> {
-        let Some(func) = module.funcs.iter_mut().find(|f| f.name == "train_step") else {
-            return Ok(Changed::No);
-        };
+        // Bucket numbers of this pass start past any other's, across the module (a pipeline
+        // rank's program joins several stages).
+        let mut next_bucket = module.funcs.iter().flat_map(|f| f.ops.iter()).filter_map(|o| match o.attrs.get("xf.bucket") { Some(AttrValue::Int(b)) => Some(*b + 1), _ => None }).max().unwrap_or(0).max(1 << 21);
+        if let Some(func) = module.funcs.iter_mut().find(|f| f.name == "train_step") {
+            let end = func.ops.len();
+            return Ok(if self.overlap_section(func, 0..end, &mut next_bucket, false) { Changed::Yes } else { Changed::No });
+        }
+        // Pipeline stages: each forward, backward and weight section on its own, so every
+        // wait lies in its collective's section (which runs once per micro-batch); the step
+        // section's gathers are `bucket-step-gradients`' work.
+        let mut changed = Changed::No;
+        for func in module.funcs.iter_mut().filter(|f| f.name.strip_prefix("stage").is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))) {
+            let mut start = 0;
+            while start < func.ops.len() {
+                let phase = func.ops[start].attrs.get("xf.phase").cloned();
+                let end = (start..func.ops.len()).find(|&i| func.ops[i].attrs.get("xf.phase") != phase.as_ref()).unwrap_or(func.ops.len());
+                let before = func.ops.len();
+                let in_step = matches!(&phase, Some(AttrValue::Str(p)) if p == "step");
+                if phase.is_some() && !in_step && self.overlap_section(func, start..end, &mut next_bucket, true) {
+                    changed = Changed::Yes;
+                }
+                // The section grew by its waits.
+                start = end + (func.ops.len() - before);
+            }
+        }
+        Ok(changed)
+    }
+}
+
+impl OverlapCollectives {
+    /// Overlaps the collectives among `func`'s ops `range` (the whole step, or one section of
+    /// a pipeline stage: `section`, whose waits carry the section's `xf.phase` and its place
+    /// in the step's `xf.order`, and go at the section's end at the latest). Returns whether
+    /// anything changed.
+    fn overlap_section(&self, func: &mut Func, range: std::ops::Range<usize>, next_bucket: &mut i64, section: bool) -> bool {
         // One whose result only the step returns (the loss, for the report) stays: nothing
         // waits on it but the step's end, and its result would live through the step.
-        let original = std::mem::take(&mut func.ops);
-        let read: HashSet<Value> = original.iter().flat_map(|o| o.operands.iter().copied()).collect();
+        let read: HashSet<Value> = func.ops.iter().flat_map(|o| o.operands.iter().copied()).collect();
         let args: HashSet<Value> = func.args.iter().map(|a| a.value).collect();
+        let original: Vec<Op> = func.ops[range.clone()].to_vec();
         let is_candidate = |op: &Op| candidate(func, op) && read.contains(&op.results[0]);
         // A trial with every candidate moved shows which would have compute to hide behind;
         // then only those move (a move that gains nothing would only lengthen a value's life).
         let trial = self.prefetch(func, hoist(original.clone(), &is_candidate), &args, &is_candidate);
         let chosen: HashSet<Value> = overlapped(&trial, &is_candidate).into_iter().map(|(i, _)| trial[i].results[0]).collect();
         let is_chosen = |op: &Op| is_candidate(op) && chosen.contains(&op.results[0]);
-        let ops = self.prefetch(func, hoist(original.clone(), &is_chosen), &args, &is_chosen);
+        let mut ops = self.prefetch(func, hoist(original, &is_chosen), &args, &is_chosen);
         let marked = overlapped(&ops, &is_chosen);
         if marked.is_empty() {
-            func.ops = original;
-            return Ok(Changed::No);
+            return false;
         }
-        let mut ops = ops;
-        let mut next_bucket = ops.iter().filter_map(|o| match o.attrs.get("xf.bucket") { Some(AttrValue::Int(b)) => Some(*b + 1), _ => None }).max().unwrap_or(0).max(1 << 21);
+        // A section's waits: its phase, and the order of the op they precede (the section's
+        // last op's at its end).
+        let section_attrs = |at: Option<&Op>, last: &Op| {
+            let mut attrs = Attrs::new();
+            if section {
+                for key in ["xf.phase", "xf.order"] {
+                    if let Some(v) = at.unwrap_or(last).attrs.get(key) {
+                        attrs = attrs.with(key, v.clone());
+                    }
+                }
+            }
+            attrs
+        };
+        let last = ops.last().cloned().expect("a section with a marked collective has ops");
         let mut waits: HashMap<usize, Vec<Op>> = HashMap::new();
         let mut waited: HashMap<Value, Value> = HashMap::new();
         let mut at_end = Vec::new();
         for (i, until) in marked {
             let result = ops[i].results[0];
-            let bucket = next_bucket;
-            next_bucket += 1;
+            let bucket = *next_bucket;
+            *next_bucket += 1;
+            let attrs = section_attrs(until.map(|j| &ops[j]), &last).with("xf.bucket", AttrValue::Int(bucket));
             let op = &mut ops[i];
             op.attrs = std::mem::take(&mut op.attrs).with("xf.async", AttrValue::Bool(true)).with("xf.bucket", AttrValue::Int(bucket)).with("xf.bucket_members", AttrValue::Int(1));
             func.types.push(func.types[result.0 as usize].clone());
             let wait = Value(func.types.len() as u32 - 1);
-            let wait_op = Op { name: "xf.wait".into(), operands: vec![result], results: vec![wait], attrs: Attrs::new().with("xf.bucket", AttrValue::Int(bucket)), loc: format!("{}.wait", op.loc), origin: op.origin };
+            let wait_op = Op { name: "xf.wait".into(), operands: vec![result], results: vec![wait], attrs, loc: format!("{}.wait", op.loc), origin: op.origin };
             match until {
                 Some(j) => waits.entry(j).or_default().push(wait_op),
                 None => at_end.push(wait_op),
@@ -104,27 +152,29 @@ impl Pass for OverlapCollectives {
             waited.insert(result, wait);
         }
         let mut placed = Vec::with_capacity(ops.len() + waited.len());
-        for (j, mut op) in ops.into_iter().enumerate() {
+        for (j, op) in ops.into_iter().enumerate() {
             placed.extend(waits.remove(&j).unwrap_or_default());
+            placed.push(op);
+        }
+        placed.extend(at_end);
+        let wait_results: HashSet<Value> = waited.values().copied().collect();
+        func.ops.splice(range, placed);
+        // Every reader, in this section or a later one, reads the wait.
+        for op in func.ops.iter_mut().filter(|o| !o.results.first().is_some_and(|r| wait_results.contains(r))) {
             for operand in &mut op.operands {
                 if let Some(w) = waited.get(operand) {
                     *operand = *w;
                 }
             }
-            placed.push(op);
         }
-        placed.extend(at_end);
         for v in &mut func.returns {
             if let Some(w) = waited.get(v) {
                 *v = *w;
             }
         }
-        func.ops = placed;
-        Ok(Changed::Yes)
+        true
     }
-}
 
-impl OverlapCollectives {
     /// Gathers of arguments (ZeRO-3's parameter shards, gathered where they are read) among
     /// `movable`, prefetched: each goes out as early as the bytes of those already out and
     /// not yet read stay within `prefetch_bytes` (as FSDP limits its all-gathers ahead), and

@@ -498,8 +498,7 @@ fn step_gradients_travel_in_buckets_of_each_stage() {
         let options = shardc_passes::CompileOptions { mesh, vocab: 256, kv_heads: 4, grad_bucket_bytes: bytes, pipeline: Some(stages.clone()), ..Default::default() };
         let mut module = tiny_on("tiny", mesh);
         let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
-        let (last, ir) = seen.last().unwrap();
-        assert_eq!(last, "bucket-step-gradients");
+        let (_, ir) = seen.iter().find(|(pass, _)| pass == "bucket-step-gradients").expect("bucket-step-gradients ran");
         assert_mlir_opt_accepts(ir);
         let mut found: Vec<(String, i64, i64)> = Vec::new();
         for func in &module.funcs {
@@ -528,4 +527,46 @@ fn step_gradients_travel_in_buckets_of_each_stage() {
     let single = buckets(1);
     assert_eq!(single.len(), whole.len());
     assert!(single.iter().all(|(_, _, n)| *n == 1));
+}
+
+/// `bucket-step-gradients` under ZeRO-1 at dp=2, pp=2 (tiny GPT, AdamW, 4 micro-batches,
+/// buckets of 4 KiB): the step sections' reduce-scatters of summed gradients travel in step
+/// buckets of their own kind, and the gathers of the updated shards become asynchronous
+/// buckets that each stage waits for at the end of its step section (in the training step's
+/// order last, so merged chunks wait last too). The dump parses with mlir-opt.
+#[test]
+fn bucket_step_gradients_on_tiny_gpt_dp2_pp2_zero1() {
+    let mesh = shardc_ir::mesh::Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 };
+    let stages = shardc_passes::PipelineOptions { chunks: 1, microbatches: 4, manual: None, split_weight_grads: false };
+    let optimizer = shardc_passes::OptimizerKind::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
+    let options = shardc_passes::CompileOptions { mesh, vocab: 256, kv_heads: 4, zero: 1, optimizer, grad_bucket_bytes: 4096, pipeline: Some(stages), ..Default::default() };
+    let mut module = tiny_on("tiny", mesh);
+    let seen = run_observed(&compile_pipeline(&options), &mut module).unwrap();
+    let (_, ir) = seen.iter().find(|(pass, _)| pass == "bucket-step-gradients").expect("bucket-step-gradients ran");
+    assert_mlir_opt_accepts(ir);
+    let stages: Vec<&shardc_ir::Func> = module.funcs.iter().filter(|f| f.name.starts_with("stage")).collect();
+    assert_eq!(stages.len(), 2);
+    for func in stages {
+        let is_step = |op: &shardc_ir::Op| matches!(op.attrs.get("xf.phase"), Some(shardc_ir::AttrValue::Str(p)) if p == "step");
+        let scatters: Vec<&shardc_ir::Op> = func.ops.iter().filter(|o| o.name == "shard.reduce_scatter" && is_step(o)).collect();
+        assert!(scatters.len() > 5, "{}: {} step-section scatters", func.name, scatters.len());
+        for op in &scatters {
+            assert!(op.attrs.get("xf.step_bucket").is_some() || op.loc.contains("embed.tokens"), "{}: a summed gradient's scatter outside any step bucket", op.loc);
+        }
+        let gathers: Vec<usize> = (0..func.ops.len()).filter(|&i| func.ops[i].name == "shard.all_gather" && is_step(&func.ops[i])).collect();
+        assert!(!gathers.is_empty(), "{}: no gathers of updated shards", func.name);
+        let waits: Vec<usize> = (0..func.ops.len()).filter(|&i| func.ops[i].name == "xf.wait" && is_step(&func.ops[i])).collect();
+        // Every gather but the tied embedding's, which stage 0 sends on to the LM head.
+        for &g in &gathers {
+            let asynchronous = func.ops[g].attrs.get("xf.async") == Some(&shardc_ir::AttrValue::Bool(true));
+            assert_eq!(asynchronous, !func.ops[g].loc.contains("embed.tokens"), "{}", func.ops[g].loc);
+        }
+        let asynchronous = gathers.iter().filter(|&&g| func.ops[g].attrs.get("xf.async").is_some()).count();
+        assert!(asynchronous >= gathers.len() - 1 && asynchronous > 0, "{}: {asynchronous} of {} gathers", func.name, gathers.len());
+        assert_eq!(waits.len(), asynchronous, "{}: a wait for each asynchronous gather", func.name);
+        // The waits close the function, last in the training step's order.
+        assert_eq!(*waits.first().unwrap(), func.ops.len() - waits.len(), "{}: the waits end the step section", func.name);
+        assert!(waits.iter().all(|&w| func.ops[w].attrs.get("xf.order") == Some(&shardc_ir::AttrValue::Int(i64::MAX)) && is_step(&func.ops[w])));
+    }
+    insta::assert_snapshot!(ir.to_string());
 }

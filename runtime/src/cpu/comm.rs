@@ -55,11 +55,14 @@ pub(super) fn send_bucket(members: &[usize], program: &Program, slots: &mut [Sto
 
 /// A step bucket started early (see [`CpuExecutor::start_early`]): one all-reduce over the
 /// members' inputs (the gradients summed over the micro-batches), concatenated, landing in
-/// their outputs.
+/// their outputs; or, a bucket of ZeRO's reduce-scatters, its members one after another.
 pub(super) fn send_bucket_of_inputs(members: &[usize], program: &Program, slots: &[Storage], comm: &mut AsyncComm, mesh: &MeshShape, rank: usize, algorithm: Algorithm) -> Result<InFlight, String> {
     let first = &program.instrs[members[0]];
     let axes: Vec<usize> = first.ints("grid_axes")?.iter().map(|&a| a as usize).collect();
     let group = mesh.group(rank, &axes);
+    if first.op == "shard.reduce_scatter" {
+        return send_group(members, program, slots, comm, group);
+    }
     let inputs: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].inputs[0]]).collect();
     let outputs: Vec<&Buffer> = members.iter().map(|&i| &program.buffers[program.instrs[i].outputs[0]]).collect();
     if inputs.iter().zip(&outputs).any(|(i, o)| i.dtype != o.dtype || i.len() != o.len()) || inputs.iter().any(|b| b.dtype != inputs[0].dtype) {

@@ -352,7 +352,7 @@ impl CpuExecutor {
         Ok(())
     }
 
-    /// Starts the all-reduces `indices` (a chunk's `early_syncs`, which codegen chose and
+    /// Starts the all-reduces and reduce-scatters `indices` (a chunk's `early_syncs`, which codegen chose and
     /// [`Program::validate`] checked: no earlier instruction of their section writes their
     /// input) on the communication thread now, with the inputs' current values; the
     /// instructions, when run, wait for them instead. Returns how many started. This is how a
@@ -360,7 +360,8 @@ impl CpuExecutor {
     /// has to do.
     ///
     /// A step bucket (a region of the memory plan) whose members are all among `indices`
-    /// goes out as one all-reduce over its members' inputs, concatenated, and counts once.
+    /// goes out as one all-reduce over its members' inputs, concatenated (or, of ZeRO's
+    /// reduce-scatters, as its members one after another), and counts once.
     pub fn start_early(&mut self, indices: &[usize], ready: &[BufferId]) -> Result<usize, RuntimeError> {
         let CpuExecutor { program, slots, comm, mesh, algorithm, early, early_buckets, early_flights, .. } = self;
         let Some(comm) = comm.as_mut() else { return Ok(0) };
@@ -383,6 +384,19 @@ impl CpuExecutor {
         }
         for &index in indices.iter().filter(|i| !bucketed.contains(*i)) {
             let instr = program.instrs.get(index).ok_or_else(|| RuntimeError::Program(format!("early sync {index} is out of range")))?;
+            // A reduce-scatter (ZeRO's gradient shard) outside a bucket: as a group of one,
+            // under a key no bucket has (buckets count from 0).
+            if instr.op == "shard.reduce_scatter" && ready.contains(&instr.inputs[0]) {
+                let key = -1 - index as i64;
+                if early_flights.contains_key(&key) {
+                    continue;
+                }
+                let flight = comm::send_bucket_of_inputs(&[index], program, slots, comm, mesh, rank, *algorithm).map_err(RuntimeError::Program)?;
+                early_flights.insert(key, flight);
+                early_buckets.insert(index, key);
+                started += 1;
+                continue;
+            }
             let sum = !matches!(instr.attrs.get("reduction"), Some(crate::program::Attr::Str(k)) if k != "sum");
             if instr.op != "shard.all_reduce" || !sum || instr.bool("xf.async").unwrap_or(false) || !ready.contains(&instr.inputs[0]) || early.contains_key(&index) {
                 continue;
@@ -419,6 +433,13 @@ impl CpuExecutor {
 
     /// Runs the instructions of `range` (one section of a pipeline stage) once.
     pub fn run_range(&mut self, range: std::ops::Range<usize>) -> Result<(), RuntimeError> {
+        self.run_list(&range.collect::<Vec<_>>())
+    }
+
+    /// Runs `instructions` once, in that order (a pipeline rank's step sections, merged in
+    /// the training step's order): an asynchronous bucket goes out at its last member and
+    /// lands at its wait, both among them.
+    pub fn run_list(&mut self, instructions: &[usize]) -> Result<(), RuntimeError> {
         let CpuExecutor { program, slots, comm, mesh, algorithm, transfer_context, waited, early, early_buckets, early_flights, fault, abort, numerics, profile } = self;
         let rank = comm.as_ref().map_or(0, AsyncComm::rank);
         // Gradient buckets: members staged so far, and buckets on the wire.
@@ -434,7 +455,8 @@ impl CpuExecutor {
             }
             running = index.map(|i| (i, now));
         };
-        for (index, instr) in program.instrs.iter().enumerate().skip(range.start).take(range.len()) {
+        for &index in instructions {
+            let instr = program.instrs.get(index).ok_or_else(|| RuntimeError::Program(format!("instruction {index} is out of range")))?;
             clock(Some(index), profile);
             if let Some(f) = fault.filter(|f| f.instruction == index) {
                 let instr = &program.instrs[f.instruction];

@@ -149,6 +149,10 @@ pub struct CudaExecutor {
     /// whose output the micro-batches' gradients are summed into; and the regions sent this
     /// step, with the events their first member makes the compute stream wait for.
     step_bucket_inputs: HashMap<BufferId, usize>,
+    /// The whole gradients of a reduce-scatter step bucket's members (ZeRO), summed over
+    /// the micro-batches outside the arena: input -> per local rank, its pointer. The
+    /// bucket's scatters read them while the rank works on; their shards land in the region.
+    scatter_sums: HashMap<BufferId, Vec<u64>>,
     step_buckets_sent: HashMap<usize, Vec<cudarc::driver::CudaEvent>>,
     /// Step buckets sent inside their chunk's last backward work (as the layers that fill
     /// them finish), and the gradient buffers summed into them then: the item's end neither
@@ -205,6 +209,7 @@ impl Drop for CudaExecutor {
         pointers.extend(self.staging.map(|s| s.0));
         pointers.extend(self.async_staging.values().map(|s| s.0));
         pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));
+        pointers.extend(self.scatter_sums.values().flatten());
         pointers.extend(self.send_copies.iter().map(|c| c.0));
         pointers.extend(self.sent_copies.iter().map(|c| c.0));
         pointers.extend(self.stash.values().chain(&self.stash_free).chain(self.to_self.values()).map(|c| c.0));
@@ -346,8 +351,19 @@ impl CudaExecutor {
         };
         let fault = crate::cpu::Fault::from_env().filter(|f| nccl.is_some() && ranks.first().is_some_and(|r| r.rank == f.rank));
         let bucket_regions = program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, (k, Some(&m) == r.members.last())))).collect();
-        let step_bucket_inputs = if program.pipeline.is_some() { program.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| (program.instrs[m].inputs[0], m))).collect() } else { HashMap::new() };
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, step_buckets_sent: HashMap::new(), sent_early: Default::default(), summed_early: Default::default(), early_sends: 0, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault, profile: None })
+        let step_bucket_inputs: HashMap<BufferId, usize> = if program.pipeline.is_some() { program.memory.buckets.iter().flat_map(|r| r.members.iter().map(|&m| (program.instrs[m].inputs[0], m))).collect() } else { HashMap::new() };
+        let mut scatter_sums = HashMap::new();
+        for k in (0..program.memory.buckets.len()).filter(|&k| program.pipeline.is_some() && program.step_bucket_scatters(k)) {
+            for b in program.step_bucket_inputs(k) {
+                let bytes = program.buffers[b].len() * program.buffers[b].dtype.bytes();
+                let mut mine = Vec::with_capacity(ranks.len());
+                for _ in 0..ranks.len() {
+                    mine.push(device.alloc(bytes.max(1))?);
+                }
+                scatter_sums.insert(b, mine);
+            }
+        }
+        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, scatter_sums, step_buckets_sent: HashMap::new(), sent_early: Default::default(), summed_early: Default::default(), early_sends: 0, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault, profile: None })
     }
 
     /// The program.
@@ -515,9 +531,9 @@ impl CudaExecutor {
     }
 
     /// Sums those of `buffers` that a step bucket reduces into their member's place in the
-    /// bucket's region (`first`: the step's first micro-batch, copied), on every local rank,
-    /// as Megatron-LM accumulates into its contiguous gradient buffer; returns the others,
-    /// for a hold.
+    /// bucket's region, or, a reduce-scatter's, into its whole sum outside the arena
+    /// (`first`: the step's first micro-batch, copied), on every local rank, as Megatron-LM
+    /// accumulates into its contiguous gradient buffer; returns the others, for a hold.
     pub fn sum_into_step_buckets(&self, buffers: &[BufferId], first: bool) -> Result<Vec<BufferId>, RuntimeError> {
         let mut rest = Vec::with_capacity(buffers.len());
         for &b in buffers {
@@ -530,8 +546,10 @@ impl CudaExecutor {
             }
             let out = self.program.instrs[member].outputs[0];
             let buffer = &self.program.buffers[b];
+            let sums = self.scatter_sums.get(&b);
             for local in 0..self.ranks.len() {
-                let (dst, src) = (self.buffer_ptr(local, out), self.buffer_ptr(local, b));
+                let dst = sums.map_or_else(|| self.buffer_ptr(local, out), |s| s[local]);
+                let src = self.buffer_ptr(local, b);
                 if first {
                     self.copy_raw(dst, src, buffer.len() * buffer.dtype.bytes())?;
                 } else if buffer.dtype != DType::F32 && buffer.dtype != self.plan.dtype {
@@ -596,6 +614,17 @@ impl CudaExecutor {
         self.summed_early.clear();
     }
 
+    /// Forgets what a step that failed part-way left behind, at the next step's start: early
+    /// sends, step buckets sent and not waited for, and asynchronous buckets half issued or
+    /// not joined (their members would otherwise join the next step's).
+    pub fn forget_step_state(&mut self) {
+        self.forget_early_step_buckets();
+        self.step_buckets_sent.clear();
+        self.pending_groups.clear();
+        self.pending_shifts.clear();
+        self.buckets.clear();
+    }
+
     /// Sums region `k` of the memory plan over its members' group, in place: on the
     /// communication stream under NCCL (the events to join), else among this device's ranks
     /// at once.
@@ -603,6 +632,9 @@ impl CudaExecutor {
         let r = self.program.memory.buckets[k].clone();
         let instr = &self.program.instrs[r.members[0]];
         let axes: Vec<usize> = instr.ints("grid_axes").map_err(err)?.iter().map(|&a| a as usize).collect();
+        if self.program.pipeline.is_some() && self.program.step_bucket_scatters(k) {
+            return self.scatter_region(k, &axes);
+        }
         self.collectives_issued += 1;
         if let Some(comms) = &self.nccl {
             let at = self.ranks[0].arena.0 + r.offset as u64;
@@ -622,6 +654,47 @@ impl CudaExecutor {
             }
             for &l in &group {
                 self.copy_raw(at(l), staging, r.bytes)?;
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    /// Reduce-scatters step bucket region `k`'s whole gradients (summed over micro-batches in
+    /// [`CudaExecutor::scatter_sums`]) over `axes` along dimension 0, each rank's shard into
+    /// its member's output in the region: one NCCL group on the communication stream (the
+    /// events to join), else among this device's ranks at once, summed in rank order as an
+    /// instruction's own reduce-scatter is.
+    fn scatter_region(&mut self, k: usize, axes: &[usize]) -> Result<Vec<cudarc::driver::CudaEvent>, RuntimeError> {
+        let members = self.program.memory.buckets[k].members.clone();
+        self.collectives_issued += 1;
+        let sum_of = |this: &Self, input: BufferId, local: usize| this.scatter_sums.get(&input).map(|s| s[local]).ok_or_else(|| err(format!("no sum of `{}` for its reduce-scatter bucket", this.program.buffers[input].name)));
+        if let Some(comms) = &self.nccl {
+            let mut group = Vec::with_capacity(members.len());
+            for &m in &members {
+                let instr = &self.program.instrs[m];
+                let (input, output) = (instr.inputs[0], instr.outputs[0]);
+                let out = &self.program.buffers[output];
+                group.push(nccl::GroupMember { gather: false, axes: axes.to_vec(), send: sum_of(self, input, 0)?, recv: self.buffer_ptr(0, output), count: out.len(), dtype: out.dtype });
+            }
+            let stream = self.device.stream().cloned();
+            return Ok(comms.run_group(&group, self.ranks[0].rank, stream.as_deref())?.into_iter().collect());
+        }
+        let groups = self.local_groups(axes, "shard.reduce_scatter")?;
+        for &m in &members {
+            let instr = &self.program.instrs[m];
+            let (input, output) = (instr.inputs[0], instr.outputs[0]);
+            let (len, dtype) = (self.program.buffers[input].len(), self.program.buffers[input].dtype);
+            let shard_bytes = self.program.buffers[output].len() * dtype.bytes();
+            let staging = self.staging(len * dtype.bytes())?;
+            for group in &groups {
+                self.copy_raw(staging, sum_of(self, input, group[0])?, len * dtype.bytes())?;
+                for &l in &group[1..] {
+                    self.accumulate(staging, sum_of(self, input, l)?, len, false, dtype)?;
+                }
+                // Along dimension 0, rank `p`'s shard is block `p` of the sum.
+                for (p, &l) in group.iter().enumerate() {
+                    self.copy_raw(self.buffer_ptr(l, output), staging + (p * shard_bytes) as u64, shard_bytes)?;
+                }
             }
         }
         Ok(Vec::new())
@@ -1865,7 +1938,7 @@ impl CudaTrainer {
         }
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == crate::schedule::Work::W);
         for runner in &mut self.runners {
-            runner.exec.forget_early_step_buckets();
+            runner.exec.forget_step_state();
         }
         let mut walks: Vec<Walk> = self
             .runners
