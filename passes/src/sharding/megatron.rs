@@ -199,18 +199,28 @@ impl Pass for ShardMegatron {
         // the depth of the model).
         let produced_values: HashSet<Value> = func.ops.iter().flat_map(|o| o.results.iter().copied()).collect();
         let casts: std::collections::HashMap<Value, Value> = func.ops.iter().filter(|o| o.name == "xf.cast").map(|o| (o.results[0], o.operands[0])).collect();
+        let producer: std::collections::HashMap<Value, &str> = func.ops.iter().flat_map(|o| o.results.iter().map(move |r| (*r, o.name.as_str()))).collect();
         for op in func.ops.clone().iter().filter(|o| o.name == "xf.adamw" || o.name == "xf.sgd") {
             let (grad, state) = (op.operands[1], op.operands[if op.name == "xf.adamw" { 2 } else { 0 }]);
             let produced = produced_values.contains(&grad);
             if let (true, Some(layout)) = (produced, func.shardings.get(&state).cloned()) {
                 let pin = Sharding { split: layout.split, partial: Vec::new() };
-                // Mixed precision casts the bf16 gradient up first. An expert's gradient op
-                // is pinned too, to the experts its ep rank holds (not computed whole and
-                // then sliced), and left partial over dp, so that the sum over the ranks
-                // holding the same experts still runs in fp32, after the cast.
+                // Mixed precision casts the bf16 gradient up first. The gradient op of a
+                // tensor-parallel weight (a weight-gradient GEMM) or an expert's is pinned
+                // too, to the part its rank holds (a column-parallel weight's gradient
+                // computed from the gathered input and the local output gradient, as
+                // Megatron-LM does, not whole as a partial sum over tp and then sliced), and
+                // left partial over dp, so that the sum over the data-parallel ranks still
+                // runs in fp32, after the cast.
                 if let Some(cast) = casts.get(&grad).filter(|_| ep > 1 && pin.axes().contains(&EP)) {
                     let split = pin.split.iter().map(|axes| axes.iter().copied().filter(|&a| a != DP).collect()).collect();
                     func.constraints.insert(*cast, Sharding { split, partial: vec![DP] });
+                } else if let Some(cast) = casts.get(&grad).filter(|bf16| tp > 1 && pin.axes().contains(&TP) && producer.get(*bf16) == Some(&"xf.matmul_wgrad")) {
+                    // Partial over the axes that split the batch (dp, and cp's sequence parts),
+                    // which ZeRO also shards the state over.
+                    let batch: Vec<super::Axis> = [(DP, dp), (CP, cp)].into_iter().filter(|&(_, n)| n > 1).map(|(a, _)| a).collect();
+                    let split = pin.split.iter().map(|axes| axes.iter().copied().filter(|a| !batch.contains(a)).collect()).collect();
+                    func.constraints.insert(*cast, Sharding { split, partial: batch });
                 }
                 func.constraints.insert(grad, pin);
             }
