@@ -83,6 +83,32 @@ fn candidates(func: &Func) -> Vec<(usize, Kind)> {
         .collect()
 }
 
+/// Fills buckets with `items` (an op, its bucket's key, its bytes) in their order, one open
+/// bucket per key, each up to `bucket_bytes` (a larger item fills one alone); buckets are
+/// numbered from `next` in the order they open. Returns each op's bucket, and each bucket's
+/// number of members.
+fn fill_buckets<K: std::hash::Hash + Eq>(items: impl IntoIterator<Item = (usize, K, u64)>, bucket_bytes: u64, next: &mut i64) -> (Vec<(usize, i64)>, HashMap<i64, i64>) {
+    let mut bucket_of = Vec::new();
+    let mut open: HashMap<K, (i64, u64)> = HashMap::new();
+    for (i, key, bytes) in items {
+        let entry = open.entry(key).or_insert_with(|| {
+            *next += 1;
+            (*next - 1, 0)
+        });
+        if entry.1 > 0 && entry.1.saturating_add(bytes) > bucket_bytes {
+            *next += 1;
+            *entry = (*next - 1, 0);
+        }
+        entry.1 = entry.1.saturating_add(bytes);
+        bucket_of.push((i, entry.0));
+    }
+    let mut members: HashMap<i64, i64> = HashMap::new();
+    for (_, b) in &bucket_of {
+        *members.entry(*b).or_insert(0) += 1;
+    }
+    (bucket_of, members)
+}
+
 /// Which ops of `ops` move to the end of the step: those reading a synced gradient
 /// (`gradient_values`), what reads their results, and every member and wait of an existing
 /// bucket one of whose ops moves (with what reads those), until nothing changes.
@@ -131,27 +157,11 @@ impl Pass for BucketGradients {
         }
         // Fill buckets in program order (the order values become ready), one open bucket
         // per kind; a bucket's number is the order in which it was opened.
-        let mut bucket_of: Vec<(usize, Kind, usize)> = Vec::new();
-        let mut open: HashMap<Kind, (usize, u64)> = HashMap::new();
-        let mut buckets = 0usize;
-        for &(i, kind) in &found {
-            let op = &func.ops[i];
-            let bytes = func.tensor(op.operands[0]).map_or(0, |t| t.bytes()).max(func.tensor(op.results[0]).map_or(0, |t| t.bytes()));
-            let entry = open.entry(kind).or_insert_with(|| {
-                buckets += 1;
-                (buckets - 1, 0)
-            });
-            if entry.1 > 0 && entry.1 + bytes > self.bucket_bytes {
-                buckets += 1;
-                *entry = (buckets - 1, 0);
-            }
-            entry.1 += bytes;
-            bucket_of.push((i, kind, entry.0));
-        }
-        let mut members: HashMap<usize, i64> = HashMap::new();
-        for (_, _, b) in &bucket_of {
-            *members.entry(*b).or_insert(0) += 1;
-        }
+        let kind_of: HashMap<usize, Kind> = found.iter().copied().collect();
+        let bytes = |i: usize| func.tensor(func.ops[i].operands[0]).map_or(0, |t| t.bytes()).max(func.tensor(func.ops[i].results[0]).map_or(0, |t| t.bytes()));
+        let (filled, members) = fill_buckets(found.iter().map(|&(i, kind)| (i, kind, bytes(i))), self.bucket_bytes, &mut 0);
+        let bucket_of: Vec<(usize, Kind, usize)> = filled.into_iter().map(|(i, b)| (i, kind_of[&i], b as usize)).collect();
+        let members: HashMap<usize, i64> = members.into_iter().map(|(b, n)| (b as usize, n)).collect();
         let mut waited: HashMap<Value, Value> = HashMap::new();
         let mut gradient_waits = Vec::new();
         let mut gather_waits = Vec::new();
@@ -309,7 +319,8 @@ pub struct BucketStepGradients {
     pub bucket_bytes: u64,
 }
 
-fn is_stage(func: &Func) -> bool {
+/// Whether `func` is a pipeline stage of `split-stages` (`stage0`, `stage1`, ...).
+pub(crate) fn is_stage(func: &Func) -> bool {
     func.name.strip_prefix("stage").is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
 }
 
@@ -362,27 +373,12 @@ impl Pass for BucketStepGradients {
         let mut changed = Changed::No;
         for func in module.funcs.iter_mut().filter(|f| is_stage(f)) {
             // (op, bucket) in op order; one open bucket per kind and element type.
-            let mut bucket_of: Vec<(usize, i64)> = Vec::new();
-            let mut open: HashMap<(bool, shardc_ir::DType), (i64, u64)> = HashMap::new();
-            for i in step_candidates(func) {
+            let items = step_candidates(func).into_iter().filter_map(|i| {
                 let op = &func.ops[i];
-                let Some(t) = func.tensor(op.operands[0]) else { continue };
-                let bytes = t.bytes();
-                let entry = open.entry((op.name == "shard.reduce_scatter", t.dtype)).or_insert_with(|| {
-                    next += 1;
-                    (next - 1, 0)
-                });
-                if entry.1 > 0 && entry.1.saturating_add(bytes) > self.bucket_bytes {
-                    next += 1;
-                    *entry = (next - 1, 0);
-                }
-                entry.1 = entry.1.saturating_add(bytes);
-                bucket_of.push((i, entry.0));
-            }
-            let mut members: HashMap<i64, i64> = HashMap::new();
-            for (_, b) in &bucket_of {
-                *members.entry(*b).or_insert(0) += 1;
-            }
+                let t = func.tensor(op.operands[0])?;
+                Some((i, (op.name == "shard.reduce_scatter", t.dtype), t.bytes()))
+            });
+            let (bucket_of, members) = fill_buckets(items.collect::<Vec<_>>(), self.bucket_bytes, &mut next);
             for (i, b) in bucket_of {
                 let op = &mut func.ops[i];
                 op.attrs = std::mem::take(&mut op.attrs).with("xf.step_bucket", AttrValue::Int(b)).with("xf.step_bucket_members", AttrValue::Int(members[&b]));
@@ -424,27 +420,8 @@ fn bucket_step_gathers(func: &mut Func, next: &mut i64, bucket_bytes: u64) -> bo
     if found.is_empty() {
         return false;
     }
-    let mut bucket_of: Vec<(usize, i64)> = Vec::new();
-    let mut open: HashMap<shardc_ir::DType, (i64, u64)> = HashMap::new();
-    for i in found {
-        let op = &func.ops[i];
-        let Some(t) = func.tensor(op.results[0]) else { continue };
-        let bytes = t.bytes();
-        let entry = open.entry(t.dtype).or_insert_with(|| {
-            *next += 1;
-            (*next - 1, 0)
-        });
-        if entry.1 > 0 && entry.1.saturating_add(bytes) > bucket_bytes {
-            *next += 1;
-            *entry = (*next - 1, 0);
-        }
-        entry.1 = entry.1.saturating_add(bytes);
-        bucket_of.push((i, entry.0));
-    }
-    let mut members: HashMap<i64, i64> = HashMap::new();
-    for (_, b) in &bucket_of {
-        *members.entry(*b).or_insert(0) += 1;
-    }
+    let items: Vec<(usize, shardc_ir::DType, u64)> = found.into_iter().filter_map(|i| func.tensor(func.ops[i].results[0]).map(|t| (i, t.dtype, t.bytes()))).collect();
+    let (bucket_of, members) = fill_buckets(items, bucket_bytes, next);
     let mut waited: HashMap<Value, Value> = HashMap::new();
     let mut waits = Vec::with_capacity(bucket_of.len());
     let buckets_in_order: Vec<i64> = bucket_of.iter().map(|&(_, b)| b).fold(Vec::new(), |mut seen, b| {

@@ -78,7 +78,7 @@ impl Pass for OverlapCollectives {
         // wait lies in its collective's section (which runs once per micro-batch); the step
         // section's gathers are `bucket-step-gradients`' work.
         let mut changed = Changed::No;
-        for func in module.funcs.iter_mut().filter(|f| f.name.strip_prefix("stage").is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))) {
+        for func in module.funcs.iter_mut().filter(|f| super::bucket::is_stage(f)) {
             let mut start = 0;
             while start < func.ops.len() {
                 let phase = func.ops[start].attrs.get("xf.phase").cloned();
