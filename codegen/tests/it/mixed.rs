@@ -126,8 +126,10 @@ fn mixed_precision_tracks_f32_on_every_mesh() {
 /// Megatron-LM computes it): it was once computed whole, as a partial sum over tp, reduced
 /// over dp and tp in fp32 and sliced, tp times the GEMM and a whole weight's all-reduce for
 /// every column-parallel layer (GPT-3 175B at tp=8 with sequence parallelism: 55.8 GiB a
-/// rank per micro-batch step). Under sequence parallelism the bf16 run still follows one
-/// device's.
+/// rank per micro-batch step). The embedding table's gradient, in either precision, is its
+/// rank's vocabulary rows (it was the whole table on every tp rank, and with sequence
+/// parallelism all-reduced over tp: GPT-3's 2.3 GiB in bf16 for each micro-batch). Under
+/// sequence parallelism the bf16 run still follows one device's.
 #[test]
 fn tensor_parallel_weight_gradients_stay_sharded_in_bf16() {
     const STEPS: u64 = 4;
@@ -144,11 +146,22 @@ fn tensor_parallel_weight_gradients_stay_sharded_in_bf16() {
             let wgrads = |p: &shardc_runtime::Program| p.instrs.iter().filter(|i| i.op == "xf.matmul_wgrad").map(|i| (i.loc.clone(), p.buffers[i.outputs[0]].shape.clone())).collect::<Vec<_>>();
             let ((f32, _), (bf16, spec)) = (compile("f32", mesh), compile("bf16", mesh));
             assert_eq!(wgrads(&bf16), wgrads(&f32), "{what}: weight gradients in bf16 and f32");
-            // No layer's weight gradient is reduced over tp. (The embedding table's, under
-            // sequence parallelism, is: each rank looks up its part of the sequence.)
-            for i in bf16.instrs.iter().filter(|i| i.op == "shard.all_reduce" && i.ints("grid_axes").is_ok_and(|a| a.contains(&1))) {
-                let layer_weight = i.loc.contains(".weight") && !i.loc.contains("embed");
-                assert!(bf16.buffers[i.inputs[0]].shape.len() != 2 || !layer_weight, "{what}: {} reduces a weight's gradient over tp", i.loc);
+            // No weight's gradient is reduced over tp, the embedding table's included (under
+            // sequence parallelism each rank gathers the table's output gradient over tp and
+            // sums into the vocabulary rows it holds, as Megatron-LM does).
+            for program in [&bf16, &f32] {
+                for i in program.instrs.iter().filter(|i| i.op == "shard.all_reduce" && i.ints("grid_axes").is_ok_and(|a| a.contains(&1))) {
+                    // (The loss's per-token statistics, and their gradient's, are 2-D too.)
+                    let weight_gradient = program.buffers[i.inputs[0]].shape.len() == 2 && !i.loc.starts_with("loss.");
+                    assert!(!weight_gradient, "{what}: {} reduces a weight's gradient over tp", i.loc);
+                }
+                let vocab = spec_with_dtype(name, "f32").model.vocab as usize;
+                let table_grads: Vec<_> = program.instrs.iter().filter(|i| i.op == "xf.embedding_grad").collect();
+                assert_eq!(table_grads.len(), 1, "{what}");
+                for i in table_grads {
+                    assert_eq!(program.buffers[i.outputs[0]].shape[0], vocab / 2, "{what}: {} is not this rank's vocabulary rows", i.loc);
+                    assert_eq!(i.ints("xf.row_split_axes").ok(), Some(vec![1]), "{what}: {}", i.loc);
+                }
             }
             let layers = spec.model.layers as usize;
             let corpus = ByteCorpus::new(std::fs::read(root().join("data/kjv-genesis-exodus.txt")).unwrap(), spec.seq_len() as usize, spec.model.vocab as usize).unwrap();

@@ -93,9 +93,10 @@ impl OpDef for EmbeddingGrad {
         // The workspace (in acc_t, at least 4 bytes): counts and offsets of the parts, then
         // the lists of their tokens.
         let workspace = (2 * split + tokens) as usize;
-        let part_args = vec![Arg::Workspace, Arg::In(0), Arg::Int(tokens), Arg::Int(rows), Arg::Int(split)];
+        // `RankOffset`: the first row this rank holds of a vocab-split table (0 when whole).
+        let part_args = vec![Arg::Workspace, Arg::In(0), Arg::Int(tokens), Arg::Int(rows), Arg::Int(split), Arg::RankOffset];
         let parts = |kernel| Launch { kernel, source: EMBEDDING_CUDA, grid: [split as u32, 1, 1], block: ROW_BLOCK, shared: 0, workspace, args: part_args.clone() };
-        let args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::Int(hidden), Arg::Int(split)];
+        let args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::Int(hidden), Arg::Int(split), Arg::RankOffset];
         let sum = Launch { workspace, ..flat("embedding_grad", EMBEDDING_CUDA, (hidden * split) as usize, args) };
         Ok(DeviceKernel::Launches(vec![zero, parts("embedding_grad_count"), parts("embedding_grad_list"), sum]))
     }
@@ -124,14 +125,15 @@ impl OpDef for EmbeddingGrad {
         Cost { flops: inputs[1].num_elements() as f64, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn sharding_rule(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        // The ids' dims are reductions (rows are summed); hidden passes; the vocab dim of the
-        // result has no operand dim and stays whole.
+        // The ids' dims are reductions (rows are summed); hidden passes. The vocab dim of
+        // the result has no operand dim: it is split only where the result is pinned split
+        // (a vocab-parallel table's gradient), and then each rank sums into the rows it holds
+        // (`xf.row_split_axes`, as the lookup reads them) and skips the other ids.
         let r = inputs[0].rank();
         let ids: Vec<usize> = (0..r).collect();
         let mut dy = ids.clone();
         dy.push(r);
-        let mut factors = vec![FactorKind::Free; r + 2];
-        factors[r + 1] = FactorKind::Blocked;
+        let factors = vec![FactorKind::Free; r + 2];
         ShardingRule { operands: vec![ids, dy], results: vec![vec![r + 1, r]], factors, linearity: Linearity::Product }
     }
 }
@@ -149,22 +151,23 @@ const EMBEDDING_CUDA: &str = r#"extern "C" __global__ void embedding(T* out, con
 // (a stable partition of the token indices, no atomics), then thread (part, column) walks only
 // its part's list: a walk over every token per thread left gpt2-small's 8192 tokens at
 // 1.2 ms on an H200. The workspace holds, as ints: the parts' counts, their offsets, then
-// the lists, `tokens` in all.
+// the lists, `tokens` in all. A vocab-split table's rank holds rows [first, first + rows) and
+// skips the other ids.
 // Tokens [begin, end) of this thread's share of the ids, and how many of them fall in `part`.
-__device__ __forceinline__ i64 embedding_share(const int* ids, i64 tokens, i64 rows, i64 split, i64 part, i64* begin, i64* end) {
+__device__ __forceinline__ i64 embedding_share(const int* ids, i64 tokens, i64 rows, i64 split, i64 part, i64 first, i64* begin, i64* end) {
   i64 per = (tokens + blockDim.x - 1) / blockDim.x;
   *begin = (i64)threadIdx.x * per < tokens ? (i64)threadIdx.x * per : tokens;
   *end = *begin + per < tokens ? *begin + per : tokens;
   i64 n = 0;
-  for (i64 t = *begin; t < *end; t++) { i64 r = ids[t]; n += (r >= 0 && r < rows && (r & (split - 1)) == part); }
+  for (i64 t = *begin; t < *end; t++) { i64 r = ids[t] - first; n += (r >= 0 && r < rows && (r & (split - 1)) == part); }
   return n;
 }
 // Block `part`: how many tokens fall in the part.
-extern "C" __global__ void embedding_grad_count(acc_t* work, const int* ids, i64 tokens, i64 rows, i64 split) {
+extern "C" __global__ void embedding_grad_count(acc_t* work, const int* ids, i64 tokens, i64 rows, i64 split, i64 first) {
   __shared__ i64 shares[1024];
   int* counts = (int*)work;
   i64 part = blockIdx.x, begin, end;
-  shares[threadIdx.x] = embedding_share(ids, tokens, rows, split, part, &begin, &end);
+  shares[threadIdx.x] = embedding_share(ids, tokens, rows, split, part, first, &begin, &end);
   __syncthreads();
   if (threadIdx.x == 0) {
     i64 n = 0;
@@ -174,13 +177,13 @@ extern "C" __global__ void embedding_grad_count(acc_t* work, const int* ids, i64
 }
 // Block `part`: its tokens, in order, at its offset in the lists (each thread's share after
 // the shares before it: a scan of the threads' counts).
-extern "C" __global__ void embedding_grad_list(acc_t* work, const int* ids, i64 tokens, i64 rows, i64 split) {
+extern "C" __global__ void embedding_grad_list(acc_t* work, const int* ids, i64 tokens, i64 rows, i64 split, i64 first) {
   __shared__ i64 before[1024];
   int* counts = (int*)work;
   int* offsets = counts + split;
   int* lists = offsets + split;
   i64 part = blockIdx.x, begin, end;
-  before[threadIdx.x] = embedding_share(ids, tokens, rows, split, part, &begin, &end);
+  before[threadIdx.x] = embedding_share(ids, tokens, rows, split, part, first, &begin, &end);
   __syncthreads();
   if (threadIdx.x == 0) {
     i64 at = 0;
@@ -190,17 +193,17 @@ extern "C" __global__ void embedding_grad_list(acc_t* work, const int* ids, i64 
   }
   __syncthreads();
   i64 at = before[threadIdx.x];
-  for (i64 t = begin; t < end; t++) { i64 r = ids[t]; if (r >= 0 && r < rows && (r & (split - 1)) == part) lists[at++] = (int)t; }
+  for (i64 t = begin; t < end; t++) { i64 r = ids[t] - first; if (r >= 0 && r < rows && (r & (split - 1)) == part) lists[at++] = (int)t; }
 }
 // Thread (part, column): its part's tokens in order, each added to its row's column.
-extern "C" __global__ void embedding_grad(T* out, const acc_t* work, const int* ids, const T* dy, i64 hidden, i64 split) {
+extern "C" __global__ void embedding_grad(T* out, const acc_t* work, const int* ids, const T* dy, i64 hidden, i64 split, i64 first) {
   const int* counts = (const int*)work;
   const int* offsets = counts + split;
   const int* lists = offsets + split;
   GRID_STRIDE(i, hidden * split) {
     i64 c = i % hidden, part = i / hidden;
     for (i64 k = offsets[part], last = k + counts[part]; k < last; k++) {
-      i64 t = lists[k], r = ids[t];
+      i64 t = lists[k], r = ids[t] - first;
       out[r * hidden + c] = store(load(out[r * hidden + c]) + load(dy[t * hidden + c]));
     }
   }

@@ -225,6 +225,26 @@ impl Pass for ShardMegatron {
                 func.constraints.insert(grad, pin);
             }
         }
+        // A vocab-parallel table's gradient (the embedding's scatter-add) is computed as the
+        // rows its rank holds, as Megatron-LM's VocabParallelEmbedding does, partial over
+        // the axes that split the batch: not the whole table on every tp rank, sliced (and,
+        // with sequence parallelism, all-reduced over tp as well) afterwards. A gradient
+        // already pinned (an untied f32 table's, which is the optimizer's operand) keeps its
+        // pin, which splits the rows too.
+        if tp > 1 {
+            let batch: Vec<super::Axis> = [(DP, dp), (CP, cp)].into_iter().filter(|&(_, n)| n > 1).map(|(a, _)| a).collect();
+            let tables: std::collections::HashMap<Value, Value> = func.ops.iter().filter(|o| o.name == "xf.embedding").map(|o| (o.operands[1], o.operands[0])).collect();
+            for op in func.ops.iter().filter(|o| o.name == "xf.embedding_grad") {
+                let Some(table) = tables.get(&op.operands[0]) else { continue };
+                let Some(layout) = func.shardings.get(table) else { continue };
+                let vocab_split = layout.split.first().is_some_and(|axes| axes.first() == Some(&TP));
+                let same_rows = func.tensor(*table).zip(func.tensor(op.results[0])).is_some_and(|(t, g)| t.shape == g.shape);
+                if vocab_split && same_rows && !func.constraints.contains_key(&op.results[0]) {
+                    let split = layout.split.iter().map(|axes| axes.iter().copied().filter(|a| !batch.contains(a)).collect()).collect();
+                    func.constraints.insert(op.results[0], Sharding { split, partial: batch.clone() });
+                }
+            }
+        }
         if self.naive && tp > 1 {
             let index = FuncIndex::new(func);
             for op in func.ops.clone().iter().filter(|o| o.name == "xf.matmul") {

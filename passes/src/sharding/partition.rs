@@ -362,6 +362,18 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
             "xf.embedding" if !plan.factor_axes[0].is_empty() => {
                 attrs = attrs.with("xf.row_split_axes", AttrValue::axes(&plan.factor_axes[0]));
             }
+            // Its gradient, split the same way: each rank sums into the rows it holds (the
+            // vocab factor follows the ids' dimensions and hidden).
+            "xf.embedding_grad" => {
+                let vocab = func.tensor(op.operands[0]).map_or(0, TensorTy::rank) + 1;
+                if let Some(axes) = plan.factor_axes.get(vocab).filter(|axes| !axes.is_empty()) {
+                    attrs = attrs.with("xf.row_split_axes", AttrValue::axes(axes));
+                    // `vocab` is the rows the result holds: a per-rank size, as heads are.
+                    if let Some(Type::Tensor(t)) = types.first() {
+                        attrs = attrs.with("vocab", AttrValue::Int(t.shape[0]));
+                    }
+                }
+            }
             _ => {}
         }
         let results = p.fb.op_typed(&op.name, &operands, attrs, types, &op.loc);

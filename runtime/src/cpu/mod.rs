@@ -651,9 +651,9 @@ pub fn seq_offset(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usiz
     }
 }
 
-/// For a table split along its rows (embedding) or logits along their last dimension
-/// (vocab-parallel cross-entropy): this rank's first index and the whole extent. Every
-/// backend reads it the same way.
+/// For a table split along its rows (the embedding's operand, or its gradient's result) or
+/// logits along their last dimension (vocab-parallel cross-entropy): this rank's first index
+/// and the whole extent. Every backend reads it the same way.
 pub fn split_rows(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Option<(usize, usize)> {
     let mut found = None;
     for (attr, last_dim) in [("xf.row_split_axes", false), ("xf.vocab_split_axes", true)] {
@@ -661,7 +661,10 @@ pub fn split_rows(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usiz
             let axes: Vec<usize> = axes.iter().map(|&a| a as usize).collect();
             let group = mesh.group(rank, &axes);
             let position = group.iter().position(|&r| r == rank).unwrap_or(0);
-            let shape = &program.buffers[instr.inputs[0]].shape;
+            // The gradient of a lookup makes the table its first operand is for the lookup.
+            let table = if instr.op == "xf.embedding_grad" { instr.outputs.first() } else { instr.inputs.first() };
+            let Some(&table) = table else { continue };
+            let shape = &program.buffers[table].shape;
             let rows = if last_dim { *shape.last().unwrap_or(&1) } else { shape[0] };
             found = Some((position * rows, rows * group.len()));
         }

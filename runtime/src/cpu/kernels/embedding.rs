@@ -7,8 +7,8 @@ pub(super) const KERNELS: &[CpuKernel] = &[kernel!("xf.embedding", embedding_ker
 fn embedding_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     embedding::<T>(ins, outs, cx)
 }
-fn embedding_grad_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
-    embedding_grad::<T>(ins, outs)
+fn embedding_grad_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
+    embedding_grad::<T>(ins, outs, cx)
 }
 
 /// Row lookup. With a vocab-split table (`cx.rows`), this rank holds rows
@@ -32,10 +32,14 @@ pub(super) fn embedding<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], cx: &Rank
     Ok(())
 }
 
-pub(super) fn embedding_grad<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> Result<(), String> {
+/// Scatter-add. With a vocab-split table (`cx.rows`), this rank sums into the rows
+/// `first..first + local` it holds and skips ids other ranks hold (their rows are summed
+/// there).
+pub(super) fn embedding_grad<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let ids = ins[0].get::<i32>()?;
     let dy = ins[1].get::<T>()?;
-    let (vocab, hidden) = (outs[0].shape()[0], outs[0].shape()[1]);
+    let (local, hidden) = (outs[0].shape()[0], outs[0].shape()[1]);
+    let (first, vocab) = cx.rows.unwrap_or((0, local));
     let out = outs[0].get::<T>()?;
     out.fill(T::zero());
     // Sequential over tokens: repeated ids add up in token order (deterministic).
@@ -43,7 +47,8 @@ pub(super) fn embedding_grad<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>]) -> R
         if id < 0 || id as usize >= vocab {
             return Err(format!("token id {id} is outside the vocabulary of {vocab}"));
         }
-        let row = &mut out[id as usize * hidden..(id as usize + 1) * hidden];
+        let Some(r) = (id as usize).checked_sub(first).filter(|&r| r < local) else { continue };
+        let row = &mut out[r * hidden..(r + 1) * hidden];
         for (o, &d) in row.iter_mut().zip(&dy[t * hidden..(t + 1) * hidden]) {
             *o += d;
         }
