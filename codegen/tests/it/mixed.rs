@@ -173,3 +173,22 @@ fn tensor_parallel_weight_gradients_stay_sharded_in_bf16() {
         }
     }
 }
+
+/// Under expert parallelism the data axes are dp and ep: a dense weight's and the embedding
+/// table's bf16 gradients are left partial over both, so that their whole sum over the data
+/// axes runs in fp32 after the cast (a pin partial over dp alone once summed the table's
+/// gradient over ep in bf16). Every reduction of a 2-D gradient is of an fp32 buffer.
+#[test]
+fn gradient_sums_over_the_data_axes_stay_fp32_under_expert_parallelism() {
+    let mesh = Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 2 };
+    let spec = spec_with_dtype("tiny-moe", "bf16");
+    let options = CompileOptions { optimizer: ADAMW, mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
+    let program = compiled_step(&spec, &options);
+    let reductions: Vec<_> = program.instrs.iter().filter(|i| matches!(i.op.as_str(), "shard.all_reduce" | "shard.reduce_scatter") && program.buffers[i.inputs[0]].shape.len() == 2 && !i.loc.starts_with("loss.")).collect();
+    assert!(!reductions.is_empty());
+    for i in reductions {
+        assert_eq!(program.buffers[i.inputs[0]].dtype, DType::F32, "{mesh}: {} reduces a gradient in {:?}", i.loc, program.buffers[i.inputs[0]].dtype);
+    }
+    let table = program.instrs.iter().find(|i| i.op == "xf.embedding_grad").unwrap();
+    assert_eq!(program.buffers[table.outputs[0]].shape[0], spec.model.vocab as usize / 2);
+}

@@ -198,6 +198,9 @@ impl Pass for ShardMegatron {
         // Values some op makes, found once (not a walk of every op per update, quadratic in
         // the depth of the model).
         let produced_values: HashSet<Value> = func.ops.iter().flat_map(|o| o.results.iter().copied()).collect();
+        // The axes that split the batch (the data axes, and cp's parts of the sequence): a
+        // gradient computed from a rank's tokens is partial over them.
+        let batch: Vec<super::Axis> = [(DP, dp), (EP, ep), (CP, cp)].into_iter().filter(|&(_, n)| n > 1).map(|(a, _)| a).collect();
         let casts: std::collections::HashMap<Value, Value> = func.ops.iter().filter(|o| o.name == "xf.cast").map(|o| (o.results[0], o.operands[0])).collect();
         let producer: std::collections::HashMap<Value, &str> = func.ops.iter().flat_map(|o| o.results.iter().map(move |r| (*r, o.name.as_str()))).collect();
         for op in func.ops.clone().iter().filter(|o| o.name == "xf.adamw" || o.name == "xf.sgd") {
@@ -216,11 +219,10 @@ impl Pass for ShardMegatron {
                     let split = pin.split.iter().map(|axes| axes.iter().copied().filter(|&a| a != DP).collect()).collect();
                     func.constraints.insert(*cast, Sharding { split, partial: vec![DP] });
                 } else if let Some(cast) = casts.get(&grad).filter(|bf16| tp > 1 && pin.axes().contains(&TP) && producer.get(*bf16) == Some(&"xf.matmul_wgrad")) {
-                    // Partial over the axes that split the batch (dp, and cp's sequence parts),
-                    // which ZeRO also shards the state over.
-                    let batch: Vec<super::Axis> = [(DP, dp), (CP, cp)].into_iter().filter(|&(_, n)| n > 1).map(|(a, _)| a).collect();
+                    // Partial over the axes that split the batch (dp and ep, and cp's sequence
+                    // parts), which ZeRO also shards the state over.
                     let split = pin.split.iter().map(|axes| axes.iter().copied().filter(|a| !batch.contains(a)).collect()).collect();
-                    func.constraints.insert(*cast, Sharding { split, partial: batch });
+                    func.constraints.insert(*cast, Sharding { split, partial: batch.clone() });
                 }
                 func.constraints.insert(grad, pin);
             }
@@ -232,7 +234,6 @@ impl Pass for ShardMegatron {
         // already pinned (an untied f32 table's, which is the optimizer's operand) keeps its
         // pin, which splits the rows too.
         if tp > 1 {
-            let batch: Vec<super::Axis> = [(DP, dp), (CP, cp)].into_iter().filter(|&(_, n)| n > 1).map(|(a, _)| a).collect();
             let tables: std::collections::HashMap<Value, Value> = func.ops.iter().filter(|o| o.name == "xf.embedding").map(|o| (o.operands[1], o.operands[0])).collect();
             for op in func.ops.iter().filter(|o| o.name == "xf.embedding_grad") {
                 let Some(table) = tables.get(&op.operands[0]) else { continue };
