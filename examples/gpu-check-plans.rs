@@ -82,9 +82,11 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
     let kv = TensorTy::new([batch, kv_heads, seq, head_dim], dtype);
     let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt()));
     let mut out = serde_json::Map::new();
-    for (key, short, op, operands) in [("forward", "fwd", "xf.attention", 3), ("backward", "bwd", "xf.attention_grad", 4)] {
-        // q, k, v, and the output's gradient (q's shape).
-        let types: Vec<TensorTy> = [q.clone(), kv.clone(), kv.clone(), q.clone()].into_iter().take(operands).collect();
+    // The forward's row statistics (its log-sum-exp), which the backward reads.
+    let forward = lookup("xf.attention").ok_or("no xf.attention in the registry")?.infer(&[&q, &kv, &kv], &attrs)?;
+    let lse = forward[1].clone();
+    for (key, short, op, types) in [("forward", "fwd", "xf.attention", vec![q.clone(), kv.clone(), kv.clone()]), ("backward", "bwd", "xf.attention_grad", vec![q.clone(), kv.clone(), kv.clone(), q.clone(), lse, q.clone()])] {
+        // Backward: q, k, v, the forward's output and log-sum-exp, and the output's gradient.
         let (flops, seconds) = price(&cluster, op, &types, &attrs)?;
         let file = format!("{stem}-{short}.json");
         // FlashAttention's benchmarks count 4 b h s^2 d forward (two products), halved when

@@ -142,15 +142,16 @@ irdl.dialect @xf {
     irdl.operands(x: %T)
     irdl.results(y: %U)
   }
-  // xf.attention: softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads
+  // xf.attention: softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads; (out, lse)
   irdl.operation @attention {
     %Q = irdl.base "!builtin.tensor"
     %K = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
     %causal = irdl.base "#builtin.integer"
     %scale = irdl.base "#builtin.float"
     irdl.attributes {"causal" = %causal, "scale" = %scale}
     irdl.operands(q: %Q, k: %K, v: %K)
-    irdl.results(out: %Q)
+    irdl.results(out: %Q, lse: %S)
   }
   // xf.attention_block: one ring-attention step: queries against the key/value block held at xf.ring_step; (out, lse)
   irdl.operation @attention_block {
@@ -348,14 +349,15 @@ irdl.dialect @xf {
     irdl.operands(dy: %T)
     irdl.results(dx: %T)
   }
-  // xf.attention_grad: attention backward: (dq, dk, dv) from q, k, v, dout; recomputes the probabilities
+  // xf.attention_grad: attention backward: (dq, dk, dv) from q, k, v, out, lse, dout; recomputes the probabilities
   irdl.operation @attention_grad {
     %Q = irdl.base "!builtin.tensor"
     %K = irdl.base "!builtin.tensor"
+    %S = irdl.base "!builtin.tensor"
     %causal = irdl.base "#builtin.integer"
     %scale = irdl.base "#builtin.float"
     irdl.attributes {"causal" = %causal, "scale" = %scale}
-    irdl.operands(q: %Q, k: %K, v: %K, dout: %Q)
+    irdl.operands(q: %Q, k: %K, v: %K, out: %Q, lse: %S, dout: %Q)
     irdl.results(dq: %Q, dk: %K, dv: %K)
   }
   // xf.cross_entropy_grad: dloss * (softmax(logits) - onehot(targets)) / tokens

@@ -116,6 +116,10 @@ pub fn differentiate(forward: &Func, recompute: Recompute) -> Result<Func, Strin
         let def = lookup(&op.name).filter(|d| d.differentiable()).ok_or_else(|| {
             format!("{}: cannot differentiate through `{}` (it has no VJP rule)", op.loc, op.name)
         })?;
+        if let Some(&r) = def.backward_only_results().iter().find(|&&r| op.results.get(r).is_some_and(|v| grads.contains_key(v))) {
+            let name = def.signature().results.get(r).map_or("?", |slot| slot.name);
+            return Err(format!("{}: the loss depends on `{name}` of `{}`, a statistic kept for its backward that no gradient flows through", op.loc, op.name));
+        }
         if recompute != Recompute::None
             && let Some(layer) = op.origin.block.layer()
                 && layers_done.insert(layer) {
@@ -189,4 +193,36 @@ fn remove_dead_ops(func: &mut Func) {
         index += 1;
         keep[index - 1]
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::{AttrValue, Attrs, DType, TensorTy};
+
+    use super::{differentiate, Recompute};
+
+    /// Attention's log-sum-exp is a statistic its backward reads, not a value its VJP
+    /// differentiates: a loss that depends on it is refused by name, never given a gradient
+    /// that leaves that dependence out.
+    #[test]
+    fn a_loss_through_attentions_log_sum_exp_is_refused() {
+        let attrs = Attrs::new().with("causal", AttrValue::Bool(true)).with("scale", AttrValue::Float(0.5));
+        let t = TensorTy::new([1, 2, 4, 4], DType::F32);
+        for use_lse in [false, true] {
+            let mut fb = FuncBuilder::new("forward");
+            let qkv: Vec<_> = ["q", "k", "v"].iter().map(|n| fb.arg(n, t.clone(), ArgRole::Param)).collect();
+            let out = fb.op_multi("xf.attention", &qkv, attrs.clone(), "attn").unwrap();
+            let keep = Attrs::new().with("keep", AttrValue::Int(0));
+            let loss = fb.op("xf.sum_leading", &[out[usize::from(use_lse)]], keep, "loss").unwrap();
+            let forward = fb.finish(&[loss], &["loss".to_string()]);
+            match differentiate(&forward, Recompute::None) {
+                Ok(_) => assert!(!use_lse, "a loss of the log-sum-exp was differentiated"),
+                Err(e) => {
+                    assert!(use_lse, "{e}");
+                    assert!(e.contains("`lse` of `xf.attention`") && e.contains("attn"), "{e}");
+                }
+            }
+        }
+    }
 }

@@ -13,8 +13,11 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever the format changes incompatibly. 2: device calls with GEMM epilogues
 /// (`gemm_epilogue`), which a reader of version 1 does not know. 3: gradient bucket regions
 /// in pipeline and accumulation programs (`xf.step_bucket`), which a reader of version 2
-/// refuses with a message about bucket regions instead of its version.
-pub const FORMAT_VERSION: u32 = 3;
+/// refuses with a message about bucket regions instead of its version. 4: attention keeps
+/// its rows' log-sum-exp (`xf.attention` has two results, `xf.attention_grad` six operands)
+/// and a vocab-split table's gradient holds its rank's rows (`xf.embedding_grad` with
+/// `xf.row_split_axes`), which a reader of version 3 would run wrongly.
+pub const FORMAT_VERSION: u32 = 4;
 
 /// Most elements one buffer may have: what a spec allows one tensor (2^48, see
 /// `shardc_ir::spec::MAX_TENSOR_ELEMENTS`), so that a buffer's bytes and the memory plan's

@@ -299,7 +299,7 @@ fn every_op_has_a_cpu_kernel_and_every_cpu_kernel_an_op() {
 }
 
 /// The device program of `xf.attention` and `xf.attention_grad` on `q [b, hq, s, d]` and
-/// `k, v [b, hk, s, d]`, with `dout`, returning `out`, `dq`, `dk` and `dv`.
+/// `k, v [b, hk, s, d]`, with `dout`, returning `out`, `lse`, `dq`, `dk` and `dv`.
 fn attention_program(dtype: shardc_ir::types::DType, s: i64, causal: bool, (b, hq, hk, d): (i64, i64, i64, i64)) -> Program {
     use shardc_ir::attrs::{AttrValue, Attrs};
     use shardc_ir::graph::{ArgRole, FuncBuilder};
@@ -309,9 +309,9 @@ fn attention_program(dtype: shardc_ir::types::DType, s: i64, causal: bool, (b, h
     let mut fb = FuncBuilder::new("attention");
     let args: Vec<_> = [("q", &qt), ("k", &kt), ("v", &kt), ("dout", &qt)].iter().map(|(n, t)| fb.arg(n, (*t).clone(), ArgRole::Input)).collect();
     let out = fb.op_multi("xf.attention", &args[..3], attrs.clone(), "fwd").unwrap();
-    let grads = fb.op_multi("xf.attention_grad", &args, attrs, "bwd").unwrap();
-    let results = [out[0], grads[0], grads[1], grads[2]];
-    let func = fb.finish(&results, &["out".to_string(), "dq".to_string(), "dk".to_string(), "dv".to_string()]);
+    let grads = fb.op_multi("xf.attention_grad", &[args[0], args[1], args[2], out[0], out[1], args[3]], attrs, "bwd").unwrap();
+    let results = [out[0], out[1], grads[0], grads[1], grads[2]];
+    let func = fb.finish(&results, &["out".to_string(), "lse".to_string(), "dq".to_string(), "dk".to_string(), "dv".to_string()]);
     shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap()
 }
 
@@ -612,7 +612,8 @@ mod emulated {
         }
         cpu.run().unwrap();
         device.run().unwrap();
-        let errors = ["out", "dq", "dk", "dv"]
+        // The forward's row log-sum-exp too: the backward recomputes the probabilities from it.
+        let errors = ["out", "lse", "dq", "dk", "dv"]
             .into_iter()
             .map(|name| {
                 let (c, g) = (cpu.read_f64(name).unwrap(), device.read(0, name).unwrap());

@@ -226,11 +226,13 @@ fn single_op_module(case: &Case) -> (Module, HashMap<String, Vec<f64>>, HashMap<
         }
     }
     let results = fb.op_multi(case.op, &operands, case.attrs.clone(), "op").unwrap();
+    let backward_only = shardc_ir::ops::lookup(case.op).unwrap().backward_only_results();
     let mut loss: Option<Value> = None;
     for (r, result) in results.iter().enumerate() {
         let t = fb.tensor(*result).unwrap().clone();
-        // Integer results (a router's choices) carry no gradient.
-        if !t.dtype.is_float() {
+        // Integer results (a router's choices) carry no gradient, nor do statistics kept for
+        // the backward (attention's log-sum-exp).
+        if !t.dtype.is_float() || backward_only.contains(&r) {
             continue;
         }
         let w_name = format!("w{r}");

@@ -32,15 +32,15 @@ impl OpDef for Attention {
         let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
         if let Some([kernel, _, _]) = mma_kernels(cx) {
-            let mut args = vec![Arg::Out(0), Arg::In(0), Arg::In(1), Arg::In(2)];
+            let mut args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2)];
             args.extend(attention_args(&q, hk, cx.attrs)?);
             let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
             return Ok(DeviceKernel::Launches(vec![Launch { kernel, source: ATTENTION_MMA_CUDA, grid, block: FLASH_THREADS as u32, shared: 0, workspace: 0, args }]));
         }
-        scalar_forward(cx, Arg::Null, Arg::Int(0))
+        scalar_forward(cx, Arg::Out(1), Arg::Int(0))
     }
     fn summary(&self) -> &'static str {
-        "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads"
+        "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads; (out, lse)"
     }
     fn signature(&self) -> Signature {
         Signature {
@@ -49,14 +49,14 @@ impl OpDef for Attention {
                 Slot { name: "k", constraint: "K" },
                 Slot { name: "v", constraint: "K" },
             ],
-            results: &[Slot { name: "out", constraint: "Q" }],
+            results: &[Slot { name: "out", constraint: "Q" }, Slot { name: "lse", constraint: "S" }],
             attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         arity(inputs, 3)?;
         check_qkv(inputs, attrs)?;
-        Ok(vec![inputs[0].clone()])
+        Ok(vec![inputs[0].clone(), stats_of(inputs[0])])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         let q = inputs[0];
@@ -74,7 +74,10 @@ impl OpDef for Attention {
         true
     }
     fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
-        let operands = [cx.operands[0], cx.operands[1], cx.operands[2], grads[0]];
+        // From the output and its rows' log-sum-exp, as FlashAttention-2's backward: the
+        // probabilities come back without a walk for the rows' statistics. (The lse result
+        // is a statistic for the backward alone; nothing differentiates through it.)
+        let operands = [cx.operands[0], cx.operands[1], cx.operands[2], cx.results[0], cx.results[1], grads[0]];
         let attrs = cx.attrs.clone();
         let d = cx.emit_multi("xf.attention_grad", &operands, attrs)?;
         Ok(vec![Some(d[0]), Some(d[1]), Some(d[2])])
@@ -84,10 +87,17 @@ impl OpDef for Attention {
         // same count keeps every group of q heads with its kv head); query positions free
         // (context parallelism: a rank attends from its own queries to every key, so keys
         // and values are gathered); key positions and the head dim stay whole.
-        attention_rule(3, 1)
+        attention_rule(&[QUERY, KEYS, KEYS], &[QUERY, STATS])
     }
     fn position_factor(&self) -> Option<usize> {
         Some(QUERY_POSITIONS)
+    }
+    fn statistics_slots(&self) -> &'static [usize] {
+        STATISTICS
+    }
+    fn backward_only_results(&self) -> &'static [usize] {
+        // lse
+        &[1]
     }
 }
 
@@ -137,20 +147,20 @@ fn scalar_forward(cx: &KernelCx<'_>, lse: Arg, k0: Arg) -> Result<DeviceKernel, 
 }
 
 /// The backward's two launches (`dq`, then `dk`/`dv` from the rows' statistics the first
-/// leaves in the workspace). `ring` (a ring step's backward): operands are q, k, v, out,
-/// lse, dout, and the keys are the block at the step's row; else q, k, v, dout.
+/// leaves in the workspace). Operands are q, k, v, out, lse, dout (the whole attention's
+/// `out` and `lse`); `ring` (a ring step's backward): the keys are the block at the step's
+/// row.
 fn backward(cx: &KernelCx<'_>, ring: bool) -> Result<DeviceKernel, String> {
     let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
     let (b, hq, s, d, hk, keys) = (q[0], q[1], q[2], q[3], k[1], k[2]);
     let mut shape_args = attention_args(&q, hk, cx.attrs)?;
-    let dout = Arg::In(if ring { 5 } else { 3 });
-    let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), dout.clone()];
+    let dout = Arg::In(5);
+    let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), dout.clone(), Arg::In(3), Arg::In(4)];
     // The tensor-core kernels' tiles are compile-time; the scalar ones take theirs.
     let (names, source, rows, shared) = match mma_kernels(cx).filter(|_| !ring) {
         Some([_, q_kernel, kv_kernel]) => ([q_kernel, kv_kernel], ATTENTION_MMA_CUDA, MMA_ROWS, 0),
         None => {
             let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
-            q_args.extend(if ring { [Arg::In(3), Arg::In(4)] } else { [Arg::Null, Arg::Null] });
             shape_args.extend(context_args(cx, if ring { Arg::RingKeyOffset } else { Arg::Int(0) }));
             shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
             (["attention_grad_q", "attention_grad_kv"], ATTENTION_CUDA, tiles.0, flash_shared(d, tiles, 2, 2, 2))
@@ -204,8 +214,7 @@ impl OpDef for AttentionBlock {
         attention_class(inputs, attrs, 2.0, false)
     }
     fn statistics_slots(&self) -> &'static [usize] {
-        // lse
-        &[4]
+        STATISTICS
     }
 }
 
@@ -305,32 +314,37 @@ impl OpDef for AttentionBlockGrad {
         Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> Cost {
-        AttentionGrad.cost(&inputs[..3].iter().copied().chain([inputs[5]]).collect::<Vec<_>>(), outputs, attrs)
+        AttentionGrad.cost(inputs, outputs, attrs)
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
-        // Priced as the gathered attention's backward (nine products, see AttentionGrad):
-        // the GPU runs a ring step's backward on the same scalar flash kernels, which, given
-        // the statistics, could do five, so the two forms differ in what they send, not in
-        // an assumed kernel. Neither runs on tensor cores (see `mma_kernels`).
-        attention_class(inputs, attrs, 9.0, false)
+        // Priced as the gathered attention's backward (see AttentionGrad): the GPU runs a
+        // ring step's backward on the same scalar flash kernels, so the two forms differ in
+        // what they send, not in an assumed kernel. Neither runs on tensor cores (see
+        // `mma_kernels`).
+        attention_class(inputs, attrs, BACKWARD_PRODUCTS, false)
     }
     fn statistics_slots(&self) -> &'static [usize] {
-        // lse
-        &[4]
+        STATISTICS
     }
 }
 
 /// The factor of the query positions in [`attention_rule`].
 const QUERY_POSITIONS: usize = 2;
+/// [`attention_rule`]'s factors of a query-shaped, key-shaped and statistics tensor.
+const QUERY: &[usize] = &[0, 1, QUERY_POSITIONS, 3];
+const KEYS: &[usize] = &[0, 1, 4, 3];
+const STATS: &[usize] = &[0, 1, QUERY_POSITIONS];
+/// The slot (operands, then results) of the rows' log-sum-exp in `xf.attention` (its second
+/// result) and `xf.attention_grad` (its fifth operand), and in the ring steps' ops alike.
+const STATISTICS: &[usize] = &[4];
 
-/// Factors of (q, k, v[, dout]) -> (out | dq, dk, dv): batch 0, heads 1, query positions 2,
-/// head dim 3 (blocked), key positions 4 (blocked). Slots 1 and 2 are key-shaped (k, v and
-/// dk, dv), the others query-shaped (q, dout, out, dq).
-fn attention_rule(operands: usize, results: usize) -> ShardingRule {
-    let by_slot = |i: usize| if i == 1 || i == 2 { vec![0, 1, 4, 3] } else { vec![0, 1, QUERY_POSITIONS, 3] };
+/// Factors of attention's operands and results: batch 0, heads 1, query positions 2, head
+/// dim 3 (blocked), key positions 4 (blocked), by the shape of each: query-shaped (q, out,
+/// dout, dq), key-shaped (k, v, dk, dv) or the rows' statistics (lse, `[b, h, s]`).
+fn attention_rule(operands: &[&[usize]], results: &[&[usize]]) -> ShardingRule {
     ShardingRule {
-        operands: (0..operands).map(by_slot).collect(),
-        results: (0..results).map(by_slot).collect(),
+        operands: operands.iter().map(|dims| dims.to_vec()).collect(),
+        results: results.iter().map(|dims| dims.to_vec()).collect(),
         factors: vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked],
         linearity: Linearity::None,
     }
@@ -359,10 +373,11 @@ fn check_qkv(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(), String> {
     Ok(())
 }
 
-/// Attention backward. It recomputes the probabilities `p` from `q` and `k` (nothing of size
-/// S x S is kept from the forward pass) and, with `dp = dout v^T` and
-/// `ds = p * (dp - rowsum(dp * p))`: `dq = scale ds k`, `dk = scale ds^T q`, `dv = p^T dout`,
-/// where the gradients of a shared kv head sum over its query heads.
+/// Attention backward, as FlashAttention-2's: it recomputes the probabilities
+/// `p = exp(scale q k^T - lse)` from `q`, `k` and the forward's row log-sum-exp (nothing of
+/// size S x S is kept from the forward pass) and, with `dp = dout v^T` and
+/// `ds = p * (dp - rowsum(dout * out))`: `dq = scale ds k`, `dk = scale ds^T q`,
+/// `dv = p^T dout`, where the gradients of a shared kv head sum over its query heads.
 #[derive(Debug)]
 pub struct AttentionGrad;
 
@@ -374,7 +389,7 @@ impl OpDef for AttentionGrad {
         backward(cx, false)
     }
     fn summary(&self) -> &'static str {
-        "attention backward: (dq, dk, dv) from q, k, v, dout; recomputes the probabilities"
+        "attention backward: (dq, dk, dv) from q, k, v, out, lse, dout; recomputes the probabilities"
     }
     fn signature(&self) -> Signature {
         Signature {
@@ -382,6 +397,8 @@ impl OpDef for AttentionGrad {
                 Slot { name: "q", constraint: "Q" },
                 Slot { name: "k", constraint: "K" },
                 Slot { name: "v", constraint: "K" },
+                Slot { name: "out", constraint: "Q" },
+                Slot { name: "lse", constraint: "S" },
                 Slot { name: "dout", constraint: "Q" },
             ],
             results: &[
@@ -393,11 +410,14 @@ impl OpDef for AttentionGrad {
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
-        arity(inputs, 4)?;
+        arity(inputs, 6)?;
         check_qkv(inputs, attrs)?;
-        if inputs[3] != inputs[0] {
-            return Err(format!("dout {} must have the type of q {}", inputs[3], inputs[0]));
+        for (what, t) in [("out", inputs[3]), ("dout", inputs[5])] {
+            if t != inputs[0] {
+                return Err(format!("{what} {t} must have the type of q {}", inputs[0]));
+            }
         }
+        check_stats("lse", inputs[4], inputs[0])?;
         Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
@@ -408,20 +428,26 @@ impl OpDef for AttentionGrad {
         Cost { flops: 10.0 * b * h * s * keys * d + 8.0 * b * h * s * keys, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
-        // The dq kernel walks the keys twice (scores and dp; then scores, dp and dq) and the
-        // keys' kernel does scores, dp, dk and dv: nine products, where FlashAttention-2's
-        // one kernel with atomic dq does five.
-        attention_class(inputs, attrs, 9.0, on_tensor_cores(inputs, attrs))
+        attention_class(inputs, attrs, BACKWARD_PRODUCTS, on_tensor_cores(inputs, attrs))
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // As the forward's; dk and dv lack the query positions, so with those split each
         // rank's dk and dv are partial sums over its queries.
-        attention_rule(4, 3)
+        attention_rule(&[QUERY, KEYS, KEYS, QUERY, STATS, QUERY], &[QUERY, KEYS, KEYS])
     }
     fn position_factor(&self) -> Option<usize> {
         Some(QUERY_POSITIONS)
     }
+    fn statistics_slots(&self) -> &'static [usize] {
+        STATISTICS
+    }
 }
+
+/// Query-by-key products of the backward kernels, from the forward's statistics: the dq
+/// kernel's scores, dp and dq, and the keys' kernel's scores, dp, dk and dv (seven, where
+/// FlashAttention-2's one kernel with atomic dq does five, and where walking the keys once
+/// more for the rows' statistics took nine).
+const BACKWARD_PRODUCTS: f64 = 7.0;
 
 /// The flash-attention work of `q` `[b, h, s, d]` against keys `[b, kv, t, d]`.
 fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_cores: bool) -> KernelClass {
@@ -445,7 +471,8 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_co
 /// cost model prices what the device plan launches.
 fn on_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
     let d = if inputs[0].rank() == 4 { inputs[0].shape[3] as usize } else { 0 };
-    mma_head_dim(d).is_some() && inputs.iter().all(|t| t.dtype == crate::types::DType::Bf16) && !context_parallel(inputs, attrs)
+    let bf16 = inputs.iter().enumerate().all(|(slot, t)| t.dtype == crate::types::DType::Bf16 || STATISTICS.contains(&slot));
+    mma_head_dim(d).is_some() && bf16 && !context_parallel(inputs, attrs)
 }
 
 /// Threads per block of the attention kernels.
@@ -590,12 +617,10 @@ extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T
     if (lse && lane == 0) lse[bh * s + i] = sum > 0 ? mx + log(sum) : NEG_INF;
   }
 }
-// Backward for dq, grid (query tiles, batch x query heads), in two walks over the key tiles:
-// the rows' max and sum (online), then with p = exp(score - max) / sum and dp = dout . v:
-// rowdot = sum p dp, and dq = scale (sum p dp k - rowdot sum p k). Each row's (max, sum,
-// rowdot) goes to `stats` for the keys' kernel. A ring step's backward gives the whole
-// attention's `out` and `lse`: then max = lse, sum = 1 and rowdot = out . dout, and the
-// first walk is not needed.
+// Backward for dq, grid (query tiles, batch x query heads), in one walk over the key tiles,
+// from the forward's `out` and `lse` (FlashAttention-2's backward): with p = exp(score - lse),
+// dp = dout . v and rowdot = out . dout, dq = scale sum p (dp - rowdot) k. Each row's
+// (lse, 1, rowdot) goes to `stats` for the keys' kernel (p = exp(score - max) / sum there).
 extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, const T* k, const T* v, const T* dout, const T* out, const acc_t* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0, i64 rows, i64 inner) {
   extern __shared__ unsigned char shared_raw[];
   i64 ld = d + 1;
@@ -604,64 +629,46 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
   acc_t* ks = dos + rows * ld;
   acc_t* vs = ks + inner * ld;
   acc_t* ps = vs + inner * ld;
-  acc_t* dps = ps + rows * inner;
   int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
   i64 kv = (b * hk + h / (hq / hk)) * sk * d;
   i64 i0 = (i64)blockIdx.x * rows, i = i0 + r;
-  acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0, rowdot = 0;
+  acc_t scale = (acc_t)scale_, mx = NEG_INF, rowdot = 0;
   fa_load(qs, q + bh * s * d, i0, rows, s, d);
   fa_load(dos, dout + bh * s * d, i0, rows, s, d);
   i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks, k0);
   acc_t* pr = ps + r * inner;
-  acc_t* dpr = dps + r * inner;
   // The rows of dout are in shared memory once every thread has loaded its part.
   __syncthreads();
-  if (lse && i < s) {
+  if (i < s) {
     mx = lse[bh * s + i];
-    sum = 1;
     for (i64 c = 0; c < d; c++) rowdot += load(out[(bh * s + i) * d + c]) * dos[r * ld + c];
   }
-  for (i64 j0 = 0; j0 < (lse ? 0 : keys); j0 += inner) {
-    i64 n = keys - j0 < inner ? keys - j0 : inner;
-    __syncthreads();
-    fa_load(ks, k + kv, j0, n, sk, d);
-    __syncthreads();
-    for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
-    __syncthreads();
-    acc_t grown = mx, part = 0;
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) grown = fmax(grown, pr[j]);
-    for (i64 j = 0; j < n; j++) if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) part += exp(pr[j] - grown);
-    sum = (grown == NEG_INF ? (acc_t)0 : sum * exp(mx - grown)) + part;
-    mx = grown;
-  }
-  acc_t a[FA_COLS], pk[FA_COLS];
-  for (int c = 0; c < FA_COLS; c++) { a[c] = 0; pk[c] = 0; }
+  acc_t a[FA_COLS];
+  for (int c = 0; c < FA_COLS; c++) a[c] = 0;
   for (i64 j0 = 0; j0 < keys; j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
     fa_load(ks, k + kv, j0, n, sk, d);
     fa_load(vs, v + kv, j0, n, sk, d);
     __syncthreads();
+    // pr holds ds = p (dp - rowdot) for the row's visible keys, 0 for the others.
     for (i64 j = lane; j < n; j += tpr) {
       bool seen = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0) && mx > NEG_INF;
-      pr[j] = seen ? exp(fa_dot(qs + r * ld, ks + j * ld, d) * scale - mx) / sum : (acc_t)0;
-      dpr[j] = fa_dot(dos + r * ld, vs + j * ld, d);
+      acc_t p = seen ? exp(fa_dot(qs + r * ld, ks + j * ld, d) * scale - mx) : (acc_t)0;
+      pr[j] = seen ? p * (fa_dot(dos + r * ld, vs + j * ld, d) - rowdot) : (acc_t)0;
     }
     __syncthreads();
-    if (!lse)
-      for (i64 j = 0; j < n; j++) rowdot += pr[j] * dpr[j];
     for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
       i64 col = lane + (i64)c * tpr;
-      acc_t x = 0, y = 0;
-      for (i64 j = 0; j < n; j++) { acc_t kc = ks[j * ld + col]; x += pr[j] * dpr[j] * kc; y += pr[j] * kc; }
+      acc_t x = 0;
+      for (i64 j = 0; j < n; j++) x += pr[j] * ks[j * ld + col];
       a[c] += x;
-      pk[c] += y;
     }
   }
   if (i < s) {
-    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) dq[(bh * s + i) * d + lane + (i64)c * tpr] = store((a[c] - rowdot * pk[c]) * scale);
-    if (lane == 0) { acc_t* st = stats + (bh * s + i) * 3; st[0] = mx; st[1] = sum; st[2] = rowdot; }
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) dq[(bh * s + i) * d + lane + (i64)c * tpr] = store(a[c] * scale);
+    if (lane == 0) { acc_t* st = stats + (bh * s + i) * 3; st[0] = mx; st[1] = 1; st[2] = rowdot; }
   }
 }
 // Backward for dk and dv, grid (key tiles, batch x kv heads): each key row's gradients summed
@@ -751,7 +758,8 @@ const MMA_ROWS: usize = 64;
 fn mma_kernels(cx: &KernelCx<'_>) -> Option<[&'static str; 3]> {
     use crate::types::DType;
     let d = dims(cx.inputs[0])[3];
-    let bf16 = cx.inputs.iter().all(|t| t.dtype == DType::Bf16) && cx.outputs.iter().all(|t| t.dtype == DType::Bf16);
+    // Every tensor but the rows' statistics (fp32 whatever the storage type).
+    let bf16 = cx.inputs.iter().copied().chain(cx.outputs).enumerate().all(|(slot, t)| t.dtype == DType::Bf16 || STATISTICS.contains(&slot));
     // The tensor-core kernels attend within one whole sequence in its natural order; a
     // context-parallel rank's queries take the scalar kernels.
     mma_head_dim(d).filter(|_| bf16 && !context_parallel(cx.inputs, cx.attrs))
@@ -793,6 +801,7 @@ const ATTENTION_MMA_CUDA: &str = r#"#if defined(BF16)
 #define FA_MMA_ROWS 64
 #define FA_MMA_THREADS 128
 #define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
 __device__ __forceinline__ float fa_lo(unsigned u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float fa_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ unsigned fa_pair(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
@@ -1007,7 +1016,7 @@ __device__ __forceinline__ i64 fa_query_tile(i64 causal) { return causal ? gridD
 // Forward: grid (query tiles of 64, batch x query heads); key tiles of 64. The block loads a
 // tile's V while it multiplies Q K^T, and the next tile's K while it multiplies P V.
 template <int D>
-__device__ void fa_mma_forward(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+__device__ void fa_mma_forward(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
   const int KT = 64;
   __shared__ fa_vec ks_[FA_TILE(D, KT)];
   __shared__ fa_vec vs_[FA_TILE(D, KT)];
@@ -1050,17 +1059,22 @@ __device__ void fa_mma_forward(unsigned short* out, const unsigned short* q, con
     }
     fa_accumulate<D, KT / 8>(o, sc, vs);
   }
-  float inverse[2] = {1.0f / fa_quad_sum(sum[0]), 1.0f / fa_quad_sum(sum[1])};
+  float total[2] = {fa_quad_sum(sum[0]), fa_quad_sum(sum[1])};
+  float inverse[2] = {1.0f / total[0], 1.0f / total[1]};
   fa_write<D>(out + bh * s * D, o, rows, inverse, s);
+  // Each row's log-sum-exp of its scaled scores, in base e (the maxima are base 2).
+  if ((threadIdx.x & 3) == 0)
+    for (int half = 0; half < 2; half++)
+      if (rows[half] < s) lse[bh * s + rows[half]] = total[half] > 0 ? (mx[half] + log2f(total[half])) * FA_LN2 : NEG_INF;
 }
-// Backward for dq: grid (query tiles of 64, batch x query heads), key tiles of KT, two walks.
-// The first finds each row's max, sum and rowdot = sum p dp (dp = dout . v) online; the
-// second, with p = exp2(score - lse) (lse = max + log2(sum), base 2) and
-// ds = p (dp - rowdot) scale, sums dq = ds k. Each row's (lse, sum, rowdot) goes to `stats`
-// for the keys' kernel. The two walks are one pipeline over 2 x tiles steps: K and V tiles in
-// two buffers, the next step's loading while this one's are multiplied.
+// Backward for dq: grid (query tiles of 64, batch x query heads), key tiles of KT, one walk
+// from the forward's `out` and `lse` (FlashAttention-2's backward): with
+// p = exp2(score - lse) (lse in base 2), dp = dout . v and rowdot = out . dout,
+// ds = p (dp - rowdot) scale, and dq sums ds k. Each row's (lse, -, rowdot) goes to `stats` for
+// the keys' kernel. K and V tiles in two buffers, the next tile's loading while this one's are
+// multiplied.
 template <int D, int KT>
-__device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+__device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse_in, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
   __shared__ fa_vec ks_[2][FA_TILE(D, KT)];
   __shared__ fa_vec vs_[2][FA_TILE(D, KT)];
   int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
@@ -1079,41 +1093,36 @@ __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned s
   unsigned qa[D / 16][4], da[D / 16][4];
   fa_fragments<D>(qa, q + bh * s * D, row0, s);
   fa_fragments<D>(da, dout + bh * s * D, row0, s);
-  float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, dot[2] = {0, 0}, rescale[2], lse[2], rowdot[2];
+  // The rows' statistics: the four threads of a quad each take a quarter of the row's
+  // out . dout, summed by shuffles (every lane takes part; rows past s read nothing).
+  float lse[2], rowdot[2];
+  for (int half = 0; half < 2; half++) {
+    i64 i = rows[half];
+    float dot = 0;
+    if (i < s)
+      for (int c = t; c < D; c += 4) dot += fa_lo(out[(bh * s + i) * D + c]) * fa_lo(dout[(bh * s + i) * D + c]);
+    rowdot[half] = fa_quad_sum(dot);
+    lse[half] = i < s ? lse_in[bh * s + i] * FA_LOG2E : NEG_INF;
+  }
   float acc[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) acc[n][x] = 0;
-  for (i64 step = 0; step < 2 * tiles; step++) {
-    i64 j0 = (step < tiles ? step : step - tiles) * KT;
+  for (i64 step = 0; step < tiles; step++) {
+    i64 j0 = step * KT;
     const unsigned short* ks = (const unsigned short*)ks_[step & 1];
     const unsigned short* vs = (const unsigned short*)vs_[step & 1];
     // This step's tiles are in, and every warp is done with the other buffers (the last step's).
     fa_wait();
     __syncthreads();
-    if (step + 1 < 2 * tiles) {
-      i64 next = (step + 1 < tiles ? step + 1 : step + 1 - tiles) * KT;
-      fa_stage<D, KT>((unsigned short*)ks_[(step + 1) & 1], k + kv, next, s);
-      fa_stage<D, KT>((unsigned short*)vs_[(step + 1) & 1], v + kv, next, s);
+    if (step + 1 < tiles) {
+      fa_stage<D, KT>((unsigned short*)ks_[(step + 1) & 1], k + kv, j0 + KT, s);
+      fa_stage<D, KT>((unsigned short*)vs_[(step + 1) & 1], v + kv, j0 + KT, s);
       fa_commit();
     }
     float sc[KT / 8][4], dp[KT / 8][4];
     fa_products<D, KT / 8>(sc, qa, ks);
     fa_products<D, KT / 8>(dp, da, vs);
     bool whole = fa_whole(row0, j0, KT, s, causal, false);
-    if (step < tiles) {
-      fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, scale2, whole);
-      for (int half = 0; half < 2; half++) dot[half] *= rescale[half];
-      for (int n = 0; n < KT / 8; n++)
-        for (int x = 0; x < 4; x++) dot[x >> 1] += sc[n][x] * dp[n][x];
-      continue;
-    }
-    if (step == tiles)
-      for (int half = 0; half < 2; half++) {
-        sum[half] = fa_quad_sum(sum[half]);
-        dot[half] = fa_quad_sum(dot[half]);
-        rowdot[half] = sum[half] > 0 ? dot[half] / sum[half] : 0.0f;
-        lse[half] = sum[half] > 0 ? mx[half] + log2f(sum[half]) : NEG_INF;
-      }
     for (int n = 0; n < KT / 8; n++)
       for (int x = 0; x < 4; x++) {
         int half = x >> 1;
@@ -1130,7 +1139,7 @@ __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned s
       if (rows[half] < s) {
         float* st = stats + (bh * s + rows[half]) * 3;
         st[0] = tiles > 0 ? lse[half] : NEG_INF;
-        st[1] = sum[half];
+        st[1] = 1.0f;
         st[2] = tiles > 0 ? rowdot[half] : 0.0f;
       }
 }
@@ -1202,29 +1211,29 @@ __device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const flo
   fa_write<D>(dk + bg * s * D, dka, keys, one, s);
   fa_write<D>(dv + bg * s * D, dva, keys, one, s);
 }
-extern "C" __global__ void attention_fwd_mma16(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<16>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma16(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<16, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<16>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma16(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<16, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma16(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<16, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma32(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<32>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma32(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<32, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma32(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<32>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma32(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<32, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma32(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<32, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma48(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<48>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma48(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<48, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma48(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<48>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma48(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<48, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma48(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<48, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma64(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<64>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma64(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<64, 64>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma64(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<64>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma64(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<64, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma64(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<64, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma80(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<80>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma80(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<80, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma80(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<80>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma80(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<80, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma80(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<80, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma96(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<96>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma96(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<96, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma96(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<96>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma96(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<96, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma96(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<96, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma112(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<112>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma112(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<112, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma112(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<112>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma112(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<112, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma112(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<112, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma128(unsigned short* out, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<128>(out, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma128(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<128, 32>(dq, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma128(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<128>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_grad_q_mma128(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<128, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_kv_mma128(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<128, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
 #endif
 "#;

@@ -270,6 +270,12 @@ pub trait OpDef: Sync {
         Err(format!("{} has no VJP", self.name()))
     }
 
+    /// Results that are statistics kept for the backward (attention's log-sum-exp): the VJP
+    /// takes no gradient for them, and autodiff refuses a loss that depends on one.
+    fn backward_only_results(&self) -> &'static [usize] {
+        &[]
+    }
+
     /// How the op may be split over a device grid, by factors (see [`crate::sharding`]).
     /// The default keeps every dimension whole, which is always correct; ops override it.
     fn sharding_rule(&self, inputs: &[&TensorTy], attrs: &Attrs) -> ShardingRule {

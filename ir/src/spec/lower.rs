@@ -108,12 +108,13 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
             k = cx.fb.op("xf.rope", &[k], theta, &format!("{p}.attn.k.rope"))?;
         }
         let scale = 1.0 / (head_dim as f64).sqrt();
-        let core = cx.fb.op(
+        // (out, lse): the rows' log-sum-exp is kept for the backward, as FlashAttention does.
+        let core = cx.fb.op_multi(
             "xf.attention",
             &[q, k, val],
             order(attrs(&[("causal", AttrValue::Bool(true)), ("scale", AttrValue::Float(scale))])),
             &format!("{p}.attn.core"),
-        )?;
+        )?[0];
         let merged = cx.fb.op("xf.merge_heads", &[core], Attrs::new(), &format!("{p}.attn.merge_heads"))?;
         let out = cx.linear(merged, heads * head_dim, h, &format!("{p}.attn.out"), ParamKind::Row)?;
         x = cx.residual(x, out, &format!("{p}.attn.residual"))?;

@@ -211,13 +211,14 @@ fn rewrite(func: &Func, grid: &str, shape: &[i64], pass: &RingAttention) -> (Fun
             let (q, keys, values) = (op.operands[0], gathered_over_cp(func, &producer, original.operands[1]).unwrap_or(op.operands[1]), gathered_over_cp(func, &producer, original.operands[2]).unwrap_or(op.operands[2]));
             let (o, lse) = emit.ring_forward(q, keys, values, parts);
             rename.insert(op.results[0], o);
+            rename.insert(op.results[1], lse);
             ringed.insert(key(original), Ringed { keys, values, out: o, lse });
             continue;
         }
         if let Some(&(dk_scatter, dv_scatter)) = backward.get(&i) {
             let original = &func.ops[i];
             if let Some(ring) = ringed.get(&key(original)).copied() {
-                let (dq, dk, dv) = emit.ring_backward(op.operands[0], ring, op.operands[3], parts);
+                let (dq, dk, dv) = emit.ring_backward(op.operands[0], ring, op.operands[5], parts);
                 rename.insert(op.results[0], dq);
                 rename.insert(func.ops[dk_scatter].results[0], dk);
                 rename.insert(func.ops[dv_scatter].results[0], dv);

@@ -75,8 +75,8 @@ impl Visibility {
 }
 
 /// Softmax probabilities of query row `i` against the keys `mask` shows, into `p` (zero
-/// where hidden).
-fn attention_row_masked<T: Real>(q_i: &[T], k: &[T], d: usize, mask: &[bool], scale: T, p: &mut [T]) {
+/// where hidden); returns the log-sum-exp of the scaled scores.
+fn attention_row_masked<T: Real>(q_i: &[T], k: &[T], d: usize, mask: &[bool], scale: T, p: &mut [T]) -> T {
     let mut max = T::neg_infinity();
     for (j, &seen) in mask.iter().enumerate() {
         if seen {
@@ -92,25 +92,37 @@ fn attention_row_masked<T: Real>(q_i: &[T], k: &[T], d: usize, mask: &[bool], sc
     }
     let inv = T::one() / sum;
     p[..mask.len()].iter_mut().for_each(|pj| *pj *= inv);
+    max + sum.ln()
 }
 
 /// Probabilities of row `i` into `p`; returns how many leading keys to walk (every key in
-/// zigzag order, where `p` is zero for the hidden ones).
-fn row_probabilities<T: Real>(seen: &Visibility, i: usize, q_i: &[T], k: &[T], d: usize, scale: T, mask: &mut [bool], p: &mut [T]) -> usize {
+/// zigzag order, where `p` is zero for the hidden ones) and the row's log-sum-exp.
+fn row_probabilities<T: Real>(seen: &Visibility, i: usize, q_i: &[T], k: &[T], d: usize, scale: T, mask: &mut [bool], p: &mut [T]) -> (usize, T) {
     match seen.row(i, mask) {
-        Some(visible) => {
-            attention_row(q_i, k, d, visible, scale, p);
-            visible
-        }
-        None => {
-            attention_row_masked(q_i, k, d, mask, scale, p);
-            seen.keys
-        }
+        Some(visible) => (visible, attention_row(q_i, k, d, visible, scale, p)),
+        None => (seen.keys, attention_row_masked(q_i, k, d, mask, scale, p)),
     }
 }
 
-/// Softmax probabilities of query row `i` against every visible key, into `p`.
-pub(super) fn attention_row<T: Real>(q_i: &[T], k: &[T], d: usize, visible: usize, scale: T, p: &mut [T]) {
+/// Probabilities of row `i` into `p` from its saved log-sum-exp, `exp(score - lse)` (zero for
+/// the keys it does not see, and for every key where it sees none); returns how many leading
+/// keys to walk, as [`row_probabilities`].
+#[allow(clippy::too_many_arguments)]
+fn saved_probabilities<T: Real>(seen: &Visibility, i: usize, q_i: &[T], k: &[T], d: usize, scale: T, lse: T, mask: &mut [bool], p: &mut [T]) -> usize {
+    let (visible, prefix) = match seen.row(i, mask) {
+        Some(visible) => (visible, true),
+        None => (seen.keys, false),
+    };
+    for (j, pj) in p[..visible].iter_mut().enumerate() {
+        let sees = (prefix || mask[j]) && lse != T::neg_infinity();
+        *pj = if sees { (q_i.iter().zip(&k[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>() * scale - lse).exp() } else { T::zero() };
+    }
+    visible
+}
+
+/// Softmax probabilities of query row `i` against every visible key, into `p`; returns the
+/// log-sum-exp of the scaled scores.
+fn attention_row<T: Real>(q_i: &[T], k: &[T], d: usize, visible: usize, scale: T, p: &mut [T]) -> T {
     let mut max = T::neg_infinity();
     for j in 0..visible {
         let s = q_i.iter().zip(&k[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>() * scale;
@@ -124,6 +136,7 @@ pub(super) fn attention_row<T: Real>(q_i: &[T], k: &[T], d: usize, visible: usiz
     }
     let inv = T::one() / sum;
     p[..visible].iter_mut().for_each(|pj| *pj *= inv);
+    max + sum.ln()
 }
 
 /// Attention of `[b, hq, s, d]` queries, the first at position `offset`, against
@@ -136,13 +149,16 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
     let (q, k, v) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
-    outs[0].get::<T>()?.par_chunks_mut(s * d).enumerate().for_each(|(bh, out)| {
+    let (out_slot, lse_slot) = outs.split_at_mut(1);
+    let (out, lse) = (out_slot[0].get::<T>()?, lse_slot[0].get::<T>()?);
+    out.par_chunks_mut(s * d).zip(lse.par_chunks_mut(s)).enumerate().for_each(|(bh, (out, lse))| {
         let (b, h) = (bh / hq, bh % hq);
         let kv = (b * hk + h / group) * keys * d;
         let (k, v, q) = (&k[kv..kv + keys * d], &v[kv..kv + keys * d], &q[bh * s * d..(bh + 1) * s * d]);
         let (mut p, mut mask) = (vec![T::zero(); keys], vec![false; keys]);
         for i in 0..s {
-            let visible = row_probabilities(&seen, i, &q[i * d..(i + 1) * d], k, d, scale, &mut mask, &mut p);
+            let (visible, row_lse) = row_probabilities(&seen, i, &q[i * d..(i + 1) * d], k, d, scale, &mut mask, &mut p);
+            lse[i] = row_lse;
             let o = &mut out[i * d..(i + 1) * d];
             o.fill(T::zero());
             for j in 0..visible {
@@ -163,12 +179,13 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
     let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
-    let (q, k, v, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?);
+    let (q, k, v, out, lse, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?, ins[4].get::<T>()?, ins[5].get::<T>()?);
     let (dq_out, rest) = outs.split_at_mut(1);
     let (dk_out, dv_out) = rest.split_at_mut(1);
     let (dq, dk, dv) = (dq_out[0].get::<T>()?, dk_out[0].get::<T>()?, dv_out[0].get::<T>()?);
     // One task per (batch, kv head): it owns that head's dk/dv and its group's dq, and sums
-    // the group's contributions in head order.
+    // the group's contributions in head order. The probabilities come from the forward's
+    // log-sum-exp and rowsum(dp * p) is out . dout, as FlashAttention-2 computes them.
     dq.par_chunks_mut(group * s * d)
         .zip(dk.par_chunks_mut(keys * d).zip(dv.par_chunks_mut(keys * d)))
         .enumerate()
@@ -182,15 +199,15 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
             for gh in 0..group {
                 let h = g * group + gh;
                 let at = (b * hq + h) * s * d;
-                let (q, dout) = (&q[at..at + s * d], &dout[at..at + s * d]);
+                let (q, out, dout) = (&q[at..at + s * d], &out[at..at + s * d], &dout[at..at + s * d]);
+                let lse = &lse[(b * hq + h) * s..(b * hq + h + 1) * s];
                 let dq = &mut dq[gh * s * d..(gh + 1) * s * d];
                 for i in 0..s {
-                    let (q_i, do_i) = (&q[i * d..(i + 1) * d], &dout[i * d..(i + 1) * d]);
-                    let visible = row_probabilities(&seen, i, q_i, k, d, scale, &mut mask, &mut p);
-                    let mut rowdot = T::zero();
+                    let (q_i, o_i, do_i) = (&q[i * d..(i + 1) * d], &out[i * d..(i + 1) * d], &dout[i * d..(i + 1) * d]);
+                    let visible = saved_probabilities(&seen, i, q_i, k, d, scale, lse[i], &mut mask, &mut p);
+                    let rowdot = o_i.iter().zip(do_i).map(|(&a, &b)| a * b).sum::<T>();
                     for j in 0..visible {
                         dp[j] = do_i.iter().zip(&v[j * d..(j + 1) * d]).map(|(&a, &b)| a * b).sum::<T>();
-                        rowdot += p[j] * dp[j];
                     }
                     let dq_i = &mut dq[i * d..(i + 1) * d];
                     dq_i.fill(T::zero());
