@@ -49,8 +49,9 @@ fn losses(name: &str, dtype: &str, mesh: Mesh, zero: u8, microbatches: usize, st
 
 /// The training step shows mixed precision in its IR: every bf16 parameter has an fp32
 /// master copy and fp32 moments, its gradient is cast to fp32 before the update and the
-/// updated master cast back to bf16, and the loss is computed on fp32 logits. ZeRO shards the
-/// fp32 state over dp.
+/// updated master cast back to bf16, and the loss is computed in fp32 from the bf16 logits
+/// (no fp32 copy of them or of their gradient: the loss ops read bf16 and keep their loss and
+/// row statistics in fp32). ZeRO shards the fp32 state over dp.
 #[test]
 fn the_training_step_keeps_fp32_masters_and_moments() {
     for (mesh, zero) in [(Mesh::default(), 0u8), (Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, 1)] {
@@ -71,9 +72,20 @@ fn the_training_step_keeps_fp32_masters_and_moments() {
         }
         let casts: Vec<_> = step.ops.iter().filter(|op| op.name == "xf.cast").collect();
         let to = |dtype: DType| casts.iter().filter(|op| step.tensor(op.results[0]).unwrap().dtype == dtype).count();
-        // Per parameter: gradient up and master down; plus the logits up for the loss.
-        assert_eq!(to(DType::F32), params.len() + 1, "{mesh}");
-        assert_eq!(to(DType::Bf16), params.len() + 1, "{mesh}: the master weights down and the logits' gradient");
+        // Per parameter: gradient up and master down, and nothing else.
+        assert_eq!(to(DType::F32), params.len(), "{mesh}");
+        assert_eq!(to(DType::Bf16), params.len(), "{mesh}: the master weights down");
+        let reads_logits = |name: &str| matches!(name, "xf.cross_entropy" | "xf.cross_entropy_grad" | "xf.cross_entropy_stats" | "xf.cross_entropy_grad_shard" | "xf.row_max");
+        assert!(step.ops.iter().any(|op| reads_logits(&op.name)));
+        for op in step.ops.iter().filter(|op| reads_logits(&op.name)) {
+            assert_eq!(step.tensor(op.operands[0]).unwrap().dtype, DType::Bf16, "{}: {} reads the bf16 logits", op.loc, op.name);
+            for r in &op.results {
+                let t = step.tensor(*r).unwrap();
+                // The logits' gradient is bf16; the loss and the rows' statistics are fp32.
+                assert_eq!(t.dtype, if op.name.ends_with("grad") || op.name.ends_with("grad_shard") { DType::Bf16 } else { DType::F32 }, "{}: {}", op.loc, op.name);
+            }
+        }
+        assert_eq!(step.tensor(step.returns[0]).unwrap().dtype, DType::F32, "{mesh}: the loss");
         for update in step.ops.iter().filter(|op| op.name == "xf.adamw") {
             assert!(update.operands[..4].iter().all(|v| step.tensor(*v).unwrap().dtype == DType::F32), "{}: the update runs in fp32", update.loc);
         }

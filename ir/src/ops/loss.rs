@@ -7,6 +7,13 @@ use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
 
+/// The type of the loss and of a row's statistics: fp32 for bf16 or fp32 logits (the loss is
+/// computed in fp32 arithmetic from bf16 logits, as a fused cross-entropy does, with no fp32
+/// copy of the logits), f64 for f64 ones.
+fn statistics(logits: &TensorTy, shape: Vec<i64>) -> TensorTy {
+    TensorTy::new(shape, super::attention::stats_dtype(logits))
+}
+
 /// `loss = mean_t (logsumexp(logits[t, :]) - logits[t, targets[t]])` over every token
 /// position `t`; `logits [..., vocab]`, `targets [...]` (i32). The result is a scalar.
 #[derive(Debug)]
@@ -37,7 +44,11 @@ impl OpDef for CrossEntropy {
     fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         arity(inputs, 2)?;
         check_logits(inputs[0], inputs[1])?;
-        Ok(vec![TensorTy::scalar(inputs[0].dtype)])
+        Ok(vec![statistics(inputs[0], Vec::new())])
+    }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // loss
+        &[2]
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         // max, subtract, exp, sum per logit; an exp per logit and a log per row.
@@ -106,10 +117,14 @@ impl OpDef for CrossEntropyGrad {
     fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         arity(inputs, 3)?;
         check_logits(inputs[0], inputs[1])?;
-        if *inputs[2] != TensorTy::scalar(inputs[0].dtype) {
-            return Err(format!("dloss {} must be a scalar of the logits' type", inputs[2]));
+        if *inputs[2] != statistics(inputs[0], Vec::new()) {
+            return Err(format!("dloss {} must be a scalar of the loss's type ({})", inputs[2], statistics(inputs[0], Vec::new())));
         }
         Ok(vec![inputs[0].clone()])
+    }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // dloss
+        &[2]
     }
     fn special_per_element(&self) -> f64 {
         // The softmax recomputed: one exp per logit.
@@ -133,7 +148,7 @@ impl OpDef for CrossEntropyGrad {
 
 /// Checks `logits [..., v]` against per-token operands `[...]` of a vocab-parallel piece.
 fn per_token(what: &str, logits: &TensorTy, t: &TensorTy) -> Result<(), String> {
-    if t.shape[..] != logits.shape[..logits.rank() - 1] || t.dtype != logits.dtype {
+    if *t != statistics(logits, logits.shape[..logits.rank() - 1].to_vec()) {
         return Err(format!("{what} {t} must have the token dims of logits {logits}"));
     }
     Ok(())
@@ -163,10 +178,14 @@ impl OpDef for RowMax {
         arity(inputs, 1)?;
         float("x", inputs[0])?;
         rank_at_least("x", inputs[0], 1)?;
-        Ok(vec![TensorTy::new(inputs[0].shape[..inputs[0].rank() - 1].to_vec(), inputs[0].dtype)])
+        Ok(vec![statistics(inputs[0], inputs[0].shape[..inputs[0].rank() - 1].to_vec())])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         Cost { flops: inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs), special: 0.0 }
+    }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // max
+        &[1]
     }
 }
 
@@ -210,6 +229,10 @@ impl OpDef for CrossEntropyStats {
         // An exp per logit.
         Cost { flops: 3.0 * inputs[0].num_elements() as f64, bytes: io_bytes(inputs, outputs), special: inputs[0].num_elements() as f64 }
     }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // max, sumexp, target
+        &[2, 3, 4]
+    }
 }
 
 /// Piece 3: `loss = sum over tokens of (max + ln sumexp - target) / tokens` (the global
@@ -251,6 +274,10 @@ impl OpDef for CrossEntropyFinish {
     fn flops_per_element(&self) -> f64 {
         3.0
     }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // every operand and the loss
+        &[0, 1, 2, 3]
+    }
 }
 
 /// The gradient on this rank's vocab shard: `(exp(logits - max) / sumexp - onehot) * dloss /
@@ -286,7 +313,14 @@ impl OpDef for CrossEntropyGradShard {
         check_logits(inputs[0], inputs[1])?;
         per_token("max", inputs[0], inputs[3])?;
         per_token("sumexp", inputs[0], inputs[4])?;
+        if *inputs[2] != statistics(inputs[0], Vec::new()) {
+            return Err(format!("dloss {} must be a scalar of the loss's type ({})", inputs[2], statistics(inputs[0], Vec::new())));
+        }
         Ok(vec![inputs[0].clone()])
+    }
+    fn statistics_slots(&self) -> &'static [usize] {
+        // dloss, max, sumexp
+        &[2, 3, 4]
     }
     fn special_per_element(&self) -> f64 {
         // The softmax recomputed: one exp per logit.
@@ -331,28 +365,28 @@ extern "C" __global__ void cross_entropy_rows(acc_t* row_loss, const T* logits, 
   if (threadIdx.x == 0) { i64 t = targets[r]; row_loss[r] = (t >= 0 && t < n) ? mx + log(sum) - load(x[t]) : LOSS_NAN; }
 }
 // The mean over `tokens` of per-row values, summed in row order by one thread.
-extern "C" __global__ void cross_entropy_mean(T* loss, const acc_t* row_loss, i64 rows, i64 tokens) {
+extern "C" __global__ void cross_entropy_mean(acc_t* loss, const acc_t* row_loss, i64 rows, i64 tokens) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   double total = 0;
   for (i64 r = 0; r < rows; r++) total += (double)row_loss[r];
-  loss[0] = store((acc_t)(total / (double)tokens));
+  loss[0] = (acc_t)(total / (double)tokens);
 }
 // dlogits = softmax * dloss / tokens, minus that factor at the target. With `max_in` and
 // `sumexp_in` (vocab-parallel), the row statistics come from the whole vocabulary and this
 // rank's columns start at `first`.
-extern "C" __global__ void cross_entropy_grad(T* g, const T* logits, const int* targets, const T* dloss, const T* max_in, const T* sumexp_in, i64 rows, i64 v, i64 tokens, i64 first, i64 classes) {
+extern "C" __global__ void cross_entropy_grad(T* g, const T* logits, const int* targets, const acc_t* dloss, const acc_t* max_in, const acc_t* sumexp_in, i64 rows, i64 v, i64 tokens, i64 first, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
   const T* x = logits + r * v;
   i64 n = real_classes(classes, first, v);
   acc_t mx, sum;
-  if (max_in) { mx = load(max_in[r]); sum = load(sumexp_in[r]); }
+  if (max_in) { mx = max_in[r]; sum = sumexp_in[r]; }
   else row_softmax_stats(x, n, &mx, &sum);
-  acc_t factor = load(dloss[0]) / (acc_t)tokens;
+  acc_t factor = dloss[0] / (acc_t)tokens;
   i64 t = (i64)targets[r] - first;
   for (i64 j = threadIdx.x; j < v; j += blockDim.x) g[r * v + j] = store(j < n ? exp(load(x[j]) - mx) / sum * factor - (j == t ? factor : (acc_t)0) : (acc_t)0);
 }
-extern "C" __global__ void row_max(T* out, const T* x, i64 rows, i64 v, i64 first, i64 classes) {
+extern "C" __global__ void row_max(acc_t* out, const T* x, i64 rows, i64 v, i64 first, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
   i64 n = real_classes(classes, first, v);
@@ -361,29 +395,29 @@ extern "C" __global__ void row_max(T* out, const T* x, i64 rows, i64 v, i64 firs
   mx = block_max(mx);
   // A shard of padding only: the lowest finite float, below every real maximum, not -inf.
   if (n <= 0) mx = (acc_t)(-3.402823466e38f);
-  if (threadIdx.x == 0) out[r] = store(mx);
+  if (threadIdx.x == 0) out[r] = mx;
 }
 // This rank's share of the row statistics: sum of exp(x - max) and the target's logit (0 if
 // another rank holds it).
-extern "C" __global__ void cross_entropy_stats(T* sumexp, T* target, const T* logits, const int* targets, const T* max_in, i64 rows, i64 v, i64 first, i64 classes) {
+extern "C" __global__ void cross_entropy_stats(acc_t* sumexp, acc_t* target, const T* logits, const int* targets, const acc_t* max_in, i64 rows, i64 v, i64 first, i64 classes) {
   i64 r = ROW_INDEX;
   if (r >= rows) return;
   const T* x = logits + r * v;
   i64 n = real_classes(classes, first, v);
-  acc_t mx = load(max_in[r]), sum = 0;
+  acc_t mx = max_in[r], sum = 0;
   for (i64 j = threadIdx.x; j < n; j += blockDim.x) sum += exp(load(x[j]) - mx);
   sum = block_sum(sum);
   if (threadIdx.x == 0) {
     i64 t = (i64)targets[r] - first;
-    sumexp[r] = store(sum);
-    target[r] = (t >= 0 && t < v) ? x[t] : store((acc_t)0);
+    sumexp[r] = sum;
+    target[r] = (t >= 0 && t < v) ? load(x[t]) : (acc_t)0;
   }
 }
-extern "C" __global__ void cross_entropy_finish(T* loss, const T* mx, const T* sumexp, const T* target, i64 rows, i64 tokens) {
+extern "C" __global__ void cross_entropy_finish(acc_t* loss, const acc_t* mx, const acc_t* sumexp, const acc_t* target, i64 rows, i64 tokens) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   double total = 0;
-  for (i64 r = 0; r < rows; r++) total += (double)(load(mx[r]) + log(load(sumexp[r])) - load(target[r]));
-  loss[0] = store((acc_t)(total / (double)tokens));
+  for (i64 r = 0; r < rows; r++) total += (double)(mx[r] + log(sumexp[r]) - target[r]);
+  loss[0] = (acc_t)(total / (double)tokens);
 }
 "#;
 

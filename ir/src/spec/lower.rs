@@ -151,9 +151,11 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         return Ok(cx.fb.finish(&[logits], &["logits".to_string()]));
     };
     let targets = zigzag(&mut cx.fb, targets, 1, false, "loss.targets.zigzag")?;
-    // Mixed precision computes the loss in fp32, as Megatron-LM does: bf16 logits are cast
-    // up first (and their gradient cast back down by the cast's VJP).
-    let logits = if dtype == DType::Bf16 { cx.fb.op("xf.cast", &[logits], crate::ops::cast::cast_attrs(DType::F32), "lm_head.to_f32")? } else { logits };
+    // Mixed precision computes the loss in fp32, as Megatron-LM does, from the bf16 logits
+    // themselves: the loss kernels read bf16 and compute and return fp32 (the loss, its
+    // per-token statistics), and the logits' gradient is bf16. A cast to fp32 first gives the
+    // same numbers (bf16 widens exactly) at the cost of an fp32 copy of the logits and of
+    // their gradient, each vocabulary-wide.
     let classes = if padded { attrs(&[("xf.classes", AttrValue::Int(m.vocab as i64))]) } else { Attrs::new() };
     let mut loss = cx.fb.op("xf.cross_entropy", &[logits, targets], classes, "loss")?;
     // The load-balancing losses (one per layer and sequence) join the loss as their mean

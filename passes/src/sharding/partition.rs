@@ -233,7 +233,9 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
     }
     let tokens: i64 = logits.shape[..logits.rank() - 1].iter().product();
     let local_logits = p.fb.tensor(operands[0]).ok_or("non-tensor logits")?.clone();
-    let per_token = Type::Tensor(TensorTy::new(local_logits.shape[..local_logits.rank() - 1].to_vec(), local_logits.dtype));
+    // Per-token statistics and the loss in the loss's type (fp32 for bf16 logits).
+    let statistics = shardc_ir::ops::lookup("xf.cross_entropy").ok_or("no xf.cross_entropy")?.infer(&[&local_logits, &TensorTy::new(local_logits.shape[..local_logits.rank() - 1].to_vec(), shardc_ir::DType::I32)], &Attrs::new())?[0].dtype;
+    let per_token = Type::Tensor(TensorTy::new(local_logits.shape[..local_logits.rank() - 1].to_vec(), statistics));
     let per_token_ty = per_token.as_tensor().cloned().ok_or("per-token type")?;
     let split = AttrValue::axes(&axes);
     let reduce = |p: &mut Partitioner<'_>, v: Value, kind: Reduction, what: &str| {
@@ -257,7 +259,7 @@ fn vocab_parallel_loss(p: &mut Partitioner<'_>, func: &Func, op: &shardc_ir::Op,
     let sumexp = reduce(p, stats[0], Reduction::Sum, "sumexp");
     let result = if op.name == "xf.cross_entropy" {
         let target = reduce(p, stats[1], Reduction::Sum, "target_logit");
-        let scalar = Type::Tensor(TensorTy::scalar(local_logits.dtype));
+        let scalar = Type::Tensor(TensorTy::scalar(statistics));
         p.fb.op_typed("xf.cross_entropy_finish", &[max, sumexp, target], Attrs::new().with("xf.tokens", AttrValue::Int(tokens)), vec![scalar], &op.loc)[0]
     } else {
         let attrs = with_classes(Attrs::new().with("xf.tokens", AttrValue::Int(tokens)).with("xf.vocab_split_axes", split.clone()));
