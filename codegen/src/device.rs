@@ -133,11 +133,14 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
         kernels.iter().enumerate().filter(|(i, k)| matches!(k, Some(DeviceKernel::Elementwise { .. })) && !taken.contains(i)).map(|(i, _)| (i, vec![i])).collect()
     };
     let batches = if options.elementwise_fusion { multi_tensor_batches(program, &groups) } else { HashMap::new() };
+    let norms = if options.elementwise_fusion { norm_batches(program, &kernels, dtype) } else { HashMap::new() };
 
     let mut sources: Vec<&'static str> = Vec::new();
     // Sources instantiated for fp32 buffers in a bf16 module (mixed precision).
     let mut f32_sources: Vec<&'static str> = Vec::new();
     let mut generated = String::new();
+    // Generated kernels of fp32 instructions in a bf16 module (inside the fp32 scope).
+    let mut generated_f32 = String::new();
     let mut calls: Vec<Vec<DeviceCall>> = vec![Vec::new(); program.instrs.len()];
     let mut workspace = 0usize;
     let mut index = 0;
@@ -163,6 +166,22 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
                 calls[member] = vec![DeviceCall::Fused { into: index }];
             }
             index = all.last().copied().unwrap_or(index) + 1;
+            continue;
+        }
+        if let Some(batch) = norms.get(&index) {
+            let fp32 = instance_dtype(program, index, dtype).map_err(|e| fail(index, e))? != dtype;
+            let (source, text, launches, blocks) = fuse_norms(program, batch, &kernels).map_err(|e| fail(index, e))?;
+            let list = if fp32 { &mut f32_sources } else { &mut sources };
+            if !list.contains(&source) {
+                list.push(source);
+            }
+            workspace = workspace.max(blocks * acc);
+            if fp32 { &mut generated_f32 } else { &mut generated }.push_str(&text);
+            calls[index] = launches;
+            for &member in &batch[1..] {
+                calls[member] = vec![DeviceCall::Fused { into: index }];
+            }
+            index = batch.last().copied().unwrap_or(index) + 1;
             continue;
         }
         if let Some(group) = groups.get(&index) {
@@ -238,6 +257,7 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
         for text in f32_sources {
             source.push_str(&suffix_kernels(text, shardc_ir::kernel::F32_SUFFIX));
         }
+        source.push_str(&generated_f32);
         source.push_str(shardc_ir::kernel::F32_SCOPE_CLOSE);
     }
     source.push_str(&generated);
@@ -457,33 +477,98 @@ fn multi_tensor_batches(program: &Program, groups: &HashMap<usize, Vec<usize>>) 
         (ins, outs)
     };
     let apart = |a: &[BufferId], b: &[BufferId]| a.iter().all(|&x| b.iter().all(|&y| x != y && program.alias(x, y) == Alias::None));
+    runs(firsts, |current, first| {
+        let previous = &groups[current.last().unwrap_or(&first)];
+        let (ins, outs) = buffers_of(&groups[&first]);
+        previous.last().copied() == Some(first - 1)
+            && !section_starts.contains(&first)
+            && current.len() < MAX_MULTI_TENSOR
+            && current.iter().all(|m| {
+                let (m_ins, m_outs) = buffers_of(&groups[m]);
+                apart(&outs, &m_ins) && apart(&outs, &m_outs) && apart(&m_outs, &ins)
+            })
+    })
+}
+
+/// Runs of `candidates`, in order, each growing while `joins(run, next)` holds, keyed by
+/// their first: those of two or more.
+fn runs(candidates: impl IntoIterator<Item = usize>, mut joins: impl FnMut(&[usize], usize) -> bool) -> HashMap<usize, Vec<usize>> {
     let mut batches: HashMap<usize, Vec<usize>> = HashMap::new();
     let mut current: Vec<usize> = Vec::new();
-    let mut close = |current: &mut Vec<usize>| {
-        if current.len() >= 2 {
-            batches.insert(current[0], current.clone());
+    for next in candidates {
+        if !current.is_empty() && !joins(&current, next) {
+            if current.len() >= 2 {
+                batches.insert(current[0], std::mem::take(&mut current));
+            }
+            current.clear();
         }
-        current.clear();
-    };
-    for &first in &firsts {
-        let joins = current.last().is_some_and(|last| {
-            let previous = &groups[last];
-            let (ins, outs) = buffers_of(&groups[&first]);
-            previous.last().copied() == Some(first - 1)
-                && !section_starts.contains(&first)
-                && current.len() < MAX_MULTI_TENSOR
-                && current.iter().all(|m| {
-                    let (m_ins, m_outs) = buffers_of(&groups[m]);
-                    apart(&outs, &m_ins) && apart(&outs, &m_outs) && apart(&m_outs, &ins)
-                })
-        });
-        if !joins {
-            close(&mut current);
-        }
-        current.push(first);
+        current.push(next);
     }
-    close(&mut current);
+    if current.len() >= 2 {
+        batches.insert(current[0], current);
+    }
     batches
+}
+
+/// Most gradients in one multi-tensor norm (two pointers each in the kernels' parameters).
+const MAX_NORM_MEMBERS: usize = 64;
+
+/// Runs of consecutive `xf.sum_squares` (each gradient's share of the global norm that
+/// clipping takes) that two launches compute for all of them, keyed by the first: at most
+/// [`MAX_NORM_MEMBERS`], within one pipeline section, of one kernel instance type. A step's
+/// shares follow one another (the optimizer emits them together), so the norm is two
+/// launches where it was two per parameter. Each member reads a gradient made before the
+/// run and writes a fresh scalar read after it, so computing them all at the first is the
+/// same as one after another.
+fn norm_batches(program: &Program, kernels: &[Option<DeviceKernel>], module: DType) -> HashMap<usize, Vec<usize>> {
+    let section_starts: HashSet<usize> = program.pipeline.iter().flat_map(|p| &p.chunks).flat_map(|c| c.sections.iter().flat_map(|&(start, end)| [start, end])).collect();
+    let is_share = |i: usize| program.instrs[i].op == "xf.sum_squares" && matches!(&kernels[i], Some(DeviceKernel::Launches(l)) if l.len() == 2);
+    // Consecutive: an instruction between two shares ends the run.
+    runs((0..program.instrs.len()).filter(|&i| is_share(i)), |current, i| {
+        current.last().is_some_and(|&last| last + 1 == i) && !section_starts.contains(&i) && current.len() < MAX_NORM_MEMBERS && instance_dtype(program, i, module).ok() == instance_dtype(program, current[0], module).ok()
+    })
+}
+
+/// A multi-tensor norm (see [`norm_batches`]): one launch in which each member's blocks (as
+/// many as its own launch would have) sum their shares of its gradient into its range of the
+/// workspace, then one in which block `k` adds member `k`'s partials in order: the same sums
+/// as each member's own two launches. Returns the source its kernels call, their CUDA C, the
+/// launches and the workspace's length (in accumulators).
+fn fuse_norms(program: &Program, members: &[usize], kernels: &[Option<DeviceKernel>]) -> Result<(&'static str, String, Vec<DeviceCall>, usize), String> {
+    let first = members[0];
+    let (mut parts, mut totals, mut xs, mut ys) = (String::new(), String::new(), Vec::new(), Vec::new());
+    let (mut part_args, mut total_args) = (vec![KernelArg::Workspace], vec![KernelArg::Workspace]);
+    let mut offset = 0usize;
+    let mut source = "";
+    for (k, &i) in members.iter().enumerate() {
+        let Some(DeviceKernel::Launches(launches)) = &kernels[i] else { return Err("a gradient norm share without its launches".into()) };
+        source = launches[0].source;
+        let blocks = launches[0].grid[0] as usize;
+        let instr = &program.instrs[i];
+        let n = program.buffers[instr.inputs[0]].len();
+        let _ = writeln!(parts, "  {}if (b < {}) sum_squares_part(partial + {offset}, x{k}, {n}LL, b - {offset}, {blocks});", if k == 0 { "" } else { "else " }, offset + blocks);
+        let _ = writeln!(totals, "    case {k}: sum_squares_total(y{k}, partial + {offset}, {blocks}); break;");
+        xs.push(format!("const T* x{k}"));
+        ys.push(format!("T* y{k}"));
+        part_args.push(KernelArg::Buffer(instr.inputs[0]));
+        total_args.push(KernelArg::Buffer(instr.outputs[0]));
+        offset += blocks;
+    }
+    let (part, total) = (format!("sum_squares_multi_{first}"), format!("sum_squares_multi_total_{first}"));
+    let locs: Vec<&str> = members.iter().map(|&i| program.instrs[i].loc.as_str()).collect();
+    let text = format!(
+        "// multi-tensor norm: {} gradients ({})\nextern \"C\" __global__ void {part}(acc_t* partial, {}) {{\n  i64 b = blockIdx.x;\n{parts}}}\nextern \"C\" __global__ void {total}(const acc_t* partial, {}) {{\n  switch (blockIdx.x) {{\n{totals}  }}\n}}\n",
+        members.len(),
+        locs.join(", "),
+        xs.join(", "),
+        ys.join(", ")
+    );
+    let block = shardc_ir::kernel::ROW_BLOCK;
+    let launches = vec![
+        DeviceCall::Launch { kernel: part, grid: [offset as u32, 1, 1], block, shared_bytes: 0, args: part_args },
+        DeviceCall::Launch { kernel: total, grid: [members.len() as u32, 1, 1], block, shared_bytes: 0, args: total_args },
+    ];
+    Ok((source, text, launches, offset))
 }
 
 /// A fused element-wise kernel: its name, CUDA C, arguments and element count.

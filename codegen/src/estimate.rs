@@ -207,9 +207,11 @@ fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster)
             let bf16 = inputs.first().is_some_and(|t| t.dtype == DType::Bf16);
             Priced::Compute("gemm", cluster.kernel_time(&def.kernel_class(&refs, &attrs), &cost, bf16))
         }
-        Some([DeviceCall::Launch { args, .. }]) if fusion.members.contains_key(&index) => {
-            // One pass over memory: every buffer the kernel takes is read from memory, or
-            // written, or both; the values between its instructions never leave the chip.
+        Some(launches) if fusion.members.contains_key(&index) && !launches.is_empty() && launches.iter().all(|c| matches!(c, DeviceCall::Launch { .. })) => {
+            // One pass over memory: every buffer the kernels take is read from memory, or
+            // written, or both; the values between their instructions never leave the chip
+            // (a multi-tensor norm's partial sums, in the workspace, are a few per block).
+            let args: Vec<&KernelArg> = launches.iter().flat_map(|c| if let DeviceCall::Launch { args, .. } = c { args.as_slice() } else { &[] }).collect();
             let mut group: Vec<usize> = members.to_vec();
             group.push(index);
             group.sort_unstable();
@@ -231,6 +233,8 @@ fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster)
                     cost.bytes += passes as f64 * buffer.len().saturating_mul(buffer.dtype.bytes()) as f64;
                 }
             }
+            // One launch, as every instruction's kernels are priced (a multi-tensor norm's two
+            // stand for a share's two).
             Priced::Compute(class_of(instr), cluster.kernel_time(&KernelClass::Memory, &cost, false))
         }
         _ => price(program, instr, cluster),

@@ -102,6 +102,21 @@ fn every_op_of_the_training_steps_has_a_device_form() {
     }
 }
 
+/// A partitioned step's gradient-norm shares follow one another (`group-norm-sums`), so the
+/// device computes the whole norm in two launches (each member's blocks, then each member's
+/// total), where it took two per parameter; the emulated-device training tests check the sums.
+#[test]
+fn the_gradient_norm_is_two_launches() {
+    let program = train_step("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, false);
+    let plan = device_plan(&program).unwrap();
+    let shares: Vec<usize> = program.instrs.iter().enumerate().filter(|(_, i)| i.op == "xf.sum_squares").map(|(k, _)| k).collect();
+    assert!(shares.len() > 30, "{}", shares.len());
+    let launches: Vec<&str> = shares.iter().flat_map(|&k| &plan.calls[k]).filter_map(|c| if let DeviceCall::Launch { kernel, .. } = c { Some(kernel.as_str()) } else { None }).collect();
+    assert_eq!(launches.len(), 2, "{launches:?}");
+    assert!(launches[0].starts_with("sum_squares_multi_") && launches[1].starts_with("sum_squares_multi_total_"), "{launches:?}");
+    assert!(shares[1..].iter().all(|&k| matches!(plan.calls[k].as_slice(), [DeviceCall::Fused { into }] if *into == shares[0])));
+}
+
 /// The MLP's up projection ends in bias and GELU (storing the pre-activation the backward
 /// reads), every other biased projection in its bias, and the backward's data gradient
 /// through GELU in GELU's gradient: cuBLASLt's epilogues, with nothing left for the

@@ -81,7 +81,7 @@ fn fused_and_fallback_epilogues_equal_the_cpu() {
         let kernels = vec![shardc_runtime::program::GEMM_EPILOGUE_KERNEL.to_string()];
         let mut emulated = Emulated::new(&plan.source, &kernels).unwrap();
         let bytes = dtype.bytes();
-        let mut upload = |values: &[f64], emulated: &mut Emulated| {
+        let upload = |values: &[f64], emulated: &mut Emulated| {
             let ptr = emulated.alloc(values.len() * bytes).unwrap();
             let raw: Vec<u8> = values.iter().flat_map(|&v| if dtype == DType::Bf16 { shardc_runtime::cuda::bf16_bits(v as f32).to_le_bytes().to_vec() } else { (v as f32).to_le_bytes().to_vec() }).collect();
             emulated.upload(ptr, &raw).unwrap();

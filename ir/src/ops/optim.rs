@@ -344,16 +344,22 @@ impl OpDef for ClipCoef {
 }
 
 /// CUDA C of [`SumSquares`].
-const SUM_SQUARES_CUDA: &str = r#"extern "C" __global__ void sum_squares_blocks(acc_t* partial, const T* x, i64 n) {
+const SUM_SQUARES_CUDA: &str = r#"// Block `block` of `blocks` sums the squares of its grid-stride share of x into
+// partial[block]; then one block adds a gradient's partials in order. The same partials
+// whichever launch runs them: alone, or in a multi-tensor norm with other gradients (codegen
+// gives each member its own range of blocks), so the norm repeats from run to run either way.
+__device__ __forceinline__ void sum_squares_part(acc_t* partial, const T* x, i64 n, i64 block, i64 blocks) {
   acc_t acc = 0;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) { acc_t v = load(x[i]); acc += v * v; }
+  for (i64 i = block * blockDim.x + threadIdx.x; i < n; i += blocks * blockDim.x) { acc_t v = load(x[i]); acc += v * v; }
   acc = block_sum(acc);
-  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+  if (threadIdx.x == 0) partial[block] = acc;
 }
-extern "C" __global__ void sum_squares_finish(T* y, const acc_t* partial, i64 blocks) {
+__device__ __forceinline__ void sum_squares_total(T* y, const acc_t* partial, i64 blocks) {
   acc_t acc = 0;
   for (i64 i = threadIdx.x; i < blocks; i += blockDim.x) acc += partial[i];
   acc = block_sum(acc);
   if (threadIdx.x == 0) y[0] = store(acc);
 }
+extern "C" __global__ void sum_squares_blocks(acc_t* partial, const T* x, i64 n) { sum_squares_part(partial, x, n, blockIdx.x, gridDim.x); }
+extern "C" __global__ void sum_squares_finish(T* y, const acc_t* partial, i64 blocks) { sum_squares_total(y, partial, blocks); }
 "#;

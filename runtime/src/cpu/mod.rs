@@ -8,6 +8,7 @@
 mod comm;
 mod gemm;
 mod kernels;
+#[cfg(feature = "cuda")]
 pub(crate) use kernels::{gelu, gelu_derivative};
 mod numerics;
 mod storage;

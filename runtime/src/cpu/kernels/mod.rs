@@ -32,6 +32,7 @@ mod attention;
 mod cast;
 mod elementwise;
 // The emulated device's GEMM epilogues apply the CPU kernels' GELU.
+#[cfg(feature = "cuda")]
 pub(crate) use elementwise::{gelu, gelu_derivative};
 mod embedding;
 mod heads;
