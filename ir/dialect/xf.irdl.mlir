@@ -79,29 +79,14 @@ irdl.dialect @xf {
     irdl.operands(x: %T, gamma: %P)
     irdl.results(y: %T)
   }
-  // xf.rope: rotary position embedding (rotate-half) on [batch, heads, seq, head_dim]
+  // xf.rope: rotary position embedding (rotate-half) on each head of [batch, seq, heads * head_dim]
   irdl.operation @rope {
     %T = irdl.base "!builtin.tensor"
     %theta = irdl.base "#builtin.float"
-    irdl.attributes {"theta" = %theta}
+    %head_dim = irdl.base "#builtin.integer"
+    irdl.attributes {"theta" = %theta, "head_dim" = %head_dim}
     irdl.operands(x: %T)
     irdl.results(y: %T)
-  }
-  // xf.split_heads: [b, s, n*d] -> [b, n, s, d] (reshape, then transpose 0,2,1,3)
-  irdl.operation @split_heads {
-    %T = irdl.base "!builtin.tensor"
-    %U = irdl.base "!builtin.tensor"
-    %heads = irdl.base "#builtin.integer"
-    irdl.attributes {"heads" = %heads}
-    irdl.operands(x: %T)
-    irdl.results(y: %U)
-  }
-  // xf.merge_heads: [b, n, s, d] -> [b, s, n*d] (transpose 0,2,1,3, then reshape)
-  irdl.operation @merge_heads {
-    %T = irdl.base "!builtin.tensor"
-    %U = irdl.base "!builtin.tensor"
-    irdl.operands(x: %T)
-    irdl.results(y: %U)
   }
   // xf.slice: contiguous slice x[start:start+size] along one axis
   irdl.operation @slice {
@@ -114,12 +99,13 @@ irdl.dialect @xf {
     irdl.operands(x: %T)
     irdl.results(y: %U)
   }
-  // xf.repeat_heads: [b, h, s, d] -> [b, h*times, s, d], head j reads head j / times
+  // xf.repeat_heads: [b, s, h*d] -> [b, s, h*times*d], head j reads head j / times
   irdl.operation @repeat_heads {
     %T = irdl.base "!builtin.tensor"
     %U = irdl.base "!builtin.tensor"
     %times = irdl.base "#builtin.integer"
-    irdl.attributes {"times" = %times}
+    %head_dim = irdl.base "#builtin.integer"
+    irdl.attributes {"times" = %times, "head_dim" = %head_dim}
     irdl.operands(x: %T)
     irdl.results(y: %U)
   }
@@ -133,12 +119,13 @@ irdl.dialect @xf {
     irdl.operands(x: %T)
     irdl.results(y: %T)
   }
-  // xf.sum_heads: [b, h*times, s, d] -> [b, h, s, d], summing each group of times heads
+  // xf.sum_heads: [b, s, h*times*d] -> [b, s, h*d], summing each group of times heads
   irdl.operation @sum_heads {
     %T = irdl.base "!builtin.tensor"
     %U = irdl.base "!builtin.tensor"
     %times = irdl.base "#builtin.integer"
-    irdl.attributes {"times" = %times}
+    %head_dim = irdl.base "#builtin.integer"
+    irdl.attributes {"times" = %times, "head_dim" = %head_dim}
     irdl.operands(x: %T)
     irdl.results(y: %U)
   }
@@ -149,7 +136,8 @@ irdl.dialect @xf {
     %S = irdl.base "!builtin.tensor"
     %causal = irdl.base "#builtin.integer"
     %scale = irdl.base "#builtin.float"
-    irdl.attributes {"causal" = %causal, "scale" = %scale}
+    %head_dim = irdl.base "#builtin.integer"
+    irdl.attributes {"causal" = %causal, "scale" = %scale, "head_dim" = %head_dim}
     irdl.operands(q: %Q, k: %K, v: %K)
     irdl.results(out: %Q, lse: %S)
   }
@@ -160,8 +148,9 @@ irdl.dialect @xf {
     %S = irdl.base "!builtin.tensor"
     %causal = irdl.base "#builtin.integer"
     %scale = irdl.base "#builtin.float"
+    %head_dim = irdl.base "#builtin.integer"
     %xf.ring_step = irdl.base "#builtin.integer"
-    irdl.attributes {"causal" = %causal, "scale" = %scale, "xf.ring_step" = %xf.ring_step}
+    irdl.attributes {"causal" = %causal, "scale" = %scale, "head_dim" = %head_dim, "xf.ring_step" = %xf.ring_step}
     irdl.operands(q: %Q, k: %K, v: %K)
     irdl.results(out: %Q, lse: %S)
   }
@@ -179,8 +168,9 @@ irdl.dialect @xf {
     %S = irdl.base "!builtin.tensor"
     %causal = irdl.base "#builtin.integer"
     %scale = irdl.base "#builtin.float"
+    %head_dim = irdl.base "#builtin.integer"
     %xf.ring_step = irdl.base "#builtin.integer"
-    irdl.attributes {"causal" = %causal, "scale" = %scale, "xf.ring_step" = %xf.ring_step}
+    irdl.attributes {"causal" = %causal, "scale" = %scale, "head_dim" = %head_dim, "xf.ring_step" = %xf.ring_step}
     irdl.operands(q: %Q, k: %K, v: %K, out: %Q, lse: %S, dout: %Q)
     irdl.results(dq: %Q, dk: %K, dv: %K)
   }
@@ -345,7 +335,8 @@ irdl.dialect @xf {
   irdl.operation @rope_grad {
     %T = irdl.base "!builtin.tensor"
     %theta = irdl.base "#builtin.float"
-    irdl.attributes {"theta" = %theta}
+    %head_dim = irdl.base "#builtin.integer"
+    irdl.attributes {"theta" = %theta, "head_dim" = %head_dim}
     irdl.operands(dy: %T)
     irdl.results(dx: %T)
   }
@@ -356,7 +347,8 @@ irdl.dialect @xf {
     %S = irdl.base "!builtin.tensor"
     %causal = irdl.base "#builtin.integer"
     %scale = irdl.base "#builtin.float"
-    irdl.attributes {"causal" = %causal, "scale" = %scale}
+    %head_dim = irdl.base "#builtin.integer"
+    irdl.attributes {"causal" = %causal, "scale" = %scale, "head_dim" = %head_dim}
     irdl.operands(q: %Q, k: %K, v: %K, out: %Q, lse: %S, dout: %Q)
     irdl.results(dq: %Q, dk: %K, dv: %K)
   }

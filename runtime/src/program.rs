@@ -16,8 +16,10 @@ use serde::{Deserialize, Serialize};
 /// refuses with a message about bucket regions instead of its version. 4: attention keeps
 /// its rows' log-sum-exp (`xf.attention` has two results, `xf.attention_grad` six operands)
 /// and a vocab-split table's gradient holds its rank's rows (`xf.embedding_grad` with
-/// `xf.row_split_axes`), which a reader of version 3 would run wrongly.
-pub const FORMAT_VERSION: u32 = 4;
+/// `xf.row_split_axes`), which a reader of version 3 would run wrongly. 5: heads stay side by
+/// side in the features (`xf.attention`, `xf.rope` and the head repeats read `[b, s, h * d]`
+/// by their `head_dim`; `xf.split_heads` and `xf.merge_heads` are gone).
+pub const FORMAT_VERSION: u32 = 5;
 
 /// Most elements one buffer may have: what a spec allows one tensor (2^48, see
 /// `shardc_ir::spec::MAX_TENSOR_ELEMENTS`), so that a buffer's bytes and the memory plan's

@@ -313,14 +313,14 @@ fn every_op_has_a_cpu_kernel_and_every_cpu_kernel_an_op() {
     assert!(strays.is_empty(), "CPU kernels of no op: {strays:?}");
 }
 
-/// The device program of `xf.attention` and `xf.attention_grad` on `q [b, hq, s, d]` and
-/// `k, v [b, hk, s, d]`, with `dout`, returning `out`, `lse`, `dq`, `dk` and `dv`.
+/// The device program of `xf.attention` and `xf.attention_grad` on `q [b, s, hq * d]` and
+/// `k, v [b, s, hk * d]`, with `dout`, returning `out`, `lse`, `dq`, `dk` and `dv`.
 fn attention_program(dtype: shardc_ir::types::DType, s: i64, causal: bool, (b, hq, hk, d): (i64, i64, i64, i64)) -> Program {
     use shardc_ir::attrs::{AttrValue, Attrs};
     use shardc_ir::graph::{ArgRole, FuncBuilder};
     use shardc_ir::types::TensorTy;
-    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (d as f64).sqrt()));
-    let (qt, kt) = (TensorTy::new(vec![b, hq, s, d], dtype), TensorTy::new(vec![b, hk, s, d], dtype));
+    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (d as f64).sqrt())).with("head_dim", AttrValue::Int(d));
+    let (qt, kt) = (TensorTy::new(vec![b, s, hq * d], dtype), TensorTy::new(vec![b, s, hk * d], dtype));
     let mut fb = FuncBuilder::new("attention");
     let args: Vec<_> = [("q", &qt), ("k", &kt), ("v", &kt), ("dout", &qt)].iter().map(|(n, t)| fb.arg(n, (*t).clone(), ArgRole::Input)).collect();
     let out = fb.op_multi("xf.attention", &args[..3], attrs.clone(), "fwd").unwrap();
@@ -328,6 +328,48 @@ fn attention_program(dtype: shardc_ir::types::DType, s: i64, causal: bool, (b, h
     let results = [out[0], out[1], grads[0], grads[1], grads[2]];
     let func = fb.finish(&results, &["out".to_string(), "lse".to_string(), "dq".to_string(), "dk".to_string(), "dv".to_string()]);
     shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap()
+}
+
+/// Heads side by side in the features are independent attentions: on the CPU backend (the
+/// oracle the device is checked against), attention over `q [b, s, 4 heads x 3]` against two
+/// kv heads, forward and backward, equals attention over each query head's columns alone
+/// against its kv head's columns, head by head, element for element. An independent check
+/// of the `[b, s, h * d]` layout that the CPU and device kernels share.
+#[test]
+fn heads_side_by_side_are_independent_attentions() {
+    use shardc_ir::types::DType;
+    let (b, s, hq, hk, d) = (2usize, 5usize, 4usize, 2usize, 3usize);
+    let input = |i: u64, len: usize| -> Vec<f64> { (0..len).map(|j| 2.0 * (shardc_runtime::init::uniform(i + 31, j as u64) - 0.5)).collect() };
+    let (q, k, v, dout) = (input(0, b * s * hq * d), input(1, b * s * hk * d), input(2, b * s * hk * d), input(3, b * s * hq * d));
+    let run = |heads: (i64, i64), inputs: [&[f64]; 4]| -> Vec<Vec<f64>> {
+        let mut cpu = shardc_runtime::cpu::CpuExecutor::new(attention_program(DType::F64, s as i64, true, (b as i64, heads.0, heads.1, d as i64))).unwrap();
+        for (name, values) in ["q", "k", "v", "dout"].into_iter().zip(inputs) {
+            cpu.write_f64(name, values).unwrap();
+        }
+        cpu.run().unwrap();
+        ["out", "lse", "dq", "dk", "dv"].iter().map(|name| cpu.read_f64(name).unwrap()).collect()
+    };
+    let all = run((hq as i64, hk as i64), [&q, &k, &v, &dout]);
+    // Columns of head `h` of a [b, s, heads * d] tensor.
+    let columns = |x: &[f64], heads: usize, h: usize| -> Vec<f64> { x.chunks(heads * d).flat_map(|row| row[h * d..(h + 1) * d].to_vec()).collect() };
+    let (mut dk_sum, mut dv_sum) = (vec![vec![0.0; b * s * d]; hk], vec![vec![0.0; b * s * d]; hk]);
+    for h in 0..hq {
+        let g = h / (hq / hk);
+        let one = run((1, 1), [&columns(&q, hq, h), &columns(&k, hk, g), &columns(&v, hk, g), &columns(&dout, hq, h)]);
+        assert_eq!(columns(&all[0], hq, h), one[0], "out of head {h}");
+        let lse: Vec<f64> = (0..b).flat_map(|bi| all[1][(bi * hq + h) * s..(bi * hq + h + 1) * s].to_vec()).collect();
+        assert_eq!(lse, one[1], "lse of head {h}");
+        assert_eq!(columns(&all[2], hq, h), one[2], "dq of head {h}");
+        dk_sum[g].iter_mut().zip(&one[3]).for_each(|(a, x)| *a += x);
+        dv_sum[g].iter_mut().zip(&one[4]).for_each(|(a, x)| *a += x);
+    }
+    // A kv head's gradients sum over its query heads (in head order, as the kernel sums).
+    for g in 0..hk {
+        for (name, all, sum) in [("dk", &all[3], &dk_sum[g]), ("dv", &all[4], &dv_sum[g])] {
+            let got = columns(all, hk, g);
+            assert!(got.iter().zip(sum).all(|(x, y)| (x - y).abs() <= 1e-12 * (1.0 + y.abs())), "{name} of kv head {g}: {got:?} against {sum:?}");
+        }
+    }
 }
 
 /// Whether an NVRTC error means the library is missing and the user asked to go without it
@@ -1318,31 +1360,45 @@ fn embedding_gradients_sum_repeated_ids_as_the_cpu_does() {
     }
 }
 
-/// `xf.split_heads` and `xf.merge_heads` on the device move whole rows of a head, 16 bytes a
-/// thread where rows are whole 16-byte units and an element a thread where not: on the
-/// emulated device both equal the CPU backend exactly, in f32 and bf16, with head dims on
-/// and off the 16-byte unit.
+/// The ops that work per head of `[b, s, h * d]` (heads side by side in the features) on the
+/// device: `xf.repeat_heads` and `xf.sum_heads` equal the CPU backend exactly, and
+/// `xf.rope` and `xf.rope_grad` to rounding, in f32 and bf16, one head and several, odd
+/// sequences; rope_grad undoes rope.
 #[cfg(feature = "cuda")]
 #[test]
-fn heads_are_split_and_merged_as_the_cpu_does() {
+fn per_head_ops_read_heads_side_by_side_as_the_cpu_does() {
     use shardc_ir::attrs::{AttrValue, Attrs};
     use shardc_ir::graph::{ArgRole, FuncBuilder};
     use shardc_ir::types::{DType, TensorTy};
     for dtype in [DType::F32, DType::Bf16] {
-        for (b, s, heads, d) in [(2, 5, 3, 8), (1, 7, 2, 3), (3, 4, 4, 16), (1, 1, 1, 4)] {
+        for (b, s, heads, d) in [(2, 5, 3, 8), (1, 7, 2, 4), (3, 4, 1, 16)] {
+            let what = format!("{dtype:?} [{b}, {s}, {heads} x {d}]");
             let mut fb = FuncBuilder::new("heads");
             let x = fb.arg("x", TensorTy::new(vec![b, s, heads * d], dtype), ArgRole::Input);
-            let split = fb.op("xf.split_heads", &[x], Attrs::new().with("heads", AttrValue::Int(heads)), "split").unwrap();
-            let merged = fb.op("xf.merge_heads", &[split], Attrs::new(), "merge").unwrap();
-            let func = fb.finish(&[split, merged], &["split".to_string(), "merged".to_string()]);
-            // Small integers: exact in bf16, so the device's copy must equal the CPU's.
+            let per_head = |extra: (&str, AttrValue)| Attrs::new().with("head_dim", AttrValue::Int(d)).with(extra.0, extra.1);
+            let repeated = fb.op("xf.repeat_heads", &[x], per_head(("times", AttrValue::Int(2))), "repeat").unwrap();
+            let summed = fb.op("xf.sum_heads", &[repeated], per_head(("times", AttrValue::Int(2))), "sum").unwrap();
+            let rotated = fb.op("xf.rope", &[x], per_head(("theta", AttrValue::Float(100.0))), "rope").unwrap();
+            let back = fb.op("xf.rope_grad", &[rotated], per_head(("theta", AttrValue::Float(100.0))), "rope_grad").unwrap();
+            let names = ["repeated", "summed", "rotated", "back"].map(String::from);
+            let func = fb.finish(&[repeated, summed, rotated, back], &names);
+            // Small integers: exact in bf16, so copies and sums must equal the CPU's.
             let values: Vec<f64> = (0..b * s * heads * d).map(|i| (i % 251) as f64 - 125.0).collect();
-            for result in ["split", "merged"] {
+            for result in ["repeated", "summed"] {
                 let (want, got) = cpu_and_emulated(&func, &[("x", &values)], result);
-                assert_eq!(want, got, "{dtype:?} [{b}, {s}, {heads} x {d}] {result}");
+                assert_eq!(want, got, "{what} {result}");
             }
-            let (_, merged) = cpu_and_emulated(&func, &[("x", &values)], "merged");
-            assert_eq!(merged, values, "{dtype:?} [{b}, {s}, {heads} x {d}]: merge_heads does not undo split_heads");
+            let (_, summed) = cpu_and_emulated(&func, &[("x", &values)], "summed");
+            assert_eq!(summed, values.iter().map(|v| 2.0 * v).collect::<Vec<_>>(), "{what}: sum_heads of repeat_heads is not twice x");
+            let tolerance = if dtype == DType::Bf16 { 1e-2 } else { 1e-5 };
+            for result in ["rotated", "back"] {
+                let (want, got) = cpu_and_emulated(&func, &[("x", &values)], result);
+                let scale = want.iter().map(|x| x.abs()).fold(1.0, f64::max);
+                assert!(want.iter().zip(&got).all(|(w, g)| (w - g).abs() <= tolerance * scale), "{what} {result}");
+                if result == "back" {
+                    assert!(want.iter().zip(&values).all(|(w, x)| (w - x).abs() <= tolerance * scale), "{what}: rope_grad does not undo rope");
+                }
+            }
         }
     }
 }

@@ -107,32 +107,31 @@ fn cases() -> Vec<Case> {
         Case { op: "xf.swiglu", operands: vec![f(&[3, 5]), f(&[3, 5])], attrs: Attrs::new() },
         Case { op: "xf.layernorm", operands: vec![f(&[2, 3, 6]), f(&[6]), f(&[6])], attrs: a(&[("epsilon", Float(1e-5))]) },
         Case { op: "xf.rmsnorm", operands: vec![f(&[2, 3, 6]), f(&[6])], attrs: a(&[("epsilon", Float(1e-6))]) },
-        Case { op: "xf.rope", operands: vec![f(&[2, 2, 5, 4])], attrs: a(&[("theta", Float(10000.0))]) },
+        // Two heads of 4 side by side in the features.
+        Case { op: "xf.rope", operands: vec![f(&[2, 5, 8])], attrs: a(&[("theta", Float(10000.0)), ("head_dim", Int(4))]) },
         // Rotary angles at the positions of a sequence held in zigzag order.
-        Case { op: "xf.rope", operands: vec![f(&[2, 2, 8, 4])], attrs: a(&[("theta", Float(100.0)), ("xf.zigzag", AttrValue::Ints(vec![4, 8]))]) },
+        Case { op: "xf.rope", operands: vec![f(&[2, 8, 8])], attrs: a(&[("theta", Float(100.0)), ("head_dim", Int(4)), ("xf.zigzag", AttrValue::Ints(vec![4, 8]))]) },
         Case { op: "xf.zigzag", operands: vec![f(&[2, 8, 3])], attrs: a(&[("axis", Int(1)), ("chunks", Int(4)), ("inverse", Bool(false))]) },
         Case { op: "xf.zigzag", operands: vec![f(&[12, 2])], attrs: a(&[("axis", Int(0)), ("chunks", Int(6)), ("inverse", Bool(true))]) },
-        Case { op: "xf.split_heads", operands: vec![f(&[2, 3, 6])], attrs: a(&[("heads", Int(2))]) },
-        Case { op: "xf.merge_heads", operands: vec![f(&[2, 2, 3, 3])], attrs: Attrs::new() },
         Case { op: "xf.slice", operands: vec![f(&[6, 3])], attrs: a(&[("axis", Int(0)), ("start", Int(1)), ("size", Int(4))]) },
-        Case { op: "xf.repeat_heads", operands: vec![f(&[2, 2, 3, 4])], attrs: a(&[("times", Int(3))]) },
-        Case { op: "xf.sum_heads", operands: vec![f(&[2, 6, 3, 4])], attrs: a(&[("times", Int(3))]) },
+        Case { op: "xf.repeat_heads", operands: vec![f(&[2, 3, 8])], attrs: a(&[("times", Int(3)), ("head_dim", Int(4))]) },
+        Case { op: "xf.sum_heads", operands: vec![f(&[2, 3, 24])], attrs: a(&[("times", Int(3)), ("head_dim", Int(4))]) },
         Case { op: "xf.sum_leading", operands: vec![f(&[2, 3, 4])], attrs: a(&[("keep", Int(1))]) },
         Case {
             op: "xf.attention",
-            operands: vec![f(&[2, 4, 5, 3]), f(&[2, 2, 5, 3]), f(&[2, 2, 5, 3])],
-            attrs: a(&[("causal", Bool(true)), ("scale", Float(0.57))]),
+            operands: vec![f(&[2, 5, 12]), f(&[2, 5, 6]), f(&[2, 5, 6])],
+            attrs: a(&[("causal", Bool(true)), ("scale", Float(0.57)), ("head_dim", Int(3))]),
         },
         Case {
             op: "xf.attention",
-            operands: vec![f(&[1, 2, 4, 3]), f(&[1, 2, 4, 3]), f(&[1, 2, 4, 3])],
-            attrs: a(&[("causal", Bool(false)), ("scale", Float(0.5))]),
+            operands: vec![f(&[1, 4, 6]), f(&[1, 4, 6]), f(&[1, 4, 6])],
+            attrs: a(&[("causal", Bool(false)), ("scale", Float(0.5)), ("head_dim", Int(3))]),
         },
         // Causal in zigzag order: the mask by each row's and key's place in the sequence.
         Case {
             op: "xf.attention",
-            operands: vec![f(&[1, 2, 8, 3]), f(&[1, 1, 8, 3]), f(&[1, 1, 8, 3])],
-            attrs: a(&[("causal", Bool(true)), ("scale", Float(0.5)), ("xf.zigzag", AttrValue::Ints(vec![4, 8]))]),
+            operands: vec![f(&[1, 8, 6]), f(&[1, 8, 3]), f(&[1, 8, 3])],
+            attrs: a(&[("causal", Bool(true)), ("scale", Float(0.5)), ("head_dim", Int(3)), ("xf.zigzag", AttrValue::Ints(vec![4, 8]))]),
         },
         Case { op: "xf.cross_entropy", operands: vec![f(&[2, 3, 7]), ids(&[2, 3])], attrs: Attrs::new() },
         // Mixture of experts: the choices are data (operand x1), drawn distinct per token.

@@ -2,7 +2,7 @@
 //! backward op `xf.attention_grad`.
 
 use crate::kernel::{dims, Arg, DeviceKernel, KernelCx, Launch};
-use super::{arity, float, io_bytes, rank_is, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
+use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
@@ -17,9 +17,11 @@ use crate::types::{DType, TensorTy};
 /// out[h,i,d] = sum_j p[h,i,j] v[h/g,j,d]
 /// ```
 ///
-/// Operands are split heads: `q [b, q_heads, s, d]`, `k`, `v [b, kv_heads, s, d]`. Heads are
-/// independent, which is what makes splitting them over tensor-parallel ranks free of
-/// communication. One op (rather than matmul/softmax pieces) keeps the S x S scores an
+/// Operands are the projections as they come, heads side by side in the features
+/// (FlashAttention's `[b, s, h, d]` layout): `q [b, s, q_heads * d]`, `k`, `v
+/// [b, s, kv_heads * d]`, with `d` the `head_dim` attribute; the kernels read each head with
+/// a row stride, so no copy puts heads first. Heads are independent, which is what makes
+/// splitting them over tensor-parallel ranks free of communication. One op (rather than matmul/softmax pieces) keeps the S x S scores an
 /// internal of the kernel, as flash attention does, and gives one VJP.
 #[derive(Debug)]
 pub struct Attention;
@@ -29,11 +31,10 @@ impl OpDef for Attention {
         "attention"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
-        let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
+        let Heads { b, s, hq, .. } = Heads::of(cx.inputs, cx.attrs)?;
         if let Some([kernel, _, _]) = mma_kernels(cx) {
             let mut args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2)];
-            args.extend(attention_args(&q, hk, cx.attrs)?);
+            args.extend(attention_args(cx.inputs, cx.attrs)?);
             let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
             return Ok(DeviceKernel::Launches(vec![Launch { kernel, source: ATTENTION_MMA_CUDA, grid, block: FLASH_THREADS as u32, shared: 0, workspace: 0, args }]));
         }
@@ -50,18 +51,17 @@ impl OpDef for Attention {
                 Slot { name: "v", constraint: "K" },
             ],
             results: &[Slot { name: "out", constraint: "Q" }, Slot { name: "lse", constraint: "S" }],
-            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float)],
+            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), ("head_dim", AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         arity(inputs, 3)?;
-        check_qkv(inputs, attrs)?;
-        Ok(vec![inputs[0].clone(), stats_of(inputs[0])])
+        let heads = check_qkv(inputs, attrs)?;
+        Ok(vec![inputs[0].clone(), heads.stats(inputs[0])])
     }
-    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        let q = inputs[0];
-        let (b, h, s, d) = (q.shape[0] as f64, q.shape[1] as f64, q.shape[2] as f64, q.shape[3] as f64);
-        let keys = inputs[1].shape[2] as f64;
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> Cost {
+        let Ok(Heads { b, s, hq, d, keys, .. }) = Heads::of(inputs, attrs) else { return Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 } };
+        let (b, h, s, d, keys) = (b as f64, hq as f64, s as f64, d as f64, keys as f64);
         // q k^T and p v: 2 * 2*b*h*s*keys*d (the causal half is counted in full, as the
         // published model-FLOP formulas do); softmax with scale and mask: 5 per score.
         let flops = 4.0 * b * h * s * keys * d + 5.0 * b * h * s * keys;
@@ -84,9 +84,10 @@ impl OpDef for Attention {
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // Batch and heads free (q heads and kv heads share the factor: splitting both by the
-        // same count keeps every group of q heads with its kv head); query positions free
-        // (context parallelism: a rank attends from its own queries to every key, so keys
-        // and values are gathered); key positions and the head dim stay whole.
+        // same count keeps every group of q heads with its kv head; a split of the features
+        // is one of whole heads, as `head_dim` checks); query positions free (context
+        // parallelism: a rank attends from its own queries to every key, so keys and values
+        // are gathered); key positions stay whole.
         attention_rule(&[QUERY, KEYS, KEYS], &[QUERY, STATS])
     }
     fn position_factor(&self) -> Option<usize> {
@@ -112,20 +113,54 @@ pub fn stats_dtype(q: &TensorTy) -> DType {
     if q.dtype == DType::F64 { DType::F64 } else { DType::F32 }
 }
 
-/// `[b, h, s]` statistics of `[b, h, s, d]` queries.
-fn stats_of(q: &TensorTy) -> TensorTy {
-    TensorTy::new(q.shape[..3].to_vec(), stats_dtype(q))
+/// The rows' statistics (`[b, h, s]`) of attention over these operands (`q`, `k`, `v` first)
+/// and attributes: what `xf.attention`'s second result is.
+pub fn attention_stats(inputs: &[&TensorTy], attrs: &Attrs) -> Result<TensorTy, String> {
+    Ok(Heads::of(inputs, attrs)?.stats(inputs[0]))
 }
 
-fn check_block(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(), String> {
-    check_qkv(inputs, attrs)?;
+/// Attention's sizes: `q [b, s, hq * d]` against `k`, `v [b, keys, hk * d]`.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    b: usize,
+    s: usize,
+    hq: usize,
+    d: usize,
+    keys: usize,
+    hk: usize,
+}
+
+impl Heads {
+    /// The sizes of `q` and `k` (the first two operands) by `head_dim`; `Err` where they are
+    /// not `[b, s, heads * head_dim]` tensors.
+    fn of(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Heads, String> {
+        let d = positive("head_dim", attrs.int("head_dim")?)?;
+        let (q, k) = (inputs[0], inputs[1]);
+        for (what, t) in [("q", q), ("k", k)] {
+            rank_is(what, t, 3)?;
+            if t.shape[2] % d != 0 {
+                return Err(format!("the features of {what} {t} are not whole heads of head_dim = {d}"));
+            }
+        }
+        let size = |x: i64| x as usize;
+        Ok(Heads { b: size(q.shape[0]), s: size(q.shape[1]), hq: size(q.shape[2] / d), d: size(d), keys: size(k.shape[1]), hk: size(k.shape[2] / d) })
+    }
+
+    /// `[b, hq, s]` statistics of the queries `q`.
+    fn stats(&self, q: &TensorTy) -> TensorTy {
+        TensorTy::new([self.b as i64, self.hq as i64, self.s as i64], stats_dtype(q))
+    }
+}
+
+fn check_block(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Heads, String> {
+    let heads = check_qkv(inputs, attrs)?;
     attrs.int(RING_STEP_ATTR)?;
-    Ok(())
+    Ok(heads)
 }
 
-fn check_stats(what: &str, t: &TensorTy, q: &TensorTy) -> Result<(), String> {
-    if *t != stats_of(q) {
-        return Err(format!("{what} {t} must be {} (one statistic per query row)", stats_of(q)));
+fn check_stats(what: &str, t: &TensorTy, expected: &TensorTy) -> Result<(), String> {
+    if t != expected {
+        return Err(format!("{what} {t} must be {expected} (one statistic per query row)"));
     }
     Ok(())
 }
@@ -133,16 +168,15 @@ fn check_stats(what: &str, t: &TensorTy, q: &TensorTy) -> Result<(), String> {
 /// The scalar flash forward (`attention_fwd`): `lse` its optional log-sum-exp result and
 /// `k0` the sequence row of the first key.
 fn scalar_forward(cx: &KernelCx<'_>, lse: Arg, k0: Arg) -> Result<DeviceKernel, String> {
-    let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
-    let (b, hq, s, hk) = (q[0], q[1], q[2], k[1]);
-    let tiles = flash_tiles(q[3], s.max(k[2]), cx.inputs[0].dtype)?;
+    let Heads { b, s, hq, d, keys, .. } = Heads::of(cx.inputs, cx.attrs)?;
+    let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
     let mut args = vec![Arg::Out(0), lse, Arg::In(0), Arg::In(1), Arg::In(2)];
-    args.extend(attention_args(&q, hk, cx.attrs)?);
+    args.extend(attention_args(cx.inputs, cx.attrs)?);
     args.extend(context_args(cx, k0));
     args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
     // One block per tile of query rows (x) of each sequence's head (y).
     let grid = [query_tiles(s, tiles.0, "attention_fwd")?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
-    let shared = flash_shared(q[3], tiles, 1, 2, 1);
+    let shared = flash_shared(d, tiles, 1, 2, 1);
     Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_fwd", source: ATTENTION_CUDA, grid, block: FLASH_THREADS as u32, shared, workspace: 0, args }]))
 }
 
@@ -151,9 +185,8 @@ fn scalar_forward(cx: &KernelCx<'_>, lse: Arg, k0: Arg) -> Result<DeviceKernel, 
 /// `out` and `lse`); `ring` (a ring step's backward): the keys are the block at the step's
 /// row.
 fn backward(cx: &KernelCx<'_>, ring: bool) -> Result<DeviceKernel, String> {
-    let (q, k) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
-    let (b, hq, s, d, hk, keys) = (q[0], q[1], q[2], q[3], k[1], k[2]);
-    let mut shape_args = attention_args(&q, hk, cx.attrs)?;
+    let Heads { b, s, hq, d, keys, hk } = Heads::of(cx.inputs, cx.attrs)?;
+    let mut shape_args = attention_args(cx.inputs, cx.attrs)?;
     let dout = Arg::In(5);
     let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), dout.clone(), Arg::In(3), Arg::In(4)];
     // The tensor-core kernels' tiles are compile-time; the scalar ones take theirs.
@@ -199,13 +232,13 @@ impl OpDef for AttentionBlock {
         Signature {
             operands: &[Slot { name: "q", constraint: "Q" }, Slot { name: "k", constraint: "K" }, Slot { name: "v", constraint: "K" }],
             results: &[Slot { name: "out", constraint: "Q" }, Slot { name: "lse", constraint: "S" }],
-            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), (RING_STEP_ATTR, AttrKind::Int)],
+            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), ("head_dim", AttrKind::Int), (RING_STEP_ATTR, AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         arity(inputs, 3)?;
-        check_block(inputs, attrs)?;
-        Ok(vec![inputs[0].clone(), stats_of(inputs[0])])
+        let heads = check_block(inputs, attrs)?;
+        Ok(vec![inputs[0].clone(), heads.stats(inputs[0])])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> Cost {
         Attention.cost(inputs, outputs, attrs)
@@ -229,9 +262,10 @@ impl OpDef for AttentionMerge {
         "attention_merge"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        let q = dims(cx.inputs[0]);
-        let (rows, d) = (q[..3].iter().product::<usize>(), q[3]);
-        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3), Arg::Int(rows as i64), Arg::Int(d as i64)];
+        let (q, lse) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
+        let (b, h, s) = (lse[0], lse[1], lse[2]);
+        let (rows, d) = (b * h * s, q[2] / h.max(1));
+        let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3), Arg::Int(h as i64), Arg::Int(s as i64), Arg::Int(rows as i64), Arg::Int(d as i64)];
         let (grid, block) = ([crate::kernel::blocks_for(rows), 1, 1], crate::kernel::ROW_BLOCK);
         Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_merge", source: ATTENTION_CUDA, grid, block, shared: 0, workspace: 0, args }]))
     }
@@ -254,13 +288,21 @@ impl OpDef for AttentionMerge {
         arity(inputs, 4)?;
         let q = inputs[0];
         float("out_a", q)?;
-        rank_is("out_a", q, 4)?;
+        rank_is("out_a", q, 3)?;
         if inputs[2] != q {
             return Err(format!("out_b {} must have the type of out_a {q}", inputs[2]));
         }
-        check_stats("lse_a", inputs[1], q)?;
-        check_stats("lse_b", inputs[3], q)?;
-        Ok(vec![q.clone(), stats_of(q)])
+        // The heads are lse's: `[b, h, s]` of `[b, s, h * d]` rows.
+        let lse = inputs[1];
+        rank_is("lse_a", lse, 3)?;
+        let heads = lse.shape[1];
+        if heads <= 0 || q.shape[2] % heads != 0 {
+            return Err(format!("lse_a {lse} must have a whole number of heads in out_a {q}"));
+        }
+        let stats = TensorTy::new([q.shape[0], heads, q.shape[1]], stats_dtype(q));
+        check_stats("lse_a", lse, &stats)?;
+        check_stats("lse_b", inputs[3], &stats)?;
+        Ok(vec![q.clone(), stats])
     }
     fn flops_per_element(&self) -> f64 {
         // Two scales and a sum per output element (the exps are per row).
@@ -299,18 +341,18 @@ impl OpDef for AttentionBlockGrad {
                 Slot { name: "dout", constraint: "Q" },
             ],
             results: &[Slot { name: "dq", constraint: "Q" }, Slot { name: "dk", constraint: "K" }, Slot { name: "dv", constraint: "K" }],
-            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), (RING_STEP_ATTR, AttrKind::Int)],
+            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), ("head_dim", AttrKind::Int), (RING_STEP_ATTR, AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         arity(inputs, 6)?;
-        check_block(&inputs[..3], attrs)?;
+        let heads = check_block(&inputs[..3], attrs)?;
         for (what, t) in [("out", inputs[3]), ("dout", inputs[5])] {
             if t != inputs[0] {
                 return Err(format!("{what} {t} must have the type of q {}", inputs[0]));
             }
         }
-        check_stats("lse", inputs[4], inputs[0])?;
+        check_stats("lse", inputs[4], &heads.stats(inputs[0]))?;
         Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> Cost {
@@ -330,47 +372,50 @@ impl OpDef for AttentionBlockGrad {
 
 /// The factor of the query positions in [`attention_rule`].
 const QUERY_POSITIONS: usize = 2;
-/// [`attention_rule`]'s factors of a query-shaped, key-shaped and statistics tensor.
-const QUERY: &[usize] = &[0, 1, QUERY_POSITIONS, 3];
-const KEYS: &[usize] = &[0, 1, 4, 3];
+/// [`attention_rule`]'s factors of a query-shaped (`[b, s, h * d]`), key-shaped and
+/// statistics (`[b, h, s]`) tensor.
+const QUERY: &[usize] = &[0, QUERY_POSITIONS, 1];
+const KEYS: &[usize] = &[0, 3, 1];
 const STATS: &[usize] = &[0, 1, QUERY_POSITIONS];
 /// The slot (operands, then results) of the rows' log-sum-exp in `xf.attention` (its second
 /// result) and `xf.attention_grad` (its fifth operand), and in the ring steps' ops alike.
 const STATISTICS: &[usize] = &[4];
 
-/// Factors of attention's operands and results: batch 0, heads 1, query positions 2, head
-/// dim 3 (blocked), key positions 4 (blocked), by the shape of each: query-shaped (q, out,
-/// dout, dq), key-shaped (k, v, dk, dv) or the rows' statistics (lse, `[b, h, s]`).
+/// Factors of attention's operands and results: batch 0, heads 1 (the features of a
+/// query- or key-shaped tensor, whole heads of `head_dim` each), query positions 2, key
+/// positions 3 (blocked), by the shape of each: query-shaped (q, out, dout, dq), key-shaped
+/// (k, v, dk, dv) or the rows' statistics (lse, `[b, h, s]`).
 fn attention_rule(operands: &[&[usize]], results: &[&[usize]]) -> ShardingRule {
     ShardingRule {
         operands: operands.iter().map(|dims| dims.to_vec()).collect(),
         results: results.iter().map(|dims| dims.to_vec()).collect(),
-        factors: vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked],
+        factors: vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked],
         linearity: Linearity::None,
     }
 }
 
-fn check_qkv(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(), String> {
+fn check_qkv(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Heads, String> {
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     for (what, t) in [("q", q), ("k", k), ("v", v)] {
         float(what, t)?;
-        rank_is(what, t, 4)?;
+        rank_is(what, t, 3)?;
     }
     if k != v {
         return Err(format!("k {k} and v {v} must have the same type"));
     }
-    let (b, hq, s, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let heads = Heads::of(inputs, attrs)?;
+    let Heads { b, s, hq, keys, hk, .. } = heads;
     // A context-parallel rank's queries are a part of the sequence its keys cover.
-    let whole_queries = if s == 0 { k.shape[2] == 0 } else { k.shape[2] % s == 0 };
-    if k.shape[0] != b || !whole_queries || k.shape[3] != d || k.dtype != q.dtype {
-        return Err(format!("k/v {k} must match q {q} in batch, head dim and type, and their sequence be q's or a whole number of q's"));
+    let whole_queries = if s == 0 { keys == 0 } else { keys % s == 0 };
+    if k.shape[0] != b as i64 || !whole_queries || k.dtype != q.dtype {
+        return Err(format!("k/v {k} must match q {q} in batch and type, and their sequence be q's or a whole number of q's"));
     }
-    if k.shape[1] == 0 || hq % k.shape[1] != 0 {
-        return Err(format!("q heads ({hq}) must be a multiple of kv heads ({})", k.shape[1]));
+    if hk == 0 || hq % hk != 0 {
+        return Err(format!("q heads ({hq}) must be a multiple of kv heads ({hk})"));
     }
     attrs.bool("causal")?;
     attrs.float("scale")?;
-    Ok(())
+    Ok(heads)
 }
 
 /// Attention backward, as FlashAttention-2's: it recomputes the probabilities
@@ -406,24 +451,23 @@ impl OpDef for AttentionGrad {
                 Slot { name: "dk", constraint: "K" },
                 Slot { name: "dv", constraint: "K" },
             ],
-            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float)],
+            attrs: &[("causal", AttrKind::Bool), ("scale", AttrKind::Float), ("head_dim", AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         arity(inputs, 6)?;
-        check_qkv(inputs, attrs)?;
+        let heads = check_qkv(inputs, attrs)?;
         for (what, t) in [("out", inputs[3]), ("dout", inputs[5])] {
             if t != inputs[0] {
                 return Err(format!("{what} {t} must have the type of q {}", inputs[0]));
             }
         }
-        check_stats("lse", inputs[4], inputs[0])?;
+        check_stats("lse", inputs[4], &heads.stats(inputs[0]))?;
         Ok(vec![inputs[0].clone(), inputs[1].clone(), inputs[2].clone()])
     }
-    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        let q = inputs[0];
-        let (b, h, s, d) = (q.shape[0] as f64, q.shape[1] as f64, q.shape[2] as f64, q.shape[3] as f64);
-        let keys = inputs[1].shape[2] as f64;
+    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], attrs: &Attrs) -> Cost {
+        let Ok(Heads { b, s, hq, d, keys, .. }) = Heads::of(inputs, attrs) else { return Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 } };
+        let (b, h, s, d, keys) = (b as f64, hq as f64, s as f64, d as f64, keys as f64);
         // Recomputed q k^T, then dp, dq, dk, dv: five queries x keys x d products.
         Cost { flops: 10.0 * b * h * s * keys * d + 8.0 * b * h * s * keys, bytes: io_bytes(inputs, outputs), special: 0.0 }
     }
@@ -449,17 +493,14 @@ impl OpDef for AttentionGrad {
 /// more for the rows' statistics took nine).
 const BACKWARD_PRODUCTS: f64 = 7.0;
 
-/// The flash-attention work of `q` `[b, h, s, d]` against keys `[b, kv, t, d]`.
+/// The flash-attention work of `q` `[b, s, h * d]` against keys `[b, t, kv * d]`.
 fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_cores: bool) -> KernelClass {
-    let (q, k) = (inputs[0], inputs[1]);
-    if q.rank() != 4 || k.rank() != 4 {
-        return KernelClass::Memory;
-    }
+    let Ok(Heads { b, s, hq, d, keys, .. }) = Heads::of(inputs, attrs) else { return KernelClass::Memory };
     KernelClass::Attention {
-        batch_heads: (q.shape[0] * q.shape[1]) as f64,
-        queries: q.shape[2] as f64,
-        keys: k.shape[2] as f64,
-        head_dim: q.shape[3] as f64,
+        batch_heads: (b * hq) as f64,
+        queries: s as f64,
+        keys: keys as f64,
+        head_dim: d as f64,
         causal: attrs.bool("causal").unwrap_or(true),
         products,
         tensor_cores,
@@ -470,7 +511,7 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_co
 /// the tensor-core kernels ([`mma_kernels`], whose results have the operands' type): the
 /// cost model prices what the device plan launches.
 fn on_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
-    let d = if inputs[0].rank() == 4 { inputs[0].shape[3] as usize } else { 0 };
+    let d = Heads::of(inputs, attrs).map_or(0, |h| h.d);
     let bf16 = inputs.iter().enumerate().all(|(slot, t)| t.dtype == crate::types::DType::Bf16 || STATISTICS.contains(&slot));
     mma_head_dim(d).is_some() && bf16 && !context_parallel(inputs, attrs)
 }
@@ -537,16 +578,19 @@ const ATTENTION_CUDA: &str = r#"// Flash attention (FlashAttention-2's loop orde
 // Under context parallelism a rank's `sq` queries start at row q0 of the sequence and attend
 // to all `sk` keys (gathered), the sequence possibly in zigzag order of `chunks` chunks
 // (positions by zigzag_position; no tile is skipped then, the mask decides).
-// Grouped-query heads read their kv head's tiles. Shared matrices have a row stride of d + 1,
+// Grouped-query heads read their kv head's tiles. Tensors are [b, s, heads * d] (heads side by
+// side in a row of the sequence, as the projections write them): a head's rows are d values
+// at a stride of heads * d; lse and stats are [b, h, s]. Shared matrices have a row stride of d + 1,
 // so the threads of a warp reading different rows hit different banks. Every sum runs in a
 // fixed order: results repeat bit for bit.
 #define FA_THREADS 128
 #define FA_COLS 16
-// Rows [first, first + count) of a [limit][d] matrix into dst (stride d + 1); zeros past limit.
-__device__ void fa_load(acc_t* dst, const T* src, i64 first, i64 count, i64 limit, i64 d) {
+// Rows [first, first + count) of a [limit][d] matrix with rows `stride` apart into dst (stride
+// d + 1); zeros past limit.
+__device__ void fa_load(acc_t* dst, const T* src, i64 stride, i64 first, i64 count, i64 limit, i64 d) {
   for (i64 e = threadIdx.x; e < count * d; e += blockDim.x) {
     i64 r = e / d, c = e % d;
-    dst[r * (d + 1) + c] = first + r < limit ? load(src[(first + r) * d + c]) : (acc_t)0;
+    dst[r * (d + 1) + c] = first + r < limit ? load(src[(first + r) * stride + c]) : (acc_t)0;
   }
 }
 __device__ acc_t fa_dot(const acc_t* a, const acc_t* b, i64 d) {
@@ -579,18 +623,19 @@ extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T
   acc_t* ps = vs + inner * ld;
   int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 kv = (b * hk + h / (hq / hk)) * sk * d;
+  i64 qstride = hq * d, kstride = hk * d, qo = b * s * qstride + h * d;
+  i64 kv = b * sk * kstride + h / (hq / hk) * d;
   i64 i0 = (i64)blockIdx.x * rows, i = i0 + r;
   acc_t scale = (acc_t)scale_, mx = NEG_INF, sum = 0;
   acc_t o[FA_COLS];
   for (int c = 0; c < FA_COLS; c++) o[c] = 0;
-  fa_load(qs, q + bh * s * d, i0, rows, s, d);
+  fa_load(qs, q + qo, qstride, i0, rows, s, d);
   i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks, k0);
   for (i64 j0 = 0; j0 < keys; j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
-    fa_load(ks, k + kv, j0, n, sk, d);
-    fa_load(vs, v + kv, j0, n, sk, d);
+    fa_load(ks, k + kv, kstride, j0, n, sk, d);
+    fa_load(vs, v + kv, kstride, j0, n, sk, d);
     __syncthreads();
     acc_t* pr = ps + r * inner;
     for (i64 j = lane; j < n; j += tpr) pr[j] = fa_dot(qs + r * ld, ks + j * ld, d) * scale;
@@ -613,7 +658,7 @@ extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T
     mx = grown;
   }
   if (i < s) {
-    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) out[(bh * s + i) * d + lane + (i64)c * tpr] = store(sum > 0 ? o[c] / sum : (acc_t)0);
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) out[qo + i * qstride + lane + (i64)c * tpr] = store(sum > 0 ? o[c] / sum : (acc_t)0);
     if (lse && lane == 0) lse[bh * s + i] = sum > 0 ? mx + log(sum) : NEG_INF;
   }
 }
@@ -631,26 +676,27 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
   acc_t* ps = vs + inner * ld;
   int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 kv = (b * hk + h / (hq / hk)) * sk * d;
+  i64 qstride = hq * d, kstride = hk * d, qo = b * s * qstride + h * d;
+  i64 kv = b * sk * kstride + h / (hq / hk) * d;
   i64 i0 = (i64)blockIdx.x * rows, i = i0 + r;
   acc_t scale = (acc_t)scale_, mx = NEG_INF, rowdot = 0;
-  fa_load(qs, q + bh * s * d, i0, rows, s, d);
-  fa_load(dos, dout + bh * s * d, i0, rows, s, d);
+  fa_load(qs, q + qo, qstride, i0, rows, s, d);
+  fa_load(dos, dout + qo, qstride, i0, rows, s, d);
   i64 keys = fa_keys(i0, rows, sk, causal, q0, chunks, k0);
   acc_t* pr = ps + r * inner;
   // The rows of dout are in shared memory once every thread has loaded its part.
   __syncthreads();
   if (i < s) {
     mx = lse[bh * s + i];
-    for (i64 c = 0; c < d; c++) rowdot += load(out[(bh * s + i) * d + c]) * dos[r * ld + c];
+    for (i64 c = 0; c < d; c++) rowdot += load(out[qo + i * qstride + c]) * dos[r * ld + c];
   }
   acc_t a[FA_COLS];
   for (int c = 0; c < FA_COLS; c++) a[c] = 0;
   for (i64 j0 = 0; j0 < keys; j0 += inner) {
     i64 n = keys - j0 < inner ? keys - j0 : inner;
     __syncthreads();
-    fa_load(ks, k + kv, j0, n, sk, d);
-    fa_load(vs, v + kv, j0, n, sk, d);
+    fa_load(ks, k + kv, kstride, j0, n, sk, d);
+    fa_load(vs, v + kv, kstride, j0, n, sk, d);
     __syncthreads();
     // pr holds ds = p (dp - rowdot) for the row's visible keys, 0 for the others.
     for (i64 j = lane; j < n; j += tpr) {
@@ -667,7 +713,7 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
     }
   }
   if (i < s) {
-    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) dq[(bh * s + i) * d + lane + (i64)c * tpr] = store(a[c] * scale);
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) dq[qo + i * qstride + lane + (i64)c * tpr] = store(a[c] * scale);
     if (lane == 0) { acc_t* st = stats + (bh * s + i) * 3; st[0] = mx; st[1] = 1; st[2] = rowdot; }
   }
 }
@@ -685,10 +731,11 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
   acc_t* dss = ps + rows * inner;
   int tpr = FA_THREADS / (int)rows, r = threadIdx.x / tpr, lane = threadIdx.x % tpr;
   i64 bg = blockIdx.y, b = bg / hk, g = bg % hk, group = hq / hk;
+  i64 qstride = hq * d, kstride = hk * d, ko = b * sk * kstride + g * d;
   i64 j0 = (i64)blockIdx.x * rows, j = j0 + r;
   acc_t scale = (acc_t)scale_;
-  fa_load(ks, k + bg * sk * d, j0, rows, sk, d);
-  fa_load(vs, v + bg * sk * d, j0, rows, sk, d);
+  fa_load(ks, k + ko, kstride, j0, rows, sk, d);
+  fa_load(vs, v + ko, kstride, j0, rows, sk, d);
   acc_t dk_acc[FA_COLS], dv_acc[FA_COLS];
   for (int c = 0; c < FA_COLS; c++) { dk_acc[c] = 0; dv_acc[c] = 0; }
   acc_t* pr = ps + r * inner;
@@ -696,12 +743,12 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
   // Causal, in the natural order: the first query tile holding a query that sees key j0.
   i64 first = causal && chunks <= 1 && k0 + j0 > q0 ? (k0 + j0 - q0) / inner * inner : 0;
   for (i64 gh = 0; gh < group; gh++) {
-    i64 bh = b * hq + g * group + gh;
+    i64 bh = b * hq + g * group + gh, qo = b * s * qstride + (g * group + gh) * d;
     for (i64 i0 = first; i0 < s; i0 += inner) {
       i64 n = s - i0 < inner ? s - i0 : inner;
       __syncthreads();
-      fa_load(qs, q + bh * s * d, i0, n, s, d);
-      fa_load(dos, dout + bh * s * d, i0, n, s, d);
+      fa_load(qs, q + qo, qstride, i0, n, s, d);
+      fa_load(dos, dout + qo, qstride, i0, n, s, d);
       __syncthreads();
       for (i64 x = lane; x < n; x += tpr) {
         i64 i = i0 + x;
@@ -723,23 +770,24 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
   if (j < sk)
     for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
       i64 col = lane + (i64)c * tpr;
-      dk[(bg * sk + j) * d + col] = store(dk_acc[c]);
-      dv[(bg * sk + j) * d + col] = store(dv_acc[c]);
+      dk[ko + j * kstride + col] = store(dk_acc[c]);
+      dv[ko + j * kstride + col] = store(dv_acc[c]);
     }
 }
 // Two partial attentions of the same rows over disjoint keys merged by their log-sum-exps
-// (ring attention), a thread per row: its lse is read before it is written, so the results
-// may take the operands' place.
-extern "C" __global__ void attention_merge(T* out, acc_t* lse, const T* oa, const acc_t* la, const T* ob, const acc_t* lb, i64 rows, i64 d) {
+// (ring attention), a thread per row of the [b, h, s] statistics: its lse is read before it
+// is written, so the results may take the operands' place.
+extern "C" __global__ void attention_merge(T* out, acc_t* lse, const T* oa, const acc_t* la, const T* ob, const acc_t* lb, i64 h, i64 s, i64 rows, i64 d) {
   GRID_STRIDE(row, rows) {
+    i64 at = ((row / (h * s) * s + row % s) * h + row / s % h) * d;
     acc_t a = la[row], b = lb[row], m = fmax(a, b);
     if (m == NEG_INF) {
-      for (i64 c = 0; c < d; c++) out[row * d + c] = store((acc_t)0);
+      for (i64 c = 0; c < d; c++) out[at + c] = store((acc_t)0);
       lse[row] = NEG_INF;
       continue;
     }
     acc_t wa = exp(a - m), wb = exp(b - m), inv = (acc_t)1 / (wa + wb);
-    for (i64 c = 0; c < d; c++) out[row * d + c] = store((wa * load(oa[row * d + c]) + wb * load(ob[row * d + c])) * inv);
+    for (i64 c = 0; c < d; c++) out[at + c] = store((wa * load(oa[at + c]) + wb * load(ob[at + c])) * inv);
     lse[row] = m + log(wa + wb);
   }
 }
@@ -757,7 +805,7 @@ const MMA_ROWS: usize = 64;
 /// of `mma.m16n8k16`, and accumulators that fit in registers).
 fn mma_kernels(cx: &KernelCx<'_>) -> Option<[&'static str; 3]> {
     use crate::types::DType;
-    let d = dims(cx.inputs[0])[3];
+    let d = Heads::of(cx.inputs, cx.attrs).ok()?.d;
     // Every tensor but the rows' statistics (fp32 whatever the storage type).
     let bf16 = cx.inputs.iter().copied().chain(cx.outputs).enumerate().all(|(slot, t)| t.dtype == DType::Bf16 || STATISTICS.contains(&slot));
     // The tensor-core kernels attend within one whole sequence in its natural order; a
@@ -768,14 +816,14 @@ fn mma_kernels(cx: &KernelCx<'_>) -> Option<[&'static str; 3]> {
 /// Whether the op attends from a part of the sequence (context parallelism): its keys are
 /// more than its queries, its positions are split or in zigzag order.
 fn context_parallel(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
-    attrs.get("xf.seq_split_axes").is_some() || attrs.get(super::ZIGZAG_ATTR).is_some() || inputs[0].shape.get(2) != inputs[1].shape.get(2)
+    attrs.get("xf.seq_split_axes").is_some() || attrs.get(super::ZIGZAG_ATTR).is_some() || inputs[0].shape.get(1) != inputs[1].shape.get(1)
 }
 
 /// The scalar kernels' context-parallel arguments: the keys, this rank's first query row,
 /// the zigzag order, and `k0`, the row of the first key.
 fn context_args(cx: &KernelCx<'_>, k0: Arg) -> [Arg; 5] {
     let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
-    [Arg::Int(dims(cx.inputs[1])[2] as i64), Arg::RankOffset, Arg::Int(chunks as i64), Arg::Int(len as i64), k0]
+    [Arg::Int(dims(cx.inputs[1])[1] as i64), Arg::RankOffset, Arg::Int(chunks as i64), Arg::Int(len as i64), k0]
 }
 
 /// The tensor-core kernels of a head dim, if they are built for it.
@@ -902,25 +950,26 @@ __device__ __forceinline__ void fa_wait() {
 // A shared tile of ROWS rows of D bf16 at stride D + 8, 16-byte aligned.
 struct alignas(16) fa_vec { unsigned x, y, z, w; };
 #define FA_TILE(D, ROWS) ((ROWS) * ((D) + 8) / 8)
-// A fragments of the 16 rows from `row0` of a [s][D] matrix (zeros past s).
+// A fragments of the 16 rows from `row0` of a [s][D] matrix with rows `ld` apart (zeros past s).
 template <int D>
-__device__ void fa_fragments(unsigned (*a)[4], const unsigned short* m, i64 row0, i64 s) {
+__device__ void fa_fragments(unsigned (*a)[4], const unsigned short* m, i64 ld, i64 row0, i64 s) {
   int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   for (int kk = 0; kk < D / 16; kk++)
     for (int x = 0; x < 4; x++) {
       i64 row = row0 + g + (x & 1) * 8;
       int col = kk * 16 + 2 * t + (x >> 1) * 8;
-      a[kk][x] = row < s ? *(const unsigned*)(m + row * D + col) : 0u;
+      a[kk][x] = row < s ? *(const unsigned*)(m + row * ld + col) : 0u;
     }
 }
-// Rows [first, first + ROWS) of a [s][D] matrix into a shared tile of stride D + 8 (zeros past
-// s), 8 values per copy (rows of D * 2 bytes, a multiple of 16, from 16-byte aligned buffers).
+// Rows [first, first + ROWS) of a [s][D] matrix with rows `ld` apart into a shared tile of
+// stride D + 8 (zeros past s), 8 values per copy (rows of D * 2 bytes at a stride of a
+// multiple of D, a multiple of 16 bytes, from 16-byte aligned buffers).
 template <int D, int ROWS>
-__device__ __forceinline__ void fa_stage(unsigned short* tile, const unsigned short* m, i64 first, i64 s) {
+__device__ __forceinline__ void fa_stage(unsigned short* tile, const unsigned short* m, i64 ld, i64 first, i64 s) {
   for (int e = threadIdx.x; e < ROWS * (D / 8); e += FA_MMA_THREADS) {
     int r = e / (D / 8), c = e % (D / 8) * 8;
     bool inside = first + r < s;
-    fa_copy16(tile + r * (D + 8) + c, m + (inside ? first + r : 0) * D + c, inside);
+    fa_copy16(tile + r * (D + 8) + c, m + (inside ? first + r : 0) * ld + c, inside);
   }
 }
 // out[n] = A times rows n*8 .. n*8+7 of the tile (A B^T: the tile's rows are B's columns),
@@ -1002,14 +1051,14 @@ __device__ __forceinline__ void fa_online(float (*sc)[4], float* mx, float* sum,
       sum[x >> 1] += sc[n][x];
     }
 }
-// Writes a warp's 16 rows of D accumulators (scaled by `by` per row) to a [s][D] matrix, a
-// pair of values per 32-bit store.
+// Writes a warp's 16 rows of D accumulators (scaled by `by` per row) to a [s][D] matrix with
+// rows `ld` apart, a pair of values per 32-bit store.
 template <int D>
-__device__ void fa_write(unsigned short* m, const float (*acc)[4], const i64* rows, const float* by, i64 s) {
+__device__ void fa_write(unsigned short* m, i64 ld, const float (*acc)[4], const i64* rows, const float* by, i64 s) {
   int t = threadIdx.x & 3;
   for (int n = 0; n < D / 8; n++)
     for (int half = 0; half < 2; half++)
-      if (rows[half] < s) *(unsigned*)(m + rows[half] * D + n * 8 + 2 * t) = fa_round_pair(acc[n][2 * half] * by[half], acc[n][2 * half + 1] * by[half]);
+      if (rows[half] < s) *(unsigned*)(m + rows[half] * ld + n * 8 + 2 * t) = fa_round_pair(acc[n][2 * half] * by[half], acc[n][2 * half + 1] * by[half]);
 }
 // The query tile of this block: in reverse when causal (the tiles with the most keys first).
 __device__ __forceinline__ i64 fa_query_tile(i64 causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
@@ -1024,17 +1073,17 @@ __device__ void fa_mma_forward(unsigned short* out, float* lse, const unsigned s
   unsigned short* vs = (unsigned short*)vs_;
   int warp = threadIdx.x >> 5;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 kv = (b * hk + h / (hq / hk)) * s * D;
+  i64 qld = hq * D, kld = hk * D, qo = b * s * qld + h * D, kv = b * s * kld + h / (hq / hk) * D;
   i64 i0 = fa_query_tile(causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
   i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
   float scale2 = (float)scale_ * FA_LOG2E;
   i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
   if (keys > 0) {
-    fa_stage<D, KT>(ks, k + kv, 0, s);
+    fa_stage<D, KT>(ks, k + kv, kld, 0, s);
     fa_commit();
   }
   unsigned qa[D / 16][4];
-  fa_fragments<D>(qa, q + bh * s * D, row0, s);
+  fa_fragments<D>(qa, q + qo, qld, row0, s);
   float o[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) o[n][x] = 0;
@@ -1043,7 +1092,7 @@ __device__ void fa_mma_forward(unsigned short* out, float* lse, const unsigned s
     // This tile's K is in, and every warp is done with the last tile's V.
     fa_wait();
     __syncthreads();
-    fa_stage<D, KT>(vs, v + kv, j0, s);
+    fa_stage<D, KT>(vs, v + kv, kld, j0, s);
     fa_commit();
     float sc[KT / 8][4];
     fa_products<D, KT / 8>(sc, qa, ks);
@@ -1054,14 +1103,14 @@ __device__ void fa_mma_forward(unsigned short* out, float* lse, const unsigned s
     fa_wait();
     __syncthreads();
     if (j0 + KT < keys) {
-      fa_stage<D, KT>(ks, k + kv, j0 + KT, s);
+      fa_stage<D, KT>(ks, k + kv, kld, j0 + KT, s);
       fa_commit();
     }
     fa_accumulate<D, KT / 8>(o, sc, vs);
   }
   float total[2] = {fa_quad_sum(sum[0]), fa_quad_sum(sum[1])};
   float inverse[2] = {1.0f / total[0], 1.0f / total[1]};
-  fa_write<D>(out + bh * s * D, o, rows, inverse, s);
+  fa_write<D>(out + qo, qld, o, rows, inverse, s);
   // Each row's log-sum-exp of its scaled scores, in base e (the maxima are base 2).
   if ((threadIdx.x & 3) == 0)
     for (int half = 0; half < 2; half++)
@@ -1079,20 +1128,20 @@ __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned s
   __shared__ fa_vec vs_[2][FA_TILE(D, KT)];
   int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 kv = (b * hk + h / (hq / hk)) * s * D;
+  i64 qld = hq * D, kld = hk * D, qo = b * s * qld + h * D, kv = b * s * kld + h / (hq / hk) * D;
   i64 i0 = fa_query_tile(causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
   i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
   float scale = (float)scale_, scale2 = scale * FA_LOG2E;
   i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
   i64 tiles = (keys + KT - 1) / KT;
   if (tiles > 0) {
-    fa_stage<D, KT>((unsigned short*)ks_[0], k + kv, 0, s);
-    fa_stage<D, KT>((unsigned short*)vs_[0], v + kv, 0, s);
+    fa_stage<D, KT>((unsigned short*)ks_[0], k + kv, kld, 0, s);
+    fa_stage<D, KT>((unsigned short*)vs_[0], v + kv, kld, 0, s);
     fa_commit();
   }
   unsigned qa[D / 16][4], da[D / 16][4];
-  fa_fragments<D>(qa, q + bh * s * D, row0, s);
-  fa_fragments<D>(da, dout + bh * s * D, row0, s);
+  fa_fragments<D>(qa, q + qo, qld, row0, s);
+  fa_fragments<D>(da, dout + qo, qld, row0, s);
   // The rows' statistics: the four threads of a quad each take a quarter of the row's
   // out . dout, summed by shuffles (every lane takes part; rows past s read nothing).
   float lse[2], rowdot[2];
@@ -1100,7 +1149,7 @@ __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned s
     i64 i = rows[half];
     float dot = 0;
     if (i < s)
-      for (int c = t; c < D; c += 4) dot += fa_lo(out[(bh * s + i) * D + c]) * fa_lo(dout[(bh * s + i) * D + c]);
+      for (int c = t; c < D; c += 4) dot += fa_lo(out[qo + i * qld + c]) * fa_lo(dout[qo + i * qld + c]);
     rowdot[half] = fa_quad_sum(dot);
     lse[half] = i < s ? lse_in[bh * s + i] * FA_LOG2E : NEG_INF;
   }
@@ -1115,8 +1164,8 @@ __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned s
     fa_wait();
     __syncthreads();
     if (step + 1 < tiles) {
-      fa_stage<D, KT>((unsigned short*)ks_[(step + 1) & 1], k + kv, j0 + KT, s);
-      fa_stage<D, KT>((unsigned short*)vs_[(step + 1) & 1], v + kv, j0 + KT, s);
+      fa_stage<D, KT>((unsigned short*)ks_[(step + 1) & 1], k + kv, kld, j0 + KT, s);
+      fa_stage<D, KT>((unsigned short*)vs_[(step + 1) & 1], v + kv, kld, j0 + KT, s);
       fa_commit();
     }
     float sc[KT / 8][4], dp[KT / 8][4];
@@ -1133,7 +1182,7 @@ __device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned s
     fa_accumulate<D, KT / 8>(acc, sc, ks);
   }
   float one[2] = {1.0f, 1.0f};
-  fa_write<D>(dq + bh * s * D, acc, rows, one, s);
+  fa_write<D>(dq + qo, qld, acc, rows, one, s);
   if (t == 0)
     for (int half = 0; half < 2; half++)
       if (rows[half] < s) {
@@ -1157,6 +1206,7 @@ __device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const flo
   __shared__ float st_[2][2][QT];
   int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   i64 bg = blockIdx.y, b = bg / hk, gk = bg % hk, group = hq / hk;
+  i64 qld = hq * D, kld = hk * D, ko = b * s * kld + gk * D;
   i64 j0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = j0 + warp * 16;
   i64 keys[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
   float scale = (float)scale_, scale2 = scale * FA_LOG2E;
@@ -1165,9 +1215,9 @@ __device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const flo
   i64 tiles = s > first ? (s - first + QT - 1) / QT : 0, steps = group * tiles;
   // Step x's query tile into buffer x % 2.
   auto stage = [&](i64 x) {
-    i64 bh = b * hq + gk * group + x / tiles, i0 = first + x % tiles * QT;
-    fa_stage<D, QT>((unsigned short*)qs_[x & 1], q + bh * s * D, i0, s);
-    fa_stage<D, QT>((unsigned short*)dos_[x & 1], dout + bh * s * D, i0, s);
+    i64 bh = b * hq + gk * group + x / tiles, i0 = first + x % tiles * QT, qo = b * s * qld + (gk * group + x / tiles) * D;
+    fa_stage<D, QT>((unsigned short*)qs_[x & 1], q + qo, qld, i0, s);
+    fa_stage<D, QT>((unsigned short*)dos_[x & 1], dout + qo, qld, i0, s);
     for (int e = threadIdx.x; e < 2 * QT; e += FA_MMA_THREADS) {
       int c = e % QT;
       bool inside = i0 + c < s;
@@ -1177,8 +1227,8 @@ __device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const flo
   };
   if (steps > 0) stage(0);
   unsigned ka[D / 16][4], va[D / 16][4];
-  fa_fragments<D>(ka, k + bg * s * D, row0, s);
-  fa_fragments<D>(va, v + bg * s * D, row0, s);
+  fa_fragments<D>(ka, k + ko, kld, row0, s);
+  fa_fragments<D>(va, v + ko, kld, row0, s);
   float dka[D / 8][4], dva[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) { dka[n][x] = 0; dva[n][x] = 0; }
@@ -1208,8 +1258,8 @@ __device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const flo
     fa_accumulate<D, QT / 8>(dka, dp, qs);
   }
   float one[2] = {1.0f, 1.0f};
-  fa_write<D>(dk + bg * s * D, dka, keys, one, s);
-  fa_write<D>(dv + bg * s * D, dva, keys, one, s);
+  fa_write<D>(dk + ko, kld, dka, keys, one, s);
+  fa_write<D>(dv + ko, kld, dva, keys, one, s);
 }
 extern "C" __global__ void attention_fwd_mma16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<16>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
 extern "C" __global__ void attention_grad_q_mma16(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<16, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
@@ -1244,8 +1294,8 @@ fn query_tiles(s: usize, rows: usize, kernel: &str) -> Result<u32, String> {
 }
 
 /// The shape and attribute arguments the attention kernels share.
-fn attention_args(q: &[usize], hk: usize, attrs: &Attrs) -> Result<Vec<Arg>, String> {
-    let (hq, s, d) = (q[1], q[2], q[3]);
+fn attention_args(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<Arg>, String> {
+    let Heads { hq, s, d, hk, .. } = Heads::of(inputs, attrs)?;
     Ok(vec![Arg::Int(hq as i64), Arg::Int(hk as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(attrs.float("scale")?), Arg::Int(attrs.bool("causal")? as i64)])
 }
 

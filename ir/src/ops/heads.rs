@@ -1,10 +1,9 @@
-//! Layout ops: `xf.split_heads`, `xf.merge_heads`, `xf.slice` and its transpose `xf.pad`,
-//! `xf.zigzag` (context parallelism's order of the sequence).
+//! Layout ops: `xf.slice` and its transpose `xf.pad`, `xf.zigzag` (context parallelism's
+//! order of the sequence), and `xf.repeat_heads` with its transpose `xf.sum_heads`.
 //!
-//! `split_heads` is `reshape [b, s, n*d] -> [b, s, n, d]` then `transpose (0, 2, 1, 3)`;
-//! `merge_heads` is its inverse. Keeping them as named ops (instead of a generic reshape and
-//! transpose) makes their sharding rule trivial: a split of the feature dimension into whole
-//! heads becomes a split of the head dimension.
+//! Heads stay side by side in the features, `[b, s, heads * head_dim]`, as the projections
+//! write them: the ops that work per head (attention, rotary embedding, these repeats) take
+//! `head_dim` and read each head at a row stride, so no copy ever puts heads first.
 
 use crate::kernel::{dims, elements, flat, Arg, DeviceKernel, KernelCx};
 use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
@@ -12,100 +11,6 @@ use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
 use crate::types::TensorTy;
-
-/// `[batch, seq, heads*head_dim] -> [batch, heads, seq, head_dim]`.
-#[derive(Debug)]
-pub struct SplitHeads;
-
-impl OpDef for SplitHeads {
-    fn mnemonic(&self) -> &'static str {
-        "split_heads"
-    }
-    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        heads_launch(&cx.outputs[0], &cx.outputs[0], true)
-    }
-    fn summary(&self) -> &'static str {
-        "[b, s, n*d] -> [b, n, s, d] (reshape, then transpose 0,2,1,3)"
-    }
-    fn signature(&self) -> Signature {
-        Signature {
-            operands: &[Slot { name: "x", constraint: "T" }],
-            results: &[Slot { name: "y", constraint: "U" }],
-            attrs: &[("heads", AttrKind::Int)],
-        }
-    }
-    fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
-        arity(inputs, 1)?;
-        let x = inputs[0];
-        float("x", x)?;
-        rank_is("x", x, 3)?;
-        let heads = positive("heads", attrs.int("heads")?)?;
-        if x.shape[2] % heads != 0 {
-            return Err(format!("feature dimension of {x} is not divisible by heads = {heads}"));
-        }
-        Ok(vec![TensorTy::new([x.shape[0], heads, x.shape[1], x.shape[2] / heads], x.dtype)])
-    }
-    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
-    }
-    fn differentiable(&self) -> bool {
-        true
-    }
-    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
-        Ok(vec![Some(cx.emit("xf.merge_heads", &[grads[0]], Attrs::new())?)])
-    }
-    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        // x [b, s, n*d] -> y [b, n, s, d]: splitting x's features into whole heads is
-        // splitting n (factor 2); d (factor 3) stays whole.
-        let factors = vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked];
-        ShardingRule { operands: vec![vec![0, 1, 2]], results: vec![vec![0, 2, 1, 3]], factors, linearity: Linearity::Sum }
-    }
-}
-
-/// `[batch, heads, seq, head_dim] -> [batch, seq, heads*head_dim]`.
-#[derive(Debug)]
-pub struct MergeHeads;
-
-impl OpDef for MergeHeads {
-    fn mnemonic(&self) -> &'static str {
-        "merge_heads"
-    }
-    fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        heads_launch(cx.inputs[0], &cx.outputs[0], false)
-    }
-    fn summary(&self) -> &'static str {
-        "[b, n, s, d] -> [b, s, n*d] (transpose 0,2,1,3, then reshape)"
-    }
-    fn signature(&self) -> Signature {
-        Signature {
-            operands: &[Slot { name: "x", constraint: "T" }],
-            results: &[Slot { name: "y", constraint: "U" }],
-            attrs: &[],
-        }
-    }
-    fn infer(&self, inputs: &[&TensorTy], _attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
-        arity(inputs, 1)?;
-        let x = inputs[0];
-        float("x", x)?;
-        rank_is("x", x, 4)?;
-        Ok(vec![TensorTy::new([x.shape[0], x.shape[2], x.shape[1] * x.shape[3]], x.dtype)])
-    }
-    fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
-        Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
-    }
-    fn differentiable(&self) -> bool {
-        true
-    }
-    fn vjp(&self, cx: &mut VjpCx<'_>, grads: &[Value]) -> Result<Vec<Option<Value>>, String> {
-        let heads = cx.ty(cx.operands[0])?.shape[1];
-        Ok(vec![Some(cx.emit("xf.split_heads", &[grads[0]], Attrs::new().with("heads", AttrValue::Int(heads)))?)])
-    }
-    fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        // x [b, n, s, d] -> y [b, s, n*d]: the inverse of split_heads.
-        let factors = vec![FactorKind::Free, FactorKind::Free, FactorKind::Free, FactorKind::Blocked];
-        ShardingRule { operands: vec![vec![0, 2, 1, 3]], results: vec![vec![0, 1, 2]], factors, linearity: Linearity::Sum }
-    }
-}
 
 /// `y = x[..., start:start+size, ...]` along `axis` (e.g. the first `seq` rows of the learned
 /// position table).
@@ -321,16 +226,21 @@ impl OpDef for Pad {
     }
 }
 
-/// Checks `[b, h, s, d]` and the `times` attribute of the head-repeat ops.
-fn check_heads(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(TensorTy, i64), String> {
+/// Checks `[b, s, h * d]` and the `times` and `head_dim` attributes of the head-repeat ops;
+/// returns `x`, `times` and `h`.
+fn check_heads(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(TensorTy, i64, i64), String> {
     arity(inputs, 1)?;
     let x = inputs[0];
     float("x", x)?;
-    rank_is("x", x, 4)?;
-    Ok((x.clone(), positive("times", attrs.int("times")?)?))
+    rank_is("x", x, 3)?;
+    let d = positive("head_dim", attrs.int("head_dim")?)?;
+    if x.shape[2] % d != 0 {
+        return Err(format!("the features of {x} are not whole heads of head_dim = {d}"));
+    }
+    Ok((x.clone(), positive("times", attrs.int("times")?)?, x.shape[2] / d))
 }
 
-/// `y[b, j, s, :] = x[b, j / times, s, :]`: each head repeated `times` times in place, so
+/// `y[b, s, head j] = x[b, s, head j / times]`: each head repeated `times` times in place, so
 /// grouped key/value heads line up with the query heads (what tensor parallelism needs when
 /// it cannot split the key/value heads themselves).
 #[derive(Debug)]
@@ -344,18 +254,18 @@ impl OpDef for RepeatHeads {
         repeat_launch(cx.inputs[0], &cx.outputs[0], cx.attrs, false)
     }
     fn summary(&self) -> &'static str {
-        "[b, h, s, d] -> [b, h*times, s, d], head j reads head j / times"
+        "[b, s, h*d] -> [b, s, h*times*d], head j reads head j / times"
     }
     fn signature(&self) -> Signature {
         Signature {
             operands: &[Slot { name: "x", constraint: "T" }],
             results: &[Slot { name: "y", constraint: "U" }],
-            attrs: &[("times", AttrKind::Int)],
+            attrs: &[("times", AttrKind::Int), ("head_dim", AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
-        let (x, times) = check_heads(inputs, attrs)?;
-        Ok(vec![TensorTy::new([x.shape[0], x.shape[1] * times, x.shape[2], x.shape[3]], x.dtype)])
+        let (x, times, _) = check_heads(inputs, attrs)?;
+        Ok(vec![TensorTy::new([x.shape[0], x.shape[1], x.shape[2] * times], x.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }
@@ -363,8 +273,8 @@ impl OpDef for RepeatHeads {
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
         // Batch free; the input heads stay whole; the output heads (their own factor) are
         // sliced by whoever needs them split.
-        let factors = vec![FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked];
-        ShardingRule { operands: vec![vec![0, 1, 2, 3]], results: vec![vec![0, 4, 2, 3]], factors, linearity: Linearity::Sum }
+        let factors = vec![FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked];
+        ShardingRule { operands: vec![vec![0, 1, 2]], results: vec![vec![0, 1, 3]], factors, linearity: Linearity::Sum }
     }
     fn differentiable(&self) -> bool {
         true
@@ -375,7 +285,7 @@ impl OpDef for RepeatHeads {
     }
 }
 
-/// `y[b, i, s, :] = sum over k < times of x[b, i * times + k, s, :]`: the transpose of
+/// `y[b, s, head i] = sum over k < times of x[b, s, head i * times + k]`: the transpose of
 /// [`RepeatHeads`].
 #[derive(Debug)]
 pub struct SumHeads;
@@ -388,28 +298,28 @@ impl OpDef for SumHeads {
         repeat_launch(&cx.outputs[0], cx.inputs[0], cx.attrs, true)
     }
     fn summary(&self) -> &'static str {
-        "[b, h*times, s, d] -> [b, h, s, d], summing each group of times heads"
+        "[b, s, h*times*d] -> [b, s, h*d], summing each group of times heads"
     }
     fn signature(&self) -> Signature {
         Signature {
             operands: &[Slot { name: "x", constraint: "T" }],
             results: &[Slot { name: "y", constraint: "U" }],
-            attrs: &[("times", AttrKind::Int)],
+            attrs: &[("times", AttrKind::Int), ("head_dim", AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
-        let (x, times) = check_heads(inputs, attrs)?;
-        if x.shape[1] % times != 0 {
-            return Err(format!("{} heads do not form groups of {times}", x.shape[1]));
+        let (x, times, heads) = check_heads(inputs, attrs)?;
+        if heads % times != 0 {
+            return Err(format!("{heads} heads do not form groups of {times}"));
         }
-        Ok(vec![TensorTy::new([x.shape[0], x.shape[1] / times, x.shape[2], x.shape[3]], x.dtype)])
+        Ok(vec![TensorTy::new([x.shape[0], x.shape[1], x.shape[2] / times], x.dtype)])
     }
     fn flops_per_element(&self) -> f64 {
         1.0
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        let factors = vec![FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked];
-        ShardingRule { operands: vec![vec![0, 1, 2, 3]], results: vec![vec![0, 4, 2, 3]], factors, linearity: Linearity::Sum }
+        let factors = vec![FactorKind::Free, FactorKind::Blocked, FactorKind::Blocked, FactorKind::Blocked];
+        ShardingRule { operands: vec![vec![0, 1, 2]], results: vec![vec![0, 1, 3]], factors, linearity: Linearity::Sum }
     }
     fn differentiable(&self) -> bool {
         true
@@ -421,31 +331,7 @@ impl OpDef for SumHeads {
 }
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
-const HEADS_CUDA: &str = r#"// [b, s, h*d] -> [b, h, s, d] (split) or back: each row of d elements moves whole, as `units`
-// units of `unit` elements (16 bytes when rows allow, see heads_launch), so a warp copies
-// whole 128-byte lines; indices in 32 bits when they fit (a 64-bit division per element
-// made this a 0.4 TB/s copy on an H200).
-template <class U, class I>
-__device__ __forceinline__ void heads_copy(U* y, const U* x, I b, I h, I s, I units, bool split) {
-  I n = b * h * s * units;
-  for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)blockDim.x * gridDim.x) {
-    I row = i / units, c = i - row * units, src;
-    if (split) { I si = row % s, bh = row / s, hi = bh % h, bi = bh / h; src = (bi * s + si) * h + hi; }
-    else { I hi = row % h, bs = row / h, si = bs % s, bi = bs / s; src = (bi * h + hi) * s + si; }
-    y[i] = x[src * units + c];
-  }
-}
-struct alignas(16) shardc_chunk16 { unsigned w[4]; };
-extern "C" __global__ void split_heads(T* y, const T* x, i64 b, i64 h, i64 s, i64 d, i64 split) {
-  bool wide = (d * (i64)sizeof(T)) % 16 == 0 && (((unsigned long long)x | (unsigned long long)y) & 15) == 0;
-  i64 units = wide ? d * (i64)sizeof(T) / 16 : d;
-  bool narrow_index = b * h * s * units + (i64)blockDim.x * gridDim.x < 2147483647LL;
-  if (wide && narrow_index) heads_copy<shardc_chunk16, unsigned>((shardc_chunk16*)y, (const shardc_chunk16*)x, (unsigned)b, (unsigned)h, (unsigned)s, (unsigned)units, split != 0);
-  else if (wide) heads_copy<shardc_chunk16, i64>((shardc_chunk16*)y, (const shardc_chunk16*)x, b, h, s, units, split != 0);
-  else if (narrow_index) heads_copy<T, unsigned>(y, x, (unsigned)b, (unsigned)h, (unsigned)s, (unsigned)units, split != 0);
-  else heads_copy<T, i64>(y, x, b, h, s, units, split != 0);
-}
-// [outer, n, inner] reordered along n into zigzag order of `chunks` chunks, or back.
+const HEADS_CUDA: &str = r#"// [outer, n, inner] reordered along n into zigzag order of `chunks` chunks, or back.
 #define ZIGZAG_BODY \
   GRID_STRIDE(i, outer * n * inner) { \
     i64 o = i / (n * inner), p = (i / inner) % n, c = i % inner; \
@@ -463,7 +349,8 @@ extern "C" __global__ void slice_pad(T* y, const T* x, i64 outer, i64 full, i64 
     else y[i] = x[(o * full + start + a) * inner + e];
   }
 }
-// Each of `heads` heads copied `times` times, or (sum) each group of `times` heads summed in order.
+// Each of `heads` heads of `block` values in each of `b` rows copied `times` times, or (sum)
+// each group of `times` heads summed in order.
 extern "C" __global__ void repeat_heads(T* y, const T* x, i64 b, i64 heads, i64 times, i64 block, i64 sum) {
   if (sum) {
     GRID_STRIDE(i, b * heads * block) {
@@ -481,17 +368,6 @@ extern "C" __global__ void repeat_heads(T* y, const T* x, i64 b, i64 heads, i64 
 }
 "#;
 
-/// `split_heads`/`merge_heads` as one permutation kernel; `heads` is the `[b, h, s, d]` side.
-fn heads_launch(heads: &TensorTy, out: &TensorTy, split: bool) -> Result<DeviceKernel, String> {
-    let h = dims(heads);
-    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(h[0] as i64), Arg::Int(h[1] as i64), Arg::Int(h[2] as i64), Arg::Int(h[3] as i64), Arg::Int(split as i64)];
-    // A thread per 16 bytes where rows are whole 16-byte units (the kernel checks alignment
-    // too, and falls back to an element per thread over the same grid-stride loop).
-    let unit = (16 / heads.dtype.bytes().max(1)).max(1);
-    let threads = if h[3] % unit == 0 { elements(out) / unit } else { elements(out) };
-    Ok(DeviceKernel::Launches(vec![flat("split_heads", HEADS_CUDA, threads, args)]))
-}
-
 /// `slice` (`full` is the operand) or `pad` (`full` is the result) along `axis`.
 fn slice_pad_launch(full: &TensorTy, part: &TensorTy, attrs: &Attrs, pad: bool) -> Result<DeviceKernel, String> {
     let axis = attrs.int("axis")? as usize;
@@ -505,8 +381,10 @@ fn slice_pad_launch(full: &TensorTy, part: &TensorTy, attrs: &Attrs, pad: bool) 
 /// `repeat_heads` (`small` is the operand) or `sum_heads` (`small` is the result).
 fn repeat_launch(small: &TensorTy, large: &TensorTy, attrs: &Attrs, sum: bool) -> Result<DeviceKernel, String> {
     let times = attrs.int("times")?.max(1);
+    let d = positive("head_dim", attrs.int("head_dim")?)? as usize;
     let s = dims(small);
-    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(s[0] as i64), Arg::Int(s[1] as i64), Arg::Int(times), Arg::Int((s[2] * s[3]) as i64), Arg::Int(sum as i64)];
+    // Rows of the sequence, each `heads` heads of d.
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int((s[0] * s[1]) as i64), Arg::Int((s[2] / d) as i64), Arg::Int(times), Arg::Int(d as i64), Arg::Int(sum as i64)];
     Ok(DeviceKernel::Launches(vec![flat("repeat_heads", HEADS_CUDA, elements(if sum { small } else { large }), args)]))
 }
 

@@ -24,11 +24,11 @@ mod rope;
 use crate::attrs::Attrs;
 use crate::types::{DType, TensorTy};
 
-pub use attention::{stats_dtype, Attention, AttentionBlock, AttentionBlockGrad, AttentionGrad, AttentionMerge, RING_STEP_ATTR};
+pub use attention::{attention_stats, stats_dtype, Attention, AttentionBlock, AttentionBlockGrad, AttentionGrad, AttentionMerge, RING_STEP_ATTR};
 pub use cast::Cast;
 pub use elementwise::{Activation, ActivationGrad, Add, Mul, Scale, Swiglu, SwigluGrad, GELU, GELU_GRAD, SILU, SILU_GRAD};
 pub use embedding::{Embedding, EmbeddingGrad};
-pub use heads::{zigzag_of, zigzag_position, zigzag_row, MergeHeads, Pad, RepeatHeads, Slice, SplitHeads, SumHeads, Zigzag, ZIGZAG_ATTR};
+pub use heads::{zigzag_of, zigzag_position, zigzag_row, Pad, RepeatHeads, Slice, SumHeads, Zigzag, ZIGZAG_ATTR};
 pub use loss::{CrossEntropy, CrossEntropyFinish, CrossEntropyGrad, CrossEntropyGradShard, CrossEntropyStats, RowMax};
 pub use matmul::{MatMul, MatMulWeightGrad};
 pub use moe::{ExpertMatMul, ExpertMatMulWeightGrad, MoeAuxLoss, MoeAuxLossGrad, MoeCollect, MoeCombine, MoeCombineGrad, MoeDispatch, MoeRoute, MoeRouteGrad, MoeSlots};
@@ -54,8 +54,6 @@ pub static REGISTRY: &[&dyn OpDef] = &[
     &LayerNorm,
     &RmsNorm,
     &Rope,
-    &SplitHeads,
-    &MergeHeads,
     &Slice,
     &RepeatHeads,
     &Zigzag,

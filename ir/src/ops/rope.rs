@@ -1,18 +1,19 @@
 //! `xf.rope`: rotary position embedding, and `xf.rope_grad`, its transpose.
 
 use crate::kernel::{dims, flat, Arg, DeviceKernel, KernelCx};
-use super::{arity, float, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
+use super::{arity, float, positive, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
 use crate::sharding::{Linearity, ShardingRule};
 use crate::types::TensorTy;
 
 /// Rotary position embedding in the rotate-half layout (Hugging Face Llama):
-/// for `x[b, head, pos, :]` with head dimension `d`, `i < d/2` and
+/// for each head `x[b, pos, head * d .. (head + 1) * d]` with head dimension `d`, `i < d/2` and
 /// `angle = pos * theta^(-2i/d)`:
 /// `y[i] = x[i] cos(angle) - x[i + d/2] sin(angle)`,
 /// `y[i + d/2] = x[i + d/2] cos(angle) + x[i] sin(angle)`.
-/// Operates on split heads `[batch, heads, seq, head_dim]`; positions are `0..seq`.
+/// Operates on the projection `[batch, seq, heads * head_dim]` (`head_dim` an attribute, as
+/// attention's); positions are `0..seq`.
 #[derive(Debug)]
 pub struct Rope;
 
@@ -24,13 +25,13 @@ impl OpDef for Rope {
         rope_launch(cx, 1.0)
     }
     fn summary(&self) -> &'static str {
-        "rotary position embedding (rotate-half) on [batch, heads, seq, head_dim]"
+        "rotary position embedding (rotate-half) on each head of [batch, seq, heads * head_dim]"
     }
     fn signature(&self) -> Signature {
         Signature {
             operands: &[Slot { name: "x", constraint: "T" }],
             results: &[Slot { name: "y", constraint: "T" }],
-            attrs: &[("theta", AttrKind::Float)],
+            attrs: &[("theta", AttrKind::Float), ("head_dim", AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
@@ -48,13 +49,14 @@ impl OpDef for Rope {
         Ok(vec![Some(cx.emit("xf.rope_grad", &[grads[0]], attrs)?)])
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        // Batch, heads and positions free (split positions, under context parallelism, offset
-        // the angles by the rank's part: see `position_factor`); the rotated pairs stay
-        // whole. A rotation is linear.
-        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(3)
+        // Batch, positions and features free (split positions, under context parallelism,
+        // offset the angles by the rank's part: see `position_factor`; the features split
+        // into whole heads, which `head_dim` checks, so the rotated pairs stay whole). A
+        // rotation is linear.
+        ShardingRule::elementwise(3, 1, 1, Linearity::Sum)
     }
     fn position_factor(&self) -> Option<usize> {
-        Some(2)
+        Some(1)
     }
 }
 
@@ -77,7 +79,7 @@ impl OpDef for RopeGrad {
         Signature {
             operands: &[Slot { name: "dy", constraint: "T" }],
             results: &[Slot { name: "dx", constraint: "T" }],
-            attrs: &[("theta", AttrKind::Float)],
+            attrs: &[("theta", AttrKind::Float), ("head_dim", AttrKind::Int)],
         }
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
@@ -87,13 +89,14 @@ impl OpDef for RopeGrad {
         3.0
     }
     fn sharding_rule(&self, _inputs: &[&TensorTy], _attrs: &Attrs) -> ShardingRule {
-        // Batch, heads and positions free (split positions, under context parallelism, offset
-        // the angles by the rank's part: see `position_factor`); the rotated pairs stay
-        // whole. A rotation is linear.
-        ShardingRule::elementwise(4, 1, 1, Linearity::Sum).block(3)
+        // Batch, positions and features free (split positions, under context parallelism,
+        // offset the angles by the rank's part: see `position_factor`; the features split
+        // into whole heads, which `head_dim` checks, so the rotated pairs stay whole). A
+        // rotation is linear.
+        ShardingRule::elementwise(3, 1, 1, Linearity::Sum)
     }
     fn position_factor(&self) -> Option<usize> {
-        Some(2)
+        Some(1)
     }
 }
 
@@ -103,9 +106,13 @@ fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, Stri
         arity(inputs, 1)?;
         let x = inputs[0];
         float("x", x)?;
-        rank_is("x", x, 4)?;
-        if x.shape[3] % 2 != 0 {
-            return Err(format!("head dimension of {x} must be even for rotary embedding"));
+        rank_is("x", x, 3)?;
+        let d = positive("head_dim", attrs.int("head_dim")?)?;
+        if d % 2 != 0 {
+            return Err(format!("head_dim = {d} must be even for rotary embedding"));
+        }
+        if x.shape[2] % d != 0 {
+            return Err(format!("the features of {x} are not whole heads of head_dim = {d}"));
         }
         let theta = attrs.float("theta")?;
         if !(theta > 0.0 && theta.is_finite()) {
@@ -116,13 +123,14 @@ fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, Stri
 }
 
 /// CUDA C of this file's ops (see [`crate::kernel`]).
-const ROPE_CUDA: &str = r#"// Rotary embedding on [planes, s, d] (rotate-half pairs (i, i + d/2)); sign -1 rotates back.
-// `offset` is the index of this rank's first row (context parallelism; 0 otherwise), in a
-// sequence of `len` rows held in zigzag order of `chunks` chunks (1: the natural order).
-extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, double theta, double sign, i64 offset, i64 chunks, i64 len) {
+const ROPE_CUDA: &str = r#"// Rotary embedding on [b, s, h * d], each head's rotate-half pairs (i, i + d/2); sign -1
+// rotates back. `offset` is the index of this rank's first row (context parallelism; 0
+// otherwise), in a sequence of `len` rows held in zigzag order of `chunks` chunks (1: the
+// natural order).
+extern "C" __global__ void rope(T* y, const T* x, i64 b, i64 s, i64 h, i64 d, double theta, double sign, i64 offset, i64 chunks, i64 len) {
   i64 half = d / 2;
-  GRID_STRIDE(p, planes * s * half) {
-    i64 i = p % half, pos = zigzag_position(offset + (p / half) % s, len, chunks), base = (p / half) * d;
+  GRID_STRIDE(p, b * s * h * half) {
+    i64 i = p % half, pos = zigzag_position(offset + (p / (half * h)) % s, len, chunks), base = (p / half) * d;
     double angle = (double)pos * pow(theta, -2.0 * (double)i / (double)d);
     acc_t c = (acc_t)cos(angle), sn = (acc_t)(sign * sin(angle));
     acc_t a = load(x[base + i]), b = load(x[base + i + half]);
@@ -132,13 +140,14 @@ extern "C" __global__ void rope(T* y, const T* x, i64 planes, i64 s, i64 d, doub
 }
 "#;
 
-/// Rotary embedding (`sign` 1) or its inverse (-1) over `[b, h, s, d]`.
+/// Rotary embedding (`sign` 1) or its inverse (-1) over `[b, s, h * d]`.
 fn rope_launch(cx: &KernelCx<'_>, sign: f64) -> Result<DeviceKernel, String> {
     let x = dims(cx.inputs[0]);
-    let (planes, s, d) = (x[0] * x[1], x[2], x[3]);
-    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(planes as i64), Arg::Int(s as i64), Arg::Int(d as i64), Arg::Float(cx.attrs.float("theta")?), Arg::Float(sign), Arg::RankOffset];
+    let d = positive("head_dim", cx.attrs.int("head_dim")?)? as usize;
+    let (b, s, h) = (x[0], x[1], x[2] / d);
+    let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(b as i64), Arg::Int(s as i64), Arg::Int(h as i64), Arg::Int(d as i64), Arg::Float(cx.attrs.float("theta")?), Arg::Float(sign), Arg::RankOffset];
     let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
     let mut args = args;
     args.extend([Arg::Int(chunks as i64), Arg::Int(len as i64)]);
-    Ok(DeviceKernel::Launches(vec![flat("rope", ROPE_CUDA, planes * s * (d / 2), args)]))
+    Ok(DeviceKernel::Launches(vec![flat("rope", ROPE_CUDA, b * s * h * (d / 2), args)]))
 }

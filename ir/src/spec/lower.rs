@@ -99,11 +99,11 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         let q = cx.linear(normed, h, heads * head_dim, &format!("{p}.attn.q"), ParamKind::Column)?;
         let k = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.k"), ParamKind::KeyValue)?;
         let val = cx.linear(normed, h, kv_heads * head_dim, &format!("{p}.attn.v"), ParamKind::KeyValue)?;
-        let mut q = cx.split_heads(q, heads, &format!("{p}.attn.q.heads"))?;
-        let mut k = cx.split_heads(k, kv_heads, &format!("{p}.attn.k.heads"))?;
-        let val = cx.split_heads(val, kv_heads, &format!("{p}.attn.v.heads"))?;
+        // Heads stay side by side in the features ([b, s, heads * head_dim]): rotary
+        // embedding and attention read each at a row stride, as FlashAttention does.
+        let (mut q, mut k) = (q, k);
         if m.positions == Positions::Rope {
-            let theta = order(attrs(&[("theta", AttrValue::Float(m.rope_theta))]));
+            let theta = order(attrs(&[("theta", AttrValue::Float(m.rope_theta)), ("head_dim", AttrValue::Int(head_dim))]));
             q = cx.fb.op("xf.rope", &[q], theta.clone(), &format!("{p}.attn.q.rope"))?;
             k = cx.fb.op("xf.rope", &[k], theta, &format!("{p}.attn.k.rope"))?;
         }
@@ -112,11 +112,10 @@ fn forward(spec: &Spec, shape: StepShape, with_loss: bool) -> Result<Func, Lower
         let core = cx.fb.op_multi(
             "xf.attention",
             &[q, k, val],
-            order(attrs(&[("causal", AttrValue::Bool(true)), ("scale", AttrValue::Float(scale))])),
+            order(attrs(&[("causal", AttrValue::Bool(true)), ("scale", AttrValue::Float(scale)), ("head_dim", AttrValue::Int(head_dim))])),
             &format!("{p}.attn.core"),
         )?[0];
-        let merged = cx.fb.op("xf.merge_heads", &[core], Attrs::new(), &format!("{p}.attn.merge_heads"))?;
-        let out = cx.linear(merged, heads * head_dim, h, &format!("{p}.attn.out"), ParamKind::Row)?;
+        let out = cx.linear(core, heads * head_dim, h, &format!("{p}.attn.out"), ParamKind::Row)?;
         x = cx.residual(x, out, &format!("{p}.attn.residual"))?;
 
         // MLP block: x + down(act(up(x))), or a mixture of experts.
@@ -299,7 +298,4 @@ impl LayerCx<'_> {
         Ok((out, aux))
     }
 
-    fn split_heads(&mut self, x: Value, heads: i64, name: &str) -> Result<Value, LowerError> {
-        self.fb.op("xf.split_heads", &[x], attrs(&[("heads", AttrValue::Int(heads))]), name)
-    }
 }

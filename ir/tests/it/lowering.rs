@@ -49,9 +49,13 @@ fn layer_structure_is_named() {
     let locs: Vec<&str> = forward.ops.iter().map(|o| o.loc.as_str()).collect();
     assert!(locs.contains(&"layers.0.attn.q.rope"));
     assert!(locs.contains(&"layers.1.attn.core"));
-    // Grouped-query attention: k has kv_heads = 2 heads of 4.
-    let k = forward.ops.iter().find(|o| o.loc == "layers.0.attn.k.heads").unwrap();
-    assert_eq!(forward.tensor(k.results[0]).unwrap().shape, vec![2, 2, 8, 4]);
+    // Grouped-query attention: k has kv_heads = 2 heads of 4 side by side, which the
+    // attention reads as they are.
+    let k = forward.ops.iter().find(|o| o.loc == "layers.0.attn.k.rope").unwrap();
+    assert_eq!(forward.tensor(k.results[0]).unwrap().shape, vec![2, 8, 2 * 4]);
+    let core = forward.ops.iter().find(|o| o.loc == "layers.0.attn.core").unwrap();
+    assert_eq!(core.attrs.int("head_dim"), Ok(4));
+    assert!(!forward.ops.iter().any(|o| o.name.ends_with("_heads")), "a copy between the projections and attention");
 }
 
 #[test]

@@ -35,12 +35,18 @@ fn matmul_shapes_and_flops() {
 
 #[test]
 fn attention_accepts_grouped_kv_heads() {
-    let attrs = Attrs::new().with("causal", AttrValue::Bool(true)).with("scale", AttrValue::Float(0.5));
-    let out = infer("xf.attention", &[t(&[2, 8, 16, 4]), t(&[2, 2, 16, 4]), t(&[2, 2, 16, 4])], attrs.clone()).unwrap();
-    // The output, and its rows' log-sum-exp for the backward.
-    assert_eq!(out, vec![t(&[2, 8, 16, 4]), t(&[2, 8, 16])]);
-    let err = infer("xf.attention", &[t(&[2, 8, 16, 4]), t(&[2, 3, 16, 4]), t(&[2, 3, 16, 4])], attrs).unwrap_err();
+    // Heads side by side in the features: q [b, s, 8 heads x 4], k and v 2 heads.
+    let attrs = Attrs::new().with("causal", AttrValue::Bool(true)).with("scale", AttrValue::Float(0.5)).with("head_dim", AttrValue::Int(4));
+    let out = infer("xf.attention", &[t(&[2, 16, 32]), t(&[2, 16, 8]), t(&[2, 16, 8])], attrs.clone()).unwrap();
+    // The output, and its rows' log-sum-exp ([b, heads, s]) for the backward.
+    assert_eq!(out, vec![t(&[2, 16, 32]), t(&[2, 8, 16])]);
+    let err = infer("xf.attention", &[t(&[2, 16, 32]), t(&[2, 16, 12]), t(&[2, 16, 12])], attrs.clone()).unwrap_err();
     assert!(err.contains("multiple of kv heads"), "{err}");
+    // Features that are not whole heads are refused by name.
+    let err = infer("xf.attention", &[t(&[2, 16, 30]), t(&[2, 16, 8]), t(&[2, 16, 8])], attrs.clone()).unwrap_err();
+    assert!(err.contains("not whole heads of head_dim = 4"), "{err}");
+    let err = infer("xf.attention", &[t(&[2, 16, 32]), t(&[2, 16, 8]), t(&[2, 16, 8])], attrs.with("head_dim", AttrValue::Int(0))).unwrap_err();
+    assert!(err.contains("head_dim"), "{err}");
 }
 
 #[test]
@@ -52,12 +58,15 @@ fn broadcasting_add_needs_trailing_dims() {
 }
 
 #[test]
-fn heads_round_trip_shapes() {
-    let split = infer("xf.split_heads", &[t(&[2, 8, 12])], Attrs::new().with("heads", AttrValue::Int(3))).unwrap();
-    assert_eq!(split, vec![t(&[2, 3, 8, 4])]);
-    assert_eq!(infer("xf.merge_heads", &split, Attrs::new()).unwrap(), vec![t(&[2, 8, 12])]);
-    let err = infer("xf.split_heads", &[t(&[2, 8, 12])], Attrs::new().with("heads", AttrValue::Int(5))).unwrap_err();
-    assert!(err.contains("not divisible"), "{err}");
+fn head_repeats_round_trip_shapes() {
+    let attrs = Attrs::new().with("times", AttrValue::Int(3)).with("head_dim", AttrValue::Int(4));
+    let repeated = infer("xf.repeat_heads", &[t(&[2, 8, 8])], attrs.clone()).unwrap();
+    assert_eq!(repeated, vec![t(&[2, 8, 24])]);
+    assert_eq!(infer("xf.sum_heads", &repeated, attrs.clone()).unwrap(), vec![t(&[2, 8, 8])]);
+    let err = infer("xf.sum_heads", &[t(&[2, 8, 8])], attrs.clone()).unwrap_err();
+    assert!(err.contains("groups of 3"), "{err}");
+    let err = infer("xf.repeat_heads", &[t(&[2, 8, 10])], attrs).unwrap_err();
+    assert!(err.contains("not whole heads"), "{err}");
 }
 
 #[test]
@@ -81,9 +90,12 @@ fn ids_must_be_integers() {
 #[test]
 fn wrong_arity_and_missing_attributes_are_errors() {
     assert!(infer("xf.gelu", &[], Attrs::new()).unwrap_err().contains("expects 1 operands"));
-    assert!(infer("xf.rope", &[t(&[1, 2, 3, 4])], Attrs::new()).unwrap_err().contains("theta"));
-    let odd = infer("xf.rope", &[t(&[1, 2, 3, 5])], Attrs::new().with("theta", AttrValue::Float(1e4))).unwrap_err();
+    let rope = |head_dim: i64| Attrs::new().with("theta", AttrValue::Float(1e4)).with("head_dim", AttrValue::Int(head_dim));
+    assert!(infer("xf.rope", &[t(&[1, 3, 8])], Attrs::new().with("head_dim", AttrValue::Int(4))).unwrap_err().contains("theta"));
+    assert!(infer("xf.rope", &[t(&[1, 3, 8])], Attrs::new().with("theta", AttrValue::Float(1e4))).unwrap_err().contains("head_dim"));
+    let odd = infer("xf.rope", &[t(&[1, 3, 10])], rope(5)).unwrap_err();
     assert!(odd.contains("even"), "{odd}");
+    assert!(infer("xf.rope", &[t(&[1, 3, 10])], rope(4)).unwrap_err().contains("not whole heads"));
 }
 
 #[test]

@@ -55,10 +55,7 @@ pub(super) fn emit(func: &Func, egraph: &Graph, choice: &HashMap<Id, SymbolLang>
             }
             Kind::Xf { name, attrs, loc } => {
                 let types = result_types(egraph, node).ok_or_else(|| format!("{}: `{name}` has no result types", tables.locs[*loc].0))?;
-                let mut attrs = tables.attrs[*attrs].clone();
-                if name == "xf.split_heads" {
-                    attrs = attrs.with("heads", AttrValue::Int(types[0].shape[1]));
-                }
+                let attrs = tables.attrs[*attrs].clone();
                 fb.set_origin(tables.locs[*loc].1);
                 fb.op_typed(name, &kids, attrs, types.into_iter().map(Type::Tensor).collect(), &tables.locs[*loc].0)
             }

@@ -243,10 +243,7 @@ pub(super) fn commute_gather(egraph: &Graph, here: Id, node: &SymbolLang, name: 
                     t
                 })
                 .collect();
-            let mut local_attrs = tables.attrs[attrs].clone();
-            if name == "xf.split_heads" {
-                local_attrs = local_attrs.with("heads", AttrValue::Int(expected[0].shape[1]));
-            }
+            let local_attrs = tables.attrs[attrs].clone();
             let refs: Vec<&TensorTy> = types.iter().collect();
             if def.infer(&refs, &local_attrs).ok() != Some(expected.clone()) {
                 continue;

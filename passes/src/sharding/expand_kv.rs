@@ -32,12 +32,14 @@ impl Pass for ExpandKvHeads {
         let mut i = 0;
         while i < func.ops.len() {
             let op = func.ops[i].clone();
-            let heads = |v: Option<&Value>| v.and_then(|v| func.tensor(*v)).and_then(|t| t.shape.get(1).copied());
+            // Heads are whole `head_dim`s of the features, `[b, s, heads * head_dim]`.
+            let head_dim = op.attrs.int("head_dim").unwrap_or(0);
+            let heads = |v: Option<&Value>| v.and_then(|v| func.tensor(*v)).and_then(|t| t.shape.get(2).copied()).filter(|_| head_dim > 0).map(|width| width / head_dim);
             let (Some(hq), Some(hk)) = (heads(op.operands.first()), heads(op.operands.get(1))) else {
                 i += 1;
                 continue;
             };
-            if op.name != "xf.attention" || hk % self.tp == 0 || hq == hk {
+            if op.name != "xf.attention" || hk == 0 || hk % self.tp == 0 || hq == hk {
                 i += 1;
                 continue;
             }
@@ -49,7 +51,7 @@ impl Pass for ExpandKvHeads {
                     pass: "expand-kv-heads".into(),
                     message: format!("{}: the {what} operand of the attention is not a tensor", op.loc),
                 })?;
-                let repeated = TensorTy::new([t.shape[0], hq, t.shape[2], t.shape[3]], t.dtype);
+                let repeated = TensorTy::new([t.shape[0], t.shape[1], hq * head_dim], t.dtype);
                 func.types.push(Type::Tensor(repeated));
                 let value = Value(func.types.len() as u32 - 1);
                 let loc = format!("{}.{what}.repeat", op.loc.trim_end_matches(".core"));
@@ -57,7 +59,7 @@ impl Pass for ExpandKvHeads {
                     name: "xf.repeat_heads".into(),
                     operands: vec![source],
                     results: vec![value],
-                    attrs: Attrs::new().with("times", AttrValue::Int(times)),
+                    attrs: Attrs::new().with("times", AttrValue::Int(times)).with("head_dim", AttrValue::Int(head_dim)),
                     loc,
                     origin: op.origin,
                 };

@@ -348,12 +348,6 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
             attrs = attrs.with("xf.seq_split_axes", AttrValue::axes(axes));
         }
         match op.name.as_str() {
-            // The head count is a per-rank size.
-            "xf.split_heads" => {
-                if let Some(Type::Tensor(t)) = types.first() {
-                    attrs = attrs.with("heads", AttrValue::Int(t.shape[1]));
-                }
-            }
             // A split batch leaves each rank's mean partial: divide by the global count.
             "xf.cross_entropy" | "xf.cross_entropy_grad" => {
                 let logits = func.tensor(op.operands[0]).ok_or("non-tensor logits")?;

@@ -113,7 +113,7 @@ impl Pass for RingAttention {
 fn gathered_over_cp(func: &Func, producer: &HashMap<Value, usize>, value: Value) -> Option<Value> {
     let op = &func.ops[*producer.get(&value)?];
     let over_cp = op.attrs.axes("grid_axes").ok()? == [CP];
-    (op.name == "shard.all_gather" && over_cp && op.attrs.index("gather_axis") == Ok(2)).then(|| op.operands[0])
+    (op.name == "shard.all_gather" && over_cp && op.attrs.index("gather_axis") == Ok(1)).then(|| op.operands[0])
 }
 
 /// The reduce-scatter over cp along the sequence that is `value`'s only reader, if it is.
@@ -121,7 +121,7 @@ fn scattered_over_cp(func: &Func, readers: &HashMap<Value, Vec<usize>>, value: V
     let [reader] = readers.get(&value)?.as_slice() else { return None };
     let op = &func.ops[*reader];
     let over_cp = op.attrs.axes("grid_axes").ok()? == [CP];
-    (op.name == "shard.reduce_scatter" && over_cp && op.attrs.index("scatter_axis") == Ok(2)).then_some(*reader)
+    (op.name == "shard.reduce_scatter" && over_cp && op.attrs.index("scatter_axis") == Ok(1)).then_some(*reader)
 }
 
 /// Whether the ring is cheaper than the gathers for the attention `op` of queries `q` and
@@ -135,7 +135,7 @@ fn ring_is_cheaper(cluster: &Cluster, grid: &[i64], op: &Op, q: &TensorTy, block
     let axes = [CP as usize];
     let gathered = 2.0 * cluster.time(Collective::AllGather, bytes * n, grid, &axes) + 2.0 * cluster.time(Collective::ReduceScatter, bytes * n, grid, &axes);
     let pair = cluster.time(Collective::Send, 2.0 * bytes, grid, &axes);
-    let stats = TensorTy::new(q.shape[..3.min(q.shape.len())].to_vec(), shardc_ir::ops::stats_dtype(q));
+    let Ok(stats) = shardc_ir::ops::attention_stats(&[q, block, block], &op.attrs) else { return false };
     let attrs = op.attrs.clone().with(shardc_ir::ops::RING_STEP_ATTR, AttrValue::Int(0));
     let time = |name: &str, inputs: &[&TensorTy], outputs: &[TensorTy]| shardc_ir::ops::lookup(name).map_or(0.0, |def| cluster.op_time(def, inputs, outputs, &attrs));
     let forward = time("xf.attention_block", &[q, block, block], &[q.clone(), stats.clone()]);
@@ -319,7 +319,7 @@ impl Emitter<'_> {
 
     fn block_attrs(&self, step: usize) -> Attrs {
         let mut attrs = Attrs::new();
-        for name in ["causal", "scale", "xf.seq_split_axes", shardc_ir::ops::ZIGZAG_ATTR] {
+        for name in ["causal", "scale", "head_dim", "xf.seq_split_axes", shardc_ir::ops::ZIGZAG_ATTR] {
             if let Some(v) = self.origin.attrs.get(name) {
                 attrs = attrs.with(name, v.clone());
             }
@@ -328,8 +328,10 @@ impl Emitter<'_> {
     }
 
     fn stats_type(&self, q: Value) -> Type {
+        // The forward's own statistics type (it depends on the queries alone).
         let q = self.func.tensor(q).cloned().unwrap_or_else(|| TensorTy::new([0i64; 0], shardc_ir::DType::F32));
-        Type::Tensor(TensorTy::new(q.shape[..3.min(q.shape.len())].to_vec(), shardc_ir::ops::stats_dtype(&q)))
+        let stats = shardc_ir::ops::attention_stats(&[&q, &q], &self.origin.attrs).unwrap_or_else(|_| TensorTy::new([0i64; 0], shardc_ir::ops::stats_dtype(&q)));
+        Type::Tensor(stats)
     }
 
     /// Step `t` attends to the block it holds while the next block is on its way.

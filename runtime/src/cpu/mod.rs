@@ -635,20 +635,20 @@ pub fn ring_source(instr: &Instr, (part, parts): (usize, usize)) -> Result<usize
 }
 
 /// The sequence row of the first key a ring-attention step holds: its source part's first
-/// row (its key block, dimension 2 of operand 1, being one part).
+/// row (its key block, dimension 1 of operand 1, being one part).
 pub fn ring_key_offset(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> Result<usize, String> {
-    let keys = instr.inputs.get(1).and_then(|&k| program.buffers[k].shape.get(2).copied()).ok_or_else(|| format!("`{}` has no key block", instr.op))?;
+    let keys = instr.inputs.get(1).and_then(|&k| program.buffers[k].shape.get(1).copied()).ok_or_else(|| format!("`{}` has no key block", instr.op))?;
     Ok(ring_source(instr, seq_part(instr, mesh, rank))? * keys)
 }
 
 /// For an op that reads sequence positions split over its `xf.seq_split_axes` (see
 /// `OpDef::position_factor`): the position of this rank's first row, its place in the group
-/// times the rows of its part (dimension 2 of its first operand, `[batch, heads, seq, ..]`).
+/// times the rows of its part (dimension 1 of its first operand, `[batch, seq, heads * head_dim]`).
 pub fn seq_offset(instr: &Instr, program: &Program, mesh: &MeshShape, rank: usize) -> usize {
     let Some(&first) = instr.inputs.first() else { return 0 };
     match seq_part(instr, mesh, rank).0 {
         0 => 0,
-        part => part * program.buffers[first].shape.get(2).copied().unwrap_or(0),
+        part => part * program.buffers[first].shape.get(1).copied().unwrap_or(0),
     }
 }
 

@@ -17,6 +17,39 @@ fn attention_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out
     attention_grad::<T>(instr, ins, outs, cx.seq_offset)
 }
 
+/// Attention's sizes from `q [b, s, hq * d]` and `k [b, keys, hk * d]` (`d` the `head_dim`
+/// attribute): `(b, s, hq, d, keys, hk)`.
+fn sizes(instr: &Instr, ins: &[In<'_>]) -> Result<(usize, usize, usize, usize, usize, usize), String> {
+    let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
+    let (qs, ks) = (ins[0].shape(), ins[1].shape());
+    Ok((qs[0], qs[1], qs[2] / d, d, ks[1], ks[2] / d))
+}
+
+/// `[b, s, h, d] -> [b, h, s, d]`: the kernels below walk one head's rows contiguously.
+fn heads_first<T: Real>(x: &[T], b: usize, s: usize, h: usize, d: usize) -> Vec<T> {
+    let mut y = vec![T::zero(); x.len()];
+    y.par_chunks_mut(s * d).enumerate().for_each(|(bh, y)| {
+        let (bi, hi) = (bh / h, bh % h);
+        for (i, row) in y.chunks_mut(d).enumerate() {
+            let at = ((bi * s + i) * h + hi) * d;
+            row.copy_from_slice(&x[at..at + d]);
+        }
+    });
+    let _ = b;
+    y
+}
+
+/// `[b, h, s, d] -> [b, s, h, d]` into `y`: the inverse of [`heads_first`].
+fn heads_back<T: Real>(x: &[T], y: &mut [T], s: usize, h: usize, d: usize) {
+    y.par_chunks_mut(h * d).enumerate().for_each(|(bs, y)| {
+        let (bi, i) = (bs / s, bs % s);
+        for (hi, row) in y.chunks_mut(d).enumerate() {
+            let at = ((bi * h + hi) * s + i) * d;
+            row.copy_from_slice(&x[at..at + d]);
+        }
+    });
+}
+
 /// Which keys each query row sees. Row `i` is row `offset + i` of the sequence and key `j`
 /// row `key_offset + j` (a ring step's block starts at its source rank's part). In the
 /// natural order a row sees a prefix of the keys; in zigzag order (context parallelism) rows
@@ -139,18 +172,19 @@ fn attention_row<T: Real>(q_i: &[T], k: &[T], d: usize, visible: usize, scale: T
     max + sum.ln()
 }
 
-/// Attention of `[b, hq, s, d]` queries, the first at position `offset`, against
-/// `[b, hk, keys, d]` keys and values (a context-parallel rank's queries against the whole
+/// Attention of `[b, s, hq * d]` queries, the first at position `offset`, against
+/// `[b, keys, hk * d]` keys and values (a context-parallel rank's queries against the whole
 /// sequence: `keys` is a multiple of `s`).
 pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], offset: usize) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
-    let (qs, ks) = (ins[0].shape(), ins[1].shape());
-    let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
-    let (q, k, v) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
+    let q = heads_first(ins[0].get::<T>()?, b, s, hq, d);
+    let (k, v) = (heads_first(ins[1].get::<T>()?, b, keys, hk, d), heads_first(ins[2].get::<T>()?, b, keys, hk, d));
     let (out_slot, lse_slot) = outs.split_at_mut(1);
-    let (out, lse) = (out_slot[0].get::<T>()?, lse_slot[0].get::<T>()?);
+    let mut out = vec![T::zero(); q.len()];
+    let lse = lse_slot[0].get::<T>()?;
     out.par_chunks_mut(s * d).zip(lse.par_chunks_mut(s)).enumerate().for_each(|(bh, (out, lse))| {
         let (b, h) = (bh / hq, bh % hq);
         let kv = (b * hk + h / group) * keys * d;
@@ -168,6 +202,7 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
             }
         }
     });
+    heads_back(&out, out_slot[0].get::<T>()?, s, hq, d);
     Ok(())
 }
 
@@ -175,14 +210,12 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
 /// from those queries alone (partial sums when the queries are split).
 pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], offset: usize) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
-    let (qs, ks) = (ins[0].shape(), ins[1].shape());
-    let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
-    let (q, k, v, out, lse, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?, ins[4].get::<T>()?, ins[5].get::<T>()?);
-    let (dq_out, rest) = outs.split_at_mut(1);
-    let (dk_out, dv_out) = rest.split_at_mut(1);
-    let (dq, dk, dv) = (dq_out[0].get::<T>()?, dk_out[0].get::<T>()?, dv_out[0].get::<T>()?);
+    let [q, k, v, out, dout] = [(0, s, hq), (1, keys, hk), (2, keys, hk), (3, s, hq), (5, s, hq)].map(|(slot, rows, heads)| ins[slot].get::<T>().map(|x| heads_first(x, b, rows, heads, d)));
+    let (q, k, v, out, dout, lse) = (q?, k?, v?, out?, dout?, ins[4].get::<T>()?);
+    let (mut dq, mut dk, mut dv) = (vec![T::zero(); q.len()], vec![T::zero(); k.len()], vec![T::zero(); k.len()]);
     // One task per (batch, kv head): it owns that head's dk/dv and its group's dq, and sums
     // the group's contributions in head order. The probabilities come from the forward's
     // log-sum-exp and rowsum(dp * p) is out . dout, as FlashAttention-2 computes them.
@@ -226,18 +259,27 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
                 }
             }
         });
+    write_gradients(outs, [&dq, &dk, &dv], [(s, hq), (keys, hk), (keys, hk)], d)
+}
+
+/// `dq`, `dk`, `dv` computed heads first into the op's three results.
+fn write_gradients<T: Real>(outs: &mut [Out<'_>], grads: [&[T]; 3], shapes: [(usize, usize); 3], d: usize) -> Result<(), String> {
+    for ((out, grad), (rows, heads)) in outs.iter_mut().zip(grads).zip(shapes) {
+        heads_back(grad, out.get::<T>()?, rows, heads, d);
+    }
     Ok(())
 }
 
 fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
-    let (qs, ks) = (ins[0].shape(), ins[1].shape());
-    let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
     let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
-    let (q, k, v) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?);
+    let q = heads_first(ins[0].get::<T>()?, b, s, hq, d);
+    let (k, v) = (heads_first(ins[1].get::<T>()?, b, keys, hk, d), heads_first(ins[2].get::<T>()?, b, keys, hk, d));
     let (out_slot, lse_slot) = outs.split_at_mut(1);
-    let (out, lse) = (out_slot[0].get::<T>()?, lse_slot[0].get::<T>()?);
+    let mut out = vec![T::zero(); q.len()];
+    let lse = lse_slot[0].get::<T>()?;
     out.par_chunks_mut(s * d).zip(lse.par_chunks_mut(s)).enumerate().for_each(|(bh, (out, lse))| {
         let (b, h) = (bh / hq, bh % hq);
         let kv = (b * hk + h / group) * keys * d;
@@ -271,20 +313,24 @@ fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Ou
             lse[i] = max + sum.ln();
         }
     });
+    heads_back(&out, out_slot[0].get::<T>()?, s, hq, d);
     Ok(())
 }
 
 fn attention_merge_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
-    let d = *ins[0].shape().last().unwrap_or(&1);
+    // Rows of out are `[b, s, h]`, of lse `[b, h, s]`.
+    let (out_shape, lse_shape) = (ins[0].shape(), ins[1].shape());
+    let (h, s) = (lse_shape[1], lse_shape[2]);
+    let d = out_shape[2] / h.max(1);
     let (oa, la, ob, lb) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?);
     let (out_slot, lse_slot) = outs.split_at_mut(1);
     let (out, lse) = (out_slot[0].get::<T>()?, lse_slot[0].get::<T>()?);
-    out.par_chunks_mut(d).zip(lse.par_iter_mut()).enumerate().for_each(|(row, (o, l))| {
-        let (a, b) = (la[row], lb[row]);
+    let stat = |row: usize| (row / (s * h) * h + row % h) * s + row / h % s;
+    out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
+        let (a, b) = (la[stat(row)], lb[stat(row)]);
         let m = a.max(b);
         if m == T::neg_infinity() {
             o.fill(T::zero());
-            *l = T::neg_infinity();
             return;
         }
         let (wa, wb) = ((a - m).exp(), (b - m).exp());
@@ -293,21 +339,23 @@ fn attention_merge_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_
         for ((o, &x), &y) in o.iter_mut().zip(xa).zip(xb) {
             *o = (wa * x + wb * y) * inv;
         }
-        *l = m + (wa + wb).ln();
+    });
+    lse.par_iter_mut().enumerate().for_each(|(row, l)| {
+        let (a, b) = (la[row], lb[row]);
+        let m = a.max(b);
+        *l = if m == T::neg_infinity() { m } else { m + ((a - m).exp() + (b - m).exp()).ln() };
     });
     Ok(())
 }
 
 fn attention_block_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
-    let (qs, ks) = (ins[0].shape(), ins[1].shape());
-    let (hq, s, d, hk, keys) = (qs[1], qs[2], qs[3], ks[1], ks[2]);
+    let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
     let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
-    let (q, k, v, out, lse, dout) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?, ins[4].get::<T>()?, ins[5].get::<T>()?);
-    let (dq_out, rest) = outs.split_at_mut(1);
-    let (dk_out, dv_out) = rest.split_at_mut(1);
-    let (dq, dk, dv) = (dq_out[0].get::<T>()?, dk_out[0].get::<T>()?, dv_out[0].get::<T>()?);
+    let [q, k, v, out, dout] = [(0, s, hq), (1, keys, hk), (2, keys, hk), (3, s, hq), (5, s, hq)].map(|(slot, rows, heads)| ins[slot].get::<T>().map(|x| heads_first(x, b, rows, heads, d)));
+    let (q, k, v, out, dout, lse) = (q?, k?, v?, out?, dout?, ins[4].get::<T>()?);
+    let (mut dq, mut dk, mut dv) = (vec![T::zero(); q.len()], vec![T::zero(); k.len()], vec![T::zero(); k.len()]);
     // One task per (batch, kv head), as in `attention_grad`.
     dq.par_chunks_mut(group * s * d)
         .zip(dk.par_chunks_mut(keys * d).zip(dv.par_chunks_mut(keys * d)))
@@ -352,5 +400,5 @@ fn attention_block_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mu
                 }
             }
         });
-    Ok(())
+    write_gradients(outs, [&dq, &dk, &dv], [(s, hq), (keys, hk), (keys, hk)], d)
 }

@@ -3,8 +3,6 @@
 use super::*;
 
 pub(super) const KERNELS: &[CpuKernel] = &[
-    kernel!("xf.split_heads", split_heads_kernel),
-    kernel!("xf.merge_heads", merge_heads_kernel),
     kernel!("xf.slice", slice_kernel),
     kernel!("xf.pad", pad_kernel),
     kernel!("xf.repeat_heads", repeat_heads_kernel),
@@ -40,12 +38,6 @@ fn zigzag<T: Element + Copy>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]
     Ok(())
 }
 
-fn split_heads_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
-    split_heads::<T>(ins, outs, true)
-}
-fn merge_heads_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
-    split_heads::<T>(ins, outs, false)
-}
 fn slice_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
     slice_or_pad::<T>(instr, ins, outs, false)
 }
@@ -57,27 +49,6 @@ fn repeat_heads_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'
 }
 fn sum_heads_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
     repeat_heads::<T>(instr, ins, outs, true)
-}
-
-/// `[b, s, h*d] <-> [b, h, s, d]`.
-pub(super) fn split_heads<T: Real>(ins: &[In<'_>], outs: &mut [Out<'_>], split: bool) -> Result<(), String> {
-    let heads_shape = if split { outs[0].shape().to_vec() } else { ins[0].shape().to_vec() };
-    let (b, h, s, d) = (heads_shape[0], heads_shape[1], heads_shape[2], heads_shape[3]);
-    let x = ins[0].get::<T>()?;
-    let y = outs[0].get::<T>()?;
-    y.par_chunks_mut(d).enumerate().for_each(|(row, y)| {
-        // `row` indexes the output's rows of d elements.
-        let src = if split {
-            let (bi, hi, si) = (row / (h * s), (row / s) % h, row % s);
-            ((bi * s + si) * h + hi) * d
-        } else {
-            let (bi, si, hi) = (row / (s * h), (row / h) % s, row % h);
-            ((bi * h + hi) * s + si) * d
-        };
-        y.copy_from_slice(&x[src..src + d]);
-    });
-    let _ = b;
-    Ok(())
 }
 
 pub(super) fn slice_or_pad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], pad: bool) -> Result<(), String> {
@@ -109,18 +80,19 @@ pub(super) fn slice_or_pad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [O
 /// (each group of `times` heads summed, in head order).
 pub(super) fn repeat_heads<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sum: bool) -> Result<(), String> {
     let times = instr.int("times")?.max(1) as usize;
+    let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
     let x = ins[0].get::<T>()?;
-    let (small, large) = if sum { (outs[0].shape().to_vec(), ins[0].shape().to_vec()) } else { (ins[0].shape().to_vec(), outs[0].shape().to_vec()) };
-    let block = small[2] * small[3];
-    let heads = small[1];
+    let small = if sum { outs[0].shape().to_vec() } else { ins[0].shape().to_vec() };
+    // `[b, s, heads * d]`: rows of the sequence, each `heads` heads of d.
+    let (block, heads) = (d, small[2] / d);
     let y = outs[0].get::<T>()?;
     if sum {
         y.fill(T::zero());
     }
-    for b in 0..small[0] {
+    for b in 0..small[0] * small[1] {
         for h in 0..heads {
             for k in 0..times {
-                let big = ((b * large[1]) + h * times + k) * block;
+                let big = ((b * heads * times) + h * times + k) * block;
                 let little = (b * heads + h) * block;
                 if sum {
                     for i in 0..block {

@@ -11,12 +11,13 @@ fn rope_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]
     rope::<T>(instr, ins, outs, -1.0, cx.seq_offset)
 }
 
-/// Rotary embedding on `[b, h, s, d]` whose first row is at position `offset`; `sign = -1`
-/// rotates back (the gradient).
+/// Rotary embedding on each head of `[b, s, h * d]` whose first row is at position `offset`;
+/// `sign = -1` rotates back (the gradient).
 pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sign: f64, offset: usize) -> Result<(), String> {
     let theta = instr.float("theta")?;
+    let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
     let shape = ins[0].shape();
-    let (s, d) = (shape[2], shape[3]);
+    let (s, width) = (shape[1], shape[2]);
     let half = d / 2;
     // The sequence may be held in zigzag order (context parallelism): row p is at position
     // zigzag_position(p).
@@ -31,9 +32,10 @@ pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>],
         }
     }
     let x = ins[0].get::<T>()?;
-    outs[0].get::<T>()?.par_chunks_mut(s * d).zip(x.par_chunks(s * d)).for_each(|(y, x)| {
-        for pos in 0..s {
-            let (y, x) = (&mut y[pos * d..(pos + 1) * d], &x[pos * d..(pos + 1) * d]);
+    // A row of the sequence at a time: its heads share the row's angles.
+    outs[0].get::<T>()?.par_chunks_mut(width).zip(x.par_chunks(width)).enumerate().for_each(|(row, (y, x))| {
+        let pos = row % s;
+        for (y, x) in y.chunks_mut(d).zip(x.chunks(d)) {
             for i in 0..half {
                 let (cos, sin) = table[pos * half + i];
                 y[i] = x[i] * cos - x[i + half] * sin;
