@@ -78,9 +78,11 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
         _ => return Err("give one of --gpu NAME and --cluster FILE".into()),
     };
     let emit = options.get("emit").map(PathBuf::from);
-    let q = TensorTy::new([batch, heads, seq, head_dim], dtype);
-    let kv = TensorTy::new([batch, kv_heads, seq, head_dim], dtype);
-    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt()));
+    // Heads side by side in the features, as the model's projections make them.
+    let width = |h: i64| h.checked_mul(head_dim).ok_or_else(|| format!("--heads {h} x --head-dim {head_dim} is too large"));
+    let q = TensorTy::new([batch, seq, width(heads)?], dtype);
+    let kv = TensorTy::new([batch, seq, width(kv_heads)?], dtype);
+    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt())).with("head_dim", AttrValue::Int(head_dim));
     let mut out = serde_json::Map::new();
     // The forward's row statistics (its log-sum-exp), which the backward reads.
     let forward = lookup("xf.attention").ok_or("no xf.attention in the registry")?.infer(&[&q, &kv, &kv], &attrs)?;

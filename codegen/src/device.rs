@@ -134,6 +134,8 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
     };
     let batches = if options.elementwise_fusion { multi_tensor_batches(program, &groups) } else { HashMap::new() };
     let norms = if options.elementwise_fusion { norm_batches(program, &kernels, dtype) } else { HashMap::new() };
+    // A norm batch's members before its last, which launches them all.
+    let norm_members: HashMap<usize, usize> = norms.iter().flat_map(|(&last, members)| members[..members.len() - 1].iter().map(move |&m| (m, last))).collect();
 
     let mut sources: Vec<&'static str> = Vec::new();
     // Sources instantiated for fp32 buffers in a bf16 module (mixed precision).
@@ -168,6 +170,11 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
             index = all.last().copied().unwrap_or(index) + 1;
             continue;
         }
+        if let Some(&last) = norm_members.get(&index) {
+            calls[index] = vec![DeviceCall::Fused { into: last }];
+            index += 1;
+            continue;
+        }
         if let Some(batch) = norms.get(&index) {
             let fp32 = instance_dtype(program, index, dtype).map_err(|e| fail(index, e))? != dtype;
             let (source, text, launches, blocks) = fuse_norms(program, batch, &kernels).map_err(|e| fail(index, e))?;
@@ -178,10 +185,7 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
             workspace = workspace.max(blocks * acc);
             if fp32 { &mut generated_f32 } else { &mut generated }.push_str(&text);
             calls[index] = launches;
-            for &member in &batch[1..] {
-                calls[member] = vec![DeviceCall::Fused { into: index }];
-            }
-            index = batch.last().copied().unwrap_or(index) + 1;
+            index += 1;
             continue;
         }
         if let Some(group) = groups.get(&index) {
@@ -513,20 +517,41 @@ fn runs(candidates: impl IntoIterator<Item = usize>, mut joins: impl FnMut(&[usi
 /// Most gradients in one multi-tensor norm (two pointers each in the kernels' parameters).
 const MAX_NORM_MEMBERS: usize = 64;
 
-/// Runs of consecutive `xf.sum_squares` (each gradient's share of the global norm that
-/// clipping takes) that two launches compute for all of them, keyed by the first: at most
+/// Runs of `xf.sum_squares` (each gradient's share of the global norm that clipping takes)
+/// that two launches compute for all of them, keyed by the last: at most
 /// [`MAX_NORM_MEMBERS`], within one pipeline section, of one kernel instance type. A step's
-/// shares follow one another (the optimizer emits them together), so the norm is two
-/// launches where it was two per parameter. Each member reads a gradient made before the
-/// run and writes a fresh scalar read after it, so computing them all at the first is the
-/// same as one after another.
+/// shares follow one another (the optimizer emits them together, each after the cast that
+/// makes its fp32 gradient under mixed precision), so the norm is two launches where it was
+/// two per parameter. The launch is the last member's: every member's gradient is made by
+/// then. Each member reads a gradient that stays alive past the run and writes a fresh scalar
+/// read only after it, and nothing between two members touches either, so computing them all
+/// at the last is the same as one after another.
 fn norm_batches(program: &Program, kernels: &[Option<DeviceKernel>], module: DType) -> HashMap<usize, Vec<usize>> {
     let section_starts: HashSet<usize> = program.pipeline.iter().flat_map(|p| &p.chunks).flat_map(|c| c.sections.iter().flat_map(|&(start, end)| [start, end])).collect();
     let is_share = |i: usize| program.instrs[i].op == "xf.sum_squares" && matches!(&kernels[i], Some(DeviceKernel::Launches(l)) if l.len() == 2);
-    // Consecutive: an instruction between two shares ends the run.
-    runs((0..program.instrs.len()).filter(|&i| is_share(i)), |current, i| {
-        current.last().is_some_and(|&last| last + 1 == i) && !section_starts.contains(&i) && current.len() < MAX_NORM_MEMBERS && instance_dtype(program, i, module).ok() == instance_dtype(program, current[0], module).ok()
-    })
+    // Where each buffer is last read (arguments and results: never dead).
+    let mut last_read = vec![0usize; program.buffers.len()];
+    for (i, instr) in program.instrs.iter().enumerate() {
+        for &b in &instr.inputs {
+            last_read[b] = i;
+        }
+    }
+    for binding in program.args.iter().chain(&program.results) {
+        last_read[binding.buffer] = usize::MAX;
+    }
+    let batches = runs((0..program.instrs.len()).filter(|&i| is_share(i)), |current, i| {
+        let last = *current.last().expect("runs joins to a nonempty run");
+        let mine: Vec<BufferId> = current.iter().flat_map(|&m| program.instrs[m].inputs.iter().chain(&program.instrs[m].outputs)).copied().collect();
+        let outputs: Vec<BufferId> = current.iter().flat_map(|&m| program.instrs[m].outputs.iter()).copied().collect();
+        let apart = |a: &[BufferId], b: &[BufferId]| a.iter().all(|&x| b.iter().all(|&y| x != y && program.alias(x, y) == shardc_runtime::program::Alias::None));
+        // Nothing between reads a member's scalar or writes (or shares storage with) a
+        // member's buffers.
+        let untouched = (last + 1..i).all(|j| apart(&program.instrs[j].outputs, &mine) && apart(&program.instrs[j].inputs, &outputs));
+        // Every member's gradient is still alive at the launch.
+        let alive = current.iter().all(|&m| last_read[program.instrs[m].inputs[0]] >= i);
+        untouched && alive && !(last + 1..=i).any(|j| section_starts.contains(&j)) && current.len() < MAX_NORM_MEMBERS && instance_dtype(program, i, module).ok() == instance_dtype(program, current[0], module).ok()
+    });
+    batches.into_values().map(|members| (*members.last().expect("a run has members"), members)).collect()
 }
 
 /// A multi-tensor norm (see [`norm_batches`]): one launch in which each member's blocks (as

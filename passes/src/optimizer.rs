@@ -199,18 +199,22 @@ impl Pass for Optimizer {
         };
         // With clipping: every gradient, the sum of their squares and the coefficient come
         // before the first update, which all read the coefficient as their gradient scale.
+        // The shares come one after another and their sum after them all (in parameter
+        // order), so a device computes every share in one multi-tensor launch.
         let mut clipped: Vec<(Value, Value)> = Vec::new();
         if self.clip_grad > 0.0 {
-            let mut total: Option<Value> = None;
-            for (i, param) in params.iter().enumerate() {
+            for i in 0..params.len() {
                 let grad = update_grad(&mut fb, i)?;
-                let loc = format!("optimizer.{}.grad_norm", param.name);
-                let squares = build(&mut fb, "xf.sum_squares", &[grad], Attrs::new(), &loc)?[0];
+                let squares = build(&mut fb, "xf.sum_squares", &[grad], Attrs::new(), &format!("optimizer.{}.grad_norm", params[i].name))?[0];
+                clipped.push((grad, squares));
+            }
+            let mut total: Option<Value> = None;
+            for (i, &(_, squares)) in clipped.iter().enumerate() {
+                fb.set_origin(of_param(i));
                 total = Some(match total {
-                    Some(sum) => build(&mut fb, "xf.add", &[sum, squares], Attrs::new(), &loc)?[0],
+                    Some(sum) => build(&mut fb, "xf.add", &[sum, squares], Attrs::new(), &format!("optimizer.{}.grad_norm", params[i].name))?[0],
                     None => squares,
                 });
-                clipped.push((grad, squares));
             }
             if let Some(total) = total {
                 fb.set_origin(Origin::default().with_role(Role::Optimizer));
