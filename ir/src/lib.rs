@@ -6,7 +6,8 @@
 //! Model ops live in our dialect `xf`, defined in IRDL (`dialect/xf.irdl.mlir`, generated from
 //! [`ops::REGISTRY`]). Its semantics, op by op, are the doc comments of the `ops` module: every
 //! op works on static ranked tensors; linear weights are `[in, out]`; activations are
-//! `[batch, seq, features]`, and attention works on split heads `[batch, heads, seq, head_dim]`.
+//! `[batch, seq, features]`, attention's too: its heads lie side by side in the features
+//! (`[batch, seq, heads * head_dim]`, the `head_dim` attribute saying where one ends).
 //! Meshes, shardings and collectives are upstream MLIR's `shard` dialect, not ours.
 
 #![deny(unsafe_code)]

@@ -32,6 +32,9 @@ impl OpDef for Attention {
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
         let Heads { b, s, hq, .. } = Heads::of(cx.inputs, cx.attrs)?;
+        if b * s == 0 {
+            return Ok(DeviceKernel::Launches(Vec::new()));
+        }
         if let Some([kernel, _, _]) = mma_kernels(cx) {
             let mut args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2)];
             args.extend(attention_args(cx.inputs, cx.attrs)?);
@@ -142,8 +145,13 @@ impl Heads {
                 return Err(format!("the features of {what} {t} are not whole heads of head_dim = {d}"));
             }
         }
-        let size = |x: i64| x as usize;
-        Ok(Heads { b: size(q.shape[0]), s: size(q.shape[1]), hq: size(q.shape[2] / d), d: size(d), keys: size(k.shape[1]), hk: size(k.shape[2] / d) })
+        for (what, t) in [("q", q), ("k", k)] {
+            if t.shape[2] == 0 {
+                return Err(format!("{what} {t} has no heads"));
+            }
+        }
+        let size = |x: i64| usize::try_from(x).map_err(|_| format!("a negative extent in {q} or {k}"));
+        Ok(Heads { b: size(q.shape[0])?, s: size(q.shape[1])?, hq: size(q.shape[2] / d)?, d: size(d)?, keys: size(k.shape[1])?, hk: size(k.shape[2] / d)? })
     }
 
     /// `[b, hq, s]` statistics of the queries `q`.
@@ -169,6 +177,9 @@ fn check_stats(what: &str, t: &TensorTy, expected: &TensorTy) -> Result<(), Stri
 /// `k0` the sequence row of the first key.
 fn scalar_forward(cx: &KernelCx<'_>, lse: Arg, k0: Arg) -> Result<DeviceKernel, String> {
     let Heads { b, s, hq, d, keys, .. } = Heads::of(cx.inputs, cx.attrs)?;
+    if b * s == 0 {
+        return Ok(DeviceKernel::Launches(Vec::new()));
+    }
     let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
     let mut args = vec![Arg::Out(0), lse, Arg::In(0), Arg::In(1), Arg::In(2)];
     args.extend(attention_args(cx.inputs, cx.attrs)?);
@@ -186,6 +197,9 @@ fn scalar_forward(cx: &KernelCx<'_>, lse: Arg, k0: Arg) -> Result<DeviceKernel, 
 /// row.
 fn backward(cx: &KernelCx<'_>, ring: bool) -> Result<DeviceKernel, String> {
     let Heads { b, s, hq, d, keys, hk } = Heads::of(cx.inputs, cx.attrs)?;
+    if b * s == 0 {
+        return Ok(DeviceKernel::Launches(Vec::new()));
+    }
     let mut shape_args = attention_args(cx.inputs, cx.attrs)?;
     let dout = Arg::In(5);
     let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), dout.clone(), Arg::In(3), Arg::In(4)];
@@ -296,7 +310,7 @@ impl OpDef for AttentionMerge {
         let lse = inputs[1];
         rank_is("lse_a", lse, 3)?;
         let heads = lse.shape[1];
-        if heads <= 0 || q.shape[2] % heads != 0 {
+        if heads <= 0 || q.shape[2] <= 0 || q.shape[2] % heads != 0 {
             return Err(format!("lse_a {lse} must have a whole number of heads in out_a {q}"));
         }
         let stats = TensorTy::new([q.shape[0], heads, q.shape[1]], stats_dtype(q));
@@ -405,8 +419,9 @@ fn check_qkv(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Heads, String> {
     }
     let heads = Heads::of(inputs, attrs)?;
     let Heads { b, s, hq, keys, hk, .. } = heads;
-    // A context-parallel rank's queries are a part of the sequence its keys cover.
-    let whole_queries = if s == 0 { keys == 0 } else { keys % s == 0 };
+    // A context-parallel rank's queries are a part of the sequence its keys cover (and a
+    // query sees at least one key).
+    let whole_queries = if s == 0 { keys == 0 } else { keys > 0 && keys % s == 0 };
     if k.shape[0] != b as i64 || !whole_queries || k.dtype != q.dtype {
         return Err(format!("k/v {k} must match q {q} in batch and type, and their sequence be q's or a whole number of q's"));
     }
@@ -497,7 +512,7 @@ const BACKWARD_PRODUCTS: f64 = 7.0;
 fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_cores: bool) -> KernelClass {
     let Ok(Heads { b, s, hq, d, keys, .. }) = Heads::of(inputs, attrs) else { return KernelClass::Memory };
     KernelClass::Attention {
-        batch_heads: (b * hq) as f64,
+        batch_heads: b as f64 * hq as f64,
         queries: s as f64,
         keys: keys as f64,
         head_dim: d as f64,

@@ -234,7 +234,7 @@ fn check_heads(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(TensorTy, i64, i6
     float("x", x)?;
     rank_is("x", x, 3)?;
     let d = positive("head_dim", attrs.int("head_dim")?)?;
-    if x.shape[2] % d != 0 {
+    if x.shape[2] <= 0 || x.shape[2] % d != 0 {
         return Err(format!("the features of {x} are not whole heads of head_dim = {d}"));
     }
     Ok((x.clone(), positive("times", attrs.int("times")?)?, x.shape[2] / d))
@@ -265,7 +265,8 @@ impl OpDef for RepeatHeads {
     }
     fn infer(&self, inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, String> {
         let (x, times, _) = check_heads(inputs, attrs)?;
-        Ok(vec![TensorTy::new([x.shape[0], x.shape[1], x.shape[2] * times], x.dtype)])
+        let width = x.shape[2].checked_mul(times).ok_or_else(|| format!("{x} repeated {times} times is too large"))?;
+        Ok(vec![TensorTy::new([x.shape[0], x.shape[1], width], x.dtype)])
     }
     fn cost(&self, inputs: &[&TensorTy], outputs: &[TensorTy], _attrs: &Attrs) -> Cost {
         Cost { flops: 0.0, bytes: io_bytes(inputs, outputs), special: 0.0 }

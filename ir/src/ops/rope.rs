@@ -111,7 +111,7 @@ fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, Stri
         if d % 2 != 0 {
             return Err(format!("head_dim = {d} must be even for rotary embedding"));
         }
-        if x.shape[2] % d != 0 {
+        if x.shape[2] <= 0 || x.shape[2] % d != 0 {
             return Err(format!("the features of {x} are not whole heads of head_dim = {d}"));
         }
         let theta = attrs.float("theta")?;

@@ -57,6 +57,24 @@ fn broadcasting_add_needs_trailing_dims() {
     assert!(err.contains("trailing dimensions"), "{err}");
 }
 
+/// Per-head ops refuse operands with no heads, attention a query with no keys, and a repeat
+/// past i64: errors by name, never a kernel that panics on an empty row.
+#[test]
+fn per_head_ops_refuse_empty_heads_and_overflow() {
+    let attention = Attrs::new().with("causal", AttrValue::Bool(true)).with("scale", AttrValue::Float(0.5)).with("head_dim", AttrValue::Int(4));
+    let err = infer("xf.attention", &[t(&[1, 3, 0]), t(&[1, 3, 4]), t(&[1, 3, 4])], attention.clone()).unwrap_err();
+    assert!(err.contains("has no heads"), "{err}");
+    let err = infer("xf.attention", &[t(&[1, 3, 4]), t(&[1, 0, 4]), t(&[1, 0, 4])], attention).unwrap_err();
+    assert!(err.contains("whole number of q's"), "{err}");
+    let rope = Attrs::new().with("theta", AttrValue::Float(1e4)).with("head_dim", AttrValue::Int(4));
+    assert!(infer("xf.rope", &[t(&[1, 3, 0])], rope).unwrap_err().contains("not whole heads"));
+    let lse = TensorTy::new([1, 2, 3], DType::F32);
+    let err = infer("xf.attention_merge", &[t(&[1, 3, 0]), lse.clone(), t(&[1, 3, 0]), lse], Attrs::new()).unwrap_err();
+    assert!(err.contains("whole number of heads"), "{err}");
+    let repeat = Attrs::new().with("times", AttrValue::Int(1 << 62)).with("head_dim", AttrValue::Int(4));
+    assert!(infer("xf.repeat_heads", &[t(&[2, 16, 8])], repeat).unwrap_err().contains("too large"));
+}
+
 #[test]
 fn head_repeats_round_trip_shapes() {
     let attrs = Attrs::new().with("times", AttrValue::Int(3)).with("head_dim", AttrValue::Int(4));

@@ -372,6 +372,17 @@ fn partition_func(func: &Func, grid: &str, grid_shape: &[i64]) -> Result<Func, S
             }
             _ => {}
         }
+        // An op that works per head (attention, rotary embedding, the head repeats) must get
+        // whole heads on every rank: a split of its features into parts of heads is the
+        // user's mesh, not a program to build.
+        if attrs.get("head_dim").is_some()
+            && let Some(def) = shardc_ir::ops::lookup(&op.name)
+        {
+            let local: Vec<&TensorTy> = operands.iter().filter_map(|v| p.fb.tensor(*v)).collect();
+            if let Err(e) = def.infer(&local, &attrs) {
+                return Err(format!("{}: tensor parallelism splits `{}` into parts that are not whole heads ({e}): use a tp that divides the number of heads and of kv heads", op.loc, op.name));
+            }
+        }
         let results = p.fb.op_typed(&op.name, &operands, attrs, types, &op.loc);
         for ((global, local), s) in op.results.iter().zip(results).zip(plan.results) {
             p.local.insert(*global, (local, s));

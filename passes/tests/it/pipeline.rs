@@ -263,6 +263,20 @@ fn sharded_ir_with(model: &str, mesh: shardc_ir::mesh::Mesh, pass: &str, context
     seen.into_iter().find(|(name, _)| name == pass).map(|(_, ir)| ir).unwrap()
 }
 
+/// Tensor parallelism that would cut a per-head op's features into parts of heads (here the
+/// key/value projections of tiny Llama's 2 kv heads at tp=4, with `expand-kv-heads` told no
+/// kv head count) is refused by `partition` as the user's mesh, naming the op and the fix,
+/// not built and then failed by the verifier as a bug of shardc.
+#[test]
+fn partition_refuses_parts_of_heads() {
+    let mesh = shardc_ir::mesh::Mesh { tp: 4, ..Default::default() };
+    let options = shardc_passes::CompileOptions { mesh, vocab: 256, kv_heads: 0, ..Default::default() };
+    let mut module = tiny_on("tiny-llama", mesh);
+    let err = run_observed(&compile_pipeline(&options), &mut module).unwrap_err().to_string();
+    assert!(err.contains("not whole heads") && err.contains("use a tp that divides"), "{err}");
+    assert!(!err.contains("bug"), "{err}");
+}
+
 #[test]
 fn shard_megatron_on_tiny_gpt_tp2() {
     insta::assert_snapshot!(sharded_ir("shard-megatron"));

@@ -22,7 +22,11 @@ fn attention_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out
 fn sizes(instr: &Instr, ins: &[In<'_>]) -> Result<(usize, usize, usize, usize, usize, usize), String> {
     let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
-    Ok((qs[0], qs[1], qs[2] / d, d, ks[1], ks[2] / d))
+    let sizes = (qs[0], qs[1], qs[2] / d, d, ks[1], ks[2] / d);
+    if sizes.2 == 0 || sizes.5 == 0 {
+        return Err(format!("`{}`: q {qs:?} and k {ks:?} must hold whole heads of head_dim = {d}", instr.op));
+    }
+    Ok(sizes)
 }
 
 /// `[b, s, h, d] -> [b, h, s, d]`: the kernels below walk one head's rows contiguously.
@@ -178,6 +182,10 @@ fn attention_row<T: Real>(q_i: &[T], k: &[T], d: usize, visible: usize, scale: T
 pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], offset: usize) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
     let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
+    if b * s == 0 {
+        // No rows: nothing to write.
+        return Ok(());
+    }
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
     let q = heads_first(ins[0].get::<T>()?, b, s, hq, d);
@@ -211,6 +219,9 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
 pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], offset: usize) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
     let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
+    if b * s == 0 {
+        return Ok(());
+    }
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
     let [q, k, v, out, dout] = [(0, s, hq), (1, keys, hk), (2, keys, hk), (3, s, hq), (5, s, hq)].map(|(slot, rows, heads)| ins[slot].get::<T>().map(|x| heads_first(x, b, rows, heads, d)));
@@ -273,6 +284,9 @@ fn write_gradients<T: Real>(outs: &mut [Out<'_>], grads: [&[T]; 3], shapes: [(us
 fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
     let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
+    if b * s == 0 {
+        return Ok(());
+    }
     let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
     let q = heads_first(ins[0].get::<T>()?, b, s, hq, d);
@@ -322,6 +336,9 @@ fn attention_merge_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_
     let (out_shape, lse_shape) = (ins[0].shape(), ins[1].shape());
     let (h, s) = (lse_shape[1], lse_shape[2]);
     let d = out_shape[2] / h.max(1);
+    if d == 0 || out_shape[0] * s == 0 {
+        return Ok(());
+    }
     let (oa, la, ob, lb) = (ins[0].get::<T>()?, ins[1].get::<T>()?, ins[2].get::<T>()?, ins[3].get::<T>()?);
     let (out_slot, lse_slot) = outs.split_at_mut(1);
     let (out, lse) = (out_slot[0].get::<T>()?, lse_slot[0].get::<T>()?);
@@ -351,6 +368,9 @@ fn attention_merge_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_
 fn attention_block_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     let scale = T::of(instr.float("scale")?);
     let (b, s, hq, d, keys, hk) = sizes(instr, ins)?;
+    if b * s == 0 {
+        return Ok(());
+    }
     let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
     let [q, k, v, out, dout] = [(0, s, hq), (1, keys, hk), (2, keys, hk), (3, s, hq), (5, s, hq)].map(|(slot, rows, heads)| ins[slot].get::<T>().map(|x| heads_first(x, b, rows, heads, d)));

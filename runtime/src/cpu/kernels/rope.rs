@@ -18,6 +18,9 @@ pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>],
     let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
     let shape = ins[0].shape();
     let (s, width) = (shape[1], shape[2]);
+    if width == 0 || shape[0] * s == 0 {
+        return Ok(());
+    }
     let half = d / 2;
     // The sequence may be held in zigzag order (context parallelism): row p is at position
     // zigzag_position(p).
