@@ -38,7 +38,8 @@ impl OpDef for Rope {
         check_rope(inputs, attrs)
     }
     fn flops_per_element(&self) -> f64 {
-        // two multiplies and one add per element; the angles are tabulated.
+        // two multiplies and one add per element; the angles, one per position and pair, are
+        // shared by the heads (a table on the CPU, once per thread on the device).
         3.0
     }
     fn differentiable(&self) -> bool {
@@ -127,15 +128,21 @@ const ROPE_CUDA: &str = r#"// Rotary embedding on [b, s, h * d], each head's rot
 // rotates back. `offset` is the index of this rank's first row (context parallelism; 0
 // otherwise), in a sequence of `len` rows held in zigzag order of `chunks` chunks (1: the
 // natural order).
+// A thread per (row, pair) computes the pair's angle once, in double as the CPU's table, and
+// rotates that pair in each of the row's h heads (consecutive threads, consecutive pairs: each
+// head's loads and stores are coalesced).
 extern "C" __global__ void rope(T* y, const T* x, i64 b, i64 s, i64 h, i64 d, double theta, double sign, i64 offset, i64 chunks, i64 len) {
   i64 half = d / 2;
-  GRID_STRIDE(p, b * s * h * half) {
-    i64 i = p % half, pos = zigzag_position(offset + (p / (half * h)) % s, len, chunks), base = (p / half) * d;
+  GRID_STRIDE(p, b * s * half) {
+    i64 i = p % half, row = p / half, pos = zigzag_position(offset + row % s, len, chunks);
     double angle = (double)pos * pow(theta, -2.0 * (double)i / (double)d);
     acc_t c = (acc_t)cos(angle), sn = (acc_t)(sign * sin(angle));
-    acc_t a = load(x[base + i]), b = load(x[base + i + half]);
-    y[base + i] = store(a * c - b * sn);
-    y[base + i + half] = store(b * c + a * sn);
+    for (i64 head = 0; head < h; head++) {
+      i64 base = (row * h + head) * d;
+      acc_t lo = load(x[base + i]), hi = load(x[base + i + half]);
+      y[base + i] = store(lo * c - hi * sn);
+      y[base + i + half] = store(hi * c + lo * sn);
+    }
   }
 }
 "#;
@@ -149,5 +156,5 @@ fn rope_launch(cx: &KernelCx<'_>, sign: f64) -> Result<DeviceKernel, String> {
     let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
     let mut args = args;
     args.extend([Arg::Int(chunks as i64), Arg::Int(len as i64)]);
-    Ok(DeviceKernel::Launches(vec![flat("rope", ROPE_CUDA, b * s * h * (d / 2), args)]))
+    Ok(DeviceKernel::Launches(vec![flat("rope", ROPE_CUDA, b * s * (d / 2), args)]))
 }
