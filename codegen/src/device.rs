@@ -133,7 +133,7 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
         kernels.iter().enumerate().filter(|(i, k)| matches!(k, Some(DeviceKernel::Elementwise { .. })) && !taken.contains(i)).map(|(i, _)| (i, vec![i])).collect()
     };
     let batches = if options.elementwise_fusion { multi_tensor_batches(program, &groups) } else { HashMap::new() };
-    let norms = if options.elementwise_fusion { norm_batches(program, &kernels, dtype) } else { HashMap::new() };
+    let norms = if options.elementwise_fusion { norm_batches(program, &kernels, dtype, &epilogues) } else { HashMap::new() };
     // A norm batch's members before its last, which launches them all.
     let norm_members: HashMap<usize, usize> = norms.iter().flat_map(|(&last, members)| members[..members.len() - 1].iter().map(move |&m| (m, last))).collect();
 
@@ -524,9 +524,12 @@ const MAX_NORM_MEMBERS: usize = 64;
 /// makes its fp32 gradient under mixed precision), so the norm is two launches where it was
 /// two per parameter. The launch is the last member's: every member's gradient is made by
 /// then. Each member reads a gradient that stays alive past the run and writes a fresh scalar
-/// read only after it, and nothing between two members touches either, so computing them all
-/// at the last is the same as one after another.
-fn norm_batches(program: &Program, kernels: &[Option<DeviceKernel>], module: DType) -> HashMap<usize, Vec<usize>> {
+/// read only after it, and nothing between two members touches either (counting what a GEMM
+/// between writes for the epilogue members it computes), so computing them all at the last is
+/// the same as one after another. A run ends at a wait for communication (`xf.wait`, a
+/// pipeline's step bucket): the shares before it run while the rest is still on the wire, as
+/// they did one by one.
+fn norm_batches(program: &Program, kernels: &[Option<DeviceKernel>], module: DType, epilogues: &HashMap<usize, (Gemm, Epilogue)>) -> HashMap<usize, Vec<usize>> {
     let section_starts: HashSet<usize> = program.pipeline.iter().flat_map(|p| &p.chunks).flat_map(|c| c.sections.iter().flat_map(|&(start, end)| [start, end])).collect();
     let is_share = |i: usize| program.instrs[i].op == "xf.sum_squares" && matches!(&kernels[i], Some(DeviceKernel::Launches(l)) if l.len() == 2);
     // Where each buffer is last read (arguments and results: never dead).
@@ -544,12 +547,20 @@ fn norm_batches(program: &Program, kernels: &[Option<DeviceKernel>], module: DTy
         let mine: Vec<BufferId> = current.iter().flat_map(|&m| program.instrs[m].inputs.iter().chain(&program.instrs[m].outputs)).copied().collect();
         let outputs: Vec<BufferId> = current.iter().flat_map(|&m| program.instrs[m].outputs.iter()).copied().collect();
         let apart = |a: &[BufferId], b: &[BufferId]| a.iter().all(|&x| b.iter().all(|&y| x != y && program.alias(x, y) == shardc_runtime::program::Alias::None));
+        // What instruction j's device call writes: its outputs, and those of the epilogue
+        // members a GEMM there computes.
+        let writes = |j: usize| -> Vec<BufferId> {
+            let members = epilogues.get(&j).map_or(&[][..], |(_, e)| e.members.as_slice());
+            program.instrs[j].outputs.iter().chain(members.iter().flat_map(|&m| &program.instrs[m].outputs)).copied().collect()
+        };
         // Nothing between reads a member's scalar or writes (or shares storage with) a
         // member's buffers.
-        let untouched = (last + 1..i).all(|j| apart(&program.instrs[j].outputs, &mine) && apart(&program.instrs[j].inputs, &outputs));
+        let untouched = (last + 1..i).all(|j| apart(&writes(j), &mine) && apart(&program.instrs[j].inputs, &outputs));
+        // Nothing between waits for communication.
+        let waits = (last + 1..i).any(|j| program.instrs[j].op == "xf.wait" || program.instrs[j].attrs.contains_key("xf.step_bucket"));
         // Every member's gradient is still alive at the launch.
         let alive = current.iter().all(|&m| last_read[program.instrs[m].inputs[0]] >= i);
-        untouched && alive && !(last + 1..=i).any(|j| section_starts.contains(&j)) && current.len() < MAX_NORM_MEMBERS && instance_dtype(program, i, module).ok() == instance_dtype(program, current[0], module).ok()
+        untouched && alive && !waits && !(last + 1..=i).any(|j| section_starts.contains(&j)) && current.len() < MAX_NORM_MEMBERS && instance_dtype(program, i, module).ok() == instance_dtype(program, current[0], module).ok()
     });
     batches.into_values().map(|members| (*members.last().expect("a run has members"), members)).collect()
 }

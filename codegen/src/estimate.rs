@@ -141,7 +141,7 @@ fn price(program: &Program, instr: &Instr, cluster: &Cluster) -> Priced {
 
 /// The kernels of a program's device plan that compute more than their own instruction: a
 /// fused element-wise kernel (or a multi-tensor batch) at its first instruction, a GEMM with
-/// an epilogue at its product. Such a kernel is priced once, as the one kernel it is, and the
+/// an epilogue at its product, a multi-tensor gradient norm at its last share. Such a kernel is priced once, as the one kernel it is, and the
 /// instructions it absorbed cost nothing of their own. Empty without a device plan (the CPU
 /// backend runs every instruction as its own kernel).
 #[derive(Default)]

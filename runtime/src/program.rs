@@ -336,7 +336,10 @@ pub enum DeviceCall {
         /// Destination buffer.
         to: BufferId,
     },
-    /// Computed by the fused kernel of an earlier instruction.
+    /// Computed by the fused kernel of another instruction: an earlier one (an element-wise
+    /// group or multi-tensor batch launches at its first member, a GEMM with an epilogue at
+    /// its product), or, for a multi-tensor gradient norm, its batch's last share (when every
+    /// share's gradient is made).
     Fused {
         /// That instruction.
         into: usize,

@@ -128,6 +128,38 @@ fn the_gradient_norm_is_two_launches() {
     }
 }
 
+/// A batch of gradient-norm shares ends at a wait for communication: where asynchronous
+/// buckets are waited for between the shares (dp=2, tp=2 with sequence parallelism and 1 MiB
+/// buckets), the shares before a wait launch before it, while the later buckets are still on
+/// the wire (as the shares did one by one), never all after the last wait. The batches still
+/// take fewer launches than a pair per share.
+#[test]
+fn gradient_norm_batches_end_at_waits_for_buckets() {
+    let mut spec = spec_with_dtype("tiny", "f32");
+    spec.training.micro_batch = 4;
+    let mut module = model(&spec);
+    // Sequence parallelism's norm gradients are reduced over tp in asynchronous buckets
+    // that the shares wait for.
+    let mesh = Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 };
+    let options = CompileOptions { mesh, vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, sequence_parallel: true, grad_bucket_bytes: 1 << 20, ..Default::default() };
+    let cx = shardc_ir::mlir::IrContext::new().unwrap();
+    compile_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+    let grid: Vec<i64> = module.grids.first().map(|g| g.shape.clone()).unwrap_or_default();
+    let program = shardc_codegen::lower_func_on(module.func("train_step").unwrap(), &grid).unwrap();
+    let plan = device_plan(&program).unwrap();
+    check_plan("tiny dp=2,tp=2 sp buckets", &program, &plan);
+    let shares: Vec<usize> = program.instrs.iter().enumerate().filter(|(_, i)| i.op == "xf.sum_squares").map(|(k, _)| k).collect();
+    let waits: Vec<usize> = program.instrs.iter().enumerate().filter(|(_, i)| i.op == "xf.wait").map(|(k, _)| k).collect();
+    assert!(waits.iter().any(|&w| w > shares[0] && w < *shares.last().unwrap()), "no wait between the shares: the test does not test the cut");
+    for &k in &shares {
+        if let [DeviceCall::Fused { into }] = plan.calls[k].as_slice() {
+            assert!(!waits.iter().any(|&w| k < w && w < *into), "share {k} waits past a bucket's wait to {into}");
+        }
+    }
+    let launches = shares.iter().flat_map(|&k| &plan.calls[k]).filter(|c| matches!(c, DeviceCall::Launch { .. })).count();
+    assert!(launches < 2 * shares.len(), "{launches} launches for {} shares", shares.len());
+}
+
 /// The MLP's up projection ends in bias and GELU (storing the pre-activation the backward
 /// reads), every other biased projection in its bias, and the backward's data gradient
 /// through GELU in GELU's gradient: cuBLASLt's epilogues, with nothing left for the
