@@ -2,7 +2,7 @@
 //! backward op `xf.attention_grad`.
 
 use crate::kernel::{dims, Arg, DeviceKernel, KernelCx, Launch};
-use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
+use super::{arity, float, head_dim, io_bytes, rank_is, AttrKind, Cost, KernelClass, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
@@ -21,8 +21,9 @@ use crate::types::{DType, TensorTy};
 /// (FlashAttention's `[b, s, h, d]` layout): `q [b, s, q_heads * d]`, `k`, `v
 /// [b, s, kv_heads * d]`, with `d` the `head_dim` attribute; the kernels read each head with
 /// a row stride, so no copy puts heads first. Heads are independent, which is what makes
-/// splitting them over tensor-parallel ranks free of communication. One op (rather than matmul/softmax pieces) keeps the S x S scores an
-/// internal of the kernel, as flash attention does, and gives one VJP.
+/// splitting them over tensor-parallel ranks free of communication. One op (rather than
+/// matmul/softmax pieces) keeps the S x S scores an internal of the kernel, as flash
+/// attention does, and gives one VJP.
 #[derive(Debug)]
 pub struct Attention;
 
@@ -137,15 +138,13 @@ impl Heads {
     /// The sizes of `q` and `k` (the first two operands) by `head_dim`; `Err` where they are
     /// not `[b, s, heads * head_dim]` tensors.
     fn of(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Heads, String> {
-        let d = positive("head_dim", attrs.int("head_dim")?)?;
+        let d = head_dim(attrs)?;
         let (q, k) = (inputs[0], inputs[1]);
         for (what, t) in [("q", q), ("k", k)] {
             rank_is(what, t, 3)?;
             if t.shape[2] % d != 0 {
                 return Err(format!("the features of {what} {t} are not whole heads of head_dim = {d}"));
             }
-        }
-        for (what, t) in [("q", q), ("k", k)] {
             if t.shape[2] == 0 {
                 return Err(format!("{what} {t} has no heads"));
             }
@@ -279,6 +278,9 @@ impl OpDef for AttentionMerge {
         let (q, lse) = (dims(cx.inputs[0]), dims(cx.inputs[1]));
         let (b, h, s) = (lse[0], lse[1], lse[2]);
         let (rows, d) = (b * h * s, q[2] / h.max(1));
+        if rows == 0 {
+            return Ok(DeviceKernel::Launches(Vec::new()));
+        }
         let args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2), Arg::In(3), Arg::Int(h as i64), Arg::Int(s as i64), Arg::Int(rows as i64), Arg::Int(d as i64)];
         let (grid, block) = ([crate::kernel::blocks_for(rows), 1, 1], crate::kernel::ROW_BLOCK);
         Ok(DeviceKernel::Launches(vec![Launch { kernel: "attention_merge", source: ATTENTION_CUDA, grid, block, shared: 0, workspace: 0, args }]))

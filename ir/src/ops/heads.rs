@@ -6,7 +6,7 @@
 //! `head_dim` and read each head at a row stride, so no copy ever puts heads first.
 
 use crate::kernel::{dims, elements, flat, Arg, DeviceKernel, KernelCx};
-use super::{arity, float, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
+use super::{arity, float, head_dim, io_bytes, positive, rank_is, AttrKind, Cost, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::{AttrValue, Attrs};
 use crate::graph::Value;
 use crate::sharding::{FactorKind, Linearity, ShardingRule};
@@ -233,7 +233,7 @@ fn check_heads(inputs: &[&TensorTy], attrs: &Attrs) -> Result<(TensorTy, i64, i6
     let x = inputs[0];
     float("x", x)?;
     rank_is("x", x, 3)?;
-    let d = positive("head_dim", attrs.int("head_dim")?)?;
+    let d = head_dim(attrs)?;
     if x.shape[2] <= 0 || x.shape[2] % d != 0 {
         return Err(format!("the features of {x} are not whole heads of head_dim = {d}"));
     }
@@ -382,7 +382,7 @@ fn slice_pad_launch(full: &TensorTy, part: &TensorTy, attrs: &Attrs, pad: bool) 
 /// `repeat_heads` (`small` is the operand) or `sum_heads` (`small` is the result).
 fn repeat_launch(small: &TensorTy, large: &TensorTy, attrs: &Attrs, sum: bool) -> Result<DeviceKernel, String> {
     let times = attrs.int("times")?.max(1);
-    let d = positive("head_dim", attrs.int("head_dim")?)? as usize;
+    let d = head_dim(attrs)? as usize;
     let s = dims(small);
     // Rows of the sequence, each `heads` heads of d.
     let args = vec![Arg::Out(0), Arg::In(0), Arg::Int((s[0] * s[1]) as i64), Arg::Int((s[2] / d) as i64), Arg::Int(times), Arg::Int(d as i64), Arg::Int(sum as i64)];

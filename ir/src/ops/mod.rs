@@ -424,3 +424,8 @@ pub(crate) fn same_dtype(a: &TensorTy, b: &TensorTy) -> Result<(), String> {
 pub(crate) fn positive(name: &str, value: i64) -> Result<i64, String> {
     if value > 0 { Ok(value) } else { Err(format!("attribute `{name}` must be positive, got {value}")) }
 }
+
+/// The `head_dim` attribute of an op that works per head of `[b, s, heads * head_dim]`.
+pub(crate) fn head_dim(attrs: &Attrs) -> Result<i64, String> {
+    positive("head_dim", attrs.int("head_dim")?)
+}

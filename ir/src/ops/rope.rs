@@ -1,7 +1,7 @@
 //! `xf.rope`: rotary position embedding, and `xf.rope_grad`, its transpose.
 
 use crate::kernel::{dims, flat, Arg, DeviceKernel, KernelCx};
-use super::{arity, float, positive, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
+use super::{arity, float, head_dim, rank_is, AttrKind, OpDef, Signature, Slot, VjpCx};
 use crate::attrs::Attrs;
 use crate::graph::Value;
 use crate::sharding::{Linearity, ShardingRule};
@@ -108,7 +108,7 @@ fn check_rope(inputs: &[&TensorTy], attrs: &Attrs) -> Result<Vec<TensorTy>, Stri
         let x = inputs[0];
         float("x", x)?;
         rank_is("x", x, 3)?;
-        let d = positive("head_dim", attrs.int("head_dim")?)?;
+        let d = head_dim(attrs)?;
         if d % 2 != 0 {
             return Err(format!("head_dim = {d} must be even for rotary embedding"));
         }
@@ -150,7 +150,7 @@ extern "C" __global__ void rope(T* y, const T* x, i64 b, i64 s, i64 h, i64 d, do
 /// Rotary embedding (`sign` 1) or its inverse (-1) over `[b, s, h * d]`.
 fn rope_launch(cx: &KernelCx<'_>, sign: f64) -> Result<DeviceKernel, String> {
     let x = dims(cx.inputs[0]);
-    let d = positive("head_dim", cx.attrs.int("head_dim")?)? as usize;
+    let d = head_dim(cx.attrs)? as usize;
     let (b, s, h) = (x[0], x[1], x[2] / d);
     let args = vec![Arg::Out(0), Arg::In(0), Arg::Int(b as i64), Arg::Int(s as i64), Arg::Int(h as i64), Arg::Int(d as i64), Arg::Float(cx.attrs.float("theta")?), Arg::Float(sign), Arg::RankOffset];
     let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());

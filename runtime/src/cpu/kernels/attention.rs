@@ -20,7 +20,7 @@ fn attention_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out
 /// Attention's sizes from `q [b, s, hq * d]` and `k [b, keys, hk * d]` (`d` the `head_dim`
 /// attribute): `(b, s, hq, d, keys, hk)`.
 fn sizes(instr: &Instr, ins: &[In<'_>]) -> Result<(usize, usize, usize, usize, usize, usize), String> {
-    let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
+    let d = head_dim(instr)?;
     let (qs, ks) = (ins[0].shape(), ins[1].shape());
     let sizes = (qs[0], qs[1], qs[2] / d, d, ks[1], ks[2] / d);
     if sizes.2 == 0 || sizes.5 == 0 {
@@ -29,8 +29,19 @@ fn sizes(instr: &Instr, ins: &[In<'_>]) -> Result<(usize, usize, usize, usize, u
     Ok(sizes)
 }
 
+/// Operands `slots` of `ins` heads first (see [`heads_first`]); query-shaped (`[b, s, hq * d]`)
+/// unless the slot is k's or v's (1, 2: `[b, keys, hk * d]`).
+fn operands_heads_first<T: Real, const N: usize>(ins: &[In<'_>], slots: [usize; N], (s, hq, d, keys, hk): (usize, usize, usize, usize, usize)) -> Result<[Vec<T>; N], String> {
+    let mut out = Vec::with_capacity(N);
+    for slot in slots {
+        let (rows, heads) = if matches!(slot, 1 | 2) { (keys, hk) } else { (s, hq) };
+        out.push(heads_first(ins[slot].get::<T>()?, rows, heads, d));
+    }
+    out.try_into().map_err(|_| "operand count".to_string())
+}
+
 /// `[b, s, h, d] -> [b, h, s, d]`: the kernels below walk one head's rows contiguously.
-fn heads_first<T: Real>(x: &[T], b: usize, s: usize, h: usize, d: usize) -> Vec<T> {
+fn heads_first<T: Real>(x: &[T], s: usize, h: usize, d: usize) -> Vec<T> {
     let mut y = vec![T::zero(); x.len()];
     y.par_chunks_mut(s * d).enumerate().for_each(|(bh, y)| {
         let (bi, hi) = (bh / h, bh % h);
@@ -39,7 +50,6 @@ fn heads_first<T: Real>(x: &[T], b: usize, s: usize, h: usize, d: usize) -> Vec<
             row.copy_from_slice(&x[at..at + d]);
         }
     });
-    let _ = b;
     y
 }
 
@@ -188,8 +198,7 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
     }
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
-    let q = heads_first(ins[0].get::<T>()?, b, s, hq, d);
-    let (k, v) = (heads_first(ins[1].get::<T>()?, b, keys, hk, d), heads_first(ins[2].get::<T>()?, b, keys, hk, d));
+    let [q, k, v] = operands_heads_first::<T, 3>(ins, [0, 1, 2], (s, hq, d, keys, hk))?;
     let (out_slot, lse_slot) = outs.split_at_mut(1);
     let mut out = vec![T::zero(); q.len()];
     let lse = lse_slot[0].get::<T>()?;
@@ -224,8 +233,8 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
     }
     let seen = Visibility::new(instr, offset, 0, keys)?;
     let group = hq / hk;
-    let [q, k, v, out, dout] = [(0, s, hq), (1, keys, hk), (2, keys, hk), (3, s, hq), (5, s, hq)].map(|(slot, rows, heads)| ins[slot].get::<T>().map(|x| heads_first(x, b, rows, heads, d)));
-    let (q, k, v, out, dout, lse) = (q?, k?, v?, out?, dout?, ins[4].get::<T>()?);
+    let [q, k, v, out, dout] = operands_heads_first::<T, 5>(ins, [0, 1, 2, 3, 5], (s, hq, d, keys, hk))?;
+    let lse = ins[4].get::<T>()?;
     let (mut dq, mut dk, mut dv) = (vec![T::zero(); q.len()], vec![T::zero(); k.len()], vec![T::zero(); k.len()]);
     // One task per (batch, kv head): it owns that head's dk/dv and its group's dq, and sums
     // the group's contributions in head order. The probabilities come from the forward's
@@ -289,8 +298,7 @@ fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Ou
     }
     let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
-    let q = heads_first(ins[0].get::<T>()?, b, s, hq, d);
-    let (k, v) = (heads_first(ins[1].get::<T>()?, b, keys, hk, d), heads_first(ins[2].get::<T>()?, b, keys, hk, d));
+    let [q, k, v] = operands_heads_first::<T, 3>(ins, [0, 1, 2], (s, hq, d, keys, hk))?;
     let (out_slot, lse_slot) = outs.split_at_mut(1);
     let mut out = vec![T::zero(); q.len()];
     let lse = lse_slot[0].get::<T>()?;
@@ -373,8 +381,8 @@ fn attention_block_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mu
     }
     let block = Visibility::of_ring_step(instr, cx, keys)?;
     let group = hq / hk;
-    let [q, k, v, out, dout] = [(0, s, hq), (1, keys, hk), (2, keys, hk), (3, s, hq), (5, s, hq)].map(|(slot, rows, heads)| ins[slot].get::<T>().map(|x| heads_first(x, b, rows, heads, d)));
-    let (q, k, v, out, dout, lse) = (q?, k?, v?, out?, dout?, ins[4].get::<T>()?);
+    let [q, k, v, out, dout] = operands_heads_first::<T, 5>(ins, [0, 1, 2, 3, 5], (s, hq, d, keys, hk))?;
+    let lse = ins[4].get::<T>()?;
     let (mut dq, mut dk, mut dv) = (vec![T::zero(); q.len()], vec![T::zero(); k.len()], vec![T::zero(); k.len()]);
     // One task per (batch, kv head), as in `attention_grad`.
     dq.par_chunks_mut(group * s * d)

@@ -80,7 +80,7 @@ pub(super) fn slice_or_pad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [O
 /// (each group of `times` heads summed, in head order).
 pub(super) fn repeat_heads<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sum: bool) -> Result<(), String> {
     let times = instr.int("times")?.max(1) as usize;
-    let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
+    let d = head_dim(instr)?;
     let x = ins[0].get::<T>()?;
     let small = if sum { outs[0].shape().to_vec() } else { ins[0].shape().to_vec() };
     // `[b, s, heads * d]`: rows of the sequence, each `heads` heads of d.

@@ -76,6 +76,11 @@ pub(crate) fn run(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &Rank
     }
 }
 
+/// The `head_dim` of an op that works per head of `[b, s, heads * head_dim]`.
+pub(crate) fn head_dim(instr: &Instr) -> Result<usize, String> {
+    usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or_else(|| format!("`{}`: head_dim must be positive", instr.op))
+}
+
 /// The zigzag order of the sequence an op reads positions of (`xf.zigzag`: chunks and whole
 /// length), `(1, 0)` for the natural order.
 pub(crate) fn zigzag_order(instr: &Instr) -> (usize, usize) {

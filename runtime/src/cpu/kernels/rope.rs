@@ -15,7 +15,7 @@ fn rope_grad_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>]
 /// `sign = -1` rotates back (the gradient).
 pub(super) fn rope<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], sign: f64, offset: usize) -> Result<(), String> {
     let theta = instr.float("theta")?;
-    let d = usize::try_from(instr.int("head_dim")?).ok().filter(|&d| d > 0).ok_or("head_dim must be positive")?;
+    let d = head_dim(instr)?;
     let shape = ins[0].shape();
     let (s, width) = (shape[1], shape[2]);
     if width == 0 || shape[0] * s == 0 {
