@@ -7,7 +7,9 @@
 //! goes on the wire when its last member is staged and its wait stalls only for what the
 //! compute since then did not cover. Pipeline programs are priced per stage and section, and
 //! the schedule they carry is simulated with those costs, so the bubble is the schedule's own;
-//! each rank's step section (updates and the data-parallel syncs) follows.
+//! each rank's step section (updates and the data-parallel syncs, in the order the rank runs
+//! them) follows, waiting only for what is left of the step buckets its chunks sent during
+//! their last backward work, placed on the simulated timeline.
 //!
 //! Model FLOPs count `6 N` per token for the parameters plus `12 L s h` for attention scores
 //! (PaLM's MFU convention), whatever recomputation or partitioning adds.
@@ -233,12 +235,22 @@ fn price_at(program: &Program, index: usize, fusion: &Fusion, cluster: &Cluster)
                     cost.bytes += passes as f64 * buffer.len().saturating_mul(buffer.dtype.bytes()) as f64;
                 }
             }
-            // One launch, as every instruction's kernels are priced (a multi-tensor norm's two
-            // stand for a share's two).
-            Priced::Compute(class_of(instr), cluster.kernel_time(&KernelClass::Memory, &cost, false))
+            Priced::Compute(class_of(instr), cluster.kernel_time(&KernelClass::Memory, &cost, false) + extra_launches(launches, cluster))
         }
-        _ => price(program, instr, cluster),
+        Some(calls) => match price(program, instr, cluster) {
+            Priced::Compute(class, t) => Priced::Compute(class, t + extra_launches(calls, cluster)),
+            communication => communication,
+        },
+        None => price(program, instr, cluster),
     }
+}
+
+/// The launch cost of an instruction's kernels beyond the one its price counts: a norm's
+/// backward, a bias gradient or the loss run as several kernels (a reduction's second stage,
+/// say), each paying a launch.
+fn extra_launches(calls: &[DeviceCall], cluster: &Cluster) -> f64 {
+    let kernels = calls.iter().filter(|c| matches!(c, DeviceCall::Launch { .. } | DeviceCall::Gemm(_) | DeviceCall::GemmEpilogue { .. })).count();
+    kernels.saturating_sub(1) as f64 * cluster.gpu.kernel_launch
 }
 
 /// The collective an instruction runs and the bytes it is priced by: a gather's whole
@@ -298,10 +310,11 @@ fn walk(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster) -> 
     walk_with(program, range, cluster, &BTreeMap::new())
 }
 
-/// [`walk`], with what each step bucket sent inside its chunk's last backward work still
-/// has to run when that work ends (`early`: region -> seconds; see [`early_step_buckets`]):
-/// the step section waits for that much of it at the bucket's first member.
-fn walk_with(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster, early: &BTreeMap<usize, (f64, f64)>) -> Walk {
+/// [`walk`] over `instructions` in that order, with the step buckets already on the wire
+/// when the walk starts (`early`: region -> seconds of its collective and of it still to
+/// run; see [`early_step_buckets`]): the step section waits for what is left at the
+/// bucket's first member, and what comes after on that communicator queues behind it.
+fn walk_with(program: &Program, instructions: impl IntoIterator<Item = usize>, cluster: &Cluster, early: &BTreeMap<usize, (f64, f64)>) -> Walk {
     let mut w = Walk::default();
     // Bucket -> (staged members' bytes, axes, members left); bucket -> done time.
     let mut staging: BTreeMap<i64, (f64, Vec<usize>, i64)> = BTreeMap::new();
@@ -327,7 +340,7 @@ fn walk_with(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster
     // at its first member (as if it started there, not at the chunk's last backward).
     let step_bucket_of: BTreeMap<usize, usize> = if program.pipeline.is_some() { program.memory.buckets.iter().enumerate().flat_map(|(k, r)| r.members.iter().map(move |&m| (m, k))).collect() } else { BTreeMap::new() };
     let mut step_buckets_priced = std::collections::BTreeSet::new();
-    for index in range {
+    for index in instructions {
         w.began.push((index, w.clock));
         let instr = &program.instrs[index];
         if let Some(&k) = step_bucket_of.get(&index) {
@@ -414,32 +427,49 @@ fn walk_with(program: &Program, range: std::ops::Range<usize>, cluster: &Cluster
     w
 }
 
-/// The step buckets of pipeline rank `program` that go out inside a chunk's last backward
-/// work, as the CUDA backend sends them ([`Program::step_bucket_triggers`]): region ->
-/// (seconds of its collective, seconds of it left when the work ends). Each starts when its
-/// trigger's instruction begins, on the dp communicator after the buckets before it;
-/// `backward` and `weight` are the walks of the chunk's backward and weight sections, the
-/// work being the weight section alone when the schedule splits it off.
-fn early_step_buckets(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, backward: &Walk, weight: &Walk, splits_w: bool, cluster: &Cluster) -> BTreeMap<usize, (f64, f64)> {
-    // The work's instructions and when each begins, from the work's start.
-    let (mut began, mut end) = (Vec::new(), 0.0);
-    for w in if splits_w { vec![weight] } else { vec![backward, weight] } {
-        began.extend(w.began.iter().map(|&(i, t)| (i, end + t)));
-        end += w.clock;
-    }
-    let instructions: Vec<usize> = began.iter().map(|&(i, _)| i).collect();
+/// The step buckets of pipeline rank `rank` that are on the wire when the schedule ends
+/// (`makespan`), as the CUDA backend sends them: a chunk's buckets go out inside its last
+/// backward work as their gradients are made ([`Program::step_bucket_triggers`]), the rest
+/// of the chunk's early syncs at that work's end; each after the buckets before it on its
+/// communicator, whatever chunk sent them. `items`: the rank's simulated timeline; `walks`:
+/// its sections' walks, the work being the weight section alone when the schedule splits it
+/// off. Region -> (seconds of its collective, seconds of it left after `makespan`).
+fn early_step_buckets(program: &Program, items: &[(shardc_runtime::schedule::Item, f64, f64)], walks: &BTreeMap<(usize, usize, usize), Walk>, rank: usize, splits_w: bool, makespan: f64, cluster: &Cluster) -> BTreeMap<usize, (f64, f64)> {
+    let Some(plan) = program.pipeline.as_ref() else { return BTreeMap::new() };
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
-    let mut free = 0.0f64;
-    program
-        .step_bucket_triggers(chunk, &instructions)
+    // (when it goes out, chunk, region)
+    let mut sends: Vec<(f64, usize, usize)> = Vec::new();
+    for (c, chunk) in plan.chunks.iter().enumerate() {
+        let Some(&(_, start, end)) = items.iter().rev().find(|(item, _, _)| item.chunk == c && item.work != Work::F) else { continue };
+        // The work's instructions and when each begins.
+        let (mut began, mut offset) = (Vec::new(), start);
+        let sections: &[Phase] = if splits_w { &[Phase::Weight] } else { &[Phase::Backward, Phase::Weight] };
+        for &s in sections {
+            let w = &walks[&(rank, c, s as usize)];
+            began.extend(w.began.iter().map(|&(i, t)| (i, offset + t)));
+            offset += w.clock;
+        }
+        let instructions: Vec<usize> = began.iter().map(|&(i, _)| i).collect();
+        let triggered = program.step_bucket_triggers(chunk, &instructions);
+        sends.extend(triggered.iter().map(|&(at, k)| (began[at].1, c, k)));
+        sends.extend(
+            (0..program.memory.buckets.len())
+                .filter(|&k| program.memory.buckets[k].members.iter().all(|m| chunk.early_syncs.contains(m)) && !triggered.iter().any(|&(_, t)| t == k))
+                .map(|k| (end, c, k)),
+        );
+    }
+    sends.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let mut free: BTreeMap<Vec<usize>, f64> = BTreeMap::new();
+    sends
         .into_iter()
-        .map(|(at, k)| {
+        .map(|(at, _, k)| {
             let r = &program.memory.buckets[k];
             let axes: Vec<usize> = program.instrs[r.members[0]].ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
             let (collective, bytes, _) = step_bucket_collective(program, k);
             let t = cluster.time(collective, bytes, &grid, &axes);
-            free = free.max(began[at].1) + t;
-            (k, (t, (free - end).max(0.0)))
+            let done = free.entry(axes).or_insert(0.0);
+            *done = done.max(at) + t;
+            (k, (t, (*done - makespan).max(0.0)))
         })
         .collect()
 }
@@ -472,25 +502,15 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
     let pipelined = programs.iter().all(|p| p.pipeline.is_some()) && !programs.is_empty();
     if let (true, Ok(schedule)) = (pipelined, schedule_of(programs)) {
         let plans: Vec<_> = programs.iter().filter_map(|p| p.pipeline.as_ref()).collect();
-        // Each (rank, chunk, section) walked once.
-        let section = |rank: usize, chunk: usize, s: Phase| walk(&programs[rank], plans[rank].chunks[chunk].range(s), cluster);
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
+        // Each (rank, chunk, section) of the micro-batches' work walked once, with the copies
+        // the pipeline runtime makes around it.
         let mut walks: BTreeMap<(usize, usize, usize), Walk> = BTreeMap::new();
         for (rank, plan) in plans.iter().enumerate() {
-            for chunk in 0..plan.chunks.len() {
-                let (backward, weight) = (section(rank, chunk, Phase::Backward), section(rank, chunk, Phase::Weight));
-                // Step buckets that go out inside the chunk's last backward work (on a GPU; the
-                // CPU backend's pipeline runtime sends them at its end).
-                let early = if cluster.shared_host { BTreeMap::new() } else { early_step_buckets(&programs[rank], &plan.chunks[chunk], &backward, &weight, splits_w, cluster) };
-                let step = walk_with(&programs[rank], plan.chunks[chunk].range(Phase::Step), cluster, &early);
-                for s in Phase::ALL {
-                    let mut w = match s {
-                        Phase::Forward => section(rank, chunk, s),
-                        Phase::Backward => backward.clone(),
-                        Phase::Weight => weight.clone(),
-                        Phase::Step => step.clone(),
-                    };
-                    let t = bookkeeping(&programs[rank], &plan.chunks[chunk], s, splits_w, cluster);
+            for (chunk, chunk_plan) in plan.chunks.iter().enumerate() {
+                for s in [Phase::Forward, Phase::Backward, Phase::Weight] {
+                    let mut w = walk(&programs[rank], chunk_plan.range(s), cluster);
+                    let t = bookkeeping(&programs[rank], chunk_plan, s, splits_w, cluster);
                     w.clock += t;
                     w.compute += t;
                     *w.breakdown.entry("pipeline bookkeeping".into()).or_insert(0.0) += t;
@@ -507,37 +527,54 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
                 Work::W => t(Phase::Weight),
             }
         };
-        let step_tail = |r: usize| (0..plans[r].chunks.len()).map(|c| walks[&(r, c, Phase::Step as usize)].clock).sum::<f64>();
+        // Each rank's step section, walked in the order the rank runs it (every chunk's, by
+        // `xf.order`), starting when the schedule's last item ends; `early`: its step buckets
+        // already on the wire then (see [`early_step_buckets`]).
+        let step_walk = |rank: usize, early: &BTreeMap<usize, (f64, f64)>| -> Walk {
+            let mut w = walk_with(&programs[rank], programs[rank].step_order(&plans[rank].chunks), cluster, early);
+            let t: f64 = plans[rank].chunks.iter().map(|c| bookkeeping(&programs[rank], c, Phase::Step, splits_w, cluster)).sum();
+            w.clock += t;
+            w.compute += t;
+            *w.breakdown.entry("pipeline bookkeeping".into()).or_insert(0.0) += t;
+            w
+        };
         let shared = cluster.shared_host && gpus > 1.0;
+        let steps: Vec<Walk>;
         if shared {
             // Every rank computes on the host's cores: ranks computing at once share them
             // (slowed by queueing in one pool of worker threads), a rank alone in another's bubble has them all,
             // and the collectives are work of the same cores (their calibrated times are
             // those of every rank taking part at once). Each pipeline rank's program stands
-            // for gpus / pipeline ranks replicas computing alongside it.
+            // for gpus / pipeline ranks replicas computing alongside it. The CPU backend's
+            // pipeline runtime sends a chunk's step buckets at the end of its last backward
+            // work, where they are work of the same cores: the step section pays for them.
+            steps = (0..plans.len()).map(|r| step_walk(r, &BTreeMap::new())).collect();
             let replicas = gpus / plans.len() as f64;
-            let timeline = simulate_shared(&schedule, |rank, item| item_time(rank, item.work, item.chunk), step_tail, replicas, cluster.shared_pool_slowdown);
+            let timeline = simulate_shared(&schedule, |rank, item| item_time(rank, item.work, item.chunk), |r| steps[r].clock, replicas, cluster.shared_pool_slowdown);
             out.step_seconds = timeline.as_ref().map_or(0.0, |t| t.makespan);
             out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * t.makespan);
         } else {
             let timeline = simulate_with(&schedule, |rank, item| item_time(rank, item.work, item.chunk));
             let makespan = timeline.as_ref().map_or(0.0, |t| t.makespan);
-            out.step_seconds = makespan + (0..plans.len()).map(step_tail).fold(0.0, f64::max);
+            steps = (0..plans.len())
+                .map(|r| {
+                    let early = timeline.as_ref().map_or_else(|_| BTreeMap::new(), |t| early_step_buckets(&programs[r], &t.ranks[r], &walks, r, splits_w, makespan, cluster));
+                    step_walk(r, &early)
+                })
+                .collect();
+            out.step_seconds = makespan + steps.iter().map(|w| w.clock).fold(0.0, f64::max);
             out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * makespan);
         }
         let m = schedule.microbatches as f64;
         // A quantity of rank `r`'s walks over one step: every micro-batch's items, and the step.
         let per_rank = |r: usize, f: &dyn Fn(&Walk) -> f64| -> f64 {
             let per_item: f64 = (0..plans[r].chunks.len()).map(|c| [Phase::Forward, Phase::Backward, Phase::Weight].iter().map(|&s| f(&walks[&(r, c, s as usize)])).sum::<f64>()).sum();
-            per_item * m + (0..plans[r].chunks.len()).map(|c| f(&walks[&(r, c, Phase::Step as usize)])).sum::<f64>()
+            per_item * m + f(&steps[r])
         };
         out.compute_seconds = (0..plans.len()).map(|r| per_rank(r, &|w| w.compute)).fold(0.0, f64::max);
         // Communication of rank 0, per item times the micro-batches, plus its step.
-        for ((rank, _, s), w) in &walks {
-            if *rank != 0 {
-                continue;
-            }
-            let times = if *s == Phase::Step as usize { 1.0 } else { m };
+        let rank0 = walks.iter().filter(|((rank, _, _), _)| *rank == 0).map(|(_, w)| (w, m));
+        for (w, times) in rank0.chain(steps.first().map(|w| (w, 1.0))) {
             for (axes, t) in &w.exposed {
                 *out.exposed_communication.entry(axes.clone()).or_insert(0.0) += t * times;
             }

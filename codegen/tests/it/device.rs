@@ -1254,8 +1254,14 @@ fn the_estimate_prices_the_kernels_the_device_plan_launches() {
         let absorbed = plan.calls.iter().filter(|c| matches!(c.as_slice(), [DeviceCall::Fused { .. }])).count();
         assert!(absorbed > 50, "{dtype}: {absorbed}");
         let seconds = |p: &Program, c: &Cluster| estimate(std::slice::from_ref(p), c, shape).compute_seconds;
-        // Each absorbed instruction is one launch fewer.
-        assert_eq!(seconds(&cpu, &launches) - seconds(&gpu, &launches), absorbed as f64, "{dtype}");
+        // Each kernel the plan launches is priced one launch: an absorbed instruction is one
+        // fewer, an instruction of several kernels (a norm's backward and its second stage)
+        // pays for each.
+        let kernels = plan.calls.iter().flatten().filter(|c| matches!(c, DeviceCall::Launch { .. } | DeviceCall::Gemm(_) | DeviceCall::GemmEpilogue { .. })).count();
+        let several: usize = plan.calls.iter().map(|c| c.iter().filter(|c| matches!(c, DeviceCall::Launch { .. })).count().saturating_sub(1)).sum();
+        assert!(several > 5, "{dtype}: {several} launches beyond an instruction's first");
+        assert_eq!(seconds(&gpu, &launches), kernels as f64, "{dtype}: the plan launches {kernels} kernels");
+        assert_eq!(seconds(&cpu, &launches) - seconds(&gpu, &launches), (absorbed - several) as f64, "{dtype}");
         // And its results, kept on chip, are bytes not moved; what the plan still stores (the
         // pre-activation GELU's gradient reads) is counted.
         let (moved_cpu, moved_gpu) = (seconds(&cpu, &bytes), seconds(&gpu, &bytes));
