@@ -1,5 +1,5 @@
 //! What a CPU run of rank programs holds in host memory, read from the programs alone: every
-//! rank's storage slots (its memory plan), what the pipeline runtime keeps between a
+//! rank's storage slots (its memory plan) and its largest kernel's working memory, what the pipeline runtime keeps between a
 //! micro-batch's forward and backward and sums over micro-batches, and the run's state read
 //! back as f64 (each rank's shards, then the assembled global tensors), at the most of them
 //! alive at once ([`CpuFootprint::peak`]). The CLI compares it
@@ -18,6 +18,10 @@ pub struct CpuFootprint {
     /// Every rank's storage slots: parameters, optimizer state, inputs and temporaries as
     /// the memory plan lays them out.
     pub slots: u64,
+    /// Working memory of every rank's largest kernel while it runs (the attention kernels'
+    /// heads-first copies of their operands and results): each rank runs one instruction at
+    /// a time, and its threads run at once.
+    pub scratch: u64,
     /// Pipeline ranks' values kept per micro-batch in flight (the most the schedule has in
     /// flight at once) and gradients summed over micro-batches.
     pub pipeline: u64,
@@ -37,7 +41,7 @@ impl CpuFootprint {
     /// more as the runtime gathers them, and the assembled tensors); a single device
     /// assembles its state while its slots live.
     pub fn peak(&self) -> u64 {
-        let running = self.slots.saturating_add(self.pipeline).saturating_add(self.state_shards);
+        let running = self.slots.saturating_add(self.scratch).saturating_add(self.pipeline).saturating_add(self.state_shards);
         if self.single {
             return running.saturating_add(self.state_global);
         }
@@ -62,6 +66,8 @@ pub fn cpu_footprint(programs: &[Program]) -> CpuFootprint {
     for rank in 0..ranks {
         let Some(program) = program_of(rank) else { continue };
         out.slots = out.slots.saturating_add(program.cpu_storage_bytes() as u64);
+        let scratch = program.instrs.iter().map(|i| crate::cpu::scratch_bytes(program, i)).max().unwrap_or(0);
+        out.scratch = out.scratch.saturating_add(scratch as u64);
         out.pipeline = out.pipeline.saturating_add(pipeline_bytes(program));
         for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
             let local = program.buffers[a.buffer].len() as u64;

@@ -10,6 +10,7 @@ mod gemm;
 mod kernels;
 #[cfg(feature = "cuda")]
 pub(crate) use kernels::{gelu, gelu_derivative};
+pub(crate) use kernels::scratch_bytes;
 mod numerics;
 mod storage;
 

@@ -3,12 +3,31 @@
 use super::*;
 
 pub(super) const KERNELS: &[CpuKernel] = &[
-    kernel!("xf.attention", attention_kernel),
-    kernel!("xf.attention_grad", attention_grad_kernel),
-    kernel!("xf.attention_block", attention_block_kernel),
+    kernel!("xf.attention", attention_kernel, forward_scratch),
+    kernel!("xf.attention_grad", attention_grad_kernel, backward_scratch),
+    kernel!("xf.attention_block", attention_block_kernel, forward_scratch),
     kernel!("xf.attention_merge", attention_merge_kernel),
-    kernel!("xf.attention_block_grad", attention_block_grad_kernel),
+    kernel!("xf.attention_block_grad", attention_block_grad_kernel, backward_scratch),
 ];
+
+/// Elements of `shape`.
+fn elements(shape: Option<&&[usize]>) -> usize {
+    shape.map_or(0, |s| s.iter().fold(1usize, |n, &d| n.saturating_mul(d)))
+}
+
+/// The forward kernels' heads-first copies: q, k, v and the output (see
+/// [`operands_heads_first`]); a row of scores a thread is small beside them.
+fn forward_scratch(_: &Instr, shapes: &[&[usize]]) -> usize {
+    let (q, k) = (elements(shapes.first()), elements(shapes.get(1)));
+    q.saturating_mul(2).saturating_add(k.saturating_mul(2))
+}
+
+/// The backward kernels' heads-first copies: q, the output, its gradient and q's gradient;
+/// k, v and their gradients.
+fn backward_scratch(_: &Instr, shapes: &[&[usize]]) -> usize {
+    let (q, k) = (elements(shapes.first()), elements(shapes.get(1)));
+    q.saturating_mul(4).saturating_add(k.saturating_mul(4))
+}
 
 fn attention_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], cx: &RankCx) -> Result<(), String> {
     attention::<T>(instr, ins, outs, cx.seq_offset)

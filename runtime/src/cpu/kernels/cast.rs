@@ -3,7 +3,7 @@
 use super::*;
 
 /// One kernel for both instances: the types it converts between are the buffers' own.
-pub(super) const KERNELS: &[CpuKernel] = &[CpuKernel { op: "xf.cast", f32: cast_kernel, f64: cast_kernel }];
+pub(super) const KERNELS: &[CpuKernel] = &[CpuKernel { op: "xf.cast", f32: cast_kernel, f64: cast_kernel, scratch: |_, _| 0 }];
 
 fn cast_kernel(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_>], _: &RankCx) -> Result<(), String> {
     cast(ins, outs)

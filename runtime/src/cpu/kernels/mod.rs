@@ -14,17 +14,27 @@ use crate::program::{DType, Instr};
 /// A kernel of one op for one element type.
 type KernelFn = fn(&Instr, &[In<'_>], &mut [Out<'_>], &RankCx) -> Result<(), String>;
 
-/// An op's CPU kernels: its f32 and f64 instances (bf16 runs widened to f32).
+/// Elements of working memory a kernel allocates while it runs, beyond its operands, from
+/// the instruction and its operands' shapes.
+type ScratchFn = fn(&Instr, &[&[usize]]) -> usize;
+
+/// An op's CPU kernels: its f32 and f64 instances (bf16 runs widened to f32), and the
+/// working memory they allocate.
 pub(crate) struct CpuKernel {
     op: &'static str,
     f32: KernelFn,
     f64: KernelFn,
+    scratch: ScratchFn,
 }
 
-/// The entry of `op` for a generic kernel `f::<T>`.
+/// The entry of `op` for a generic kernel `f::<T>` (allocating `scratch` elements, or no more
+/// than a row or two).
 macro_rules! kernel {
     ($op:literal, $f:ident) => {
-        CpuKernel { op: $op, f32: $f::<f32>, f64: $f::<f64> }
+        CpuKernel { op: $op, f32: $f::<f32>, f64: $f::<f64>, scratch: |_, _| 0 }
+    };
+    ($op:literal, $f:ident, $scratch:expr) => {
+        CpuKernel { op: $op, f32: $f::<f32>, f64: $f::<f64>, scratch: $scratch }
     };
 }
 
@@ -64,6 +74,16 @@ pub(crate) fn supported(op: &str) -> bool {
 /// The ops with CPU kernels.
 pub(crate) fn ops() -> impl Iterator<Item = &'static str> {
     FAMILIES.iter().flat_map(|family| family.iter()).map(|k| k.op)
+}
+
+/// Bytes of working memory the kernel of instruction `instr` of `program` allocates while it
+/// runs (in the element type it computes in), beyond its operands' storage.
+pub(crate) fn scratch_bytes(program: &crate::program::Program, instr: &Instr) -> usize {
+    let Some(kernel) = registry().get(instr.op.as_str()) else { return 0 };
+    let buffers = instr.inputs.iter().chain(&instr.outputs).filter_map(|&b| program.buffers.get(b));
+    let element = if buffers.clone().any(|b| b.dtype == DType::F64) { 8 } else { 4 };
+    let shapes: Vec<&[usize]> = instr.inputs.iter().filter_map(|&b| program.buffers.get(b)).map(|b| b.shape.as_slice()).collect();
+    (kernel.scratch)(instr, &shapes).saturating_mul(element)
 }
 
 /// Runs one instruction in the element type of its float buffers.
