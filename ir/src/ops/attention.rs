@@ -867,6 +867,13 @@ const ATTENTION_MMA_CUDA: &str = r#"#if defined(BF16)
 #define FA_MMA_THREADS 128
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
+// An access the GPU requires to be aligned to `bytes` (a vector load or store, a cp.async, an
+// ldmatrix row): checked on the emulated device, where the host would not fault.
+#ifdef SHARDC_EMULATED
+#define FA_ALIGNED(p, bytes) shim_check_aligned((const void*)(p), bytes, #p, __func__)
+#else
+#define FA_ALIGNED(p, bytes)
+#endif
 __device__ __forceinline__ float fa_lo(unsigned u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float fa_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ unsigned fa_pair(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
@@ -921,6 +928,7 @@ __device__ __forceinline__ void fa_ldsm(unsigned* r, const unsigned short* tile,
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 #else
   int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  FA_ALIGNED(tile + at, 16);
   for (int m = 0; m < 4; m++)
     if (TRANS) {
       int lo = __shfl_sync(0xffffffffu, at, 8 * m + 2 * t), hi = __shfl_sync(0xffffffffu, at, 8 * m + 2 * t + 1);
@@ -939,6 +947,8 @@ __device__ __forceinline__ void fa_copy16(unsigned short* dst, const unsigned sh
   unsigned to = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src), "r"(inside ? 16 : 0) : "memory");
 #else
+  FA_ALIGNED(dst, 16);
+  if (inside) FA_ALIGNED(src, 16);
   unsigned* d4 = (unsigned*)dst;
   const unsigned* s4 = (const unsigned*)src;
   for (int w = 0; w < 4; w++) d4[w] = inside ? s4[w] : 0u;
@@ -950,6 +960,8 @@ __device__ __forceinline__ void fa_copy4(float* dst, const float* src, bool insi
   unsigned to = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(to), "l"(src), "r"(inside ? 4 : 0) : "memory");
 #else
+  FA_ALIGNED(dst, 4);
+  if (inside) FA_ALIGNED(src, 4);
   *dst = inside ? *src : 0.0f;
 #endif
 }
@@ -975,6 +987,7 @@ __device__ void fa_fragments(unsigned (*a)[4], const unsigned short* m, i64 ld, 
     for (int x = 0; x < 4; x++) {
       i64 row = row0 + g + (x & 1) * 8;
       int col = kk * 16 + 2 * t + (x >> 1) * 8;
+      if (row < s) FA_ALIGNED(m + row * ld + col, 4);
       a[kk][x] = row < s ? *(const unsigned*)(m + row * ld + col) : 0u;
     }
 }
@@ -1075,7 +1088,10 @@ __device__ void fa_write(unsigned short* m, i64 ld, const float (*acc)[4], const
   int t = threadIdx.x & 3;
   for (int n = 0; n < D / 8; n++)
     for (int half = 0; half < 2; half++)
-      if (rows[half] < s) *(unsigned*)(m + rows[half] * ld + n * 8 + 2 * t) = fa_round_pair(acc[n][2 * half] * by[half], acc[n][2 * half + 1] * by[half]);
+      if (rows[half] < s) {
+        FA_ALIGNED(m + rows[half] * ld + n * 8 + 2 * t, 4);
+        *(unsigned*)(m + rows[half] * ld + n * 8 + 2 * t) = fa_round_pair(acc[n][2 * half] * by[half], acc[n][2 * half + 1] * by[half]);
+      }
 }
 // The query tile of this block: in reverse when causal (the tiles with the most keys first).
 __device__ __forceinline__ i64 fa_query_tile(i64 causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }

@@ -21,6 +21,8 @@ use crate::{DType, RuntimeError};
 const SHIM: &str = r#"#include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 #include <functional>
 #include <ucontext.h>
@@ -40,7 +42,17 @@ static thread_local unsigned shim_current;
 static thread_local const std::function<void()>* shim_kernel;
 static thread_local ShimBarrier shim_block_barrier, shim_warp_barriers[32];
 static thread_local double shim_lanes[1024];
-static thread_local unsigned char shim_dynamic_shared[48 * 1024];
+alignas(128) static thread_local unsigned char shim_dynamic_shared[48 * 1024];
+// The GPU faults on a vector access (or a cp.async, an ldmatrix row) at an address that is not
+// a multiple of its size, where the host does not: kernels name such accesses, and here they
+// are checked (memory is aligned as cudaMalloc aligns it).
+#define SHARDC_EMULATED 1
+inline void shim_check_aligned(const void* p, unsigned bytes, const char* what, const char* where) {
+  if ((uintptr_t)p % bytes != 0) {
+    std::fprintf(stderr, "emulated device: %s (%p) in %s is not %u-byte aligned, as the GPU requires\n", what, p, where, bytes);
+    std::abort();
+  }
+}
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -183,6 +195,9 @@ struct ShimArg {
 
 type Launcher = unsafe extern "C" fn(*const ShimArg, u32, u32, u32, u32);
 
+/// Where cudaMalloc places an allocation: at a multiple of this many bytes.
+const ALLOCATION_ALIGN: usize = 256;
+
 /// The emulated device: the module built as a shared library, host memory.
 pub struct Emulated {
     library: libloading::Library,
@@ -237,9 +252,11 @@ impl Emulated {
 
 impl Device for Emulated {
     fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
-        // u64 words keep every element type aligned.
-        let memory = vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice();
-        let ptr = memory.as_ptr() as u64;
+        // At a multiple of 256 bytes, as cudaMalloc places allocations, so that the kernels'
+        // alignment checks see what the GPU would (the arena aligns within).
+        let memory = vec![0u64; bytes.div_ceil(8).max(1) + ALLOCATION_ALIGN / 8].into_boxed_slice();
+        let base = memory.as_ptr() as u64;
+        let ptr = base.next_multiple_of(ALLOCATION_ALIGN as u64);
         self.allocations.insert(ptr, memory);
         Ok(ptr)
     }
