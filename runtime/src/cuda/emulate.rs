@@ -288,6 +288,10 @@ impl Device for Emulated {
         if shared_bytes > 48 * 1024 || block > 1024 {
             return Err(err(format!("`{kernel}`: {block} threads and {shared_bytes} bytes of shared memory exceed a block's limits")));
         }
+        // A GPU refuses a grid past 2^31 - 1 blocks in x or 65535 in y or z.
+        if grid[0] > i32::MAX as u32 || grid[1] > 65_535 || grid[2] > 65_535 || grid.contains(&0) {
+            return Err(err(format!("`{kernel}`: a grid of {grid:?} blocks is not one a GPU launches (x up to 2^31 - 1, y and z up to 65535, none 0)")));
+        }
         let values: Vec<ShimArg> = args
             .iter()
             .map(|a| match *a {
