@@ -57,7 +57,7 @@ pub fn refuse_if_over_memory(programs: &[Program], data: u64) -> Result<()> {
         help = format!(
             "train a smaller model, micro-batch or sequence (--micro-batch, --seq) or fewer ranks on this host; price this one for GPUs with `shardc compile --gpu` or `shardc plan`; {HOST_MEMORY_VAR}=BYTES sets the memory to assume"
         ),
-        "this CPU run needs about {} of memory at its peak, and this host has {} available ({source}): {} in the storage slots of the memory plans of its {} rank{}, {} of kernels' working memory, {} of pipeline values kept between micro-batches, {} of parameters and optimizer state read back as f64 ({} assembled){data_part}",
+        "this CPU run needs about {} of memory at its peak, and this host has {} available ({source}): {} in the storage slots of the memory plans of its {} rank{}, {} of working memory (each rank's largest instruction), {} of pipeline values kept between micro-batches, {} of parameters and optimizer state read back as f64 ({} assembled){data_part}",
         bytes(peak),
         bytes(available),
         bytes(need.slots),

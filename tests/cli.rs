@@ -1808,7 +1808,7 @@ fn cpu_runs_that_cannot_fit_in_memory_are_refused_up_front() {
     assert!(!out.status.success() && text.contains(&format!("{storage} in the storage slots of the memory plans of its 1 rank")), "{storage}: {text}");
     // And the attention backward's working memory: heads-first copies of q, its output,
     // their gradients, k, v and theirs, 8 tensors of 8 x 8 x 16 f32 values.
-    assert!(text.contains(&format!("{} of kernels' working memory", shardc_runtime::inspect::bytes(8 * 8 * 8 * 16 * 4))), "{text}");
+    assert!(text.contains(&format!("{} of working memory (each rank's largest instruction)", shardc_runtime::inspect::bytes(8 * 8 * 8 * 16 * 4))), "{text}");
     let out = with_memory("lots", &["run", "models/tiny.toml", "--steps", "1"]);
     assert!(!out.status.success() && stderr(&out).contains("SHARDC_HOST_MEMORY=lots"), "{}", stderr(&out));
     // The training data is read into memory too: a 64 MiB token file on a host with 32 MiB

@@ -531,8 +531,10 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         // `xf.order`), starting when the schedule's last item ends; `early`: its step buckets
         // already on the wire then (see [`early_step_buckets`]).
         let step_walk = |rank: usize, early: &BTreeMap<usize, (f64, f64)>| -> Walk {
-            let mut w = walk_with(&programs[rank], programs[rank].step_order(&plans[rank].chunks), cluster, early);
+            // The gradient sums are restored first: the buckets run on meanwhile.
             let t: f64 = plans[rank].chunks.iter().map(|c| bookkeeping(&programs[rank], c, Phase::Step, splits_w, cluster)).sum();
+            let early: BTreeMap<usize, (f64, f64)> = early.iter().map(|(&k, &(seconds, left))| (k, (seconds, (left - t).max(0.0)))).collect();
+            let mut w = walk_with(&programs[rank], programs[rank].step_order(&plans[rank].chunks), cluster, &early);
             w.clock += t;
             w.compute += t;
             *w.breakdown.entry("pipeline bookkeeping".into()).or_insert(0.0) += t;

@@ -1,5 +1,5 @@
 //! What a CPU run of rank programs holds in host memory, read from the programs alone: every
-//! rank's storage slots (its memory plan) and its largest kernel's working memory, what the pipeline runtime keeps between a
+//! rank's storage slots (its memory plan) and its largest instruction's working memory, what the pipeline runtime keeps between a
 //! micro-batch's forward and backward and sums over micro-batches, and the run's state read
 //! back as f64 (each rank's shards, then the assembled global tensors), at the most of them
 //! alive at once ([`CpuFootprint::peak`]). The CLI compares it
@@ -18,9 +18,10 @@ pub struct CpuFootprint {
     /// Every rank's storage slots: parameters, optimizer state, inputs and temporaries as
     /// the memory plan lays them out.
     pub slots: u64,
-    /// Working memory of every rank's largest kernel while it runs (the attention kernels'
-    /// heads-first copies of their operands and results): each rank runs one instruction at
-    /// a time, and its threads run at once.
+    /// Working memory of every rank's largest instruction while it runs (the attention
+    /// kernels' heads-first copies of their operands and results; f32 copies of the bf16
+    /// slots an instruction reads and writes): each rank runs one instruction at a time, and
+    /// its threads run at once.
     pub scratch: u64,
     /// Pipeline ranks' values kept per micro-batch in flight (the most the schedule has in
     /// flight at once) and gradients summed over micro-batches.

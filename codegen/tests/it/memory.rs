@@ -477,3 +477,30 @@ fn accumulated_gradients_are_counted_whole_under_zero_2() {
     assert!(estimate.all_gradients <= 0.6 * estimate.gradients, "ZeRO-2's reduced shards {} B", estimate.all_gradients);
     assert!(estimate.total >= estimate.gradients + estimate.parameters + estimate.optimizer, "{estimate:?}");
 }
+
+/// The CPU run's memory check counts the working memory of each rank's largest instruction
+/// in its peak: tiny-llama's attention backward copies q, its output, their gradients (each
+/// `b x s x hidden`), k, v and theirs (`b x s x kv_heads x head_dim`, half as wide) heads
+/// first; in bf16 an instruction also widens the bf16 slots it touches to f32, at least the
+/// logits the loss reads.
+#[test]
+fn the_cpu_footprint_counts_the_largest_instructions_working_memory() {
+    use shardc_runtime::memory::{cpu_footprint, CpuFootprint};
+    for (name, dtype) in [("tiny-llama", "f32"), ("tiny", "bf16")] {
+        let spec = spec_with_dtype(name, dtype);
+        let program = compiled_step(&spec, &CompileOptions { vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() });
+        let footprint = cpu_footprint(std::slice::from_ref(&program));
+        let (b, s, h) = (spec.training.micro_batch as usize, spec.training.seq_len.unwrap_or(spec.model.max_seq) as usize, spec.model.hidden as usize);
+        let kv = h * spec.model.kv_heads() as usize / spec.model.heads as usize;
+        let attention = 4 * (4 * b * s * h + 4 * b * s * kv);
+        if dtype == "f32" {
+            assert!(kv < h, "{name}: grouped-query heads");
+            assert_eq!(footprint.scratch, attention as u64, "{name}: the attention backward's copies");
+        } else {
+            let logits = 4 * b * s * spec.model.vocab as usize;
+            assert!(footprint.scratch >= attention.max(logits) as u64, "{name} {dtype}: {} bytes, below the attention's {attention} or the widened logits' {logits}", footprint.scratch);
+        }
+        let without = CpuFootprint { scratch: 0, ..footprint };
+        assert_eq!(footprint.peak(), without.peak() + footprint.scratch, "{name} {dtype}: the peak holds the working memory");
+    }
+}

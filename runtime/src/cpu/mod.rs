@@ -10,7 +10,6 @@ mod gemm;
 mod kernels;
 #[cfg(feature = "cuda")]
 pub(crate) use kernels::{gelu, gelu_derivative};
-pub(crate) use kernels::scratch_bytes;
 mod numerics;
 mod storage;
 
@@ -582,6 +581,22 @@ impl CpuExecutor {
         }
         Ok(())
     }
+}
+
+/// Bytes of working memory instruction `instr` of `program` takes on the CPU backend while it
+/// runs: its kernel's own, and the f32 copies of the bf16 slots it reads or writes
+/// ([`run_widened`]).
+pub(crate) fn scratch_bytes(program: &Program, instr: &Instr) -> usize {
+    if COLLECTIVES.contains(&instr.op.as_str()) {
+        return 0;
+    }
+    let buffers: Vec<&Buffer> = instr.inputs.iter().chain(&instr.outputs).filter_map(|&b| program.buffers.get(b)).collect();
+    let widened = if buffers.iter().any(|b| b.dtype == DType::Bf16) {
+        buffers.iter().filter(|b| b.dtype == DType::Bf16).map(|b| program.memory.slots.get(b.slot).map_or(b.len(), |&(len, _)| len).saturating_mul(4)).fold(0usize, usize::saturating_add)
+    } else {
+        0
+    };
+    widened.saturating_add(kernels::scratch_bytes(program, instr))
 }
 
 /// Runs a kernel that reads or writes bf16 buffers as the f32 kernel: bf16 operands are

@@ -77,7 +77,8 @@ pub(crate) fn ops() -> impl Iterator<Item = &'static str> {
 }
 
 /// Bytes of working memory the kernel of instruction `instr` of `program` allocates while it
-/// runs (in the element type it computes in), beyond its operands' storage.
+/// runs, beyond its operands' storage, in the element type it computes in: f64 with an f64
+/// operand, else f32 (bf16 operands are widened first; see `run_widened`).
 pub(crate) fn scratch_bytes(program: &crate::program::Program, instr: &Instr) -> usize {
     let Some(kernel) = registry().get(instr.op.as_str()) else { return 0 };
     let buffers = instr.inputs.iter().chain(&instr.outputs).filter_map(|&b| program.buffers.get(b));
