@@ -478,20 +478,20 @@ fn early_step_buckets(program: &Program, items: &[(shardc_runtime::schedule::Ite
 /// carries between micro-batches (as the pipeline runtime runs a plan): kept forward values
 /// saved after the forward and restored for the backward, backward values kept for a split
 /// weight pass, and gradients summed over micro-batches (read both, write one) and restored
-/// for the step. Copies read and write their bytes.
-fn bookkeeping(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, section: Phase, splits_w: bool, cluster: &Cluster) -> f64 {
+/// for the step. Copies read and write their bytes. Returns the seconds before the section's
+/// instructions (restores) and after them (saves and sums).
+fn bookkeeping(program: &Program, chunk: &shardc_runtime::program::ChunkPlan, section: Phase, splits_w: bool, cluster: &Cluster) -> (f64, f64) {
     let bytes = |buffers: &[usize]| buffers.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
     let (kept_f, kept_b, sum_b, sum_w) = (bytes(&chunk.keep_forward), bytes(&chunk.keep_backward), bytes(&chunk.sum_backward), bytes(&chunk.sum_weight));
-    let moved = match section {
-        Phase::Forward => 2.0 * kept_f,
-        Phase::Backward => 2.0 * kept_f + 3.0 * sum_b + if splits_w { 2.0 * kept_b } else { 0.0 },
-        Phase::Weight => 3.0 * sum_w + if splits_w { 2.0 * kept_b } else { 0.0 },
-        Phase::Step => 2.0 * (sum_b + sum_w),
+    let split = if splits_w { 2.0 * kept_b } else { 0.0 };
+    let (before, after) = match section {
+        Phase::Forward => (0.0, 2.0 * kept_f),
+        Phase::Backward => (2.0 * kept_f, 3.0 * sum_b + split),
+        Phase::Weight => (split, 3.0 * sum_w),
+        Phase::Step => (2.0 * (sum_b + sum_w), 0.0),
     };
-    if moved <= 0.0 {
-        return 0.0;
-    }
-    cluster.gpu.kernel_launch + moved / (cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency)
+    let seconds = |moved: f64| if moved <= 0.0 { 0.0 } else { cluster.gpu.kernel_launch + moved / (cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency) };
+    (seconds(before), seconds(after))
 }
 
 /// Estimates one optimizer step of `programs`: one program for every rank, or one per
@@ -510,7 +510,10 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
             for (chunk, chunk_plan) in plan.chunks.iter().enumerate() {
                 for s in [Phase::Forward, Phase::Backward, Phase::Weight] {
                     let mut w = walk(&programs[rank], chunk_plan.range(s), cluster);
-                    let t = bookkeeping(&programs[rank], chunk_plan, s, splits_w, cluster);
+                    let (before, after) = bookkeeping(&programs[rank], chunk_plan, s, splits_w, cluster);
+                    // The restores come first: the instructions begin after them.
+                    w.began.iter_mut().for_each(|(_, t)| *t += before);
+                    let t = before + after;
                     w.clock += t;
                     w.compute += t;
                     *w.breakdown.entry("pipeline bookkeeping".into()).or_insert(0.0) += t;
@@ -532,7 +535,7 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
         // already on the wire then (see [`early_step_buckets`]).
         let step_walk = |rank: usize, early: &BTreeMap<usize, (f64, f64)>| -> Walk {
             // The gradient sums are restored first: the buckets run on meanwhile.
-            let t: f64 = plans[rank].chunks.iter().map(|c| bookkeeping(&programs[rank], c, Phase::Step, splits_w, cluster)).sum();
+            let t: f64 = plans[rank].chunks.iter().map(|c| bookkeeping(&programs[rank], c, Phase::Step, splits_w, cluster).0).sum();
             let early: BTreeMap<usize, (f64, f64)> = early.iter().map(|(&k, &(seconds, left))| (k, (seconds, (left - t).max(0.0)))).collect();
             let mut w = walk_with(&programs[rank], programs[rank].step_order(&plans[rank].chunks), cluster, &early);
             w.clock += t;
