@@ -434,8 +434,8 @@ fn walk_with(program: &Program, instructions: impl IntoIterator<Item = usize>, c
 /// communicator, whatever chunk sent them. `items`: the rank's simulated timeline; `walks`:
 /// its sections' walks, the work being the weight section alone when the schedule splits it
 /// off. Region -> (seconds of its collective, seconds of it left after `makespan`).
-fn early_step_buckets(program: &Program, items: &[(shardc_runtime::schedule::Item, f64, f64)], walks: &BTreeMap<(usize, usize, usize), Walk>, rank: usize, splits_w: bool, makespan: f64, cluster: &Cluster) -> BTreeMap<usize, (f64, f64)> {
-    let Some(plan) = program.pipeline.as_ref() else { return BTreeMap::new() };
+fn early_step_buckets(program: &Program, items: &[(shardc_runtime::schedule::Item, f64, f64)], walks: &BTreeMap<(usize, usize, usize), Walk>, rank: usize, splits_w: bool, makespan: f64, cluster: &Cluster) -> EarlyBuckets {
+    let Some(plan) = program.pipeline.as_ref() else { return EarlyBuckets::default() };
     let grid: Vec<i64> = program.mesh.iter().map(|&e| e as i64).collect();
     // (when it goes out, chunk, region)
     let mut sends: Vec<(f64, usize, usize)> = Vec::new();
@@ -459,19 +459,74 @@ fn early_step_buckets(program: &Program, items: &[(shardc_runtime::schedule::Ite
         );
     }
     sends.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    let mut free: BTreeMap<Vec<usize>, f64> = BTreeMap::new();
-    sends
-        .into_iter()
-        .map(|(at, _, k)| {
-            let r = &program.memory.buckets[k];
-            let axes: Vec<usize> = program.instrs[r.members[0]].ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
-            let (collective, bytes, _) = step_bucket_collective(program, k);
-            let t = cluster.time(collective, bytes, &grid, &axes);
-            let done = free.entry(axes).or_insert(0.0);
-            *done = done.max(at) + t;
-            (k, (t, (*done - makespan).max(0.0)))
-        })
-        .collect()
+    let mut out = EarlyBuckets::default();
+    for (at, _, k) in sends {
+        let r = &program.memory.buckets[k];
+        let axes: Vec<usize> = program.instrs[r.members[0]].ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
+        let (collective, bytes, _) = step_bucket_collective(program, k);
+        let t = cluster.time(collective, bytes, &grid, &axes);
+        let queue = out.queues.entry(axes).or_default();
+        let done = queue.last().map_or(0.0, |&(_, done)| done).max(at) + t;
+        queue.push((at, done));
+        out.left.insert(k, (t, (done - makespan).max(0.0)));
+    }
+    out
+}
+
+/// A pipeline rank's step buckets sent during the schedule ([`early_step_buckets`]).
+#[derive(Default)]
+struct EarlyBuckets {
+    /// Region -> (seconds of its collective, seconds of it left when the schedule ends).
+    left: BTreeMap<usize, (f64, f64)>,
+    /// Communicator (its axes) -> each bucket's (send, end) on it, in order.
+    queues: BTreeMap<Vec<usize>, Vec<(f64, f64)>>,
+}
+
+impl EarlyBuckets {
+    /// How long a collective issued at `at` on the communicator of `axes` waits for the step
+    /// buckets sent before it (it runs on that communicator's stream after them).
+    fn wait(&self, axes: &[usize], at: f64) -> f64 {
+        self.queues.get(axes).and_then(|q| q.iter().rev().find(|&&(sent, _)| sent <= at)).map_or(0.0, |&(_, done)| (done - at).max(0.0))
+    }
+}
+
+/// How long each item of pipeline rank `rank` (on its simulated timeline `items`) stalls
+/// because its first collective on a communicator queues behind the step buckets already
+/// on it (ZeRO-3's gathers behind another chunk's reduce-scatters, say): item -> (seconds,
+/// the communicator's axes).
+fn item_stalls(program: &Program, items: &[(shardc_runtime::schedule::Item, f64, f64)], walks: &BTreeMap<(usize, usize, usize), Walk>, rank: usize, splits_w: bool, early: &EarlyBuckets) -> std::collections::HashMap<shardc_runtime::schedule::Item, (f64, String)> {
+    let mut stalls = std::collections::HashMap::new();
+    if early.queues.is_empty() {
+        return stalls;
+    }
+    for &(item, start, _) in items {
+        let sections: &[Phase] = match item.work {
+            Work::F => &[Phase::Forward],
+            Work::B if splits_w => &[Phase::Backward],
+            Work::B => &[Phase::Backward, Phase::Weight],
+            Work::W => &[Phase::Weight],
+        };
+        let (mut offset, mut seen, mut stall) = (start, std::collections::BTreeSet::new(), (0.0f64, String::new()));
+        for &s in sections {
+            let w = &walks[&(rank, item.chunk, s as usize)];
+            for &(index, t) in &w.began {
+                let instr = &program.instrs[index];
+                if collective_of(program, instr).is_none() {
+                    continue;
+                }
+                let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
+                let wait = early.wait(&axes, offset + t);
+                if seen.insert(axes.clone()) && wait > stall.0 {
+                    stall = (wait, axis_names(&axes));
+                }
+            }
+            offset += w.clock;
+        }
+        if stall.0 > 0.0 {
+            stalls.insert(item, stall);
+        }
+    }
+    stalls
 }
 
 /// Seconds a pipeline rank spends around `section` of `chunk` moving the values its plan
@@ -559,14 +614,30 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
             out.step_seconds = timeline.as_ref().map_or(0.0, |t| t.makespan);
             out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * t.makespan);
         } else {
-            let timeline = simulate_with(&schedule, |rank, item| item_time(rank, item.work, item.chunk));
+            // The step buckets go out during the schedule; collectives of later items on the
+            // same communicator queue behind them, which stalls those items: the schedule is
+            // simulated again with the stalls (once: the buckets are then placed on that
+            // timeline).
+            let first = simulate_with(&schedule, |rank, item| item_time(rank, item.work, item.chunk));
+            let stalls: Vec<std::collections::HashMap<_, _>> = (0..plans.len())
+                .map(|r| {
+                    first.as_ref().map_or_else(
+                        |_| Default::default(),
+                        |t| item_stalls(&programs[r], &t.ranks[r], &walks, r, splits_w, &early_step_buckets(&programs[r], &t.ranks[r], &walks, r, splits_w, t.makespan, cluster)),
+                    )
+                })
+                .collect();
+            let timeline = simulate_with(&schedule, |rank, item| item_time(rank, item.work, item.chunk) + stalls[rank].get(item).map_or(0.0, |s: &(f64, String)| s.0));
             let makespan = timeline.as_ref().map_or(0.0, |t| t.makespan);
             steps = (0..plans.len())
                 .map(|r| {
-                    let early = timeline.as_ref().map_or_else(|_| BTreeMap::new(), |t| early_step_buckets(&programs[r], &t.ranks[r], &walks, r, splits_w, makespan, cluster));
+                    let early = timeline.as_ref().map_or_else(|_| BTreeMap::new(), |t| early_step_buckets(&programs[r], &t.ranks[r], &walks, r, splits_w, makespan, cluster).left);
                     step_walk(r, &early)
                 })
                 .collect();
+            for (seconds, axes) in stalls.first().into_iter().flat_map(|s| s.values()) {
+                *out.exposed_communication.entry(axes.clone()).or_insert(0.0) += seconds;
+            }
             out.step_seconds = makespan + steps.iter().map(|w| w.clock).fold(0.0, f64::max);
             out.bubble_seconds = timeline.as_ref().map_or(0.0, |t| t.bubble * makespan);
         }

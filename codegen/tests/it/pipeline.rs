@@ -597,3 +597,29 @@ fn step_buckets_of_a_chunk_that_finishes_first_are_hidden_by_the_rest_of_the_sch
         assert!(exposed <= synchronous + late + early + 1e-9, "exposed {exposed} s: no more than every dp collective");
     }
 }
+
+/// The data-parallel communicator runs one collective at a time, in issue order, on its own
+/// stream: a rank's step cannot end before everything its program sends over dp has gone,
+/// however it overlaps compute. On links slow enough that communication dominates, the
+/// estimate's step is at least that sum. Under ZeRO-3 with an interleaved schedule this
+/// takes the stalls of later items' gathers behind the step buckets an earlier-finishing
+/// chunk sent (the estimate once priced those gathers as if the communicator were free).
+#[test]
+fn a_step_is_no_shorter_than_its_data_parallel_communicator_is_busy() {
+    use shardc_codegen::estimate::{estimate, ModelShape};
+    const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, epsilon: 1e-3, weight_decay: 0.1 };
+    let shape = ModelShape { parameters: 15_040.0, layers: 2.0, hidden: 16.0, seq: 8.0, tokens_per_step: 64.0 };
+    let slow = shardc_ir::cluster::Link { alpha: 1e-3, bandwidth: 1e3 };
+    // dp inside a node of two GPUs, on slow links; pp between nodes, as fast as ever.
+    let cluster = shardc_ir::cluster::Cluster { gpus_per_node: 2, intra_node: slow, ..shardc_ir::cluster::Cluster::default() };
+    for (zero, kind, pp) in [(3u8, Kind::Interleaved, 2u64), (3, Kind::OneFOneB, 2), (1, Kind::Interleaved, 2), (0, Kind::ZeroBubble, 1)] {
+        let (programs, _) = compile_stages_with("tiny", Mesh { dp: 2, tp: 1, pp, cp: 1, ep: 1 }, kind, 4, |o| {
+            o.grad_bucket_bytes = 1;
+            o.zero = zero;
+            o.optimizer = ADAMW;
+        });
+        let e = estimate(&programs, &cluster, shape);
+        let dp: f64 = e.breakdown.iter().filter(|(k, _)| k.ends_with(" dp") || k.ends_with(" dp (bucketed)")).map(|(_, t)| t).sum();
+        assert!(e.step_seconds >= dp * (1.0 - 1e-9), "ZeRO-{zero} {kind:?} pp={pp}: a step of {} s, but rank 0 sends {dp} s over dp", e.step_seconds);
+    }
+}
