@@ -2937,6 +2937,7 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     for (args, env, says) in [
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes the timeline the CPU pipeline runtime measures item by item"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "bogus"], vec![], "--collectives: unknown algorithm `bogus`"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save", "x.safetensors"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "--save: each process of a multi-process GPU run holds only its own shards"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save-hf", "hf-x"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--save-hf: each process of a multi-process GPU run holds only its own shards"),

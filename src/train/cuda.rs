@@ -20,7 +20,9 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
             "--trace writes the timeline the CPU pipeline runtime measures item by item; the CUDA backend runs a schedule's items on its streams without timing each"
         ));
     }
-    if args.collectives != "ring" {
+    // An unknown name is refused as such first; a known one other than the default is the
+    // CPU backend's choice.
+    if super::collective_algorithm(&args.collectives)? != shardc_runtime::collectives::Algorithm::Ring {
         return Err(miette!(help = "leave the choice to NCCL (its NCCL_ALGO variable selects ring or tree), or run on the CPU backend", "--collectives {}: the CPU backend's algorithm; a GPU run's collectives are NCCL's or device copies", args.collectives));
     }
     if args.check_numerics {
