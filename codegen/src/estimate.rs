@@ -427,6 +427,29 @@ fn walk_with(program: &Program, instructions: impl IntoIterator<Item = usize>, c
     w
 }
 
+/// The sections an item of `work` runs (a backward item runs the weight section too unless
+/// the schedule splits it off).
+fn sections_of(work: Work, splits_w: bool) -> &'static [Phase] {
+    match work {
+        Work::F => &[Phase::Forward],
+        Work::B if splits_w => &[Phase::Backward],
+        Work::B => &[Phase::Backward, Phase::Weight],
+        Work::W => &[Phase::Weight],
+    }
+}
+
+/// Each instruction item `item` of pipeline rank `rank` runs, and when it begins, the item
+/// starting at `start` (`walks`: the rank's sections' walks).
+fn item_began(walks: &BTreeMap<(usize, usize, usize), Walk>, rank: usize, item: &shardc_runtime::schedule::Item, start: f64, splits_w: bool) -> Vec<(usize, f64)> {
+    let (mut began, mut offset) = (Vec::new(), start);
+    for &s in sections_of(item.work, splits_w) {
+        let w = &walks[&(rank, item.chunk, s as usize)];
+        began.extend(w.began.iter().map(|&(i, t)| (i, offset + t)));
+        offset += w.clock;
+    }
+    began
+}
+
 /// The step buckets of pipeline rank `rank` that are on the wire when the schedule ends
 /// (`makespan`), as the CUDA backend sends them: a chunk's buckets go out inside its last
 /// backward work as their gradients are made ([`Program::step_bucket_triggers`]), the rest
@@ -440,15 +463,8 @@ fn early_step_buckets(program: &Program, items: &[(shardc_runtime::schedule::Ite
     // (when it goes out, chunk, region)
     let mut sends: Vec<(f64, usize, usize)> = Vec::new();
     for (c, chunk) in plan.chunks.iter().enumerate() {
-        let Some(&(_, start, end)) = items.iter().rev().find(|(item, _, _)| item.chunk == c && item.work != Work::F) else { continue };
-        // The work's instructions and when each begins.
-        let (mut began, mut offset) = (Vec::new(), start);
-        let sections: &[Phase] = if splits_w { &[Phase::Weight] } else { &[Phase::Backward, Phase::Weight] };
-        for &s in sections {
-            let w = &walks[&(rank, c, s as usize)];
-            began.extend(w.began.iter().map(|&(i, t)| (i, offset + t)));
-            offset += w.clock;
-        }
+        let Some((item, start, end)) = items.iter().rev().find(|(item, _, _)| item.chunk == c && item.work != Work::F) else { continue };
+        let (began, end) = (item_began(walks, rank, item, *start, splits_w), *end);
         let instructions: Vec<usize> = began.iter().map(|&(i, _)| i).collect();
         let triggered = program.step_bucket_triggers(chunk, &instructions);
         sends.extend(triggered.iter().map(|&(at, k)| (began[at].1, c, k)));
@@ -500,27 +516,17 @@ fn item_stalls(program: &Program, items: &[(shardc_runtime::schedule::Item, f64,
         return stalls;
     }
     for &(item, start, _) in items {
-        let sections: &[Phase] = match item.work {
-            Work::F => &[Phase::Forward],
-            Work::B if splits_w => &[Phase::Backward],
-            Work::B => &[Phase::Backward, Phase::Weight],
-            Work::W => &[Phase::Weight],
-        };
-        let (mut offset, mut seen, mut stall) = (start, std::collections::BTreeSet::new(), (0.0f64, String::new()));
-        for &s in sections {
-            let w = &walks[&(rank, item.chunk, s as usize)];
-            for &(index, t) in &w.began {
-                let instr = &program.instrs[index];
-                if collective_of(program, instr).is_none() {
-                    continue;
-                }
-                let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
-                let wait = early.wait(&axes, offset + t);
-                if seen.insert(axes.clone()) && wait > stall.0 {
-                    stall = (wait, axis_names(&axes));
-                }
+        let (mut seen, mut stall) = (std::collections::BTreeSet::new(), (0.0f64, String::new()));
+        for (index, at) in item_began(walks, rank, &item, start, splits_w) {
+            let instr = &program.instrs[index];
+            if collective_of(program, instr).is_none() {
+                continue;
             }
-            offset += w.clock;
+            let axes: Vec<usize> = instr.ints("grid_axes").unwrap_or_default().iter().map(|&a| a as usize).collect();
+            let wait = early.wait(&axes, at);
+            if seen.insert(axes.clone()) && wait > stall.0 {
+                stall = (wait, axis_names(&axes));
+            }
         }
         if stall.0 > 0.0 {
             stalls.insert(item, stall);
@@ -576,15 +582,7 @@ pub fn estimate(programs: &[Program], cluster: &Cluster, model: ModelShape) -> E
                 }
             }
         }
-        let item_time = |rank: usize, work: Work, chunk: usize| -> f64 {
-            let t = |s: Phase| walks[&(rank, chunk, s as usize)].clock;
-            match work {
-                Work::F => t(Phase::Forward),
-                Work::B if splits_w => t(Phase::Backward),
-                Work::B => t(Phase::Backward) + t(Phase::Weight),
-                Work::W => t(Phase::Weight),
-            }
-        };
+        let item_time = |rank: usize, work: Work, chunk: usize| -> f64 { sections_of(work, splits_w).iter().map(|&s| walks[&(rank, chunk, s as usize)].clock).sum() };
         // Each rank's step section, walked in the order the rank runs it (every chunk's, by
         // `xf.order`), starting when the schedule's last item ends; `early`: its step buckets
         // already on the wire then (see [`early_step_buckets`]).
