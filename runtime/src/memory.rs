@@ -1,7 +1,7 @@
 //! What a CPU run of rank programs holds in host memory, read from the programs alone: every
-//! rank's storage slots (its memory plan) and its largest instruction's working memory, what the pipeline runtime keeps between a
-//! micro-batch's forward and backward and sums over micro-batches, and the run's state read
-//! back as f64 (each rank's shards, then the assembled global tensors), at the most of them
+//! rank's storage slots (its memory plan) and its largest instruction's working memory, what
+//! the pipeline runtime keeps between a micro-batch's forward and backward and sums over
+//! micro-batches, and the run's state read back as f64 (each rank's shards, then the assembled global tensors), at the most of them
 //! alive at once ([`CpuFootprint::peak`]). The CLI compares it
 //! with the memory the host has before it allocates anything, so that a run that cannot fit is
 //! refused with both numbers instead of being killed by the kernel half-way.

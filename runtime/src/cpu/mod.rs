@@ -590,12 +590,8 @@ pub(crate) fn scratch_bytes(program: &Program, instr: &Instr) -> usize {
     if COLLECTIVES.contains(&instr.op.as_str()) {
         return 0;
     }
-    let buffers: Vec<&Buffer> = instr.inputs.iter().chain(&instr.outputs).filter_map(|&b| program.buffers.get(b)).collect();
-    let widened = if buffers.iter().any(|b| b.dtype == DType::Bf16) {
-        buffers.iter().filter(|b| b.dtype == DType::Bf16).map(|b| program.memory.slots.get(b.slot).map_or(b.len(), |&(len, _)| len).saturating_mul(4)).fold(0usize, usize::saturating_add)
-    } else {
-        0
-    };
+    let bf16 = instr.inputs.iter().chain(&instr.outputs).filter_map(|&b| program.buffers.get(b)).filter(|b| b.dtype == DType::Bf16);
+    let widened = bf16.map(|b| program.memory.slots.get(b.slot).map_or(b.len(), |&(len, _)| len).saturating_mul(4)).fold(0usize, usize::saturating_add);
     widened.saturating_add(kernels::scratch_bytes(program, instr))
 }
 
