@@ -45,8 +45,23 @@ fn zero_bubble_beats_1f1b() {
         let one = simulate(&generate(Kind::OneFOneB, p, m, 1).unwrap(), Costs { f: 1.0, b: 2.0, w: 0.0 }).unwrap();
         let zb = simulate(&generate(Kind::ZeroBubble, p, m, 1).unwrap(), UNIT).unwrap();
         assert!(zb.bubble < one.bubble, "p={p} m={m}: zb {} vs 1f1b {}", zb.bubble, one.bubble);
-        // ZB-H1 keeps 1F1B's memory.
-        assert!(zb.peak_in_flight[0] <= p, "{:?}", zb.peak_in_flight);
+        // ZB-H1 keeps 1F1B's memory: a micro-batch is held from its forward to its weight
+        // gradient, and no rank holds more than 1F1B's first (p).
+        assert_eq!(zb.peak_in_flight, vec![p; p], "p={p} m={m}");
+    }
+}
+
+/// ZB-H1's idle time is (p - 1)(F + B - W) a rank (Qi et al. 2023, §2.1): a third of 1F1B's
+/// when the three passes take as long, and the weight gradients only fill the tail.
+#[test]
+fn zero_bubble_h1_idles_p_minus_1_times_f_plus_b_minus_w() {
+    for costs in [UNIT, Costs { f: 1.0, b: 1.5, w: 0.5 }, Costs { f: 2.0, b: 2.0, w: 1.0 }] {
+        for (p, m) in [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8), (4, 16), (8, 16)] {
+            let timeline = simulate(&generate(Kind::ZeroBubble, p, m, 1).unwrap(), costs).unwrap();
+            let work = m as f64 * (costs.f + costs.b + costs.w);
+            let idle = (p - 1) as f64 * (costs.f + costs.b - costs.w);
+            assert!(close(timeline.makespan, work + idle), "p={p} m={m} {costs:?}: makespan {} vs {}", timeline.makespan, work + idle);
+        }
     }
 }
 
@@ -129,3 +144,4 @@ fn one_f_one_b_picture() {
     let schedule = generate(Kind::OneFOneB, 4, 8, 1).unwrap();
     insta::assert_snapshot!(svg(&schedule, &simulate(&schedule, UNIT).unwrap()));
 }
+

@@ -69,44 +69,27 @@ fn interleaved(p: usize, m: usize, v: usize, s: usize) -> Vec<Item> {
     items
 }
 
-/// ZB-H1 (Qi et al. 2023): backward split into input gradient `B` and weight gradient `W`;
-/// each rank, when free, runs a ready `B` first, else a forward while it holds fewer than
-/// `p - s` micro-batches (1F1B's memory), else a pending `W`. Built by simulating with unit
-/// costs, so the weight gradients land in what would be bubbles.
+/// ZB-H1 (Qi et al. 2023, §2.1): backward split into input gradient `B` and weight gradient
+/// `W`. Rank `s` runs 1F1B's forwards and input gradients (`p - s - 1` warm-up forwards,
+/// then a forward and a `B` at a time) and delays its weight gradients by `s` micro-batches:
+/// after the `B` of micro-batch `i` comes the `W` of micro-batch `i - s`, and the rest at the
+/// end. Every rank then holds at most `p` micro-batches from forward to `W` (1F1B's first
+/// rank, which holds the most), the later ranks' `B`s start earlier, and the delayed `W`s fill
+/// the tail's bubbles: (p - 1)(F + B - W) of idle time a rank, a third of 1F1B's when the
+/// three take as long.
 fn zero_bubble(p: usize, m: usize) -> Vec<Vec<Item>> {
-    let mut f_done = vec![vec![None::<usize>; m]; p];
-    let mut b_done = vec![vec![None::<usize>; m]; p];
-    let mut w_done = vec![vec![false; m]; p];
-    let mut next_f = vec![0usize; p];
-    let mut ranks: Vec<Vec<Item>> = vec![Vec::new(); p];
-    let mut t = 0usize;
-    let total = 3 * m * p;
-    let mut placed = 0;
-    while placed < total {
-        // Decisions at time t use work finished by t (every item takes one unit).
-        let finished = |d: Option<usize>| d.is_some_and(|end| end <= t);
-        let mut chosen = vec![None; p];
-        for s in 0..p {
-            let in_flight = (0..m).filter(|&i| f_done[s][i].is_some() && b_done[s][i].is_none()).count();
-            let b = (0..m).find(|&i| b_done[s][i].is_none() && finished(f_done[s][i]) && (s == p - 1 || finished(b_done[s + 1][i])));
-            let f = (next_f[s] < m && in_flight < p - s && (s == 0 || finished(f_done[s - 1][next_f[s]]))).then_some(next_f[s]);
-            let w = (0..m).find(|&i| !w_done[s][i] && finished(b_done[s][i]));
-            chosen[s] = b.map(|i| item(Work::B, i, 0)).or(f.map(|i| item(Work::F, i, 0))).or(w.map(|i| item(Work::W, i, 0)));
-        }
-        for (s, c) in chosen.into_iter().enumerate() {
-            let Some(c) = c else { continue };
-            match c.work {
-                Work::F => {
-                    f_done[s][c.microbatch] = Some(t + 1);
-                    next_f[s] += 1;
+    (0..p)
+        .map(|s| {
+            let mut items = Vec::with_capacity(3 * m);
+            let mut weights = 0..m;
+            for one in one_f_one_b(p, m, s) {
+                items.push(one);
+                if one.work == Work::B && one.microbatch >= s {
+                    items.extend(weights.next().map(|i| item(Work::W, i, 0)));
                 }
-                Work::B => b_done[s][c.microbatch] = Some(t + 1),
-                Work::W => w_done[s][c.microbatch] = true,
             }
-            ranks[s].push(c);
-            placed += 1;
-        }
-        t += 1;
-    }
-    ranks
+            items.extend(weights.map(|i| item(Work::W, i, 0)));
+            items
+        })
+        .collect()
 }

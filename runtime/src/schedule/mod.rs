@@ -120,8 +120,9 @@ pub struct Timeline {
     pub makespan: f64,
     /// Idle time over total rank time, between 0 and 1.
     pub bubble: f64,
-    /// For each rank, the most micro-batches whose activations it holds at once (forward
-    /// done, backward not yet).
+    /// For each rank, the most micro-batches whose activations it holds at once: forward
+    /// done, backward not yet (where the rank splits off weight gradients, until the weight
+    /// gradient, which reads them too).
     pub peak_in_flight: Vec<usize>,
 }
 
@@ -203,11 +204,12 @@ fn timeline(out: Vec<Vec<(Item, f64, f64)>>, makespan: f64) -> Timeline {
         .iter()
         .map(|items| {
             let (mut live, mut peak) = (0i64, 0i64);
+            let released_by = if items.iter().any(|(item, _, _)| item.work == Work::W) { Work::W } else { Work::B };
             for (item, _, _) in items {
                 match item.work {
                     Work::F => live += 1,
-                    Work::B => live -= 1,
-                    Work::W => {}
+                    work if work == released_by => live -= 1,
+                    _ => {}
                 }
                 peak = peak.max(live);
             }
@@ -215,6 +217,13 @@ fn timeline(out: Vec<Vec<(Item, f64, f64)>>, makespan: f64) -> Timeline {
         })
         .collect();
     Timeline { ranks: out, makespan, bubble, peak_in_flight }
+}
+
+/// Whether forward `item`'s kept values can stay where its forward left them: its backward
+/// is the rank's `next` item and the last to read them (no weight-gradient item of its own
+/// comes later). The pipeline runtimes copy them aside only otherwise.
+pub fn backward_follows(item: Item, next: Option<Item>, splits_w: bool) -> bool {
+    !splits_w && item.work == Work::F && next == Some(Item { work: Work::B, ..item })
 }
 
 /// [`simulate`] with each item's cost from `cost(rank, item)` (stages of different weight).
