@@ -559,14 +559,26 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         let shard = |from: u8| if zero >= from { sharded(psi, lps * layer_shardable + other_shardable) - lps * experts_sharded } else { psi };
                         // Per stage: its layers, the embedding on the first, the head on the
                         // last (each half of the measured rest); 1F1B-like schedules hold fewer
-                        // micro-batches on later stages.
+                        // micro-batches on later stages (ZB-H1 holds as many on each: a
+                        // micro-batch is held to its weight gradient). Run in micro-batches, a
+                        // stage keeps each one's values in copies of their own besides the
+                        // running one's in its memory plan, unless its backward comes next
+                        // (`MemoryEstimate::activations`); under ZB-H1 the values its backward
+                        // makes for the weight gradient too, taken as large as the forward's.
                         let stage_memory: Vec<[f64; 5]> = (0..pp)
                             .map(|s| {
                                 let ends = (s == 0) as u8 as f64 + (s == pp - 1) as u8 as f64;
                                 let psi_s = lps * u.layer_params + ends * u.other_params / 2.0;
                                 let shard_s = |from: u8| if zero >= from { sharded(psi_s, lps * layer_shardable + ends * other_shardable / 2.0) - lps * experts_sharded } else { psi_s };
-                                let flight = if kind == Kind::Gpipe || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
-                                let kept = bf * (lps * u.layer_kept * flight.max(1.0) + ends * u.other_kept / 2.0);
+                                let flight = if kind == Kind::Gpipe || kind == Kind::ZeroBubble || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
+                                let adjacent = kind == Kind::OneFOneB && s == pp - 1;
+                                let copies = match kind {
+                                    _ if mbs == 1 && pp == 1 => 1.0,
+                                    Kind::ZeroBubble => 2.0 * flight.max(1.0) + 1.0,
+                                    _ if adjacent => 1.0,
+                                    _ => flight.max(1.0) + 1.0,
+                                };
+                                let kept = bf * (lps * u.layer_kept + ends * u.other_kept / 2.0) * copies;
                                 // Bytes per parameter as the compiled program keeps them.
                                 // Accumulated over several micro-batches, the gradients are
                                 // summed whole and reduce-scattered once, at the step (as the

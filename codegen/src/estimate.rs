@@ -718,8 +718,10 @@ pub struct MemoryEstimate {
     /// state arguments lay them out (sharded over dp within each tensor-parallel shard from
     /// stage 1).
     pub optimizer: f64,
-    /// Forward values the backward pass reads, per micro-batch, times the micro-batches in
-    /// flight at once on the rank.
+    /// Forward values the backward pass reads: in a pipeline rank, the running micro-batch's
+    /// (in its arena) and the copies the pipeline runtime keeps of other micro-batches' values
+    /// between their forward and backward (and weight-gradient) work, as many as its schedule
+    /// has in flight at once; without a pipeline, the part alive at the arena's peak.
     pub activations: f64,
     /// Bytes of every forward value the backward pass reads, for one micro-batch (the
     /// quantity of Korthikanti et al.). A pipelined rank holds `in_flight` times this; a step
@@ -729,8 +731,15 @@ pub struct MemoryEstimate {
     pub kept_per_microbatch: f64,
     /// Micro-batches whose activations the rank holds at once.
     pub in_flight: usize,
-    /// Bytes of the peak of everything else the memory plan holds at once.
+    /// Bytes of the peak of everything else the memory plan holds at once (in a pipeline
+    /// rank, its arena but the running micro-batch's kept values and the step buckets'
+    /// regions, counted as gradients).
     pub temporaries: f64,
+    /// Bytes the CUDA backend stages beside the memory plan (see `staging_bytes`): the
+    /// copies a pipeline rank sends its transfers from, and the rearranged tensors of gathers,
+    /// scatters and all-to-alls along inner dimensions; added to `total`.
+    #[serde(default)]
+    pub staging: f64,
     /// Bytes of data-parallel gradient buckets: the reduced gradients of every bucketed
     /// `xf.async` all-reduce, held from the bucket's issue to its `xf.wait` at the end of the
     /// step; in a pipeline rank, its step buckets' regions (all-reduced gradients, or ZeRO's
@@ -817,6 +826,50 @@ fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
             }
         })
         .collect()
+}
+
+/// Bytes of the copies pipeline rank `program` keeps of its micro-batches' values while it
+/// runs its schedule `items`, as the pipeline runtimes keep them: a chunk's kept forward
+/// values from the end of a micro-batch's forward to its backward (to its weight gradient,
+/// which reads them too, where the schedule splits it off), and its kept backward values from
+/// the backward to the weight gradient. A copy is reused once free, so each chunk's set takes
+/// as many copies as the schedule has in use at once; a forward whose backward comes next
+/// leaves its values where they are and takes none.
+fn held_activations(program: &Program, items: &[shardc_runtime::schedule::Item]) -> f64 {
+    let Some(plan) = &program.pipeline else { return 0.0 };
+    let bytes = |ids: &[usize]| ids.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
+    let splits_w = items.iter().any(|i| i.work == Work::W);
+    // Per chunk: (forward copies in use, most at once, backward copies in use, most at once).
+    let mut copies = vec![(0usize, 0usize, 0usize, 0usize); plan.chunks.len()];
+    for (at, item) in items.iter().enumerate() {
+        let Some(c) = copies.get_mut(item.chunk) else { continue };
+        match item.work {
+            // Left in place when its backward comes next (see `backward_follows`).
+            Work::F if shardc_runtime::schedule::backward_follows(*item, items.get(at + 1).copied(), splits_w) => {}
+            Work::F => c.0 += 1,
+            Work::B if splits_w => c.2 += 1,
+            Work::B if at > 0 && shardc_runtime::schedule::backward_follows(items[at - 1], Some(*item), splits_w) => {}
+            Work::B => c.0 = c.0.saturating_sub(1),
+            Work::W => (c.0, c.2) = (c.0.saturating_sub(1), c.2.saturating_sub(1)),
+        }
+        (c.1, c.3) = (c.1.max(c.0), c.3.max(c.2));
+    }
+    plan.chunks.iter().zip(&copies).map(|(chunk, c)| c.1 as f64 * bytes(&chunk.keep_forward) + c.3 as f64 * bytes(&chunk.keep_backward)).sum()
+}
+
+/// Bytes of staging the CUDA backend keeps beside the memory plan in a process of a
+/// multi-process run: the copies a pipeline rank sends from (a transfer's buffer is copied
+/// out of the arena, which the next instructions reuse, and the copy is reused by later
+/// transfers of its size once sent: one per size, and on a GPU one more for each send of that
+/// size still in flight when another begins), and the collectives' staging
+/// ([`Program::nccl_staging_bytes`]: one buffer as large as the largest need, and one of
+/// its own for each asynchronous reduce-scatter along an inner dimension).
+fn staging_bytes(program: &Program) -> f64 {
+    let sizes: std::collections::BTreeSet<usize> = program.instrs.iter().filter(|i| i.op == "shard.send").filter_map(|i| i.inputs.first()).map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes())).collect();
+    let needs: Vec<(usize, bool)> = (0..program.instrs.len()).map(|i| program.nccl_staging_bytes(i)).collect();
+    let shared = needs.iter().filter(|n| !n.1).map(|n| n.0).max().unwrap_or(0);
+    let own: usize = needs.iter().filter(|n| n.1).map(|n| n.0).sum();
+    (sizes.into_iter().sum::<usize>() + shared + own) as f64
 }
 
 /// Bytes of forward values read after the forward pass, per micro-batch, in the program's
@@ -930,15 +983,17 @@ fn bucket_bytes(program: &Program) -> f64 {
 /// estimate says what the program shards.
 pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
     let pipelined = programs.iter().all(|p| p.pipeline.is_some()) && !programs.is_empty();
-    let in_flight: Vec<usize> = match schedule_of(programs) {
+    let schedule = schedule_of(programs).ok().filter(|_| pipelined);
+    let in_flight: Vec<usize> = match &schedule {
         // In-flight micro-batches per chunk-sized share of the rank's layers.
-        Ok(schedule) if pipelined => simulate_with(&schedule, |_, _| 1.0).map(|t| t.peak_in_flight).unwrap_or_else(|_| vec![1; programs.len()]),
-        _ => vec![1; programs.len()],
+        Some(schedule) => simulate_with(schedule, |_, _| 1.0).map(|t| t.peak_in_flight).unwrap_or_else(|_| vec![1; programs.len()]),
+        None => vec![1; programs.len()],
     };
     programs
         .iter()
         .zip(in_flight)
-        .map(|(program, in_flight)| {
+        .enumerate()
+        .map(|(rank, (program, in_flight))| {
             // Parameters and optimizer state as the program lays them out (ZeRO shards them
             // over dp within each tensor-parallel shard); gradients as the optimizer state
             // from stage 2, which keeps only the reduce-scattered shard.
@@ -965,7 +1020,12 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
                     let held = |ids: &[usize]| bytes(&ids.iter().copied().filter(|b| !in_region.contains(b)).collect::<Vec<_>>());
                     let regions: f64 = program.memory.buckets.iter().map(|r| r.bytes as f64).sum();
                     let sums: f64 = plan.chunks.iter().map(|c| held(&c.sum_backward) + held(&c.sum_weight)).sum::<f64>() + regions;
-                    (kept_per_microbatch, sums, (program.memory.temporary_bytes as f64 - kept_per_microbatch - regions).max(0.0))
+                    // The copies of other micro-batches' kept values live outside the arena,
+                    // which holds the running micro-batch's values (its kept ones among them).
+                    let arena = (program.memory.temporary_bytes as f64 - regions).max(0.0);
+                    let running = kept_per_microbatch.min(arena);
+                    let copies = schedule.as_ref().and_then(|s| s.ranks.get(rank)).map_or(kept_per_microbatch * in_flight.saturating_sub(1) as f64, |items| held_activations(program, items));
+                    (running + copies, sums, arena - running)
                 }
                 // A step without a pipeline holds its gradients in the arena, from the
                 // backward pass to the update: the terms are what the arena holds at its peak.
@@ -975,15 +1035,16 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
                     (peak.kept, peak.gradients, rest)
                 }
             };
-            let activations = kept * in_flight as f64;
+            let activations = if program.pipeline.is_some() { kept } else { kept * in_flight as f64 };
+            let staging = staging_bytes(program);
             let buckets = bucket_bytes(program);
             // Members are reduced in their own output buffers (see `MemoryEstimate::buckets`).
             let bucket_staging = 0.0;
             // The CUDA backend gives cuBLASLt its workspace on every GPU where the library
             // loads, whatever the plan: counted at its sm_90 size, the larger.
             let device_scratch = program.device.as_ref().map_or(0.0, |plan| (plan.workspace_bytes + shardc_runtime::program::CUBLASLT_WORKSPACE_BYTES) as f64);
-            let mut m = MemoryEstimate { parameters, gradients, all_gradients, optimizer, activations, kept_per_microbatch, in_flight, temporaries, buckets, bucket_staging, device_scratch, total: 0.0 };
-            m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.bucket_staging + m.device_scratch;
+            let mut m = MemoryEstimate { parameters, gradients, all_gradients, optimizer, activations, kept_per_microbatch, in_flight, temporaries, staging, buckets, bucket_staging, device_scratch, total: 0.0 };
+            m.total = m.parameters + m.gradients + m.optimizer + m.activations + m.temporaries + m.staging + m.bucket_staging + m.device_scratch;
             m
         })
         .collect()

@@ -148,6 +148,7 @@ pub fn train_pipeline_from(
             }
             let mut kept_forward: HashMap<(usize, usize), Vec<Storage>> = HashMap::new();
             let mut kept_backward: HashMap<(usize, usize), Vec<Storage>> = HashMap::new();
+            let mut in_place: std::collections::HashSet<(usize, usize)> = std::collections::HashSet::new();
             // Whether a chunk's sums have their first micro-batch in this step.
             let mut summing = vec![false; plan.chunks.len()];
             let mut summing_weight = vec![false; plan.chunks.len()];
@@ -170,14 +171,21 @@ pub fn train_pipeline_from(
                 match item.work {
                     Work::F => {
                         exec.run_range(chunk.range(Phase::Forward))?;
-                        kept_forward.insert((c, j), exec.save_into(&chunk.keep_forward, spare_forward.pop().unwrap_or_default()));
+                        // Kept values stay in place when this micro-batch's backward comes next.
+                        if crate::schedule::backward_follows(*item, items.get(position + 1).copied(), splits_w) {
+                            in_place.insert((c, j));
+                        } else {
+                            kept_forward.insert((c, j), exec.save_into(&chunk.keep_forward, spare_forward.pop().unwrap_or_default()));
+                        }
                         if loss_chunk == Some(c) {
                             loss_sum += read_f64(exec, "loss")?[0];
                         }
                     }
                     Work::B => {
-                        let kept = kept_forward.get(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("backward of micro-batch {j} before its forward")))?;
-                        exec.restore(&chunk.keep_forward, kept)?;
+                        if !in_place.remove(&(c, j)) {
+                            let kept = kept_forward.get(&(c, j)).ok_or_else(|| RuntimeError::Program(format!("backward of micro-batch {j} before its forward")))?;
+                            exec.restore(&chunk.keep_forward, kept)?;
+                        }
                         exec.run_range(chunk.range(Phase::Backward))?;
                         exec.accumulate(&chunk.sum_backward, &mut sums[c], !std::mem::replace(&mut summing[c], true))?;
                         if splits_w {

@@ -519,6 +519,26 @@ impl Program {
         self.memory.buckets[k].members.iter().map(|&m| self.instrs[m].inputs[0]).collect()
     }
 
+    /// Bytes of device staging a process of a multi-process (NCCL) run needs for instruction
+    /// `index`, and whether it keeps them for that instruction alone: a gather or reduce-scatter
+    /// along an inner dimension rearranges the group's whole tensor (NCCL's `[n][local]`) in
+    /// the executor's shared staging, an asynchronous one in a buffer of its own (the transfer
+    /// reads it while later instructions run), and an all-to-all stages its parts to send and
+    /// to receive (twice its input). Everything else runs on the buffers themselves.
+    pub fn nccl_staging_bytes(&self, index: usize) -> (usize, bool) {
+        let Some(instr) = self.instrs.get(index) else { return (0, false) };
+        let (Some(&input), Some(&output)) = (instr.inputs.first(), instr.outputs.first()) else { return (0, false) };
+        let bytes = |b: BufferId| self.buffers[b].len().saturating_mul(self.buffers[b].dtype.bytes());
+        let inner = |attr: &str| instr.int(attr).is_ok_and(|axis| self.buffers[input].shape.iter().take(axis.max(0) as usize).product::<usize>() > 1);
+        let asynchronous = instr.bool("xf.async") == Ok(true);
+        match instr.op.as_str() {
+            "shard.all_gather" if !asynchronous && inner("gather_axis") => (bytes(output), false),
+            "shard.reduce_scatter" if inner("scatter_axis") => (bytes(input), asynchronous),
+            "shard.all_to_all" => (2 * bytes(input), false),
+            _ => (0, false),
+        }
+    }
+
     /// Whether step bucket region `k` reduce-scatters its gradients (ZeRO; the region holds
     /// the shards) rather than all-reducing them in place.
     pub fn step_bucket_scatters(&self, k: usize) -> bool {

@@ -863,6 +863,60 @@ mod emulated {
         }
     }
 
+    /// `memory/GPU` is what the CUDA backend holds in a process of a multi-process run, in
+    /// pipelines and gradient accumulation too: the most device bytes each process's executor
+    /// had at once over two steps (measured as it allocates: arena, argument slots, the
+    /// pipeline's copies of each micro-batch's kept values and its gradient sums, send copies,
+    /// ZeRO's whole gradients and the collectives' staging) equal the estimate, but for the
+    /// step's inputs and the processes' agreement at start (a few integers each).
+    #[test]
+    fn the_memory_estimate_is_what_each_process_holds_in_pipelines_and_accumulation() {
+        use shardc_runtime::program::{Role, CUBLASLT_WORKSPACE_BYTES};
+        use shardc_runtime::schedule::Kind;
+        const ADAMW: OptimizerKind = OptimizerKind::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
+        let stages = Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 };
+        let accumulation = Mesh { dp: 2, tp: 1, pp: 1, cp: 1, ep: 1 };
+        let both = Mesh { dp: 2, tp: 1, pp: 2, cp: 1, ep: 1 };
+        let cases = [
+            ("tiny", stages, Kind::OneFOneB, 0u8, 0u64),
+            ("tiny", stages, Kind::Interleaved, 0, 0),
+            ("tiny", stages, Kind::ZeroBubble, 0, 0),
+            ("tiny", accumulation, Kind::OneFOneB, 0, 1),
+            ("tiny", accumulation, Kind::OneFOneB, 2, 1),
+            ("tiny", both, Kind::Interleaved, 1, 4096),
+            ("tiny-llama", Mesh { dp: 2, tp: 2, pp: 2, cp: 1, ep: 1 }, Kind::OneFOneB, 1, 4096),
+        ];
+        for (name, mesh, kind, zero, bucket_bytes) in cases {
+            let what = format!("{name} {mesh} {kind:?} ZeRO-{zero}");
+            let (programs, spec) = crate::pipeline::compile_stages_with(name, mesh, kind, 4, |o| {
+                o.grad_bucket_bytes = bucket_bytes;
+                o.zero = zero;
+                o.optimizer = ADAMW;
+            });
+            let programs: Vec<Program> = programs.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
+            let estimates = shardc_codegen::estimate::memory(&programs, zero);
+            let world = shardc_runtime::collectives::MeshShape(programs[0].mesh.clone()).ranks();
+            let held = in_processes(world, |_, placement| {
+                let mut trainer = cuda::CudaTrainer::new(&programs, &placement, 0, spec.model.layers as usize, None).unwrap();
+                let corpus = corpus(&spec);
+                for _ in 0..2 {
+                    trainer.step(&corpus).unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                trainer.peak_device_bytes()
+            });
+            for (rank, executors) in held.into_iter().enumerate() {
+                let [(stage, ranks, peak)] = executors.as_slice() else { panic!("{what}: a process runs one executor") };
+                assert_eq!(ranks, &vec![rank], "{what}");
+                let (program, estimate) = (&programs[*stage], &estimates[*stage]);
+                let inputs: usize = program.args.iter().filter(|a| a.role == Some(Role::Input)).map(|a| program.buffers[a.buffer].len() * program.buffers[a.buffer].dtype.bytes()).sum();
+                // The emulated device has no cuBLASLt workspace.
+                let expected = estimate.total - CUBLASLT_WORKSPACE_BYTES as f64 + inputs as f64;
+                let agreement = 4.0 * 4.0 * (world + 1) as f64;
+                assert!((*peak as f64 - expected).abs() <= agreement, "{what} rank {rank}: held {peak} bytes, estimated {expected} ({estimate:?})");
+            }
+        }
+    }
+
     /// Pipeline stages across processes, one per rank as under torchrun (NCCL emulated, a
     /// pair's sends and receives matched by their order alone, as NCCL matches them, the
     /// emulation checking that each receive gets the transfer it expects): each process runs

@@ -144,6 +144,10 @@ pub trait Device {
     fn marker(&self) -> Result<Marker, RuntimeError> {
         Ok(Marker::Host(std::time::Instant::now()))
     }
+    /// Bytes the device holds outside the executor's allocations (cuBLASLt's workspace).
+    fn held_bytes(&self) -> usize {
+        0
+    }
     /// Waits for everything queued.
     fn synchronize(&self) -> Result<(), RuntimeError>;
     /// Its name, for reports.
@@ -154,6 +158,49 @@ pub trait Device {
     /// buckets); none for an emulation.
     fn comm_stream(&self) -> Option<&Arc<CudaStream>> {
         None
+    }
+}
+
+/// A device and what is allocated on it: the bytes live now and the most live at once (what
+/// `torch.cuda.max_memory_allocated` reports), so a run says what it held, measured, beside
+/// what the compiled plan says it holds. Allocation and freeing go through it; everything
+/// else reaches the device.
+pub struct Metered {
+    device: Box<dyn Device>,
+    sizes: HashMap<u64, usize>,
+    live: usize,
+    peak: usize,
+}
+
+impl Metered {
+    /// Meters `device`, counting what it holds before any allocation (cuBLASLt's workspace).
+    pub fn new(device: Box<dyn Device>) -> Metered {
+        let held = device.held_bytes();
+        Metered { device, sizes: HashMap::new(), live: held, peak: held }
+    }
+    /// Allocates `bytes` (zeroed) and counts them.
+    pub fn alloc(&mut self, bytes: usize) -> Result<u64, RuntimeError> {
+        let ptr = self.device.alloc(bytes)?;
+        self.sizes.insert(ptr, bytes);
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+        Ok(ptr)
+    }
+    /// Frees an allocation of [`Metered::alloc`].
+    pub fn free(&mut self, ptr: u64) {
+        self.live -= self.sizes.remove(&ptr).unwrap_or(0);
+        self.device.free(ptr);
+    }
+    /// The most bytes live at once so far.
+    pub fn peak(&self) -> usize {
+        self.peak
+    }
+}
+
+impl std::ops::Deref for Metered {
+    type Target = dyn Device;
+    fn deref(&self) -> &Self::Target {
+        &*self.device
     }
 }
 
@@ -313,6 +360,9 @@ impl Device for Gpu {
             Some(lt) => lt.matmul(dtype, g, e, self.stream.cu_stream() as _),
             None => Ok(false),
         }
+    }
+    fn held_bytes(&self) -> usize {
+        self.lt.as_ref().map_or(0, |lt| lt.workspace_bytes())
     }
     fn marker(&self) -> Result<Marker, RuntimeError> {
         let timed = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;

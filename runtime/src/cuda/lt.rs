@@ -86,6 +86,11 @@ fn alignment(ptr: u64) -> u32 {
 }
 
 impl Lt {
+    /// Bytes of its workspace.
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace_bytes
+    }
+
     /// A handle and workspace on the current context (NVIDIA's recommended sizes: 32 MiB on
     /// Hopper and later, 4 MiB before).
     pub fn new(compute_major: i32) -> Result<Lt, RuntimeError> {

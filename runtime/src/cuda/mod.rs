@@ -119,7 +119,7 @@ pub struct CudaExecutor {
     program: Program,
     plan: DevicePlan,
     mesh: MeshShape,
-    device: Box<dyn Device>,
+    device: device::Metered,
     ranks: Vec<RankMemory>,
     /// Scratch for collectives among ranks on this device: (pointer, bytes).
     staging: Option<(u64, usize)>,
@@ -301,7 +301,7 @@ impl CudaExecutor {
             Nccl(&'a nccl::Bootstrap),
             Emulated(&'a nccl::EmulatedWorld),
         }
-        let (mut device, local_ranks, comm): (Box<dyn Device>, Vec<usize>, Comm<'_>) = match placement {
+        let (device, local_ranks, comm): (Box<dyn Device>, Vec<usize>, Comm<'_>) = match placement {
             Placement::SingleDevice { device } => (Box::new(device::Gpu::new(*device, &plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), Comm::None),
             Placement::Emulated => (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), own_ranks(&mesh, pipeline_rank), Comm::None),
             Placement::Nccl(b) => {
@@ -317,6 +317,7 @@ impl CudaExecutor {
                 (Box::new(emulate::Emulated::new(&plan.source, &kernels)?), vec![w.rank()], Comm::Emulated(w))
             }
         };
+        let mut device = device::Metered::new(device);
         // With an arena plan, temporaries live in one arena of the plan's size; arguments keep
         // their slots.
         let arena_plan = !program.memory.offsets.is_empty();
@@ -1257,7 +1258,12 @@ impl CudaExecutor {
         }
         let in_buffer = self.program.buffers[instr.inputs[0]].clone();
         let out_buffer = self.program.buffers[instr.outputs[0]].clone();
-        let staging = self.staging(in_buffer.len().max(out_buffer.len()) * in_buffer.dtype.bytes() * self.mesh.ranks())?;
+        // What the collective rearranges on the device (a gather or scatter along an inner
+        // dimension), the group's whole tensor: none for the rest.
+        let staging = match self.program.nccl_staging_bytes(index) {
+            (0, _) => 0,
+            (bytes, _) => self.staging(bytes)?,
+        };
         // None on the emulated device: its collectives run at once.
         let stream = self.device.stream().cloned();
         let comms = self.nccl.as_ref().ok_or_else(|| err("no NCCL communicator"))?;
@@ -1426,6 +1432,13 @@ impl CudaExecutor {
     pub fn device_bytes(&self) -> usize {
         self.ranks.iter().map(|r| r.slots.iter().map(|s| s.1).sum::<usize>() + r.arena.1 + r.workspace.1).sum()
     }
+
+    /// The most bytes of device memory this executor has held at once (all local ranks,
+    /// and the device's cuBLASLt workspace): every slot, arena, hold, transfer copy and
+    /// staging buffer it allocated, measured as it allocates and frees them.
+    pub fn peak_device_bytes(&self) -> usize {
+        self.device.peak()
+    }
 }
 
 /// What a checkpoint holds of `name` on local rank `local`: a bf16 parameter's fp32 master
@@ -1559,7 +1572,9 @@ struct Walk {
     running: Option<(Vec<usize>, usize, Option<crate::schedule::Item>)>,
     step_started: bool,
     done: bool,
-    kept_forward: HashMap<(usize, usize), HoldId>,
+    /// Per (chunk, micro-batch) whose forward is done: the copy of its kept values, or none
+    /// while they are still where the forward left them (its backward comes next).
+    kept_forward: HashMap<(usize, usize), Option<HoldId>>,
     kept_backward: HashMap<(usize, usize), HoldId>,
     summing: Vec<bool>,
     summing_weight: Vec<bool>,
@@ -1845,6 +1860,13 @@ impl CudaTrainer {
         self.runners[0].exec.device_name()
     }
 
+    /// Per pipeline rank this process runs: its program's pipeline rank (0 without stages),
+    /// the mesh ranks its executor runs, and the most device bytes that executor has held at
+    /// once (see [`CudaExecutor::peak_device_bytes`]).
+    pub fn peak_device_bytes(&self) -> Vec<(usize, Vec<usize>, usize)> {
+        self.runners.iter().zip(&self.programs).map(|(r, p)| (p.pipeline.as_ref().map_or(0, |p| p.rank), r.exec.ranks(), r.exec.peak_device_bytes())).collect()
+    }
+
     /// Whether this process holds every rank (one device, or its emulation), and so the
     /// whole state; a process of a multi-process NCCL run holds its own shards only.
     pub fn holds_every_rank(&self) -> bool {
@@ -2008,7 +2030,8 @@ impl CudaTrainer {
                         continue;
                     }
                     if let Some(item) = item {
-                        loss_sum += self.finish_item(s, &mut walks[s], item, splits_w)?;
+                        let next = items.get(walks[s].position + 1).copied();
+                        loss_sum += self.finish_item(s, &mut walks[s], item, next, splits_w)?;
                         // The chunk's last backward work of the step: its gradients are final
                         // and its step buckets go out while the rank works on.
                         if walks[s].last_backward {
@@ -2054,8 +2077,9 @@ impl CudaTrainer {
         Ok(match item.work {
             Work::F => chunk.range(Phase::Forward).collect(),
             Work::B => {
-                let kept = *walk.kept_forward.get(&(c, j)).ok_or_else(|| err(format!("backward of micro-batch {j} before its forward")))?;
-                exec.restore(kept)?;
+                if let Some(kept) = *walk.kept_forward.get(&(c, j)).ok_or_else(|| err(format!("backward of micro-batch {j} before its forward")))? {
+                    exec.restore(kept)?;
+                }
                 let mut instructions: Vec<usize> = chunk.range(Phase::Backward).collect();
                 if !splits_w {
                     instructions.extend(chunk.range(Phase::Weight));
@@ -2063,7 +2087,7 @@ impl CudaTrainer {
                 instructions
             }
             Work::W => {
-                for kept in [walk.kept_forward.remove(&(c, j)), walk.kept_backward.remove(&(c, j))] {
+                for kept in [walk.kept_forward.remove(&(c, j)).flatten(), walk.kept_backward.remove(&(c, j))] {
                     let kept = kept.ok_or_else(|| err(format!("weight gradient of micro-batch {j} before its forward and backward")))?;
                     exec.restore(kept)?;
                     exec.release(kept);
@@ -2073,9 +2097,10 @@ impl CudaTrainer {
         })
     }
 
-    /// Ends `item` on pipeline rank `s`: holds what later sections read, sums the gradients;
-    /// returns the loss it made (0 where it made none).
-    fn finish_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, splits_w: bool) -> Result<f64, RuntimeError> {
+    /// Ends `item` on pipeline rank `s`: holds what later sections read (a forward's kept
+    /// values stay where they are when its backward is the rank's `next` item and reads
+    /// them alone), sums the gradients; returns the loss it made (0 where it made none).
+    fn finish_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, next: Option<crate::schedule::Item>, splits_w: bool) -> Result<f64, RuntimeError> {
         use crate::schedule::Work;
         let (c, j) = (item.chunk, item.microbatch);
         let program = &self.programs[s];
@@ -2098,7 +2123,8 @@ impl CudaTrainer {
         let mut loss = 0.0;
         match item.work {
             Work::F => {
-                walk.kept_forward.insert((c, j), runner.exec.hold(&chunk.keep_forward)?);
+                let in_place = crate::schedule::backward_follows(item, next, splits_w);
+                walk.kept_forward.insert((c, j), if in_place { None } else { Some(runner.exec.hold(&chunk.keep_forward)?) });
                 let makes_loss = program.result("loss").is_some_and(|l| program.instrs[chunk.range(Phase::Forward)].iter().any(|i| i.outputs.contains(&l.buffer)));
                 if makes_loss {
                     loss = runner.exec.read(0, "loss")?[0];
@@ -2110,7 +2136,7 @@ impl CudaTrainer {
                     walk.kept_backward.insert((c, j), runner.exec.hold(&chunk.keep_backward)?);
                 } else {
                     sum_into(&mut runner.exec, &chunk.sum_weight, &mut runner.sums_weight[c], &mut walk.summing_weight[c])?;
-                    if let Some(kept) = walk.kept_forward.remove(&(c, j)) {
+                    if let Some(kept) = walk.kept_forward.remove(&(c, j)).flatten() {
                         runner.exec.release(kept);
                     }
                 }
