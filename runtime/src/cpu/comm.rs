@@ -16,6 +16,26 @@ pub(super) struct InFlight {
 }
 
 impl InFlight {
+    /// Waits for the bucket and keeps its reduced values, for each member to take its own
+    /// where it runs ([`Landed::put`]).
+    pub(super) fn receive(self, comm: &mut AsyncComm) -> Result<Landed, String> {
+        let data = match self.dtype {
+            DType::F64 => Storage::F64(comm.wait::<Vec<f64>>(self.ticket).map_err(|e| e.to_string())?),
+            DType::Bf16 => Storage::Bf16(comm.wait::<Vec<half::bf16>>(self.ticket).map_err(|e| e.to_string())?),
+            _ => Storage::F32(comm.wait::<Vec<f32>>(self.ticket).map_err(|e| e.to_string())?),
+        };
+        let mut at = 0;
+        let members = self
+            .members
+            .iter()
+            .map(|&(slot, len)| {
+                at += len;
+                (slot, at - len, len)
+            })
+            .collect();
+        Ok(Landed { data, members })
+    }
+
     /// Waits for the bucket and writes the reduced values back into the members' slots.
     pub(super) fn land(self, comm: &mut AsyncComm, slots: &mut [Storage]) -> Result<(), String> {
         fn back<T: Element + crate::collectives::Elem>(joined: Vec<T>, members: &[(usize, usize)], slots: &mut [Storage]) -> Result<(), String> {
@@ -32,6 +52,29 @@ impl InFlight {
             DType::Bf16 => back(comm.wait::<Vec<half::bf16>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
             _ => back(comm.wait::<Vec<f32>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
         }
+    }
+}
+
+/// A step bucket's reduced values, received: each member's (slot, offset, elements).
+#[derive(Debug)]
+pub(super) struct Landed {
+    data: Storage,
+    members: Vec<(usize, usize, usize)>,
+}
+
+impl Landed {
+    /// Writes member `k`'s values into its slot. A member's output may share its slot with
+    /// values the instructions before it still use (the memory plan gives it the slot from
+    /// that member on), so each member lands where it runs, not with the bucket's first.
+    pub(super) fn put(&self, k: usize, slots: &mut [Storage]) -> Result<(), String> {
+        let &(slot, at, len) = self.members.get(k).ok_or("a bucket member past the bucket's end")?;
+        match (&self.data, &mut slots[slot]) {
+            (Storage::F64(v), Storage::F64(out)) => out[..len].copy_from_slice(&v[at..at + len]),
+            (Storage::F32(v), Storage::F32(out)) => out[..len].copy_from_slice(&v[at..at + len]),
+            (Storage::Bf16(v), Storage::Bf16(out)) => out[..len].copy_from_slice(&v[at..at + len]),
+            _ => return Err("bucket member of another type".into()),
+        }
+        Ok(())
     }
 }
 

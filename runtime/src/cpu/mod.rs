@@ -62,7 +62,8 @@ pub struct CpuExecutor {
     early: std::collections::HashMap<usize, (u64, DType)>,
     /// Step buckets started ahead of their members: member -> bucket, and the buckets on
     /// the wire. The first member run lands the bucket; the others find it landed.
-    early_buckets: std::collections::HashMap<usize, i64>,
+    /// Members of step buckets started early: instruction -> (bucket, its place in the bucket).
+    early_buckets: std::collections::HashMap<usize, (i64, usize)>,
     early_flights: std::collections::HashMap<i64, comm::InFlight>,
     /// An injected fault (`SHARDC_FAULT`), for testing how a run ends when a rank fails.
     fault: Option<Fault>,
@@ -378,7 +379,7 @@ impl CpuExecutor {
                 }
                 let flight = comm::send_bucket_of_inputs(members, program, slots, comm, mesh, rank, *algorithm).map_err(RuntimeError::Program)?;
                 early_flights.insert(region.bucket, flight);
-                early_buckets.extend(members.iter().map(|&m| (m, region.bucket)));
+                early_buckets.extend(members.iter().enumerate().map(|(k, &m)| (m, (region.bucket, k))));
                 bucketed.extend(members.iter().copied());
                 started += 1;
             }
@@ -394,7 +395,7 @@ impl CpuExecutor {
                 }
                 let flight = comm::send_bucket_of_inputs(&[index], program, slots, comm, mesh, rank, *algorithm).map_err(RuntimeError::Program)?;
                 early_flights.insert(key, flight);
-                early_buckets.insert(index, key);
+                early_buckets.insert(index, (key, 0));
                 started += 1;
                 continue;
             }
@@ -446,6 +447,8 @@ impl CpuExecutor {
         // Gradient buckets: members staged so far, and buckets on the wire.
         let mut waiting: std::collections::HashMap<i64, Vec<usize>> = std::collections::HashMap::new();
         let mut in_flight: std::collections::HashMap<i64, InFlight> = std::collections::HashMap::new();
+        // Step buckets started early and received, for their members to take their values.
+        let mut landed: std::collections::HashMap<i64, comm::Landed> = std::collections::HashMap::new();
         // When profiling: the instruction running and since when.
         let mut running: Option<(usize, std::time::Instant)> = None;
         let mut clock = |index: Option<usize>, profile: &mut Option<Vec<f64>>| {
@@ -475,12 +478,15 @@ impl CpuExecutor {
                     }
                 }
             }
-            // A member of a step bucket started early: the first lands the whole bucket.
-            if let Some(bucket) = early_buckets.remove(&index) {
+            // A member of a step bucket started early: the first receives the whole bucket,
+            // each takes its own values where it runs.
+            if let Some((bucket, position)) = early_buckets.remove(&index) {
+                let fail = |message: String| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message };
                 if let Some(flight) = early_flights.remove(&bucket) {
                     let comm = comm.as_mut().ok_or_else(|| RuntimeError::Program("an early bucket without a communicator".into()))?;
-                    flight.land(comm, slots).map_err(|message| RuntimeError::Kernel { index, op: instr.op.clone(), loc: instr.loc.clone(), message })?;
+                    landed.insert(bucket, flight.receive(comm).map_err(fail)?);
                 }
+                landed.get(&bucket).ok_or_else(|| fail("its bucket was received by no member".into()))?.put(position, slots).map_err(fail)?;
                 continue;
             }
             // Started early: take the result.
