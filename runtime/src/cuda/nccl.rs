@@ -1000,7 +1000,7 @@ impl Watchdog {
 
     fn guard<T>(&self, wait: impl FnOnce() -> Result<T, RuntimeError>) -> Result<T, RuntimeError> {
         self.live()?;
-        self.state.lock().map_err(|_| err("poisoned"))?.armed_until = Some(std::time::Instant::now() + self.timeout);
+        self.state.lock().map_err(|_| err("poisoned"))?.armed_until = Some(deadline(std::time::Instant::now(), self.timeout));
         let result = wait();
         // Disarmed under the lock: an abort in progress finishes first.
         let mut s = self.state.lock().map_err(|_| err("poisoned"))?;
@@ -1023,6 +1023,18 @@ impl Watchdog {
     }
 }
 
+/// `after` past `from`, or as far as the clock reaches (`--timeout` takes any number of
+/// seconds, which `Instant + Duration` would overflow on).
+fn deadline(from: std::time::Instant, after: std::time::Duration) -> std::time::Instant {
+    let mut after = after;
+    loop {
+        match from.checked_add(after) {
+            Some(at) => return at,
+            None => after /= 2,
+        }
+    }
+}
+
 #[cfg(test)]
 mod watchdog_tests {
     use super::*;
@@ -1035,6 +1047,17 @@ mod watchdog_tests {
             aborts.fetch_add(1, Ordering::SeqCst);
         };
         Watchdog::start_with(3, Duration::from_millis(timeout_ms), Duration::from_millis(5), poll, abort)
+    }
+
+    /// `--timeout` takes any number of seconds: a guarded wait under the largest arms a
+    /// deadline as far as the clock reaches instead of overflowing (a panic in every build).
+    #[test]
+    fn a_timeout_past_the_clocks_range_waits_without_overflowing() {
+        let now = std::time::Instant::now();
+        assert!(deadline(now, Duration::MAX) > now + Duration::from_secs(1 << 30));
+        assert_eq!(deadline(now, Duration::from_secs(5)), now + Duration::from_secs(5));
+        let dog = Watchdog::start_with(0, Duration::from_secs(u64::MAX), Duration::from_millis(5), || None, || {});
+        assert_eq!(dog.guard(|| Ok(7)).unwrap(), 7);
     }
 
     #[test]
