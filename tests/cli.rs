@@ -2988,6 +2988,17 @@ fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     close(&reference, &losses_by_step(&resumed), "two processes at dp=2 resumed at step 2");
     let on_cpu = shardc(&[&["run"][..], &base[..], &["--mesh", "dp=2,tp=2", "--steps", "4", "--resume", ckpt_arg]].concat());
     close(&reference, &losses_by_step(&on_cpu), "the CPU backend resumed from the processes' checkpoint");
+    // A world of one process (torchrun's WORLD_SIZE=1) holds every rank: it checkpoints
+    // them all, resumes from them and writes whole files (it failed after training, asking
+    // for a call only a program makes).
+    let alone = dir.join("alone");
+    let saved = dir.join("alone.safetensors");
+    let one = processes(&[&base[..], &["--steps", "2", "--checkpoint", alone.to_str().unwrap(), "--save", saved.to_str().unwrap()]].concat(), &[("SHARDC_EMULATE_PROCESSES", "1")]);
+    assert!(one.status.success() && saved.is_file() && alone.join("step-00000002").join("manifest.json").is_file(), "{}{}", stdout(&one), stderr(&one));
+    let straight = losses_by_step(&shardc(&[&["run"][..], &base[..], &["--steps", "4"]].concat()));
+    close(&straight, &losses_by_step(&one), "a world of one process");
+    let on = processes(&[&base[..], &["--steps", "4", "--resume", alone.to_str().unwrap()]].concat(), &[("SHARDC_EMULATE_PROCESSES", "1")]);
+    close(&straight, &losses_by_step(&on), "a world of one process resumed at step 2");
     // Emulated processes on the CPU backend are refused, not ignored.
     let on_cpu_backend = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny.toml", "--steps", "1"]).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_EMULATE_PROCESSES", "1").output().unwrap();
     assert!(unwrapped(&stderr(&on_cpu_backend)).contains("SHARDC_EMULATE_PROCESSES=1: emulated processes are a GPU run's"), "{}", stderr(&on_cpu_backend));

@@ -29,7 +29,7 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
         return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
     }
     // A process of a multi-process run holds its own shards only: whole files need them all
-    // (a checkpoint is one rank file per process).
+    // (a checkpoint is one rank file per process); a world of one process holds them all.
     if std::env::var_os("RANK").is_some() || std::env::var_os("SHARDC_EMULATE_PROCESSES").is_some() {
         // The held-out loss is computed on the CPU from the whole state, which a process
         // holds only in a world of one.
@@ -42,7 +42,7 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
             ));
         }
         for (flag, given) in [("--save", args.save.is_some()), ("--save-hf", args.save_hf.is_some())] {
-            if given {
+            if given && processes > 1 {
                 return Err(miette!(
                     help = "checkpoint with --checkpoint DIR (each process writes its own rank file), then write the file on one host from a run that resumes it; or run every rank on one GPU",
                     "{flag}: each process of a multi-process GPU run holds only its own shards, and a whole file needs them all"
@@ -217,7 +217,8 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         }
         let end = first_step + to_run;
         if checkpoints.due(at, end) {
-            if process_rank.is_some() {
+            // A process of a world of one holds every rank: it writes them all.
+            if trainer.process_rank().is_some() {
                 checkpoints.save_own_shards(&mut trainer, corpus.record(at, rows))?;
             } else {
                 checkpoints.save_every_rank(&trainer, corpus.record(at, rows))?;
