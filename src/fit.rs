@@ -68,7 +68,7 @@ pub fn refuse_if_too_big(spec: &Spec, step: &StepArgs, mesh: Mesh, estimate: &Me
         return Ok(());
     }
     let breakdown = format!(
-        "weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}{}",
+        "weights {}, gradients {}, optimizer {}, activations {} ({} micro-batch{} in flight), temporaries {}{}{}",
         gb(estimate.parameters),
         gb(estimate.gradients),
         gb(estimate.optimizer),
@@ -76,6 +76,7 @@ pub fn refuse_if_too_big(spec: &Spec, step: &StepArgs, mesh: Mesh, estimate: &Me
         estimate.in_flight,
         if estimate.in_flight == 1 { "" } else { "es" },
         gb(estimate.temporaries),
+        if estimate.staging > 0.0 { format!(", staging {}", gb(estimate.staging)) } else { String::new() },
         if estimate.device_scratch > 0.0 { format!(", device scratch {:.1} MiB", estimate.device_scratch / (1u64 << 20) as f64) } else { String::new() }
     );
     let mut closest: Option<(String, f64)> = None;

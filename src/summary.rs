@@ -353,12 +353,16 @@ impl Summary {
             );
         }
         if let Some(m) = &self.memory_estimate {
-            let gb = |b: f64| format!("{:.1} GB", b / 1e9);
+            // In the unit of the largest part: a tiny model's are not all "0.0 GB".
+            let largest = [m.parameters, m.gradients, m.optimizer, m.activations, m.temporaries, m.staging].into_iter().fold(0.0, f64::max);
+            let (unit, scale) = if largest >= 0.1e9 { ("GB", 1e9) } else if largest >= 0.1e6 { ("MB", 1e6) } else { ("kB", 1e3) };
+            let gb = |b: f64| format!("{:.1} {unit}", b / scale);
+            let total = if m.total >= 0.1e9 { format!("{:.1} GB", m.total / 1e9) } else { format!("{:.1} MB", m.total / 1e6) };
             line(
                 "memory/GPU",
                 format!(
-                    "{} {}: weights {}, gradients {}, optimizer {}, activations {}, temporaries {}{}{}; {} in {}'s {}",
-                    gb(m.total),
+                    "{} {}: weights {}, gradients {}, optimizer {}, activations {}, temporaries {}{}{}{}; {} in {}'s {}",
+                    total,
                     match spec.model.dtype {
                         shardc_ir::spec::SpecDType::Bf16 => "in mixed precision (bf16 weights; fp32 gradients, master weights and moments)",
                         shardc_ir::spec::SpecDType::F32 => "in f32",
@@ -367,14 +371,15 @@ impl Summary {
                     gb(m.parameters),
                     // A step without a pipeline frees activations as it makes gradients:
                     // its peak holds only some of them.
-                    if (m.all_gradients - m.gradients).abs() > 0.05e9 { format!("{} at the peak ({} per step as reduced)", gb(m.gradients), gb(m.all_gradients)) } else { gb(m.gradients) },
+                    if (m.all_gradients - m.gradients).abs() > 0.05 * scale { format!("{} at the peak ({} per step as reduced)", gb(m.gradients), gb(m.all_gradients)) } else { gb(m.gradients) },
                     gb(m.optimizer),
-                    if m.kept_per_microbatch * m.in_flight as f64 > m.activations + 0.05e9 {
+                    if m.kept_per_microbatch * m.in_flight as f64 > m.activations + 0.05 * scale {
                         format!("{} at the peak (of {} kept per micro-batch)", gb(m.activations), gb(m.kept_per_microbatch))
                     } else {
                         format!("{} ({} micro-batch{} in flight)", gb(m.activations), m.in_flight, if m.in_flight == 1 { "" } else { "es" })
                     },
                     gb(m.temporaries),
+                    if m.staging > 0.0 { format!(", staging {}", gb(m.staging)) } else { String::new() },
                     // MiB-sized: shown in MiB, where GB would round it away.
                     if m.device_scratch > 0.0 { format!(", device scratch {:.1} MiB", m.device_scratch / (1u64 << 20) as f64) } else { String::new() },
                     // Bucketed gradients are reduced in place in their own buffers: part of
@@ -382,7 +387,7 @@ impl Summary {
                     if m.buckets > 0.0 { format!(" (dp buckets: {} of reduced gradients, in place, counted above)", gb(m.buckets)) } else { String::new() },
                     if m.total <= self.gpu_memory { "fits" } else { "does NOT fit" },
                     self.gpu,
-                    gb(self.gpu_memory)
+                    format!("{:.1} GB", self.gpu_memory / 1e9)
                 ),
             );
         }

@@ -2952,6 +2952,21 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A GPU run says what it held on the device, measured as it allocates, beside the compiled
+/// plan's memory/GPU: for one process a rank (pipeline stages and ZeRO over four emulated
+/// processes) the two agree (the emulation has no cuBLASLt workspace, which the plan counts
+/// and the line takes out).
+#[test]
+fn gpu_runs_report_the_device_memory_they_held_beside_the_plan() {
+    let out = run_on_emulated_gpu(&["models/tiny.toml", "--mesh", "dp=2,pp=2", "--microbatches", "4", "--zero", "1", "--optimizer", "adamw", "--steps", "2"], &[("SHARDC_EMULATE_PROCESSES", "4")]);
+    let text = unwrapped(&stdout(&out));
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let line = text.split(" memory ").nth(1).unwrap_or_default();
+    let measured = line.split_whitespace().next().unwrap_or_default();
+    let planned = line.split("MB, ").nth(1).and_then(|rest| rest.split_whitespace().next()).unwrap_or_default();
+    assert!(!measured.is_empty() && measured == planned && line.contains("measured as it allocates"), "{line}\n{text}");
+}
+
 /// The processes of a multi-process GPU run (here emulated: `SHARDC_EMULATE_PROCESSES=N`,
 /// one thread per process, each on its own emulated device, NCCL emulated) checkpoint each
 /// its own rank file from device memory, rank 0 the manifest; processes on another mesh

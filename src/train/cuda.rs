@@ -53,6 +53,28 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// What the run held on its device, measured as the executors allocate (the most bytes at
+/// once: what `torch.cuda.max_memory_allocated` reports), beside the compiled plan's
+/// `memory/GPU`, which counts the same for a process that runs one rank.
+#[cfg(feature = "cuda")]
+fn device_memory_line(trainer: &shardc_runtime::cuda::CudaTrainer, programs: &[Program], zero: u8, placement: &shardc_runtime::cuda::Placement) -> String {
+    let size = |b: f64| if b >= 0.1e9 { format!("{:.2} GB", b / 1e9) } else if b >= 0.1e6 { format!("{:.2} MB", b / 1e6) } else { format!("{:.1} kB", b / 1e3) };
+    let held = trainer.peak_device_bytes();
+    let estimates = shardc_codegen::estimate::memory(programs, zero);
+    let estimated = estimates.iter().map(|m| m.total).fold(0.0, f64::max);
+    let ranks: usize = held.iter().map(|(_, ranks, _)| ranks.len()).sum();
+    let most = held.iter().map(|(_, _, peak)| *peak as f64).fold(0.0, f64::max);
+    // The emulation has no cuBLASLt, whose workspace the estimate counts on every GPU.
+    let emulated = matches!(placement, shardc_runtime::cuda::Placement::Emulated | shardc_runtime::cuda::Placement::EmulatedNccl(_));
+    let workspace = if emulated { format!(", {} without cuBLASLt's workspace, which the emulation lacks", size(estimated - shardc_runtime::program::CUBLASLT_WORKSPACE_BYTES as f64)) } else { String::new() };
+    if ranks <= 1 {
+        format!("{} at most on the device, measured as it allocates (the compiled plan's memory/GPU: {}{workspace})", size(most), size(estimated))
+    } else {
+        let total: f64 = held.iter().map(|(_, _, peak)| *peak as f64).sum();
+        format!("{} at most for its {ranks} ranks on one device, measured as it allocates (the compiled plan's memory/GPU, a process per rank: {}{workspace})", size(total), size(estimated))
+    }
+}
+
 /// The processes `SHARDC_EMULATE_PROCESSES` asks a GPU run to emulate (none when unset),
 /// checked against `mesh` before any work (a refused run leaves no checkpoint folder).
 #[cfg(feature = "cuda")]
@@ -244,6 +266,7 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         println!("  device      {}", trainer.device_name());
         println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {:.1}% lower", first_step + 1, losses.tail.len(), 100.0 * (1.0 - last / first));
         println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
+        println!("  memory      {}", device_memory_line(&trainer, &programs, args.step.strategy.zero, &placement));
     }
     if unevaluated {
         println!("  evaluation  skipped: this process holds only its shards of the parameters");
