@@ -3105,7 +3105,15 @@ fn checkpoints_of_the_row_major_format_resume_into_the_same_run() {
     let step = ckpt.join("step-00000002");
     let manifest_path = step.join("manifest.json");
     let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
-    assert_eq!(manifest["format_version"], 2);
+    assert_eq!(manifest["format_version"], 3);
+    // Rank files hold each tensor in f32, the type an f32 model's state takes exactly (format
+    // 2 wrote f64: twice the bytes).
+    for file in manifest["files"].as_array().unwrap() {
+        let bytes = std::fs::read(step.join(file.as_str().unwrap())).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        assert!(n % 8 == 0 && header.values().all(|t| t["dtype"] == "F32"), "{file}: {header:?}");
+    }
     let mesh = MeshShape(manifest["mesh"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap() as usize).collect());
     let (files, sums) = (manifest["files"].as_array().unwrap().clone(), manifest["checksums"].as_array().unwrap().clone());
     let row_major = |coords: &[usize]| coords.iter().zip(&mesh.0).fold(0, |acc, (&c, &e)| acc * e + c);
@@ -3122,6 +3130,26 @@ fn checkpoints_of_the_row_major_format_resume_into_the_same_run() {
     for entry in std::fs::read_dir(&staged).unwrap() {
         let entry = entry.unwrap();
         std::fs::rename(entry.path(), step.join(entry.file_name())).unwrap();
+    }
+    // Format 1 wrote f64 values: so do these files now.
+    for (name, sum) in old_files.iter().zip(old_sums.iter_mut()) {
+        let path = step.join(name.as_str().unwrap());
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let (mut wide_header, mut data) = (serde_json::Map::new(), Vec::new());
+        let mut tensors: Vec<(&String, &serde_json::Value)> = header.iter().collect();
+        tensors.sort_by_key(|(_, t)| t["data_offsets"][0].as_u64().unwrap());
+        for (tensor, info) in tensors {
+            let (begin, end) = (info["data_offsets"][0].as_u64().unwrap() as usize, info["data_offsets"][1].as_u64().unwrap() as usize);
+            let start = data.len();
+            data.extend(bytes[8 + n + begin..8 + n + end].chunks_exact(4).flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) as f64).to_le_bytes()));
+            wide_header.insert(tensor.clone(), serde_json::json!({"dtype": "F64", "shape": info["shape"], "data_offsets": [start, data.len()]}));
+        }
+        let text = serde_json::to_vec(&wide_header).unwrap();
+        let wide = [&(text.len() as u64).to_le_bytes()[..], &text, &data].concat();
+        *sum = crc32(&wide).into();
+        std::fs::write(&path, wide).unwrap();
     }
     manifest["files"] = old_files.into();
     manifest["checksums"] = old_sums.into();
@@ -3236,4 +3264,16 @@ fn mixtral_round_trips_through_the_hugging_face_layout() {
     std::fs::copy(first.join("model.safetensors"), broken.join("model.safetensors")).unwrap();
     let refused = shardc(&["logits", "--hf", broken.to_str().unwrap(), "--tokens", "1,2"]);
     assert!(!refused.status.success() && unwrapped(&stderr(&refused)).contains("`model.layers.0.block_sparse_moe.gate.weight` has shape [8, 16]; its config.json makes it [9, 16]"), "{}", stderr(&refused));
+}
+
+/// CRC-32 (IEEE), as a checkpoint manifest's checksums are: bit by bit, independent of the crate.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 { (crc >> 1) ^ 0xEDB8_8320 } else { crc >> 1 };
+        }
+    }
+    !crc
 }

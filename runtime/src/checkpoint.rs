@@ -181,7 +181,7 @@ pub struct ManifestTensor {
 }
 
 /// The checkpoint format version.
-pub const CHECKPOINT_VERSION: u32 = 2;
+pub const CHECKPOINT_VERSION: u32 = 3;
 
 fn io(path: &std::path::Path, e: std::io::Error) -> RuntimeError {
     RuntimeError::Binding(format!("{}: {e}", path.display()))
@@ -199,7 +199,8 @@ fn sync_dir(path: &std::path::Path) -> Result<(), RuntimeError> {
     std::fs::File::open(path).and_then(|d| d.sync_all()).map_err(|e| io(path, e))
 }
 
-/// f64 tensors as safetensors bytes.
+/// f64 tensors as safetensors bytes (a checkpoint of format 2, for the tests that read one).
+#[cfg(test)]
 fn f64_bytes(tensors: &[(String, Vec<usize>, Vec<f64>)]) -> Result<Vec<u8>, RuntimeError> {
     let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let views = tensors
@@ -341,26 +342,58 @@ fn rank_file_name(rank: usize) -> String {
 /// tensors of a pipeline by their first holder only), its values `shard(binding, layout)`
 /// (the rank's shard, in the program's form); returns the file's CRC-32.
 fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, shard: impl Fn(&crate::program::Binding, &crate::program::Layout) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
+    use std::io::Write;
     let mesh = checkpoint_mesh(programs)?;
     let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
-    let mut shards = Vec::new();
-    for (tensor, layout, holder) in layouts(programs) {
-        if holder != program_of(rank) && programs.len() > 1 {
-            continue;
-        }
-        let local = shard(&tensor, &layout)?;
-        let shape = crate::layout::local_shape(&layout, &mesh);
+    // The rank's tensors, each in the type its values take exactly (f64 in an f64 program,
+    // f32 otherwise: fp32 masters, moments and gradients, and bf16 values widen exactly),
+    // laid end to end; the header first, then each tensor as its shard is read, one at a
+    // time: no rank file is assembled in memory.
+    let tensors: Vec<(crate::program::Binding, crate::program::Layout, Vec<usize>, Dtype)> = layouts(programs)
+        .into_iter()
+        .filter(|(_, _, holder)| *holder == program_of(rank) || programs.len() == 1)
+        .map(|(tensor, layout, holder)| {
+            let shape = crate::layout::local_shape(&layout, &mesh);
+            let dtype = if programs[holder].buffers[tensor.buffer].dtype == crate::DType::F64 { Dtype::F64 } else { Dtype::F32 };
+            (tensor, layout, shape, dtype)
+        })
+        .collect();
+    let width = |d: Dtype| if d == Dtype::F64 { 8 } else { 4 };
+    let mut header = serde_json::Map::new();
+    let mut at = 0usize;
+    for (tensor, _, shape, dtype) in &tensors {
+        let end = at + shape.iter().product::<usize>() * width(*dtype);
+        header.insert(tensor.name.clone(), serde_json::json!({"dtype": if *dtype == Dtype::F64 { "F64" } else { "F32" }, "shape": shape, "data_offsets": [at, end]}));
+        at = end;
+    }
+    let mut text = serde_json::to_vec(&header).map_err(|e| RuntimeError::Program(e.to_string()))?;
+    // Padded with spaces to 8 bytes, as the safetensors writer pads it.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let path = folder.join(rank_file_name(rank));
+    let file = std::fs::File::create(&path).map_err(|e| io(&path, e))?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    let mut hasher = crc32fast::Hasher::new();
+    let mut put = |bytes: &[u8], out: &mut std::io::BufWriter<std::fs::File>| -> Result<(), RuntimeError> {
+        hasher.update(bytes);
+        out.write_all(bytes).map_err(|e| io(&path, e))
+    };
+    put(&(text.len() as u64).to_le_bytes(), &mut out)?;
+    put(&text, &mut out)?;
+    for (tensor, layout, shape, dtype) in &tensors {
+        let local = shard(tensor, layout)?;
         if local.len() != shape.iter().product::<usize>() {
             return Err(RuntimeError::Program(format!("rank {rank}'s shard of `{}` has {} values, its shape {shape:?} holds {}", tensor.name, local.len(), shape.iter().product::<usize>())));
         }
         if let Some(&value) = local.iter().find(|v| !v.is_finite()) {
             return Err(RuntimeError::NonFiniteState { tensor: tensor.name.clone(), rank, value });
         }
-        shards.push((tensor.name.clone(), shape, local));
+        let bytes: Vec<u8> = if *dtype == Dtype::F64 { local.iter().flat_map(|x| x.to_le_bytes()).collect() } else { local.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect() };
+        drop(local);
+        put(&bytes, &mut out)?;
     }
-    let bytes = f64_bytes(&shards)?;
-    write_synced(&folder.join(rank_file_name(rank)), &bytes)?;
-    Ok(crc32fast::hash(&bytes))
+    let file = out.into_inner().map_err(|e| io(&path, e.into_error()))?;
+    file.sync_all().map_err(|e| io(&path, e))?;
+    Ok(hasher.finalize())
 }
 
 /// Writes the manifest of the rank files in `partial` (their CRC-32s `checksums`, in rank
@@ -507,8 +540,8 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
         }
         let st = SafeTensors::deserialize(&bytes).map_err(|e| RuntimeError::Binding(format!("{}: {e}", path.display())))?;
         for (name, view) in st.tensors() {
-            if view.dtype() != Dtype::F64 {
-                return Err(RuntimeError::Binding(format!("{}: `{name}` is not f64", path.display())));
+            if !matches!(view.dtype(), Dtype::F64 | Dtype::F32) {
+                return Err(RuntimeError::Binding(format!("{}: `{name}` is not f32 or f64", path.display())));
             }
             let tensor = listed.get(name.as_str()).ok_or_else(|| RuntimeError::Binding(format!("{}: holds `{name}`, which the manifest does not list", path.display())))?;
             let expected = crate::layout::local_shape(&manifest_layout(tensor), &mesh);
@@ -522,7 +555,7 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
                     manifest.mesh
                 )));
             }
-            let values = view.data().chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
+            let values = crate::tensor_file::float_values(view.dtype(), view.data()).unwrap_or_default();
             shards.entry(name).or_default().push((rank, values));
         }
     }
@@ -662,11 +695,11 @@ pub fn load_own_shards(dir: &std::path::Path, program: &Program, mesh: &MeshShap
     Ok((manifest, out))
 }
 
-/// A rank file's header, every tensor f64.
+/// A rank file's header, every tensor f32 or f64 (files of format 2 hold f64 alone).
 fn rank_file_header(path: &std::path::Path) -> Result<crate::tensor_file::TensorFile, RuntimeError> {
     let file = crate::tensor_file::TensorFile::open(path)?;
-    if let Some(name) = file.names().into_iter().find(|n| file.info(n).is_some_and(|i| i.dtype != Dtype::F64)) {
-        return Err(RuntimeError::Binding(format!("{}: `{name}` is not f64", path.display())));
+    if let Some(name) = file.names().into_iter().find(|n| file.info(n).is_some_and(|i| !matches!(i.dtype, Dtype::F64 | Dtype::F32))) {
+        return Err(RuntimeError::Binding(format!("{}: `{name}` is not f32 or f64", path.display())));
     }
     Ok(file)
 }
@@ -700,7 +733,7 @@ fn stream_tensors(header: &crate::tensor_file::TensorFile, names: &[String], mut
         }
         let mut bytes = vec![0u8; (range.end - range.start) as usize];
         read_into(&mut bytes, &mut at, &mut hasher)?;
-        let values: Vec<f64> = bytes.chunks_exact(8).map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
+        let values: Vec<f64> = header.info(name).and_then(|i| crate::tensor_file::float_values(i.dtype, &bytes)).unwrap_or_default();
         drop(bytes);
         take(name, &values);
     }
