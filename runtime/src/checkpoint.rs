@@ -589,110 +589,135 @@ pub type RankShards = HashMap<String, Vec<f64>>;
 /// What one process of a multi-process run resumes from: the checkpoint `dir` names (as
 /// [`load_sharded`] finds it), read for `ranks` of `program` (on `mesh`, which may differ
 /// from the mesh the checkpoint was saved on) without assembling any tensor whole: for each
-/// state argument, the rank's shard in the program's form (padded as the program pads it;
-/// a parameter takes its fp32 master where the checkpoint keeps one, a master its parameter
-/// where it does not). Only the rank files holding a needed shard are read, each streamed
-/// once with its CRC-32 checked, one tensor's bytes in memory at a time.
+/// state argument, the rank's shard in the program's form (see [`ShardReader::shard`]).
 pub fn load_own_shards(dir: &std::path::Path, program: &Program, mesh: &MeshShape, ranks: &[usize]) -> Result<(Manifest, Vec<RankShards>), RuntimeError> {
-    let (folder, manifest) = read_manifest_in(dir)?;
-    let saved_mesh = MeshShape(manifest.mesh.clone());
-    let listed: HashMap<&str, &ManifestTensor> = manifest.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-    // Each rank file's tensors, from its header: (file index, rank) -> name -> byte range.
-    let mut headers = Vec::new();
-    for (index, file) in manifest.files.iter().enumerate() {
-        let rank = if manifest.format_version == 1 { saved_mesh.rank(&saved_mesh.row_major_coords(index)) } else { index };
-        let header = rank_file_header(&folder.join(file))?;
-        if let Some(name) = header.names().into_iter().find(|n| !listed.contains_key(n.as_str())) {
-            return Err(RuntimeError::Binding(format!("{}: holds `{name}`, which the manifest does not list", folder.join(file).display())));
-        }
-        headers.push((rank, header));
-    }
-    // What each local rank needs: (local, argument, source tensor, target block, region).
-    struct Need {
-        local: usize,
-        arg: String,
-        target_box: Vec<(usize, usize)>,
-        region: Vec<std::ops::Range<usize>>,
-    }
-    // needs[file index][source tensor] -> the pieces of it that local ranks need.
-    let mut needs: Vec<HashMap<String, Vec<Need>>> = (0..manifest.files.len()).map(|_| HashMap::new()).collect();
+    let reader = ShardReader::open(dir)?;
     let mut out: Vec<RankShards> = vec![HashMap::new(); ranks.len()];
     for (local, &rank) in ranks.iter().enumerate() {
         for a in program.args.iter().filter(|a| a.role.is_some_and(Role::is_state)) {
-            let buffer_shape = program.buffers[a.buffer].shape.clone();
-            let layout = a.layout.clone().unwrap_or_else(|| crate::program::Layout { split: vec![Vec::new(); buffer_shape.len()], global_shape: buffer_shape.clone() });
-            let logical = a.logical_shape(&layout.global_shape);
-            let master = crate::program::master_name(&a.name);
-            let name = match crate::program::master_of(&a.name) {
-                Some(param) if !listed.contains_key(a.name.as_str()) => param.to_string(),
-                None if a.role == Some(Role::Param) && listed.contains_key(master.as_str()) => master,
-                _ => a.name.clone(),
-            };
-            let tensor = listed.get(name.as_str()).ok_or_else(|| RuntimeError::Binding(format!("the checkpoint has no `{name}`: it was saved from another model or with another optimizer")))?;
-            let saved_logical = tensor.unpadded.clone().unwrap_or_else(|| tensor.global_shape.clone());
-            if saved_logical != logical {
-                return Err(RuntimeError::Binding(format!("checkpoint tensor `{name}` has shape {saved_logical:?}, the model needs {logical:?}")));
-            }
-            let target_box = crate::layout::shard_box(&layout, mesh, rank);
-            out[local].insert(a.name.clone(), vec![0.0; target_box.iter().map(|b| b.1).product()]);
-            // The real (unpadded) part of the target block, in global indices.
-            let wanted: Vec<std::ops::Range<usize>> = target_box.iter().zip(&logical).map(|(&(o, n), &l)| o.min(l)..(o + n).min(l)).collect();
-            if wanted.iter().any(|r| r.is_empty()) {
-                continue;
-            }
-            // Every distinct saved shard that overlaps it, from the first file that holds it.
-            let saved_layout = manifest_layout(tensor);
-            let mut taken: Vec<Vec<usize>> = Vec::new();
-            for (index, (saved_rank, header)) in headers.iter().enumerate() {
-                if header.info(&name).is_none() {
-                    continue;
-                }
-                let shard = crate::layout::shard_index(&saved_layout, &saved_mesh, *saved_rank);
-                if taken.contains(&shard) {
-                    continue;
-                }
-                let source_box = crate::layout::shard_box(&saved_layout, &saved_mesh, *saved_rank);
-                let region: Vec<std::ops::Range<usize>> = wanted.iter().zip(&source_box).map(|(w, &(o, n))| w.start.max(o)..w.end.min(o + n)).collect();
-                taken.push(shard);
-                if region.iter().all(|r| !r.is_empty()) {
-                    needs[index].entry(name.clone()).or_default().push(Need { local, arg: a.name.clone(), target_box: target_box.clone(), region });
-                }
-            }
-            let covered = taken.len() == crate::layout::shard_count(&saved_layout, &saved_mesh);
-            if !covered {
-                return Err(RuntimeError::Binding(format!("{}: the rank files hold {} of the {} shards of `{name}`: a rank file is missing it", folder.display(), taken.len(), crate::layout::shard_count(&saved_layout, &saved_mesh))));
-            }
+            out[local].insert(a.name.clone(), reader.shard(program, a, mesh, rank)?);
         }
     }
-    for (index, pieces) in needs.into_iter().enumerate() {
-        if pieces.is_empty() {
-            continue;
+    Ok((reader.manifest, out))
+}
+
+/// A checkpoint read one shard of one tensor at a time, for any mesh: what a process resumes
+/// from without holding more of the state than the tensor it loads. Only the rank files
+/// holding a needed shard are read: each is streamed once for its CRC-32 when first needed,
+/// then each tensor read from it alone.
+pub struct ShardReader {
+    folder: std::path::PathBuf,
+    manifest: Manifest,
+    saved_mesh: MeshShape,
+    /// Each rank file's header, with the rank whose shards it holds.
+    headers: Vec<(usize, crate::tensor_file::TensorFile)>,
+    /// The rank files whose CRC-32 was checked.
+    checked: std::cell::RefCell<std::collections::HashSet<usize>>,
+}
+
+impl ShardReader {
+    /// Opens the checkpoint `dir` names (`LATEST` resolved once) and reads its manifest and
+    /// its rank files' headers.
+    pub fn open(dir: &std::path::Path) -> Result<ShardReader, RuntimeError> {
+        let (folder, manifest) = read_manifest_in(dir)?;
+        let saved_mesh = MeshShape(manifest.mesh.clone());
+        let listed: std::collections::HashSet<&str> = manifest.tensors.iter().map(|t| t.name.as_str()).collect();
+        let mut headers = Vec::new();
+        for (index, file) in manifest.files.iter().enumerate() {
+            let rank = if manifest.format_version == 1 { saved_mesh.rank(&saved_mesh.row_major_coords(index)) } else { index };
+            let header = rank_file_header(&folder.join(file))?;
+            if let Some(name) = header.names().into_iter().find(|n| !listed.contains(n.as_str())) {
+                return Err(RuntimeError::Binding(format!("{}: holds `{name}`, which the manifest does not list", folder.join(file).display())));
+            }
+            headers.push((rank, header));
         }
-        let (saved_rank, header) = &headers[index];
-        let path = folder.join(&manifest.files[index]);
-        // Each needed tensor's shape in the file must be the saved layout's shard shape.
-        for name in pieces.keys() {
-            let expected = crate::layout::local_shape(&manifest_layout(listed[name.as_str()]), &saved_mesh);
-            let shape = header.info(name).map(|i| i.shape.clone()).unwrap_or_default();
+        Ok(ShardReader { folder, manifest, saved_mesh, headers, checked: Default::default() })
+    }
+
+    /// The checkpoint's manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Rank `rank`'s shard (on `mesh`) of state argument `a` of `program`, in the program's
+    /// form: padded as the program pads it (zeros past the saved real shape), a parameter
+    /// taking its fp32 master where the checkpoint keeps one, a master its parameter where it
+    /// does not. Assembled from every saved shard that overlaps it.
+    pub fn shard(&self, program: &Program, a: &crate::program::Binding, mesh: &MeshShape, rank: usize) -> Result<Vec<f64>, RuntimeError> {
+        let manifest = &self.manifest;
+        let listed = |name: &str| manifest.tensors.iter().find(|t| t.name == name);
+        let buffer_shape = program.buffers[a.buffer].shape.clone();
+        let layout = a.layout.clone().unwrap_or_else(|| crate::program::Layout { split: vec![Vec::new(); buffer_shape.len()], global_shape: buffer_shape.clone() });
+        let logical = a.logical_shape(&layout.global_shape);
+        let master = crate::program::master_name(&a.name);
+        let name = match crate::program::master_of(&a.name) {
+            Some(param) if listed(&a.name).is_none() => param.to_string(),
+            None if a.role == Some(Role::Param) && listed(&master).is_some() => master,
+            _ => a.name.clone(),
+        };
+        let tensor = listed(&name).ok_or_else(|| RuntimeError::Binding(format!("the checkpoint has no `{name}`: it was saved from another model or with another optimizer")))?;
+        let saved_logical = tensor.unpadded.clone().unwrap_or_else(|| tensor.global_shape.clone());
+        if saved_logical != logical {
+            return Err(RuntimeError::Binding(format!("checkpoint tensor `{name}` has shape {saved_logical:?}, the model needs {logical:?}")));
+        }
+        let target_box = crate::layout::shard_box(&layout, mesh, rank);
+        let mut out = vec![0.0; target_box.iter().map(|b| b.1).product()];
+        // The real (unpadded) part of the target block, in global indices.
+        let wanted: Vec<std::ops::Range<usize>> = target_box.iter().zip(&logical).map(|(&(o, n), &l)| o.min(l)..(o + n).min(l)).collect();
+        if wanted.iter().any(|r| r.is_empty()) {
+            return Ok(out);
+        }
+        // Every distinct saved shard that overlaps it, from the first file that holds it.
+        let saved_layout = manifest_layout(tensor);
+        let expected = crate::layout::local_shape(&saved_layout, &self.saved_mesh);
+        let mut taken: Vec<Vec<usize>> = Vec::new();
+        for (index, (saved_rank, header)) in self.headers.iter().enumerate() {
+            if header.info(&name).is_none() {
+                continue;
+            }
+            let shard = crate::layout::shard_index(&saved_layout, &self.saved_mesh, *saved_rank);
+            if taken.contains(&shard) {
+                continue;
+            }
+            taken.push(shard);
+            let source_box = crate::layout::shard_box(&saved_layout, &self.saved_mesh, *saved_rank);
+            let region: Vec<std::ops::Range<usize>> = wanted.iter().zip(&source_box).map(|(w, &(o, n))| w.start.max(o)..w.end.min(o + n)).collect();
+            if region.iter().any(|r| r.is_empty()) {
+                continue;
+            }
+            let path = self.folder.join(&manifest.files[index]);
+            // The tensor's shape in the file must be the saved layout's shard shape.
+            let shape = header.info(&name).map(|i| i.shape.clone()).unwrap_or_default();
             if shape != expected {
                 return Err(RuntimeError::Binding(format!("{}: `{name}` has shape {shape:?}, but the manifest's layout over the mesh {:?} makes shards of {expected:?}", path.display(), manifest.mesh)));
             }
+            self.check(index)?;
+            let (_, values) = header.read_f64(&name)?.ok_or_else(|| RuntimeError::Binding(format!("{}: `{name}` is not f32 or f64", path.display())))?;
+            crate::layout::copy_region(&values, &source_box, &mut out, &target_box, &region);
         }
-        let source_box = |name: &str| crate::layout::shard_box(&manifest_layout(listed[name]), &saved_mesh, *saved_rank);
-        let crc = stream_tensors(header, &pieces.keys().cloned().collect::<Vec<_>>(), |name, values| {
-            let from = source_box(name);
-            for need in &pieces[name] {
-                let target = out[need.local].get_mut(&need.arg).expect("allocated above");
-                crate::layout::copy_region(values, &from, target, &need.target_box, &need.region);
-            }
-        })?;
-        if let Some(&expected) = manifest.checksums.get(index)
+        let count = crate::layout::shard_count(&saved_layout, &self.saved_mesh);
+        if taken.len() != count {
+            return Err(RuntimeError::Binding(format!("{}: the rank files hold {} of the {count} shards of `{name}`: a rank file is missing it", self.folder.display(), taken.len())));
+        }
+        Ok(out)
+    }
+
+    /// Checks rank file `index` against the manifest's CRC-32 the first time it is read.
+    fn check(&self, index: usize) -> Result<(), RuntimeError> {
+        if self.checked.borrow().contains(&index) {
+            return Ok(());
+        }
+        let (_, header) = &self.headers[index];
+        let crc = stream_tensors(header, &[], |_, _| {})?;
+        if let Some(&expected) = self.manifest.checksums.get(index)
             && crc != expected
         {
+            let path = self.folder.join(&self.manifest.files[index]);
             return Err(RuntimeError::Binding(format!("{}: the file changed after it was written (CRC-32 {crc:08x}, the manifest says {expected:08x}); resume from another checkpoint folder, or start again", path.display())));
         }
+        self.checked.borrow_mut().insert(index);
+        Ok(())
     }
-    Ok((manifest, out))
 }
 
 /// A rank file's header, every tensor f32 or f64 (files of format 2 hold f64 alone).

@@ -186,25 +186,27 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     let programs = programs.into_iter().map(shardc_codegen::device::with_device_plan).collect::<Result<Vec<_>, _>>().into_diagnostic()?;
     let mut corpus = training_corpus(args, spec)?;
     let mut checkpoints = Checkpoints::for_process(args, spec, process_rank)?;
-    // A process of a multi-process run resumes from its own shards of the checkpoint alone.
-    let mut trainer = match process_rank.and(args.resume.as_ref()) {
+    // Every process, and every rank of one device, reads the checkpoint, `--load` file or
+    // Hugging Face weights one tensor (or its shard) at a time: none holds the whole state.
+    let mut trainer = match args.resume.as_ref() {
         Some(dir) => {
             let folder = checkpoints.resume_manifest(args, &programs, &mut corpus)?.unwrap_or_else(|| dir.clone());
             cuda::CudaTrainer::resume(&programs, &placement, &folder).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
         }
-        // Nor does it hold the whole model of `--load` or Hugging Face weights: it reads one
-        // tensor at a time (whole, in f64) and keeps only its shards of it.
-        None if process_rank.is_some() && args.load.is_some() => {
+        // Of `--load` or Hugging Face weights it reads one tensor at a time (whole, in f64)
+        // and keeps only its ranks' shards of it.
+        None if args.load.is_some() => {
             let path = args.load.as_ref().expect("matched");
             let file = shardc_runtime::tensor_file::TensorFile::open(path).map_err(|e| miette!("--load {e}"))?;
             let mut parameter = |name: &str| if file.info(name).is_some() { file.read_f64(name) } else { Ok(None) };
             cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?
         }
-        None if process_rank.is_some() && args.step.hf_dir(args.spec.as_deref()).is_some() => {
+        None if args.step.hf_dir(args.spec.as_deref()).is_some() => {
             let hf = args.step.hf_dir(args.spec.as_deref()).expect("matched");
             let mut weights = crate::hf::LazyWeights::open(&hf, &args.step.load_spec(args.spec.as_deref())?)?;
             if speaks {
-                println!("  weights     {} tensors from {} (each process reads its own shards)", weights.len(), hf.display());
+                let how = if process_rank.is_some() { " (each process reads its own shards)" } else { "" };
+                println!("  weights     {} tensors from {}{how}", weights.len(), hf.display());
             }
             let mut parameter = |name: &str| weights.parameter(name);
             cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).into_diagnostic().wrap_err_with(|| format!("reading the weights of {}", hf.display()))?

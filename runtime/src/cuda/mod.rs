@@ -1606,48 +1606,25 @@ impl CudaTrainer {
     }
 
     /// Loads `programs` onto `placement` and resumes from the checkpoint `dir` names at its
-    /// step, each local rank reading only its own shards from the rank files that hold them
-    /// ([`crate::checkpoint::load_own_shards`]; the checkpoint's mesh may differ): what a
-    /// process of a multi-process run does, which never holds a whole tensor it shards.
+    /// step, each local rank reading its own shards, one tensor at a time, from the rank
+    /// files that hold them ([`crate::checkpoint::ShardReader`]; the checkpoint's mesh may
+    /// differ): no process holds more of the state on the host than the shard it uploads.
     /// Returns the checkpoint's manifest too.
     pub fn resume(programs: &[Program], placement: &Placement, dir: &std::path::Path) -> Result<(CudaTrainer, crate::checkpoint::Manifest), RuntimeError> {
         let first = programs.first().ok_or_else(|| err("no programs to run"))?;
         let mesh = MeshShape(if first.mesh.is_empty() { vec![1] } else { first.mesh.clone() });
         // The checkpoint `LATEST` names now, read from that folder alone.
         let (dir, manifest) = crate::checkpoint::resolve(dir)?;
-        let dir = dir.as_path();
-        // Which programs this placement runs, and their ranks, as the executors will hold them.
-        let mut shards: HashMap<usize, HashMap<String, Vec<f64>>> = HashMap::new();
-        let mut failure: Option<RuntimeError> = None;
-        for program in programs {
-            let pipeline_rank = program.pipeline.as_ref().filter(|p| p.ranks > 1).map(|p| p.rank);
-            let ranks: Vec<usize> = match placement {
-                Placement::Nccl(b) => vec![b.rank],
-                Placement::EmulatedNccl(w) => vec![w.rank()],
-                Placement::SingleDevice { .. } | Placement::Emulated => own_ranks(&mesh, pipeline_rank),
-            };
-            let ranks: Vec<usize> = ranks.into_iter().filter(|r| pipeline_rank.is_none_or(|p| mesh.coords(*r).get(2) == Some(&p))).collect();
-            if ranks.is_empty() {
-                continue;
-            }
-            match crate::checkpoint::load_own_shards(dir, program, &mesh, &ranks) {
-                Ok((_, values)) => {
-                    for (rank, v) in ranks.into_iter().zip(values) {
-                        shards.entry(rank).or_default().extend(v);
-                    }
-                }
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
+        let mut reader = Some(crate::checkpoint::ShardReader::open(&dir));
         // A failure to read is said by `load`, once every process has got that far.
-        let trainer = CudaTrainer::load(programs, placement, manifest.step, |_, a, _, rank| {
-            if let Some(e) = failure.take() {
-                return Err(e);
+        let trainer = CudaTrainer::load(programs, placement, manifest.step, |program, a, _, rank| match reader.take() {
+            Some(Err(e)) => Err(e),
+            Some(Ok(open)) => {
+                let shard = open.shard(program, a, &mesh, rank);
+                reader = Some(Ok(open));
+                shard
             }
-            shards.get(&rank).and_then(|s| s.get(&a.name)).cloned().ok_or_else(|| err(format!("no shard of `{}` was read for rank {rank}", a.name)))
+            None => Err(err("the checkpoint could not be read")),
         })?;
         Ok((CudaTrainer { seed: manifest.seed, ..trainer }, manifest))
     }
