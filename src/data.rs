@@ -55,10 +55,13 @@ pub struct DataArgs {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub eval_every: u64,
     /// Held-out windows the validation loss averages over (the first ones; fewer when fewer
-    /// are held out).
-    #[arg(long, default_value_t = 64, value_name = "N")]
-    pub eval_windows: u64,
+    /// are held out). Default 64.
+    #[arg(long, value_name = "N")]
+    pub eval_windows: Option<u64>,
 }
+
+/// Held-out windows the validation loss averages over unless --eval-windows says.
+const DEFAULT_EVAL_WINDOWS: u64 = 64;
 
 /// The built-in corpus (data/kjv-genesis-exodus.txt), inside the binary so that `shardc run`
 /// trains wherever it runs.
@@ -135,6 +138,9 @@ pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> R
     let vocab = spec.model.vocab as usize;
     if !(0.0..1.0).contains(&args.eval_fraction) {
         return Err(miette!(help = "give a fraction such as 0.01, or 0 to hold out nothing", "--eval-fraction {} is not in [0, 1)", args.eval_fraction));
+    }
+    if args.data.is_none() && args.data_format != DataFormat::Auto {
+        return Err(miette!(help = "give --data FILE to train on it, or leave --data-format out", "--data-format says how to read --data, and there is none: the run trains on the built-in text"));
     }
     let fail = |e: shardc_runtime::RuntimeError| miette!("--data: {e}");
     let (tokens, source) = match &args.data {
@@ -252,12 +258,15 @@ impl Evaluation {
     /// fewer windows are evaluated).
     pub fn new(args: &DataArgs, spec: &Spec, corpus: &Corpus) -> Result<Option<Evaluation>> {
         if args.eval_every == 0 {
+            if let Some(n) = args.eval_windows {
+                return Err(miette!(help = "add --eval-every N to evaluate every N steps", "--eval-windows {n} sizes the validation loss, which a run prints only with --eval-every"));
+            }
             return Ok(None);
         }
         if corpus.validation_windows() == 0 {
             return Err(miette!(help = "hold out windows with --eval-fraction, e.g. 0.01", "--eval-every {}: --eval-fraction 0 holds out no data to evaluate on", args.eval_every));
         }
-        let windows = (args.eval_windows as usize).min(corpus.validation_windows() as usize);
+        let windows = (args.eval_windows.unwrap_or(DEFAULT_EVAL_WINDOWS) as usize).min(corpus.validation_windows() as usize);
         if windows == 0 {
             return Err(miette!(help = "evaluate on at least one window, e.g. --eval-windows 64", "--eval-windows 0"));
         }

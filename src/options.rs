@@ -179,6 +179,13 @@ impl StepArgs {
     /// comm-opt). The options are the user's: internal callers (the memory estimate skips
     /// comm-opt) set fields past this check.
     pub fn refuse_what_the_step_does_not_do(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
+        // Buckets gather gradients that travel over data-parallel ranks: without any, the
+        // size would change nothing.
+        if let Some(mb) = self.strategy.grad_bucket_mb
+            && mesh.dp * mesh.cp * mesh.ep == 1
+        {
+            return Err(miette!(help = "add data parallelism (--mesh dp=2, say), or leave --grad-bucket-mb out", "--grad-bucket-mb {mb} sizes the buckets data-parallel gradients travel in, and --mesh {mesh} has no data-parallel ranks"));
+        }
         let Some(pipeline) = self.pipeline_options(spec, mesh)? else { return Ok(()) };
         let what = if mesh.pp > 1 { format!("pipeline stages (--mesh {mesh})") } else { format!("{} micro-batches", pipeline.microbatches) };
         if self.strategy.no_comm_opt {
@@ -310,6 +317,14 @@ impl StepArgs {
             return Err(miette!(help = format!("use a value between 0 and --lr ({})", self.training.lr), "--min-lr {min_lr} is outside 0..=--lr"));
         }
         let decay_steps = self.training.lr_decay_steps.unwrap_or(0);
+        // A constant rate has no decay to take steps or a floor.
+        if self.training.lr_decay.as_deref() == Some("constant") {
+            for (flag, given) in [("--min-lr", self.training.min_lr.is_some()), ("--lr-decay-steps", self.training.lr_decay_steps.is_some_and(|n| n > 0))] {
+                if given {
+                    return Err(miette!(help = "give --lr-decay cosine or linear to decay, or leave it out", "{flag}: --lr-decay constant keeps the rate at --lr after the warmup"));
+                }
+            }
+        }
         // Without decay steps there is no decay: its shape and floor would be ignored.
         if decay_steps == 0 {
             for (flag, given) in [("--lr-decay", self.training.lr_decay.as_deref().is_some_and(|d| d != "constant")), ("--min-lr", self.training.min_lr.is_some())] {

@@ -266,7 +266,7 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         let timed = &seconds[seconds.len().min(1)..];
         let per_step = if timed.is_empty() { seconds[0] } else { timed.iter().sum::<f64>() / timed.len() as f64 };
         println!("  device      {}", trainer.device_name());
-        println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {:.1}% lower", first_step + 1, losses.tail.len(), 100.0 * (1.0 - last / first));
+        println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {}", first_step + 1, losses.tail.len(), super::loss_change(first, last));
         println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
         println!("  memory      {}", device_memory_line(&trainer, &programs, args.step.strategy.zero, &placement));
     }

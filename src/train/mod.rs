@@ -192,15 +192,33 @@ fn refuse_rank_options_on_one_rank(args: &RunArgs, mesh: shardc_ir::mesh::Mesh) 
     Ok(())
 }
 
+/// How the loss moved from `first` to `last`: "0.7% lower", or "0.1% higher".
+pub(super) fn loss_change(first: f64, last: f64) -> String {
+    let change = 100.0 * (1.0 - last / first);
+    if change >= 0.0 { format!("{change:.1}% lower") } else { format!("{:.1}% higher", -change) }
+}
+
+/// A run's own processes are ranks of a GPU run: torchrun's `RANK` and `WORLD_SIZE` name
+/// them, and the CPU backend, which runs every rank in this process, would train the whole
+/// mesh once in each.
+fn refuse_processes_on_the_cpu(args: &RunArgs) -> Result<()> {
+    let world = std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok()).unwrap_or(1);
+    if args.backend == "cpu" && std::env::var_os("RANK").is_some() && world > 1 {
+        return Err(miette!(help = "run with --backend cuda under torchrun (one process per GPU), or unset RANK and WORLD_SIZE to run every rank in one CPU process", "RANK is set (a process of {world}): the CPU backend runs every rank of the mesh in one process, so each of the {world} would train the whole run"));
+    }
+    Ok(())
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
     check_steps("--steps", args.steps)?;
     check_backend(&args.backend)?;
+    refuse_processes_on_the_cpu(args)?;
     // The learning rate decays over the whole run unless told otherwise (as Megatron-LM's
     // --lr-decay-iters defaults to --train-iters).
     let mut args = args.clone();
     // A resumed run continues its checkpoint's decay (its --steps may have been shorter).
     let resumed_decay = args.resume.as_deref().and_then(|dir| shardc_runtime::checkpoint::read_manifest(dir).ok()).and_then(|m| m.optimizer).map(|o| o.decay_steps);
-    if args.step.training.lr_decay_steps.is_none() {
+    if args.step.training.lr_decay_steps.is_none() && args.step.training.lr_decay.as_deref() != Some("constant") {
         match resumed_decay {
             Some(steps) if steps >= 0 => args.step.training.lr_decay_steps = Some(steps as u64),
             _ if args.steps > args.step.training.lr_warmup_steps && args.steps <= i32::MAX as u64 => args.step.training.lr_decay_steps = Some(args.steps),
@@ -327,7 +345,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let tail = &losses.tail;
         let last = tail.iter().sum::<f64>() / tail.len() as f64;
         let elapsed = start.elapsed().as_secs_f64();
-        println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {:.1}% lower", tail.len(), 100.0 * (1.0 - last / first));
+        println!("  loss        {first:.4} at step 1 -> {last:.4} (mean of the last {} steps), {}", tail.len(), loss_change(first, last));
         println!("  time        {elapsed:.2} s, {:.1} ms per step, {:.0} tokens/s", 1e3 * elapsed / losses.count as f64, losses.count as f64 * trainer.tokens_per_step() as f64 / elapsed);
     }
     let state = trainer.state().into_diagnostic()?;
@@ -372,7 +390,7 @@ fn report_losses(args: &RunArgs, first_step: u64, losses: &[f64]) {
     if let Some(first) = losses.first() {
         let tail = &losses[losses.len().saturating_sub(10)..];
         let last = tail.iter().sum::<f64>() / tail.len() as f64;
-        println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {:.1}% lower", first_step + 1, tail.len(), 100.0 * (1.0 - last / first));
+        println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {}", first_step + 1, tail.len(), loss_change(*first, last));
     }
 }
 
@@ -595,7 +613,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fits:
     let Some(run) = last_run else { return Ok(()) };
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     println!(
-        "  pipeline    measured bubble {:.1}% of the last step; activations held at most {:?} micro-batches, {} per pipeline rank",
+        "  pipeline    measured bubble {:.1}% of the last step; activations of at most {:?} micro-batches at once, {} per pipeline rank in copies beside the running one's",
         100.0 * run.timeline.bubble,
         run.timeline.peak_in_flight,
         run.peak_kept_bytes.iter().map(|b| crate::summary::bytes(*b as u64)).collect::<Vec<_>>().join(", ")
