@@ -619,8 +619,13 @@ fn resume_with_load_is_refused_naming_both() {
 /// option, before any work (issue 19's review: each was accepted and ignored).
 #[test]
 fn options_that_would_change_nothing_are_refused_by_name() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 12] = [
         (&["run", "models/tiny.toml", "--steps", "1", "--checkpoint-every", "1"], "--checkpoint"),
+        (&["run", "models/tiny.toml", "--steps", "1", "--grad-bucket-mb", "5"], "--grad-bucket-mb 5"),
+        (&["run", "models/tiny.toml", "--steps", "1", "--eval-windows", "5"], "--eval-windows 5"),
+        (&["run", "models/tiny.toml", "--steps", "1", "--data-format", "u16"], "--data-format"),
+        (&["run", "models/tiny.toml", "--steps", "1", "--lr-decay-steps", "10", "--lr-decay", "constant"], "--lr-decay-steps: --lr-decay constant"),
+        (&["compile", "models/tiny.toml", "--min-lr", "0.001", "--lr-decay", "constant"], "--min-lr: --lr-decay constant"),
         (&["run", "models/tiny.toml", "--hf", "tests/data/hf-tiny-llama", "--steps", "1"], "--hf"),
         (&["compile", "models/tiny.toml", "--zero", "1"], "--zero 1"),
         (&["compile", "models/tiny.toml", "--microbatches", "1", "--schedule", "gpipe"], "--schedule gpipe"),
@@ -635,8 +640,11 @@ fn options_that_would_change_nothing_are_refused_by_name() {
         assert!(err.contains(says), "{args:?}: {err}");
         assert!(!stdout(&out).contains("step 1"), "{args:?} trained before refusing");
     }
+    // A CPU run started as one of torchrun's processes would train the whole mesh in each.
+    let out = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny.toml", "--steps", "1"]).current_dir(root()).env("NO_COLOR", "1").env("RANK", "0").env("WORLD_SIZE", "2").output().unwrap();
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("RANK is set (a process of 2)"), "{}", stderr(&out));
     // Where they matter, they are taken.
-    for args in [&["compile", "models/tiny.toml", "--mesh", "dp=2", "--zero", "1"][..], &["compile", "models/tiny.toml", "--schedule", "gpipe"]] {
+    for args in [&["compile", "models/tiny.toml", "--mesh", "dp=2", "--zero", "1"][..], &["compile", "models/tiny.toml", "--schedule", "gpipe"], &["run", "models/tiny.toml", "--steps", "2", "--lr-decay", "constant"], &["compile", "models/tiny.toml", "--mesh", "dp=2", "--grad-bucket-mb", "5"]] {
         let out = shardc(args);
         assert!(out.status.success(), "{args:?}: {}", stderr(&out));
     }
