@@ -55,7 +55,7 @@ pub struct DataArgs {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub eval_every: u64,
     /// Held-out windows the validation loss averages over (the first ones; fewer when fewer
-    /// are held out). Default 64.
+    /// are held out). Default: 64.
     #[arg(long, value_name = "N")]
     pub eval_windows: Option<u64>,
 }

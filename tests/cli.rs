@@ -1445,7 +1445,7 @@ fn validation_loss_falls_and_is_the_same_on_every_mesh() {
     let out = shardc(&[&base[..], &["--eval-fraction", "0"]].concat());
     assert!(!out.status.success() && stderr(&out).contains("--eval-fraction 0"), "{}", stderr(&out));
     let help = stdout(&shardc(&["run", "--help"]));
-    for default in ["[default: auto]", "[default: 0.01]", "[default: 64]", "Default: the built-in text"] {
+    for default in ["[default: auto]", "[default: 0.01]", "Default: 64", "Default: the built-in text"] {
         assert!(help.contains(default), "--help does not state {default}");
     }
 }
