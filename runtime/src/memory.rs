@@ -88,8 +88,10 @@ fn buffer_bytes(program: &Program, ids: &[BufferId]) -> u64 {
 
 /// What the pipeline runtime holds for one pipeline rank besides its slots: each chunk's
 /// kept forward values for every micro-batch whose forward ran and whose backward has not
-/// (and kept backward values between a split backward and its weight pass), at the most its
-/// schedule has in flight at once, plus one copy of each chunk's gradient sums.
+/// (whose weight pass has not, where the schedule splits it off: it reads them too; none
+/// when the backward comes right after the forward, whose values stay in place), and kept
+/// backward values between a split backward and its weight pass, at the most its schedule
+/// has at once, plus one copy of each chunk's gradient sums.
 fn pipeline_bytes(program: &Program) -> u64 {
     let Some(plan) = &program.pipeline else { return 0 };
     let kept_forward: Vec<u64> = plan.chunks.iter().map(|c| buffer_bytes(program, &c.keep_forward)).collect();
@@ -97,19 +99,19 @@ fn pipeline_bytes(program: &Program) -> u64 {
     let sums = plan.chunks.iter().map(|c| buffer_bytes(program, &c.sum_backward).saturating_add(buffer_bytes(program, &c.sum_weight))).fold(0, u64::saturating_add);
     let splits_weight = plan.items.iter().any(|i| i.work == Work::W);
     let (mut held, mut most) = (0u64, 0u64);
-    for item in &plan.items {
+    for (at, item) in plan.items.iter().enumerate() {
         let (Some(&forward), Some(&backward)) = (kept_forward.get(item.chunk), kept_backward.get(item.chunk)) else { continue };
+        let in_place = |f: usize| crate::schedule::backward_follows(plan.items[f], plan.items.get(f + 1).copied(), splits_weight);
         match item.work {
+            Work::F if in_place(at) => {}
             Work::F => held = held.saturating_add(forward),
+            Work::B if at > 0 && in_place(at - 1) => {}
+            Work::B if splits_weight => held = held.saturating_add(backward),
             Work::B => {
-                // The split backward keeps its values while the forward's are still held.
-                if splits_weight {
-                    held = held.saturating_add(backward);
-                }
                 most = most.max(held);
                 held = held.saturating_sub(forward);
             }
-            Work::W => held = held.saturating_sub(backward),
+            Work::W => held = held.saturating_sub(forward.saturating_add(backward)),
         }
         most = most.max(held);
     }
