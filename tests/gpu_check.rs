@@ -234,3 +234,46 @@ fn precompile_fills_the_kernel_cache_with_each_module_once() {
     assert!(e.contains("--target cuda"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `shardc-gpu train` trains a compiled plan as `shardc run --backend cuda` does, and their
+/// checkpoints move between them: a GPU machine with no compiler trains from the seed and
+/// from `shardc run`'s checkpoint, and `shardc run` resumes from its, each with the losses of
+/// the uninterrupted run (dp=2 and two pipeline stages over 4 micro-batches, every rank on
+/// the emulated device). Bad options are refused by name.
+#[test]
+fn shardc_gpu_trains_a_plan_and_its_checkpoints_resume_under_shardc_run() {
+    let dir = tempdir("train");
+    let data = root().join("data/kjv-genesis-exodus.txt");
+    let mesh = ["--mesh", "dp=2,pp=2", "--microbatches", "4"];
+    let plan = compile(&dir, "stages", &mesh);
+    let run = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["run", "models/tiny.toml", "--backend", "cuda", "--optimizer", "sgd", "--lr-decay", "constant", "--log-every", "1"])
+            .args(mesh)
+            .args(extra)
+            .current_dir(root())
+            .env("SHARDC_GPU_EMULATE", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        text.lines().filter_map(|l| l.strip_prefix("step ")).map(|l| l.to_string()).collect::<Vec<_>>()
+    };
+    let straight = run(&["--steps", "4"]);
+    assert_eq!(straight.len(), 4);
+    // shardc-gpu from the seed, then shardc from its checkpoint.
+    let from_gpu = dir.join("from-gpu");
+    assert_eq!(cli(&["train", plan.to_str().unwrap(), "--data", data.to_str().unwrap(), "--steps", "2", "--checkpoint", from_gpu.to_str().unwrap()]), Ok(true));
+    assert_eq!(run(&["--steps", "4", "--resume", from_gpu.to_str().unwrap()]), straight[2..], "shardc run resumed from shardc-gpu's checkpoint");
+    // shardc from the seed, then shardc-gpu from its checkpoint, then shardc again.
+    let from_run = dir.join("from-run");
+    assert_eq!(run(&["--steps", "1", "--checkpoint", from_run.to_str().unwrap()]), straight[..1]);
+    let on = dir.join("on");
+    assert_eq!(cli(&["train", plan.to_str().unwrap(), "--data", data.to_str().unwrap(), "--steps", "2", "--resume", from_run.to_str().unwrap(), "--checkpoint", on.to_str().unwrap()]), Ok(true));
+    assert_eq!(run(&["--steps", "4", "--resume", on.to_str().unwrap()]), straight[3..], "shardc-gpu resumed shardc's checkpoint at step 1 and trained to step 3");
+    for (args, says) in [(vec!["--steps", "2"], "--data FILE"), (vec!["--data", "x", "--lr", "1"], "unknown option `--lr`"), (vec!["--data", "x", "--steps", "two"], "--steps two")] {
+        let error = cli(&[&["train", plan.to_str().unwrap()][..], &args].concat()).unwrap_err();
+        assert!(error.contains(says), "{args:?}: {error}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -19,6 +19,10 @@
 //! * `calibrate DIR`: times each single-kernel program that `shardc calibrate --backend cuda
 //!   --emit DIR` listed in `DIR/kernels.json` and writes `DIR/measured.json`, from which
 //!   `shardc calibrate --measured` fits the cluster model on the build machine;
+//! * `train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR]`:
+//!   trains a compiled plan as `shardc run --backend cuda` does (every rank on the GPU, or
+//!   one rank per process under torchrun), from the seed or a checkpoint, and checkpoints
+//!   at the end (checkpoints move between the two);
 //! * `precompile ARCH CACHE PATH...`: compiles the device module of every plan and program
 //!   under each PATH (a JSON file or a folder of them) to machine code for ARCH (`sm_90`)
 //!   with NVRTC, into the kernel cache folder CACHE, with no GPU needed: a run with
@@ -155,11 +159,12 @@ pub fn cli(args: &[String], placement: &Placement) -> Result<bool, String> {
         [command, dir] if command == "calibrate" => calibrate(Path::new(dir), placement),
         [command, manifest] if command == "profile" => load(manifest).and_then(|(m, dir)| profile(&m, &dir, placement)),
         [command, arch, cache, paths @ ..] if command == "precompile" && !paths.is_empty() => precompile(arch, Path::new(cache), paths),
+        [command, plan, options @ ..] if command == "train" => train(Path::new(plan), options, placement),
         [command] if command == "available" => match placement {
             Placement::Emulated => Ok(true),
             _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
         },
-        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | profile MANIFEST | table MANIFEST | calibrate DIR | precompile ARCH CACHE PATH... | available".into()),
+        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | profile MANIFEST | table MANIFEST | calibrate DIR | precompile ARCH CACHE PATH... | train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR] | available".into()),
     }
 }
 
@@ -304,14 +309,81 @@ fn global_shape(program: &Program, binding: &shardc_runtime::program::Binding) -
 }
 
 fn corpus(manifest: &Manifest, dir: &Path, programs: &[Program]) -> Result<ByteCorpus, String> {
+    byte_corpus(&dir.join(&manifest.data), programs)
+}
+
+/// `path`'s bytes as training text, one token per byte, in windows of the programs' sequence
+/// over the model's vocabulary (as `shardc run` reads text without a tokenizer).
+fn byte_corpus(path: &Path, programs: &[Program]) -> Result<ByteCorpus, String> {
     let seq = programs.iter().find_map(|p| p.arg("tokens").or_else(|| p.arg("targets")).map(|a| global_shape(p, a)[1])).ok_or("no tokens input")?;
     // The model's vocabulary: the embedding table's rows before padding.
     let vocab = programs
         .iter()
         .find_map(|p| p.args.iter().find(|a| a.name == "embed.tokens.weight").map(|a| a.logical_shape(&global_shape(p, a))[0]))
         .ok_or("no embedding table")?;
-    let bytes = std::fs::read(dir.join(&manifest.data)).map_err(|e| format!("reading the corpus: {e}"))?;
+    let bytes = std::fs::read(path).map_err(|e| format!("reading the corpus {}: {e}", path.display()))?;
     ByteCorpus::new(bytes, seq, vocab).map_err(|e| e.to_string())
+}
+
+/// `train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR]`: trains
+/// the plan's step (or pipeline ranks) on `placement` as `shardc run --backend cuda` does,
+/// from the seed or a checkpoint, on FILE's bytes as text (one token per byte), and
+/// checkpoints at the end: every rank on one GPU, or, under torchrun (`RANK`, `WORLD_SIZE`,
+/// ...), one rank per process over NCCL, each reading and writing its own shards. Its
+/// checkpoints resume under `shardc run` and the other way round: what a GPU machine with no
+/// compiler trains with.
+fn train(plan: &Path, options: &[String], placement: &Placement) -> Result<bool, String> {
+    let mut given: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+    for pair in options.chunks(2) {
+        match pair {
+            [flag, value] if ["--data", "--steps", "--seed", "--resume", "--checkpoint"].contains(&flag.as_str()) => {
+                if given.insert(flag.as_str(), value.as_str()).is_some() {
+                    return Err(format!("{flag} is given twice"));
+                }
+            }
+            [flag, ..] => return Err(format!("train: unknown option `{flag}` or one without its value (options: --data FILE, --steps N, --seed S, --resume DIR, --checkpoint DIR)")),
+            [] => {}
+        }
+    }
+    let number = |flag: &str, default: u64| -> Result<u64, String> { given.get(flag).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{flag} {v}: expected a whole number"))) };
+    let (steps, seed) = (number("--steps", 1)?, number("--seed", 0)?);
+    if steps == 0 {
+        return Err("--steps 0: train at least one step".into());
+    }
+    let data = given.get("--data").ok_or("train: give --data FILE (text, one token per byte)")?;
+    let programs = step_programs(plan, true)?;
+    let model = read_json(plan)?.get("spec").and_then(|s| s.get("model")).cloned().ok_or_else(|| format!("{}: the plan has no spec", plan.display()))?;
+    let corpus = byte_corpus(Path::new(data), &programs)?;
+    let placement = match std::env::var_os("RANK") {
+        Some(_) => Placement::Nccl(cuda::nccl::Bootstrap::from_env().map_err(|e| e.to_string())?),
+        None => placement.clone(),
+    };
+    let speaks = match &placement {
+        Placement::Nccl(b) => b.rank == 0,
+        _ => true,
+    };
+    let mut trainer = match given.get("--resume") {
+        Some(dir) => cuda::CudaTrainer::resume(&programs, &placement, Path::new(dir)).map_err(|e| format!("resuming from {dir}: {e}"))?.0,
+        None => cuda::CudaTrainer::new(&programs, &placement, seed, layers(&programs), None).map_err(|e| e.to_string())?,
+    };
+    for _ in 0..steps {
+        let (loss, _) = trainer.step(&corpus).map_err(|e| e.to_string())?;
+        if !loss.is_finite() {
+            return Err(format!("the loss became {loss} at step {}", trainer.steps_taken()));
+        }
+        if speaks {
+            println!("step {} loss {loss:.6}", trainer.steps_taken());
+        }
+    }
+    if let Some(dir) = given.get("--checkpoint") {
+        let dir = Path::new(dir);
+        let written = if trainer.process_rank().is_some() { trainer.checkpoint_own_shards(dir, model, None, false).map(|p| p.unwrap_or_default()) } else { trainer.checkpoint_every_rank(dir, model, None, None) };
+        let written = written.map_err(|e| format!("checkpointing into {}: {e}", dir.display()))?;
+        if speaks {
+            println!("checkpoint step {} in {}", trainer.steps_taken(), written.display());
+        }
+    }
+    Ok(true)
 }
 
 type Parameters = Vec<(String, Vec<f64>)>;
