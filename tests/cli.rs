@@ -619,8 +619,9 @@ fn resume_with_load_is_refused_naming_both() {
 /// option, before any work (issue 19's review: each was accepted and ignored).
 #[test]
 fn options_that_would_change_nothing_are_refused_by_name() {
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 13] = [
         (&["run", "models/tiny.toml", "--steps", "1", "--checkpoint-every", "1"], "--checkpoint"),
+        (&["run", "--hf", "tests/data/hf-tiny-llama", "--steps", "1", "--load", "x.safetensors"], "both say where the parameters start"),
         (&["run", "models/tiny.toml", "--steps", "1", "--grad-bucket-mb", "5"], "--grad-bucket-mb 5"),
         (&["run", "models/tiny.toml", "--steps", "1", "--eval-windows", "5"], "--eval-windows 5"),
         (&["run", "models/tiny.toml", "--steps", "1", "--data-format", "u16"], "--data-format"),

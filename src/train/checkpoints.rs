@@ -269,6 +269,17 @@ pub(super) fn refuse_load_with_resume(args: &RunArgs) -> Result<()> {
     if args.load.is_some() && args.resume.is_some() {
         return Err(miette!(help = "give one of them: --resume continues a checkpoint with its optimizer state, --load starts fresh from parameters", "--load and --resume both say where to start"));
     }
+    // A Hugging Face folder starts from its own weights (its model is the spec).
+    if let (Some(file), Some(dir)) = (&args.load, args.step.hf_dir(args.spec.as_deref()))
+        && args.resume.is_none()
+    {
+        return Err(miette!(
+            help = "give one of them: the folder starts from its weights, --load from the file's (write them as a Hugging Face folder with --save-hf to start from them with that model)",
+            "--load {} and the Hugging Face folder {} both say where the parameters start",
+            file.display(),
+            dir.display()
+        ));
+    }
     Ok(())
 }
 
