@@ -696,6 +696,36 @@ mod emulated {
     /// on the CPU and the emulated device; the case's name, the device's kernels and each
     /// result's largest difference against the values' scale (at least 1: with one key, dk
     /// is 0 up to rounding).
+    /// A NaN score makes its attention row NaN on the device as on the CPU, in the scalar and
+    /// the tensor-core kernels: the rows' guard for a row that sees no key once wrote 0 for a
+    /// NaN sum, so a diverged run trained on with a finite loss.
+    #[test]
+    fn a_nan_score_makes_its_attention_row_nan_as_on_the_cpu() {
+        use shardc_ir::types::DType;
+        for (dtype, d) in [(DType::F32, 8), (DType::Bf16, 16)] {
+            let program = attention_program(dtype, 16, true, (1, 2, 2, d));
+            let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
+            let mut device = cuda::CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
+            for (i, name) in ["q", "k", "v", "dout"].iter().enumerate() {
+                let len = program.buffers[program.arg(name).unwrap().buffer].len();
+                let mut values: Vec<f64> = (0..len).map(|j| shardc_runtime::init::uniform(i as u64 + 3, j as u64) - 0.5).collect();
+                if *name == "q" {
+                    // Row 3 of the first head: [b, s, heads x d].
+                    values[3 * 2 * d as usize] = f64::NAN;
+                }
+                cpu.write_f64(name, &values).unwrap();
+                device.write(0, name, &values).unwrap();
+            }
+            cpu.run().unwrap();
+            device.run().unwrap();
+            let (c, g) = (cpu.read_f64("out").unwrap(), device.read(0, "out").unwrap());
+            let row = |v: &[f64], r: usize| v[r * 2 * d as usize..r * 2 * d as usize + d as usize].to_vec();
+            assert!(row(&c, 3).iter().all(|x| x.is_nan()), "{dtype:?}: the CPU's row 3 {:?}", row(&c, 3));
+            assert!(row(&g, 3).iter().all(|x| x.is_nan()), "{dtype:?}: the device's row 3 {:?}", row(&g, 3));
+            assert!(row(&g, 2).iter().all(|x| x.is_finite()), "{dtype:?}: row 2 sees no NaN");
+        }
+    }
+
     fn attention_against_the_cpu(dtype: shardc_ir::types::DType, s: i64, causal: bool, shape: (i64, i64, i64, i64)) -> (String, Vec<String>, Vec<(&'static str, f64)>) {
         let (b, hq, hk, d) = shape;
         let what = format!("{dtype:?} s={s} causal={causal} b={b} hq={hq} hk={hk} d={d}");

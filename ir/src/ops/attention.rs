@@ -674,9 +674,10 @@ extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T
     }
     mx = grown;
   }
+  // A row that sees no key is 0; a NaN score makes the sum NaN, and the row NaN with it.
   if (i < s) {
-    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) out[qo + i * qstride + lane + (i64)c * tpr] = store(sum > 0 ? o[c] / sum : (acc_t)0);
-    if (lse && lane == 0) lse[bh * s + i] = sum > 0 ? mx + log(sum) : NEG_INF;
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) out[qo + i * qstride + lane + (i64)c * tpr] = store(sum != (acc_t)0 ? o[c] / sum : (acc_t)0);
+    if (lse && lane == 0) lse[bh * s + i] = sum != (acc_t)0 ? mx + log(sum) : NEG_INF;
   }
 }
 // Backward for dq, grid (query tiles, batch x query heads), in one walk over the key tiles,
@@ -1147,7 +1148,7 @@ __device__ void fa_mma_forward(unsigned short* out, float* lse, const unsigned s
   // Each row's log-sum-exp of its scaled scores, in base e (the maxima are base 2).
   if ((threadIdx.x & 3) == 0)
     for (int half = 0; half < 2; half++)
-      if (rows[half] < s) lse[bh * s + rows[half]] = total[half] > 0 ? (mx[half] + log2f(total[half])) * FA_LN2 : NEG_INF;
+      if (rows[half] < s) lse[bh * s + rows[half]] = total[half] != 0.0f ? (mx[half] + log2f(total[half])) * FA_LN2 : NEG_INF;
 }
 // Backward for dq: grid (query tiles of 64, batch x query heads), key tiles of KT, one walk
 // from the forward's `out` and `lse` (FlashAttention-2's backward): with
