@@ -131,6 +131,18 @@ pub fn memory_bytes(args: &DataArgs, hf_dir: Option<&Path>) -> u64 {
     }
 }
 
+/// Refuses data options that would change nothing, before any work: a validation size
+/// without validation, a format without a file to read.
+pub fn refuse_unused(args: &DataArgs) -> Result<()> {
+    if let (0, Some(n)) = (args.eval_every, args.eval_windows) {
+        return Err(miette!(help = "add --eval-every N to evaluate every N steps", "--eval-windows {n} sizes the validation loss, which a run prints only with --eval-every"));
+    }
+    if args.data.is_none() && args.data_format != DataFormat::Auto {
+        return Err(miette!(help = "give --data FILE to train on it, or leave --data-format out", "--data-format says how to read --data, and there is none: the run trains on the built-in text"));
+    }
+    Ok(())
+}
+
 /// Reads the run's data (`--data`, or the built-in text) and cuts it into windows for
 /// `spec`'s sequence, with the validation split.
 pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> Result<Corpus> {
@@ -138,9 +150,6 @@ pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> R
     let vocab = spec.model.vocab as usize;
     if !(0.0..1.0).contains(&args.eval_fraction) {
         return Err(miette!(help = "give a fraction such as 0.01, or 0 to hold out nothing", "--eval-fraction {} is not in [0, 1)", args.eval_fraction));
-    }
-    if args.data.is_none() && args.data_format != DataFormat::Auto {
-        return Err(miette!(help = "give --data FILE to train on it, or leave --data-format out", "--data-format says how to read --data, and there is none: the run trains on the built-in text"));
     }
     let fail = |e: shardc_runtime::RuntimeError| miette!("--data: {e}");
     let (tokens, source) = match &args.data {
@@ -258,9 +267,6 @@ impl Evaluation {
     /// fewer windows are evaluated).
     pub fn new(args: &DataArgs, spec: &Spec, corpus: &Corpus) -> Result<Option<Evaluation>> {
         if args.eval_every == 0 {
-            if let Some(n) = args.eval_windows {
-                return Err(miette!(help = "add --eval-every N to evaluate every N steps", "--eval-windows {n} sizes the validation loss, which a run prints only with --eval-every"));
-            }
             return Ok(None);
         }
         if corpus.validation_windows() == 0 {

@@ -179,9 +179,9 @@ impl StepArgs {
     /// comm-opt). The options are the user's: internal callers (the memory estimate skips
     /// comm-opt) set fields past this check.
     pub fn refuse_what_the_step_does_not_do(&self, spec: &Spec, mesh: shardc_ir::mesh::Mesh) -> Result<()> {
-        // Buckets gather gradients that travel over data-parallel ranks: without any, the
-        // size would change nothing.
-        if let Some(mb) = self.strategy.grad_bucket_mb
+        // Buckets gather gradients that travel over data-parallel ranks: without any, a size
+        // would change nothing (0, no buckets, says what holds anyway).
+        if let Some(mb) = self.strategy.grad_bucket_mb.filter(|&mb| mb > 0)
             && mesh.dp * mesh.cp * mesh.ep == 1
         {
             return Err(miette!(help = "add data parallelism (--mesh dp=2, say), or leave --grad-bucket-mb out", "--grad-bucket-mb {mb} sizes the buckets data-parallel gradients travel in, and --mesh {mesh} has no data-parallel ranks"));

@@ -645,7 +645,7 @@ fn options_that_would_change_nothing_are_refused_by_name() {
     let out = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny.toml", "--steps", "1"]).current_dir(root()).env("NO_COLOR", "1").env("RANK", "0").env("WORLD_SIZE", "2").output().unwrap();
     assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("RANK is set (a process of 2)"), "{}", stderr(&out));
     // Where they matter, they are taken.
-    for args in [&["compile", "models/tiny.toml", "--mesh", "dp=2", "--zero", "1"][..], &["compile", "models/tiny.toml", "--schedule", "gpipe"], &["run", "models/tiny.toml", "--steps", "2", "--lr-decay", "constant"], &["compile", "models/tiny.toml", "--mesh", "dp=2", "--grad-bucket-mb", "5"]] {
+    for args in [&["compile", "models/tiny.toml", "--mesh", "dp=2", "--zero", "1"][..], &["compile", "models/tiny.toml", "--schedule", "gpipe"], &["run", "models/tiny.toml", "--steps", "2", "--lr-decay", "constant"], &["compile", "models/tiny.toml", "--mesh", "dp=2", "--grad-bucket-mb", "5"], &["compile", "models/tiny.toml", "--grad-bucket-mb", "0"]] {
         let out = shardc(args);
         assert!(out.status.success(), "{args:?}: {}", stderr(&out));
     }
@@ -2967,13 +2967,17 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
 /// and the line takes out).
 #[test]
 fn gpu_runs_report_the_device_memory_they_held_beside_the_plan() {
-    let out = run_on_emulated_gpu(&["models/tiny.toml", "--mesh", "dp=2,pp=2", "--microbatches", "4", "--zero", "1", "--optimizer", "adamw", "--steps", "2"], &[("SHARDC_EMULATE_PROCESSES", "4")]);
-    let text = unwrapped(&stdout(&out));
-    assert!(out.status.success(), "{text}{}", stderr(&out));
-    let line = text.split(" memory ").nth(1).unwrap_or_default();
-    let measured = line.split_whitespace().next().unwrap_or_default();
-    let planned = line.split("MB, ").nth(1).and_then(|rest| rest.split_whitespace().next()).unwrap_or_default();
-    assert!(!measured.is_empty() && measured == planned && line.contains("measured as it allocates"), "{line}\n{text}");
+    // The busiest process is rank 0 in the first, the last pipeline rank in the second (ZB-H1
+    // holds as many micro-batches there, and the head's): each against its own estimate.
+    for (args, processes, busiest) in [(&["--mesh", "dp=2,pp=2", "--microbatches", "4", "--zero", "1", "--optimizer", "adamw"][..], "4", "rank 0's"), (&["--mesh", "pp=2", "--schedule", "zb-h1", "--microbatches", "4"], "2", "rank 1's")] {
+        let out = run_on_emulated_gpu(&[&["models/tiny.toml", "--steps", "2"][..], args].concat(), &[("SHARDC_EMULATE_PROCESSES", processes)]);
+        let text = unwrapped(&stdout(&out));
+        assert!(out.status.success(), "{text}{}", stderr(&out));
+        let line = text.split(" memory ").nth(1).unwrap_or_default();
+        let measured = line.split_whitespace().next().unwrap_or_default();
+        let planned = line.split("MB, ").nth(1).and_then(|rest| rest.split_whitespace().next()).unwrap_or_default();
+        assert!(!measured.is_empty() && measured == planned && line.contains("measured as it allocates") && line.contains(busiest), "{args:?}: {line}\n{text}");
+    }
 }
 
 /// The processes of a multi-process GPU run (here emulated: `SHARDC_EMULATE_PROCESSES=N`,

@@ -53,26 +53,39 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-/// What the run held on its device, measured as the executors allocate (the most bytes at
+/// What the run held on its devices, measured as the executors allocate (the most bytes at
 /// once: what `torch.cuda.max_memory_allocated` reports), beside the compiled plan's
-/// `memory/GPU`, which counts the same for a process that runs one rank.
+/// `memory/GPU`, which counts the same for a process that runs one rank. The processes of a
+/// multi-process run each give their peak (every one calls this), and the busiest one is
+/// set beside its own pipeline rank's estimate.
 #[cfg(feature = "cuda")]
-fn device_memory_line(trainer: &shardc_runtime::cuda::CudaTrainer, programs: &[Program], zero: u8, placement: &shardc_runtime::cuda::Placement) -> String {
+fn device_memory_line(trainer: &mut shardc_runtime::cuda::CudaTrainer, programs: &[Program], zero: u8, placement: &shardc_runtime::cuda::Placement) -> Result<String> {
     let size = |b: f64| if b >= 0.1e9 { format!("{:.2} GB", b / 1e9) } else if b >= 0.1e6 { format!("{:.2} MB", b / 1e6) } else { format!("{:.1} kB", b / 1e3) };
     let held = trainer.peak_device_bytes();
     let estimates = shardc_codegen::estimate::memory(programs, zero);
-    let estimated = estimates.iter().map(|m| m.total).fold(0.0, f64::max);
-    let ranks: usize = held.iter().map(|(_, ranks, _)| ranks.len()).sum();
-    let most = held.iter().map(|(_, _, peak)| *peak as f64).fold(0.0, f64::max);
     // The emulation has no cuBLASLt, whose workspace the estimate counts on every GPU.
     let emulated = matches!(placement, shardc_runtime::cuda::Placement::Emulated | shardc_runtime::cuda::Placement::EmulatedNccl(_));
-    let workspace = if emulated { format!(", {} without cuBLASLt's workspace, which the emulation lacks", size(estimated - shardc_runtime::program::CUBLASLT_WORKSPACE_BYTES as f64)) } else { String::new() };
-    if ranks <= 1 {
-        format!("{} at most on the device, measured as it allocates (the compiled plan's memory/GPU: {}{workspace})", size(most), size(estimated))
-    } else {
-        let total: f64 = held.iter().map(|(_, _, peak)| *peak as f64).sum();
-        format!("{} at most for its {ranks} ranks on one device, measured as it allocates (the compiled plan's memory/GPU, a process per rank: {}{workspace})", size(total), size(estimated))
+    let without = |estimated: f64| if emulated { format!(", {} without cuBLASLt's workspace, which the emulation lacks", size(estimated - shardc_runtime::program::CUBLASLT_WORKSPACE_BYTES as f64)) } else { String::new() };
+    if let (Some(_), [(stage, _, peak)]) = (trainer.process_rank(), held.as_slice()) {
+        // Every process's (peak's high and low 31 bits, pipeline rank): i32s go through NCCL.
+        let (high, low) = ((*peak >> 31) as i32, (*peak & 0x7fff_ffff) as i32);
+        let all = trainer.gather_from_every_process(&[high, low, *stage as i32]).into_diagnostic()?;
+        let peaks: Vec<(usize, usize)> = all.chunks_exact(3).map(|p| (((p[0] as usize) << 31) | p[1] as usize, p[2] as usize)).collect();
+        let (rank, &(measured, busiest)) = peaks.iter().enumerate().max_by(|a, b| a.1.0.cmp(&b.1.0).then(b.0.cmp(&a.0))).ok_or_else(|| miette!("no process reported its memory"))?;
+        let estimated = estimates.get(busiest).map_or(0.0, |m| m.total);
+        return Ok(format!("{} at most on one device (rank {rank}'s, the busiest of {} processes), measured as it allocates (the compiled plan's memory/GPU for its pipeline rank: {}{})", size(measured as f64), peaks.len(), size(estimated), without(estimated)));
     }
+    let ranks: usize = held.iter().map(|(_, ranks, _)| ranks.len()).sum();
+    let estimated = match held.as_slice() {
+        [(stage, _, _)] if ranks <= 1 => estimates.get(*stage).map_or(0.0, |m| m.total),
+        _ => estimates.iter().map(|m| m.total).fold(0.0, f64::max),
+    };
+    let total: f64 = held.iter().map(|(_, _, peak)| *peak as f64).sum();
+    Ok(if ranks <= 1 {
+        format!("{} at most on the device, measured as it allocates (the compiled plan's memory/GPU: {}{})", size(total), size(estimated), without(estimated))
+    } else {
+        format!("{} at most for its {ranks} ranks on one device, measured as it allocates (the compiled plan's memory/GPU, a process per rank: {}{})", size(total), size(estimated), without(estimated))
+    })
 }
 
 /// The processes `SHARDC_EMULATE_PROCESSES` asks a GPU run to emulate (none when unset),
@@ -257,6 +270,8 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
             }
         }
     }
+    // Every process gives its peak; rank 0 says it.
+    let memory = device_memory_line(&mut trainer, &programs, args.step.strategy.zero, &placement)?;
     if !speaks {
         return Ok(());
     }
@@ -268,7 +283,7 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         println!("  device      {}", trainer.device_name());
         println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {}", first_step + 1, losses.tail.len(), super::loss_change(first, last));
         println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
-        println!("  memory      {}", device_memory_line(&trainer, &programs, args.step.strategy.zero, &placement));
+        println!("  memory      {memory}");
     }
     if unevaluated {
         println!("  evaluation  skipped: this process holds only its shards of the parameters");

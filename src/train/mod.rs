@@ -213,6 +213,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     check_steps("--steps", args.steps)?;
     check_backend(&args.backend)?;
     refuse_processes_on_the_cpu(args)?;
+    crate::data::refuse_unused(&args.input)?;
     // The learning rate decays over the whole run unless told otherwise (as Megatron-LM's
     // --lr-decay-iters defaults to --train-iters).
     let mut args = args.clone();
