@@ -371,9 +371,9 @@ impl Summary {
                     gb(m.parameters),
                     // A step without a pipeline frees activations as it makes gradients:
                     // its peak holds only some of them.
-                    if (m.all_gradients - m.gradients).abs() > 0.05 * scale { format!("{} at the peak ({} per step as reduced)", gb(m.gradients), gb(m.all_gradients)) } else { gb(m.gradients) },
+                    if gb(m.all_gradients) != gb(m.gradients) { format!("{} at the peak ({} per step as reduced)", gb(m.gradients), gb(m.all_gradients)) } else { gb(m.gradients) },
                     gb(m.optimizer),
-                    if m.kept_per_microbatch * m.in_flight as f64 > m.activations + 0.05 * scale {
+                    if m.in_flight <= 1 && gb(m.kept_per_microbatch) != gb(m.activations) {
                         format!("{} at the peak (of {} kept per micro-batch)", gb(m.activations), gb(m.kept_per_microbatch))
                     } else {
                         format!("{} ({} micro-batch{} in flight)", gb(m.activations), m.in_flight, if m.in_flight == 1 { "" } else { "es" })
