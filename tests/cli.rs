@@ -3027,6 +3027,16 @@ fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     close(&straight, &losses_by_step(&one), "a world of one process");
     let on = processes(&[&base[..], &["--steps", "4", "--resume", alone.to_str().unwrap()]].concat(), &[("SHARDC_EMULATE_PROCESSES", "1")]);
     close(&straight, &losses_by_step(&on), "a world of one process resumed at step 2");
+    // A rank file changed since it was written is refused, and the run does not say it
+    // resumed first (the GPU reads the files after checking the manifest).
+    let file = alone.join("step-00000002").join("rank-00000.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let refused = processes(&[&base[..], &["--steps", "4", "--resume", alone.to_str().unwrap()]].concat(), &[]);
+    assert!(!refused.status.success() && unwrapped(&stderr(&refused)).contains("the file changed after it was written"), "{}", stderr(&refused));
+    assert!(!stdout(&refused).contains("resume      step"), "said it resumed: {}", stdout(&refused));
     // Emulated processes on the CPU backend are refused, not ignored.
     let on_cpu_backend = Command::new(env!("CARGO_BIN_EXE_shardc")).args(["run", "models/tiny.toml", "--steps", "1"]).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_EMULATE_PROCESSES", "1").output().unwrap();
     assert!(unwrapped(&stderr(&on_cpu_backend)).contains("SHARDC_EMULATE_PROCESSES=1: emulated processes are a GPU run's"), "{}", stderr(&on_cpu_backend));

@@ -76,7 +76,10 @@ impl Checkpoints {
             return Ok((None, args.seed.unwrap_or(0)));
         };
         let (manifest, state) = shardc_runtime::checkpoint::load_sharded(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
-        self.check_resume(args, dir, &manifest, programs, corpus)?;
+        let resumed = self.check_resume(args, dir, &manifest, programs, corpus)?;
+        if self.speaks {
+            println!("{resumed}");
+        }
         Ok((Some(state), manifest.seed))
     }
 
@@ -85,17 +88,19 @@ impl Checkpoints {
     /// moved to its place in the data order: what a process of a multi-process run resumes
     /// from, reading its own shards only.
     /// Returns the checkpoint folder itself (`LATEST` resolved once, so that every later read
-    /// is of the checkpoint checked here).
-    pub(super) fn resume_manifest(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<Option<PathBuf>> {
+    /// is of the checkpoint checked here), and the line to print once the run has resumed
+    /// from it (its files are read after this, and may yet be refused).
+    pub(super) fn resume_manifest(&self, args: &RunArgs, programs: &[Program], corpus: &mut Corpus) -> Result<Option<(PathBuf, String)>> {
         let Some(dir) = &args.resume else { return Ok(None) };
         let (folder, manifest) = shardc_runtime::checkpoint::resolve(dir).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?;
-        self.check_resume(args, dir, &manifest, programs, corpus)?;
-        Ok(Some(folder))
+        let resumed = self.check_resume(args, dir, &manifest, programs, corpus)?;
+        Ok(Some((folder, resumed)))
     }
 
     /// Refuses to resume `manifest` (of the checkpoint `dir`) with another model, seed,
     /// optimizer or schedule; moves `corpus` to the checkpoint's place in the data order.
-    pub(super) fn check_resume(&self, args: &RunArgs, dir: &std::path::Path, manifest: &shardc_runtime::checkpoint::Manifest, programs: &[Program], corpus: &mut Corpus) -> Result<()> {
+    /// Returns the line a run prints once it has resumed.
+    pub(super) fn check_resume(&self, args: &RunArgs, dir: &std::path::Path, manifest: &shardc_runtime::checkpoint::Manifest, programs: &[Program], corpus: &mut Corpus) -> Result<String> {
         // Checkpoints hold real-shaped tensors and, in mixed precision, fp32 masters: the
         // padding and the precision may change between runs, the model may not.
         let differing: Vec<String> = match (&manifest.spec, &self.spec) {
@@ -148,10 +153,7 @@ impl Checkpoints {
             }
         }
         crate::data::resume_data(dir, manifest.data.as_ref(), corpus, manifest.step)?;
-        if self.speaks {
-            println!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh);
-        }
-        Ok(())
+        Ok(format!("  resume      step {} from {} (saved on mesh {:?})", manifest.step, dir.display(), manifest.mesh))
     }
 
     /// Steps between checkpoints, when the run writes them.

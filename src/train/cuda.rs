@@ -203,8 +203,12 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     // Hugging Face weights one tensor (or its shard) at a time: none holds the whole state.
     let mut trainer = match args.resume.as_ref() {
         Some(dir) => {
-            let folder = checkpoints.resume_manifest(args, &programs, &mut corpus)?.unwrap_or_else(|| dir.clone());
-            cuda::CudaTrainer::resume(&programs, &placement, &folder).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0
+            let (folder, resumed) = checkpoints.resume_manifest(args, &programs, &mut corpus)?.unwrap_or_else(|| (dir.clone(), String::new()));
+            let trainer = cuda::CudaTrainer::resume(&programs, &placement, &folder).into_diagnostic().wrap_err_with(|| format!("resuming from {}", dir.display()))?.0;
+            if speaks && !resumed.is_empty() {
+                println!("{resumed}");
+            }
+            trainer
         }
         // Of `--load` or Hugging Face weights it reads one tensor at a time (whole, in f64)
         // and keeps only its ranks' shards of it.
