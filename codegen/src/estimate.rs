@@ -838,20 +838,12 @@ fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
 fn held_activations(program: &Program, items: &[shardc_runtime::schedule::Item]) -> f64 {
     let Some(plan) = &program.pipeline else { return 0.0 };
     let bytes = |ids: &[usize]| ids.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
-    let splits_w = items.iter().any(|i| i.work == Work::W);
-    // Per chunk: (forward copies in use, most at once, backward copies in use, most at once).
-    let mut copies = vec![(0usize, 0usize, 0usize, 0usize); plan.chunks.len()];
-    for (at, item) in items.iter().enumerate() {
-        let Some(c) = copies.get_mut(item.chunk) else { continue };
-        match item.work {
-            // Left in place when its backward comes next (see `backward_follows`).
-            Work::F if shardc_runtime::schedule::backward_follows(*item, items.get(at + 1).copied(), splits_w) => {}
-            Work::F => c.0 += 1,
-            Work::B if splits_w => c.2 += 1,
-            Work::B if at > 0 && shardc_runtime::schedule::backward_follows(items[at - 1], Some(*item), splits_w) => {}
-            Work::B => c.0 = c.0.saturating_sub(1),
-            Work::W => (c.0, c.2) = (c.0.saturating_sub(1), c.2.saturating_sub(1)),
-        }
+    // Each chunk's copies are pooled apart (a copy is of its chunk's buffers): per chunk,
+    // (forward copies in use, most at once, backward copies in use, most at once).
+    let mut copies = vec![(0i64, 0i64, 0i64, 0i64); plan.chunks.len()];
+    for (chunk, forward, backward) in shardc_runtime::schedule::kept_copy_changes(items) {
+        let Some(c) = copies.get_mut(chunk) else { continue };
+        (c.0, c.2) = (c.0 + forward, c.2 + backward);
         (c.1, c.3) = (c.1.max(c.0), c.3.max(c.2));
     }
     plan.chunks.iter().zip(&copies).map(|(chunk, c)| c.1 as f64 * bytes(&chunk.keep_forward) + c.3 as f64 * bytes(&chunk.keep_backward)).sum()

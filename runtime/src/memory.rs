@@ -8,7 +8,6 @@
 
 use crate::collectives::MeshShape;
 use crate::program::{BufferId, Program, Role};
-use crate::schedule::Work;
 
 /// Host bytes of a CPU run, by what holds them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -97,23 +96,13 @@ fn pipeline_bytes(program: &Program) -> u64 {
     let kept_forward: Vec<u64> = plan.chunks.iter().map(|c| buffer_bytes(program, &c.keep_forward)).collect();
     let kept_backward: Vec<u64> = plan.chunks.iter().map(|c| buffer_bytes(program, &c.keep_backward)).collect();
     let sums = plan.chunks.iter().map(|c| buffer_bytes(program, &c.sum_backward).saturating_add(buffer_bytes(program, &c.sum_weight))).fold(0, u64::saturating_add);
-    let splits_weight = plan.items.iter().any(|i| i.work == Work::W);
-    let (mut held, mut most) = (0u64, 0u64);
-    for (at, item) in plan.items.iter().enumerate() {
-        let (Some(&forward), Some(&backward)) = (kept_forward.get(item.chunk), kept_backward.get(item.chunk)) else { continue };
-        let in_place = |f: usize| crate::schedule::backward_follows(plan.items[f], plan.items.get(f + 1).copied(), splits_weight);
-        match item.work {
-            Work::F if in_place(at) => {}
-            Work::F => held = held.saturating_add(forward),
-            Work::B if at > 0 && in_place(at - 1) => {}
-            Work::B if splits_weight => held = held.saturating_add(backward),
-            Work::B => {
-                most = most.max(held);
-                held = held.saturating_sub(forward);
-            }
-            Work::W => held = held.saturating_sub(forward.saturating_add(backward)),
-        }
+    // The CPU runtime reuses any spare copy: the most bytes in use at once.
+    let (mut held, mut most) = (0i128, 0i128);
+    for (chunk, forward, backward) in crate::schedule::kept_copy_changes(&plan.items) {
+        let (Some(&f), Some(&b)) = (kept_forward.get(chunk), kept_backward.get(chunk)) else { continue };
+        held += forward as i128 * f as i128 + backward as i128 * b as i128;
         most = most.max(held);
     }
+    let most = u64::try_from(most).unwrap_or(u64::MAX);
     most.saturating_add(sums)
 }

@@ -226,6 +226,32 @@ pub fn backward_follows(item: Item, next: Option<Item>, splits_w: bool) -> bool 
     !splits_w && item.work == Work::F && next == Some(Item { work: Work::B, ..item })
 }
 
+/// How a pipeline rank running `items` (in order) takes and frees copies of its micro-batches'
+/// kept values, as both pipeline runtimes do: after each item, its chunk and the change in
+/// that chunk's copies of forward values and of backward values. A forward's copy is taken
+/// at its end (none when its backward comes next: [`backward_follows`]) and freed at its
+/// backward's end, or, where the schedule splits off weight gradients, at the weight
+/// gradient, which frees the backward's copy taken at the backward's end too.
+pub fn kept_copy_changes(items: &[Item]) -> Vec<(usize, i64, i64)> {
+    let splits_w = items.iter().any(|i| i.work == Work::W);
+    let in_place = |at: usize| backward_follows(items[at], items.get(at + 1).copied(), splits_w);
+    items
+        .iter()
+        .enumerate()
+        .map(|(at, item)| {
+            let (forward, backward) = match item.work {
+                Work::F if in_place(at) => (0, 0),
+                Work::F => (1, 0),
+                Work::B if splits_w => (0, 1),
+                Work::B if at > 0 && in_place(at - 1) => (0, 0),
+                Work::B => (-1, 0),
+                Work::W => (-1, -1),
+            };
+            (item.chunk, forward, backward)
+        })
+        .collect()
+}
+
 /// [`simulate`] with each item's cost from `cost(rank, item)` (stages of different weight).
 pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) -> Result<Timeline, ScheduleError> {
     use std::collections::HashMap;
