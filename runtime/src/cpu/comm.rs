@@ -38,20 +38,8 @@ impl InFlight {
 
     /// Waits for the bucket and writes the reduced values back into the members' slots.
     pub(super) fn land(self, comm: &mut AsyncComm, slots: &mut [Storage]) -> Result<(), String> {
-        fn back<T: Element + crate::collectives::Elem>(joined: Vec<T>, members: &[(usize, usize)], slots: &mut [Storage]) -> Result<(), String> {
-            let mut at = 0;
-            for &(slot, len) in members {
-                T::slice_mut(&mut slots[slot]).ok_or("bucket member of another type")?[..len].copy_from_slice(&joined[at..at + len]);
-                at += len;
-            }
-            crate::collectives::pool::recycle(joined);
-            Ok(())
-        }
-        match self.dtype {
-            DType::F64 => back(comm.wait::<Vec<f64>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
-            DType::Bf16 => back(comm.wait::<Vec<half::bf16>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
-            _ => back(comm.wait::<Vec<f32>>(self.ticket).map_err(|e| e.to_string())?, &self.members, slots),
-        }
+        let landed = self.receive(comm)?;
+        (0..landed.members.len()).try_for_each(|k| landed.put(k, slots))
     }
 }
 
@@ -60,6 +48,18 @@ impl InFlight {
 pub(super) struct Landed {
     data: Storage,
     members: Vec<(usize, usize, usize)>,
+}
+
+impl Drop for Landed {
+    /// The joined values go back to the pool the collectives draw their buffers from.
+    fn drop(&mut self) {
+        match std::mem::take(&mut self.data) {
+            Storage::F64(v) => crate::collectives::pool::recycle(v),
+            Storage::F32(v) => crate::collectives::pool::recycle(v),
+            Storage::Bf16(v) => crate::collectives::pool::recycle(v),
+            _ => {}
+        }
+    }
 }
 
 impl Landed {
