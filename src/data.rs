@@ -12,7 +12,6 @@ use miette::{IntoDiagnostic, Result, miette};
 use shardc_ir::spec::Spec;
 use shardc_runtime::data::{Corpus, DataRecord, Source, Tokens, Width};
 use shardc_runtime::eval::Evaluator;
-use shardc_runtime::train::TrainState;
 
 /// How `--data` is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -304,9 +303,9 @@ impl Evaluation {
         step.is_multiple_of(self.every) || step == last
     }
 
-    /// Evaluates `state` and prints `step N validation loss X`.
-    pub fn report(&mut self, step: u64, state: &TrainState, corpus: &Corpus) -> Result<f64> {
-        let loss = self.evaluator.loss(state, corpus).map_err(|e| miette!("evaluating after step {step}: {e}"))?;
+    /// Evaluates the run's `parameters` and prints `step N validation loss X`.
+    pub fn report(&mut self, step: u64, parameters: &dyn shardc_runtime::train::ParameterSource, corpus: &Corpus) -> Result<f64> {
+        let loss = self.evaluator.loss(parameters, corpus).map_err(|e| miette!("evaluating after step {step}: {e}"))?;
         println!("step {step} validation loss {loss:.6}");
         Ok(loss)
     }

@@ -103,14 +103,12 @@ fn parameter_shapes(spec: &Spec) -> Result<std::collections::BTreeMap<String, Ve
         .collect())
 }
 
-/// Writes `config.json` and `model.safetensors` for the parameters of `state`.
-pub fn save(dir: &Path, spec: &Spec, state: &shardc_runtime::train::TrainState) -> Result<()> {
+/// Writes `config.json` and `model.safetensors` for a run's parameters, a tensor at a time.
+pub fn save(dir: &Path, spec: &Spec, source: &dyn shardc_runtime::train::ParameterSource) -> Result<()> {
     let config = to_hf_config(spec).map_err(|e| miette!(help = "--save-hf writes GPT-2, Llama and Mixtral models", "{e}"))?;
-    let params: Tensors = state.tensors.keys().filter(|n| !n.starts_with("opt.")).filter_map(|n| Some((n.clone(), state.parameter(n)?.clone()))).collect();
-    let tensors = rhf::export(family(spec)?, &params, spec.model.tied_embeddings).into_diagnostic()?;
     std::fs::create_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("creating {}", dir.display()))?;
+    rhf::write_model(&dir.join("model.safetensors"), family(spec)?, source, spec.model.tied_embeddings).into_diagnostic()?;
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).into_diagnostic()?).into_diagnostic()?;
-    rhf::write_safetensors(&dir.join("model.safetensors"), &tensors).into_diagnostic()?;
     println!("  saved       {} (Hugging Face {}: config.json, model.safetensors)", dir.display(), config["model_type"].as_str().unwrap_or(""));
     Ok(())
 }

@@ -2900,11 +2900,44 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     };
     let base = ["models/tiny.toml", "--microbatches", "1", "--log-every", "1", "--lr-decay-steps", "4"];
     let (cpu_file, gpu_file, checkpoint, hf_out) = (path("cpu.safetensors"), path("gpu.safetensors"), path("ckpt"), path("hf"));
-    let reference = losses_by_step(&cpu(&[&base[..], &["--steps", "4", "--save", &cpu_file]].concat()));
+    let cpu_hf = path("cpu-hf");
+    let reference_out = cpu(&[&base[..], &["--steps", "4", "--save", &cpu_file, "--save-hf", &cpu_hf, "--eval-every", "2"]].concat());
+    let reference = losses_by_step(&reference_out);
     // Two steps, a checkpoint, and a resume to step 4 with every output written.
     let first = losses_by_step(&gpu(&[&base[..], &["--steps", "2", "--checkpoint", &checkpoint]].concat(), &[]));
-    let resumed_out = gpu(&[&base[..], &["--steps", "4", "--resume", &checkpoint, "--checkpoint", &checkpoint, "--save", &gpu_file, "--save-hf", &hf_out]].concat(), &[]);
+    let resumed_out = gpu(&[&base[..], &["--steps", "4", "--resume", &checkpoint, "--checkpoint", &checkpoint, "--save", &gpu_file, "--save-hf", &hf_out, "--eval-every", "2"]].concat(), &[]);
     let resumed = losses_by_step(&resumed_out);
+    // What the GPU run evaluates and writes, read from the device a tensor at a time, is
+    // what the CPU run evaluates and writes.
+    let (cpu_validation, gpu_validation) = (validation_losses(&reference_out), validation_losses(&resumed_out));
+    assert_eq!(gpu_validation.len(), 1, "{}", stdout(&resumed_out));
+    assert!((gpu_validation[0].1 - cpu_validation[1].1).abs() <= 1e-5 * cpu_validation[1].1, "validation loss at step 4: GPU {gpu_validation:?}, CPU {cpu_validation:?}");
+    let read = |file: &str| -> shardc_runtime::hf::Tensors {
+        let file = shardc_runtime::tensor_file::TensorFile::open(std::path::Path::new(file)).unwrap();
+        file.names().into_iter().map(|name| (name.clone(), file.read_f64(&name).unwrap().unwrap())).collect()
+    };
+    let (cpu_params, gpu_params) = (read(&cpu_file), read(&gpu_file));
+    assert_eq!(cpu_params.keys().collect::<Vec<_>>(), gpu_params.keys().collect::<Vec<_>>());
+    for (name, (shape, values)) in &gpu_params {
+        // A key bias's gradient is zero but for rounding (softmax ignores a shift that is the
+        // same for every key), which Adam scales into steps of the learning rate either way.
+        if name.ends_with("attn.k.bias") {
+            continue;
+        }
+        let (cpu_shape, cpu_values) = &cpu_params[name];
+        assert_eq!(shape, cpu_shape, "--save: {name}");
+        assert!(max_relative(values, cpu_values) < 1e-4, "--save: {name} differs from the CPU run's");
+    }
+    // Both runs' Hugging Face folders are their saved parameters, exported.
+    for (params, folder) in [(&cpu_params, &cpu_hf), (&gpu_params, &hf_out)] {
+        let written = read(&format!("{folder}/model.safetensors"));
+        let tied = !written.contains_key("lm_head.weight");
+        let exported = shardc_runtime::hf::export(shardc_runtime::hf::Family::Gpt2, params, tied).unwrap();
+        assert_eq!(exported.len(), written.len(), "{folder}");
+        for (name, shape, values) in exported {
+            assert_eq!((&shape, values.iter().map(|&v| v as f64).collect::<Vec<_>>()), (&written[&name].0, written[&name].1.clone()), "{folder}: {name}");
+        }
+    }
     let mut whole = first.clone();
     whole.extend(resumed.clone());
     assert_eq!(whole.len(), 4);

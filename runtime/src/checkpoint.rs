@@ -30,6 +30,21 @@ pub fn to_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>, R
     safetensors::serialize(views, metadata).map_err(|e| RuntimeError::Program(format!("serializing tensors: {e}")))
 }
 
+/// Writes a run's parameters (f32, by name, global: what `--load` reads) to the
+/// safetensors file `path`, one tensor at a time as `source` reads them.
+pub fn write_parameters(path: &std::path::Path, source: &dyn crate::train::ParameterSource) -> Result<(), RuntimeError> {
+    let header: Vec<(String, Vec<usize>, Dtype)> = source.parameter_shapes()?.into_iter().map(|(name, shape)| (name, shape, Dtype::F32)).collect();
+    crate::tensor_file::write_streamed(path, &header, &[("format", "pt")], |i| {
+        let (name, shape, _) = &header[i];
+        let values = source.parameter_values(name)?;
+        if values.len() != shape.iter().product::<usize>() {
+            return Err(RuntimeError::Program(format!("parameter `{name}` has {} values, its shape {shape:?} holds {}", values.len(), shape.iter().product::<usize>())));
+        }
+        Ok(values.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect())
+    })?;
+    Ok(())
+}
+
 /// Reads every f32 tensor of a safetensors file's bytes as `name -> (shape, values)`.
 pub fn from_bytes(data: &[u8]) -> Result<HashMap<String, (Vec<usize>, Vec<f32>)>, RuntimeError> {
     let file = SafeTensors::deserialize(data).map_err(|e| RuntimeError::Binding(format!("not a safetensors file: {e}")))?;
@@ -342,7 +357,6 @@ fn rank_file_name(rank: usize) -> String {
 /// tensors of a pipeline by their first holder only), its values `shard(binding, layout)`
 /// (the rank's shard, in the program's form); returns the file's CRC-32.
 fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, shard: impl Fn(&crate::program::Binding, &crate::program::Layout) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
-    use std::io::Write;
     let mesh = checkpoint_mesh(programs)?;
     let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
     // The rank's tensors, each in the type its values take exactly (f64 in an f64 program,
@@ -358,28 +372,9 @@ fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, 
             (tensor, layout, shape, dtype)
         })
         .collect();
-    let width = |d: Dtype| if d == Dtype::F64 { 8 } else { 4 };
-    let mut header = serde_json::Map::new();
-    let mut at = 0usize;
-    for (tensor, _, shape, dtype) in &tensors {
-        let end = at + shape.iter().product::<usize>() * width(*dtype);
-        header.insert(tensor.name.clone(), serde_json::json!({"dtype": if *dtype == Dtype::F64 { "F64" } else { "F32" }, "shape": shape, "data_offsets": [at, end]}));
-        at = end;
-    }
-    let mut text = serde_json::to_vec(&header).map_err(|e| RuntimeError::Program(e.to_string()))?;
-    // Padded with spaces to 8 bytes, as the safetensors writer pads it.
-    text.resize(text.len().next_multiple_of(8), b' ');
-    let path = folder.join(rank_file_name(rank));
-    let file = std::fs::File::create(&path).map_err(|e| io(&path, e))?;
-    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut hasher = crc32fast::Hasher::new();
-    let mut put = |bytes: &[u8], out: &mut std::io::BufWriter<std::fs::File>| -> Result<(), RuntimeError> {
-        hasher.update(bytes);
-        out.write_all(bytes).map_err(|e| io(&path, e))
-    };
-    put(&(text.len() as u64).to_le_bytes(), &mut out)?;
-    put(&text, &mut out)?;
-    for (tensor, layout, shape, dtype) in &tensors {
+    let header: Vec<(String, Vec<usize>, Dtype)> = tensors.iter().map(|(tensor, _, shape, dtype)| (tensor.name.clone(), shape.clone(), *dtype)).collect();
+    crate::tensor_file::write_streamed(&folder.join(rank_file_name(rank)), &header, &[], |i| {
+        let (tensor, layout, shape, dtype) = &tensors[i];
         let local = shard(tensor, layout)?;
         if local.len() != shape.iter().product::<usize>() {
             return Err(RuntimeError::Program(format!("rank {rank}'s shard of `{}` has {} values, its shape {shape:?} holds {}", tensor.name, local.len(), shape.iter().product::<usize>())));
@@ -387,13 +382,8 @@ fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, 
         if let Some(&value) = local.iter().find(|v| !v.is_finite()) {
             return Err(RuntimeError::NonFiniteState { tensor: tensor.name.clone(), rank, value });
         }
-        let bytes: Vec<u8> = if *dtype == Dtype::F64 { local.iter().flat_map(|x| x.to_le_bytes()).collect() } else { local.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect() };
-        drop(local);
-        put(&bytes, &mut out)?;
-    }
-    let file = out.into_inner().map_err(|e| io(&path, e.into_error()))?;
-    file.sync_all().map_err(|e| io(&path, e))?;
-    Ok(hasher.finalize())
+        Ok(if *dtype == Dtype::F64 { local.iter().flat_map(|x| x.to_le_bytes()).collect() } else { local.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect() })
+    })
 }
 
 /// Writes the manifest of the rank files in `partial` (their CRC-32s `checksums`, in rank

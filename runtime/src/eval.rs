@@ -8,7 +8,7 @@ use crate::RuntimeError;
 use crate::cpu::CpuExecutor;
 use crate::data::Corpus;
 use crate::program::{Program, Role};
-use crate::train::TrainState;
+use crate::train::ParameterSource;
 
 /// Runs a forward-with-loss program over a fixed set of validation windows.
 #[derive(Debug)]
@@ -45,14 +45,21 @@ impl Evaluator {
         self.windows
     }
 
-    /// The mean cross-entropy of the model with `state`'s parameters over the validation
+    /// The mean cross-entropy of the model with the run's `parameters` over the validation
     /// windows (every window has the same number of tokens, so the mean of the batches'
     /// means is the mean over all tokens).
-    pub fn loss(&mut self, state: &TrainState, corpus: &Corpus) -> Result<f64, RuntimeError> {
+    pub fn loss(&mut self, parameters: &dyn ParameterSource, corpus: &Corpus) -> Result<f64, RuntimeError> {
         let program = self.exec.program();
         let params: Vec<(crate::program::Binding, Vec<usize>)> = program.args.iter().filter(|a| a.role == Some(Role::Param)).map(|a| (a.clone(), program.buffers[a.buffer].shape.clone())).collect();
+        let shapes = parameters.parameter_shapes()?;
+        // One parameter at a time, straight into the evaluation program's buffer.
         for (binding, shape) in params {
-            let values = state.for_program(&binding, &shape)?;
+            let logical = binding.logical_shape(&shape);
+            match shapes.get(&binding.name) {
+                Some(have) if *have == logical => {}
+                have => return Err(RuntimeError::Binding(format!("the run's parameter `{}` has shape {have:?}, the evaluation needs {logical:?}", binding.name))),
+            }
+            let values = binding.to_program(&parameters.parameter_values(&binding.name)?, &shape);
             self.exec.write_f64(&binding.name, &values)?;
         }
         let mut sum = 0.0;

@@ -414,74 +414,172 @@ pub fn import_tensor(family: Family, name: &str, shape: &[usize], values: &[f64]
     })
 }
 
-/// shardc parameters in the Hugging Face layout and names of `family` (f32), the inverse
-/// of [`import`].
-pub fn export(family: Family, params: &Tensors, tied: bool) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, RuntimeError> {
-    let mut out: Vec<(String, (Vec<usize>, Vec<f64>))> = Vec::new();
-    let get = |name: &str| params.get(name).ok_or_else(|| bad(format!("the model has no parameter `{name}`")));
-    let layers = params.keys().filter_map(|k| k.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
+/// Where an exported tensor's values come from: shardc parameters, named.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Recipe {
+    /// A parameter as it is.
+    Same(String),
+    /// An `[in, out]` weight as `nn.Linear`'s `[out, in]`.
+    Transposed(String),
+    /// Expert `e` of an `[experts, in, out]` weight, as `nn.Linear`'s `[out, in]`.
+    Expert(String, usize),
+    /// GPT-2's `c_attn`: q, k and v side by side along the output dimension.
+    Fused([String; 3]),
+}
+
+/// One tensor of a Hugging Face model folder: its name, shape, and where its values come
+/// from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exported {
+    /// The Hugging Face name.
+    pub name: String,
+    /// The Hugging Face shape.
+    pub shape: Vec<usize>,
+    /// The shardc parameters it is made of.
+    pub recipe: Recipe,
+}
+
+/// The tensors of a Hugging Face folder of `family` made from shardc parameters of
+/// `shapes` (name -> global shape), the inverse of [`import`]: names, shapes and recipes,
+/// no values, so that a writer can read each parameter when its tensor is written.
+pub fn export_plan(family: Family, shapes: &BTreeMap<String, Vec<usize>>, tied: bool) -> Result<Vec<Exported>, RuntimeError> {
+    let mut out = Vec::new();
+    let shape = |name: &str| shapes.get(name).cloned().ok_or_else(|| bad(format!("the model has no parameter `{name}`")));
+    let matrix = |name: &str| -> Result<Vec<usize>, RuntimeError> {
+        let s = shape(name)?;
+        if s.len() != 2 {
+            return Err(bad(format!("parameter `{name}` has shape {s:?}; a matrix was expected")));
+        }
+        Ok(s)
+    };
+    let same = |ours: &str, theirs: String| -> Result<Exported, RuntimeError> { Ok(Exported { name: theirs, shape: shape(ours)?, recipe: Recipe::Same(ours.to_string()) }) };
+    let transposed = |ours: &str, theirs: String| -> Result<Exported, RuntimeError> {
+        let s = matrix(ours)?;
+        Ok(Exported { name: theirs, shape: vec![s[1], s[0]], recipe: Recipe::Transposed(ours.to_string()) })
+    };
+    let layers = shapes.keys().filter_map(|k| k.strip_prefix("layers.")?.split('.').next()?.parse::<usize>().ok()).max().map_or(0, |l| l + 1);
     match family {
         Family::Gpt2 => {
-            out.push(("transformer.wte.weight".into(), get("embed.tokens.weight")?.clone()));
-            out.push(("transformer.wpe.weight".into(), get("embed.positions.weight")?.clone()));
+            out.push(same("embed.tokens.weight", "transformer.wte.weight".into())?);
+            out.push(same("embed.positions.weight", "transformer.wpe.weight".into())?);
             for l in 0..layers {
                 let (p, h) = (format!("layers.{l}"), format!("transformer.h.{l}"));
                 for kind in ["weight", "bias"] {
-                    out.push((format!("{h}.ln_1.{kind}"), get(&format!("{p}.attn_norm.{kind}"))?.clone()));
-                    // q, k, v side by side along the output dimension.
-                    let parts: Vec<&(Vec<usize>, Vec<f64>)> = ["q", "k", "v"].iter().map(|w| get(&format!("{p}.attn.{w}.{kind}"))).collect::<Result<_, _>>()?;
+                    out.push(same(&format!("{p}.attn_norm.{kind}"), format!("{h}.ln_1.{kind}"))?);
+                    let parts = ["q", "k", "v"].map(|w| format!("{p}.attn.{w}.{kind}"));
+                    let part_shapes: Vec<Vec<usize>> = parts.iter().map(|n| shape(n)).collect::<Result<_, _>>()?;
                     let fused = if kind == "bias" {
-                        (vec![parts.iter().map(|t| t.0[0]).sum()], parts.iter().flat_map(|t| t.1.iter().copied()).collect())
+                        vec![part_shapes.iter().map(|s| s.iter().product::<usize>()).sum()]
                     } else {
-                        let (rows, width) = (parts[0].0[0], parts[0].0[1]);
-                        let values = (0..rows).flat_map(|r| parts.iter().flat_map(move |t| t.1[r * width..(r + 1) * width].iter().copied())).collect();
-                        (vec![rows, 3 * width], values)
+                        if part_shapes.iter().any(|s| s.len() != 2 || *s != part_shapes[0]) {
+                            return Err(bad(format!("GPT-2's c_attn fuses q, k and v of one shape; {p}.attn has {part_shapes:?}")));
+                        }
+                        vec![part_shapes[0][0], 3 * part_shapes[0][1]]
                     };
-                    out.push((format!("{h}.attn.c_attn.{kind}"), fused));
-                    out.push((format!("{h}.attn.c_proj.{kind}"), get(&format!("{p}.attn.out.{kind}"))?.clone()));
-                    out.push((format!("{h}.ln_2.{kind}"), get(&format!("{p}.mlp_norm.{kind}"))?.clone()));
-                    out.push((format!("{h}.mlp.c_fc.{kind}"), get(&format!("{p}.mlp.up.{kind}"))?.clone()));
-                    out.push((format!("{h}.mlp.c_proj.{kind}"), get(&format!("{p}.mlp.down.{kind}"))?.clone()));
+                    out.push(Exported { name: format!("{h}.attn.c_attn.{kind}"), shape: fused, recipe: Recipe::Fused(parts) });
+                    out.push(same(&format!("{p}.attn.out.{kind}"), format!("{h}.attn.c_proj.{kind}"))?);
+                    out.push(same(&format!("{p}.mlp_norm.{kind}"), format!("{h}.ln_2.{kind}"))?);
+                    out.push(same(&format!("{p}.mlp.up.{kind}"), format!("{h}.mlp.c_fc.{kind}"))?);
+                    out.push(same(&format!("{p}.mlp.down.{kind}"), format!("{h}.mlp.c_proj.{kind}"))?);
                 }
             }
-            out.push(("transformer.ln_f.weight".into(), get("final_norm.weight")?.clone()));
-            out.push(("transformer.ln_f.bias".into(), get("final_norm.bias")?.clone()));
+            out.push(same("final_norm.weight", "transformer.ln_f.weight".into())?);
+            out.push(same("final_norm.bias", "transformer.ln_f.bias".into())?);
             if !tied {
-                let (s, v) = get("lm_head.weight")?;
-                out.push(("lm_head.weight".into(), transpose(s, v)));
+                out.push(transposed("lm_head.weight", "lm_head.weight".into())?);
             }
         }
         Family::Llama | Family::Mixtral => {
-            out.push(("model.embed_tokens.weight".into(), get("embed.tokens.weight")?.clone()));
+            out.push(same("embed.tokens.weight", "model.embed_tokens.weight".into())?);
             for l in 0..layers {
                 let (p, h) = (format!("layers.{l}"), format!("model.layers.{l}"));
-                out.push((format!("{h}.input_layernorm.weight"), get(&format!("{p}.attn_norm.weight"))?.clone()));
-                out.push((format!("{h}.post_attention_layernorm.weight"), get(&format!("{p}.mlp_norm.weight"))?.clone()));
+                out.push(same(&format!("{p}.attn_norm.weight"), format!("{h}.input_layernorm.weight"))?);
+                out.push(same(&format!("{p}.mlp_norm.weight"), format!("{h}.post_attention_layernorm.weight"))?);
                 let attention = [("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"), ("attn.v", "self_attn.v_proj"), ("attn.out", "self_attn.o_proj")];
                 let mlp: &[(&str, &str)] = if family == Family::Mixtral { &[("mlp.router", "block_sparse_moe.gate")] } else { &[("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj")] };
                 for (ours, theirs) in attention.iter().chain(mlp) {
-                    let (s, v) = get(&format!("{p}.{ours}.weight"))?;
-                    out.push((format!("{h}.{theirs}.weight"), transpose(s, v)));
+                    out.push(transposed(&format!("{p}.{ours}.weight"), format!("{h}.{theirs}.weight"))?);
                 }
                 if family == Family::Mixtral {
                     // Each expert's gate (w1), up (w3) and down (w2), as nn.Linear [out, in].
                     for (ours, theirs) in [("gate", "w1"), ("up", "w3"), ("down", "w2")] {
-                        let (s, v) = get(&format!("{p}.mlp.experts.{ours}.weight"))?;
-                        let (experts, per) = (s[0], s[1] * s[2]);
-                        for e in 0..experts {
-                            out.push((format!("{h}.block_sparse_moe.experts.{e}.{theirs}.weight"), transpose(&s[1..], &v[e * per..(e + 1) * per])));
+                        let name = format!("{p}.mlp.experts.{ours}.weight");
+                        let s = shape(&name)?;
+                        if s.len() != 3 {
+                            return Err(bad(format!("parameter `{name}` has shape {s:?}; [experts, in, out] was expected")));
+                        }
+                        for e in 0..s[0] {
+                            out.push(Exported { name: format!("{h}.block_sparse_moe.experts.{e}.{theirs}.weight"), shape: vec![s[2], s[1]], recipe: Recipe::Expert(name.clone(), e) });
                         }
                     }
                 }
             }
-            out.push(("model.norm.weight".into(), get("final_norm.weight")?.clone()));
+            out.push(same("final_norm.weight", "model.norm.weight".into())?);
             if !tied {
-                let (s, v) = get("lm_head.weight")?;
-                out.push(("lm_head.weight".into(), transpose(s, v)));
+                out.push(transposed("lm_head.weight", "lm_head.weight".into())?);
             }
         }
     }
-    Ok(out.into_iter().map(|(n, (s, v))| (n, s, v.into_iter().map(|x| x as f32).collect())).collect())
+    Ok(out)
+}
+
+/// The values of an exported tensor of shape `shape` (f32), its parameters read with
+/// `read(name)` (global values, in shardc's layout of the shape `shapes` gives).
+pub fn export_values(tensor: &Exported, shapes: &BTreeMap<String, Vec<usize>>, read: &mut dyn FnMut(&str) -> Result<std::rc::Rc<Vec<f64>>, RuntimeError>) -> Result<Vec<f32>, RuntimeError> {
+    let shape_of = |name: &str| shapes.get(name).ok_or_else(|| bad(format!("the model has no parameter `{name}`")));
+    let values: Vec<f64> = match &tensor.recipe {
+        Recipe::Same(name) => read(name)?.to_vec(),
+        Recipe::Transposed(name) => transpose(shape_of(name)?, &read(name)?).1,
+        Recipe::Expert(name, e) => {
+            let s = shape_of(name)?;
+            let per = s[1] * s[2];
+            transpose(&s[1..], &read(name)?[e * per..(e + 1) * per]).1
+        }
+        Recipe::Fused(parts) => {
+            let parts: Vec<std::rc::Rc<Vec<f64>>> = parts.iter().map(|n| read(n)).collect::<Result<_, _>>()?;
+            if tensor.shape.len() == 1 {
+                parts.iter().flat_map(|t| t.iter().copied()).collect()
+            } else {
+                let (rows, width) = (tensor.shape[0], tensor.shape[1] / 3);
+                (0..rows).flat_map(|r| parts.iter().flat_map(move |t| t[r * width..(r + 1) * width].iter().copied())).collect()
+            }
+        }
+    };
+    if values.len() != tensor.shape.iter().product::<usize>() {
+        return Err(bad(format!("{}: {} values for shape {:?}", tensor.name, values.len(), tensor.shape)));
+    }
+    Ok(values.into_iter().map(|x| x as f32).collect())
+}
+
+/// shardc parameters in the Hugging Face layout and names of `family` (f32), the inverse
+/// of [`import`].
+pub fn export(family: Family, params: &Tensors, tied: bool) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, RuntimeError> {
+    let shapes: BTreeMap<String, Vec<usize>> = params.iter().map(|(n, (s, _))| (n.clone(), s.clone())).collect();
+    let mut read = |name: &str| params.get(name).map(|(_, v)| std::rc::Rc::new(v.clone())).ok_or_else(|| bad(format!("the model has no parameter `{name}`")));
+    export_plan(family, &shapes, tied)?.into_iter().map(|t| Ok((t.name.clone(), t.shape.clone(), export_values(&t, &shapes, &mut read)?))).collect()
+}
+
+/// Writes `model.safetensors` of `family` (f32, with the `pt` format metadata
+/// `transformers` expects) from a run's parameters, one tensor at a time: each parameter is
+/// read when the first tensor made of it is written (and kept only while the next one uses
+/// it too: a Mixtral layer's experts), so that no more than a tensor or two is ever held.
+pub fn write_model(path: &Path, family: Family, source: &dyn crate::train::ParameterSource, tied: bool) -> Result<(), RuntimeError> {
+    let shapes = source.parameter_shapes()?;
+    let plan = export_plan(family, &shapes, tied)?;
+    let header: Vec<(String, Vec<usize>, Dtype)> = plan.iter().map(|t| (t.name.clone(), t.shape.clone(), Dtype::F32)).collect();
+    let mut last: Option<(String, std::rc::Rc<Vec<f64>>)> = None;
+    let mut read = |name: &str| -> Result<std::rc::Rc<Vec<f64>>, RuntimeError> {
+        if let Some((held, values)) = &last
+            && held == name
+        {
+            return Ok(values.clone());
+        }
+        let values = std::rc::Rc::new(source.parameter_values(name)?);
+        last = Some((name.to_string(), values.clone()));
+        Ok(values)
+    };
+    crate::tensor_file::write_streamed(path, &header, &[("format", "pt")], |i| Ok(export_values(&plan[i], &shapes, &mut read)?.iter().flat_map(|x| x.to_le_bytes()).collect()))?;
+    Ok(())
 }
 
 /// Writes `model.safetensors` (f32, with the `pt` format metadata `transformers` expects).
@@ -617,5 +715,114 @@ mod tests {
         let e = import(Family::Gpt2, &read_dir(&dir).unwrap(), true, &BTreeMap::new()).unwrap_err().to_string();
         assert!(e.contains("transformer.h.0.ln_1.weight") && e.contains("two prefixes"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A run's parameters, counting how often each is read.
+    struct Counting {
+        state: crate::train::TrainState,
+        reads: std::cell::RefCell<BTreeMap<String, usize>>,
+    }
+
+    impl crate::train::ParameterSource for Counting {
+        fn parameter_shapes(&self) -> Result<BTreeMap<String, Vec<usize>>, RuntimeError> {
+            self.state.parameter_shapes()
+        }
+
+        fn parameter_values(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+            *self.reads.borrow_mut().entry(name.to_string()).or_default() += 1;
+            self.state.parameter_values(name)
+        }
+    }
+
+    /// Distinct values for every parameter of `shapes` (and an fp32 master for one, which
+    /// the export takes in place of the parameter).
+    fn state_of(shapes: &[(&str, Vec<usize>)]) -> crate::train::TrainState {
+        let mut tensors = BTreeMap::new();
+        let mut next = 0.0;
+        for (name, shape) in shapes {
+            let values: Vec<f64> = (0..shape.iter().product::<usize>()).map(|_| {
+                next += 0.25;
+                next
+            }).collect();
+            tensors.insert(name.to_string(), (shape.clone(), values));
+        }
+        let (shape, values) = tensors["final_norm.weight"].clone();
+        tensors.insert(crate::program::master_name("final_norm.weight"), (shape, values.iter().map(|v| v + 0.125).collect()));
+        crate::train::TrainState { step: 0, tensors }
+    }
+
+    /// A model folder written a tensor at a time reads every parameter once (a Mixtral
+    /// layer's experts share one read) and holds what the whole export holds, for GPT-2's
+    /// fused attention, Llama's transposes and Mixtral's experts, tied or not.
+    #[test]
+    fn a_model_written_a_tensor_at_a_time_is_the_whole_export() {
+        let (h, v, f, e) = (4, 6, 8, 3);
+        let gpt2: Vec<(&str, Vec<usize>)> = vec![
+            ("embed.tokens.weight", vec![v, h]),
+            ("embed.positions.weight", vec![5, h]),
+            ("layers.0.attn_norm.weight", vec![h]),
+            ("layers.0.attn_norm.bias", vec![h]),
+            ("layers.0.attn.q.weight", vec![h, h]),
+            ("layers.0.attn.k.weight", vec![h, h]),
+            ("layers.0.attn.v.weight", vec![h, h]),
+            ("layers.0.attn.q.bias", vec![h]),
+            ("layers.0.attn.k.bias", vec![h]),
+            ("layers.0.attn.v.bias", vec![h]),
+            ("layers.0.attn.out.weight", vec![h, h]),
+            ("layers.0.attn.out.bias", vec![h]),
+            ("layers.0.mlp_norm.weight", vec![h]),
+            ("layers.0.mlp_norm.bias", vec![h]),
+            ("layers.0.mlp.up.weight", vec![h, f]),
+            ("layers.0.mlp.up.bias", vec![f]),
+            ("layers.0.mlp.down.weight", vec![f, h]),
+            ("layers.0.mlp.down.bias", vec![h]),
+            ("final_norm.weight", vec![h]),
+            ("final_norm.bias", vec![h]),
+            ("lm_head.weight", vec![h, v]),
+        ];
+        let mut mixtral: Vec<(&str, Vec<usize>)> = vec![
+            ("embed.tokens.weight", vec![v, h]),
+            ("layers.0.attn_norm.weight", vec![h]),
+            ("layers.0.mlp_norm.weight", vec![h]),
+            ("layers.0.attn.q.weight", vec![h, h]),
+            ("layers.0.attn.k.weight", vec![h, 2]),
+            ("layers.0.attn.v.weight", vec![h, 2]),
+            ("layers.0.attn.out.weight", vec![h, h]),
+            ("final_norm.weight", vec![h]),
+            ("lm_head.weight", vec![h, v]),
+        ];
+        let mut llama = mixtral.clone();
+        llama.extend([("layers.0.mlp.gate.weight", vec![h, f]), ("layers.0.mlp.up.weight", vec![h, f]), ("layers.0.mlp.down.weight", vec![f, h])]);
+        mixtral.extend([
+            ("layers.0.mlp.router.weight", vec![h, e]),
+            ("layers.0.mlp.experts.gate.weight", vec![e, h, f]),
+            ("layers.0.mlp.experts.up.weight", vec![e, h, f]),
+            ("layers.0.mlp.experts.down.weight", vec![e, f, h]),
+        ]);
+        for (family, shapes) in [(Family::Gpt2, gpt2), (Family::Llama, llama), (Family::Mixtral, mixtral)] {
+            for tied in [false, true] {
+                let what = format!("{family:?} tied={tied}");
+                let source = Counting { state: state_of(&shapes), reads: Default::default() };
+                let params: Tensors = source.state.tensors.keys().filter(|n| crate::program::state_of(n).is_none()).map(|n| (n.clone(), source.state.parameter(n).unwrap().clone())).collect();
+                let whole = export(family, &params, tied).unwrap();
+                let dir = std::env::temp_dir().join(format!("shardc-hf-stream-{family:?}-{tied}-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).unwrap();
+                write_model(&dir.join("model.safetensors"), family, &source, tied).unwrap();
+                let written = HfFolder::open(&dir).unwrap();
+                assert_eq!(written.names().count(), whole.len(), "{what}");
+                for (name, shape, values) in &whole {
+                    let (have_shape, have) = written.read(name).unwrap().unwrap_or_else(|| panic!("{what}: no {name}"));
+                    assert_eq!((&have_shape, have.iter().map(|&x| x as f32).collect::<Vec<_>>()), (shape, values.clone()), "{what}: {name}");
+                }
+                // The master, not the parameter, is exported.
+                let norm = if family == Family::Gpt2 { "transformer.ln_f.weight" } else { "model.norm.weight" };
+                assert_eq!(written.read(norm).unwrap().unwrap().1[0], source.state.tensors["final_norm.weight"].1[0] + 0.125, "{what}");
+                let reads = source.reads.borrow();
+                assert!(reads.values().all(|&n| n == 1), "{what}: {reads:?}");
+                let used = params.len() - usize::from(tied);
+                assert_eq!(reads.len(), used, "{what}: {reads:?}");
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
     }
 }

@@ -143,6 +143,68 @@ pub fn float_values(dtype: Dtype, data: &[u8]) -> Option<Vec<f64>> {
     })
 }
 
+/// Writes the safetensors file `path` a tensor at a time: the header (every tensor's name,
+/// dtype and shape, and `metadata`) first, then each tensor's little-endian bytes as
+/// `bytes_of(i)` gives them for `tensors[i]`, so that no file is ever assembled in memory.
+/// The bytes go to a temporary file beside `path`, synced and renamed over it: an
+/// interrupted write leaves no partial `path`. Returns the CRC-32 of the file.
+pub fn write_streamed(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Dtype)],
+    metadata: &[(&str, &str)],
+    mut bytes_of: impl FnMut(usize) -> Result<Vec<u8>, RuntimeError>,
+) -> Result<u32, RuntimeError> {
+    use std::io::Write;
+    let mut header = serde_json::Map::new();
+    if !metadata.is_empty() {
+        let entries: serde_json::Map<String, serde_json::Value> = metadata.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(*v))).collect();
+        header.insert("__metadata__".into(), serde_json::Value::Object(entries));
+    }
+    let mut at = 0usize;
+    let mut sizes = Vec::with_capacity(tensors.len());
+    for (name, shape, dtype) in tensors {
+        if header.contains_key(name) {
+            return Err(bad(path, format!("tensor `{name}` is named twice")));
+        }
+        let size = shape.iter().try_fold(dtype.bitsize() / 8, |n, &d| n.checked_mul(d)).ok_or_else(|| bad(path, format!("tensor `{name}` of shape {shape:?} is too large")))?;
+        let end = at + size;
+        header.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, end]}));
+        sizes.push(size);
+        at = end;
+    }
+    let mut text = serde_json::to_vec(&header).map_err(|e| bad(path, e))?;
+    // Padded with spaces to 8 bytes, as the safetensors writer pads it.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let partial = path.with_file_name(format!(".{file_name}.partial-{}", std::process::id()));
+    let mut write = || -> Result<u32, RuntimeError> {
+        let file = std::fs::File::create(&partial).map_err(|e| bad(&partial, e))?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        let mut hasher = crc32fast::Hasher::new();
+        let mut put = |bytes: &[u8], out: &mut std::io::BufWriter<std::fs::File>| -> Result<(), RuntimeError> {
+            hasher.update(bytes);
+            out.write_all(bytes).map_err(|e| bad(&partial, e))
+        };
+        put(&(text.len() as u64).to_le_bytes(), &mut out)?;
+        put(&text, &mut out)?;
+        for (i, ((name, shape, _), &size)) in tensors.iter().zip(&sizes).enumerate() {
+            let bytes = bytes_of(i)?;
+            if bytes.len() != size {
+                return Err(bad(path, format!("tensor `{name}` of shape {shape:?} takes {size} bytes; {} were given", bytes.len())));
+            }
+            put(&bytes, &mut out)?;
+        }
+        let file = out.into_inner().map_err(|e| bad(&partial, e.into_error()))?;
+        file.sync_all().map_err(|e| bad(&partial, e))?;
+        Ok(hasher.finalize())
+    };
+    let written = write().and_then(|crc| std::fs::rename(&partial, path).map(|_| crc).map_err(|e| bad(path, e)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&partial);
+    }
+    written
+}
+
 fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h >> 15) as u32) << 31;
     let exponent = ((h >> 10) & 0x1f) as u32;
@@ -194,5 +256,35 @@ mod tests {
         assert!(TensorFile::open(&path).unwrap_err().to_string().contains("a header of 9223372036854775808 bytes"));
         assert!(tensors_of_bytes(&huge).is_err());
         std::fs::remove_file(&path).ok();
+    }
+
+    /// A streamed file is a safetensors file the crate reads (metadata included), its
+    /// CRC-32 that of its bytes; a write that fails part way, or is given the wrong number of
+    /// bytes, leaves neither the file nor its temporary behind (an earlier file stays).
+    #[test]
+    fn a_file_written_a_tensor_at_a_time_reads_back_and_a_failed_write_leaves_nothing() {
+        let dir = std::env::temp_dir().join(format!("shardc-streamed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.safetensors");
+        let tensors = vec![("w".to_string(), vec![2, 3], Dtype::F32), ("d".to_string(), vec![2], Dtype::F64)];
+        let values = |i: usize| -> Result<Vec<u8>, RuntimeError> { Ok(if i == 0 { (0..6).flat_map(|x| (x as f32).to_le_bytes()).collect() } else { [0.5f64, -2.0].iter().flat_map(|x| x.to_le_bytes()).collect() }) };
+        let crc = write_streamed(&path, &tensors, &[("format", "pt")], values).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(crc, crc32fast::hash(&bytes));
+        let read = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(read.tensor("w").unwrap().shape(), [2, 3]);
+        assert_eq!(float_values(Dtype::F64, read.tensor("d").unwrap().data()).unwrap(), [0.5, -2.0]);
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(metadata.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str), Some("pt"));
+        let fail = |i: usize| if i == 1 { Err(RuntimeError::Program("the device failed".into())) } else { values(i) };
+        assert!(write_streamed(&path, &tensors, &[], fail).unwrap_err().to_string().contains("the device failed"));
+        let short = |i: usize| values(i).map(|mut b| { b.pop(); b });
+        assert!(write_streamed(&path, &tensors, &[], short).unwrap_err().to_string().contains("takes 24 bytes; 23 were given"));
+        let twice = vec![tensors[0].clone(), tensors[0].clone()];
+        assert!(write_streamed(&path, &twice, &[], values).unwrap_err().to_string().contains("named twice"));
+        let left: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(left, ["model.safetensors"], "only the first, whole file");
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -129,6 +129,28 @@ pub(crate) fn write_f64(exec: &mut CpuExecutor, name: &str, values: &[f64]) -> R
     exec.write_f64(name, values)
 }
 
+/// A run's parameters, read one tensor at a time: what writing or evaluating a model needs,
+/// so that neither holds the run's whole state at once. Each is global and as the model has
+/// it (a padded vocabulary's real rows), and is the fp32 master where the run keeps one
+/// (mixed precision: the bf16 parameter is that copy rounded).
+pub trait ParameterSource {
+    /// Every parameter's name and global shape.
+    fn parameter_shapes(&self) -> Result<std::collections::BTreeMap<String, Vec<usize>>, RuntimeError>;
+
+    /// Parameter `name`'s values.
+    fn parameter_values(&self, name: &str) -> Result<Vec<f64>, RuntimeError>;
+}
+
+impl ParameterSource for TrainState {
+    fn parameter_shapes(&self) -> Result<std::collections::BTreeMap<String, Vec<usize>>, RuntimeError> {
+        Ok(self.tensors.iter().filter(|(name, _)| crate::program::state_of(name).is_none()).map(|(name, (shape, _))| (name.clone(), shape.clone())).collect())
+    }
+
+    fn parameter_values(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        self.parameter(name).map(|(_, values)| values.clone()).ok_or_else(|| RuntimeError::Binding(format!("the run's state has no parameter `{name}`")))
+    }
+}
+
 /// Where a run stands: optimizer steps taken, and the global value of every parameter and
 /// optimizer-state tensor (whatever mesh produced them). A run started from it continues as
 /// if it had never stopped: batches are a function of (seed, step).

@@ -286,20 +286,9 @@ pub(super) fn refuse_load_with_resume(args: &RunArgs) -> Result<()> {
 }
 
 /// `--save FILE`: the trained parameters as global tensors, whatever the mesh.
-pub(super) fn save_parameters(args: &RunArgs, state: Option<&shardc_runtime::train::TrainState>, programs: &[Program]) -> Result<()> {
-    let (Some(path), Some(state)) = (&args.save, state) else { return Ok(()) };
-    let mut names: Vec<&str> = programs.iter().flat_map(|p| p.args.iter().filter(|a| a.role == Some(shardc_runtime::program::Role::Param)).map(|a| a.name.as_str())).collect();
-    names.sort_unstable();
-    names.dedup();
-    let tensors: shardc_runtime::checkpoint::NamedTensors = names
-        .into_iter()
-        .map(|name| {
-            let (shape, values) = state.parameter(name).ok_or_else(|| miette!("the run's state has no parameter `{name}`"))?;
-            Ok((name.to_string(), shape.clone(), values.iter().map(|&v| v as f32).collect()))
-        })
-        .collect::<Result<_>>()?;
-    let bytes = shardc_runtime::checkpoint::to_bytes(&tensors).into_diagnostic()?;
-    std::fs::write(path, bytes).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+pub(super) fn save_parameters(args: &RunArgs, source: Option<&dyn shardc_runtime::train::ParameterSource>) -> Result<()> {
+    let (Some(path), Some(source)) = (&args.save, source) else { return Ok(()) };
+    shardc_runtime::checkpoint::write_parameters(path, source).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
     println!("  saved       {}", path.display());
     Ok(())
 }

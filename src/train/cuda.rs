@@ -268,7 +268,7 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {
             // The held-out loss is computed on the CPU from the state read back.
             if trainer.holds_every_rank() {
-                evaluation.report(at, &trainer.state().into_diagnostic()?, &corpus)?;
+                evaluation.report(at, &trainer, &corpus)?;
             } else {
                 unevaluated = true;
             }
@@ -292,12 +292,10 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     if unevaluated {
         println!("  evaluation  skipped: this process holds only its shards of the parameters");
     }
-    if args.save_hf.is_some() || args.save.is_some() {
-        let state = trainer.state().into_diagnostic()?;
-        if let Some(dir) = &args.save_hf {
-            crate::hf::save(dir, spec, &state)?;
-        }
-        save_parameters(args, Some(&state), &programs)?;
+    // Written a tensor at a time from the device: the state is never whole on the host.
+    if let Some(dir) = &args.save_hf {
+        crate::hf::save(dir, spec, &trainer)?;
     }
+    save_parameters(args, Some(&trainer))?;
     Ok(())
 }

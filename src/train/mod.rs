@@ -353,7 +353,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(dir) = &args.save_hf {
         crate::hf::save(dir, &spec, &state)?;
     }
-    save_parameters(args, Some(&state), std::slice::from_ref(&program))?;
+    save_parameters(args, Some(&state))?;
     Ok(())
 }
 
@@ -476,7 +476,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fit
     if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
         crate::hf::save(dir, spec, state)?;
     }
-    save_parameters(args, state.as_ref(), std::slice::from_ref(&program))?;
+    save_parameters(args, state.as_ref().map(|s| s as &dyn shardc_runtime::train::ParameterSource))?;
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     Ok(())
 }
@@ -610,7 +610,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fits:
     if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
         crate::hf::save(dir, spec, state)?;
     }
-    save_parameters(args, state.as_ref(), &programs)?;
+    save_parameters(args, state.as_ref().map(|s| s as &dyn shardc_runtime::train::ParameterSource))?;
     let Some(run) = last_run else { return Ok(()) };
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     println!(

@@ -2147,6 +2147,33 @@ impl CudaTrainer {
         crate::train::TrainState::collect(&self.programs, &self.mesh, &values, self.step)
     }
 
+    /// Tensor `name` (a state argument) assembled from the ranks of the first pipeline rank
+    /// that holds it, as the model has it (a padded vocabulary's real rows): one tensor read
+    /// back, one shard of each part, never the whole state.
+    fn global_tensor(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        if !self.holds_every_rank() {
+            return Err(err("this process holds only its own shards (one rank of a multi-process run): the global tensors are not here"));
+        }
+        for runner in &self.runners {
+            let program = runner.exec.program();
+            let Some(a) = program.arg(name) else { continue };
+            let shape = program.buffers[a.buffer].shape.clone();
+            let Some(layout) = &a.layout else {
+                return Ok(a.from_program(&runner.exec.read(0, name)?, &shape));
+            };
+            // Ranks that differ only on axes the layout does not split hold the same part.
+            let mut parts = std::collections::HashSet::new();
+            let mut shards = Vec::new();
+            for (local, rank) in runner.exec.ranks().into_iter().enumerate() {
+                if parts.insert(crate::layout::shard_index(layout, &self.mesh, rank)) {
+                    shards.push((rank, runner.exec.read(local, name)?));
+                }
+            }
+            return Ok(a.from_program(&crate::layout::assemble_some(&shards, layout, &self.mesh), &layout.global_shape));
+        }
+        Err(err(format!("no program of this run holds `{name}`")))
+    }
+
     /// The parameter shards this process holds: (rank, name, values) of every local rank's
     /// parameters, in the program's layout (what a multi-process run's process can check or
     /// save without the others).
@@ -2169,15 +2196,11 @@ impl CudaTrainer {
     pub fn parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f64>)>, RuntimeError> {
         let mut parameters: Vec<(String, Vec<usize>, Vec<f64>)> = Vec::new();
         if self.holds_every_rank() {
-            let state = self.state()?;
-            for program in &self.programs {
-                for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
-                    if parameters.iter().any(|(n, _, _)| *n == p.name) {
-                        continue;
-                    }
-                    let (shape, values) = state.tensors.get(&p.name).cloned().ok_or_else(|| err(format!("no state for `{}`", p.name)))?;
-                    parameters.push((p.name.clone(), shape, values));
-                }
+            use crate::train::ParameterSource;
+            // The parameters as the programs hold them (bf16 ones rounded), not their masters.
+            for (name, shape) in self.parameter_shapes()? {
+                let values = self.global_tensor(&name)?;
+                parameters.push((name, shape, values));
             }
             return Ok(parameters);
         }
@@ -2189,6 +2212,25 @@ impl CudaTrainer {
             parameters.push((p.name.clone(), p.logical_shape(shape), p.from_program(&exec.read(0, &p.name)?, shape)));
         }
         Ok(parameters)
+    }
+}
+
+impl crate::train::ParameterSource for CudaTrainer {
+    fn parameter_shapes(&self) -> Result<std::collections::BTreeMap<String, Vec<usize>>, RuntimeError> {
+        let mut shapes = std::collections::BTreeMap::new();
+        for program in &self.programs {
+            for p in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+                let shape = p.layout.as_ref().map_or_else(|| program.buffers[p.buffer].shape.clone(), |l| l.global_shape.clone());
+                shapes.entry(p.name.clone()).or_insert_with(|| p.logical_shape(&shape));
+            }
+        }
+        Ok(shapes)
+    }
+
+    fn parameter_values(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        let master = crate::program::master_name(name);
+        let held = |n: &str| self.programs.iter().any(|p| p.arg(n).is_some());
+        self.global_tensor(if held(&master) { &master } else { name })
     }
 }
 
