@@ -2884,8 +2884,9 @@ fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
 /// kernels compiled as C++), takes every option the CPU backend takes, or refuses it with
 /// the reason before any work: the same losses as the CPU backend from the seed, from
 /// Hugging Face weights, from `--load` and across `--checkpoint` and `--resume` (between
-/// backends too), and files that load back to the same model; `--trace`, gradient
-/// accumulation and whole-file outputs of a multi-process run are refused.
+/// backends too), and files that load back to the same model; `--trace`, the CPU's
+/// collective algorithms and numerics checks, and evaluation in a multi-process run are
+/// refused.
 #[test]
 fn gpu_runs_take_every_run_option_or_refuse_it() {
     let dir = tempdir("gpu-run-options");
@@ -2981,8 +2982,6 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "bogus"], vec![], "--collectives: unknown algorithm `bogus`"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
-        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save", "x.safetensors"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "--save: each process of a multi-process GPU run holds only its own shards"),
-        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--save-hf", "hf-x"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--save-hf: each process of a multi-process GPU run holds only its own shards"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--eval-every", "1"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--eval-every 1: the held-out loss is computed from the whole model"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--checkpoint", "ck"], vec![("SHARDC_EMULATE_PROCESSES", "3")], "SHARDC_EMULATE_PROCESSES=3: the mesh dp=2,tp=1,pp=1 has 2 ranks, one per process"),
     ] {
@@ -2990,7 +2989,62 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stdout(&out));
         assert!(unwrapped(&stderr(&out)).contains(says), "{args:?}: {}", stderr(&out));
     }
-    assert!(!root().join("t.json").exists() && !root().join("x.safetensors").exists() && !root().join("hf-x").exists() && !root().join("ck").exists(), "a refused run wrote an output");
+    assert!(!root().join("t.json").exists() && !root().join("ck").exists(), "a refused run wrote an output");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A multi-process GPU run writes `--save` and `--save-hf` whole, from the rank files its
+/// processes write from their own shards (its last checkpoint's, or ones written for the
+/// files alone and removed after): the same files as every rank on one GPU writes, for
+/// tensor and data parallelism with ZeRO-1 and a padded vocabulary, in bf16 with fp32
+/// masters, and over pipeline stages.
+#[test]
+fn gpu_processes_write_whole_files_from_their_rank_files() {
+    let dir = tempdir("gpu-process-save");
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let read = |file: &str| -> shardc_runtime::hf::Tensors {
+        let file = shardc_runtime::tensor_file::TensorFile::open(std::path::Path::new(file)).unwrap();
+        file.names().into_iter().map(|name| (name.clone(), file.read_f64(&name).unwrap().unwrap())).collect()
+    };
+    // 256 ids padded to a multiple of 3 x tp.
+    let padded = path("tiny-padded.toml");
+    std::fs::write(&padded, std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("vocab = 256", "vocab = 256\nvocab_multiple = 3")).unwrap();
+    let cases: [(&str, &[&str], &str); 3] = [
+        ("zero1", &[&padded, "--mesh", "dp=2,tp=2", "--zero", "1", "--optimizer", "adamw", "--microbatches", "1"], "4"),
+        ("bf16", &["models/tiny-llama.toml", "--mesh", "tp=2", "--dtype", "bf16", "--microbatches", "1"], "2"),
+        ("pp", &["models/tiny.toml", "--mesh", "pp=2", "--microbatches", "4"], "2"),
+    ];
+    for (tag, args, processes) in cases {
+        let base = [args, &["--steps", "2"][..]].concat();
+        let (file, hf) = (path(&format!("{tag}-one.safetensors")), path(&format!("{tag}-one-hf")));
+        let one = run_on_emulated_gpu(&[&base[..], &["--save", &file, "--save-hf", &hf]].concat(), &[]);
+        assert!(one.status.success(), "{tag}: {}", stderr(&one));
+        let (want_params, want_hf) = (read(&file), read(&format!("{hf}/model.safetensors")));
+        for with_checkpoint in [false, true] {
+            let what = format!("{tag} over {processes} processes, checkpointing {with_checkpoint}");
+            let (file, hf, checkpoint) = (path(&format!("{tag}-{with_checkpoint}.safetensors")), path(&format!("{tag}-{with_checkpoint}-hf")), path(&format!("{tag}-ckpt")));
+            let mut command = [&base[..], &["--save", &file, "--save-hf", &hf]].concat();
+            if with_checkpoint {
+                command.extend(["--checkpoint", &checkpoint]);
+            }
+            let out = run_on_emulated_gpu(&command, &[("SHARDC_EMULATE_PROCESSES", processes)]);
+            assert!(out.status.success(), "{what}: {}{}", stdout(&out), stderr(&out));
+            assert!(stdout(&out).contains(&format!("saved       {file}")), "{what}: {}", stdout(&out));
+            for (want, got) in [(&want_params, read(&file)), (&want_hf, read(&format!("{hf}/model.safetensors")))] {
+                assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{what}");
+                for (name, (shape, values)) in &got {
+                    assert_eq!(shape, &want[name].0, "{what}: {name}");
+                    assert!(max_relative(values, &want[name].1) < 1e-5, "{what}: {name} differs from every rank on one GPU's");
+                }
+            }
+            // The padded vocabulary is written unpadded; the rank files written for the
+            // files alone are gone.
+            let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(format!("{hf}/config.json")).unwrap()).unwrap();
+            assert_eq!((config["vocab_size"].as_u64(), want_params["embed.tokens.weight"].0[0]), (Some(256), 256), "{what}");
+            let left: Vec<String> = std::fs::read_dir(&hf).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+            assert_eq!(left.len(), 2, "{what}: {left:?}");
+        }
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

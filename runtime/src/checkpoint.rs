@@ -650,10 +650,28 @@ impl ShardReader {
         if saved_logical != logical {
             return Err(RuntimeError::Binding(format!("checkpoint tensor `{name}` has shape {saved_logical:?}, the model needs {logical:?}")));
         }
-        let target_box = crate::layout::shard_box(&layout, mesh, rank);
+        self.read_box(tensor, &logical, &crate::layout::shard_box(&layout, mesh, rank))
+    }
+
+    /// Parameter `param` whole and as the model has it (a padded vocabulary's real rows),
+    /// its fp32 master where the checkpoint keeps one: (shape, values), assembled from the
+    /// saved shards one file at a time.
+    pub fn parameter(&self, param: &str) -> Result<(Vec<usize>, Vec<f64>), RuntimeError> {
+        let listed = |name: &str| self.manifest.tensors.iter().find(|t| t.name == name);
+        let tensor = listed(&crate::program::master_name(param)).or_else(|| listed(param)).ok_or_else(|| RuntimeError::Binding(format!("the checkpoint has no parameter `{param}`")))?;
+        let logical = tensor.unpadded.clone().unwrap_or_else(|| tensor.global_shape.clone());
+        let whole: Vec<(usize, usize)> = logical.iter().map(|&n| (0, n)).collect();
+        Ok((logical.clone(), self.read_box(tensor, &logical, &whole)?))
+    }
+
+    /// The block `target_box` (per dimension: first index, extent) of saved tensor `tensor`,
+    /// whose real shape is `logical`: zeros past it, the rest from every saved shard that
+    /// overlaps it.
+    fn read_box(&self, tensor: &ManifestTensor, logical: &[usize], target_box: &[(usize, usize)]) -> Result<Vec<f64>, RuntimeError> {
+        let (manifest, name) = (&self.manifest, &tensor.name);
         let mut out = vec![0.0; target_box.iter().map(|b| b.1).product()];
         // The real (unpadded) part of the target block, in global indices.
-        let wanted: Vec<std::ops::Range<usize>> = target_box.iter().zip(&logical).map(|(&(o, n), &l)| o.min(l)..(o + n).min(l)).collect();
+        let wanted: Vec<std::ops::Range<usize>> = target_box.iter().zip(logical).map(|(&(o, n), &l)| o.min(l)..(o + n).min(l)).collect();
         if wanted.iter().any(|r| r.is_empty()) {
             return Ok(out);
         }
@@ -683,7 +701,7 @@ impl ShardReader {
             }
             self.check(index)?;
             let (_, values) = header.read_f64(&name)?.ok_or_else(|| RuntimeError::Binding(format!("{}: `{name}` is not f32 or f64", path.display())))?;
-            crate::layout::copy_region(&values, &source_box, &mut out, &target_box, &region);
+            crate::layout::copy_region(&values, &source_box, &mut out, target_box, &region);
         }
         let count = crate::layout::shard_count(&saved_layout, &self.saved_mesh);
         if taken.len() != count {
@@ -707,6 +725,22 @@ impl ShardReader {
         }
         self.checked.borrow_mut().insert(index);
         Ok(())
+    }
+}
+
+impl crate::train::ParameterSource for ShardReader {
+    fn parameter_shapes(&self) -> Result<std::collections::BTreeMap<String, Vec<usize>>, RuntimeError> {
+        Ok(self
+            .manifest
+            .tensors
+            .iter()
+            .filter(|t| crate::program::state_of(&t.name).is_none())
+            .map(|t| (t.name.clone(), t.unpadded.clone().unwrap_or_else(|| t.global_shape.clone())))
+            .collect())
+    }
+
+    fn parameter_values(&self, name: &str) -> Result<Vec<f64>, RuntimeError> {
+        Ok(self.parameter(name)?.1)
     }
 }
 

@@ -218,6 +218,29 @@ impl Checkpoints {
         }
         Ok(())
     }
+
+    /// Where a multi-process GPU run's `--save` and `--save-hf` read its final parameters
+    /// from, and whether that folder is this call's to remove: the run's own checkpoint
+    /// folder (whose last checkpoint is the final step's), or else rank files every process
+    /// writes from its shards for this alone, into a folder inside the output's (which every
+    /// process reaches, as checkpoint folders must be).
+    #[cfg(feature = "cuda")]
+    pub(super) fn rank_files_for_saving(&self, args: &RunArgs, trainer: &mut shardc_runtime::cuda::CudaTrainer) -> Result<(PathBuf, bool)> {
+        if let Some(dir) = &self.dir {
+            return Ok((dir.clone(), false));
+        }
+        let base = match (&args.save_hf, &args.save) {
+            (Some(dir), _) => dir.clone(),
+            (None, Some(file)) => file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")).to_path_buf(),
+            (None, None) => return Err(miette!("nothing to save")),
+        };
+        let dir = base.join(format!(".shardc-rank-files-step-{:08}", trainer.steps_taken()));
+        match trainer.checkpoint_own_shards(&dir, self.spec.clone(), None, false) {
+            Ok(_) => Ok((dir, true)),
+            Err(shardc_runtime::RuntimeError::NonFiniteState { tensor, value, rank }) => Err(not_finite(&tensor, value, trainer.steps_taken(), Some(rank))),
+            Err(e) => Err(e).into_diagnostic().wrap_err_with(|| format!("writing the rank files of --save into {}", dir.display())),
+        }
+    }
 }
 
 /// A state tensor that is not finite after `step`, refused as a checkpoint of the global

@@ -28,8 +28,8 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     if args.check_numerics {
         return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
     }
-    // A process of a multi-process run holds its own shards only: whole files need them all
-    // (a checkpoint is one rank file per process); a world of one process holds them all.
+    // A process of a multi-process run holds its own shards only; a world of one process
+    // holds them all.
     if std::env::var_os("RANK").is_some() || std::env::var_os("SHARDC_EMULATE_PROCESSES").is_some() {
         // The held-out loss is computed on the CPU from the whole state, which a process
         // holds only in a world of one.
@@ -40,14 +40,6 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
                 "--eval-every {}: the held-out loss is computed from the whole model, and each process of a multi-process GPU run holds only its own shards",
                 args.input.eval_every
             ));
-        }
-        for (flag, given) in [("--save", args.save.is_some()), ("--save-hf", args.save_hf.is_some())] {
-            if given && processes > 1 {
-                return Err(miette!(
-                    help = "checkpoint with --checkpoint DIR (each process writes its own rank file), then write the file on one host from a run that resumes it; or run every rank on one GPU",
-                    "{flag}: each process of a multi-process GPU run holds only its own shards, and a whole file needs them all"
-                ));
-            }
         }
     }
     Ok(())
@@ -276,6 +268,9 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     }
     // Every process gives its peak; rank 0 says it.
     let memory = device_memory_line(&mut trainer, &programs, args.step.strategy.zero, &placement)?;
+    // The processes of a multi-process run each hold their own shards: whole files are
+    // written from their rank files.
+    let rank_files = if (args.save.is_some() || args.save_hf.is_some()) && !trainer.holds_every_rank() { Some(checkpoints.rank_files_for_saving(args, &mut trainer)?) } else { None };
     if !speaks {
         return Ok(());
     }
@@ -292,10 +287,22 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     if unevaluated {
         println!("  evaluation  skipped: this process holds only its shards of the parameters");
     }
-    // Written a tensor at a time from the device: the state is never whole on the host.
+    // Written a tensor at a time, from the device or from the rank files: the state is
+    // never whole on the host.
+    let reader = match &rank_files {
+        Some((dir, _)) => Some(shardc_runtime::checkpoint::ShardReader::open(dir).into_diagnostic().wrap_err_with(|| format!("reading the rank files in {}", dir.display()))?),
+        None => None,
+    };
+    let source: &dyn shardc_runtime::train::ParameterSource = match &reader {
+        Some(reader) => reader,
+        None => &trainer,
+    };
     if let Some(dir) = &args.save_hf {
-        crate::hf::save(dir, spec, &trainer)?;
+        crate::hf::save(dir, spec, source)?;
     }
-    save_parameters(args, Some(&trainer))?;
+    save_parameters(args, Some(source))?;
+    if let Some((dir, true)) = &rank_files {
+        std::fs::remove_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("removing {}", dir.display()))?;
+    }
     Ok(())
 }
