@@ -2983,6 +2983,7 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "bogus"], vec![], "--collectives: unknown algorithm `bogus`"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--eval-every", "1"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--eval-every 1: the held-out loss is computed from the whole model"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "RANK is set with SHARDC_GPU_EMULATE=1: an emulated device cannot reach the run's other processes"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--checkpoint", "ck"], vec![("SHARDC_EMULATE_PROCESSES", "3")], "SHARDC_EMULATE_PROCESSES=3: the mesh dp=2,tp=1,pp=1 has 2 ranks, one per process"),
     ] {
         let out = gpu(&args, &env);
@@ -3112,6 +3113,10 @@ fn gpu_processes_checkpoint_their_own_shards_and_resume_on_another_mesh() {
     assert!(one.status.success() && saved.is_file() && alone.join("step-00000002").join("manifest.json").is_file(), "{}{}", stdout(&one), stderr(&one));
     let straight = losses_by_step(&shardc(&[&["run"][..], &base[..], &["--steps", "4"]].concat()));
     close(&straight, &losses_by_step(&one), "a world of one process");
+    // Started as torchrun starts it (RANK=0, WORLD_SIZE=1) on the emulated device: the same
+    // world of one, not a real NCCL bootstrap.
+    let torchrun = processes(&[&base[..], &["--steps", "4"]].concat(), &[("RANK", "0"), ("WORLD_SIZE", "1")]);
+    close(&straight, &losses_by_step(&torchrun), "torchrun's world of one process, emulated");
     let on = processes(&[&base[..], &["--steps", "4", "--resume", alone.to_str().unwrap()]].concat(), &[("SHARDC_EMULATE_PROCESSES", "1")]);
     close(&straight, &losses_by_step(&on), "a world of one process resumed at step 2");
     // A rank file changed since it was written is refused, and the run does not say it

@@ -150,7 +150,18 @@ pub(super) fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh)
             None => Ok(()),
         };
     }
-    let placement = if std::env::var_os("RANK").is_some() {
+    let placement = if std::env::var_os("RANK").is_some() && emulating_the_gpu() {
+        // An emulated device reaches no other process: a world of one runs on the emulated
+        // communicator, a larger one as threads of one process.
+        let world = std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok());
+        if world != Some(1) {
+            return Err(miette!(
+                help = format!("run one process with SHARDC_EMULATE_PROCESSES={}: it runs the processes as threads, NCCL emulated between them", world.unwrap_or(2)),
+                "RANK is set with SHARDC_GPU_EMULATE=1: an emulated device cannot reach the run's other processes"
+            ));
+        }
+        Placement::EmulatedNccl(cuda::nccl::EmulatedWorld::world(1, timeout).into_iter().next().ok_or_else(|| miette!("no emulated process"))?)
+    } else if std::env::var_os("RANK").is_some() {
         Placement::Nccl(cuda::nccl::Bootstrap::from_env().into_diagnostic()?.with_timeout(timeout))
     } else if emulating_the_gpu() {
         Placement::Emulated
