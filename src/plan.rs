@@ -561,10 +561,10 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                         // last (each half of the measured rest); 1F1B-like schedules hold fewer
                         // micro-batches on later stages (ZB-H1 holds as many on each: a
                         // micro-batch is held to its weight gradient). Run in micro-batches, a
-                        // stage keeps each one's values in copies of their own besides the
-                        // running one's in its memory plan, unless its backward comes next
-                        // (`MemoryEstimate::activations`); under ZB-H1 the values its backward
-                        // makes for the weight gradient too, taken as large as the forward's.
+                        // stage keeps each one in flight's values in storage of its own,
+                        // outside its memory plan (`MemoryEstimate::activations`); under ZB-H1
+                        // the values its backward makes for the weight gradient too, taken as
+                        // large as the forward's.
                         let stage_memory: Vec<[f64; 5]> = (0..pp)
                             .map(|s| {
                                 let ends = (s == 0) as u8 as f64 + (s == pp - 1) as u8 as f64;
@@ -574,9 +574,9 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                                 let adjacent = kind == Kind::OneFOneB && s == pp - 1;
                                 let copies = match kind {
                                     _ if mbs == 1 && pp == 1 => 1.0,
-                                    Kind::ZeroBubble => 2.0 * flight.max(1.0) + 1.0,
+                                    Kind::ZeroBubble => 2.0 * flight.max(1.0),
                                     _ if adjacent => 1.0,
-                                    _ => flight.max(1.0) + 1.0,
+                                    _ => flight.max(1.0),
                                 };
                                 let kept = bf * (lps * u.layer_kept + ends * u.other_kept / 2.0) * copies;
                                 // Bytes per parameter as the compiled program keeps them.

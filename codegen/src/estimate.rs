@@ -718,10 +718,10 @@ pub struct MemoryEstimate {
     /// state arguments lay them out (sharded over dp within each tensor-parallel shard from
     /// stage 1).
     pub optimizer: f64,
-    /// Forward values the backward pass reads: in a pipeline rank, the running micro-batch's
-    /// (in its arena) and the copies the pipeline runtime keeps of other micro-batches' values
-    /// between their forward and backward (and weight-gradient) work, as many as its schedule
-    /// has in flight at once; without a pipeline, the part alive at the arena's peak.
+    /// Forward values the backward pass reads: in a pipeline rank, the sets of storage the
+    /// runtime gives each micro-batch's kept values from its forward to its backward (and
+    /// weight-gradient) work, outside the arena, as many as its schedule has in flight at
+    /// once; without a pipeline, the part alive at the arena's peak.
     pub activations: f64,
     /// Bytes of every forward value the backward pass reads, for one micro-batch (the
     /// quantity of Korthikanti et al.). A pipelined rank holds `in_flight` times this; a step
@@ -732,8 +732,8 @@ pub struct MemoryEstimate {
     /// Micro-batches whose activations the rank holds at once.
     pub in_flight: usize,
     /// Bytes of the peak of everything else the memory plan holds at once (in a pipeline
-    /// rank, its arena but the running micro-batch's kept values and the step buckets'
-    /// regions, counted as gradients).
+    /// rank, its arena, which holds no kept values, but the step buckets' regions, counted
+    /// as gradients).
     pub temporaries: f64,
     /// Bytes the CUDA backend stages beside the memory plan (see `staging_bytes`): the
     /// copies a pipeline rank sends its transfers from, and the rearranged tensors of gathers,
@@ -828,25 +828,25 @@ fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
         .collect()
 }
 
-/// Bytes of the copies pipeline rank `program` keeps of its micro-batches' values while it
-/// runs its schedule `items`, as the pipeline runtimes keep them: a chunk's kept forward
-/// values from the end of a micro-batch's forward to its backward (to its weight gradient,
-/// which reads them too, where the schedule splits it off), and its kept backward values from
-/// the backward to the weight gradient. A copy is reused once free, so each chunk's set takes
-/// as many copies as the schedule has in use at once; a forward whose backward comes next
-/// leaves its values where they are and takes none.
+/// Bytes of the sets of kept values pipeline rank `program` holds while it runs its schedule
+/// `items`, as the CUDA runtime holds them ([`ChunkPlan::kept_set`]): a chunk's forward
+/// values from a micro-batch's forward to its backward (to its weight gradient, which reads
+/// them too, where the schedule splits it off), and its backward values from the backward to
+/// the weight gradient. A set is reused once free, so each chunk takes as many sets of each
+/// kind as the schedule has in use at once (at least the one the runtime starts with).
+///
+/// [`ChunkPlan::kept_set`]: shardc_runtime::program::ChunkPlan::kept_set
 fn held_activations(program: &Program, items: &[shardc_runtime::schedule::Item]) -> f64 {
+    use shardc_runtime::program::KeptKind;
     let Some(plan) = &program.pipeline else { return 0.0 };
-    let bytes = |ids: &[usize]| ids.iter().map(|&b| program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes()) as f64).sum::<f64>();
-    // Each chunk's copies are pooled apart (a copy is of its chunk's buffers): per chunk,
-    // (forward copies in use, most at once, backward copies in use, most at once).
-    let mut copies = vec![(0i64, 0i64, 0i64, 0i64); plan.chunks.len()];
-    for (chunk, forward, backward) in shardc_runtime::schedule::kept_copy_changes(items) {
-        let Some(c) = copies.get_mut(chunk) else { continue };
+    // Per chunk: (forward sets in use, most at once, backward sets in use, most at once).
+    let mut sets = vec![(0i64, 1i64, 0i64, 1i64); plan.chunks.len()];
+    for (chunk, forward, backward) in shardc_runtime::schedule::kept_set_changes(items) {
+        let Some(c) = sets.get_mut(chunk) else { continue };
         (c.0, c.2) = (c.0 + forward, c.2 + backward);
         (c.1, c.3) = (c.1.max(c.0), c.3.max(c.2));
     }
-    plan.chunks.iter().zip(&copies).map(|(chunk, c)| c.1 as f64 * bytes(&chunk.keep_forward) + c.3 as f64 * bytes(&chunk.keep_backward)).sum()
+    plan.chunks.iter().zip(&sets).map(|(chunk, c)| c.1 as f64 * chunk.kept_set(program, KeptKind::Forward).1 as f64 + c.3 as f64 * chunk.kept_set(program, KeptKind::Backward).1 as f64).sum()
 }
 
 /// Bytes of staging the CUDA backend keeps beside the memory plan in a process of a
@@ -998,8 +998,7 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
             let kept_per_microbatch = kept_activations(program);
             let (kept, gradients, temporaries) = match &program.pipeline {
                 // The pipeline runtime keeps each micro-batch's values and the gradient sums
-                // in storage of their own; the plan's peak holds one micro-batch's kept
-                // values too, so the rest of it is temporaries. The sums are what the plan
+                // in storage of their own, beside the arena of temporaries. The sums are what the plan
                 // lists: whole gradients, reduce-scattered only in the step (ZeRO-2 shards
                 // them only without accumulation), as Megatron's gradient buffer is whole.
                 Some(plan) => {
@@ -1012,12 +1011,18 @@ pub fn memory(programs: &[Program], zero: u8) -> Vec<MemoryEstimate> {
                     let held = |ids: &[usize]| bytes(&ids.iter().copied().filter(|b| !in_region.contains(b)).collect::<Vec<_>>());
                     let regions: f64 = program.memory.buckets.iter().map(|r| r.bytes as f64).sum();
                     let sums: f64 = plan.chunks.iter().map(|c| held(&c.sum_backward) + held(&c.sum_weight)).sum::<f64>() + regions;
-                    // The copies of other micro-batches' kept values live outside the arena,
-                    // which holds the running micro-batch's values (its kept ones among them).
+                    // Kept values live outside the arena, a set per micro-batch in flight;
+                    // where every backward comes right after its forward, in the arena,
+                    // which holds one micro-batch's (the rest of it is temporaries).
                     let arena = (program.memory.temporary_bytes as f64 - regions).max(0.0);
-                    let running = kept_per_microbatch.min(arena);
-                    let copies = schedule.as_ref().and_then(|s| s.ranks.get(rank)).map_or(kept_per_microbatch * in_flight.saturating_sub(1) as f64, |items| held_activations(program, items));
-                    (running + copies, sums, arena - running)
+                    let outside = plan.chunks.iter().any(|c| c.keep_forward.iter().any(|&b| program.arena_range(b).is_none()));
+                    if outside {
+                        let sets = schedule.as_ref().and_then(|s| s.ranks.get(rank)).map_or(kept_per_microbatch * in_flight as f64, |items| held_activations(program, items));
+                        (sets, sums, arena)
+                    } else {
+                        let running = kept_per_microbatch.min(arena);
+                        (running, sums, arena - running)
+                    }
                 }
                 // A step without a pipeline holds its gradients in the arena, from the
                 // backward pass to the update: the terms are what the arena holds at its peak.

@@ -68,6 +68,13 @@ pub fn lower_func(func: &Func) -> Result<Program, CodegenError> {
 /// partitioned function gives the same program to every rank; ranks differ only in their
 /// coordinates, which collectives and vocab-split lookups read at run time.
 pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError> {
+    lower_func_keeping(func, grid, |_, _| Ok(Vec::new()))
+}
+
+/// [`lower_func_on`], with the buffers `kept(instructions, is_argument)` names held outside
+/// the arena (a pipeline rank's kept values: the runtime gives each micro-batch in flight
+/// storage of its own, so the arena holds what one work item needs).
+fn lower_func_keeping(func: &Func, grid: &[i64], kept: impl FnOnce(&[Instr], &[bool]) -> Result<Vec<usize>, CodegenError>) -> Result<Program, CodegenError> {
     let unsupported = |loc: &str, reason: String| CodegenError::Unsupported { func: func.name.clone(), loc: loc.to_string(), reason };
     let n_values = func.types.len();
     let end = func.ops.len();
@@ -164,7 +171,15 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
         instrs.push(Instr { op: op.name.clone(), attrs, inputs, outputs, loc: op.loc.clone(), origin: op.origin });
     }
 
-    let memory = plan_memory(func, &mut buffers, &buffer_of, &last_use, &instrs);
+    let mut is_arg = vec![false; buffers.len()];
+    for a in &func.args {
+        is_arg[buffer_of[a.value.0 as usize].expect("arguments have buffers")] = true;
+    }
+    let mut outside = is_arg.clone();
+    for b in kept(&instrs, &is_arg)? {
+        outside[b] = true;
+    }
+    let memory = plan_memory(&mut buffers, &buffer_of, &last_use, &instrs, &is_arg, &outside);
     let args = func
         .args
         .iter()
@@ -191,8 +206,8 @@ pub fn lower_func_on(func: &Func, grid: &[i64]) -> Result<Program, CodegenError>
 }
 
 /// Assigns every buffer a slot: arguments their own, temporaries by liveness.
-fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>], last_use: &[Option<usize>], instrs: &[Instr]) -> MemoryPlan {
-    let end = func.ops.len();
+fn plan_memory(buffers: &mut [Buffer], buffer_of: &[Option<usize>], last_use: &[Option<usize>], instrs: &[Instr], is_arg: &[bool], outside: &[bool]) -> MemoryPlan {
+    let end = instrs.len();
     // A buffer's last use is the latest last use of any value living in it.
     let mut buffer_last = vec![0usize; buffers.len()];
     for (v, b) in buffer_of.iter().enumerate() {
@@ -200,13 +215,6 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
             buffer_last[*b] = buffer_last[*b].max(last_use[v].unwrap_or(0));
         }
     }
-    let is_arg: Vec<bool> = {
-        let mut is_arg = vec![false; buffers.len()];
-        for a in &func.args {
-            is_arg[buffer_of[a.value.0 as usize].unwrap()] = true;
-        }
-        is_arg
-    };
     let mut slots: Vec<(usize, DType)> = Vec::new();
     let mut argument_bytes = 0;
     for (b, buffer) in buffers.iter_mut().enumerate() {
@@ -250,9 +258,11 @@ fn plan_memory(func: &Func, buffers: &mut [Buffer], buffer_of: &[Option<usize>],
             free.push(buffers[b].slot);
         }
     }
-    let groups = bucket_groups(buffers, &is_arg, instrs, &buffer_last, end);
-    let live_bound_bytes = live_bound(buffers, &is_arg, instrs, &buffer_last, end, &groups);
-    let (offsets, arena_bytes, buckets) = plan_arena(buffers, &is_arg, instrs, &buffer_last, end, &groups);
+    // The arena holds the temporaries but those kept outside it (the CPU backend's typed
+    // slots above hold every one).
+    let groups = bucket_groups(buffers, outside, instrs, &buffer_last, end);
+    let live_bound_bytes = live_bound(buffers, outside, instrs, &buffer_last, end, &groups);
+    let (offsets, arena_bytes, buckets) = plan_arena(buffers, outside, instrs, &buffer_last, end, &groups);
     // The plan's peak is the arena's: the CPU backend keeps typed slots (reused by size),
     // a device allocates the arena.
     MemoryPlan { slots, argument_bytes, temporary_bytes: arena_bytes, temporary_bytes_without_reuse: without_reuse, live_bound_bytes, arena_bytes, offsets, buckets }
@@ -466,7 +476,20 @@ pub fn lower_pipeline(module: &shardc_ir::Module, grid: &[i64], schedule: &Sched
         .map(|rank| {
             let mine: Vec<&Func> = (0..chunks).map(|c| stages[c * pp + rank]).collect();
             let (combined, chunk_of) = concat_stages(&mine, rank);
-            let mut program = lower_func_on(&combined, grid)?;
+            // Kept values live outside the arena, in storage of each micro-batch's own, unless
+            // every backward comes right after its forward (the last stage of 1F1B, one rank
+            // accumulating): then they stay in the arena, which frees them as the backward
+            // reads them for last.
+            let items = &schedule.ranks[rank];
+            let splits_w = items.iter().any(|i| i.work == Work::W);
+            let in_place = items.iter().enumerate().all(|(at, &item)| item.work != Work::F || shardc_runtime::schedule::backward_follows(item, items.get(at + 1).copied(), splits_w));
+            let mut program = lower_func_keeping(&combined, grid, |instrs, is_arg| {
+                if in_place {
+                    return Ok(Vec::new());
+                }
+                let plans = chunk_sections(instrs, is_arg, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?;
+                Ok(plans.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward).copied()).collect())
+            })?;
             let mut plan = pipeline_plan(&program, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?;
             plan.kind = schedule.kind;
             plan.microbatches = schedule.microbatches;
@@ -529,8 +552,29 @@ fn concat_stages(stages: &[&Func], rank: usize) -> (Func, Vec<usize>) {
 
 /// Sections and per-micro-batch buffers of a lowered, concatenated pipeline rank.
 fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize, pp: usize, chunks: usize) -> Result<PipelinePlan, String> {
+    let mut is_arg = vec![false; program.buffers.len()];
+    for a in &program.args {
+        is_arg[a.buffer] = true;
+    }
+    let mut plans = chunk_sections(&program.instrs, &is_arg, func, chunk_of, rank, pp, chunks)?;
+    for plan in &mut plans {
+        plan.early_syncs = early_syncs(program, plan);
+    }
+    // `bucket-step-gradients` buckets only what may start early.
+    for region in &program.memory.buckets {
+        if let Some(&m) = region.members.iter().find(|m| !plans.iter().any(|c| c.early_syncs.contains(m))) {
+            return Err(format!("{}: step bucket {} holds a collective that cannot start before its step section", program.instrs[m].loc, region.bucket));
+        }
+    }
+    Ok(PipelinePlan { rank, ranks: pp, chunks: plans, kind: Kind::OneFOneB, microbatches: 1, items: Vec::new() })
+}
+
+/// Each chunk's sections of a concatenated pipeline rank's instructions, and the buffers a
+/// section reads from an earlier one (kept values and gradient sums).
+#[allow(clippy::too_many_arguments)]
+fn chunk_sections(instrs: &[Instr], is_arg: &[bool], func: &Func, chunk_of: &[usize], rank: usize, pp: usize, chunks: usize) -> Result<Vec<shardc_runtime::program::ChunkPlan>, String> {
     use shardc_runtime::program::{ChunkPlan, Phase};
-    if program.instrs.len() != func.ops.len() {
+    if instrs.len() != func.ops.len() {
         return Err("codegen emitted instructions that are not one per op".into());
     }
     let phase_of = |i: usize| -> Result<Phase, String> {
@@ -540,12 +584,11 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
         }
     };
     let mut plans: Vec<ChunkPlan> = (0..chunks).map(|c| ChunkPlan { stage: c * pp + rank, ..ChunkPlan::default() }).collect();
-    let is_arg: std::collections::HashSet<usize> = program.args.iter().map(|a| a.buffer).collect();
     // Phase that defines each buffer.
     let mut defined: std::collections::HashMap<usize, (usize, Phase)> = std::collections::HashMap::new();
     // (chunk, which list, buffer) already in a keep or sum list.
     let mut listed: std::collections::HashSet<(usize, u8, usize)> = std::collections::HashSet::new();
-    for (i, instr) in program.instrs.iter().enumerate() {
+    for (i, instr) in instrs.iter().enumerate() {
         let (c, section) = (chunk_of[i], phase_of(i)?);
         let range = &mut plans[c].sections[section as usize];
         if range.1 == 0 {
@@ -579,21 +622,12 @@ fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize
             }
         }
         for &b in &instr.outputs {
-            if !is_arg.contains(&b) {
+            if !is_arg[b] {
                 defined.insert(b, (c, section));
             }
         }
     }
-    for plan in &mut plans {
-        plan.early_syncs = early_syncs(program, plan);
-    }
-    // `bucket-step-gradients` buckets only what may start early.
-    for region in &program.memory.buckets {
-        if let Some(&m) = region.members.iter().find(|m| !plans.iter().any(|c| c.early_syncs.contains(m))) {
-            return Err(format!("{}: step bucket {} holds a collective that cannot start before its step section", program.instrs[m].loc, region.bucket));
-        }
-    }
-    Ok(PipelinePlan { rank, ranks: pp, chunks: plans, kind: Kind::OneFOneB, microbatches: 1, items: Vec::new() })
+    Ok(plans)
 }
 
 /// The step-section all-reduces of a chunk that may start before the step section runs, by

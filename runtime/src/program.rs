@@ -459,6 +459,43 @@ impl ChunkPlan {
         let (start, end) = self.sections[section as usize];
         start..end
     }
+
+    /// The values one micro-batch in flight keeps of `kind` outside the arena (its own
+    /// storage on a device: the forward writes them there and the backward reads them there,
+    /// with no copy): each buffer's byte offset in that storage, and its bytes. A buffer
+    /// both lists name is kept with the forward's (its backward rewrites it there, in place,
+    /// for the weight gradient).
+    pub fn kept_set(&self, program: &Program, kind: KeptKind) -> (Vec<(BufferId, usize)>, usize) {
+        let buffers: Vec<BufferId> = match kind {
+            KeptKind::Forward => self.keep_forward.clone(),
+            KeptKind::Backward => self.keep_backward.iter().copied().filter(|b| !self.keep_forward.contains(b)).collect(),
+        };
+        // Kept values the plan leaves in its arena stay there (a rank whose every backward
+        // comes right after its forward).
+        let buffers: Vec<BufferId> = buffers.into_iter().filter(|&b| program.arena_range(b).is_none()).collect();
+        let mut at = 0usize;
+        let placed = buffers
+            .into_iter()
+            .map(|b| {
+                let offset = at;
+                let bytes = program.buffers[b].len().saturating_mul(program.buffers[b].dtype.bytes());
+                // 256-byte aligned, as the arena aligns what cuBLAS reads.
+                at = offset.saturating_add(bytes.max(1).next_multiple_of(256));
+                (b, offset)
+            })
+            .collect();
+        (placed, at)
+    }
+}
+
+/// Which kept values of a micro-batch a set holds: the forward's (read by its backward and
+/// weight gradient) or a split backward's (read by its weight gradient).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeptKind {
+    /// Kept from the forward.
+    Forward = 0,
+    /// Kept from the backward.
+    Backward = 1,
 }
 
 /// The pipeline facts of a rank program.
@@ -499,7 +536,7 @@ impl Program {
     }
 
     /// How buffers `a` and `b` share storage on a device: by arena range where the plan has
-    /// one, else by slot.
+    /// one (a buffer outside it shares with none), else by slot.
     pub fn alias(&self, a: BufferId, b: BufferId) -> Alias {
         let (ba, bb) = (&self.buffers[a], &self.buffers[b]);
         let exact_or = |overlap: bool, same_start: bool| match (overlap, same_start && ba.dtype == bb.dtype) {
@@ -509,6 +546,9 @@ impl Program {
         };
         match (self.arena_range(a), self.arena_range(b)) {
             (Some((oa, la)), Some((ob, lb))) => exact_or(oa < ob + lb && ob < oa + la && la > 0 && lb > 0, oa == ob),
+            // Outside an arena, every buffer has storage of its own (arguments, and a
+            // pipeline rank's kept values); without one, buffers share typed slots.
+            (None, None) if !self.memory.offsets.is_empty() => exact_or(a == b, true),
             (None, None) => exact_or(ba.slot == bb.slot, true),
             _ => Alias::None,
         }
@@ -980,7 +1020,11 @@ impl Program {
                 arguments += bytes;
             } else {
                 temporaries += bytes;
-                largest = largest.max(bytes);
+                // With an arena, of the temporaries in it (a pipeline rank's kept values
+                // live outside it).
+                if m.offsets.is_empty() || m.offsets.get(b).is_some_and(|o| o.is_some()) {
+                    largest = largest.max(bytes);
+                }
                 // Rounding to 16 bytes and aligning to at most 256.
                 padding += 16 + 256;
             }
@@ -1110,6 +1154,26 @@ impl Program {
         if !self.memory.offsets.is_empty() {
             if self.memory.offsets.len() != self.buffers.len() {
                 return bad(format!("the arena plan has {} offsets for {} buffers", self.memory.offsets.len(), self.buffers.len()));
+            }
+            let mut outside: std::collections::HashSet<BufferId> = self.args.iter().map(|a| a.buffer).collect();
+            if let Some(pipeline) = &self.pipeline {
+                outside.extend(pipeline.chunks.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward)).copied());
+            }
+            // What no instruction writes needs no storage.
+            let written: std::collections::HashSet<BufferId> = self.instrs.iter().flat_map(|i| i.outputs.iter().copied()).collect();
+            if let Some(i) = (0..self.buffers.len()).find(|i| self.memory.offsets[*i].is_none() && written.contains(i) && !outside.contains(i)) {
+                return bad(format!("buffer {i} ({}) is a temporary with no place in the arena and is kept by no pipeline chunk", self.buffers[i].name));
+            }
+            // Kept values in the arena are overwritten by the next forward: only a rank whose
+            // every backward comes right after its forward may leave them there.
+            if let Some(pipeline) = &self.pipeline {
+                let items = &pipeline.items;
+                let splits_w = items.iter().any(|i| i.work == crate::schedule::Work::W);
+                let apart = items.iter().enumerate().find(|&(at, &item)| item.work == crate::schedule::Work::F && !crate::schedule::backward_follows(item, items.get(at + 1).copied(), splits_w));
+                let in_arena = pipeline.chunks.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward)).find(|&&b| self.memory.offsets[b].is_some());
+                if let (Some((at, _)), Some(&b)) = (apart, in_arena) {
+                    return bad(format!("buffer {b} ({}) is kept in the arena, but item {at}'s forward is not followed by its backward: the next forward would overwrite it", self.buffers[b].name));
+                }
             }
             for (i, b) in self.buffers.iter().enumerate() {
                 if let Some(offset) = self.memory.offsets[i]

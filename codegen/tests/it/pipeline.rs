@@ -182,6 +182,31 @@ fn kept_activations_follow_the_schedule() {
     assert!(bytes(Kind::OneFOneB) < bytes(Kind::Gpipe));
 }
 
+/// A pipeline rank keeps each micro-batch in flight's values in a set of storage of its own,
+/// outside the arena, which its forward writes and its backward reads: 1F1B's first stage of
+/// p holds p micro-batches' values, as Megatron-LM's does, not p copies beside the running
+/// one's in the arena. The last stage, whose every backward comes right after its forward,
+/// keeps them in the arena (which frees them as the backward reads them for last), and a
+/// plan that leaves them there under a schedule that runs forwards ahead is refused.
+#[test]
+fn kept_values_take_a_set_per_micro_batch_in_flight_outside_the_arena() {
+    use shardc_runtime::program::KeptKind;
+    let (programs, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 }, Kind::OneFOneB, 4);
+    let kept = |p: &Program| p.pipeline.as_ref().unwrap().chunks.iter().flat_map(|c| c.keep_forward.clone()).collect::<Vec<_>>();
+    assert!(!kept(&programs[0]).is_empty() && kept(&programs[0]).iter().all(|&b| programs[0].arena_range(b).is_none()), "the first stage keeps its values outside the arena");
+    assert!(kept(&programs[1]).iter().all(|&b| programs[1].arena_range(b).is_some()), "the last stage keeps them in the arena");
+    let set = programs[0].pipeline.as_ref().unwrap().chunks[0].kept_set(&programs[0], KeptKind::Forward).1;
+    let estimates = shardc_codegen::estimate::memory(&programs, 0);
+    assert_eq!(estimates[0].activations, 2.0 * set as f64, "two micro-batches in flight on the first of two stages: two sets");
+    // The arena holds no kept value: all of it is temporaries.
+    assert_eq!(estimates[0].temporaries, programs[0].memory.arena_bytes as f64);
+    // The last stage's plan run by the first stage's schedule would overwrite its values.
+    let mut forwards_ahead = programs[1].clone();
+    forwards_ahead.pipeline.as_mut().unwrap().items = programs[0].pipeline.as_ref().unwrap().items.iter().map(|i| shardc_runtime::schedule::Item { chunk: 0, ..*i }).collect();
+    let error = forwards_ahead.validate().unwrap_err().to_string();
+    assert!(error.contains("is kept in the arena, but item 0's forward is not followed by its backward"), "{error}");
+}
+
 /// Codegen refuses a schedule that does not fit the stages, and one that deadlocks.
 #[test]
 fn schedules_are_checked_before_they_are_attached() {

@@ -32,7 +32,7 @@ use device::{ColumnMajorGemm, Device, KernelValue};
 use crate::collectives::MeshShape;
 use shardc_ir::mesh::PP_AXIS;
 
-use crate::program::{Attr, BufferId, DeviceCall, DevicePlan, Gemm, Instr, KernelArg, Program, Role, Phase};
+use crate::program::{Attr, BufferId, DeviceCall, DevicePlan, Gemm, Instr, KernelArg, KeptKind, Program, Role, Phase};
 use crate::{DType, RuntimeError};
 
 fn err(message: impl Into<String>) -> RuntimeError {
@@ -185,7 +185,27 @@ pub struct CudaExecutor {
     /// While profiling: a marker before each run of instructions (`None`) and after each
     /// instruction (its index), on the compute stream.
     profile: Option<Vec<(Option<usize>, device::Marker)>>,
+    /// A pipeline rank's kept values, by buffer: (chunk, kind, byte offset in its set).
+    kept_of: Vec<Option<(usize, KeptKind, usize)>>,
+    /// Storage of kept values, one set per micro-batch in flight, pooled per chunk and kind.
+    kept_sets: Vec<KeptSet>,
+    /// The set each chunk's kept buffers of each kind are in now.
+    kept_bound: Vec<[Option<usize>; 2]>,
 }
+
+/// One micro-batch's kept values of one chunk and kind ([`ChunkPlan::kept_set`]) on every
+/// local rank: the forward writes them here and the backward reads them here.
+struct KeptSet {
+    chunk: usize,
+    kind: KeptKind,
+    /// Per local rank: the set's pointer.
+    pointers: Vec<u64>,
+    in_use: bool,
+}
+
+/// A set of [`CudaExecutor::take_kept`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeptId(usize);
 
 /// Device copies of some buffers of every local rank: values a pipeline keeps from one
 /// section to a later one of the same micro-batch, or gradients it sums over micro-batches.
@@ -209,6 +229,7 @@ impl Drop for CudaExecutor {
         pointers.extend(self.staging.map(|s| s.0));
         pointers.extend(self.async_staging.values().map(|s| s.0));
         pointers.extend(self.holds.iter().flat_map(|h| h.copies.iter().flatten().map(|c| c.0)));
+        pointers.extend(self.kept_sets.iter().flat_map(|k| k.pointers.iter().copied()));
         pointers.extend(self.scatter_sums.values().flatten());
         pointers.extend(self.send_copies.iter().map(|c| c.0));
         pointers.extend(self.sent_copies.iter().map(|c| c.0));
@@ -364,7 +385,60 @@ impl CudaExecutor {
                 scatter_sums.insert(b, mine);
             }
         }
-        Ok(CudaExecutor { program, plan, mesh, device, ranks, staging: None, nccl, buckets: HashMap::new(), pending_groups: HashMap::new(), pending_shifts: HashMap::new(), async_staging: HashMap::new(), holds: Vec::new(), mailbox: None, transfer_context: (0, 0), send_copies: Vec::new(), bucket_regions, step_bucket_inputs, scatter_sums, step_buckets_sent: HashMap::new(), sent_early: Default::default(), summed_early: Default::default(), early_sends: 0, collectives_issued: 0, sent_copies: Vec::new(), expected: HashMap::new(), stash: HashMap::new(), stash_free: Vec::new(), to_self: HashMap::new(), fault, profile: None })
+        // Each chunk's kept values take storage of their own, a set per micro-batch in flight
+        // (the first made here: a pipeline rank runs at least one of each).
+        let mut kept_of = vec![None; program.buffers.len()];
+        let chunks = program.pipeline.as_ref().map_or(0, |p| p.chunks.len());
+        let mut kept_sets = Vec::new();
+        let mut kept_bound = vec![[None; 2]; chunks];
+        for c in 0..chunks {
+            for kind in [KeptKind::Forward, KeptKind::Backward] {
+                let (placed, bytes) = program.pipeline.as_ref().map(|p| p.chunks[c].kept_set(&program, kind)).unwrap_or_default();
+                for (b, offset) in placed {
+                    kept_of[b] = Some((c, kind, offset));
+                }
+                if bytes > 0 {
+                    let pointers = (0..ranks.len()).map(|_| device.alloc(bytes)).collect::<Result<Vec<_>, _>>()?;
+                    kept_bound[c][kind as usize] = Some(kept_sets.len());
+                    kept_sets.push(KeptSet { chunk: c, kind, pointers, in_use: false });
+                }
+            }
+        }
+        Ok(CudaExecutor {
+            program,
+            plan,
+            mesh,
+            device,
+            ranks,
+            staging: None,
+            nccl,
+            buckets: HashMap::new(),
+            pending_groups: HashMap::new(),
+            pending_shifts: HashMap::new(),
+            async_staging: HashMap::new(),
+            holds: Vec::new(),
+            mailbox: None,
+            transfer_context: (0, 0),
+            send_copies: Vec::new(),
+            bucket_regions,
+            step_bucket_inputs,
+            scatter_sums,
+            step_buckets_sent: HashMap::new(),
+            sent_early: Default::default(),
+            summed_early: Default::default(),
+            early_sends: 0,
+            collectives_issued: 0,
+            sent_copies: Vec::new(),
+            expected: HashMap::new(),
+            stash: HashMap::new(),
+            stash_free: Vec::new(),
+            to_self: HashMap::new(),
+            fault,
+            profile: None,
+            kept_of,
+            kept_sets,
+            kept_bound,
+        })
     }
 
     /// The program.
@@ -383,6 +457,11 @@ impl CudaExecutor {
     }
 
     fn buffer_ptr(&self, local: usize, buffer: usize) -> u64 {
+        if let Some(Some((chunk, kind, offset))) = self.kept_of.get(buffer)
+            && let Some(set) = self.kept_bound[*chunk][*kind as usize]
+        {
+            return self.kept_sets[set].pointers[local] + *offset as u64;
+        }
         match self.program.arena_range(buffer) {
             Some((offset, _)) => self.ranks[local].arena.0 + offset as u64,
             None => self.ranks[local].slots[self.program.buffers[buffer].slot].0,
@@ -470,6 +549,40 @@ impl CudaExecutor {
             return Err(err(format!("bucket {bucket} was never completed and waited for")));
         }
         self.synchronize()
+    }
+
+    /// A set for chunk `chunk`'s kept values of `kind` (a free one, or a new one), bound:
+    /// the chunk's kept buffers of that kind are in it until another is bound. `None` where
+    /// the chunk keeps no such values.
+    pub fn take_kept(&mut self, chunk: usize, kind: KeptKind) -> Result<Option<KeptId>, RuntimeError> {
+        let id = match self.kept_sets.iter().position(|k| k.chunk == chunk && k.kind == kind && !k.in_use) {
+            Some(id) => id,
+            None => {
+                let Some(plan) = self.program.pipeline.as_ref() else { return Ok(None) };
+                let bytes = plan.chunks.get(chunk).map_or(0, |c| c.kept_set(&self.program, kind).1);
+                if bytes == 0 {
+                    return Ok(None);
+                }
+                let pointers = (0..self.ranks.len()).map(|_| self.device.alloc(bytes)).collect::<Result<Vec<_>, _>>()?;
+                self.kept_sets.push(KeptSet { chunk, kind, pointers, in_use: false });
+                self.kept_sets.len() - 1
+            }
+        };
+        self.kept_sets[id].in_use = true;
+        self.bind_kept(KeptId(id));
+        Ok(Some(KeptId(id)))
+    }
+
+    /// Puts the kept buffers of `id`'s chunk and kind in `id` (a micro-batch's backward or
+    /// weight gradient reading what its forward or backward kept there).
+    pub fn bind_kept(&mut self, id: KeptId) {
+        let set = &self.kept_sets[id.0];
+        self.kept_bound[set.chunk][set.kind as usize] = Some(id.0);
+    }
+
+    /// Frees a set for reuse by a later [`CudaExecutor::take_kept`].
+    pub fn free_kept(&mut self, id: KeptId) {
+        self.kept_sets[id.0].in_use = false;
     }
 
     /// Copies `buffers` of every local rank into a hold (reusing a free one of the same
@@ -1572,10 +1685,10 @@ struct Walk {
     running: Option<(Vec<usize>, usize, Option<crate::schedule::Item>)>,
     step_started: bool,
     done: bool,
-    /// Per (chunk, micro-batch) whose forward is done: the copy of its kept values, or none
-    /// while they are still where the forward left them (its backward comes next).
-    kept_forward: HashMap<(usize, usize), Option<HoldId>>,
-    kept_backward: HashMap<(usize, usize), HoldId>,
+    /// Per (chunk, micro-batch) whose forward (split backward) has begun: the set its kept
+    /// values are in (none where the chunk keeps none).
+    kept_forward: HashMap<(usize, usize), Option<KeptId>>,
+    kept_backward: HashMap<(usize, usize), Option<KeptId>>,
     summing: Vec<bool>,
     summing_weight: Vec<bool>,
     /// Whether the running item is its chunk's last backward work of the step, and where its
@@ -2007,8 +2120,7 @@ impl CudaTrainer {
                         continue;
                     }
                     if let Some(item) = item {
-                        let next = items.get(walks[s].position + 1).copied();
-                        loss_sum += self.finish_item(s, &mut walks[s], item, next, splits_w)?;
+                        loss_sum += self.finish_item(s, &mut walks[s], item, splits_w)?;
                         // The chunk's last backward work of the step: its gradients are final
                         // and its step buckets go out while the rank works on.
                         if walks[s].last_backward {
@@ -2051,33 +2163,40 @@ impl CudaTrainer {
         let chunk = &plan.chunks[c];
         let exec = &mut self.runners[s].exec;
         exec.set_transfer_context(step, j as u64);
+        // The forward writes its kept values into a set of the micro-batch's own; its backward
+        // and weight gradient read them there (no copy).
         Ok(match item.work {
-            Work::F => chunk.range(Phase::Forward).collect(),
+            Work::F => {
+                walk.kept_forward.insert((c, j), exec.take_kept(c, KeptKind::Forward)?);
+                chunk.range(Phase::Forward).collect()
+            }
             Work::B => {
                 if let Some(kept) = *walk.kept_forward.get(&(c, j)).ok_or_else(|| err(format!("backward of micro-batch {j} before its forward")))? {
-                    exec.restore(kept)?;
+                    exec.bind_kept(kept);
                 }
                 let mut instructions: Vec<usize> = chunk.range(Phase::Backward).collect();
-                if !splits_w {
+                if splits_w {
+                    walk.kept_backward.insert((c, j), exec.take_kept(c, KeptKind::Backward)?);
+                } else {
                     instructions.extend(chunk.range(Phase::Weight));
                 }
                 instructions
             }
             Work::W => {
-                for kept in [walk.kept_forward.remove(&(c, j)).flatten(), walk.kept_backward.remove(&(c, j))] {
-                    let kept = kept.ok_or_else(|| err(format!("weight gradient of micro-batch {j} before its forward and backward")))?;
-                    exec.restore(kept)?;
-                    exec.release(kept);
+                let (Some(forward), Some(backward)) = (walk.kept_forward.get(&(c, j)), walk.kept_backward.get(&(c, j))) else {
+                    return Err(err(format!("weight gradient of micro-batch {j} before its forward and backward")));
+                };
+                for kept in [*forward, *backward].into_iter().flatten() {
+                    exec.bind_kept(kept);
                 }
                 chunk.range(Phase::Weight).collect()
             }
         })
     }
 
-    /// Ends `item` on pipeline rank `s`: holds what later sections read (a forward's kept
-    /// values stay where they are when its backward is the rank's `next` item and reads
-    /// them alone), sums the gradients; returns the loss it made (0 where it made none).
-    fn finish_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, next: Option<crate::schedule::Item>, splits_w: bool) -> Result<f64, RuntimeError> {
+    /// Ends `item` on pipeline rank `s`: sums the gradients, frees the kept values its
+    /// micro-batch's last reader has read; returns the loss it made (0 where it made none).
+    fn finish_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, splits_w: bool) -> Result<f64, RuntimeError> {
         use crate::schedule::Work;
         let (c, j) = (item.chunk, item.microbatch);
         let program = &self.programs[s];
@@ -2100,8 +2219,6 @@ impl CudaTrainer {
         let mut loss = 0.0;
         match item.work {
             Work::F => {
-                let in_place = crate::schedule::backward_follows(item, next, splits_w);
-                walk.kept_forward.insert((c, j), if in_place { None } else { Some(runner.exec.hold(&chunk.keep_forward)?) });
                 let makes_loss = program.result("loss").is_some_and(|l| program.instrs[chunk.range(Phase::Forward)].iter().any(|i| i.outputs.contains(&l.buffer)));
                 if makes_loss {
                     loss = runner.exec.read(0, "loss")?[0];
@@ -2109,16 +2226,19 @@ impl CudaTrainer {
             }
             Work::B => {
                 sum_into(&mut runner.exec, &chunk.sum_backward, &mut runner.sums[c], &mut walk.summing[c])?;
-                if splits_w {
-                    walk.kept_backward.insert((c, j), runner.exec.hold(&chunk.keep_backward)?);
-                } else {
+                if !splits_w {
                     sum_into(&mut runner.exec, &chunk.sum_weight, &mut runner.sums_weight[c], &mut walk.summing_weight[c])?;
                     if let Some(kept) = walk.kept_forward.remove(&(c, j)).flatten() {
-                        runner.exec.release(kept);
+                        runner.exec.free_kept(kept);
                     }
                 }
             }
-            Work::W => sum_into(&mut runner.exec, &chunk.sum_weight, &mut runner.sums_weight[c], &mut walk.summing_weight[c])?,
+            Work::W => {
+                sum_into(&mut runner.exec, &chunk.sum_weight, &mut runner.sums_weight[c], &mut walk.summing_weight[c])?;
+                for kept in [walk.kept_forward.remove(&(c, j)).flatten(), walk.kept_backward.remove(&(c, j)).flatten()].into_iter().flatten() {
+                    runner.exec.free_kept(kept);
+                }
+            }
         }
         Ok(loss)
     }
