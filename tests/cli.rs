@@ -2984,6 +2984,8 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--eval-every", "1"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--eval-every 1: the held-out loss is computed from the whole model"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "RANK is set with SHARDC_GPU_EMULATE=1: an emulated device cannot reach the run's other processes"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1"], vec![("RANK", "1"), ("WORLD_SIZE", "1")], "RANK=1 must be below WORLD_SIZE=1"),
+        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--save", "out.safetensors/"], vec![], "--save out.safetensors/: is a folder"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--checkpoint", "ck"], vec![("SHARDC_EMULATE_PROCESSES", "3")], "SHARDC_EMULATE_PROCESSES=3: the mesh dp=2,tp=1,pp=1 has 2 ranks, one per process"),
     ] {
         let out = gpu(&args, &env);
@@ -3044,6 +3046,8 @@ fn gpu_processes_write_whole_files_from_their_rank_files() {
             assert_eq!((config["vocab_size"].as_u64(), want_params["embed.tokens.weight"].0[0]), (Some(256), 256), "{what}");
             let left: Vec<String> = std::fs::read_dir(&hf).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
             assert_eq!(left.len(), 2, "{what}: {left:?}");
+            let hidden: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).filter(|n| n.starts_with('.')).collect();
+            assert!(hidden.is_empty(), "{what}: {hidden:?}");
         }
     }
     std::fs::remove_dir_all(&dir).ok();

@@ -322,7 +322,7 @@ pub fn save_rank_shards(
     std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
     let mut checksums = Vec::new();
     for rank in 0..mesh.ranks() {
-        match write_rank_file(&partial, programs, rank, |tensor, layout| shard(rank, tensor, layout)) {
+        match write_rank_file(&partial, programs, rank, false, |tensor, layout| shard(rank, tensor, layout)) {
             Ok(crc) => checksums.push(crc),
             Err(e) => {
                 // Nothing of a checkpoint that is not kept stays behind.
@@ -356,16 +356,24 @@ fn rank_file_name(rank: usize) -> String {
 /// Writes rank `rank`'s file into `folder`: each state tensor the rank holds (mirrored
 /// tensors of a pipeline by their first holder only), its values `shard(binding, layout)`
 /// (the rank's shard, in the program's form); returns the file's CRC-32.
-fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, shard: impl Fn(&crate::program::Binding, &crate::program::Layout) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
+fn write_rank_file(folder: &std::path::Path, programs: &[Program], rank: usize, parameters_only: bool, shard: impl Fn(&crate::program::Binding, &crate::program::Layout) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
     let mesh = checkpoint_mesh(programs)?;
     let program_of = |rank: usize| if programs.len() == 1 { 0 } else { mesh.coords(rank).get(2).copied().unwrap_or(0) };
+    // Parameters only: each shard once, from the lowest rank of its program holding it.
+    let wanted = |tensor: &crate::program::Binding, layout: &crate::program::Layout| {
+        if !parameters_only {
+            return true;
+        }
+        let mine = crate::layout::shard_index(layout, &mesh, rank);
+        matches!(tensor.role, Some(Role::Param | Role::Master)) && !(0..rank).any(|r| program_of(r) == program_of(rank) && crate::layout::shard_index(layout, &mesh, r) == mine)
+    };
     // The rank's tensors, each in the type its values take exactly (f64 in an f64 program,
     // f32 otherwise: fp32 masters, moments and gradients, and bf16 values widen exactly),
     // laid end to end; the header first, then each tensor as its shard is read, one at a
     // time: no rank file is assembled in memory.
     let tensors: Vec<(crate::program::Binding, crate::program::Layout, Vec<usize>, Dtype)> = layouts(programs)
         .into_iter()
-        .filter(|(_, _, holder)| *holder == program_of(rank) || programs.len() == 1)
+        .filter(|(tensor, layout, holder)| (*holder == program_of(rank) || programs.len() == 1) && wanted(tensor, layout))
         .map(|(tensor, layout, holder)| {
             let shape = crate::layout::local_shape(&layout, &mesh);
             let dtype = if programs[holder].buffers[tensor.buffer].dtype == crate::DType::F64 { Dtype::F64 } else { Dtype::F32 };
@@ -447,9 +455,16 @@ pub fn partial_folder(dir: &std::path::Path, step: u64) -> std::path::PathBuf {
 /// value of a state tensor, read from device memory. Returns the file's CRC-32, which rank 0
 /// needs for the manifest ([`commit_processes`]), after every rank's file is written.
 pub fn write_own_rank_file(dir: &std::path::Path, step: u64, programs: &[Program], rank: usize, shard: impl Fn(&crate::program::Binding) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
+    write_own_rank_file_of(dir, step, programs, rank, false, shard)
+}
+
+/// [`write_own_rank_file`], with `parameters_only` the parameters (and their fp32 masters)
+/// alone, each shard by the lowest rank that holds it: files to assemble the parameters
+/// from (`--save` of a multi-process run), not to resume from.
+pub fn write_own_rank_file_of(dir: &std::path::Path, step: u64, programs: &[Program], rank: usize, parameters_only: bool, shard: impl Fn(&crate::program::Binding) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
     let partial = partial_folder(dir, step);
     std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
-    write_rank_file(&partial, programs, rank, |binding, _| shard(binding))
+    write_rank_file(&partial, programs, rank, parameters_only, |binding, _| shard(binding))
 }
 
 /// Rank 0 of a multi-process run, once every rank has written its file

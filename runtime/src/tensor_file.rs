@@ -167,7 +167,7 @@ pub fn write_streamed(
             return Err(bad(path, format!("tensor `{name}` is named twice")));
         }
         let size = shape.iter().try_fold(dtype.bitsize() / 8, |n, &d| n.checked_mul(d)).ok_or_else(|| bad(path, format!("tensor `{name}` of shape {shape:?} is too large")))?;
-        let end = at + size;
+        let end = at.checked_add(size).ok_or_else(|| bad(path, format!("tensor `{name}` of shape {shape:?} ends past the largest file")))?;
         header.insert(name.clone(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, end]}));
         sizes.push(size);
         at = end;
@@ -175,7 +175,25 @@ pub fn write_streamed(
     let mut text = serde_json::to_vec(&header).map_err(|e| bad(path, e))?;
     // Padded with spaces to 8 bytes, as the safetensors writer pads it.
     text.resize(text.len().next_multiple_of(8), b' ');
+    // Through a link to the file it names, as writing the path itself would.
+    let resolved;
+    let path = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            resolved = std::fs::canonicalize(path).map_err(|e| bad(path, e))?;
+            resolved.as_path()
+        }
+        _ => path,
+    };
     let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    // What an interrupted write of this file left (another process's id) goes first.
+    let stale = format!(".{file_name}.partial-");
+    if let Ok(entries) = std::fs::read_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&stale) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
     let partial = path.with_file_name(format!(".{file_name}.partial-{}", std::process::id()));
     let mut write = || -> Result<u32, RuntimeError> {
         let file = std::fs::File::create(&partial).map_err(|e| bad(&partial, e))?;
@@ -282,9 +300,19 @@ mod tests {
         assert!(write_streamed(&path, &tensors, &[], short).unwrap_err().to_string().contains("takes 24 bytes; 23 were given"));
         let twice = vec![tensors[0].clone(), tensors[0].clone()];
         assert!(write_streamed(&path, &twice, &[], values).unwrap_err().to_string().contains("named twice"));
+        let huge = vec![("a".to_string(), vec![1usize << 61], Dtype::F32), ("b".to_string(), vec![1usize << 61], Dtype::F32)];
+        assert!(write_streamed(&path, &huge, &[], values).unwrap_err().to_string().contains("ends past the largest file"));
         let left: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         assert_eq!(left, ["model.safetensors"], "only the first, whole file");
         assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        // What a killed writer left goes with the next write; a link is written through.
+        std::fs::write(dir.join(".model.safetensors.partial-999999"), b"half").unwrap();
+        std::os::unix::fs::symlink(&path, dir.join("link.safetensors")).unwrap();
+        write_streamed(&dir.join("link.safetensors"), &tensors, &[], values).unwrap();
+        assert!(std::fs::symlink_metadata(dir.join("link.safetensors")).unwrap().file_type().is_symlink());
+        let mut left: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left, ["link.safetensors", "model.safetensors"]);
         std::fs::remove_dir_all(&dir).ok();
     }
 }

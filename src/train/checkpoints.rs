@@ -221,21 +221,31 @@ impl Checkpoints {
 
     /// Where a multi-process GPU run's `--save` and `--save-hf` read its final parameters
     /// from, and whether that folder is this call's to remove: the run's own checkpoint
-    /// folder (whose last checkpoint is the final step's), or else rank files every process
-    /// writes from its shards for this alone, into a folder inside the output's (which every
-    /// process reaches, as checkpoint folders must be).
+    /// folder (whose last checkpoint is the final step's), or else rank files of the
+    /// parameters every process writes from its shards for this alone, into a folder inside
+    /// the output's (which every process reaches, as checkpoint folders must be).
     #[cfg(feature = "cuda")]
     pub(super) fn rank_files_for_saving(&self, args: &RunArgs, trainer: &mut shardc_runtime::cuda::CudaTrainer) -> Result<(PathBuf, bool)> {
         if let Some(dir) = &self.dir {
             return Ok((dir.clone(), false));
         }
-        let base = match (&args.save_hf, &args.save) {
-            (Some(dir), _) => dir.clone(),
-            (None, Some(file)) => file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")).to_path_buf(),
+        // Named after the output, so that runs saving other files into one folder do not
+        // share it.
+        let (base, name) = match (&args.save_hf, &args.save) {
+            (Some(dir), _) => (dir.clone(), "model".to_string()),
+            (None, Some(file)) => (
+                file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")).to_path_buf(),
+                file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            ),
             (None, None) => return Err(miette!("nothing to save")),
         };
-        let dir = base.join(format!(".shardc-rank-files-step-{:08}", trainer.steps_taken()));
-        match trainer.checkpoint_own_shards(&dir, self.spec.clone(), None, false) {
+        let dir = base.join(format!(".shardc-rank-files-{name}-step-{:08}", trainer.steps_taken()));
+        // The parameters alone, each shard once: about the saved file's size.
+        let written = trainer.write_own_parameter_shards(&dir);
+        if written.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        match written {
             Ok(_) => Ok((dir, true)),
             Err(shardc_runtime::RuntimeError::NonFiniteState { tensor, value, rank }) => Err(not_finite(&tensor, value, trainer.steps_taken(), Some(rank))),
             Err(e) => Err(e).into_diagnostic().wrap_err_with(|| format!("writing the rank files of --save into {}", dir.display())),
@@ -270,7 +280,7 @@ pub(super) fn check_outputs(args: &RunArgs) -> Result<()> {
 /// Checks that `file` can be written (its folder created if needed), before the work that
 /// produces it.
 pub(crate) fn writable_file(flag: &str, file: &std::path::Path) -> Result<()> {
-    if file.is_dir() {
+    if file.is_dir() || file.as_os_str().to_string_lossy().ends_with(std::path::MAIN_SEPARATOR) {
         return Err(miette!(help = "give a file name", "{flag} {}: is a folder", file.display()));
     }
     let parent = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));

@@ -154,6 +154,10 @@ pub(super) fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh)
         // An emulated device reaches no other process: a world of one runs on the emulated
         // communicator, a larger one as threads of one process.
         let world = std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok());
+        let rank = std::env::var("RANK").unwrap_or_default();
+        if world == Some(1) && rank.trim() != "0" {
+            return Err(miette!(help = "a world of one process is rank 0", "RANK={rank} must be below WORLD_SIZE=1"));
+        }
         if world != Some(1) {
             return Err(miette!(
                 help = format!("run one process with SHARDC_EMULATE_PROCESSES={}: it runs the processes as threads, NCCL emulated between them", world.unwrap_or(2)),
@@ -300,20 +304,25 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     }
     // Written a tensor at a time, from the device or from the rank files: the state is
     // never whole on the host.
-    let reader = match &rank_files {
-        Some((dir, _)) => Some(shardc_runtime::checkpoint::ShardReader::open(dir).into_diagnostic().wrap_err_with(|| format!("reading the rank files in {}", dir.display()))?),
-        None => None,
+    let save = || -> Result<()> {
+        let reader = match &rank_files {
+            Some((dir, _)) => Some(shardc_runtime::checkpoint::ShardReader::open(dir).into_diagnostic().wrap_err_with(|| format!("reading the rank files in {}", dir.display()))?),
+            None => None,
+        };
+        let source: &dyn shardc_runtime::train::ParameterSource = match &reader {
+            Some(reader) => reader,
+            None => &trainer,
+        };
+        if let Some(dir) = &args.save_hf {
+            crate::hf::save(dir, spec, source)?;
+        }
+        save_parameters(args, Some(source))
     };
-    let source: &dyn shardc_runtime::train::ParameterSource = match &reader {
-        Some(reader) => reader,
-        None => &trainer,
-    };
-    if let Some(dir) = &args.save_hf {
-        crate::hf::save(dir, spec, source)?;
-    }
-    save_parameters(args, Some(source))?;
+    let saved = save();
+    // The rank files written for the files go, whether or not they were written.
     if let Some((dir, true)) = &rank_files {
-        std::fs::remove_dir_all(dir).into_diagnostic().wrap_err_with(|| format!("removing {}", dir.display()))?;
+        let _ = std::fs::remove_dir_all(dir);
     }
+    saved?;
     Ok(())
 }

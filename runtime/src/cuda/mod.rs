@@ -1866,13 +1866,25 @@ impl CudaTrainer {
     /// process learns whether rank 0 did. A failure on any rank ends every rank with an error
     /// naming it. `abort` kills this process after its file is written (fault injection).
     pub fn checkpoint_own_shards(&mut self, dir: &std::path::Path, spec: serde_json::Value, data: Option<crate::data::DataRecord>, abort: bool) -> Result<Option<std::path::PathBuf>, RuntimeError> {
+        self.write_own_shards(dir, spec, data, abort, false)
+    }
+
+    /// [`CudaTrainer::checkpoint_own_shards`] of the parameters alone (and their fp32
+    /// masters), each shard written once, by the lowest rank holding it: rank files to
+    /// assemble whole parameters from (a multi-process run's `--save`), a fraction of a
+    /// checkpoint's size, not to resume from.
+    pub fn write_own_parameter_shards(&mut self, dir: &std::path::Path) -> Result<Option<std::path::PathBuf>, RuntimeError> {
+        self.write_own_shards(dir, serde_json::Value::Null, None, false, true)
+    }
+
+    fn write_own_shards(&mut self, dir: &std::path::Path, spec: serde_json::Value, data: Option<crate::data::DataRecord>, abort: bool, parameters_only: bool) -> Result<Option<std::path::PathBuf>, RuntimeError> {
         let rank = self.process_rank().ok_or_else(|| err("this process holds every rank: save the global state with checkpoint::save_sharded"))?;
         let program_index = if self.every_program.len() == 1 { 0 } else { self.mesh.coords(rank).get(PP_AXIS).copied().unwrap_or(0) };
         // Every rank has reached the checkpoint before any writes (rank 0 cleared the folder
         // of what crashed runs left when it took it).
         self.gather_from_every_process(&[0])?;
         let runner = &self.runners[0];
-        let written = crate::checkpoint::write_own_rank_file(dir, self.step, &self.every_program, rank, |binding| {
+        let written = crate::checkpoint::write_own_rank_file_of(dir, self.step, &self.every_program, rank, parameters_only, |binding| {
             let program = runner.exec.program();
             if program.arg(&binding.name).is_none() {
                 return Err(err(format!("rank {rank}'s program (pipeline rank {program_index}) has no `{}`", binding.name)));
