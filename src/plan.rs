@@ -572,10 +572,15 @@ pub fn search(spec: &Spec, cluster: &Cluster, gpus: u64, global_batch: u64) -> R
                                 let shard_s = |from: u8| if zero >= from { sharded(psi_s, lps * layer_shardable + ends * other_shardable / 2.0) - lps * experts_sharded } else { psi_s };
                                 let flight = if kind == Kind::Gpipe || kind == Kind::ZeroBubble || pp == 1 { in_flight } else { (in_flight - s as f64).max(1.0) };
                                 let adjacent = kind == Kind::OneFOneB && s == pp - 1;
+                                // A set per micro-batch in flight; interleaved and GPipe,
+                                // about one more: their ranks' arenas (whose peak is a
+                                // backward beside the kept values, not sharing their memory)
+                                // hold more than the one-layer unit's temporaries count.
                                 let copies = match kind {
                                     _ if mbs == 1 && pp == 1 => 1.0,
                                     Kind::ZeroBubble => 2.0 * flight.max(1.0),
                                     _ if adjacent => 1.0,
+                                    Kind::Interleaved | Kind::Gpipe => flight.max(1.0) + 1.0,
                                     _ => flight.max(1.0),
                                 };
                                 let kept = bf * (lps * u.layer_kept + ends * u.other_kept / 2.0) * copies;

@@ -2781,6 +2781,30 @@ fn plan_says_where_the_step_goes_and_what_bounds_it() {
     assert!(line.contains("gemm_efficiency 0.60") && line.contains(&format!("(--cluster {})", file.display())) && !line.contains("uncalibrated"), "{line}");
 }
 
+/// The planner never lists less memory per GPU than the compiled step it suggests holds,
+/// under every schedule (pipeline ranks keep each micro-batch in flight's values outside
+/// the arena, whose peak then holds a backward's temporaries beside them), so a plan it
+/// says fits does fit; and it is not far above.
+#[test]
+fn planned_memory_covers_the_compiled_step_under_every_schedule() {
+    for schedule in ["1f1b", "interleaved", "gpipe", "zb-h1"] {
+        let common = ["--micro-batch", "8", "--microbatches", "8", "--recompute", "none", "--zero", "0", "--schedule", schedule];
+        let out = shardc(&[&["plan", "models/gpt2-small.toml", "--gpus", "4", "--global-batch", "64", "--top", "40"][..], &common].concat());
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stdout(&out);
+        let row = text.lines().find(|l| l.contains("dp=1 tp=2 pp=2 ") && !l.contains(" sp ")).unwrap_or_else(|| panic!("{schedule}: no tp=2 pp=2 plan: {text}"));
+        let planned: f64 = row.split("GB").next().and_then(|h| h.split_whitespace().last()).and_then(|n| n.parse().ok()).unwrap();
+        let mut compile = vec!["compile", "models/gpt2-small.toml", "--mesh", "dp=1,tp=2,pp=2"];
+        compile.extend(common);
+        if schedule == "interleaved" {
+            compile.extend(["--virtual-stages", "2"]);
+        }
+        let compiled = stdout(&shardc(&compile));
+        let memory: f64 = compiled.split("memory/GPU  ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{compiled}"));
+        assert!(planned >= memory - 0.05 && planned <= 1.3 * memory, "{schedule}: planned {planned} GB, compiled {memory} GB");
+    }
+}
+
 /// A plan whose memory exceeds the GPU's is not listed: with the GPU's memory cut to 50 GB,
 /// exactly the plans estimated at or under 50 GB remain (the estimate does not depend on the
 /// capacity), among them none of the faster ones that need more.

@@ -829,24 +829,14 @@ fn parameter_bytes(program: &Program) -> Vec<ParameterBytes> {
 }
 
 /// Bytes of the sets of kept values pipeline rank `program` holds while it runs its schedule
-/// `items`, as the CUDA runtime holds them ([`ChunkPlan::kept_set`]): a chunk's forward
-/// values from a micro-batch's forward to its backward (to its weight gradient, which reads
-/// them too, where the schedule splits it off), and its backward values from the backward to
-/// the weight gradient. A set is reused once free, so each chunk takes as many sets of each
-/// kind as the schedule has in use at once (at least the one the runtime starts with).
+/// `items`, as the CUDA runtime holds them: a micro-batch's forward values from its forward to
+/// its backward (to its weight gradient, which reads them too, where the schedule splits it
+/// off), and its backward values from the backward to the weight gradient, each in a set
+/// pooled over the rank's chunks ([`KeptPool`]).
 ///
-/// [`ChunkPlan::kept_set`]: shardc_runtime::program::ChunkPlan::kept_set
+/// [`KeptPool`]: shardc_runtime::program::KeptPool
 fn held_activations(program: &Program, items: &[shardc_runtime::schedule::Item]) -> f64 {
-    use shardc_runtime::program::KeptKind;
-    let Some(plan) = &program.pipeline else { return 0.0 };
-    // Per chunk: (forward sets in use, most at once, backward sets in use, most at once).
-    let mut sets = vec![(0i64, 1i64, 0i64, 1i64); plan.chunks.len()];
-    for (chunk, forward, backward) in shardc_runtime::schedule::kept_set_changes(items) {
-        let Some(c) = sets.get_mut(chunk) else { continue };
-        (c.0, c.2) = (c.0 + forward, c.2 + backward);
-        (c.1, c.3) = (c.1.max(c.0), c.3.max(c.2));
-    }
-    plan.chunks.iter().zip(&sets).map(|(chunk, c)| c.1 as f64 * chunk.kept_set(program, KeptKind::Forward).1 as f64 + c.3 as f64 * chunk.kept_set(program, KeptKind::Backward).1 as f64).sum()
+    shardc_runtime::program::KeptPool::of_schedule(program, items) as f64
 }
 
 /// Bytes of staging the CUDA backend keeps beside the memory plan in a process of a

@@ -18,8 +18,10 @@ use serde::{Deserialize, Serialize};
 /// and a vocab-split table's gradient holds its rank's rows (`xf.embedding_grad` with
 /// `xf.row_split_axes`), which a reader of version 3 would run wrongly. 5: heads stay side by
 /// side in the features (`xf.attention`, `xf.rope` and the head repeats read `[b, s, h * d]`
-/// by their `head_dim`; `xf.split_heads` and `xf.merge_heads` are gone).
-pub const FORMAT_VERSION: u32 = 5;
+/// by their `head_dim`; `xf.split_heads` and `xf.merge_heads` are gone). 6: a pipeline rank's
+/// kept values may live outside the arena (a temporary with no offset), in storage of each
+/// micro-batch's own, which a reader of version 5 would run from null pointers.
+pub const FORMAT_VERSION: u32 = 6;
 
 /// Most elements one buffer may have: what a spec allows one tensor (2^48, see
 /// `shardc_ir::spec::MAX_TENSOR_ELEMENTS`), so that a buffer's bytes and the memory plan's
@@ -485,6 +487,80 @@ impl ChunkPlan {
             })
             .collect();
         (placed, at)
+    }
+}
+
+/// Storage of a pipeline rank's kept values, pooled over its chunks and kinds: a set taken
+/// for some bytes is a free one of that size, or else a new one. What the CUDA runtime
+/// allocates and the estimate counts, by one rule.
+#[derive(Clone, Debug, Default)]
+pub struct KeptPool {
+    /// Each set's (capacity in bytes, whether in use).
+    sets: Vec<(usize, bool)>,
+}
+
+impl KeptPool {
+    /// Takes a set of `bytes`: its index, and whether it is new.
+    pub fn take(&mut self, bytes: usize) -> (usize, bool) {
+        // Sets of one size only: a small need taking a large set would leave the next large
+        // need to make another (pooling by size never holds more than pooling by chunk).
+        let fit = self.sets.iter().position(|s| !s.1 && s.0 == bytes);
+        match fit {
+            Some(i) => {
+                self.sets[i].1 = true;
+                (i, false)
+            }
+            None => {
+                self.sets.push((bytes, true));
+                (self.sets.len() - 1, true)
+            }
+        }
+    }
+
+    /// Frees set `set` for a later [`KeptPool::take`].
+    pub fn free(&mut self, set: usize) {
+        if let Some(s) = self.sets.get_mut(set) {
+            s.1 = false;
+        }
+    }
+
+    /// Bytes of every set made.
+    pub fn bytes(&self) -> usize {
+        self.sets.iter().map(|s| s.0).fold(0, usize::saturating_add)
+    }
+
+    /// The bytes of the sets pipeline rank `program` makes running its schedule `items` in
+    /// order, as the CUDA runtime takes and frees them: a forward takes a set for its kept
+    /// values, its backward frees it (where the schedule splits off weight gradients, the
+    /// backward takes one of its own and the weight gradient frees both).
+    pub fn of_schedule(program: &Program, items: &[crate::schedule::Item]) -> usize {
+        use crate::schedule::Work;
+        let Some(plan) = &program.pipeline else { return 0 };
+        let splits_w = items.iter().any(|i| i.work == Work::W);
+        let size = |c: usize, kind: KeptKind| plan.chunks.get(c).map_or(0, |chunk| chunk.kept_set(program, kind).1);
+        let mut pool = KeptPool::default();
+        let mut held: std::collections::HashMap<(usize, usize, KeptKind), usize> = std::collections::HashMap::new();
+        for item in items {
+            let (c, j) = (item.chunk, item.microbatch);
+            let (takes, frees): (&[KeptKind], &[KeptKind]) = match item.work {
+                Work::F => (&[KeptKind::Forward], &[]),
+                Work::B if splits_w => (&[KeptKind::Backward], &[]),
+                Work::B => (&[], &[KeptKind::Forward]),
+                Work::W => (&[], &[KeptKind::Forward, KeptKind::Backward]),
+            };
+            for &kind in takes {
+                let bytes = size(c, kind);
+                if bytes > 0 {
+                    held.insert((c, j, kind), pool.take(bytes).0);
+                }
+            }
+            for &kind in frees {
+                if let Some(set) = held.remove(&(c, j, kind)) {
+                    pool.free(set);
+                }
+            }
+        }
+        pool.bytes()
     }
 }
 
@@ -1170,7 +1246,7 @@ impl Program {
                 let items = &pipeline.items;
                 let splits_w = items.iter().any(|i| i.work == crate::schedule::Work::W);
                 let apart = items.iter().enumerate().find(|&(at, &item)| item.work == crate::schedule::Work::F && !crate::schedule::backward_follows(item, items.get(at + 1).copied(), splits_w));
-                let in_arena = pipeline.chunks.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward)).find(|&&b| self.memory.offsets[b].is_some());
+                let in_arena = pipeline.chunks.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward)).find(|&&b| self.memory.offsets.get(b).is_some_and(|o| o.is_some()));
                 if let (Some((at, _)), Some(&b)) = (apart, in_arena) {
                     return bad(format!("buffer {b} ({}) is kept in the arena, but item {at}'s forward is not followed by its backward: the next forward would overwrite it", self.buffers[b].name));
                 }
@@ -1205,6 +1281,11 @@ impl Program {
                 let lists = [&chunk.keep_forward, &chunk.keep_backward, &chunk.sum_backward, &chunk.sum_weight];
                 if !lists.iter().all(|l| l.iter().all(in_range)) || chunk.sections.iter().any(|&(s, e)| s > e || e > self.instrs.len()) {
                     return bad(format!("pipeline chunk {} names a buffer or instruction out of range", chunk.stage));
+                }
+                // Kept values are temporaries a section makes: an argument sent to a
+                // micro-batch's storage would be read and written there.
+                if let Some(&b) = chunk.keep_forward.iter().chain(&chunk.keep_backward).find(|&&b| self.args.iter().any(|a| a.buffer == b)) {
+                    return bad(format!("pipeline chunk {} keeps argument buffer {b} ({}) as a value of its micro-batches", chunk.stage, self.buffers[b].name));
                 }
                 if let Err(m) = self.check_early_syncs(chunk) {
                     return bad(format!("pipeline chunk {}: {m}", chunk.stage));

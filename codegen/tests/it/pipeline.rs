@@ -205,6 +205,30 @@ fn kept_values_take_a_set_per_micro_batch_in_flight_outside_the_arena() {
     forwards_ahead.pipeline.as_mut().unwrap().items = programs[0].pipeline.as_ref().unwrap().items.iter().map(|i| shardc_runtime::schedule::Item { chunk: 0, ..*i }).collect();
     let error = forwards_ahead.validate().unwrap_err().to_string();
     assert!(error.contains("is kept in the arena, but item 0's forward is not followed by its backward"), "{error}");
+    // A kept buffer out of range, or an argument (which the runtime would send to a
+    // micro-batch's storage), is refused, not run.
+    for (bad, says) in [(99_999, "names a buffer or instruction out of range"), (programs[0].args[0].buffer, "keeps argument buffer")] {
+        let mut edited = programs[0].clone();
+        edited.pipeline.as_mut().unwrap().chunks[0].keep_forward.push(bad);
+        let error = edited.validate().unwrap_err().to_string();
+        assert!(error.contains(says), "{error}");
+    }
+    // Interleaved, a rank's chunks share sets of one size: it holds no more than the sets
+    // each chunk would hold apart.
+    let (interleaved, _) = compile_stages("tiny", Mesh { dp: 1, tp: 1, pp: 2, cp: 1, ep: 1 }, Kind::Interleaved, 4);
+    for p in &interleaved {
+        let plan = p.pipeline.as_ref().unwrap();
+        let apart: usize = (0..plan.chunks.len())
+            .map(|c| {
+                let mine: Vec<_> = plan.items.iter().copied().filter(|i| i.chunk == c).collect();
+                let mut one = p.clone();
+                one.pipeline.as_mut().unwrap().items = mine.clone();
+                shardc_runtime::program::KeptPool::of_schedule(&one, &mine)
+            })
+            .sum();
+        let pooled = shardc_runtime::program::KeptPool::of_schedule(p, &plan.items);
+        assert!(pooled > 0 && pooled <= apart, "rank {}: {pooled} pooled against {apart} apart", plan.rank);
+    }
 }
 
 /// Codegen refuses a schedule that does not fit the stages, and one that deadlocks.

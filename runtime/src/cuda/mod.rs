@@ -187,25 +187,29 @@ pub struct CudaExecutor {
     profile: Option<Vec<(Option<usize>, device::Marker)>>,
     /// A pipeline rank's kept values, by buffer: (chunk, kind, byte offset in its set).
     kept_of: Vec<Option<(usize, KeptKind, usize)>>,
-    /// Storage of kept values, one set per micro-batch in flight, pooled per chunk and kind.
+    /// Storage of kept values, a set per micro-batch in flight, pooled over the chunks
+    /// ([`crate::program::KeptPool`] decides which set each takes).
     kept_sets: Vec<KeptSet>,
+    kept_pool: crate::program::KeptPool,
     /// The set each chunk's kept buffers of each kind are in now.
     kept_bound: Vec<[Option<usize>; 2]>,
 }
 
-/// One micro-batch's kept values of one chunk and kind ([`ChunkPlan::kept_set`]) on every
-/// local rank: the forward writes them here and the backward reads them here.
+/// Storage for one micro-batch's kept values of one chunk and kind
+/// ([`crate::program::ChunkPlan::kept_set`]) on every local rank: the forward writes them
+/// here and the backward reads them here.
 struct KeptSet {
-    chunk: usize,
-    kind: KeptKind,
     /// Per local rank: the set's pointer.
     pointers: Vec<u64>,
-    in_use: bool,
 }
 
-/// A set of [`CudaExecutor::take_kept`].
+/// A set of [`CudaExecutor::take_kept`], taken for a chunk's kept values of one kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KeptId(usize);
+pub struct KeptId {
+    set: usize,
+    chunk: usize,
+    kind: KeptKind,
+}
 
 /// Device copies of some buffers of every local rank: values a pipeline keeps from one
 /// section to a later one of the same micro-batch, or gradients it sums over micro-batches.
@@ -385,25 +389,18 @@ impl CudaExecutor {
                 scatter_sums.insert(b, mine);
             }
         }
-        // Each chunk's kept values take storage of their own, a set per micro-batch in flight
-        // (the first made here: a pipeline rank runs at least one of each).
+        // Each chunk's kept values outside the arena: where in a set each buffer lies.
         let mut kept_of = vec![None; program.buffers.len()];
         let chunks = program.pipeline.as_ref().map_or(0, |p| p.chunks.len());
-        let mut kept_sets = Vec::new();
-        let mut kept_bound = vec![[None; 2]; chunks];
         for c in 0..chunks {
             for kind in [KeptKind::Forward, KeptKind::Backward] {
-                let (placed, bytes) = program.pipeline.as_ref().map(|p| p.chunks[c].kept_set(&program, kind)).unwrap_or_default();
+                let (placed, _) = program.pipeline.as_ref().map(|p| p.chunks[c].kept_set(&program, kind)).unwrap_or_default();
                 for (b, offset) in placed {
                     kept_of[b] = Some((c, kind, offset));
                 }
-                if bytes > 0 {
-                    let pointers = (0..ranks.len()).map(|_| device.alloc(bytes)).collect::<Result<Vec<_>, _>>()?;
-                    kept_bound[c][kind as usize] = Some(kept_sets.len());
-                    kept_sets.push(KeptSet { chunk: c, kind, pointers, in_use: false });
-                }
             }
         }
+        let kept_bound = vec![[None; 2]; chunks];
         Ok(CudaExecutor {
             program,
             plan,
@@ -436,7 +433,8 @@ impl CudaExecutor {
             fault,
             profile: None,
             kept_of,
-            kept_sets,
+            kept_sets: Vec::new(),
+            kept_pool: Default::default(),
             kept_bound,
         })
     }
@@ -555,34 +553,30 @@ impl CudaExecutor {
     /// the chunk's kept buffers of that kind are in it until another is bound. `None` where
     /// the chunk keeps no such values.
     pub fn take_kept(&mut self, chunk: usize, kind: KeptKind) -> Result<Option<KeptId>, RuntimeError> {
-        let id = match self.kept_sets.iter().position(|k| k.chunk == chunk && k.kind == kind && !k.in_use) {
-            Some(id) => id,
-            None => {
-                let Some(plan) = self.program.pipeline.as_ref() else { return Ok(None) };
-                let bytes = plan.chunks.get(chunk).map_or(0, |c| c.kept_set(&self.program, kind).1);
-                if bytes == 0 {
-                    return Ok(None);
-                }
-                let pointers = (0..self.ranks.len()).map(|_| self.device.alloc(bytes)).collect::<Result<Vec<_>, _>>()?;
-                self.kept_sets.push(KeptSet { chunk, kind, pointers, in_use: false });
-                self.kept_sets.len() - 1
-            }
-        };
-        self.kept_sets[id].in_use = true;
-        self.bind_kept(KeptId(id));
-        Ok(Some(KeptId(id)))
+        let Some(plan) = self.program.pipeline.as_ref() else { return Ok(None) };
+        let bytes = plan.chunks.get(chunk).map_or(0, |c| c.kept_set(&self.program, kind).1);
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let (set, new) = self.kept_pool.take(bytes);
+        if new {
+            let pointers = (0..self.ranks.len()).map(|_| self.device.alloc(bytes)).collect::<Result<Vec<_>, _>>()?;
+            self.kept_sets.push(KeptSet { pointers });
+        }
+        let id = KeptId { set, chunk, kind };
+        self.bind_kept(id);
+        Ok(Some(id))
     }
 
     /// Puts the kept buffers of `id`'s chunk and kind in `id` (a micro-batch's backward or
     /// weight gradient reading what its forward or backward kept there).
     pub fn bind_kept(&mut self, id: KeptId) {
-        let set = &self.kept_sets[id.0];
-        self.kept_bound[set.chunk][set.kind as usize] = Some(id.0);
+        self.kept_bound[id.chunk][id.kind as usize] = Some(id.set);
     }
 
     /// Frees a set for reuse by a later [`CudaExecutor::take_kept`].
     pub fn free_kept(&mut self, id: KeptId) {
-        self.kept_sets[id.0].in_use = false;
+        self.kept_pool.free(id.set);
     }
 
     /// Copies `buffers` of every local rank into a hold (reusing a free one of the same

@@ -252,28 +252,6 @@ pub fn kept_copy_changes(items: &[Item]) -> Vec<(usize, i64, i64)> {
         .collect()
 }
 
-/// How a pipeline rank running `items` (in order) takes and frees sets of its micro-batches'
-/// kept values, as the CUDA runtime keeps them (storage of each micro-batch's own, which
-/// the forward writes and the backward reads in place): after each item, its chunk and the
-/// change in that chunk's sets of forward values and of backward values in use. A forward
-/// takes a set and its backward frees it, or, where the schedule splits off weight
-/// gradients, a backward takes a set of its own and its weight gradient frees both.
-pub fn kept_set_changes(items: &[Item]) -> Vec<(usize, i64, i64)> {
-    let splits_w = items.iter().any(|i| i.work == Work::W);
-    items
-        .iter()
-        .map(|item| {
-            let (forward, backward) = match item.work {
-                Work::F => (1, 0),
-                Work::B if splits_w => (0, 1),
-                Work::B => (-1, 0),
-                Work::W => (-1, -1),
-            };
-            (item.chunk, forward, backward)
-        })
-        .collect()
-}
-
 /// [`simulate`] with each item's cost from `cost(rank, item)` (stages of different weight).
 pub fn simulate_with(schedule: &Schedule, cost: impl Fn(usize, &Item) -> f64) -> Result<Timeline, ScheduleError> {
     use std::collections::HashMap;
