@@ -1724,7 +1724,7 @@ fn inspect_refuses_plans_whose_numbers_do_not_add_up() {
                 p["programs"][0]["format_version"] = serde_json::json!(1);
                 p["programs"][0]["device"] = serde_json::json!({"calls": [{"unknown_call": {}}]});
             }),
-            "format version 1 is not supported (this runtime reads version 5)",
+            "format version 1 is not supported (this runtime reads version 6)",
         ),
         (Box::new(|p| p["format_version"] = serde_json::json!(7)), "plan `format_version` is 7"),
         (Box::new(|p| p["programs"][2]["mesh"] = serde_json::json!([u64::MAX, 2])), "mesh [18446744073709551615, 2]"),
