@@ -2895,6 +2895,12 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
 }
 
 /// `shardc run --backend cuda ARGS` on the emulated device, with the variables `env`.
+/// Every tensor of a safetensors file, by name, as f64.
+fn safetensors_file(file: &str) -> shardc_runtime::hf::Tensors {
+    let file = shardc_runtime::tensor_file::TensorFile::open(std::path::Path::new(file)).unwrap();
+    file.names().into_iter().map(|name| (name.clone(), file.read_f64(&name).unwrap().unwrap())).collect()
+}
+
 fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_shardc"));
     command.args(["run", "--backend", "cuda"]).args(args).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_GPU_EMULATE", "1");
@@ -2937,11 +2943,7 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     let (cpu_validation, gpu_validation) = (validation_losses(&reference_out), validation_losses(&resumed_out));
     assert_eq!(gpu_validation.len(), 1, "{}", stdout(&resumed_out));
     assert!((gpu_validation[0].1 - cpu_validation[1].1).abs() <= 1e-5 * cpu_validation[1].1, "validation loss at step 4: GPU {gpu_validation:?}, CPU {cpu_validation:?}");
-    let read = |file: &str| -> shardc_runtime::hf::Tensors {
-        let file = shardc_runtime::tensor_file::TensorFile::open(std::path::Path::new(file)).unwrap();
-        file.names().into_iter().map(|name| (name.clone(), file.read_f64(&name).unwrap().unwrap())).collect()
-    };
-    let (cpu_params, gpu_params) = (read(&cpu_file), read(&gpu_file));
+    let (cpu_params, gpu_params) = (safetensors_file(&cpu_file), safetensors_file(&gpu_file));
     assert_eq!(cpu_params.keys().collect::<Vec<_>>(), gpu_params.keys().collect::<Vec<_>>());
     for (name, (shape, values)) in &gpu_params {
         // A key bias's gradient is zero but for rounding (softmax ignores a shift that is the
@@ -2955,7 +2957,7 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     }
     // Both runs' Hugging Face folders are their saved parameters, exported.
     for (params, folder) in [(&cpu_params, &cpu_hf), (&gpu_params, &hf_out)] {
-        let written = read(&format!("{folder}/model.safetensors"));
+        let written = safetensors_file(&format!("{folder}/model.safetensors"));
         let tied = !written.contains_key("lm_head.weight");
         let exported = shardc_runtime::hf::export(shardc_runtime::hf::Family::Gpt2, params, tied).unwrap();
         assert_eq!(exported.len(), written.len(), "{folder}");
@@ -3029,10 +3031,6 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
 fn gpu_processes_write_whole_files_from_their_rank_files() {
     let dir = tempdir("gpu-process-save");
     let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
-    let read = |file: &str| -> shardc_runtime::hf::Tensors {
-        let file = shardc_runtime::tensor_file::TensorFile::open(std::path::Path::new(file)).unwrap();
-        file.names().into_iter().map(|name| (name.clone(), file.read_f64(&name).unwrap().unwrap())).collect()
-    };
     // 256 ids padded to a multiple of 3 x tp.
     let padded = path("tiny-padded.toml");
     std::fs::write(&padded, std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("vocab = 256", "vocab = 256\nvocab_multiple = 3")).unwrap();
@@ -3046,7 +3044,7 @@ fn gpu_processes_write_whole_files_from_their_rank_files() {
         let (file, hf) = (path(&format!("{tag}-one.safetensors")), path(&format!("{tag}-one-hf")));
         let one = run_on_emulated_gpu(&[&base[..], &["--save", &file, "--save-hf", &hf]].concat(), &[]);
         assert!(one.status.success(), "{tag}: {}", stderr(&one));
-        let (want_params, want_hf) = (read(&file), read(&format!("{hf}/model.safetensors")));
+        let (want_params, want_hf) = (safetensors_file(&file), safetensors_file(&format!("{hf}/model.safetensors")));
         for with_checkpoint in [false, true] {
             let what = format!("{tag} over {processes} processes, checkpointing {with_checkpoint}");
             let (file, hf, checkpoint) = (path(&format!("{tag}-{with_checkpoint}.safetensors")), path(&format!("{tag}-{with_checkpoint}-hf")), path(&format!("{tag}-ckpt")));
@@ -3057,7 +3055,7 @@ fn gpu_processes_write_whole_files_from_their_rank_files() {
             let out = run_on_emulated_gpu(&command, &[("SHARDC_EMULATE_PROCESSES", processes)]);
             assert!(out.status.success(), "{what}: {}{}", stdout(&out), stderr(&out));
             assert!(stdout(&out).contains(&format!("saved       {file}")), "{what}: {}", stdout(&out));
-            for (want, got) in [(&want_params, read(&file)), (&want_hf, read(&format!("{hf}/model.safetensors")))] {
+            for (want, got) in [(&want_params, safetensors_file(&file)), (&want_hf, safetensors_file(&format!("{hf}/model.safetensors")))] {
                 assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{what}");
                 for (name, (shape, values)) in &got {
                     assert_eq!(shape, &want[name].0, "{what}: {name}");

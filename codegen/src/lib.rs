@@ -480,17 +480,13 @@ pub fn lower_pipeline(module: &shardc_ir::Module, grid: &[i64], schedule: &Sched
             // every backward comes right after its forward (the last stage of 1F1B, one rank
             // accumulating): then they stay in the arena, which frees them as the backward
             // reads them for last.
-            let items = &schedule.ranks[rank];
-            let splits_w = items.iter().any(|i| i.work == Work::W);
-            let in_place = items.iter().enumerate().all(|(at, &item)| item.work != Work::F || shardc_runtime::schedule::backward_follows(item, items.get(at + 1).copied(), splits_w));
+            let ahead = shardc_runtime::schedule::forward_ahead(&schedule.ranks[rank]).is_some();
+            let mut sections = Vec::new();
             let mut program = lower_func_keeping(&combined, grid, |instrs, is_arg| {
-                if in_place {
-                    return Ok(Vec::new());
-                }
-                let plans = chunk_sections(instrs, is_arg, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?;
-                Ok(plans.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward).copied()).collect())
+                sections = chunk_sections(instrs, is_arg, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?;
+                Ok(if ahead { sections.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward).copied()).collect() } else { Vec::new() })
             })?;
-            let mut plan = pipeline_plan(&program, &combined, &chunk_of, rank, pp, chunks).map_err(|e| unsupported(&combined.name, e))?;
+            let mut plan = pipeline_plan(&program, sections, rank, pp).map_err(|e| unsupported(&combined.name, e))?;
             plan.kind = schedule.kind;
             plan.microbatches = schedule.microbatches;
             plan.items = schedule.ranks[rank].clone();
@@ -550,13 +546,9 @@ fn concat_stages(stages: &[&Func], rank: usize) -> (Func, Vec<usize>) {
     (func, chunk_of)
 }
 
-/// Sections and per-micro-batch buffers of a lowered, concatenated pipeline rank.
-fn pipeline_plan(program: &Program, func: &Func, chunk_of: &[usize], rank: usize, pp: usize, chunks: usize) -> Result<PipelinePlan, String> {
-    let mut is_arg = vec![false; program.buffers.len()];
-    for a in &program.args {
-        is_arg[a.buffer] = true;
-    }
-    let mut plans = chunk_sections(&program.instrs, &is_arg, func, chunk_of, rank, pp, chunks)?;
+/// The pipeline plan of a lowered, concatenated pipeline rank from its chunks' sections
+/// ([`chunk_sections`]): each chunk's step collectives that may start early.
+fn pipeline_plan(program: &Program, mut plans: Vec<shardc_runtime::program::ChunkPlan>, rank: usize, pp: usize) -> Result<PipelinePlan, String> {
     for plan in &mut plans {
         plan.early_syncs = early_syncs(program, plan);
     }

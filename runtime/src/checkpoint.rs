@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 
 use crate::collectives::MeshShape;
@@ -16,32 +16,12 @@ use crate::RuntimeError;
 /// Named f32 tensors: `(name, shape, values)`.
 pub type NamedTensors = Vec<(String, Vec<usize>, Vec<f32>)>;
 
-/// Serializes f32 tensors `(name, shape, values)`.
-pub fn to_bytes(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>, RuntimeError> {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| {
-            TensorView::new(Dtype::F32, shape.clone(), b).map(|view| (name.clone(), view)).map_err(|e| RuntimeError::Program(format!("tensor {name}: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let metadata: Option<HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
-    safetensors::serialize(views, metadata).map_err(|e| RuntimeError::Program(format!("serializing tensors: {e}")))
-}
-
 /// Writes a run's parameters (f32, by name, global: what `--load` reads) to the
 /// safetensors file `path`, one tensor at a time as `source` reads them.
 pub fn write_parameters(path: &std::path::Path, source: &dyn crate::train::ParameterSource) -> Result<(), RuntimeError> {
     let header: Vec<(String, Vec<usize>, Dtype)> = source.parameter_shapes()?.into_iter().map(|(name, shape)| (name, shape, Dtype::F32)).collect();
-    crate::tensor_file::write_streamed(path, &header, &[("format", "pt")], |i| {
-        let (name, shape, _) = &header[i];
-        let values = source.parameter_values(name)?;
-        if values.len() != shape.iter().product::<usize>() {
-            return Err(RuntimeError::Program(format!("parameter `{name}` has {} values, its shape {shape:?} holds {}", values.len(), shape.iter().product::<usize>())));
-        }
-        Ok(values.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect())
-    })?;
+    // The writer checks each tensor's bytes against its shape.
+    crate::tensor_file::write_streamed(path, &header, &[("format", "pt")], |i| Ok(source.parameter_values(&header[i].0)?.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect()))?;
     Ok(())
 }
 
@@ -221,7 +201,7 @@ fn f64_bytes(tensors: &[(String, Vec<usize>, Vec<f64>)]) -> Result<Vec<u8>, Runt
     let views = tensors
         .iter()
         .zip(&bytes)
-        .map(|((name, shape, _), b)| TensorView::new(Dtype::F64, shape.clone(), b).map(|view| (name.clone(), view)).map_err(|e| RuntimeError::Program(format!("tensor {name}: {e}"))))
+        .map(|((name, shape, _), b)| safetensors::tensor::TensorView::new(Dtype::F64, shape.clone(), b).map(|view| (name.clone(), view)).map_err(|e| RuntimeError::Program(format!("tensor {name}: {e}"))))
         .collect::<Result<Vec<_>, _>>()?;
     safetensors::serialize(views, None).map_err(|e| RuntimeError::Program(format!("serializing tensors: {e}")))
 }
@@ -454,14 +434,11 @@ pub fn partial_folder(dir: &std::path::Path, step: u64) -> std::path::PathBuf {
 /// into [`partial_folder`] from its own shards alone: `shard(binding)` is the rank's local
 /// value of a state tensor, read from device memory. Returns the file's CRC-32, which rank 0
 /// needs for the manifest ([`commit_processes`]), after every rank's file is written.
-pub fn write_own_rank_file(dir: &std::path::Path, step: u64, programs: &[Program], rank: usize, shard: impl Fn(&crate::program::Binding) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
-    write_own_rank_file_of(dir, step, programs, rank, false, shard)
-}
-
-/// [`write_own_rank_file`], with `parameters_only` the parameters (and their fp32 masters)
-/// alone, each shard by the lowest rank that holds it: files to assemble the parameters
-/// from (`--save` of a multi-process run), not to resume from.
-pub fn write_own_rank_file_of(dir: &std::path::Path, step: u64, programs: &[Program], rank: usize, parameters_only: bool, shard: impl Fn(&crate::program::Binding) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
+///
+/// With `parameters_only`, the parameters (and their fp32 masters) alone, each shard by the
+/// lowest rank that holds it: files to assemble the parameters from (`--save` of a
+/// multi-process run), not to resume from.
+pub fn write_own_rank_file(dir: &std::path::Path, step: u64, programs: &[Program], rank: usize, parameters_only: bool, shard: impl Fn(&crate::program::Binding) -> Result<Vec<f64>, RuntimeError>) -> Result<u32, RuntimeError> {
     let partial = partial_folder(dir, step);
     std::fs::create_dir_all(&partial).map_err(|e| io(&partial, e))?;
     write_rank_file(&partial, programs, rank, parameters_only, |binding, _| shard(binding))

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 use crate::RuntimeError;
 
@@ -584,20 +584,15 @@ pub fn write_model(path: &Path, family: Family, source: &dyn crate::train::Param
 
 /// Writes `model.safetensors` (f32, with the `pt` format metadata `transformers` expects).
 pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<(), RuntimeError> {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| TensorView::new(Dtype::F32, shape.clone(), b).map(|view| (name.clone(), view)).map_err(|e| bad(format!("tensor {name}: {e}"))))
-        .collect::<Result<Vec<_>, _>>()?;
-    let metadata: Option<HashMap<String, String>> = Some([("format".to_string(), "pt".to_string())].into());
-    let data = safetensors::serialize(views, metadata).map_err(|e| bad(format!("serializing: {e}")))?;
-    std::fs::write(path, data).map_err(|e| bad(format!("{}: {e}", path.display())))
+    let header: Vec<(String, Vec<usize>, Dtype)> = tensors.iter().map(|(name, shape, _)| (name.clone(), shape.clone(), Dtype::F32)).collect();
+    crate::tensor_file::write_streamed(path, &header, &[("format", "pt")], |i| Ok(tensors[i].2.iter().flat_map(|x| x.to_le_bytes()).collect()))?;
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::tensor::TensorView;
 
     fn folder(tag: &str, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("shardc-hf-{tag}-{}", std::process::id()));

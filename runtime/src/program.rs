@@ -1243,11 +1243,8 @@ impl Program {
             // Kept values in the arena are overwritten by the next forward: only a rank whose
             // every backward comes right after its forward may leave them there.
             if let Some(pipeline) = &self.pipeline {
-                let items = &pipeline.items;
-                let splits_w = items.iter().any(|i| i.work == crate::schedule::Work::W);
-                let apart = items.iter().enumerate().find(|&(at, &item)| item.work == crate::schedule::Work::F && !crate::schedule::backward_follows(item, items.get(at + 1).copied(), splits_w));
                 let in_arena = pipeline.chunks.iter().flat_map(|c| c.keep_forward.iter().chain(&c.keep_backward)).find(|&&b| self.memory.offsets.get(b).is_some_and(|o| o.is_some()));
-                if let (Some((at, _)), Some(&b)) = (apart, in_arena) {
+                if let (Some(at), Some(&b)) = (crate::schedule::forward_ahead(&pipeline.items), in_arena) {
                     return bad(format!("buffer {b} ({}) is kept in the arena, but item {at}'s forward is not followed by its backward: the next forward would overwrite it", self.buffers[b].name));
                 }
             }

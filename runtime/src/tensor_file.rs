@@ -245,7 +245,9 @@ mod tests {
     use super::*;
 
     fn file_bytes() -> Vec<u8> {
-        crate::checkpoint::to_bytes(&[("a".into(), vec![2, 3], (0..6).map(|i| i as f32).collect()), ("b".into(), vec![4], vec![1.5; 4])]).unwrap()
+        let (a, b): (Vec<u8>, Vec<u8>) = ((0..6).flat_map(|i| (i as f32).to_le_bytes()).collect(), [1.5f32; 4].iter().flat_map(|x| x.to_le_bytes()).collect());
+        let views = vec![("a", safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 3], &a).unwrap()), ("b", safetensors::tensor::TensorView::new(Dtype::F32, vec![4], &b).unwrap())];
+        safetensors::serialize(views, None).unwrap()
     }
 
     #[test]

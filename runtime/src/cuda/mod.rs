@@ -1878,7 +1878,7 @@ impl CudaTrainer {
         // of what crashed runs left when it took it).
         self.gather_from_every_process(&[0])?;
         let runner = &self.runners[0];
-        let written = crate::checkpoint::write_own_rank_file_of(dir, self.step, &self.every_program, rank, parameters_only, |binding| {
+        let written = crate::checkpoint::write_own_rank_file(dir, self.step, &self.every_program, rank, parameters_only, |binding| {
             let program = runner.exec.program();
             if program.arg(&binding.name).is_none() {
                 return Err(err(format!("rank {rank}'s program (pipeline rank {program_index}) has no `{}`", binding.name)));

@@ -226,6 +226,14 @@ pub fn backward_follows(item: Item, next: Option<Item>, splits_w: bool) -> bool 
     !splits_w && item.work == Work::F && next == Some(Item { work: Work::B, ..item })
 }
 
+/// The first of `items` (a rank's, in order) that is a forward whose backward does not come
+/// right after it ([`backward_follows`]): the rank runs forwards ahead and needs storage for
+/// each micro-batch in flight's kept values; `None` where every backward follows its forward.
+pub fn forward_ahead(items: &[Item]) -> Option<usize> {
+    let splits_w = items.iter().any(|i| i.work == Work::W);
+    (0..items.len()).find(|&at| items[at].work == Work::F && !backward_follows(items[at], items.get(at + 1).copied(), splits_w))
+}
+
 /// How a pipeline rank running `items` (in order) takes and frees copies of its micro-batches'
 /// kept values, as both pipeline runtimes do: after each item, its chunk and the change in
 /// that chunk's copies of forward values and of backward values. A forward's copy is taken
