@@ -256,7 +256,9 @@ pub fn resume_data(dir: &Path, saved: Option<&DataRecord>, corpus: &mut Corpus, 
 
 /// The validation loss of a run, every `--eval-every` steps and at the end.
 pub struct Evaluation {
-    evaluator: Evaluator,
+    /// The CPU's forward pass (`None`: the run evaluates on its devices, with its own step).
+    evaluator: Option<Evaluator>,
+    windows: usize,
     every: u64,
 }
 
@@ -265,16 +267,7 @@ impl Evaluation {
     /// with its loss compiled for one device, at the spec's micro-batch (or fewer rows when
     /// fewer windows are evaluated).
     pub fn new(args: &DataArgs, spec: &Spec, corpus: &Corpus) -> Result<Option<Evaluation>> {
-        if args.eval_every == 0 {
-            return Ok(None);
-        }
-        if corpus.validation_windows() == 0 {
-            return Err(miette!(help = "hold out windows with --eval-fraction, e.g. 0.01", "--eval-every {}: --eval-fraction 0 holds out no data to evaluate on", args.eval_every));
-        }
-        let windows = (args.eval_windows.unwrap_or(DEFAULT_EVAL_WINDOWS) as usize).min(corpus.validation_windows() as usize);
-        if windows == 0 {
-            return Err(miette!(help = "evaluate on at least one window, e.g. --eval-windows 64", "--eval-windows 0"));
-        }
+        let Some(windows) = Evaluation::windows_asked(args, corpus)? else { return Ok(None) };
         // The largest batch up to the micro-batch that divides the windows: every window
         // counts, whatever --micro-batch (a batch of 2 over 3 windows dropped the third).
         let rows = (1..=(spec.training.micro_batch as usize).clamp(1, windows)).rev().find(|r| windows.is_multiple_of(*r)).unwrap_or(1);
@@ -290,7 +283,34 @@ impl Evaluation {
         let forward = module.func("forward").ok_or_else(|| miette!("the pipeline produced no @forward"))?;
         let program = shardc_codegen::lower_func(forward).into_diagnostic()?;
         let evaluator = Evaluator::new(program, corpus, windows).map_err(|e| miette!("--eval-every: {e}"))?;
-        Ok(Some(Evaluation { evaluator, every: args.eval_every }))
+        Ok(Some(Evaluation { windows: evaluator.windows(), evaluator: Some(evaluator), every: args.eval_every }))
+    }
+
+    /// The evaluation `args` ask for of a run that evaluates on its devices with its own
+    /// training step's forward ([`shardc_runtime::cuda::CudaTrainer::evaluate`]): nothing is
+    /// compiled for it.
+    pub fn on_devices(args: &DataArgs, corpus: &Corpus) -> Result<Option<Evaluation>> {
+        Ok(Evaluation::windows_asked(args, corpus)?.map(|windows| Evaluation { evaluator: None, windows, every: args.eval_every }))
+    }
+
+    /// The windows each evaluation averages over (none without `--eval-every`).
+    fn windows_asked(args: &DataArgs, corpus: &Corpus) -> Result<Option<usize>> {
+        if args.eval_every == 0 {
+            return Ok(None);
+        }
+        if corpus.validation_windows() == 0 {
+            return Err(miette!(help = "hold out windows with --eval-fraction, e.g. 0.01", "--eval-every {}: --eval-fraction 0 holds out no data to evaluate on", args.eval_every));
+        }
+        let windows = (args.eval_windows.unwrap_or(DEFAULT_EVAL_WINDOWS) as usize).min(corpus.validation_windows() as usize);
+        if windows == 0 {
+            return Err(miette!(help = "evaluate on at least one window, e.g. --eval-windows 64", "--eval-windows 0"));
+        }
+        Ok(Some(windows))
+    }
+
+    /// The validation windows each evaluation averages over.
+    pub fn windows(&self) -> usize {
+        self.windows
     }
 
     /// Steps between evaluations.
@@ -303,16 +323,23 @@ impl Evaluation {
         step.is_multiple_of(self.every) || step == last
     }
 
-    /// Evaluates the run's `parameters` and prints `step N validation loss X`.
+    /// Evaluates the run's `parameters` on the CPU and prints `step N validation loss X`.
     pub fn report(&mut self, step: u64, parameters: &dyn shardc_runtime::train::ParameterSource, corpus: &Corpus) -> Result<f64> {
-        let loss = self.evaluator.loss(parameters, corpus).map_err(|e| miette!("evaluating after step {step}: {e}"))?;
-        println!("step {step} validation loss {loss:.6}");
+        let evaluator = self.evaluator.as_mut().ok_or_else(|| miette!("this run evaluates on its devices"))?;
+        let loss = evaluator.loss(parameters, corpus).map_err(|e| miette!("evaluating after step {step}: {e}"))?;
+        Evaluation::print(step, loss);
         Ok(loss)
+    }
+
+    /// Prints `step N validation loss X`.
+    pub fn print(step: u64, loss: f64) {
+        println!("step {step} validation loss {loss:.6}");
     }
 
     /// What the validation loss averages over, for the run's header.
     pub fn describe(&self, corpus: &Corpus) -> String {
-        format!("validation loss every {} steps on {} of the {} held-out windows", self.every, self.evaluator.windows(), corpus.validation_windows())
+        let where_ = if self.evaluator.is_some() { "" } else { ", on the devices with the training step's forward" };
+        format!("validation loss every {} steps on {} of the {} held-out windows{where_}", self.every, self.windows, corpus.validation_windows())
     }
 }
 

@@ -2914,9 +2914,9 @@ fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
 /// kernels compiled as C++), takes every option the CPU backend takes, or refuses it with
 /// the reason before any work: the same losses as the CPU backend from the seed, from
 /// Hugging Face weights, from `--load` and across `--checkpoint` and `--resume` (between
-/// backends too), and files that load back to the same model; `--trace`, the CPU's
-/// collective algorithms and numerics checks, and evaluation in a multi-process run are
-/// refused.
+/// backends too), the same validation losses (in one process or a process per rank), and
+/// files that load back to the same model; `--trace`, the CPU's collective algorithms and
+/// numerics checks are refused.
 #[test]
 fn gpu_runs_take_every_run_option_or_refuse_it() {
     let dir = tempdir("gpu-run-options");
@@ -3002,13 +3002,23 @@ fn gpu_runs_take_every_run_option_or_refuse_it() {
     close(&reference, &losses_by_step(&gpu(&[&sharded[..], &["--steps", "2", "--checkpoint", &tp_checkpoint]].concat(), &[])), "dp=2,tp=2 ZeRO-1 on the GPU");
     assert!(dir.join("tp-ckpt/step-00000002/rank-00003.safetensors").is_file());
     close(&reference, &losses_by_step(&cpu(&[&sharded[..], &["--steps", "3", "--resume", &tp_checkpoint]].concat())), "dp=2,tp=2 ZeRO-1 resumed on the CPU");
+    // A process per rank evaluates its own shards on its device, with the step's forward:
+    // a step without sections (its loss's dp sum left to the host) and interleaved pipeline
+    // stages, 5 windows over batches of 4: the CPU's validation losses on the whole model.
+    for (args, processes) in [(&sharded[..], "4"), (&pipelined[..], "2")] {
+        let evaluated = [args, &["--steps", "2", "--eval-every", "1", "--eval-windows", "5"]].concat();
+        let (on_cpu, in_processes) = (validation_losses(&cpu(&evaluated)), validation_losses(&gpu(&evaluated, &[("SHARDC_EMULATE_PROCESSES", processes)])));
+        assert_eq!(in_processes.iter().map(|v| v.0).collect::<Vec<_>>(), [1, 2], "{args:?}");
+        for ((step, want), (_, got)) in on_cpu.iter().zip(&in_processes) {
+            assert!((got - want).abs() <= 1e-5 * want, "{args:?}: step {step} validation loss {got} in processes, {want} on the CPU");
+        }
+    }
     // What a GPU run cannot do is refused before any work, with the reason.
     for (args, env, says) in [
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--trace", "t.json"], vec![], "--trace writes the timeline the CPU pipeline runtime measures item by item"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "tree"], vec![], "--collectives tree: the CPU backend's algorithm"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--collectives", "bogus"], vec![], "--collectives: unknown algorithm `bogus`"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--check-numerics"], vec![], "--check-numerics checks every op's results on the CPU backend only"),
-        (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2", "--eval-every", "1"], vec![("SHARDC_EMULATE_PROCESSES", "2")], "--eval-every 1: the held-out loss is computed from the whole model"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--mesh", "dp=2"], vec![("RANK", "0"), ("WORLD_SIZE", "2")], "RANK is set with SHARDC_GPU_EMULATE=1: an emulated device cannot reach the run's other processes"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1"], vec![("RANK", "1"), ("WORLD_SIZE", "1")], "RANK=1 must be below WORLD_SIZE=1"),
         (vec!["models/tiny.toml", "--steps", "2", "--microbatches", "1", "--save", "out.safetensors/"], vec![], "--save out.safetensors/: is a folder"),

@@ -239,7 +239,8 @@ fn precompile_fills_the_kernel_cache_with_each_module_once() {
 /// checkpoints move between them: a GPU machine with no compiler trains from the seed and
 /// from `shardc run`'s checkpoint, and `shardc run` resumes from its, each with the losses of
 /// the uninterrupted run (dp=2 and two pipeline stages over 4 micro-batches, every rank on
-/// the emulated device). Bad options are refused by name.
+/// the emulated device), and it evaluates as `shardc run` does. Bad options are refused by
+/// name.
 #[test]
 fn shardc_gpu_trains_a_plan_and_its_checkpoints_resume_under_shardc_run() {
     let dir = tempdir("train");
@@ -271,7 +272,22 @@ fn shardc_gpu_trains_a_plan_and_its_checkpoints_resume_under_shardc_run() {
     let on = dir.join("on");
     assert_eq!(cli(&["train", plan.to_str().unwrap(), "--data", data.to_str().unwrap(), "--steps", "2", "--resume", from_run.to_str().unwrap(), "--checkpoint", on.to_str().unwrap()]), Ok(true));
     assert_eq!(run(&["--steps", "4", "--resume", on.to_str().unwrap()]), straight[3..], "shardc-gpu resumed shardc's checkpoint at step 1 and trained to step 3");
-    for (args, says) in [(vec!["--steps", "2"], "--data FILE"), (vec!["--data", "x", "--lr", "1"], "unknown option `--lr`"), (vec!["--data", "x", "--steps", "two"], "--steps two")] {
+    // Evaluated on the device as `shardc run` evaluates: the same validation losses.
+    let evaluating = ["--steps", "2", "--eval-every", "1", "--eval-windows", "5"];
+    let validation = |lines: Vec<String>| lines.into_iter().filter(|l| l.contains("validation loss")).collect::<Vec<_>>();
+    let mut said = Vec::new();
+    let trained = shardc_gpu::train_saying(&plan, &[&["--data", data.to_str().unwrap()][..], &evaluating].concat().iter().map(|a| a.to_string()).collect::<Vec<_>>(), &Placement::Emulated, &mut |line| said.push(line));
+    assert_eq!(trained, Ok(true));
+    let said: Vec<String> = said.into_iter().filter_map(|l| l.strip_prefix("step ").map(str::to_string)).collect();
+    assert_eq!(validation(said.clone()).len(), 2, "{said:?}");
+    assert_eq!(validation(said), validation(run(&evaluating)), "shardc-gpu train and shardc run evaluate alike");
+    for (args, says) in [
+        (vec!["--steps", "2"], "--data FILE"),
+        (vec!["--data", "x", "--lr", "1"], "unknown option `--lr`"),
+        (vec!["--data", "x", "--steps", "two"], "--steps two"),
+        (vec!["--data", "x", "--eval-windows", "4"], "only with --eval-every N"),
+        (vec!["--data", "x", "--eval-every", "1", "--eval-windows", "0"], "--eval-windows 0"),
+    ] {
         let error = cli(&[&["train", plan.to_str().unwrap()][..], &args].concat()).unwrap_err();
         assert!(error.contains(says), "{args:?}: {error}");
     }

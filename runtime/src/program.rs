@@ -591,6 +591,20 @@ pub struct PipelinePlan {
     pub items: Vec<crate::schedule::Item>,
 }
 
+/// Where a step without pipeline sections makes its loss ([`Program::loss_partial`]):
+/// instructions `0..end` make `buffer` on every rank and write none of the step's arguments;
+/// the loss is the sum of `buffer` over the ranks of a group along mesh `axes` (none: it is
+/// `buffer` itself).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LossPartial {
+    /// The buffer each rank holds its part of the loss in.
+    pub buffer: BufferId,
+    /// The instructions that make it: `0..end`.
+    pub end: usize,
+    /// The mesh axes the loss sums it over.
+    pub axes: Vec<usize>,
+}
+
 /// How two buffers share device memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Alias {
@@ -1144,6 +1158,41 @@ impl Program {
         }
         order.sort_unstable();
         order.into_iter().map(|(_, _, index)| index).collect()
+    }
+
+    /// Where a step without pipeline sections makes its loss, for evaluating the model on
+    /// other batches with the forward alone. The loss's last reductions (sums over the
+    /// batch's axes, which a communication optimizer may bucket with gradients to the end of
+    /// the step) are left to the caller: see [`LossPartial`].
+    pub fn loss_partial(&self) -> Result<LossPartial, String> {
+        let loss = self.result("loss").ok_or("the program returns no `loss`")?.buffer;
+        let (mut buffer, mut before, mut axes) = (loss, self.instrs.len(), Vec::new());
+        let end = loop {
+            let writer = (0..before).rev().find(|&i| self.instrs[i].outputs.contains(&buffer)).ok_or_else(|| format!("no instruction makes the loss's buffer {buffer}"))?;
+            let instr = &self.instrs[writer];
+            let sums = !matches!(instr.attrs.get("reduction"), Some(Attr::Str(r)) if r != "sum");
+            match instr.op.as_str() {
+                // A wait's value is its collective's.
+                "xf.wait" => before = writer,
+                "shard.all_reduce" if sums => {
+                    axes.extend(instr.ints("grid_axes")?.into_iter().map(|a| a as usize));
+                    buffer = instr.inputs[0];
+                    before = writer;
+                }
+                _ => break writer + 1,
+            }
+        };
+        // The forward must leave the run's state as it is (the update writes it in place).
+        for (index, instr) in self.instrs[..end].iter().enumerate() {
+            for &output in &instr.outputs {
+                if let Some(arg) = self.args.iter().find(|a| self.alias(output, a.buffer) != Alias::None) {
+                    return Err(format!("instruction {index} (`{}`), before the loss is made, writes the argument `{}`", instr.op, arg.name));
+                }
+            }
+        }
+        axes.sort_unstable();
+        axes.dedup();
+        Ok(LossPartial { buffer, end, axes })
     }
 
     /// Bytes the CPU backend allocates for the program: every storage slot (it keeps typed

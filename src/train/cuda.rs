@@ -28,20 +28,6 @@ pub(super) fn refuse_what_gpu_runs_cannot_do(args: &RunArgs) -> Result<()> {
     if args.check_numerics {
         return Err(miette!(help = "run the same step with --backend cpu --check-numerics to find the op; a GPU run stops at the first step whose loss is not finite", "--check-numerics checks every op's results on the CPU backend only"));
     }
-    // A process of a multi-process run holds its own shards only; a world of one process
-    // holds them all.
-    if std::env::var_os("RANK").is_some() || std::env::var_os("SHARDC_EMULATE_PROCESSES").is_some() {
-        // The held-out loss is computed on the CPU from the whole state, which a process
-        // holds only in a world of one.
-        let processes = std::env::var("WORLD_SIZE").or_else(|_| std::env::var("SHARDC_EMULATE_PROCESSES")).ok().and_then(|n| n.trim().parse::<usize>().ok()).unwrap_or(2);
-        if args.input.eval_every > 0 && processes > 1 {
-            return Err(miette!(
-                help = "checkpoint with --checkpoint DIR and evaluate on one host, resuming it there with --eval-every (every rank on one GPU, or the CPU backend)",
-                "--eval-every {}: the held-out loss is computed from the whole model, and each process of a multi-process GPU run holds only its own shards",
-                args.input.eval_every
-            ));
-        }
-    }
     Ok(())
 }
 
@@ -243,7 +229,8 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     let (first_step, seed) = (trainer.steps_taken(), trainer.seed());
     let to_run = steps_to_run(args, first_step)?;
     let rows = args.step.batch(spec, mesh)?.global_batch as usize;
-    let mut evaluation = crate::data::Evaluation::new(&args.input, spec, &corpus)?;
+    // Evaluated on the devices, every process with its own shards.
+    let evaluation = crate::data::Evaluation::on_devices(&args.input, &corpus)?;
     let schedule = programs[0].pipeline.as_ref().map_or_else(String::new, |p| format!(", {} schedule, {} micro-batches per step", p.kind.label(), p.microbatches));
     if speaks {
         println!("shardc: training {} on the GPU ({placement:?}), mesh {mesh}{schedule}, {} steps, seed {seed}", spec.name, args.steps);
@@ -251,7 +238,6 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
     }
     let tokens = rows * spec.seq_len() as usize;
     let (mut losses, mut seconds) = (LossSummary::default(), Vec::new());
-    let mut unevaluated = false;
     for step in 1..=to_run {
         let (loss, took) = trainer.step(&corpus).into_diagnostic()?;
         let at = first_step + step;
@@ -272,12 +258,10 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
                 checkpoints.save_every_rank(&trainer, corpus.record(at, rows))?;
             }
         }
-        if let Some(evaluation) = evaluation.as_mut().filter(|e| e.due(at, end)) {
-            // The held-out loss is computed on the CPU from the state read back.
-            if trainer.holds_every_rank() {
-                evaluation.report(at, &trainer, &corpus)?;
-            } else {
-                unevaluated = true;
+        if let Some(evaluation) = evaluation.as_ref().filter(|e| e.due(at, end)) {
+            let loss = trainer.evaluate(&corpus, evaluation.windows()).into_diagnostic().wrap_err_with(|| format!("evaluating after step {at}"))?;
+            if speaks {
+                crate::data::Evaluation::print(at, loss);
             }
         }
     }
@@ -298,9 +282,6 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {}", first_step + 1, losses.tail.len(), super::loss_change(first, last));
         println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
         println!("  memory      {memory}");
-    }
-    if unevaluated {
-        println!("  evaluation  skipped: this process holds only its shards of the parameters");
     }
     // Written a tensor at a time, from the device or from the rank files: the state is
     // never whole on the host.

@@ -1152,6 +1152,76 @@ mod emulated {
         }
     }
 
+    /// A GPU run evaluates on its devices, each process from its own shards, with its
+    /// training step's forward alone: each pipeline rank's forward sections (Megatron-LM's
+    /// forward-only schedule), or a step without sections up to where its loss is made, whose
+    /// data-parallel sum (bucketed with the gradients at the step's end) is left to the host.
+    /// The held-out loss is the CPU evaluator's on the whole model, with a last partial batch
+    /// (13 windows over batches of 8 and of 4), the same on every process, and the run goes
+    /// on as if it had not evaluated. Tiny at dp=2 tp=2 with ZeRO-3, and over (2,2,2) 1F1B.
+    #[test]
+    fn gpu_runs_evaluate_with_their_own_forward_and_shards() {
+        const WINDOWS: usize = 13;
+        let adamw = OptimizerKind::AdamW { lr: 0.01, beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1 };
+        let (program, spec) = sgd_step_tuned("tiny", "f32", Mesh { dp: 2, tp: 2, pp: 1, cp: 1, ep: 1 }, None, |o| {
+            o.optimizer = adamw;
+            o.zero = 3;
+        });
+        let partial = program.loss_partial().unwrap();
+        assert_eq!(partial.axes, [0], "the loss's sum over dp is left to the host");
+        assert!(partial.end < program.instrs.len() / 2, "the loss is made by instruction {} of {}", partial.end, program.instrs.len());
+        // A step whose forward would write its state (as the update does) is not run to evaluate.
+        let mut hostile = program.clone();
+        let param = hostile.args.iter().find(|a| a.name == "embed.tokens.weight").unwrap().buffer;
+        hostile.instrs[1].outputs = vec![param];
+        let refused = hostile.loss_partial().unwrap_err();
+        assert!(refused.contains("instruction 1") && refused.contains("`embed.tokens.weight`"), "{refused}");
+        hostile.results.retain(|r| r.name != "loss");
+        assert_eq!(hostile.loss_partial().unwrap_err(), "the program returns no `loss`");
+        let (stages, gpt) = crate::pipeline::compile_stages("tiny", Mesh { dp: 2, tp: 2, pp: 2, cp: 1, ep: 1 }, shardc_runtime::schedule::Kind::OneFOneB, 4);
+        let stages: Vec<Program> = stages.into_iter().map(|p| shardc_codegen::device::with_device_plan(p).unwrap()).collect();
+        for (what, programs, spec) in [("tiny dp=2 tp=2 ZeRO-3", vec![program], spec), ("tiny (2,2,2) 1F1B", stages, gpt)] {
+            let (corpus, layers) = (corpus(&spec), spec.model.layers as usize);
+            let mut trainer = cuda::CudaTrainer::new(&programs, &Placement::Emulated, 0, layers, None).unwrap();
+            trainer.step(&corpus).unwrap();
+            let state = trainer.state().unwrap();
+            let on_cpu = cpu_evaluator(&spec, &corpus, WINDOWS).loss(&state, &corpus).unwrap();
+            let on_device = trainer.evaluate(&corpus, WINDOWS).unwrap();
+            assert!((on_device - on_cpu).abs() <= 1e-5 * on_cpu, "{what}: the device evaluates {on_device}, the CPU {on_cpu}");
+            assert_eq!(trainer.state().unwrap().tensors, state.tensors, "{what}: evaluating changed the state");
+            let next = trainer.step(&corpus).unwrap().0;
+            let mut twin = cuda::CudaTrainer::new(&programs, &Placement::Emulated, 0, layers, None).unwrap();
+            twin.step(&corpus).unwrap();
+            assert_eq!(twin.step(&corpus).unwrap().0, next, "{what}: the step after evaluating");
+            let ranks = shardc_runtime::collectives::MeshShape(programs[0].mesh.clone()).ranks();
+            let in_processes = in_processes(ranks, |rank, placement| {
+                let mut trainer = cuda::CudaTrainer::new(&programs, &placement, 0, layers, None).unwrap();
+                trainer.step(&corpus).unwrap();
+                let loss = trainer.evaluate(&corpus, WINDOWS).unwrap_or_else(|e| panic!("{what} rank {rank}: {e}"));
+                (loss, trainer.step(&corpus).unwrap().0)
+            });
+            for (rank, (loss, after)) in in_processes.into_iter().enumerate() {
+                assert!((loss - on_cpu).abs() <= 1e-5 * on_cpu, "{what} rank {rank}: evaluates {loss}, the CPU {on_cpu}");
+                assert!((after - next).abs() <= 1e-5 * next, "{what} rank {rank}: the step after evaluating took {after}, one device {next}");
+            }
+        }
+    }
+
+    /// The CPU's evaluation of `spec` over `windows` windows (as `shardc run --eval-every`
+    /// on the CPU backend): its forward compiled for one device.
+    fn cpu_evaluator(spec: &shardc_ir::spec::Spec, corpus: &ByteCorpus, windows: usize) -> shardc_runtime::eval::Evaluator {
+        let shape = shardc_ir::spec::StepShape { rows: 1, padded_vocab: spec.model.vocab, sequence_chunks: 1 };
+        let mut eval_spec = spec.clone();
+        eval_spec.training.micro_batch = 1;
+        eval_spec.training.global_batch = None;
+        let mut module = shardc_ir::spec::lower(&eval_spec, shape).unwrap();
+        let options = CompileOptions { vocab: spec.model.vocab as i64, kv_heads: spec.model.kv_heads() as i64, ..Default::default() };
+        let cx = shardc_ir::mlir::IrContext::new().unwrap();
+        shardc_passes::inference_pipeline(&options).run(&cx, &mut module, |_| false, |_, _| {}).unwrap();
+        let program = shardc_codegen::lower_func(module.func("forward").unwrap()).unwrap();
+        shardc_runtime::eval::Evaluator::new(program, corpus, windows).unwrap()
+    }
+
     /// One process per rank (emulated NCCL) checkpoints from device memory: each writes its
     /// own rank file, rank 0 the manifest once every file is written. The checkpoint equals
     /// the one a single device saves from the whole state, and processes on another mesh

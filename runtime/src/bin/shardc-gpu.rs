@@ -19,10 +19,11 @@
 //! * `calibrate DIR`: times each single-kernel program that `shardc calibrate --backend cuda
 //!   --emit DIR` listed in `DIR/kernels.json` and writes `DIR/measured.json`, from which
 //!   `shardc calibrate --measured` fits the cluster model on the build machine;
-//! * `train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR]`:
-//!   trains a compiled plan as `shardc run --backend cuda` does (every rank on the GPU, or
-//!   one rank per process under torchrun), from the seed or a checkpoint, and checkpoints
-//!   at the end (checkpoints move between the two);
+//! * `train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR]
+//!   [--eval-every N [--eval-windows W]]`: trains a compiled plan as `shardc run --backend
+//!   cuda` does (every rank on the GPU, or one rank per process under torchrun), from the
+//!   seed or a checkpoint, evaluates on held-out windows on the devices, and checkpoints at
+//!   the end (checkpoints move between the two);
 //! * `precompile ARCH CACHE PATH...`: compiles the device module of every plan and program
 //!   under each PATH (a JSON file or a folder of them) to machine code for ARCH (`sm_90`)
 //!   with NVRTC, into the kernel cache folder CACHE, with no GPU needed: a run with
@@ -164,7 +165,7 @@ pub fn cli(args: &[String], placement: &Placement) -> Result<bool, String> {
             Placement::Emulated => Ok(true),
             _ => cuda::check_available().map(|()| true).map_err(|e| e.to_string()),
         },
-        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | profile MANIFEST | table MANIFEST | calibrate DIR | precompile ARCH CACHE PATH... | train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR] | available".into()),
+        _ => Err("usage: shardc-gpu check MANIFEST | bench MANIFEST | profile MANIFEST | table MANIFEST | calibrate DIR | precompile ARCH CACHE PATH... | train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR] [--eval-every N [--eval-windows W]] | available".into()),
     }
 }
 
@@ -325,30 +326,44 @@ fn byte_corpus(path: &Path, programs: &[Program]) -> Result<ByteCorpus, String> 
     ByteCorpus::new(bytes, seq, vocab).map_err(|e| e.to_string())
 }
 
-/// `train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR]`: trains
-/// the plan's step (or pipeline ranks) on `placement` as `shardc run --backend cuda` does,
-/// from the seed or a checkpoint, on FILE's bytes as text (one token per byte), and
-/// checkpoints at the end: every rank on one GPU, or, under torchrun (`RANK`, `WORLD_SIZE`,
-/// ...), one rank per process over NCCL, each reading and writing its own shards. Its
-/// checkpoints resume under `shardc run` and the other way round: what a GPU machine with no
-/// compiler trains with.
+/// `train PLAN --data FILE [--steps N] [--seed S] [--resume DIR] [--checkpoint DIR]
+/// [--eval-every N [--eval-windows W]]`: trains the plan's step (or pipeline ranks) on
+/// `placement` as `shardc run --backend cuda` does, from the seed or a checkpoint, on FILE's
+/// bytes as text (one token per byte), evaluates every N steps and at the end (the first W
+/// held-out windows, 64 by default, on the devices with the step's forward, as `shardc run
+/// --eval-every` does), and checkpoints at the end: every rank on one GPU, or, under
+/// torchrun (`RANK`, `WORLD_SIZE`, ...), one rank per process over NCCL, each reading and
+/// writing its own shards. Its checkpoints resume under `shardc run` and the other way round:
+/// what a GPU machine with no compiler trains with.
 fn train(plan: &Path, options: &[String], placement: &Placement) -> Result<bool, String> {
+    train_saying(plan, options, placement, &mut |line| println!("{line}"))
+}
+
+/// [`train`], each line it prints given to `say` (rank 0's, in a multi-process run).
+pub fn train_saying(plan: &Path, options: &[String], placement: &Placement, say: &mut dyn FnMut(String)) -> Result<bool, String> {
+    const FLAGS: [&str; 7] = ["--data", "--steps", "--seed", "--resume", "--checkpoint", "--eval-every", "--eval-windows"];
     let mut given: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
     for pair in options.chunks(2) {
         match pair {
-            [flag, value] if ["--data", "--steps", "--seed", "--resume", "--checkpoint"].contains(&flag.as_str()) => {
+            [flag, value] if FLAGS.contains(&flag.as_str()) => {
                 if given.insert(flag.as_str(), value.as_str()).is_some() {
                     return Err(format!("{flag} is given twice"));
                 }
             }
-            [flag, ..] => return Err(format!("train: unknown option `{flag}` or one without its value (options: --data FILE, --steps N, --seed S, --resume DIR, --checkpoint DIR)")),
+            [flag, ..] => return Err(format!("train: unknown option `{flag}` or one without its value (options: --data FILE, --steps N, --seed S, --resume DIR, --checkpoint DIR, --eval-every N, --eval-windows W)")),
             [] => {}
         }
     }
     let number = |flag: &str, default: u64| -> Result<u64, String> { given.get(flag).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{flag} {v}: expected a whole number"))) };
-    let (steps, seed) = (number("--steps", 1)?, number("--seed", 0)?);
+    let (steps, seed, eval_every, eval_windows) = (number("--steps", 1)?, number("--seed", 0)?, number("--eval-every", 0)?, number("--eval-windows", 64)?);
     if steps == 0 {
         return Err("--steps 0: train at least one step".into());
+    }
+    if given.contains_key("--eval-windows") && eval_every == 0 {
+        return Err("--eval-windows sizes the validation loss, which train prints only with --eval-every N".into());
+    }
+    if eval_every > 0 && eval_windows == 0 {
+        return Err("--eval-windows 0: evaluate on at least one window, e.g. --eval-windows 64".into());
     }
     let data = given.get("--data").ok_or("train: give --data FILE (text, one token per byte)")?;
     let programs = step_programs(plan, true)?;
@@ -366,13 +381,21 @@ fn train(plan: &Path, options: &[String], placement: &Placement) -> Result<bool,
         Some(dir) => cuda::CudaTrainer::resume(&programs, &placement, Path::new(dir)).map_err(|e| format!("resuming from {dir}: {e}"))?.0,
         None => cuda::CudaTrainer::new(&programs, &placement, seed, layers(&programs), None).map_err(|e| e.to_string())?,
     };
+    let last = trainer.steps_taken() + steps;
     for _ in 0..steps {
         let (loss, _) = trainer.step(&corpus).map_err(|e| e.to_string())?;
+        let at = trainer.steps_taken();
         if !loss.is_finite() {
-            return Err(format!("the loss became {loss} at step {}", trainer.steps_taken()));
+            return Err(format!("the loss became {loss} at step {at}"));
         }
         if speaks {
-            println!("step {} loss {loss:.6}", trainer.steps_taken());
+            say(format!("step {at} loss {loss:.6}"));
+        }
+        if eval_every > 0 && (at % eval_every == 0 || at == last) {
+            let loss = trainer.evaluate(&corpus, eval_windows as usize).map_err(|e| format!("evaluating after step {at}: {e}"))?;
+            if speaks {
+                say(format!("step {at} validation loss {loss:.6}"));
+            }
         }
     }
     if let Some(dir) = given.get("--checkpoint") {
@@ -380,7 +403,7 @@ fn train(plan: &Path, options: &[String], placement: &Placement) -> Result<bool,
         let written = if trainer.process_rank().is_some() { trainer.checkpoint_own_shards(dir, model, None, false).map(|p| p.unwrap_or_default()) } else { trainer.checkpoint_every_rank(dir, model, None, None) };
         let written = written.map_err(|e| format!("checkpointing into {}: {e}", dir.display()))?;
         if speaks {
-            println!("checkpoint step {} in {}", trainer.steps_taken(), written.display());
+            say(format!("checkpoint step {} in {}", trainer.steps_taken(), written.display()));
         }
     }
     Ok(true)

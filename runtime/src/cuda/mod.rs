@@ -484,8 +484,12 @@ impl CudaExecutor {
 
     /// Reads a named buffer of local rank `local` as f64.
     pub fn read(&self, local: usize, name: &str) -> Result<Vec<f64>, RuntimeError> {
-        let buffer = self.binding(name)?;
-        let b = &self.program.buffers[buffer];
+        self.read_buffer(local, self.binding(name)?)
+    }
+
+    /// The values of buffer `buffer` on local rank `local`.
+    pub fn read_buffer(&self, local: usize, buffer: BufferId) -> Result<Vec<f64>, RuntimeError> {
+        let b = self.program.buffers.get(buffer).ok_or_else(|| err(format!("no buffer {buffer}")))?;
         let mut bytes = vec![0u8; b.len() * b.dtype.bytes()];
         self.wait_for_device()?;
         self.device.download(&mut bytes, self.buffer_ptr(local, buffer))?;
@@ -547,6 +551,20 @@ impl CudaExecutor {
             return Err(err(format!("bucket {bucket} was never completed and waited for")));
         }
         self.synchronize()
+    }
+
+    /// Runs instructions `0..end` on every local rank, the part of a step that makes its loss
+    /// ([`Program::loss_partial`]), then waits for the collectives it started: the
+    /// backward's early parameter gathers, and bucket members whose buckets the rest of the
+    /// step would send, are dropped unsent (every rank of the step runs the same part, so
+    /// none waits on a peer for them).
+    pub fn run_until(&mut self, end: usize) -> Result<(), RuntimeError> {
+        self.run_range(0..end)?;
+        self.synchronize()?;
+        self.buckets.clear();
+        self.pending_groups.clear();
+        self.pending_shifts.clear();
+        Ok(())
     }
 
     /// A set for chunk `chunk`'s kept values of `kind` (a free one, or a new one), bound:
@@ -1819,7 +1837,7 @@ impl CudaTrainer {
         let batch = programs.iter().find_map(|p| p.arg("tokens").or_else(|| p.arg("targets"))).ok_or_else(|| RuntimeError::Binding("no program reads `tokens` or `targets`".into()))?;
         let shape = batch.layout.as_ref().map_or_else(|| programs[0].buffers[batch.buffer].shape.clone(), |l| l.global_shape.clone());
         let incoming = match (process_rank, &schedule) {
-            (Some(rank), Some(schedule)) => incoming_sends(programs, schedule, &mesh, rank),
+            (Some(rank), Some(schedule)) => incoming_sends(programs, schedule, &mesh, rank, true),
             _ => HashMap::new(),
         };
         let mut trainer = CudaTrainer { runners, programs: own, every_program: programs.to_vec(), incoming, mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule };
@@ -2003,6 +2021,96 @@ impl CudaTrainer {
         Ok((loss, seconds))
     }
 
+    /// The model's mean loss over the first `windows` validation windows of `corpus`,
+    /// computed on the devices from this process's own shards with the step's forward alone:
+    /// each pipeline rank's forward sections, micro-batch after micro-batch (Megatron-LM's
+    /// forward-only schedule), or a step without sections up to where its loss is made
+    /// ([`Program::loss_partial`]). Batches are the step's micro-batch over its replicas;
+    /// every window counts: the last, partial batch is filled with copies of its first
+    /// window, whose own loss (a batch of its copies alone) is taken out again. The run's
+    /// state is left as it was; every process returns the same loss.
+    pub fn evaluate(&mut self, corpus: &crate::data::Corpus, windows: usize) -> Result<f64, RuntimeError> {
+        corpus.check_seq(self.seq)?;
+        let (rows, windows) = (self.rows, windows.min(corpus.validation_windows() as usize));
+        if windows == 0 || rows == 0 {
+            return Err(RuntimeError::Binding("no validation windows to evaluate on: hold out some with --eval-fraction".into()));
+        }
+        let (full, left) = (windows / rows, windows % rows);
+        let batches = full + if left > 0 { 2 } else { 0 };
+        // Batch `b`'s tokens and targets, and the weight of its mean loss in the windows' sum.
+        let batch = |b: usize| -> (Vec<f64>, Vec<f64>, f64) {
+            let widen = |(t, g): (Vec<i32>, Vec<i32>)| -> (Vec<f64>, Vec<f64>) { (t.into_iter().map(f64::from).collect(), g.into_iter().map(f64::from).collect()) };
+            if b < full {
+                let (t, g) = widen(corpus.validation_batch(b * rows, rows));
+                return (t, g, rows as f64);
+            }
+            let first = full * rows;
+            // The partial batch, then its first window's copies alone.
+            let (real, weight) = if b == full { (left, rows as f64) } else { (0, -((rows - left) as f64)) };
+            let (mut t, mut g) = if real > 0 { widen(corpus.validation_batch(first, real)) } else { (Vec::new(), Vec::new()) };
+            let (t0, g0) = widen(corpus.validation_batch(first, 1));
+            for _ in real..rows {
+                t.extend_from_slice(&t0);
+                g.extend_from_slice(&g0);
+            }
+            (t, g, weight)
+        };
+        let step = self.step;
+        let sum = match self.schedule.clone() {
+            Some(schedule) => {
+                // Micro-batch numbers tag the transfers: at most 2^16 a walk.
+                const GROUP: usize = 1 << 12;
+                let mut sum = 0.0;
+                for start in (0..batches).step_by(GROUP) {
+                    let (mut t, mut g, mut weights) = (Vec::new(), Vec::new(), Vec::new());
+                    for b in start..batches.min(start + GROUP) {
+                        let (bt, bg, w) = batch(b);
+                        t.extend(bt);
+                        g.extend(bg);
+                        weights.push(w);
+                    }
+                    let forward = schedule.forward_only(weights.len());
+                    if let Some(rank) = self.process_rank() {
+                        let incoming = incoming_sends(&self.every_program, &forward, &self.mesh, rank, false);
+                        for runner in &mut self.runners {
+                            runner.exec.expect_receives(step, &incoming);
+                        }
+                    }
+                    let losses = self.walk(&forward, step, &t, &g, false)?;
+                    sum += losses.iter().zip(&weights).map(|(l, w)| l * w).sum::<f64>();
+                }
+                for runner in &mut self.runners {
+                    runner.exec.reclaim_sends();
+                    runner.exec.synchronize()?;
+                }
+                self.from_the_loss_maker(sum)?
+            }
+            None => {
+                let partial = self.programs[0].loss_partial().map_err(|e| err(format!("evaluating with the training step: {e}")))?;
+                let ranks = self.runners[0].exec.ranks();
+                let mut sums = vec![0.0; ranks.len()];
+                for b in 0..batches {
+                    let (t, g, w) = batch(b);
+                    self.write_batch(0, &t, &g, 0)?;
+                    self.runners[0].exec.run_until(partial.end)?;
+                    for (local, sum) in sums.iter_mut().enumerate() {
+                        *sum += w * self.runners[0].exec.read_buffer(local, partial.buffer)?[0];
+                    }
+                }
+                // The loss's own reduction: its parts summed over rank 0's group.
+                let group = self.mesh.group(0, &partial.axes);
+                if self.process_rank().is_some() {
+                    let bits = sums[0].to_bits();
+                    let all = self.gather_from_every_process(&[ranks[0] as i32, (bits >> 32) as u32 as i32, bits as u32 as i32])?;
+                    all.chunks_exact(3).filter(|p| group.contains(&(p[0] as usize))).map(|p| f64::from_bits(((p[1] as u32 as u64) << 32) | p[2] as u32 as u64)).sum()
+                } else {
+                    ranks.iter().zip(&sums).filter(|(r, _)| group.contains(r)).map(|(_, s)| s).sum()
+                }
+            }
+        };
+        Ok(sum / windows as f64)
+    }
+
     /// [`CudaTrainer::step`] with every instruction timed on the device: the loss, the step's
     /// wall seconds and, per pipeline rank, (instruction, device seconds) in run order.
     pub fn profiled_step(&mut self, corpus: &crate::data::Corpus) -> Result<(f64, f64, Vec<Vec<(usize, f64)>>), RuntimeError> {
@@ -2054,6 +2162,33 @@ impl CudaTrainer {
                 runner.exec.expect_receives(step, &self.incoming);
             }
         }
+        for runner in &mut self.runners {
+            runner.exec.forget_step_state();
+        }
+        let losses = self.walk(&schedule, step, t, g, true)?;
+        let loss = losses.iter().sum::<f64>() / schedule.microbatches as f64;
+        self.from_the_loss_maker(loss)
+    }
+
+    /// `value` as the processes whose pipeline rank makes the loss have it: across the
+    /// processes of a multi-process pipeline, every one takes the first such process's.
+    fn from_the_loss_maker(&mut self, value: f64) -> Result<f64, RuntimeError> {
+        if self.process_rank().is_none() || self.every_program.len() == 1 {
+            return Ok(value);
+        }
+        let makes_loss = self.programs.iter().any(|p| p.result("loss").is_some_and(|l| p.instrs.iter().any(|i| i.outputs.contains(&l.buffer))));
+        let bits = value.to_bits();
+        let all = self.gather_from_every_process(&[i32::from(makes_loss), (bits >> 32) as u32 as i32, bits as u32 as i32])?;
+        let from = all.chunks_exact(3).find(|p| p[0] == 1).ok_or_else(|| err("no process's pipeline rank makes the loss"))?;
+        Ok(f64::from_bits(((from[1] as u32 as u64) << 32) | from[2] as u32 as u64))
+    }
+
+    /// Runs `schedule`'s items on this process's pipeline ranks, the ranks taking turns, each
+    /// running until a receive waits, and then (`whole_step`) each rank's step section on
+    /// the summed gradients; without it the schedule is forward work alone, whose kept
+    /// values are let go at once. Returns the loss each micro-batch made here (0 where this
+    /// process's pipeline ranks make none).
+    fn walk(&mut self, schedule: &crate::schedule::Schedule, step: u64, t: &[f64], g: &[f64], whole_step: bool) -> Result<Vec<f64>, RuntimeError> {
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == crate::schedule::Work::W);
         for runner in &mut self.runners {
             runner.exec.forget_step_state();
@@ -2066,7 +2201,7 @@ impl CudaTrainer {
                 Walk { summing: vec![false; chunks], summing_weight: vec![false; chunks], ..Walk::default() }
             })
             .collect();
-        let mut loss_sum = 0.0;
+        let mut losses = vec![0.0; schedule.microbatches];
         loop {
             let mut progressed = false;
             for s in 0..self.runners.len() {
@@ -2081,11 +2216,11 @@ impl CudaTrainer {
                             let item = items[walks[s].position];
                             let instructions = self.begin_item(s, &mut walks[s], item, step, t, g, splits_w)?;
                             // The chunk's last backward work: its step buckets go out as they fill.
-                            let last_backward = items.iter().rposition(|i| i.chunk == item.chunk && i.work != crate::schedule::Work::F) == Some(walks[s].position);
+                            let last_backward = whole_step && items.iter().rposition(|i| i.chunk == item.chunk && i.work != crate::schedule::Work::F) == Some(walks[s].position);
                             walks[s].last_backward = last_backward;
                             walks[s].triggers = if last_backward { self.programs[s].step_bucket_triggers(&plan.chunks[item.chunk], &instructions) } else { Vec::new() };
                             walks[s].running = Some((instructions, 0, Some(item)));
-                        } else if !walks[s].step_started {
+                        } else if whole_step && !walks[s].step_started {
                             let runner = &mut self.runners[s];
                             for id in runner.sums.iter().chain(&runner.sums_weight).flatten() {
                                 runner.exec.restore(*id)?;
@@ -2126,7 +2261,7 @@ impl CudaTrainer {
                         continue;
                     }
                     if let Some(item) = item {
-                        loss_sum += self.finish_item(s, &mut walks[s], item, splits_w)?;
+                        losses[item.microbatch] += self.finish_item(s, &mut walks[s], item, splits_w, !whole_step)?;
                         // The chunk's last backward work of the step: its gradients are final
                         // and its step buckets go out while the rank works on.
                         if walks[s].last_backward {
@@ -2145,17 +2280,7 @@ impl CudaTrainer {
                 return Err(err(format!("the pipeline ranks wait on each other's sends: {}", waiting.join(", "))));
             }
         }
-        let loss = loss_sum / schedule.microbatches as f64;
-        if self.process_rank().is_none() || self.every_program.len() == 1 {
-            return Ok(loss);
-        }
-        // Across processes, the last pipeline rank's processes make the loss: every process
-        // takes the first one's.
-        let makes_loss = self.programs.iter().any(|p| p.result("loss").is_some_and(|l| p.instrs.iter().any(|i| i.outputs.contains(&l.buffer))));
-        let bits = loss.to_bits();
-        let all = self.gather_from_every_process(&[i32::from(makes_loss), (bits >> 32) as u32 as i32, bits as u32 as i32])?;
-        let from = all.chunks_exact(3).find(|p| p[0] == 1).ok_or_else(|| err("no process's pipeline rank makes the loss"))?;
-        Ok(f64::from_bits(((from[1] as u32 as u64) << 32) | from[2] as u32 as u64))
+        Ok(losses)
     }
 
     /// Starts `item` on pipeline rank `s`: its micro-batch's data, its transfers' tags and
@@ -2201,8 +2326,9 @@ impl CudaTrainer {
     }
 
     /// Ends `item` on pipeline rank `s`: sums the gradients, frees the kept values its
-    /// micro-batch's last reader has read; returns the loss it made (0 where it made none).
-    fn finish_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, splits_w: bool) -> Result<f64, RuntimeError> {
+    /// micro-batch's last reader has read (a forward's own, `forward_only`); returns the loss
+    /// it made (0 where it made none).
+    fn finish_item(&mut self, s: usize, walk: &mut Walk, item: crate::schedule::Item, splits_w: bool, forward_only: bool) -> Result<f64, RuntimeError> {
         use crate::schedule::Work;
         let (c, j) = (item.chunk, item.microbatch);
         let program = &self.programs[s];
@@ -2228,6 +2354,12 @@ impl CudaTrainer {
                 let makes_loss = program.result("loss").is_some_and(|l| program.instrs[chunk.range(Phase::Forward)].iter().any(|i| i.outputs.contains(&l.buffer)));
                 if makes_loss {
                     loss = runner.exec.read(0, "loss")?[0];
+                }
+                // No backward reads them.
+                if forward_only
+                    && let Some(kept) = walk.kept_forward.remove(&(c, j)).flatten()
+                {
+                    runner.exec.free_kept(kept);
                 }
             }
             Work::B => {
@@ -2364,7 +2496,7 @@ impl crate::train::ParameterSource for CudaTrainer {
 /// sends them: its pipeline rank's items in schedule order (a forward's, backward's and
 /// weight gradient's instructions as [`CudaTrainer`] runs them), then its step section; each
 /// send to `rank`'s pipeline rank as (tag without the step, bytes), by the sender's global rank.
-fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, mesh: &MeshShape, rank: usize) -> HashMap<usize, Vec<(u64, usize)>> {
+fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, mesh: &MeshShape, rank: usize, whole_step: bool) -> HashMap<usize, Vec<(u64, usize)>> {
     use crate::schedule::Work;
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
     let mine = mesh.coords(rank).get(2).copied().unwrap_or(0);
@@ -2385,7 +2517,9 @@ fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, me
             };
             order.extend(sections.into_iter().flat_map(|section| chunk.range(section)).map(|index| (index, item.microbatch as u64)));
         }
-        order.extend(program.step_order(&plan.chunks).into_iter().map(|index| (index, 0)));
+        if whole_step {
+            order.extend(program.step_order(&plan.chunks).into_iter().map(|index| (index, 0)));
+        }
         for (index, microbatch) in order {
             let instr = &program.instrs[index];
             let to_me = instr.op == "shard.send" && instr.ints("destination").ok().and_then(|d| d.first().copied()) == Some(mine as i64);

@@ -98,6 +98,15 @@ impl Schedule {
     pub fn stage_of(&self, rank: usize, chunk: usize) -> usize {
         chunk * self.stages + rank
     }
+
+    /// This pipeline's forward work alone over `microbatches` micro-batches, as Megatron-LM
+    /// evaluates (its forward-only schedule): every rank runs micro-batch after micro-batch,
+    /// each through its chunks in order. Every item waits only on items of earlier
+    /// micro-batches or earlier stages, which each rank runs before it: none waits forever.
+    pub fn forward_only(&self, microbatches: usize) -> Schedule {
+        let items: Vec<Item> = (0..microbatches).flat_map(|microbatch| (0..self.chunks).map(move |chunk| Item { work: Work::F, microbatch, chunk })).collect();
+        Schedule { microbatches, ranks: vec![items; self.stages], ..self.clone() }
+    }
 }
 
 /// Costs of one item, in any time unit.
