@@ -1157,8 +1157,9 @@ mod emulated {
     /// forward-only schedule), or a step without sections up to where its loss is made, whose
     /// data-parallel sum (bucketed with the gradients at the step's end) is left to the host.
     /// The held-out loss is the CPU evaluator's on the whole model, with a last partial batch
-    /// (13 windows over batches of 8 and of 4), the same on every process, and the run goes
-    /// on as if it had not evaluated. Tiny at dp=2 tp=2 with ZeRO-3, and over (2,2,2) 1F1B.
+    /// (13 windows over batches of 8 and of 4), the same on every process, in no more device
+    /// memory than the step, and the run goes on as if it had not evaluated. Tiny at dp=2
+    /// tp=2 with ZeRO-3, and over (2,2,2) 1F1B.
     #[test]
     fn gpu_runs_evaluate_with_their_own_forward_and_shards() {
         const WINDOWS: usize = 13;
@@ -1189,6 +1190,11 @@ mod emulated {
             let on_device = trainer.evaluate(&corpus, WINDOWS).unwrap();
             assert!((on_device - on_cpu).abs() <= 1e-5 * on_cpu, "{what}: the device evaluates {on_device}, the CPU {on_cpu}");
             assert_eq!(trainer.state().unwrap().tensors, state.tensors, "{what}: evaluating changed the state");
+            // However many windows, no more device memory than the step holds (a forward-only
+            // walk's first stage once sent every micro-batch ahead, each from a copy kept).
+            let peak = trainer.peak_device_bytes();
+            trainer.evaluate(&corpus, 100).unwrap();
+            assert_eq!(trainer.peak_device_bytes(), peak, "{what}: evaluating 100 windows");
             let next = trainer.step(&corpus).unwrap().0;
             let mut twin = cuda::CudaTrainer::new(&programs, &Placement::Emulated, 0, layers, None).unwrap();
             twin.step(&corpus).unwrap();

@@ -561,9 +561,7 @@ impl CudaExecutor {
     pub fn run_until(&mut self, end: usize) -> Result<(), RuntimeError> {
         self.run_range(0..end)?;
         self.synchronize()?;
-        self.buckets.clear();
-        self.pending_groups.clear();
-        self.pending_shifts.clear();
+        self.forget_step_state();
         Ok(())
     }
 
@@ -2058,12 +2056,15 @@ impl CudaTrainer {
         let step = self.step;
         let sum = match self.schedule.clone() {
             Some(schedule) => {
-                // Micro-batch numbers tag the transfers: at most 2^16 a walk.
-                const GROUP: usize = 1 << 12;
+                // As many micro-batches a walk as the training step has, each walk ending with
+                // its sends complete: no more transfer copies in flight than a step has (the
+                // first stage waits on no receive, so it would otherwise run every forward
+                // before the next stage began, each with a copy of what it sends).
+                let group = schedule.microbatches.clamp(1, 1 << 12);
                 let mut sum = 0.0;
-                for start in (0..batches).step_by(GROUP) {
+                for start in (0..batches).step_by(group) {
                     let (mut t, mut g, mut weights) = (Vec::new(), Vec::new(), Vec::new());
-                    for b in start..batches.min(start + GROUP) {
+                    for b in start..batches.min(start + group) {
                         let (bt, bg, w) = batch(b);
                         t.extend(bt);
                         g.extend(bg);
@@ -2078,10 +2079,10 @@ impl CudaTrainer {
                     }
                     let losses = self.walk(&forward, step, &t, &g, false)?;
                     sum += losses.iter().zip(&weights).map(|(l, w)| l * w).sum::<f64>();
-                }
-                for runner in &mut self.runners {
-                    runner.exec.reclaim_sends();
-                    runner.exec.synchronize()?;
+                    for runner in &mut self.runners {
+                        runner.exec.synchronize()?;
+                        runner.exec.reclaim_sends();
+                    }
                 }
                 self.from_the_loss_maker(sum)?
             }
@@ -2161,9 +2162,6 @@ impl CudaTrainer {
             for runner in &mut self.runners {
                 runner.exec.expect_receives(step, &self.incoming);
             }
-        }
-        for runner in &mut self.runners {
-            runner.exec.forget_step_state();
         }
         let losses = self.walk(&schedule, step, t, g, true)?;
         let loss = losses.iter().sum::<f64>() / schedule.microbatches as f64;
@@ -2268,6 +2266,13 @@ impl CudaTrainer {
                             self.runners[s].exec.start_step_buckets(&plan.chunks[item.chunk])?;
                         }
                         walks[s].position += 1;
+                        progressed = true;
+                        // Forward work alone: the ranks take an item each in turn, so that
+                        // what one sends is received (and its copy reused) before it sends more.
+                        if !whole_step {
+                            break;
+                        }
+                        continue;
                     }
                     progressed = true;
                 }
