@@ -628,6 +628,23 @@ __device__ i64 fa_keys(i64 i0, i64 rows, i64 sk, i64 causal, i64 q0, i64 chunks,
   i64 last = q0 + i0 + rows - k0;
   return last < 0 ? 0 : last < sk ? last : sk;
 }
+// The keys of tile [j0, j0 + n) that query i may see are among its first fa_upto; in the
+// zigzag order fa_visible decides each (fa_zigzag). Hidden keys are skipped, never multiplied
+// by a zero probability: a NaN or inf there must not reach a row that does not see it.
+__device__ i64 fa_upto(i64 i, i64 j0, i64 n, i64 sq, i64 causal, i64 q0, i64 chunks, i64 k0) {
+  if (i >= sq) return 0;
+  if (!causal || chunks > 1) return n;
+  i64 last = q0 + i - k0 - j0 + 1;
+  return last < 0 ? 0 : last < n ? last : n;
+}
+// The queries of tile [i0, i0 + n) that may see key j start at fa_from (the same rule).
+__device__ i64 fa_from(i64 j, i64 i0, i64 n, i64 sk, i64 causal, i64 q0, i64 chunks, i64 k0) {
+  if (j >= sk) return n;
+  if (!causal || chunks > 1) return 0;
+  i64 first = k0 + j - q0 - i0;
+  return first < 0 ? 0 : first < n ? first : n;
+}
+#define fa_zigzag (causal && chunks > 1)
 // Forward: grid (query tiles, batch x query heads).
 // With `lse` (a ring step, whose keys are the block at row k0): each row's log-sum-exp there
 // too, and a row that sees none of the block gets zeros and -inf.
@@ -666,10 +683,12 @@ extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T
     acc_t part = 0;
     for (i64 j = 0; j < n; j++) part += pr[j];
     sum = sum * rescale + part;
+    i64 upto = fa_upto(i, j0, n, s, causal, q0, chunks, k0);
     for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
       i64 col = lane + (i64)c * tpr;
       acc_t acc = 0;
-      for (i64 j = 0; j < n; j++) acc += pr[j] * vs[j * ld + col];
+      for (i64 j = 0; j < upto; j++)
+        if (!fa_zigzag || fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) acc += pr[j] * vs[j * ld + col];
       o[c] = o[c] * rescale + acc;
     }
     mx = grown;
@@ -718,15 +737,18 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
     __syncthreads();
     // pr holds ds = p (dp - rowdot) for the row's visible keys, 0 for the others.
     for (i64 j = lane; j < n; j += tpr) {
-      bool seen = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0) && mx > NEG_INF;
+      // A NaN log-sum-exp makes the row's gradients NaN, as on the CPU.
+      bool seen = fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0) && mx != NEG_INF;
       acc_t p = seen ? exp(fa_dot(qs + r * ld, ks + j * ld, d) * scale - mx) : (acc_t)0;
       pr[j] = seen ? p * (fa_dot(dos + r * ld, vs + j * ld, d) - rowdot) : (acc_t)0;
     }
     __syncthreads();
+    i64 upto = fa_upto(i, j0, n, s, causal, q0, chunks, k0);
     for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
       i64 col = lane + (i64)c * tpr;
       acc_t x = 0;
-      for (i64 j = 0; j < n; j++) x += pr[j] * ks[j * ld + col];
+      for (i64 j = 0; j < upto; j++)
+        if (!fa_zigzag || fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) x += pr[j] * ks[j * ld + col];
       a[c] += x;
     }
   }
@@ -771,15 +793,17 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
       for (i64 x = lane; x < n; x += tpr) {
         i64 i = i0 + x;
         const acc_t* st = stats + (bh * s + i) * 3;
-        acc_t p = fa_visible(i, j, s, sk, causal, q0, chunks, len, k0) && st[0] > NEG_INF ? exp(fa_dot(qs + x * ld, ks + r * ld, d) * scale - st[0]) / st[1] : (acc_t)0;
+        acc_t p = fa_visible(i, j, s, sk, causal, q0, chunks, len, k0) && st[0] != NEG_INF ? exp(fa_dot(qs + x * ld, ks + r * ld, d) * scale - st[0]) / st[1] : (acc_t)0;
         pr[x] = p;
         dsr[x] = p * (fa_dot(dos + x * ld, vs + r * ld, d) - st[2]) * scale;
       }
       __syncthreads();
+      i64 from = fa_from(j, i0, n, sk, causal, q0, chunks, k0);
       for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
         i64 col = lane + (i64)c * tpr;
         acc_t x_k = 0, x_v = 0;
-        for (i64 x = 0; x < n; x++) { x_k += dsr[x] * qs[x * ld + col]; x_v += pr[x] * dos[x * ld + col]; }
+        for (i64 x = from; x < n; x++)
+          if (!fa_zigzag || fa_visible(i0 + x, j, s, sk, causal, q0, chunks, len, k0)) { x_k += dsr[x] * qs[x * ld + col]; x_v += pr[x] * dos[x * ld + col]; }
         dk_acc[c] += x_k;
         dv_acc[c] += x_v;
       }

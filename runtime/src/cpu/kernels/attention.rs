@@ -130,6 +130,13 @@ impl Visibility {
         None
     }
 
+    /// Whether key `j` is hidden from the row whose mask [`Visibility::row`] last filled (the
+    /// zigzag order walks every key): a hidden key is skipped, not multiplied by its zero
+    /// probability, so that a NaN or inf there does not reach the row.
+    fn hidden(&self, mask: &[bool], j: usize) -> bool {
+        self.causal && !self.key_positions.is_empty() && !mask[j]
+    }
+
     /// Whether row `i` sees key `j`.
     fn sees(&self, i: usize, j: usize) -> bool {
         match self.key_positions.get(j) {
@@ -231,7 +238,7 @@ pub(super) fn attention<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Out<
             lse[i] = row_lse;
             let o = &mut out[i * d..(i + 1) * d];
             o.fill(T::zero());
-            for j in 0..visible {
+            for j in (0..visible).filter(|&j| !seen.hidden(&mask, j)) {
                 for (o, &vv) in o.iter_mut().zip(&v[j * d..(j + 1) * d]) {
                     *o += p[j] * vv;
                 }
@@ -283,7 +290,7 @@ pub(super) fn attention_grad<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut 
                     }
                     let dq_i = &mut dq[i * d..(i + 1) * d];
                     dq_i.fill(T::zero());
-                    for j in 0..visible {
+                    for j in (0..visible).filter(|&j| !seen.hidden(&mask, j)) {
                         let ds = p[j] * (dp[j] - rowdot) * scale;
                         let (k_j, dk_j) = (&k[j * d..(j + 1) * d], &mut dk[j * d..(j + 1) * d]);
                         for c in 0..d {
