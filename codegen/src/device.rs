@@ -217,8 +217,8 @@ pub fn device_plan_with(program: &Program, options: DeviceOptions) -> Result<Dev
                     }
                     workspace = workspace.max(l.workspace * acc);
                     let shared = l.shared * acc;
-                    if shared > 48 * 1024 {
-                        return Err(fail(index, format!("`{}` needs {shared} bytes of shared memory (at most 49152): the sequence is too long for this kernel", l.kernel)));
+                    if shared > shardc_ir::kernel::MAX_SHARED_BYTES {
+                        return Err(fail(index, format!("`{}` needs {shared} bytes of shared memory (at most {}): the sequence is too long for this kernel", l.kernel, shardc_ir::kernel::MAX_SHARED_BYTES)));
                     }
                     let args = l
                         .args

@@ -129,6 +129,15 @@ pub enum Arg {
 /// Threads per block of row kernels.
 pub const ROW_BLOCK: u32 = 256;
 
+/// Dynamic shared memory a block gets without opting in, in bytes (every GPU since Kepler).
+pub const DEFAULT_SHARED_BYTES: usize = 48 * 1024;
+
+/// Most dynamic shared memory a launch may ask for, in bytes: what a block may opt into on
+/// every GPU of compute capability 8.6 and 8.9 (99 KiB; an A100 allows 163 KiB, an H100 or
+/// H200 227 KiB). The runtime opts a kernel in when a launch asks for more than
+/// [`DEFAULT_SHARED_BYTES`].
+pub const MAX_SHARED_BYTES: usize = 99 * 1024;
+
 /// Most blocks a CUDA grid may have in its y dimension.
 pub const MAX_GRID_Y: usize = 65_535;
 

@@ -371,9 +371,6 @@ extern "C" __global__ void norm_grad_params(T* dgamma, T* dbeta, const acc_t* wo
 }
 "#;
 
-/// Dynamic shared memory a block may have without opting in (the 48 KiB device.rs and the
-/// runtime allow), in bytes.
-const SHARED_BYTES: usize = 48 * 1024;
 
 /// `acc_t` elements of static shared memory the row kernels' `block_sum` takes (`part[32]`).
 const BLOCK_SUM_SCRATCH: usize = 32;
@@ -394,13 +391,14 @@ fn norm_rows(x: &TensorTy) -> (usize, usize) {
 }
 
 /// `acc_t` elements of shared memory for `arrays` copies of a row of `n` (the row kernels'
-/// cache), or 0 when they would not fit beside `block_sum`'s scratch: the kernel then reads
-/// the row from global memory on every pass. Up to 12256 features forward and 6128 backward
-/// in fp32 and bf16 (`acc_t` is float), half that in fp64.
+/// cache), or 0 when they would not fit beside `block_sum`'s scratch in
+/// [`crate::kernel::MAX_SHARED_BYTES`]: the kernel then reads the row from global memory on
+/// every pass. Up to 25312 features forward and 12656 backward in fp32 and bf16 (`acc_t` is
+/// float: GPT-3's 12288 both ways), half that in fp64.
 fn row_cache(x: &TensorTy, n: usize, arrays: usize) -> usize {
     let acc = if x.dtype == DType::F64 { 8 } else { 4 };
     let elements = arrays * n;
-    if (elements + BLOCK_SUM_SCRATCH) * acc <= SHARED_BYTES { elements } else { 0 }
+    if (elements + BLOCK_SUM_SCRATCH) * acc <= crate::kernel::MAX_SHARED_BYTES { elements } else { 0 }
 }
 
 /// Rows per chunk and chunks of the parameter gradients' first stage: chunks of at least

@@ -303,6 +303,12 @@ impl Device for Gpu {
                 KernelValue::I32(v) => builder.arg(v),
             };
         }
+        // More dynamic shared memory than a block gets by default is opted into (a norm's
+        // row cache for a wide model): refused by a GPU that has less than the launch asks.
+        if shared_bytes as usize > shardc_ir::kernel::DEFAULT_SHARED_BYTES {
+            let attribute = cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            function.set_attribute(attribute, shared_bytes as i32).map_err(|e| err(format!("`{kernel}` asks for {shared_bytes} bytes of shared memory, which this GPU does not give a block (compute capability 8.0 or later does): {e:?}")))?;
+        }
         let config = LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (block, 1, 1), shared_mem_bytes: shared_bytes };
         // SAFETY: argument lists are generated with the kernels' signatures (pointers into
         // live allocations, i64, f64, int); the emulated device runs the same launches in

@@ -42,7 +42,7 @@ static thread_local unsigned shim_current;
 static thread_local const std::function<void()>* shim_kernel;
 static thread_local ShimBarrier shim_block_barrier, shim_warp_barriers[32];
 static thread_local double shim_lanes[1024];
-alignas(128) static thread_local unsigned char shim_dynamic_shared[48 * 1024];
+alignas(128) static thread_local unsigned char shim_dynamic_shared[99 * 1024];
 // The GPU faults on a vector access (or a cp.async, an ldmatrix row) at an address that is not
 // a multiple of its size, where the host does not: kernels name such accesses, and here they
 // are checked (memory is aligned as cudaMalloc aligns it).
@@ -285,7 +285,8 @@ impl Device for Emulated {
     }
     fn launch(&self, kernel: &str, grid: [u32; 3], block: u32, shared_bytes: u32, args: &[KernelValue]) -> Result<(), RuntimeError> {
         let launcher = self.launchers.get(kernel).ok_or_else(|| err(format!("kernel `{kernel}` is not in the module")))?;
-        if shared_bytes > 48 * 1024 || block > 1024 {
+        // A launch may opt into up to MAX_SHARED_BYTES (the shim's buffer above).
+        if shared_bytes as usize > shardc_ir::kernel::MAX_SHARED_BYTES || block > 1024 {
             return Err(err(format!("`{kernel}`: {block} threads and {shared_bytes} bytes of shared memory exceed a block's limits")));
         }
         // A GPU refuses a grid past 2^31 - 1 blocks in x or 65535 in y or z.
