@@ -764,10 +764,25 @@ mod emulated {
         // inside a diagonal tile is multiplied by zero in the MMA (a NaN there reaches the
         // tile's rows, and a NaN query the keys' gradients past it): only the NaN query's
         // output and dq are checked there.
-        let cases = [(DType::F32, 8, "q", 3), (DType::Bf16, 16, "q", 3), (DType::F32, 8, "v", 5), (DType::F32, 8, "dout", 5), (DType::F64, 8, "v", 5), (DType::F64, 8, "dout", 5), (DType::F32, 8, "k", 5)];
+        // 80 positions: several tiles of keys and of queries, the poke in the first or a later.
+        const S: usize = 80;
+        let cases = [
+            (DType::F32, 8, "q", 3),
+            (DType::F32, 8, "q", 70),
+            (DType::Bf16, 16, "q", 3),
+            (DType::Bf16, 16, "q", 70),
+            (DType::F32, 8, "v", 5),
+            (DType::F32, 8, "v", 70),
+            (DType::F32, 8, "dout", 5),
+            (DType::F32, 8, "dout", 70),
+            (DType::F64, 8, "v", 5),
+            (DType::F64, 8, "dout", 5),
+            (DType::F32, 8, "k", 5),
+            (DType::F32, 8, "k", 70),
+        ];
         for (dtype, d, poked, at) in cases {
             let what = format!("{dtype:?} d={d}: NaN in {poked} row {at}");
-            let program = attention_program(dtype, 16, true, (1, 2, 2, d));
+            let program = attention_program(dtype, S as i64, true, (1, 2, 2, d));
             let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
             let mut device = cuda::CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
             for (i, name) in ["q", "k", "v", "dout"].iter().enumerate() {
@@ -791,8 +806,8 @@ mod emulated {
             }
             let (c, g) = (cpu.read_f64("out").unwrap(), device.read(0, "out").unwrap());
             let row = |v: &[f64], r: usize| v[r * 2 * d as usize..r * 2 * d as usize + d as usize].to_vec();
-            let first_nan = if poked == "q" { at } else if poked == "dout" { 16 } else { 5 };
-            for r in 0..16 {
+            let first_nan = if poked == "q" || poked == "v" || poked == "k" { at } else { S };
+            for r in 0..S {
                 assert_eq!(row(&c, r).iter().any(|x| x.is_nan()), r >= first_nan && (poked != "q" || r == at), "{what}: the CPU's row {r} {:?}", row(&c, r));
                 assert_eq!(row(&g, r).iter().any(|x| x.is_nan()), r >= first_nan && (poked != "q" || r == at), "{what}: the device's row {r} {:?}", row(&g, r));
             }
@@ -1258,16 +1273,16 @@ mod emulated {
             let (corpus, layers) = (corpus(&spec), spec.model.layers as usize);
             let mut trainer = cuda::CudaTrainer::new(&programs, &Placement::Emulated, 0, layers, None).unwrap();
             trainer.step(&corpus).unwrap();
+            let peak = trainer.peak_device_bytes();
             let state = trainer.state().unwrap();
             let on_cpu = cpu_evaluator(&spec, &corpus, WINDOWS).loss(&state, &corpus).unwrap();
             let on_device = trainer.evaluate(&corpus, WINDOWS).unwrap();
             assert!((on_device - on_cpu).abs() <= 1e-5 * on_cpu, "{what}: the device evaluates {on_device}, the CPU {on_cpu}");
             assert_eq!(trainer.state().unwrap().tensors, state.tensors, "{what}: evaluating changed the state");
-            // However many windows, no more device memory than the step holds (a forward-only
+            // However many windows, no more device memory than the step held (a forward-only
             // walk's first stage once sent every micro-batch ahead, each from a copy kept).
-            let peak = trainer.peak_device_bytes();
             trainer.evaluate(&corpus, 100).unwrap();
-            assert_eq!(trainer.peak_device_bytes(), peak, "{what}: evaluating 100 windows");
+            assert_eq!(trainer.peak_device_bytes(), peak, "{what}: evaluating 13 and 100 windows");
             let next = trainer.step(&corpus).unwrap().0;
             let mut twin = cuda::CudaTrainer::new(&programs, &Placement::Emulated, 0, layers, None).unwrap();
             twin.step(&corpus).unwrap();

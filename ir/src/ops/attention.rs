@@ -684,12 +684,22 @@ extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T
     for (i64 j = 0; j < n; j++) part += pr[j];
     sum = sum * rescale + part;
     i64 upto = fa_upto(i, j0, n, s, causal, q0, chunks, k0);
-    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
-      i64 col = lane + (i64)c * tpr;
-      acc_t acc = 0;
+    if (fa_zigzag) {
+      // Each key's visibility once (two zigzag positions), not once per column; the same
+      // sums in the same order.
+      acc_t acc[FA_COLS];
+      for (int c = 0; c < FA_COLS; c++) acc[c] = 0;
       for (i64 j = 0; j < upto; j++)
-        if (!fa_zigzag || fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) acc += pr[j] * vs[j * ld + col];
-      o[c] = o[c] * rescale + acc;
+        if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0))
+          for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) acc[c] += pr[j] * vs[j * ld + lane + (i64)c * tpr];
+      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) o[c] = o[c] * rescale + acc[c];
+    } else {
+      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+        i64 col = lane + (i64)c * tpr;
+        acc_t acc = 0;
+        for (i64 j = 0; j < upto; j++) acc += pr[j] * vs[j * ld + col];
+        o[c] = o[c] * rescale + acc;
+      }
     }
     mx = grown;
   }
@@ -744,12 +754,20 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
     }
     __syncthreads();
     i64 upto = fa_upto(i, j0, n, s, causal, q0, chunks, k0);
-    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
-      i64 col = lane + (i64)c * tpr;
-      acc_t x = 0;
+    if (fa_zigzag) {
+      acc_t x[FA_COLS];
+      for (int c = 0; c < FA_COLS; c++) x[c] = 0;
       for (i64 j = 0; j < upto; j++)
-        if (!fa_zigzag || fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0)) x += pr[j] * ks[j * ld + col];
-      a[c] += x;
+        if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0))
+          for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) x[c] += pr[j] * ks[j * ld + lane + (i64)c * tpr];
+      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) a[c] += x[c];
+    } else {
+      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+        i64 col = lane + (i64)c * tpr;
+        acc_t x = 0;
+        for (i64 j = 0; j < upto; j++) x += pr[j] * ks[j * ld + col];
+        a[c] += x;
+      }
     }
   }
   if (i < s) {
@@ -799,13 +817,25 @@ extern "C" __global__ void attention_grad_kv(T* dk, T* dv, const acc_t* stats, c
       }
       __syncthreads();
       i64 from = fa_from(j, i0, n, sk, causal, q0, chunks, k0);
-      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
-        i64 col = lane + (i64)c * tpr;
-        acc_t x_k = 0, x_v = 0;
+      if (fa_zigzag) {
+        acc_t x_k[FA_COLS], x_v[FA_COLS];
+        for (int c = 0; c < FA_COLS; c++) { x_k[c] = 0; x_v[c] = 0; }
         for (i64 x = from; x < n; x++)
-          if (!fa_zigzag || fa_visible(i0 + x, j, s, sk, causal, q0, chunks, len, k0)) { x_k += dsr[x] * qs[x * ld + col]; x_v += pr[x] * dos[x * ld + col]; }
-        dk_acc[c] += x_k;
-        dv_acc[c] += x_v;
+          if (fa_visible(i0 + x, j, s, sk, causal, q0, chunks, len, k0))
+            for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+              i64 col = lane + (i64)c * tpr;
+              x_k[c] += dsr[x] * qs[x * ld + col];
+              x_v[c] += pr[x] * dos[x * ld + col];
+            }
+        for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) { dk_acc[c] += x_k[c]; dv_acc[c] += x_v[c]; }
+      } else {
+        for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
+          i64 col = lane + (i64)c * tpr;
+          acc_t x_k = 0, x_v = 0;
+          for (i64 x = from; x < n; x++) { x_k += dsr[x] * qs[x * ld + col]; x_v += pr[x] * dos[x * ld + col]; }
+          dk_acc[c] += x_k;
+          dv_acc[c] += x_v;
+        }
       }
     }
   }

@@ -214,6 +214,8 @@ pub struct Gpu {
     comm: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     functions: HashMap<String, CudaFunction>,
+    /// Per kernel, the most dynamic shared memory a launch has asked for (and been given).
+    shared_asked: std::sync::Mutex<HashMap<String, u32>>,
     blas: cudarc::cublas::CudaBlas,
 }
 
@@ -250,7 +252,7 @@ impl Gpu {
         let comm = ctx.new_stream().map_err(|e| err(format!("creating a stream: {e:?}")))?;
         // SAFETY: only tries to dlopen the library.
         let lt = if unsafe { cudarc::cublaslt::sys::is_culib_present() } { Some(super::lt::Lt::new(capability.0)?) } else { None };
-        Ok(Gpu { ctx, stream, comm, _module: module, functions, blas, lt })
+        Ok(Gpu { ctx, stream, comm, _module: module, functions, shared_asked: Default::default(), blas, lt })
     }
 }
 
@@ -303,12 +305,21 @@ impl Device for Gpu {
                 KernelValue::I32(v) => builder.arg(v),
             };
         }
-        // More dynamic shared memory than a block gets by default is opted into (a norm's
-        // row cache for a wide model): refused by a GPU that has less than the launch asks.
-        if shared_bytes as usize > shardc_ir::kernel::DEFAULT_SHARED_BYTES {
-            let attribute = cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            function.set_attribute(attribute, shared_bytes as i32).map_err(|e| err(format!("`{kernel}` asks for {shared_bytes} bytes of shared memory, which this GPU does not give a block (compute capability 8.0 or later does): {e:?}")))?;
+        // A block whose dynamic and static shared memory pass the 48 KiB it gets by default
+        // opts into more (a norm's row cache for a wide model), once per kernel and size: a
+        // GPU that has less than the launch asks refuses it, naming the kernel.
+        let mut asked = self.shared_asked.lock().map_err(|_| err("a launch on another thread panicked"))?;
+        if shared_bytes > asked.get(kernel).copied().unwrap_or(0) {
+            use cudarc::driver::sys::CUfunction_attribute_enum as Attribute;
+            let fixed = function.get_attribute(Attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES).map_err(|e| err(format!("`{kernel}`'s static shared memory: {e:?}")))?;
+            if shared_bytes as usize + fixed.max(0) as usize > shardc_ir::kernel::DEFAULT_SHARED_BYTES {
+                function
+                    .set_attribute(Attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes as i32)
+                    .map_err(|e| err(format!("`{kernel}` asks for {shared_bytes} bytes of dynamic shared memory beside {fixed} static, more than this GPU gives a block (compute capability 8.0 or later gives 99 KiB and more): {e:?}")))?;
+            }
+            asked.insert(kernel.to_string(), shared_bytes);
         }
+        drop(asked);
         let config = LaunchConfig { grid_dim: (grid[0], grid[1], grid[2]), block_dim: (block, 1, 1), shared_mem_bytes: shared_bytes };
         // SAFETY: argument lists are generated with the kernels' signatures (pointers into
         // live allocations, i64, f64, int); the emulated device runs the same launches in
