@@ -645,6 +645,16 @@ __device__ i64 fa_from(i64 j, i64 i0, i64 n, i64 sk, i64 causal, i64 q0, i64 chu
   return first < 0 ? 0 : first < n ? first : n;
 }
 #define fa_zigzag (causal && chunks > 1)
+// For each of the thread's columns c (lane + c * tpr < d), the sum in key order of w[j] *
+// m[j * ld + column] over the keys j < upto of the tile at j0 that query i sees: below upto
+// every one in the natural order; in the zigzag order each key's visibility is tested once,
+// not once per column.
+__device__ void fa_weighted(acc_t* sums, const acc_t* w, const acc_t* m, i64 upto, i64 ld, i64 d, int lane, int tpr, i64 i, i64 j0, i64 sq, i64 sk, i64 causal, i64 q0, i64 chunks, i64 len, i64 k0) {
+  for (int c = 0; c < FA_COLS; c++) sums[c] = 0;
+  for (i64 j = 0; j < upto; j++)
+    if (!fa_zigzag || fa_visible(i, j0 + j, sq, sk, causal, q0, chunks, len, k0))
+      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) sums[c] += w[j] * m[j * ld + lane + (i64)c * tpr];
+}
 // Forward: grid (query tiles, batch x query heads).
 // With `lse` (a ring step, whose keys are the block at row k0): each row's log-sum-exp there
 // too, and a row that sees none of the block gets zeros and -inf.
@@ -683,24 +693,9 @@ extern "C" __global__ void attention_fwd(T* out, acc_t* lse, const T* q, const T
     acc_t part = 0;
     for (i64 j = 0; j < n; j++) part += pr[j];
     sum = sum * rescale + part;
-    i64 upto = fa_upto(i, j0, n, s, causal, q0, chunks, k0);
-    if (fa_zigzag) {
-      // Each key's visibility once (two zigzag positions), not once per column; the same
-      // sums in the same order.
-      acc_t acc[FA_COLS];
-      for (int c = 0; c < FA_COLS; c++) acc[c] = 0;
-      for (i64 j = 0; j < upto; j++)
-        if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0))
-          for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) acc[c] += pr[j] * vs[j * ld + lane + (i64)c * tpr];
-      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) o[c] = o[c] * rescale + acc[c];
-    } else {
-      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
-        i64 col = lane + (i64)c * tpr;
-        acc_t acc = 0;
-        for (i64 j = 0; j < upto; j++) acc += pr[j] * vs[j * ld + col];
-        o[c] = o[c] * rescale + acc;
-      }
-    }
+    acc_t acc[FA_COLS];
+    fa_weighted(acc, pr, vs, fa_upto(i, j0, n, s, causal, q0, chunks, k0), ld, d, lane, tpr, i, j0, s, sk, causal, q0, chunks, len, k0);
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) o[c] = o[c] * rescale + acc[c];
     mx = grown;
   }
   // A row that sees no key is 0; a NaN score makes the sum NaN, and the row NaN with it.
@@ -753,22 +748,9 @@ extern "C" __global__ void attention_grad_q(T* dq, acc_t* stats, const T* q, con
       pr[j] = seen ? p * (fa_dot(dos + r * ld, vs + j * ld, d) - rowdot) : (acc_t)0;
     }
     __syncthreads();
-    i64 upto = fa_upto(i, j0, n, s, causal, q0, chunks, k0);
-    if (fa_zigzag) {
-      acc_t x[FA_COLS];
-      for (int c = 0; c < FA_COLS; c++) x[c] = 0;
-      for (i64 j = 0; j < upto; j++)
-        if (fa_visible(i, j0 + j, s, sk, causal, q0, chunks, len, k0))
-          for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) x[c] += pr[j] * ks[j * ld + lane + (i64)c * tpr];
-      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) a[c] += x[c];
-    } else {
-      for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) {
-        i64 col = lane + (i64)c * tpr;
-        acc_t x = 0;
-        for (i64 j = 0; j < upto; j++) x += pr[j] * ks[j * ld + col];
-        a[c] += x;
-      }
-    }
+    acc_t x[FA_COLS];
+    fa_weighted(x, pr, ks, fa_upto(i, j0, n, s, causal, q0, chunks, k0), ld, d, lane, tpr, i, j0, s, sk, causal, q0, chunks, len, k0);
+    for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) a[c] += x[c];
   }
   if (i < s) {
     for (int c = 0; c < FA_COLS && lane + (i64)c * tpr < d; c++) dq[qo + i * qstride + lane + (i64)c * tpr] = store(a[c] * scale);
