@@ -17,6 +17,12 @@
 //!   (the op registry's cost, as every estimate counts them) and the cluster model's predicted
 //!   seconds for one run (`Cluster::op_time`: launch plus the flash-attention block model),
 //!   and its FLOPs as FlashAttention's benchmarks count them (`fa_flops`).
+//! * `norm --rows R --features N [--dtype bf16|f32] [--rms true] --gpu NAME [--emit DIR]`
+//!   builds the one-op programs of a layernorm (rmsnorm with `--rms true`) over `[R, N]` and
+//!   its backward, files `norm-NAME-fwd.json` and `-bwd.json`, and prints their entry in the
+//!   same form, for `check` to compare with the CPU backend: a row at the edge of the 48 KiB
+//!   a block gets without opting in (12288 features in fp32 forward, 6144 backward) is what
+//!   the emulated device cannot check.
 
 use std::path::{Path, PathBuf};
 
@@ -28,7 +34,8 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("attention") => attention(&args[1..]).map(|entry| println!("{entry}")),
-        _ => Err("usage: gpu-check-plans attention --seq S --batch B --heads H --head-dim D [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR]".into()),
+        Some("norm") => norm(&args[1..]).map(|entry| println!("{entry}")),
+        _ => Err("usage: gpu-check-plans attention --seq S --batch B --heads H --head-dim D [--dtype bf16|f32] (--gpu NAME | --cluster FILE) [--emit DIR] | norm --rows R --features N [--dtype bf16|f32] [--rms true] --gpu NAME [--emit DIR]".into()),
     };
     if let Err(e) = result {
         eprintln!("gpu-check-plans: {e}");
@@ -108,6 +115,57 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
     let heads_text = if kv_heads == heads { format!("{heads} heads") } else { format!("{heads} heads ({kv_heads} kv)") };
     let dims = format!("b={batch}, {heads_text} of {head_dim}, {}{}", if causal { "causal, " } else { "" }, if dtype == DType::Bf16 { "bf16" } else { "f32" });
     out.insert("name".into(), serde_json::json!(format!("attention fwd+bwd s={seq} ({dims})")));
+    out.insert("gpu".into(), serde_json::json!(cluster.gpu.name));
+    Ok(serde_json::Value::Object(out))
+}
+
+/// `norm ARGS`: the check entry of one norm shape (see the module comment).
+pub fn norm(args: &[String]) -> Result<serde_json::Value, String> {
+    let mut options = std::collections::HashMap::new();
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} wants a value"))?;
+        if !matches!(flag.as_str(), "--rows" | "--features" | "--dtype" | "--rms" | "--gpu" | "--emit") {
+            return Err(format!("unknown option {flag}"));
+        }
+        options.insert(flag.trim_start_matches('-').to_string(), value.clone());
+    }
+    let number = |name: &str| -> Result<i64, String> {
+        let text = options.get(name).ok_or_else(|| format!("--{name} is required"))?;
+        text.parse::<i64>().ok().filter(|&n| n > 0).ok_or_else(|| format!("--{name} {text}: not a positive integer"))
+    };
+    let (rows, features) = (number("rows")?, number("features")?);
+    let (dtype, short) = match options.get("dtype").map_or("f32", String::as_str) {
+        "bf16" => (DType::Bf16, "bf16"),
+        "f32" => (DType::F32, "f32"),
+        other => return Err(format!("--dtype {other}: use bf16 or f32")),
+    };
+    let op = match options.get("rms").map_or("false", String::as_str) {
+        "true" => "rmsnorm",
+        "false" => "layernorm",
+        other => return Err(format!("--rms {other}: use true or false")),
+    };
+    let gpu = options.get("gpu").ok_or("--gpu NAME is required")?;
+    let cluster = Cluster::preset(gpu).ok_or_else(|| format!("--gpu {gpu}: use one of {}", shardc_ir::cluster::GPU_PRESETS.join(", ")))?;
+    let (x, weight) = (TensorTy::new([rows, features], dtype), TensorTy::new([features], dtype));
+    let attrs = Attrs::new().with("epsilon", AttrValue::Float(1e-5));
+    let forward_inputs = if op == "layernorm" { vec![x.clone(), weight.clone(), weight.clone()] } else { vec![x.clone(), weight.clone()] };
+    let stem = format!("norm-{op}-{rows}x{features}-{short}");
+    let mut out = serde_json::Map::new();
+    for (key, part, name, types) in [("forward", "fwd", format!("xf.{op}"), forward_inputs), ("backward", "bwd", format!("xf.{op}_grad"), vec![x.clone(), weight.clone(), x.clone()])] {
+        let (flops, seconds) = price(&cluster, &name, &types, &attrs)?;
+        let file = format!("{stem}-{part}.json");
+        let mut entry = serde_json::json!({ "flops": flops, "predicted_seconds": seconds });
+        if let Some(dir) = options.get("emit").map(PathBuf::from) {
+            std::fs::create_dir_all(&dir).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
+            let program = one_op_program(&name, &types, &attrs)?;
+            std::fs::write(dir.join(&file), serde_json::to_string(&program).map_err(|e| e.to_string())?).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
+            let relative = dir.file_name().map_or_else(|| PathBuf::from(&file), |d| Path::new(d).join(&file));
+            entry["program"] = serde_json::json!(relative);
+        }
+        out.insert(key.to_string(), entry);
+    }
+    out.insert("name".into(), serde_json::json!(format!("{op} fwd+bwd [{rows}, {features}] {short}")));
     out.insert("gpu".into(), serde_json::json!(cluster.gpu.name));
     Ok(serde_json::Value::Object(out))
 }

@@ -111,6 +111,13 @@ prepare() {
     # shellcheck disable=SC2086
     checks+=("$("$helper" attention $shape --dtype bf16 --gpu h200 --emit "$dir/plans")")
   done
+  # Norms whose row cache meets the 48 KiB a block has without opting in, with the block
+  # sum's static scratch beside it (the emulated device cannot check the opt-in): GPT-3's
+  # 12288 features in fp32 (48 KiB forward, 96 KiB backward), and 6144 backward.
+  for shape in "${norm_check_shapes[@]}"; do
+    # shellcheck disable=SC2086
+    checks+=("$("$helper" norm $shape --gpu h200 --emit "$dir/plans")")
+  done
   local attention_checks
   attention_checks=$(IFS=,; echo "${checks[*]}")
   # The kernels `shardc-gpu calibrate` times on the GPU, for `report` to fit on.
@@ -189,6 +196,10 @@ attention_check_shapes=(
   "--seq 512 --batch 1 --heads 4 --kv-heads 2 --head-dim 128 --tag check-s512-d128-gqa"
   "--seq 512 --batch 1 --heads 2 --head-dim 64 --causal false --tag check-s512-d64-full"
   "--seq 333 --batch 2 --heads 2 --head-dim 32 --tag check-s333-d32"
+)
+norm_check_shapes=(
+  "--rows 64 --features 12288 --dtype f32"
+  "--rows 64 --features 6144 --dtype bf16 --rms true"
 )
 # The calibration workload: gpt2-small's bf16 step at the benchmark's sequence length.
 calibration=(models/gpt2-small.toml --backend cuda --gpu h200 --seq 1024 --dtype bf16)

@@ -83,6 +83,10 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     )
     .unwrap();
     assert_eq!(attention_check["backward"]["program"], "plans/attention-check-gqa-bwd.json");
+    // A norm whose fp32 row cache is GPT-3's 12288 features (48 KiB beside the block sum's
+    // scratch: a GPU needs the opt-in), checked the same way.
+    let norm_check = plans::norm(&["--rows", "3", "--features", "12288", "--dtype", "f32", "--gpu", "h200", "--emit"].map(String::from).into_iter().chain([dir.join("plans").display().to_string()]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(norm_check["forward"]["program"], "plans/norm-layernorm-3x12288-f32-fwd.json");
 
     let case = |name: &str, program: &str, reference: &str| {
         serde_json::json!({"name": name, "program": format!("plans/{program}.json"), "reference": format!("plans/{reference}.json"), "steps": 2, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3})
@@ -99,12 +103,13 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
         vec![attention],
     );
     let mut with_checks: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&good).unwrap()).unwrap();
-    with_checks["attention_checks"] = serde_json::json!([attention_check]);
+    with_checks["attention_checks"] = serde_json::json!([attention_check, norm_check]);
     std::fs::write(&good, with_checks.to_string()).unwrap();
     assert_eq!(cli(&["check", &good]), Ok(true));
     let check = results(&dir, "check");
     let cases: Vec<&str> = check.rows.iter().map(|r| r.case.as_str()).collect();
-    assert_eq!(cases, ["tiny f32 (1,1,1)", "tiny f32 (2,2,1)", "tiny f32 (1,1,2) 1F1B x4", "attention fwd+bwd s=37 (b=2, 4 heads (2 kv) of 16, bf16)"], "{check:?}");
+    assert_eq!(cases, ["tiny f32 (1,1,1)", "tiny f32 (2,2,1)", "tiny f32 (1,1,2) 1F1B x4", "attention fwd+bwd s=37 (b=2, 4 heads (2 kv) of 16, bf16)", "layernorm fwd+bwd [3, 12288] f32"], "{check:?}");
+    assert!(check.rows[4].measured.starts_with("rel "), "{check:?}");
     assert!(check.rows[3].measured.starts_with("rel "), "{check:?}");
     assert!(check.rows.iter().all(|r| r.ok && r.result.starts_with("match")), "{check:?}");
     assert_eq!(cli(&["bench", &good]), Ok(true));

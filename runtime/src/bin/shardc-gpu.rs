@@ -50,8 +50,10 @@ struct Manifest {
     bench: Vec<Workload>,
     #[serde(default)]
     attention: Vec<AttentionCase>,
-    /// Attention shapes whose outputs `check` compares with the CPU backend's (the
-    /// tensor-core kernels run only on a GPU: the emulation takes their fallback).
+    /// One-op programs forward and backward (attention shapes, norms) whose outputs `check`
+    /// compares with the CPU backend's (the tensor-core kernels run only on a GPU: the
+    /// emulation takes their fallback; a norm's row cache past 48 KiB of shared memory opts
+    /// in only on a GPU).
     #[serde(default)]
     attention_checks: Vec<AttentionCase>,
 }
