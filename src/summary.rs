@@ -31,6 +31,8 @@ pub struct Summary {
     pub communication: Vec<CommSummary>,
     /// Ops of each kind in `@forward`.
     pub op_counts: std::collections::BTreeMap<String, usize>,
+    /// Where a GPU runs the step's attention: on tensor cores, or on CUDA cores and why.
+    pub attention: Option<String>,
     /// Modelled step time on the cluster (`--gpu`, `--cluster`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimate: Option<shardc_codegen::estimate::Estimate>,
@@ -153,6 +155,7 @@ impl Summary {
                 temporary_bytes_without_reuse: p.memory.temporary_bytes_without_reuse as u64,
             }),
             op_counts: forward.map(|f| f.op_counts()).unwrap_or_default(),
+            attention: attention_cores(module),
             stages: Vec::new(),
             estimate: None,
             memory_estimate: None,
@@ -393,7 +396,38 @@ impl Summary {
         }
         let ops: Vec<String> = self.op_counts.iter().map(|(name, n)| format!("{name} {n}")).collect();
         line("ops", ops.join(", "));
+        if let Some(attention) = &self.attention {
+            line("attention", attention.clone());
+        }
         out
+    }
+}
+
+/// Where a GPU runs the training step's attention (forward and backward, every stage), as the
+/// op registry says and the device plan launches: on tensor cores, or on CUDA cores and why.
+/// `None` without attention.
+fn attention_cores(module: &Module) -> Option<String> {
+    let (mut tensor, mut cuda, mut why) = (0usize, 0usize, std::collections::BTreeSet::new());
+    for func in module.funcs.iter().filter(|f| f.name != "forward") {
+        for op in func.ops.iter().filter(|op| matches!(op.name.as_str(), "xf.attention" | "xf.attention_grad" | "xf.attention_block" | "xf.attention_block_grad")) {
+            let inputs: Vec<&shardc_ir::TensorTy> = op.operands.iter().filter_map(|v| func.tensor(*v)).collect();
+            match shardc_ir::ops::off_tensor_cores(&inputs, &op.attrs) {
+                None => tensor += 1,
+                Some(reason) => {
+                    cuda += 1;
+                    why.insert(reason);
+                }
+            }
+        }
+    }
+    match (tensor, cuda) {
+        (0, 0) => None,
+        (t, 0) => Some(format!("{t} ops on tensor cores (bf16 with fp32 accumulation)")),
+        (t, c) => Some(format!(
+            "{c} ops on CUDA cores ({}){}: tensor cores take bf16 at head dims 16 to 128 in steps of 16, outside context parallelism",
+            why.into_iter().collect::<Vec<_>>().join("; "),
+            if t > 0 { format!(", {t} on tensor cores") } else { String::new() }
+        )),
     }
 }
 

@@ -54,6 +54,24 @@ fn ir_output_parses_with_mlir_opt() {
     }
 }
 
+/// `compile` says where a GPU runs the step's attention, read from the op registry as the
+/// device plan launches it: on tensor cores in bf16 at a head dim they take, else on CUDA
+/// cores with what keeps it there (the element type, the head dim, context parallelism).
+#[test]
+fn compile_says_where_a_gpu_runs_attention() {
+    for (args, says) in [
+        (vec!["models/gpt2-small.toml", "--dtype", "bf16"], "24 ops on tensor cores (bf16 with fp32 accumulation)"),
+        (vec!["models/gpt2-small.toml"], "24 ops on CUDA cores (f32): tensor cores take bf16 at head dims 16 to 128 in steps of 16"),
+        (vec!["models/tiny-llama.toml", "--dtype", "bf16", "--mesh", "cp=2"], "8 ops on CUDA cores (head dim 4, context-parallel)"),
+        (vec!["models/tiny.toml", "--dtype", "f64"], "4 ops on CUDA cores (f64, head dim 4)"),
+    ] {
+        let out = shardc(&[&["compile", "--microbatches", "1"][..], &args].concat());
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        let line = stdout(&out).lines().find(|l| l.trim_start().starts_with("attention ")).map(str::to_string).unwrap_or_default();
+        assert!(line.contains(says), "{args:?}: {line}");
+    }
+}
+
 #[test]
 fn compile_prints_a_summary_for_gpt2_small() {
     let out = shardc(&["compile", "models/gpt2-small.toml", "--mesh", "dp=2,tp=4,pp=1"]);

@@ -533,6 +533,28 @@ fn on_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
     mma_head_dim(d).is_some() && bf16 && !context_parallel(inputs, attrs)
 }
 
+/// Why the attention of these operands runs on the scalar CUDA-core kernels rather than on
+/// tensor cores (its element type, its head dim, context parallelism); `None` where it runs
+/// on tensor cores. What `shardc compile` tells the user.
+pub fn off_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> Option<String> {
+    if on_tensor_cores(inputs, attrs) {
+        return None;
+    }
+    let d = Heads::of(inputs, attrs).map_or(0, |h| h.d);
+    let mut reasons = Vec::new();
+    if let Some(t) = inputs.first().filter(|t| t.dtype != crate::types::DType::Bf16) {
+        reasons.push(format!("{:?}", t.dtype).to_lowercase());
+    }
+    if mma_head_dim(d).is_none() {
+        reasons.push(format!("head dim {d}"));
+    }
+    // A ring step's block (context parallelism) always runs the scalar kernels.
+    if context_parallel(inputs, attrs) || reasons.is_empty() {
+        reasons.push("context-parallel".to_string());
+    }
+    Some(reasons.join(", "))
+}
+
 /// Threads per block of the attention kernels.
 const FLASH_THREADS: usize = 128;
 

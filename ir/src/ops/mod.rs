@@ -24,7 +24,7 @@ mod rope;
 use crate::attrs::Attrs;
 use crate::types::{DType, TensorTy};
 
-pub use attention::{attention_stats, stats_dtype, Attention, AttentionBlock, AttentionBlockGrad, AttentionGrad, AttentionMerge, RING_STEP_ATTR};
+pub use attention::{attention_stats, off_tensor_cores, stats_dtype, Attention, AttentionBlock, AttentionBlockGrad, AttentionGrad, AttentionMerge, RING_STEP_ATTR};
 pub use cast::Cast;
 pub use elementwise::{Activation, ActivationGrad, Add, Mul, Scale, Swiglu, SwigluGrad, GELU, GELU_GRAD, SILU, SILU_GRAD};
 pub use embedding::{Embedding, EmbeddingGrad};
