@@ -1835,7 +1835,7 @@ impl CudaTrainer {
         let batch = programs.iter().find_map(|p| p.arg("tokens").or_else(|| p.arg("targets"))).ok_or_else(|| RuntimeError::Binding("no program reads `tokens` or `targets`".into()))?;
         let shape = batch.layout.as_ref().map_or_else(|| programs[0].buffers[batch.buffer].shape.clone(), |l| l.global_shape.clone());
         let incoming = match (process_rank, &schedule) {
-            (Some(rank), Some(schedule)) => incoming_sends(programs, schedule, &mesh, rank, true),
+            (Some(rank), Some(schedule)) => incoming_sends(programs, schedule, &mesh, rank),
             _ => HashMap::new(),
         };
         let mut trainer = CudaTrainer { runners, programs: own, every_program: programs.to_vec(), incoming, mesh, seed: 0, step, rows: shape[0], seq: shape[1], schedule };
@@ -2072,12 +2072,12 @@ impl CudaTrainer {
                     }
                     let forward = schedule.forward_only(weights.len());
                     if let Some(rank) = self.process_rank() {
-                        let incoming = incoming_sends(&self.every_program, &forward, &self.mesh, rank, false);
+                        let incoming = incoming_sends(&self.every_program, &forward, &self.mesh, rank);
                         for runner in &mut self.runners {
                             runner.exec.expect_receives(step, &incoming);
                         }
                     }
-                    let losses = self.walk(&forward, step, &t, &g, false)?;
+                    let losses = self.walk(&forward, step, &t, &g)?;
                     sum += losses.iter().zip(&weights).map(|(l, w)| l * w).sum::<f64>();
                     for runner in &mut self.runners {
                         runner.exec.synchronize()?;
@@ -2101,9 +2101,9 @@ impl CudaTrainer {
                 // The loss's own reduction: its parts summed over rank 0's group.
                 let group = self.mesh.group(0, &partial.axes);
                 if self.process_rank().is_some() {
-                    let bits = sums[0].to_bits();
-                    let all = self.gather_from_every_process(&[ranks[0] as i32, (bits >> 32) as u32 as i32, bits as u32 as i32])?;
-                    all.chunks_exact(3).filter(|p| group.contains(&(p[0] as usize))).map(|p| f64::from_bits(((p[1] as u32 as u64) << 32) | p[2] as u32 as u64)).sum()
+                    let [high, low] = f64_as_i32s(sums[0]);
+                    let all = self.gather_from_every_process(&[ranks[0] as i32, high, low])?;
+                    all.chunks_exact(3).filter(|p| group.contains(&(p[0] as usize))).map(|p| f64_of_i32s(p[1], p[2])).sum()
                 } else {
                     ranks.iter().zip(&sums).filter(|(r, _)| group.contains(r)).map(|(_, s)| s).sum()
                 }
@@ -2163,7 +2163,7 @@ impl CudaTrainer {
                 runner.exec.expect_receives(step, &self.incoming);
             }
         }
-        let losses = self.walk(&schedule, step, t, g, true)?;
+        let losses = self.walk(&schedule, step, t, g)?;
         let loss = losses.iter().sum::<f64>() / schedule.microbatches as f64;
         self.from_the_loss_maker(loss)
     }
@@ -2175,18 +2175,19 @@ impl CudaTrainer {
             return Ok(value);
         }
         let makes_loss = self.programs.iter().any(|p| p.result("loss").is_some_and(|l| p.instrs.iter().any(|i| i.outputs.contains(&l.buffer))));
-        let bits = value.to_bits();
-        let all = self.gather_from_every_process(&[i32::from(makes_loss), (bits >> 32) as u32 as i32, bits as u32 as i32])?;
+        let [high, low] = f64_as_i32s(value);
+        let all = self.gather_from_every_process(&[i32::from(makes_loss), high, low])?;
         let from = all.chunks_exact(3).find(|p| p[0] == 1).ok_or_else(|| err("no process's pipeline rank makes the loss"))?;
-        Ok(f64::from_bits(((from[1] as u32 as u64) << 32) | from[2] as u32 as u64))
+        Ok(f64_of_i32s(from[1], from[2]))
     }
 
     /// Runs `schedule`'s items on this process's pipeline ranks, the ranks taking turns, each
-    /// running until a receive waits, and then (`whole_step`) each rank's step section on
-    /// the summed gradients; without it the schedule is forward work alone, whose kept
-    /// values are let go at once. Returns the loss each micro-batch made here (0 where this
+    /// running until a receive waits, and then each rank's step section on the summed
+    /// gradients; a forward-only schedule (an evaluation) has no step, and its kept values
+    /// are let go at once. Returns the loss each micro-batch made here (0 where this
     /// process's pipeline ranks make none).
-    fn walk(&mut self, schedule: &crate::schedule::Schedule, step: u64, t: &[f64], g: &[f64], whole_step: bool) -> Result<Vec<f64>, RuntimeError> {
+    fn walk(&mut self, schedule: &crate::schedule::Schedule, step: u64, t: &[f64], g: &[f64]) -> Result<Vec<f64>, RuntimeError> {
+        let whole_step = !schedule.is_forward_only();
         let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == crate::schedule::Work::W);
         for runner in &mut self.runners {
             runner.exec.forget_step_state();
@@ -2501,7 +2502,7 @@ impl crate::train::ParameterSource for CudaTrainer {
 /// sends them: its pipeline rank's items in schedule order (a forward's, backward's and
 /// weight gradient's instructions as [`CudaTrainer`] runs them), then its step section; each
 /// send to `rank`'s pipeline rank as (tag without the step, bytes), by the sender's global rank.
-fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, mesh: &MeshShape, rank: usize, whole_step: bool) -> HashMap<usize, Vec<(u64, usize)>> {
+fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, mesh: &MeshShape, rank: usize) -> HashMap<usize, Vec<(u64, usize)>> {
     use crate::schedule::Work;
     let splits_w = schedule.ranks.iter().flatten().any(|i| i.work == Work::W);
     let mine = mesh.coords(rank).get(2).copied().unwrap_or(0);
@@ -2522,7 +2523,8 @@ fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, me
             };
             order.extend(sections.into_iter().flat_map(|section| chunk.range(section)).map(|index| (index, item.microbatch as u64)));
         }
-        if whole_step {
+        // A forward-only schedule (an evaluation) has no step section.
+        if !schedule.is_forward_only() {
             order.extend(program.step_order(&plan.chunks).into_iter().map(|index| (index, 0)));
         }
         for (index, microbatch) in order {
@@ -2537,6 +2539,17 @@ fn incoming_sends(programs: &[Program], schedule: &crate::schedule::Schedule, me
         }
     }
     out
+}
+
+/// An f64's bits as two i32s (high, low), as [`CudaExecutor::gather_from_every_process`]
+/// carries values between processes; [`f64_of_i32s`] is the inverse.
+fn f64_as_i32s(value: f64) -> [i32; 2] {
+    let bits = value.to_bits();
+    [(bits >> 32) as u32 as i32, bits as u32 as i32]
+}
+
+fn f64_of_i32s(high: i32, low: i32) -> f64 {
+    f64::from_bits(((high as u32 as u64) << 32) | low as u32 as u64)
 }
 
 /// How an error of a multi-process run starts when the process failed because another did

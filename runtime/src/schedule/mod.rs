@@ -99,6 +99,11 @@ impl Schedule {
         chunk * self.stages + rank
     }
 
+    /// Whether the schedule is forward work alone (an evaluation's: no gradients, so no step).
+    pub fn is_forward_only(&self) -> bool {
+        self.ranks.iter().flatten().all(|i| i.work == Work::F)
+    }
+
     /// This pipeline's forward work alone over `microbatches` micro-batches, as Megatron-LM
     /// evaluates (its forward-only schedule): every rank runs micro-batch after micro-batch,
     /// each through its chunks in order. Every item waits only on items of earlier
