@@ -424,7 +424,7 @@ fn attention_cores(module: &Module) -> Option<String> {
         (0, 0) => None,
         (t, 0) => Some(format!("{t} ops on tensor cores (bf16 with fp32 accumulation)")),
         (t, c) => Some(format!(
-            "{c} ops on CUDA cores ({}){}: tensor cores take bf16 at head dims 16 to 128 in steps of 16, outside context parallelism",
+            "{c} ops on CUDA cores ({}){}: tensor cores take bf16 at head dims 16 to 128 in steps of 16",
             why.into_iter().collect::<Vec<_>>().join("; "),
             if t > 0 { format!(", {t} on tensor cores") } else { String::new() }
         )),

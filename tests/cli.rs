@@ -55,14 +55,16 @@ fn ir_output_parses_with_mlir_opt() {
 }
 
 /// `compile` says where a GPU runs the step's attention, read from the op registry as the
-/// device plan launches it: on tensor cores in bf16 at a head dim they take, else on CUDA
-/// cores with what keeps it there (the element type, the head dim, context parallelism).
+/// device plan launches it: on tensor cores in bf16 at a head dim they take (context-parallel
+/// ranks too), else on CUDA cores with what keeps it there (the element type, the head dim).
 #[test]
 fn compile_says_where_a_gpu_runs_attention() {
     for (args, says) in [
         (vec!["models/gpt2-small.toml", "--dtype", "bf16"], "24 ops on tensor cores (bf16 with fp32 accumulation)"),
         (vec!["models/gpt2-small.toml"], "24 ops on CUDA cores (f32): tensor cores take bf16 at head dims 16 to 128 in steps of 16"),
-        (vec!["models/tiny-llama.toml", "--dtype", "bf16", "--mesh", "cp=2"], "8 ops on CUDA cores (head dim 4, context-parallel)"),
+        (vec!["models/tiny-llama.toml", "--dtype", "bf16", "--mesh", "cp=2"], "8 ops on CUDA cores (head dim 4)"),
+        (vec!["models/llama-7b.toml", "--mesh", "cp=2", "--seq", "8192"], "128 ops on tensor cores (bf16 with fp32 accumulation)"),
+        (vec!["models/llama-7b.toml", "--mesh", "cp=2", "--seq", "8192", "--cp-attention", "ring"], "128 ops on tensor cores (bf16 with fp32 accumulation)"),
         (vec!["models/tiny.toml", "--dtype", "f64"], "4 ops on CUDA cores (f64, head dim 4)"),
     ] {
         let out = shardc(&[&["compile", "--microbatches", "1"][..], &args].concat());
@@ -1042,6 +1044,31 @@ fn context_parallel_runs_train_like_one_device() {
     }
 }
 
+/// Context-parallel attention in bf16 runs on tensor cores, gathered and as a ring: a Llama
+/// of head dim 16 over cp=2 (sequences of 32 in zigzag chunks of 8) on the emulated GPU trains
+/// as one device does on the CPU, to bf16's rounding of the attention's probabilities.
+#[test]
+fn context_parallel_attention_runs_on_tensor_cores_in_bf16() {
+    let dir = tempdir("cp-mma");
+    let spec = std::fs::read_to_string(root().join("models/tiny-llama.toml")).unwrap();
+    let spec = spec.replace("hidden = 16\n", "hidden = 64\n").replace("max_seq = 16\n", "max_seq = 32\n").replace("seq_len = 8\n", "seq_len = 32\n").replace("dtype = \"f32\"", "dtype = \"bf16\"");
+    let model = dir.join("head-dim-16.toml");
+    std::fs::write(&model, spec).unwrap();
+    let model = model.to_str().unwrap();
+    let base = ["run", model, "--steps", "2", "--log-every", "1", "--microbatches", "1"];
+    let single = losses_by_step(&shardc(&base));
+    for extra in [&[][..], &["--cp-attention", "ring"]] {
+        let compiled = shardc(&[&["compile", model, "--mesh", "cp=2", "--microbatches", "1"][..], extra].concat());
+        assert!(stdout(&compiled).contains("ops on tensor cores (bf16 with fp32 accumulation)") && !stdout(&compiled).contains("CUDA cores"), "{extra:?}: {}", stdout(&compiled));
+        let out = Command::new(env!("CARGO_BIN_EXE_shardc")).args([&base[..], &["--mesh", "cp=2", "--backend", "cuda"], extra].concat()).current_dir(root()).env("SHARDC_GPU_EMULATE", "1").output().unwrap();
+        let on_gpu = losses_by_step(&out);
+        assert_eq!(on_gpu.len(), 2, "{extra:?}: {}", stdout(&out));
+        for (step, loss) in &on_gpu {
+            assert!((loss - single[step]).abs() <= 1e-3 * single[step].abs(), "{extra:?} step {step}: GPU {loss}, one device {}", single[step]);
+        }
+    }
+}
+
 /// A 128K-token context for Llama-7B on 128 GPUs (dp=4, cp=4, tp=8): rotary positions extend
 /// past the spec's max_seq, the step compiles, and its memory estimate fits an 80 GB GPU.
 #[test]
@@ -1058,16 +1085,15 @@ fn long_context_llama_7b_compiles_and_fits_an_80_gb_gpu() {
 }
 
 /// `plan` searches context parallelism where sequences are long (issue 20): for Llama-7B at
-/// 32K tokens on 64 GPUs in f32 it lists cp plans and picks one; the command it suggests
+/// 32K tokens on 64 GPUs, in bf16 (a context-parallel rank's attention on tensor cores, as
+/// the whole sequence's) and in f32, it lists cp plans and picks one; the command it suggests
 /// compiles to the memory per GPU the plan lists (within 5%). At 1K tokens it lists none.
-/// In bf16 it picks none: a context-parallel rank's attention runs the scalar flash kernels,
-/// not the tensor-core ones, and is priced so.
 #[test]
 fn plan_searches_context_parallelism_for_long_sequences() {
-    let bf16 = shardc(&["plan", "models/llama-7b.toml", "--seq", "32768", "--gpus", "64", "--top", "1"]);
-    let first = stdout(&bf16).lines().find(|l| l.trim_start().starts_with("1 ")).unwrap_or_default().to_string();
-    assert!(bf16.status.success() && !first.is_empty() && !first.contains(" cp="), "{}", stdout(&bf16));
-    let out = shardc(&["plan", "models/llama-7b.toml", "--seq", "32768", "--gpus", "64", "--top", "5", "--dtype", "f32"]);
+    let f32 = shardc(&["plan", "models/llama-7b.toml", "--seq", "32768", "--gpus", "64", "--top", "1", "--dtype", "f32"]);
+    let first = stdout(&f32).lines().find(|l| l.trim_start().starts_with("1 ")).unwrap_or_default().to_string();
+    assert!(f32.status.success() && first.contains(" cp="), "{}", stdout(&f32));
+    let out = shardc(&["plan", "models/llama-7b.toml", "--seq", "32768", "--gpus", "64", "--top", "5"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let best = text.lines().find(|l| l.trim_start().starts_with("1 ")).unwrap_or_default();

@@ -499,7 +499,7 @@ fn tensor_core_attention_compiles_to_mma_for_sm_90() {
             for instruction in ["ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global", "cp.async.wait_group"] {
                 assert!(ptx.contains(instruction), "no {instruction} in the sm_90 PTX");
             }
-            for kernel in ["attention_fwd_mma64", "attention_grad_q_mma64", "attention_grad_kv_mma64"] {
+            for kernel in ["attention_fwd_mma64", "attention_grad_q_mma64", "attention_grad_kv_mma64", "attention_fwd_mma64_cp", "attention_grad_q_mma64_cp", "attention_grad_kv_mma64_cp"] {
                 assert!(ptx.contains(&format!(".entry {kernel}")), "{kernel} is not in the PTX");
             }
         }
@@ -812,6 +812,227 @@ mod emulated {
                 assert_eq!(row(&g, r).iter().any(|x| x.is_nan()), r >= first_nan && (poked != "q" || r == at), "{what}: the device's row {r} {:?}", row(&g, r));
             }
         }
+    }
+
+    /// Context-parallel attention on tensor cores (bf16): a rank's part of the queries against
+    /// the gathered keys, and each step of the ring (the queries against one rank's block of
+    /// keys, backward from the whole attention's `out` and `lse`), in the zigzag order of
+    /// 2 x cp chunks and in the natural order, on every rank of cp = 2 and 4 held on one
+    /// device, equal a direct f64 evaluation over the rows' positions to bf16's resolution.
+    /// Chunks of 64 rows (key tiles wholly visible, skipped, or on the diagonal), of 24 and 16
+    /// (tiles across chunks), parts that start off a tile's edge, ragged parts, grouped-query
+    /// heads, rows that see none of a ring block (zero output, `-inf` log-sum-exp), not causal.
+    #[test]
+    fn context_parallel_attention_on_tensor_cores_equals_a_direct_evaluation() {
+        // (cp, len, ring step or gathered keys, zigzag order, causal, (b, hq, hk, d))
+        let cases = [
+            (2usize, 256usize, None, true, true, (1usize, 2usize, 1usize, 16usize)),
+            (2, 96, None, true, true, (1, 4, 2, 32)),
+            (2, 80, None, false, false, (2, 2, 1, 64)),
+            // Rank 1's queries from row 65: its first query tile and the key tile from row 128
+            // meet at one position (the diagonal's last query sees its first key).
+            (2, 130, None, false, true, (1, 2, 1, 16)),
+            // From row 78: the fourth warp's queries (positions 126 to 141) see every key of
+            // the tile from 64 but the last (127): a tile masked by one key.
+            (2, 156, None, false, true, (1, 2, 1, 16)),
+            (4, 128, Some(0), true, true, (1, 2, 1, 16)),
+            (4, 128, Some(1), true, true, (1, 2, 1, 16)),
+            (4, 128, Some(2), true, true, (1, 2, 2, 48)),
+            (2, 256, Some(1), true, true, (1, 2, 1, 112)),
+            (4, 128, Some(3), true, true, (1, 2, 1, 16)),
+            (2, 160, Some(1), false, true, (1, 2, 1, 128)),
+            (2, 160, Some(0), false, true, (1, 2, 1, 80)),
+        ];
+        for (cp, len, ring, zigzag, causal, shape) in cases {
+            let (b, hq, hk, d) = shape;
+            let what = format!("cp={cp} len={len} ring step {ring:?} zigzag={zigzag} causal={causal} b={b} hq={hq} hk={hk} d={d}");
+            let part = len / cp;
+            let chunks = if zigzag { 2 * cp } else { 1 };
+            let position = |row: usize| shardc_ir::ops::zigzag_position(row, len, chunks);
+            let program = context_attention_program(cp, len, ring, zigzag, causal, shape);
+            let kernels = program.device.as_ref().unwrap().kernels();
+            for kernel in ["attention_fwd_mma", "attention_grad_q_mma", "attention_grad_kv_mma"] {
+                assert!(kernels.iter().any(|k| *k == format!("{kernel}{d}_cp")), "{what}: `{kernel}` is not on tensor cores: {kernels:?}");
+            }
+            let mut device = cuda::CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
+            // The whole sequence's rows (in its order), one part per rank; values of a few units.
+            let rows = |seed: u64, heads: usize, scale: f64| -> Vec<Vec<f64>> {
+                (0..cp).map(|p| (0..b * part * heads * d).map(|j| 2.0 * scale * (shardc_runtime::init::uniform(seed, (p * b * part * heads * d + j) as u64) - 0.5)).collect()).collect()
+            };
+            let (mut q, k, v, mut dout) = (rows(41, hq, 3.0), rows(42, hk, 3.0), rows(43, hk, 1.0), rows(44, hq, 1.0));
+            let (k, v): (Vec<Vec<f64>>, Vec<Vec<f64>>) = (k.iter().map(|x| round_bf16(x)).collect(), v.iter().map(|x| round_bf16(x)).collect());
+            // Written and read back: the reference sees the device's bf16 values.
+            for rank in 0..cp {
+                for (name, values) in [("q", &mut q[rank]), ("dout", &mut dout[rank])] {
+                    device.write(rank, name, values).unwrap();
+                    *values = device.read(rank, name).unwrap();
+                }
+            }
+            let source = |rank: usize| ring.map_or(rank, |step| (rank + cp - step) % cp);
+            let keys_of = |parts: &[Vec<f64>], rank: usize| -> (Vec<f64>, Vec<usize>) {
+                match ring {
+                    // Every part, batch by batch: [b, len, hk * d].
+                    None => ((0..b).flat_map(|bi| (0..cp).flat_map(move |p| parts[p][bi * part * hk * d..(bi + 1) * part * hk * d].to_vec())).collect(), (0..len).map(position).collect()),
+                    Some(_) => (parts[source(rank)].clone(), (source(rank) * part..(source(rank) + 1) * part).map(position).collect()),
+                }
+            };
+            let all_keys: Vec<usize> = (0..len).map(position).collect();
+            let gathered = |parts: &[Vec<f64>]| -> Vec<f64> { (0..b).flat_map(|bi| (0..cp).flat_map(move |p| parts[p][bi * part * hk * d..(bi + 1) * part * hk * d].to_vec())).collect() };
+            let mut expected = Vec::new();
+            for rank in 0..cp {
+                let (ks, key_positions) = keys_of(&k, rank);
+                let (vs, _) = keys_of(&v, rank);
+                device.write(rank, "k", &ks).unwrap();
+                device.write(rank, "v", &vs).unwrap();
+                let (ks, vs) = (device.read(rank, "k").unwrap(), device.read(rank, "v").unwrap());
+                let query_positions: Vec<usize> = (rank * part..(rank + 1) * part).map(position).collect();
+                let sizes = (b, hq, hk, d, causal);
+                let (out, lse) = direct_attention(&query_positions, &key_positions, &q[rank], &ks, &vs, sizes);
+                // The backward reads the whole attention's out and lse: a ring step's block's
+                // are a part of it.
+                let (whole_out, whole_lse) = match ring {
+                    None => (out.clone(), lse.clone()),
+                    Some(_) => {
+                        let (kw, vw) = (gathered(&k), gathered(&v));
+                        let (o, l) = direct_attention(&query_positions, &all_keys, &q[rank], &kw, &vw, sizes);
+                        device.write(rank, "whole_out", &o).unwrap();
+                        device.write(rank, "whole_lse", &l).unwrap();
+                        (device.read(rank, "whole_out").unwrap(), l)
+                    }
+                };
+                let (dq, dk, dv) = direct_attention_grad(&query_positions, &key_positions, &q[rank], &ks, &vs, &whole_out, &whole_lse, &dout[rank], sizes);
+                expected.push([("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)]);
+            }
+            device.run().unwrap();
+            for (rank, results) in expected.into_iter().enumerate() {
+                for (name, want) in results {
+                    let got = device.read(rank, name).unwrap();
+                    assert_eq!(got.len(), want.len(), "{what} rank {rank}: {name}");
+                    if name == "lse" {
+                        // -inf exactly where a row sees none of the keys.
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(g.is_finite(), w.is_finite(), "{what} rank {rank}: lse[{i}] {g} against {w}");
+                        }
+                    }
+                    let finite = |x: &f64| if x.is_finite() { *x } else { 0.0 };
+                    let scale = want.iter().map(|x| finite(x).abs()).fold(1.0, f64::max);
+                    let off = got.iter().zip(&want).map(|(g, w)| (finite(g) - finite(w)).abs()).fold(0.0, f64::max) / scale;
+                    assert!(off <= 1e-2, "{what} rank {rank}: `{name}` differs by {off:.2e}");
+                }
+            }
+            if let Some(step) = ring {
+                // Rows that see none of the block: zeros and -inf (the ring's merge then keeps
+                // the other steps' results).
+                let hidden = (0..cp).any(|rank| device.read(rank, "lse").unwrap().iter().any(|l| l.is_infinite()));
+                assert_eq!(hidden, causal && step > 0, "{what}");
+            }
+        }
+    }
+
+    /// Attention of one cp rank's part of `len` rows over `cp` ranks (mesh axis 3), bf16: the
+    /// gathered form (`xf.attention` and its backward against all `len` keys) or one ring
+    /// step (`xf.attention_block` against a part's keys, its backward from the whole
+    /// attention's `whole_out` and `whole_lse`); results out, lse, dq, dk, dv.
+    fn context_attention_program(cp: usize, len: usize, ring: Option<usize>, zigzag: bool, causal: bool, (b, hq, hk, d): (usize, usize, usize, usize)) -> Program {
+        use shardc_ir::attrs::{AttrValue, Attrs};
+        use shardc_ir::graph::{ArgRole, FuncBuilder};
+        use shardc_ir::types::{DType, TensorTy};
+        let part = len / cp;
+        let mut attrs = Attrs::new()
+            .with("causal", AttrValue::Bool(causal))
+            .with("scale", AttrValue::Float(1.0 / (d as f64).sqrt()))
+            .with("head_dim", AttrValue::Int(d as i64))
+            .with("xf.seq_split_axes", AttrValue::axes(&[3]));
+        if zigzag {
+            attrs = attrs.with(shardc_ir::ops::ZIGZAG_ATTR, AttrValue::Ints(vec![2 * cp as i64, len as i64]));
+        }
+        let keys = if ring.is_some() { part } else { len };
+        let (qt, kt) = (TensorTy::new(vec![b as i64, part as i64, (hq * d) as i64], DType::Bf16), TensorTy::new(vec![b as i64, keys as i64, (hk * d) as i64], DType::Bf16));
+        let mut fb = FuncBuilder::new("attention");
+        let args: Vec<_> = [("q", &qt), ("k", &kt), ("v", &kt), ("dout", &qt)].iter().map(|(n, t)| fb.arg(n, (*t).clone(), ArgRole::Input)).collect();
+        let results = match ring {
+            None => {
+                let out = fb.op_multi("xf.attention", &args[..3], attrs.clone(), "fwd").unwrap();
+                let grads = fb.op_multi("xf.attention_grad", &[args[0], args[1], args[2], out[0], out[1], args[3]], attrs, "bwd").unwrap();
+                [out[0], out[1], grads[0], grads[1], grads[2]]
+            }
+            Some(step) => {
+                let attrs = attrs.with(shardc_ir::ops::RING_STEP_ATTR, AttrValue::Int(step as i64));
+                let whole_out = fb.arg("whole_out", qt.clone(), ArgRole::Input);
+                let whole_lse = fb.arg("whole_lse", TensorTy::new(vec![b as i64, hq as i64, part as i64], DType::F32), ArgRole::Input);
+                let out = fb.op_multi("xf.attention_block", &args[..3], attrs.clone(), "fwd").unwrap();
+                let grads = fb.op_multi("xf.attention_block_grad", &[args[0], args[1], args[2], whole_out, whole_lse, args[3]], attrs, "bwd").unwrap();
+                [out[0], out[1], grads[0], grads[1], grads[2]]
+            }
+        };
+        let func = fb.finish(&results, &["out".to_string(), "lse".to_string(), "dq".to_string(), "dk".to_string(), "dv".to_string()]);
+        let mut program = shardc_codegen::device::with_device_plan(shardc_codegen::lower_func(&func).unwrap()).unwrap();
+        program.mesh = vec![1, 1, 1, cp];
+        program
+    }
+
+    /// The sizes of [`direct_attention`]: batch, query heads, kv heads, head dim, causal.
+    type Sizes = (usize, usize, usize, usize, bool);
+
+    /// Attention in f64 straight from its definition, over queries and keys at the sequence
+    /// positions given (`q [b, nq, hq * d]`, `k`, `v [b, nk, hk * d]`; a query sees the keys at
+    /// or before its position when causal): `(out, lse)`, a row that sees no key 0 and `-inf`.
+    fn direct_attention(query_positions: &[usize], key_positions: &[usize], q: &[f64], k: &[f64], v: &[f64], (b, hq, hk, d, causal): Sizes) -> (Vec<f64>, Vec<f64>) {
+        let (nq, nk, scale) = (query_positions.len(), key_positions.len(), 1.0 / (d as f64).sqrt());
+        let (mut out, mut lse) = (vec![0.0; b * nq * hq * d], vec![f64::NEG_INFINITY; b * hq * nq]);
+        for bi in 0..b {
+            for h in 0..hq {
+                let g = h / (hq / hk);
+                for i in 0..nq {
+                    let seen: Vec<usize> = (0..nk).filter(|&j| !causal || key_positions[j] <= query_positions[i]).collect();
+                    if seen.is_empty() {
+                        continue;
+                    }
+                    let score = |j: usize| scale * (0..d).map(|c| q[(bi * nq + i) * hq * d + h * d + c] * k[(bi * nk + j) * hk * d + g * d + c]).sum::<f64>();
+                    let scores: Vec<f64> = seen.iter().map(|&j| score(j)).collect();
+                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                    for c in 0..d {
+                        out[(bi * nq + i) * hq * d + h * d + c] = seen.iter().zip(&scores).map(|(&j, s)| (s - m).exp() * v[(bi * nk + j) * hk * d + g * d + c]).sum::<f64>() / sum;
+                    }
+                    lse[(bi * hq + h) * nq + i] = m + sum.ln();
+                }
+            }
+        }
+        (out, lse)
+    }
+
+    /// The backward of [`direct_attention`] from the whole attention's `out` and `lse`
+    /// (FlashAttention-2's): `(dq, dk, dv)`, dk and dv summed over these queries.
+    #[allow(clippy::too_many_arguments)]
+    fn direct_attention_grad(query_positions: &[usize], key_positions: &[usize], q: &[f64], k: &[f64], v: &[f64], out: &[f64], lse: &[f64], dout: &[f64], (b, hq, hk, d, causal): Sizes) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (nq, nk, scale) = (query_positions.len(), key_positions.len(), 1.0 / (d as f64).sqrt());
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        for bi in 0..b {
+            for h in 0..hq {
+                let g = h / (hq / hk);
+                for i in 0..nq {
+                    let (qi, l) = ((bi * nq + i) * hq * d + h * d, lse[(bi * hq + h) * nq + i]);
+                    let rowdot: f64 = (0..d).map(|c| out[qi + c] * dout[qi + c]).sum();
+                    for j in (0..nk).filter(|&j| !causal || key_positions[j] <= query_positions[i]) {
+                        let kj = (bi * nk + j) * hk * d + g * d;
+                        let p = (scale * (0..d).map(|c| q[qi + c] * k[kj + c]).sum::<f64>() - l).exp();
+                        let ds = p * ((0..d).map(|c| dout[qi + c] * v[kj + c]).sum::<f64>() - rowdot);
+                        for c in 0..d {
+                            dq[qi + c] += scale * ds * k[kj + c];
+                            dk[kj + c] += scale * ds * q[qi + c];
+                            dv[kj + c] += p * dout[qi + c];
+                        }
+                    }
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+
+    /// Values rounded to bf16 (to nearest, ties to even), as the device stores them.
+    fn round_bf16(values: &[f64]) -> Vec<f64> {
+        values.iter().map(|&x| { let bits = (x as f32).to_bits(); f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000) as f64 }).collect()
     }
 
     fn attention_against_the_cpu(dtype: shardc_ir::types::DType, s: i64, causal: bool, shape: (i64, i64, i64, i64)) -> (String, Vec<String>, Vec<(&'static str, f64)>) {
@@ -1404,8 +1625,10 @@ mod emulated {
 
     /// Context parallelism (issue 20) on the device: every rank's part of the sequence in
     /// zigzag order, keys and values gathered over cp, positions offset by the rank's part
-    /// (the scalar flash kernels; bf16 too, where the tensor-core ones would attend within one
-    /// whole sequence), with data and tensor parallelism.
+    /// (the scalar flash kernels: head dim 4), with data and tensor parallelism; the
+    /// tensor-core kernels' context-parallel forms are checked by
+    /// `context_parallel_attention_on_tensor_cores_equals_a_direct_evaluation` and, end to
+    /// end, by the CLI's `context_parallel_attention_runs_on_tensor_cores_in_bf16`.
     #[test]
     fn context_parallel_on_one_device() {
         check("tiny-llama", "f32", Mesh { dp: 1, tp: 1, pp: 1, cp: 2, ep: 1 }, 1e-5, 1e-4);
@@ -1584,8 +1807,9 @@ fn the_memory_estimate_is_what_the_cuda_backend_allocates() {
 }
 
 /// The cost model prices attention on tensor cores exactly where the device plan launches
-/// the tensor-core kernels: bf16 with a head dim they take, one whole sequence; a context-
-/// parallel rank (gathered keys or a ring step) runs the scalar flash kernels.
+/// the tensor-core kernels: bf16 with a head dim they take, on one whole sequence or a
+/// context-parallel rank's part (gathered keys or a ring step); f32 runs the scalar flash
+/// kernels.
 #[test]
 fn attention_is_priced_on_tensor_cores_where_it_runs_on_them() {
     use shardc_ir::ops::{lookup, KernelClass};
@@ -1613,6 +1837,9 @@ fn attention_is_priced_on_tensor_cores_where_it_runs_on_them() {
             let KernelClass::Attention { tensor_cores, .. } = def.kernel_class(&refs, &shardc_codegen::estimate::instr_attrs(instr)) else { continue };
             let launched = plan.calls[index].iter().any(|c| matches!(c, DeviceCall::Launch { kernel, .. } if kernel.contains("mma")));
             assert_eq!(tensor_cores, launched, "{dtype} {mesh} {policy:?}: {} at {}", instr.op, instr.loc);
+            // A context-parallel rank's attention takes the kernels that place it in the sequence.
+            let parts = plan.calls[index].iter().all(|c| !matches!(c, DeviceCall::Launch { kernel, .. } if kernel.contains("mma") && kernel.ends_with("_cp") != (mesh.cp > 1)));
+            assert!(parts, "{dtype} {mesh} {policy:?}: {} at {}: {:?}", instr.op, instr.loc, plan.calls[index]);
             seen[usize::from(launched)] = true;
             attention += 1;
         }

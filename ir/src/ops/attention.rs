@@ -32,17 +32,7 @@ impl OpDef for Attention {
         "attention"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        let Heads { b, s, hq, .. } = Heads::of(cx.inputs, cx.attrs)?;
-        if b * s == 0 {
-            return Ok(DeviceKernel::Launches(Vec::new()));
-        }
-        if let Some([kernel, _, _]) = mma_kernels(cx) {
-            let mut args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2)];
-            args.extend(attention_args(cx.inputs, cx.attrs)?);
-            let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
-            return Ok(DeviceKernel::Launches(vec![Launch { kernel, source: ATTENTION_MMA_CUDA, grid, block: FLASH_THREADS as u32, shared: 0, workspace: 0, args }]));
-        }
-        scalar_forward(cx, Arg::Out(1), Arg::Int(0))
+        forward(cx, Arg::Int(0))
     }
     fn summary(&self) -> &'static str {
         "softmax(scale * q k^T + causal mask) v over heads; kv heads shared by q_heads/kv_heads; (out, lse)"
@@ -172,17 +162,22 @@ fn check_stats(what: &str, t: &TensorTy, expected: &TensorTy) -> Result<(), Stri
     Ok(())
 }
 
-/// The scalar flash forward (`attention_fwd`): `lse` its optional log-sum-exp result and
-/// `k0` the sequence row of the first key.
-fn scalar_forward(cx: &KernelCx<'_>, lse: Arg, k0: Arg) -> Result<DeviceKernel, String> {
+/// The forward's launch (`out` and `lse`), on tensor cores where [`mma_kernels`] has them and
+/// the scalar flash kernel (`attention_fwd`) elsewhere; `k0` the sequence row of the first key
+/// (a ring step's block starts at its source rank's part).
+fn forward(cx: &KernelCx<'_>, k0: Arg) -> Result<DeviceKernel, String> {
     let Heads { b, s, hq, d, keys, .. } = Heads::of(cx.inputs, cx.attrs)?;
     if b * s == 0 {
         return Ok(DeviceKernel::Launches(Vec::new()));
     }
-    let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
-    let mut args = vec![Arg::Out(0), lse, Arg::In(0), Arg::In(1), Arg::In(2)];
+    let mut args = vec![Arg::Out(0), Arg::Out(1), Arg::In(0), Arg::In(1), Arg::In(2)];
     args.extend(attention_args(cx.inputs, cx.attrs)?);
     args.extend(context_args(cx, k0));
+    if let Some([kernel, _, _]) = mma_kernels(cx) {
+        let grid = [query_tiles(s, MMA_ROWS, kernel)?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
+        return Ok(DeviceKernel::Launches(vec![Launch { kernel, source: ATTENTION_MMA_CUDA, grid, block: FLASH_THREADS as u32, shared: 0, workspace: 0, args }]));
+    }
+    let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
     args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
     // One block per tile of query rows (x) of each sequence's head (y).
     let grid = [query_tiles(s, tiles.0, "attention_fwd")?, crate::kernel::grid_y(b * hq, "(sequence, query head) pairs")?, 1];
@@ -200,14 +195,14 @@ fn backward(cx: &KernelCx<'_>, ring: bool) -> Result<DeviceKernel, String> {
         return Ok(DeviceKernel::Launches(Vec::new()));
     }
     let mut shape_args = attention_args(cx.inputs, cx.attrs)?;
+    shape_args.extend(context_args(cx, if ring { Arg::RingKeyOffset } else { Arg::Int(0) }));
     let dout = Arg::In(5);
     let mut q_args = vec![Arg::Out(0), Arg::Workspace, Arg::In(0), Arg::In(1), Arg::In(2), dout.clone(), Arg::In(3), Arg::In(4)];
     // The tensor-core kernels' tiles are compile-time; the scalar ones take theirs.
-    let (names, source, rows, shared) = match mma_kernels(cx).filter(|_| !ring) {
+    let (names, source, rows, shared) = match mma_kernels(cx) {
         Some([_, q_kernel, kv_kernel]) => ([q_kernel, kv_kernel], ATTENTION_MMA_CUDA, MMA_ROWS, 0),
         None => {
             let tiles = flash_tiles(d, s.max(keys), cx.inputs[0].dtype)?;
-            shape_args.extend(context_args(cx, if ring { Arg::RingKeyOffset } else { Arg::Int(0) }));
             shape_args.extend([Arg::Int(tiles.0 as i64), Arg::Int(tiles.1 as i64)]);
             (["attention_grad_q", "attention_grad_kv"], ATTENTION_CUDA, tiles.0, flash_shared(d, tiles, 2, 2, 2))
         }
@@ -236,7 +231,7 @@ impl OpDef for AttentionBlock {
         "attention_block"
     }
     fn device(&self, cx: &KernelCx<'_>) -> Result<DeviceKernel, String> {
-        scalar_forward(cx, Arg::Out(1), Arg::RingKeyOffset)
+        forward(cx, Arg::RingKeyOffset)
     }
     fn summary(&self) -> &'static str {
         "one ring-attention step: queries against the key/value block held at xf.ring_step; (out, lse)"
@@ -257,7 +252,7 @@ impl OpDef for AttentionBlock {
         Attention.cost(inputs, outputs, attrs)
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
-        attention_class(inputs, attrs, 2.0, false)
+        attention_class(inputs, attrs, 2.0, on_tensor_cores(inputs, attrs))
     }
     fn statistics_slots(&self) -> &'static [usize] {
         STATISTICS
@@ -376,10 +371,9 @@ impl OpDef for AttentionBlockGrad {
     }
     fn kernel_class(&self, inputs: &[&TensorTy], attrs: &Attrs) -> KernelClass {
         // Priced as the gathered attention's backward (see AttentionGrad): the GPU runs a
-        // ring step's backward on the same scalar flash kernels, so the two forms differ in
-        // what they send, not in an assumed kernel. Neither runs on tensor cores (see
-        // `mma_kernels`).
-        attention_class(inputs, attrs, BACKWARD_PRODUCTS, false)
+        // ring step's backward on the same kernels (tensor cores where `mma_kernels` has
+        // them), so the two forms differ in what they send, not in an assumed kernel.
+        attention_class(inputs, attrs, BACKWARD_PRODUCTS, on_tensor_cores(inputs, attrs))
     }
     fn statistics_slots(&self) -> &'static [usize] {
         STATISTICS
@@ -524,33 +518,31 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_co
     }
 }
 
-/// Whether the attention (forward or backward, not a ring step) of these operands runs on
-/// the tensor-core kernels ([`mma_kernels`], whose results have the operands' type): the
-/// cost model prices what the device plan launches.
+/// Whether the attention (forward or backward, of a whole sequence, a context-parallel rank's
+/// part or a ring step) of these operands runs on the tensor-core kernels ([`mma_kernels`],
+/// whose results have the operands' type): the cost model prices what the device plan
+/// launches.
 fn on_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
     let d = Heads::of(inputs, attrs).map_or(0, |h| h.d);
     let bf16 = inputs.iter().enumerate().all(|(slot, t)| t.dtype == crate::types::DType::Bf16 || STATISTICS.contains(&slot));
-    mma_head_dim(d).is_some() && bf16 && !context_parallel(inputs, attrs)
+    mma_head_dim(d).is_some() && bf16
 }
 
 /// Why the attention of these operands runs on the scalar CUDA-core kernels rather than on
-/// tensor cores (its element type, its head dim, context parallelism); `None` where it runs
-/// on tensor cores. What `shardc compile` tells the user.
+/// tensor cores (its element type, its head dim); `None` where it runs on tensor cores. What
+/// `shardc compile` tells the user.
 pub fn off_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> Option<String> {
     if on_tensor_cores(inputs, attrs) {
         return None;
     }
     let d = Heads::of(inputs, attrs).map_or(0, |h| h.d);
     let mut reasons = Vec::new();
-    if let Some(t) = inputs.first().filter(|t| t.dtype != crate::types::DType::Bf16) {
+    // The first operand's type, or the first other one that is not bf16 (the statistics aside).
+    if let Some((_, t)) = inputs.iter().enumerate().find(|(slot, t)| t.dtype != crate::types::DType::Bf16 && !STATISTICS.contains(slot)) {
         reasons.push(format!("{:?}", t.dtype).to_lowercase());
     }
     if mma_head_dim(d).is_none() {
         reasons.push(format!("head dim {d}"));
-    }
-    // A ring step's block (context parallelism) always runs the scalar kernels.
-    if context_parallel(inputs, attrs) || reasons.is_empty() {
-        reasons.push("context-parallel".to_string());
     }
     Some(reasons.join(", "))
 }
@@ -870,8 +862,11 @@ extern "C" __global__ void attention_merge(T* out, acc_t* lse, const T* oa, cons
 "#;
 
 /// Head dims the tensor-core kernels are instantiated for, with their forward, `dq` and
-/// `dk`/`dv` kernels.
-const MMA_HEAD_DIMS: [(usize, [&str; 3]); 8] = [(16, ["attention_fwd_mma16", "attention_grad_q_mma16", "attention_grad_kv_mma16"]), (32, ["attention_fwd_mma32", "attention_grad_q_mma32", "attention_grad_kv_mma32"]), (48, ["attention_fwd_mma48", "attention_grad_q_mma48", "attention_grad_kv_mma48"]), (64, ["attention_fwd_mma64", "attention_grad_q_mma64", "attention_grad_kv_mma64"]), (80, ["attention_fwd_mma80", "attention_grad_q_mma80", "attention_grad_kv_mma80"]), (96, ["attention_fwd_mma96", "attention_grad_q_mma96", "attention_grad_kv_mma96"]), (112, ["attention_fwd_mma112", "attention_grad_q_mma112", "attention_grad_kv_mma112"]), (128, ["attention_fwd_mma128", "attention_grad_q_mma128", "attention_grad_kv_mma128"])];
+/// `dk`/`dv` kernels for one whole sequence and for context parallelism (`_cp`: a rank's part
+/// of the queries or a ring step's keys, in any order; kept apart so that the whole
+/// sequence's kernels compute no position and keep their registers for the accumulators).
+type MmaKernels = [&'static str; 3];
+const MMA_HEAD_DIMS: [(usize, MmaKernels, MmaKernels); 8] = [(16, ["attention_fwd_mma16", "attention_grad_q_mma16", "attention_grad_kv_mma16"], ["attention_fwd_mma16_cp", "attention_grad_q_mma16_cp", "attention_grad_kv_mma16_cp"]), (32, ["attention_fwd_mma32", "attention_grad_q_mma32", "attention_grad_kv_mma32"], ["attention_fwd_mma32_cp", "attention_grad_q_mma32_cp", "attention_grad_kv_mma32_cp"]), (48, ["attention_fwd_mma48", "attention_grad_q_mma48", "attention_grad_kv_mma48"], ["attention_fwd_mma48_cp", "attention_grad_q_mma48_cp", "attention_grad_kv_mma48_cp"]), (64, ["attention_fwd_mma64", "attention_grad_q_mma64", "attention_grad_kv_mma64"], ["attention_fwd_mma64_cp", "attention_grad_q_mma64_cp", "attention_grad_kv_mma64_cp"]), (80, ["attention_fwd_mma80", "attention_grad_q_mma80", "attention_grad_kv_mma80"], ["attention_fwd_mma80_cp", "attention_grad_q_mma80_cp", "attention_grad_kv_mma80_cp"]), (96, ["attention_fwd_mma96", "attention_grad_q_mma96", "attention_grad_kv_mma96"], ["attention_fwd_mma96_cp", "attention_grad_q_mma96_cp", "attention_grad_kv_mma96_cp"]), (112, ["attention_fwd_mma112", "attention_grad_q_mma112", "attention_grad_kv_mma112"], ["attention_fwd_mma112_cp", "attention_grad_q_mma112_cp", "attention_grad_kv_mma112_cp"]), (128, ["attention_fwd_mma128", "attention_grad_q_mma128", "attention_grad_kv_mma128"], ["attention_fwd_mma128_cp", "attention_grad_q_mma128_cp", "attention_grad_kv_mma128_cp"])];
 
 /// Rows per block of the tensor-core kernels (four warps of 16).
 const MMA_ROWS: usize = 64;
@@ -879,32 +874,32 @@ const MMA_ROWS: usize = 64;
 /// The tensor-core kernels (forward, `dq`, `dk`/`dv`) for these operands, if they have them:
 /// bf16 storage throughout and a head dim that is a multiple of 16 up to 128 (the fragments
 /// of `mma.m16n8k16`, and accumulators that fit in registers).
-fn mma_kernels(cx: &KernelCx<'_>) -> Option<[&'static str; 3]> {
+fn mma_kernels(cx: &KernelCx<'_>) -> Option<MmaKernels> {
     use crate::types::DType;
     let d = Heads::of(cx.inputs, cx.attrs).ok()?.d;
     // Every tensor but the rows' statistics (fp32 whatever the storage type).
     let bf16 = cx.inputs.iter().copied().chain(cx.outputs).enumerate().all(|(slot, t)| t.dtype == DType::Bf16 || STATISTICS.contains(&slot));
-    // The tensor-core kernels attend within one whole sequence in its natural order; a
-    // context-parallel rank's queries take the scalar kernels.
-    mma_head_dim(d).filter(|_| bf16 && !context_parallel(cx.inputs, cx.attrs))
+    let (whole, parts) = mma_head_dim(d).filter(|_| bf16)?;
+    Some(if context_parallel(cx.inputs, cx.attrs) { parts } else { whole })
 }
 
-/// Whether the op attends from a part of the sequence (context parallelism): its keys are
-/// more than its queries, its positions are split or in zigzag order.
+/// Whether the op attends from a part of the sequence or to a part of it (context
+/// parallelism): its positions are split or in zigzag order, its keys are not its queries'
+/// rows, or it is a ring step.
 fn context_parallel(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
-    attrs.get("xf.seq_split_axes").is_some() || attrs.get(super::ZIGZAG_ATTR).is_some() || inputs[0].shape.get(1) != inputs[1].shape.get(1)
+    ["xf.seq_split_axes", super::ZIGZAG_ATTR, RING_STEP_ATTR].iter().any(|a| attrs.get(a).is_some()) || inputs[0].shape.get(1) != inputs[1].shape.get(1)
 }
 
-/// The scalar kernels' context-parallel arguments: the keys, this rank's first query row,
-/// the zigzag order, and `k0`, the row of the first key.
+/// The kernels' context-parallel arguments: the keys, this rank's first query row, the
+/// zigzag order, and `k0`, the row of the first key.
 fn context_args(cx: &KernelCx<'_>, k0: Arg) -> [Arg; 5] {
     let (chunks, len) = super::zigzag_of(cx.attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
     [Arg::Int(dims(cx.inputs[1])[1] as i64), Arg::RankOffset, Arg::Int(chunks as i64), Arg::Int(len as i64), k0]
 }
 
 /// The tensor-core kernels of a head dim, if they are built for it.
-fn mma_head_dim(d: usize) -> Option<[&'static str; 3]> {
-    MMA_HEAD_DIMS.iter().find(|(dim, _)| *dim == d).map(|(_, names)| *names)
+fn mma_head_dim(d: usize) -> Option<(MmaKernels, MmaKernels)> {
+    MMA_HEAD_DIMS.iter().find(|(dim, _, _)| *dim == d).map(|(_, whole, parts)| (*whole, *parts))
 }
 
 /// CUDA C of the tensor-core kernels (bf16 modules only; see [`mma_kernels`]).
@@ -921,7 +916,10 @@ const ATTENTION_MMA_CUDA: &str = r#"#if defined(BF16)
 // softmax per row across tiles, in base 2 (scores times scale * log2(e), exp2): the four
 // threads of a quad that share a row exchange its max by shuffles and keep partial sums,
 // added up at the end. Causal tiles wholly past the diagonal are skipped, and tiles wholly
-// visible are not masked. Causal query tiles run in reverse (the longest first).
+// visible are not masked. Causal query tiles run in reverse (the longest first). Each kernel
+// comes twice: for one whole sequence, and for context parallelism (`_cp`, CP), where a
+// rank's queries are a part of the sequence (from row q0) against the gathered keys or a ring
+// step's block (from row k0), in zigzag order: tiles are compared by their rows' positions.
 #define FA_MMA_ROWS 64
 #define FA_MMA_THREADS 128
 #define FA_LOG2E 1.4426950408889634f
@@ -1096,35 +1094,99 @@ __device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[
     }
   }
 }
+// The larger of a and b, NaN if either is (fmax drops a NaN): a NaN score makes its row's
+// maximum NaN, and so the row.
+__device__ __forceinline__ float fa_max(float a, float b) { return b > a || b != b ? b : a; }
 // A quad's maximum and sum of a row's values (the four threads sharing a fragment row).
 __device__ __forceinline__ float fa_quad_max(float v) {
-  v = fmax(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmax(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  v = fa_max(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fa_max(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 __device__ __forceinline__ float fa_quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
-// Whether every score of a warp's 16 rows from row0 against the cols from col0 is visible
-// (inside the sequence, and, causal, no column after its row): such tiles go unmasked.
-// `transposed`: rows are keys and columns queries (the keys' kernel).
-__device__ __forceinline__ bool fa_whole(i64 row0, i64 col0, int cols, i64 s, i64 causal, bool transposed) {
-  if (row0 + 16 > s || col0 + cols > s) return false;
-  return !causal || (transposed ? row0 + 15 <= col0 : col0 + cols - 1 <= row0);
+// Where a block's rows sit in the sequence: `sq` queries from row q0 and `sk` keys from row k0
+// of a sequence of `len` rows, in zigzag order of `chunks` chunks (natural order: chunks <= 1).
+// One whole sequence has q0 = k0 = 0 and sk = sq; a context-parallel rank's queries are its
+// part (q0 its first row) against the gathered keys, or a ring step's block (k0 its first row).
+struct fa_seq { i64 sq, sk, q0, k0, chunks, len, causal; };
+// Positions of rows, as the masks compare them: a query past sq is FA_NO_QUERY, a key past
+// sk FA_NO_KEY, so that causally no query sees it. (Positions fit 31 bits: see
+// `attention_positions` in the op.) The masked tiles' loops read positions from registers
+// (a thread's own rows) and shared memory (the other side's tile), never computing one: the
+// zigzag order's divisions there would cost the accumulators their registers.
+#define FA_NO_QUERY (-1)
+#define FA_NO_KEY 0x7fffffff
+__device__ __forceinline__ int fa_query_position(const fa_seq& z, i64 i) { return i < z.sq ? (int)zigzag_position(z.q0 + i, z.len, z.chunks) : FA_NO_QUERY; }
+__device__ __forceinline__ int fa_key_position(const fa_seq& z, i64 j) { return j < z.sk ? (int)zigzag_position(z.k0 + j, z.len, z.chunks) : FA_NO_KEY; }
+// Whether the query at position qp sees the key at kp.
+__device__ __forceinline__ bool fa_sees(int qp, int kp, i64 causal) { return causal ? kp <= qp : qp != FA_NO_QUERY && kp != FA_NO_KEY; }
+// Whether query i sees key j of one whole sequence in its natural order.
+__device__ __forceinline__ bool fa_sees_in_order(i64 i, i64 j, const fa_seq& z) { return i < z.sq && j < z.sk && (!z.causal || j <= i); }
+// The kernels' place in the sequence: their arguments' with context parallelism (CP), else one
+// whole sequence in its natural order, as constants the compiler folds into the kernels of
+// a whole sequence (which then compute no position: their registers are the accumulators').
+template <bool CP>
+__device__ __forceinline__ fa_seq fa_place(fa_seq z) {
+  if (!CP) { z.sk = z.sq; z.q0 = 0; z.k0 = 0; z.chunks = 1; z.len = 0; }
+  return z;
+}
+// The positions of the n rows of a tile from row first into `at` (one per thread in turn;
+// visible to the block after its next __syncthreads).
+__device__ __forceinline__ void fa_key_positions(int* at, const fa_seq& z, i64 first, int n) {
+  for (int e = threadIdx.x; e < n; e += FA_MMA_THREADS) at[e] = fa_key_position(z, first + e);
+}
+// The position of the first of sequence rows [first, first + n) (n > 0) where they lie in one
+// chunk, whose rows hold consecutive positions; false where they cross chunks (such a tile is
+// neither skipped nor left unmasked: the masks decide, key by key). Chunks of a few rows
+// only cross tiles; a context-parallel rank's parts of sequences of 64 x 2cp rows or more, in
+// multiples of 64, never do.
+__device__ __forceinline__ bool fa_first_position(i64 first, i64 n, const fa_seq& z, i64* at) {
+  if (z.chunks > 1 && z.len >= z.chunks && first / (z.len / z.chunks) != (first + n - 1) / (z.len / z.chunks)) return false;
+  *at = zigzag_position(first, z.len, z.chunks);
+  return true;
+}
+// Whether no query of [i0, i0 + qn) sees a key of [j0, j0 + kn) (tiles clipped to the rows
+// there are): such a tile is skipped.
+__device__ bool fa_hidden(const fa_seq& z, i64 i0, i64 qn, i64 j0, i64 kn) {
+  qn = z.sq - i0 < qn ? z.sq - i0 : qn;
+  kn = z.sk - j0 < kn ? z.sk - j0 : kn;
+  if (qn <= 0 || kn <= 0) return true;
+  i64 q, k;
+  return z.causal && fa_first_position(z.q0 + i0, qn, z, &q) && fa_first_position(z.k0 + j0, kn, z, &k) && k > q + qn - 1;
+}
+// Whether every query of [i0, i0 + qn) sees every key of [j0, j0 + kn): such a tile goes
+// unmasked.
+__device__ bool fa_whole(const fa_seq& z, i64 i0, i64 qn, i64 j0, i64 kn) {
+  if (i0 + qn > z.sq || j0 + kn > z.sk) return false;
+  i64 q, k;
+  return !z.causal || (fa_first_position(z.q0 + i0, qn, z, &q) && fa_first_position(z.k0 + j0, kn, z, &k) && k + kn - 1 <= q);
+}
+// The first key tile of kt rows from row j0 (a multiple of kt) that a query of [i0, i0 + rows)
+// sees, sk if none: in the natural order the tiles past the diagonal are all hidden.
+__device__ i64 fa_next_keys(const fa_seq& z, i64 i0, i64 rows, i64 j0, i64 kt) {
+  for (; j0 < z.sk; j0 += kt) {
+    if (!fa_hidden(z, i0, rows, j0, kt)) return j0;
+    if (z.chunks <= 1) return z.sk;
+  }
+  return z.sk;
 }
 // One tile's online-softmax step on scores `sc` (N tiles of 8 columns from key j0; this
 // thread's rows rows[0], rows[1]): masks (unless `whole`) and scales them by scale2 = scale *
 // log2(e), grows the rows' maxima (base 2), rescales `sum` and `carried` by the growth, and
 // leaves sc = exp2(score - max) (0 where masked).
-template <int N>
-__device__ __forceinline__ void fa_online(float (*sc)[4], float* mx, float* sum, float* carried, const i64* rows, i64 j0, i64 s, i64 causal, float scale2, bool whole) {
+// `sees(half, column)`: whether row rows[half] sees the key at column j0 + column.
+template <int N, typename Sees>
+__device__ __forceinline__ void fa_online(float (*sc)[4], float* mx, float* sum, float* carried, Sees sees, float scale2, bool whole) {
   int t = threadIdx.x & 3;
   float grown[2] = {mx[0], mx[1]};
+#pragma unroll
   for (int n = 0; n < N; n++)
+#pragma unroll
     for (int x = 0; x < 4; x++) {
-      i64 i = rows[x >> 1], j = j0 + n * 8 + 2 * t + (x & 1);
-      sc[n][x] = whole || (i < s && j < s && (!causal || j <= i)) ? sc[n][x] * scale2 : NEG_INF;
-      grown[x >> 1] = fmax(grown[x >> 1], sc[n][x]);
+      sc[n][x] = whole || sees(x >> 1, n * 8 + 2 * t + (x & 1)) ? sc[n][x] * scale2 : NEG_INF;
+      grown[x >> 1] = fa_max(grown[x >> 1], sc[n][x]);
     }
   for (int half = 0; half < 2; half++) {
     grown[half] = fa_quad_max(grown[half]);
@@ -1154,229 +1216,295 @@ __device__ void fa_write(unsigned short* m, i64 ld, const float (*acc)[4], const
 }
 // The query tile of this block: in reverse when causal (the tiles with the most keys first).
 __device__ __forceinline__ i64 fa_query_tile(i64 causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
-// Forward: grid (query tiles of 64, batch x query heads); key tiles of 64. The block loads a
-// tile's V while it multiplies Q K^T, and the next tile's K while it multiplies P V.
-template <int D>
-__device__ void fa_mma_forward(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+// Forward: grid (query tiles of 64, batch x query heads); key tiles of 64, those the block's
+// queries see. The block loads a tile's V while it multiplies Q K^T, and the next tile's K
+// while it multiplies P V. With `lse` the rows' log-sum-exp too (a ring step's: a row that sees
+// none of the block's keys gets zeros and -inf).
+template <int D, bool CP>
+__device__ void fa_mma_forward(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, double scale_, fa_seq at) {
   const int KT = 64;
+  const fa_seq z = fa_place<CP>(at);
   __shared__ fa_vec ks_[FA_TILE(D, KT)];
   __shared__ fa_vec vs_[FA_TILE(D, KT)];
+  // The positions of the staged K tile's keys (CP).
+  __shared__ int kpos[CP ? KT : 1];
   unsigned short* ks = (unsigned short*)ks_;
   unsigned short* vs = (unsigned short*)vs_;
   int warp = threadIdx.x >> 5;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 qld = hq * D, kld = hk * D, qo = b * s * qld + h * D, kv = b * s * kld + h / (hq / hk) * D;
-  i64 i0 = fa_query_tile(causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
+  i64 qld = hq * D, kld = hk * D, qo = b * z.sq * qld + h * D, kv = b * z.sk * kld + h / (hq / hk) * D;
+  i64 i0 = fa_query_tile(z.causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
   i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
+  int qpos[2] = {CP ? fa_query_position(z, rows[0]) : 0, CP ? fa_query_position(z, rows[1]) : 0};
   float scale2 = (float)scale_ * FA_LOG2E;
-  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
-  if (keys > 0) {
-    fa_stage<D, KT>(ks, k + kv, kld, 0, s);
+  i64 j0 = fa_next_keys(z, i0, FA_MMA_ROWS, 0, KT);
+  auto sees = [&](int half, int column) { return CP ? fa_sees(qpos[half], kpos[column], z.causal) : fa_sees_in_order(rows[half], j0 + column, z); };
+  if (j0 < z.sk) {
+    fa_stage<D, KT>(ks, k + kv, kld, j0, z.sk);
     fa_commit();
+    if (CP) fa_key_positions(kpos, z, j0, KT);
   }
   unsigned qa[D / 16][4];
-  fa_fragments<D>(qa, q + qo, qld, row0, s);
+  fa_fragments<D>(qa, q + qo, qld, row0, z.sq);
   float o[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) o[n][x] = 0;
   float mx[2] = {NEG_INF, NEG_INF}, sum[2] = {0, 0}, rescale[2];
-  for (i64 j0 = 0; j0 < keys; j0 += KT) {
+  while (j0 < z.sk) {
     // This tile's K is in, and every warp is done with the last tile's V.
     fa_wait();
     __syncthreads();
-    fa_stage<D, KT>(vs, v + kv, kld, j0, s);
+    fa_stage<D, KT>(vs, v + kv, kld, j0, z.sk);
     fa_commit();
     float sc[KT / 8][4];
     fa_products<D, KT / 8>(sc, qa, ks);
-    fa_online<KT / 8>(sc, mx, sum, rescale, rows, j0, s, causal, scale2, fa_whole(row0, j0, KT, s, causal, false));
+    fa_online<KT / 8>(sc, mx, sum, rescale, sees, scale2, fa_whole(z, row0, 16, j0, KT));
     for (int n = 0; n < D / 8; n++)
       for (int x = 0; x < 4; x++) o[n][x] *= rescale[x >> 1];
     // This tile's V is in, and every warp is done with its K.
     fa_wait();
     __syncthreads();
-    if (j0 + KT < keys) {
-      fa_stage<D, KT>(ks, k + kv, kld, j0 + KT, s);
+    i64 next = fa_next_keys(z, i0, FA_MMA_ROWS, j0 + KT, KT);
+    if (next < z.sk) {
+      fa_stage<D, KT>(ks, k + kv, kld, next, z.sk);
       fa_commit();
+      if (CP) fa_key_positions(kpos, z, next, KT);
     }
     fa_accumulate<D, KT / 8>(o, sc, vs);
+    j0 = next;
   }
   float total[2] = {fa_quad_sum(sum[0]), fa_quad_sum(sum[1])};
-  float inverse[2] = {1.0f / total[0], 1.0f / total[1]};
-  fa_write<D>(out + qo, qld, o, rows, inverse, s);
+  // A row that sees no key is 0 (a NaN sum stays NaN).
+  float inverse[2] = {total[0] != 0.0f ? 1.0f / total[0] : 0.0f, total[1] != 0.0f ? 1.0f / total[1] : 0.0f};
+  fa_write<D>(out + qo, qld, o, rows, inverse, z.sq);
   // Each row's log-sum-exp of its scaled scores, in base e (the maxima are base 2).
   if ((threadIdx.x & 3) == 0)
     for (int half = 0; half < 2; half++)
-      if (rows[half] < s) lse[bh * s + rows[half]] = total[half] != 0.0f ? (mx[half] + log2f(total[half])) * FA_LN2 : NEG_INF;
+      if (rows[half] < z.sq) lse[bh * z.sq + rows[half]] = total[half] != 0.0f ? (mx[half] + log2f(total[half])) * FA_LN2 : NEG_INF;
 }
-// Backward for dq: grid (query tiles of 64, batch x query heads), key tiles of KT, one walk
-// from the forward's `out` and `lse` (FlashAttention-2's backward): with
-// p = exp2(score - lse) (lse in base 2), dp = dout . v and rowdot = out . dout,
-// ds = p (dp - rowdot) scale, and dq sums ds k. Each row's (lse, -, rowdot) goes to `stats` for
-// the keys' kernel. K and V tiles in two buffers, the next tile's loading while this one's are
-// multiplied.
-template <int D, int KT>
-__device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse_in, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+// Backward for dq: grid (query tiles of 64, batch x query heads), the key tiles of KT the
+// block's queries see, one walk from the forward's `out` and `lse` (FlashAttention-2's
+// backward; a ring step's are the whole attention's): with p = exp2(score - lse) (lse in
+// base 2), dp = dout . v and rowdot = out . dout, ds = p (dp - rowdot) scale, and dq sums
+// ds k. Each row's (lse, -, rowdot) goes to `stats` for the keys' kernel. K and V tiles in two
+// buffers, the next tile's loading while this one's are multiplied.
+template <int D, int KT, bool CP>
+__device__ void fa_mma_grad_q(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse_in, i64 hq, i64 hk, double scale_, fa_seq at) {
+  const fa_seq z = fa_place<CP>(at);
   __shared__ fa_vec ks_[2][FA_TILE(D, KT)];
   __shared__ fa_vec vs_[2][FA_TILE(D, KT)];
+  __shared__ int kpos_[2][CP ? KT : 1];
   int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   i64 bh = blockIdx.y, b = bh / hq, h = bh % hq;
-  i64 qld = hq * D, kld = hk * D, qo = b * s * qld + h * D, kv = b * s * kld + h / (hq / hk) * D;
-  i64 i0 = fa_query_tile(causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
+  i64 qld = hq * D, kld = hk * D, qo = b * z.sq * qld + h * D, kv = b * z.sk * kld + h / (hq / hk) * D;
+  i64 i0 = fa_query_tile(z.causal) * FA_MMA_ROWS, row0 = i0 + warp * 16;
   i64 rows[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
+  int qpos[2] = {CP ? fa_query_position(z, rows[0]) : 0, CP ? fa_query_position(z, rows[1]) : 0};
   float scale = (float)scale_, scale2 = scale * FA_LOG2E;
-  i64 keys = causal && i0 + FA_MMA_ROWS < s ? i0 + FA_MMA_ROWS : s;
-  i64 tiles = (keys + KT - 1) / KT;
-  if (tiles > 0) {
-    fa_stage<D, KT>((unsigned short*)ks_[0], k + kv, kld, 0, s);
-    fa_stage<D, KT>((unsigned short*)vs_[0], v + kv, kld, 0, s);
+  i64 j0 = fa_next_keys(z, i0, FA_MMA_ROWS, 0, KT);
+  bool any = j0 < z.sk;
+  if (any) {
+    fa_stage<D, KT>((unsigned short*)ks_[0], k + kv, kld, j0, z.sk);
+    fa_stage<D, KT>((unsigned short*)vs_[0], v + kv, kld, j0, z.sk);
     fa_commit();
+    if (CP) fa_key_positions(kpos_[0], z, j0, KT);
   }
   unsigned qa[D / 16][4], da[D / 16][4];
-  fa_fragments<D>(qa, q + qo, qld, row0, s);
-  fa_fragments<D>(da, dout + qo, qld, row0, s);
+  fa_fragments<D>(qa, q + qo, qld, row0, z.sq);
+  fa_fragments<D>(da, dout + qo, qld, row0, z.sq);
   // The rows' statistics: the four threads of a quad each take a quarter of the row's
-  // out . dout, summed by shuffles (every lane takes part; rows past s read nothing).
+  // out . dout, summed by shuffles (every lane takes part; rows past sq read nothing).
   float lse[2], rowdot[2];
   for (int half = 0; half < 2; half++) {
     i64 i = rows[half];
     float dot = 0;
-    if (i < s)
+    if (i < z.sq)
       for (int c = t; c < D; c += 4) dot += fa_lo(out[qo + i * qld + c]) * fa_lo(dout[qo + i * qld + c]);
     rowdot[half] = fa_quad_sum(dot);
-    lse[half] = i < s ? lse_in[bh * s + i] * FA_LOG2E : NEG_INF;
+    lse[half] = i < z.sq ? lse_in[bh * z.sq + i] * FA_LOG2E : NEG_INF;
   }
   float acc[D / 8][4];
   for (int n = 0; n < D / 8; n++)
     for (int x = 0; x < 4; x++) acc[n][x] = 0;
-  for (i64 step = 0; step < tiles; step++) {
-    i64 j0 = step * KT;
+  for (int step = 0; j0 < z.sk; step++) {
     const unsigned short* ks = (const unsigned short*)ks_[step & 1];
     const unsigned short* vs = (const unsigned short*)vs_[step & 1];
+    const int* kpos = kpos_[step & 1];
     // This step's tiles are in, and every warp is done with the other buffers (the last step's).
     fa_wait();
     __syncthreads();
-    if (step + 1 < tiles) {
-      fa_stage<D, KT>((unsigned short*)ks_[(step + 1) & 1], k + kv, kld, j0 + KT, s);
-      fa_stage<D, KT>((unsigned short*)vs_[(step + 1) & 1], v + kv, kld, j0 + KT, s);
+    i64 next = fa_next_keys(z, i0, FA_MMA_ROWS, j0 + KT, KT);
+    if (next < z.sk) {
+      fa_stage<D, KT>((unsigned short*)ks_[(step + 1) & 1], k + kv, kld, next, z.sk);
+      fa_stage<D, KT>((unsigned short*)vs_[(step + 1) & 1], v + kv, kld, next, z.sk);
       fa_commit();
+      if (CP) fa_key_positions(kpos_[(step + 1) & 1], z, next, KT);
     }
     float sc[KT / 8][4], dp[KT / 8][4];
     fa_products<D, KT / 8>(sc, qa, ks);
     fa_products<D, KT / 8>(dp, da, vs);
-    bool whole = fa_whole(row0, j0, KT, s, causal, false);
+    bool whole = fa_whole(z, row0, 16, j0, KT);
+#pragma unroll
     for (int n = 0; n < KT / 8; n++)
+#pragma unroll
       for (int x = 0; x < 4; x++) {
         int half = x >> 1;
-        i64 i = rows[half], j = j0 + n * 8 + 2 * t + (x & 1);
-        float p = whole || (i < s && j < s && (!causal || j <= i)) ? exp2f(sc[n][x] * scale2 - lse[half]) : 0.0f;
+        int column = n * 8 + 2 * t + (x & 1);
+        float p = whole || (CP ? fa_sees(qpos[half], kpos[column], z.causal) : fa_sees_in_order(rows[half], j0 + column, z)) ? exp2f(sc[n][x] * scale2 - lse[half]) : 0.0f;
         sc[n][x] = p * (dp[n][x] - rowdot[half]) * scale;
       }
     fa_accumulate<D, KT / 8>(acc, sc, ks);
+    j0 = next;
   }
   float one[2] = {1.0f, 1.0f};
-  fa_write<D>(dq + qo, qld, acc, rows, one, s);
+  fa_write<D>(dq + qo, qld, acc, rows, one, z.sq);
   if (t == 0)
     for (int half = 0; half < 2; half++)
-      if (rows[half] < s) {
-        float* st = stats + (bh * s + rows[half]) * 3;
-        st[0] = tiles > 0 ? lse[half] : NEG_INF;
+      if (rows[half] < z.sq) {
+        float* st = stats + (bh * z.sq + rows[half]) * 3;
+        st[0] = any ? lse[half] : NEG_INF;
         st[1] = 1.0f;
-        st[2] = tiles > 0 ? rowdot[half] : 0.0f;
+        st[2] = any ? rowdot[half] : 0.0f;
       }
 }
-// Backward for dk and dv: grid (key tiles of 64, batch x kv heads), query tiles of QT. Each
-// warp's 16 keys hold K and V as A fragments, so S^T = K Q^T and dP^T = V dO^T come out with
-// keys as rows; p^T and ds^T follow from the query rows' stats, and dv += p^T dout and
-// dk += ds^T q, summed over the query heads sharing the kv head and the query tiles that see
-// the keys, in order: one pipeline over (head, query tile) steps, with Q, dO and the stats in
-// two buffers, the next step's loading while this one's are multiplied.
-template <int D, int QT>
-__device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, double scale_, i64 causal) {
+// Backward for dk and dv: grid (key tiles of 64, batch x kv heads), the query tiles of QT that
+// see the block's keys (QT = 16 for context parallelism's widest heads, whose positions' registers
+// would spill the accumulators at 32). Each warp's 16 keys hold K and V as A fragments, so S^T = K Q^T and
+// dP^T = V dO^T come out with keys as rows; p^T and ds^T follow from the query rows' stats,
+// and dv += p^T dout and dk += ds^T q, summed over the query heads sharing the kv head and the
+// query tiles, in order: one pipeline over (head, query tile) steps, with Q, dO and the stats
+// in two buffers, the next step's loading while this one's are multiplied.
+template <int D, int QT, bool CP>
+__device__ void fa_mma_grad_kv(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, double scale_, fa_seq at) {
+  const fa_seq z = fa_place<CP>(at);
   __shared__ fa_vec qs_[2][FA_TILE(D, QT)];
   __shared__ fa_vec dos_[2][FA_TILE(D, QT)];
-  // Per buffer, the query rows' lse (base 2) then their rowdot.
+  // Per buffer, the query rows' lse (base 2) then their rowdot, and their positions.
   __shared__ float st_[2][2][QT];
+  __shared__ int qpos_[2][CP ? QT : 1];
   int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   i64 bg = blockIdx.y, b = bg / hk, gk = bg % hk, group = hq / hk;
-  i64 qld = hq * D, kld = hk * D, ko = b * s * kld + gk * D;
+  i64 qld = hq * D, kld = hk * D, ko = b * z.sk * kld + gk * D;
   i64 j0 = (i64)blockIdx.x * FA_MMA_ROWS, row0 = j0 + warp * 16;
   i64 keys[2] = {row0 + ((threadIdx.x & 31) >> 2), row0 + ((threadIdx.x & 31) >> 2) + 8};
+  int kpos[2] = {CP ? fa_key_position(z, keys[0]) : 0, CP ? fa_key_position(z, keys[1]) : 0};
   float scale = (float)scale_, scale2 = scale * FA_LOG2E;
-  // Causal: the first query tile holding a query that sees key j0.
-  i64 first = causal ? j0 / QT * QT : 0;
-  i64 tiles = s > first ? (s - first + QT - 1) / QT : 0, steps = group * tiles;
-  // Step x's query tile into buffer x % 2.
-  auto stage = [&](i64 x) {
-    i64 bh = b * hq + gk * group + x / tiles, i0 = first + x % tiles * QT, qo = b * s * qld + (gk * group + x / tiles) * D;
-    fa_stage<D, QT>((unsigned short*)qs_[x & 1], q + qo, qld, i0, s);
-    fa_stage<D, QT>((unsigned short*)dos_[x & 1], dout + qo, qld, i0, s);
+  // Causal in the natural order: the query tiles before the first holding a query that sees
+  // key j0 see none of the block's keys, the rest do, so the steps run over the tiles from
+  // there; with context parallelism each tile is tested too (`next`).
+  i64 first = z.causal && z.chunks <= 1 && z.k0 + j0 > z.q0 ? (z.k0 + j0 - z.q0) / QT * QT : 0;
+  i64 tiles = z.sq > first ? (z.sq - first + QT - 1) / QT : 0, steps = group * tiles;
+  // The first step from x whose query tile sees a key of the block (steps if none).
+  auto next = [&](i64 x) -> i64 {
+    if (CP)
+      while (x < steps && fa_hidden(z, first + x % tiles * QT, QT, j0, FA_MMA_ROWS)) x++;
+    return x;
+  };
+  // Step x's query tile into buffer `buffer`.
+  auto stage = [&](i64 x, int buffer) {
+    i64 bh = b * hq + gk * group + x / tiles, i0 = first + x % tiles * QT, qo = b * z.sq * qld + (gk * group + x / tiles) * D;
+    fa_stage<D, QT>((unsigned short*)qs_[buffer], q + qo, qld, i0, z.sq);
+    fa_stage<D, QT>((unsigned short*)dos_[buffer], dout + qo, qld, i0, z.sq);
     for (int e = threadIdx.x; e < 2 * QT; e += FA_MMA_THREADS) {
       int c = e % QT;
-      bool inside = i0 + c < s;
-      fa_copy4(&st_[x & 1][e / QT][c], stats + (bh * s + (inside ? i0 + c : 0)) * 3 + (e / QT) * 2, inside);
+      bool inside = i0 + c < z.sq;
+      fa_copy4(&st_[buffer][e / QT][c], stats + (bh * z.sq + (inside ? i0 + c : 0)) * 3 + (e / QT) * 2, inside);
     }
     fa_commit();
+    if (CP)
+      for (int e = threadIdx.x; e < QT; e += FA_MMA_THREADS) qpos_[buffer][e] = fa_query_position(z, i0 + e);
   };
-  if (steps > 0) stage(0);
+  i64 x = next(0);
+  if (x < steps) stage(x, 0);
   unsigned ka[D / 16][4], va[D / 16][4];
-  fa_fragments<D>(ka, k + ko, kld, row0, s);
-  fa_fragments<D>(va, v + ko, kld, row0, s);
+  fa_fragments<D>(ka, k + ko, kld, row0, z.sk);
+  fa_fragments<D>(va, v + ko, kld, row0, z.sk);
   float dka[D / 8][4], dva[D / 8][4];
   for (int n = 0; n < D / 8; n++)
-    for (int x = 0; x < 4; x++) { dka[n][x] = 0; dva[n][x] = 0; }
-  for (i64 step = 0; step < steps; step++) {
-    i64 i0 = first + step % tiles * QT;
-    const unsigned short* qs = (const unsigned short*)qs_[step & 1];
-    const unsigned short* dos = (const unsigned short*)dos_[step & 1];
-    const float* lse = st_[step & 1][0];
-    const float* rowdot = st_[step & 1][1];
+    for (int e = 0; e < 4; e++) { dka[n][e] = 0; dva[n][e] = 0; }
+  // Buffers alternate by step (CP, where steps skip) or by x (every step taken).
+  for (int step = 0; x < steps; step++) {
+    int buffer = (CP ? step : (int)x) & 1;
+    i64 i0 = first + x % tiles * QT;
+    const unsigned short* qs = (const unsigned short*)qs_[buffer];
+    const unsigned short* dos = (const unsigned short*)dos_[buffer];
+    const float* lse = st_[buffer][0];
+    const float* rowdot = st_[buffer][1];
+    const int* qpos = qpos_[buffer];
     // This step's tiles are in, and every warp is done with the other buffers (the last step's).
     fa_wait();
     __syncthreads();
-    if (step + 1 < steps) stage(step + 1);
+    i64 after = next(x + 1);
+    if (after < steps) stage(after, buffer ^ 1);
     float sc[QT / 8][4], dp[QT / 8][4];
     fa_products<D, QT / 8>(sc, ka, qs);
     fa_products<D, QT / 8>(dp, va, dos);
-    bool whole = fa_whole(row0, i0, QT, s, causal, true);
+    bool whole = fa_whole(z, i0, QT, row0, 16);
+#pragma unroll
     for (int n = 0; n < QT / 8; n++)
-      for (int x = 0; x < 4; x++) {
-        int c = n * 8 + 2 * t + (x & 1);
-        i64 i = i0 + c, j = keys[x >> 1];
-        float p = whole || (i < s && j < s && (!causal || j <= i)) ? exp2f(sc[n][x] * scale2 - lse[c]) : 0.0f;
-        sc[n][x] = p;
-        dp[n][x] = p * (dp[n][x] - rowdot[c]) * scale;
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int c = n * 8 + 2 * t + (e & 1);
+        float p = whole || (CP ? fa_sees(qpos[c], kpos[e >> 1], z.causal) : fa_sees_in_order(i0 + c, keys[e >> 1], z)) ? exp2f(sc[n][e] * scale2 - lse[c]) : 0.0f;
+        sc[n][e] = p;
+        dp[n][e] = p * (dp[n][e] - rowdot[c]) * scale;
       }
     fa_accumulate<D, QT / 8>(dva, sc, dos);
     fa_accumulate<D, QT / 8>(dka, dp, qs);
+    x = after;
   }
   float one[2] = {1.0f, 1.0f};
-  fa_write<D>(dk + ko, kld, dka, keys, one, s);
-  fa_write<D>(dv + ko, kld, dva, keys, one, s);
+  fa_write<D>(dk + ko, kld, dka, keys, one, z.sk);
+  fa_write<D>(dv + ko, kld, dva, keys, one, z.sk);
 }
-extern "C" __global__ void attention_fwd_mma16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<16>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma16(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<16, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma16(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<16, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma32(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<32>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma32(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<32, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma32(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<32, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma48(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<48>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma48(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<48, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma48(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<48, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma64(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<64>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma64(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<64, 64>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma64(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<64, 64>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma80(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<80>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma80(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<80, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma80(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<80, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma96(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<96>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma96(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<96, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma96(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<96, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma112(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<112>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma112(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<112, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma112(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<112, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_fwd_mma128(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_forward<128>(out, lse, q, k, v, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_q_mma128(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_q<128, 32>(dq, stats, q, k, v, dout, out, lse, hq, hk, s, scale_, causal); }
-extern "C" __global__ void attention_grad_kv_mma128(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal) { fa_mma_grad_kv<128, 32>(dk, dv, stats, q, k, v, dout, hq, hk, s, scale_, causal); }
+extern "C" __global__ void attention_fwd_mma16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<16, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma16(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<16, 64, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma16(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<16, 64, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma32(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<32, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma32(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<32, 64, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma32(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<32, 64, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma48(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<48, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma48(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<48, 64, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma48(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<48, 64, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma64(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<64, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma64(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<64, 64, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma64(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<64, 64, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma80(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<80, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma80(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<80, 32, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma80(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<80, 32, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma96(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<96, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma96(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<96, 32, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma96(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<96, 32, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma112(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<112, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma112(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<112, 32, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma112(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<112, 32, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma128(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<128, false>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma128(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<128, 32, false>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma128(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<128, 32, false>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma16_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<16, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma16_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<16, 64, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma16_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<16, 64, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma32_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<32, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma32_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<32, 64, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma32_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<32, 64, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma48_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<48, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma48_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<48, 64, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma48_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<48, 64, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma64_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<64, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma64_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<64, 64, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma64_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<64, 64, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma80_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<80, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma80_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<80, 32, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma80_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<80, 32, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma96_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<96, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma96_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<96, 32, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma96_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<96, 32, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma112_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<112, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma112_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<112, 32, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma112_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<112, 16, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_fwd_mma128_cp(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_forward<128, true>(out, lse, q, k, v, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_q_mma128_cp(unsigned short* dq, float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, const unsigned short* out, const float* lse, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_q<128, 32, true>(dq, stats, q, k, v, dout, out, lse, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
+extern "C" __global__ void attention_grad_kv_mma128_cp(unsigned short* dk, unsigned short* dv, const float* stats, const unsigned short* q, const unsigned short* k, const unsigned short* v, const unsigned short* dout, i64 hq, i64 hk, i64 s, i64 d, double scale_, i64 causal, i64 sk, i64 q0, i64 chunks, i64 len, i64 k0) { fa_mma_grad_kv<128, 16, true>(dk, dv, stats, q, k, v, dout, hq, hk, scale_, fa_seq{s, sk, q0, k0, chunks, len, causal}); }
 #endif
 "#;
 
@@ -1430,17 +1558,24 @@ mod tests {
     /// size its head dim takes, and no entry is left out of the table.
     #[test]
     fn every_tensor_core_kernel_in_the_table_is_instantiated() {
-        for (d, names) in MMA_HEAD_DIMS {
+        for (d, whole, parts) in MMA_HEAD_DIMS {
             assert!(d % 16 == 0 && d <= 128, "d={d}");
-            for name in names {
+            for (name, cp) in whole.iter().map(|n| (n, false)).chain(parts.iter().map(|n| (n, true))) {
                 assert_eq!(ATTENTION_MMA_CUDA.matches(&format!("extern \"C\" __global__ void {name}(")).count(), 1, "{name}");
+                assert_eq!(name.ends_with("_cp"), cp, "{name}");
             }
             let tile = if d <= 64 { 64 } else { 32 };
-            for template in ["fa_mma_grad_q", "fa_mma_grad_kv"] {
-                assert!(ATTENTION_MMA_CUDA.contains(&format!("{template}<{d}, {tile}>(")), "{template}<{d}, {tile}>");
+            // The context-parallel keys' kernel of the widest heads takes query tiles of 16: at
+            // 32 its positions' registers spill its accumulators (ptxas, sm_90).
+            let parts_kv_tile = if d >= 112 { 16 } else { tile };
+            for (template, cp, tile) in [("fa_mma_grad_q", false, tile), ("fa_mma_grad_kv", false, tile), ("fa_mma_grad_q", true, tile), ("fa_mma_grad_kv", true, parts_kv_tile)] {
+                assert!(ATTENTION_MMA_CUDA.contains(&format!("{template}<{d}, {tile}, {cp}>(")), "{template}<{d}, {tile}, {cp}>");
+            }
+            for cp in [false, true] {
+                assert!(ATTENTION_MMA_CUDA.contains(&format!("fa_mma_forward<{d}, {cp}>(")), "fa_mma_forward<{d}, {cp}>");
             }
         }
-        assert_eq!(ATTENTION_MMA_CUDA.matches("extern \"C\" __global__ void ").count(), 3 * MMA_HEAD_DIMS.len());
+        assert_eq!(ATTENTION_MMA_CUDA.matches("extern \"C\" __global__ void ").count(), 6 * MMA_HEAD_DIMS.len());
         // The kernels stage tiles in strides of their compile-time thread count and own
         // compile-time rows per block: both must be the launches'.
         assert!(ATTENTION_MMA_CUDA.contains(&format!("#define FA_MMA_THREADS {FLASH_THREADS}\n")));
