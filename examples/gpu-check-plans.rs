@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --example gpu-check-plans -- attention --seq S --batch B --heads H --head-dim D
-//!     [--kv-heads K] [--causal true|false] [--tag NAME] [--dtype bf16|f32]
+//!     [--kv-heads K] [--causal true|false] [--cp N] [--tag NAME] [--dtype bf16|f32]
 //!     (--gpu NAME | --cluster FILE) [--emit DIR]
 //! ```
 //!
@@ -16,7 +16,11 @@
 //!   file name: relative to the folder that holds `DIR`, where the manifest lies), its FLOPs
 //!   (the op registry's cost, as every estimate counts them) and the cluster model's predicted
 //!   seconds for one run (`Cluster::op_time`: launch plus the flash-attention block model),
-//!   and its FLOPs as FlashAttention's benchmarks count them (`fa_flops`).
+//!   and its FLOPs as FlashAttention's benchmarks count them (`fa_flops`). With `--cp N`
+//!   (files `attention-sS-cpN-`) the programs are context parallelism's: each of N ranks
+//!   attends from its part of the sequence (zigzag order of 2N chunks, as `--mesh cp=N`
+//!   lowers it) to the gathered keys, all N ranks on the one GPU, so FLOPs, FlashAttention's
+//!   count and the prediction are the N ranks' together, the whole sequence's work.
 //! * `norm --rows R --features N [--dtype bf16|f32] [--rms true] --gpu NAME [--emit DIR]`
 //!   builds the one-op programs of a layernorm (rmsnorm with `--rms true`) over `[R, N]` and
 //!   its backward, files `norm-NAME-fwd.json` and `-bwd.json`, and prints their entry in the
@@ -50,7 +54,7 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} wants a value"))?;
-        if !matches!(flag.as_str(), "--seq" | "--batch" | "--heads" | "--head-dim" | "--kv-heads" | "--causal" | "--tag" | "--dtype" | "--gpu" | "--cluster" | "--emit") {
+        if !matches!(flag.as_str(), "--seq" | "--batch" | "--heads" | "--head-dim" | "--kv-heads" | "--causal" | "--cp" | "--tag" | "--dtype" | "--gpu" | "--cluster" | "--emit") {
             return Err(format!("unknown option {flag}"));
         }
         options.insert(flag.trim_start_matches('-').to_string(), value.clone());
@@ -69,9 +73,14 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
         "false" => false,
         other => return Err(format!("--causal {other}: use true or false")),
     };
+    let cp = if options.contains_key("cp") { number("cp")? } else { 1 };
+    if cp > 1 && seq % (2 * cp) != 0 {
+        return Err(format!("--cp {cp}: the sequence of {seq} must split into {} equal chunks (two a rank, in zigzag order)", 2 * cp));
+    }
     let stem = match options.get("tag") {
         Some(tag) if !tag.is_empty() && tag.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') => format!("attention-{tag}"),
         Some(tag) => return Err(format!("--tag {tag}: use letters, digits and dashes")),
+        None if cp > 1 => format!("attention-s{seq}-cp{cp}"),
         None => format!("attention-s{seq}"),
     };
     let dtype = match options.get("dtype").map_or("bf16", String::as_str) {
@@ -87,9 +96,13 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
     let emit = options.get("emit").map(PathBuf::from);
     // Heads side by side in the features, as the model's projections make them.
     let width = |h: i64| h.checked_mul(head_dim).ok_or_else(|| format!("--heads {h} x --head-dim {head_dim} is too large"));
-    let q = TensorTy::new([batch, seq, width(heads)?], dtype);
+    // A context-parallel rank's queries are its part; its keys are gathered whole.
+    let q = TensorTy::new([batch, seq / cp, width(heads)?], dtype);
     let kv = TensorTy::new([batch, seq, width(kv_heads)?], dtype);
-    let attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt())).with("head_dim", AttrValue::Int(head_dim));
+    let mut attrs = Attrs::new().with("causal", AttrValue::Bool(causal)).with("scale", AttrValue::Float(1.0 / (head_dim as f64).sqrt())).with("head_dim", AttrValue::Int(head_dim));
+    if cp > 1 {
+        attrs = attrs.with("xf.seq_split_axes", AttrValue::axes(&[shardc_ir::mesh::CP_AXIS as u16])).with(shardc_ir::ops::ZIGZAG_ATTR, AttrValue::Ints(vec![2 * cp, seq]));
+    }
     let mut out = serde_json::Map::new();
     // The forward's row statistics (its log-sum-exp), which the backward reads.
     let forward = lookup("xf.attention").ok_or("no xf.attention in the registry")?.infer(&[&q, &kv, &kv], &attrs)?;
@@ -97,6 +110,7 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
     for (key, short, op, types) in [("forward", "fwd", "xf.attention", vec![q.clone(), kv.clone(), kv.clone()]), ("backward", "bwd", "xf.attention_grad", vec![q.clone(), kv.clone(), kv.clone(), q.clone(), lse, q.clone()])] {
         // Backward: q, k, v, the forward's output and log-sum-exp, and the output's gradient.
         let (flops, seconds) = price(&cluster, op, &types, &attrs)?;
+        let (flops, seconds) = (flops * cp as f64, seconds * cp as f64);
         let file = format!("{stem}-{short}.json");
         // FlashAttention's benchmarks count 4 b h s^2 d forward (two products), halved when
         // causal, and 2.5 times that backward: published rates use this count.
@@ -105,7 +119,11 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
         let mut entry = serde_json::json!({ "flops": flops, "predicted_seconds": seconds, "fa_flops": fa_flops });
         if let Some(dir) = &emit {
             std::fs::create_dir_all(dir).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
-            let program = one_op_program(op, &types, &attrs)?;
+            let mut program = one_op_program(op, &types, &attrs)?;
+            if cp > 1 {
+                // Every rank of the cp group on this GPU, one after another.
+                program.mesh = vec![1, 1, 1, cp as usize];
+            }
             std::fs::write(dir.join(&file), serde_json::to_string(&program).map_err(|e| e.to_string())?).map_err(|e| format!("--emit {}: {e}", dir.display()))?;
             let relative = dir.file_name().map_or_else(|| PathBuf::from(&file), |d| Path::new(d).join(&file));
             entry["program"] = serde_json::json!(relative);
@@ -114,7 +132,8 @@ pub fn attention(args: &[String]) -> Result<serde_json::Value, String> {
     }
     let heads_text = if kv_heads == heads { format!("{heads} heads") } else { format!("{heads} heads ({kv_heads} kv)") };
     let dims = format!("b={batch}, {heads_text} of {head_dim}, {}{}", if causal { "causal, " } else { "" }, if dtype == DType::Bf16 { "bf16" } else { "f32" });
-    out.insert("name".into(), serde_json::json!(format!("attention fwd+bwd s={seq} ({dims})")));
+    let parts = if cp > 1 { format!(" cp={cp}") } else { String::new() };
+    out.insert("name".into(), serde_json::json!(format!("attention fwd+bwd s={seq}{parts} ({dims})")));
     out.insert("gpu".into(), serde_json::json!(cluster.gpu.name));
     Ok(serde_json::Value::Object(out))
 }

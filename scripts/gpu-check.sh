@@ -26,7 +26,8 @@
 #            cannot run is an ERROR row and the others still run;
 #         2. times a gpt2-small training step (s=1024, micro-batch 8, bf16 and f32; bf16 again
 #            with cuBLASLt's fused GEMM epilogues replaced by the GEMM and a kernel), a wide
-#            GEMM-bound layer, and attention forward+backward at s=4096 and 16384, each
+#            GEMM-bound layer, and attention forward+backward at s=4096 and 16384 (and at
+#            16384 over cp=2: both ranks' parts against gathered keys), each
 #            beside the cluster model's prediction (h200 preset), with MFU, achieved GEMM
 #            TFLOP/s against cuBLAS's measured peak, and attention TFLOP/s;
 #         3. times every distinct kernel of gpt2-small's bf16 step (s=1024, 1 and 4 sequences),
@@ -189,8 +190,11 @@ bench_plans() {
 # Forward and backward do 1.9 TFLOP at s=4096 and 7.8 TFLOP at s=16384 (the registry counts
 # the causal half in full; the table also gives the rate by FlashAttention's count, which
 # halves causal attention); `shardc-gpu bench` runs each a warm-up and 3 timed times, so
-# even at 2 TFLOP/s the two sequences take about 20 s, and q, k, v take 64 MB each.
-attention_shapes=("--seq 4096 --batch 4" "--seq 16384 --batch 1")
+# even at 2 TFLOP/s the two sequences take about 20 s, and q, k, v take 64 MB each. The third
+# is s=16384 under context parallelism (cp=2): each rank's part of the queries, in zigzag
+# order, against the gathered keys, both ranks on the one GPU: the same work as the whole
+# sequence's, on the kernels that place a part in the sequence, so the two rows compare.
+attention_shapes=("--seq 4096 --batch 4" "--seq 16384 --batch 1" "--seq 16384 --batch 1 --cp 2")
 attention_dims=(--heads 16 --head-dim 128 --dtype bf16)
 attention_check_shapes=(
   "--seq 512 --batch 1 --heads 4 --kv-heads 2 --head-dim 128 --tag check-s512-d128-gqa"
@@ -227,14 +231,15 @@ report() {
     python3 -c "import json,sys; a = json.loads(sys.argv[1]); print('%.3f' % (1e3 * (a['forward']['predicted_seconds'] + a['backward']['predicted_seconds'])))" "$1"
   }
   for shape in "${attention_shapes[@]}"; do
-    local preset calibrated seq
+    local preset calibrated stem
     # shellcheck disable=SC2086
     preset=$("$helper" attention $shape "${attention_dims[@]}" --gpu h200)
     # shellcheck disable=SC2086
     calibrated=$("$helper" attention $shape "${attention_dims[@]}" --cluster "$dir/h200-calibrated.toml")
-    seq=$(python3 -c "import sys; a = sys.argv[1].split(); print(a[a.index('--seq') + 1])" "$shape")
+    # The programs' stem, as gpu-check-plans names them: attention-sS, or attention-sS-cpN.
+    stem=$(python3 -c "import sys; a = sys.argv[1].split(); print('attention-s' + a[a.index('--seq') + 1] + ('-cp' + a[a.index('--cp') + 1] if '--cp' in a else ''))" "$shape")
     printf "%-60s %12s %16s %18s\n" "$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['name'])" "$preset")" \
-      "$(measured "plans/attention-s$seq-fwd.json" "plans/attention-s$seq-bwd.json")" "$(predicted "$preset")" "$(predicted "$calibrated")"
+      "$(measured "plans/$stem-fwd.json" "plans/$stem-bwd.json")" "$(predicted "$preset")" "$(predicted "$calibrated")"
   done
 }
 

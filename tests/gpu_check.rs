@@ -76,6 +76,16 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     // FlashAttention's count: 4 b h s^2 d forward, halved when causal; 2.5 times that backward.
     assert_eq!((attention["forward"]["fa_flops"].as_f64(), attention["backward"]["fa_flops"].as_f64()), (Some(0.5 * 4.0 * 2.0 * 1600.0 * 8.0), Some(2.5 * 0.5 * 4.0 * 2.0 * 1600.0 * 8.0)));
 
+    // Context parallelism over 2 ranks (both on the one device): a rank's 32 queries against
+    // the 64 gathered keys in zigzag order, bf16 at head dim 16 (the tensor-core kernels'
+    // context-parallel forms), FLOPs and prediction the two ranks' together.
+    let cp = plans::attention(&["--seq", "64", "--batch", "1", "--heads", "2", "--head-dim", "16", "--cp", "2", "--gpu", "h200", "--emit"].map(String::from).into_iter().chain([dir.join("plans").display().to_string()]).collect::<Vec<_>>()).unwrap();
+    assert_eq!(cp["forward"]["program"], "plans/attention-s64-cp2-fwd.json");
+    assert_eq!(cp["forward"]["flops"], 2.0 * (4.0 * 2.0 * 32.0 * 64.0 * 16.0 + 5.0 * 2.0 * 32.0 * 64.0));
+    let cp_program: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plans/attention-s64-cp2-fwd.json")).unwrap()).unwrap();
+    assert!(cp_program.to_string().contains("attention_fwd_mma16_cp"), "the cp=2 programs run the context-parallel tensor-core kernels");
+    assert!(plans::attention(&["--seq", "60", "--batch", "1", "--heads", "2", "--head-dim", "16", "--cp", "4", "--gpu", "h200"].map(String::from)).unwrap_err().contains("8 equal chunks"));
+
     // Outputs and gradients against the CPU backend: bf16, grouped-query, not causal, an odd
     // sequence, head dim 16 (the tensor-core kernels on a GPU; their fallback here).
     let attention_check = plans::attention(
@@ -100,7 +110,7 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
         "manifest.json",
         vec![case("tiny f32", "one", "one"), case("tiny f32", "dp2tp2", "dp2tp2"), case("tiny f32", "pp2", "pp2")],
         vec![serde_json::json!({"name": "tiny step", "program": "plans/one.json", "steps": 2}), serde_json::json!({"name": "tiny step unfused", "program": "plans/one.json", "steps": 2, "without_cublaslt": true})],
-        vec![attention],
+        vec![attention, cp],
     );
     let mut with_checks: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&good).unwrap()).unwrap();
     with_checks["attention_checks"] = serde_json::json!([attention_check, norm_check]);
@@ -114,7 +124,7 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     assert!(check.rows.iter().all(|r| r.ok && r.result.starts_with("match")), "{check:?}");
     assert_eq!(cli(&["bench", &good]), Ok(true));
     let bench = results(&dir, "bench");
-    assert_eq!(bench.rows.len(), 3, "{bench:?}");
+    assert_eq!(bench.rows.len(), 4, "{bench:?}");
     // The same plan with the GEMM epilogues unfused (the plain GEMM and the epilogue kernel).
     // Its prediction would be the fused plan's: none is shown.
     assert!(bench.rows[1].case.starts_with("tiny step unfused") && bench.rows[1].measured.ends_with("/step") && bench.rows[1].predicted == "-", "{bench:?}");
@@ -124,6 +134,8 @@ fn gpu_check_runs_pipelines_meshes_and_attention_on_the_emulated_device() {
     assert!(bench.rows[2].case.starts_with("attention fwd+bwd s=40") && bench.rows[2].result.contains("TFLOP/s") && bench.rows[2].result.contains("FlashAttention's count"), "{bench:?}");
     let measured: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("bench-measured.json")).unwrap()).unwrap();
     assert!(measured["plans/one.json"].as_f64().unwrap() > 0.0 && measured["plans/attention-s40-bwd.json"].as_f64().unwrap() > 0.0, "{measured}");
+    assert!(bench.rows[3].case.starts_with("attention fwd+bwd s=64 cp=2") && bench.rows[3].result.contains("TFLOP/s"), "{bench:?}");
+    assert!(measured["plans/attention-s64-cp2-bwd.json"].as_f64().unwrap() > 0.0, "{measured}");
     // The profile times every instruction of a step that puts work on the device: each such
     // instruction of the one-program step once (not one fused into another, nor an
     // allocation), their seconds no more than the step's wall time.

@@ -2608,10 +2608,14 @@ pub fn gemm_peak(device: usize, size: usize, dtype: DType, iterations: usize) ->
 /// (positive, as second moments are) and integers of 1 (a token id, a step count).
 pub fn time_program(program: Program, placement: &Placement, repeats: usize) -> Result<f64, RuntimeError> {
     let mut exec = CudaExecutor::new(program, placement)?;
-    for arg in exec.program().args.clone() {
-        let buffer = &exec.program().buffers[arg.buffer];
-        let values = crate::init::step_like_values(buffer.len(), buffer.dtype);
-        exec.write(0, &arg.name, &values)?;
+    // Every rank this process holds (a context-parallel program's, say), each with the same
+    // values.
+    for local in 0..exec.ranks().len() {
+        for arg in exec.program().args.clone() {
+            let buffer = &exec.program().buffers[arg.buffer];
+            let values = crate::init::step_like_values(buffer.len(), buffer.dtype);
+            exec.write(local, &arg.name, &values)?;
+        }
     }
     let began = std::time::Instant::now();
     exec.run()?;
