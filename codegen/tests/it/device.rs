@@ -929,6 +929,132 @@ mod emulated {
         }
     }
 
+    /// Every mask of the context-parallel tensor-core kernels is exact, key by key (a 1e-2
+    /// tolerance could miss one key too many or too few): with every query zero (uniform
+    /// probabilities) and one key's k and v nonzero per sequence and head, `out[i]` and
+    /// `dq[i]` are nonzero exactly where query i sees that key; with one query's q and dout
+    /// nonzero, `dk[j]` and `dv[j]` are nonzero exactly where that query sees key j. Probes
+    /// at every edge of a chunk and of a 16-row tile (and every row of a short part), over
+    /// every cp rank: zigzag chunks of 5 (tiles across chunks), ring steps of chunks of 64
+    /// and 32, and natural-order parts from rows 65 (a query tile and a key tile meet at one
+    /// position) and 78.
+    #[test]
+    fn context_parallel_tensor_core_masks_are_exact_key_by_key() {
+        // (cp, len, ring step or gathered keys, zigzag order, head dim); causal, 2 sequences
+        // of 4 heads.
+        for (cp, len, ring, zigzag, d) in [(2usize, 20usize, None, true, 16usize), (2, 130, None, false, 16), (2, 156, None, false, 16), (3, 384, Some(1), true, 16), (4, 256, Some(2), true, 16)] {
+            let what = format!("cp={cp} len={len} ring step {ring:?} zigzag={zigzag} d={d}");
+            let problems = mask_patterns(cp, len, ring, zigzag, (2, 4, d));
+            assert!(problems.is_empty(), "{what}: {} wrong, first {:?}", problems.len(), &problems[..problems.len().min(6)]);
+        }
+    }
+
+    /// The probes of [`context_parallel_tensor_core_masks_are_exact_key_by_key`] for one case:
+    /// each one that does not hold.
+    fn mask_patterns(cp: usize, len: usize, ring: Option<usize>, zigzag: bool, (b, h, d): (usize, usize, usize)) -> Vec<String> {
+        let part = len / cp;
+        let chunks = if zigzag { 2 * cp } else { 1 };
+        let position = |row: usize| shardc_ir::ops::zigzag_position(row, len, chunks);
+        let program = context_attention_program(cp, len, ring, zigzag, true, (b, h, h, d));
+        assert!(program.device.as_ref().unwrap().kernels().iter().any(|k| *k == format!("attention_fwd_mma{d}_cp")));
+        let mut device = cuda::CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
+        let keys = if ring.is_some() { part } else { len };
+        let source = |rank: usize| ring.map_or(0, |step| (rank + cp - step) % cp);
+        let key_row = |rank: usize, j: usize| if ring.is_some() { source(rank) * part + j } else { j };
+        let sees = |rank: usize, i: usize, j: usize| position(key_row(rank, j)) <= position(rank * part + i);
+        let random = |seed: u64, n: usize| round_bf16(&(0..n).map(|j| 6.0 * (shardc_runtime::init::uniform(seed, j as u64) - 0.5)).collect::<Vec<f64>>());
+        // Rows either side of every chunk's and 16-row tile's edge, and the ends.
+        let chunk = if zigzag { len / chunks } else { part };
+        let probes_of = |n: usize| -> Vec<usize> {
+            let mut rows = std::collections::BTreeSet::new();
+            for unit in [chunk, 16] {
+                for edge in (0..=n).step_by(unit.max(1)) {
+                    rows.extend([edge.wrapping_sub(1), edge].into_iter().filter(|&r| r < n));
+                }
+            }
+            rows.extend([0, n - 1]);
+            if n <= 64 {
+                rows.extend(0..n);
+            }
+            rows.into_iter().collect()
+        };
+        let (key_probes, query_probes) = (probes_of(keys), probes_of(part));
+        // One probe per (sequence, head) a run.
+        let lanes = b * h;
+        let mut problems = Vec::new();
+        for (kind, probes) in [("key", &key_probes), ("query", &query_probes)] {
+            for run in 0..probes.len().div_ceil(lanes) {
+                let probe = |lane: usize| probes[(run * lanes + lane).min(probes.len() - 1)];
+                for rank in 0..cp {
+                    let seed = 100 * run as u64 + 10 * rank as u64;
+                    let (qlen, klen) = (b * part * h * d, b * keys * h * d);
+                    let (mut q, mut k, mut v, mut dout) = (random(seed + 1, qlen), random(seed + 2, klen), random(seed + 3, klen), random(seed + 4, qlen));
+                    // Only the probed row of each (sequence, head) keeps its values: the
+                    // key's k and v, or the query's q and dout (every other query zero).
+                    let (rows, kept): (usize, [&mut Vec<f64>; 2]) = if kind == "key" { (keys, [&mut k, &mut v]) } else { (part, [&mut q, &mut dout]) };
+                    for x in kept {
+                        for (e, value) in x.iter_mut().enumerate() {
+                            let (row, head) = ((e / (h * d)) % rows, e % (h * d) / d);
+                            if row != probe(e / (rows * h * d) * h + head) {
+                                *value = 0.0;
+                            }
+                        }
+                    }
+                    if kind == "key" {
+                        q.iter_mut().for_each(|x| *x = 0.0);
+                    }
+                    for (name, values) in [("q", &q), ("k", &k), ("v", &v), ("dout", &dout)] {
+                        device.write(rank, name, values).unwrap();
+                    }
+                    if ring.is_some() {
+                        let query_positions: Vec<usize> = (rank * part..(rank + 1) * part).map(position).collect();
+                        let key_positions: Vec<usize> = (0..keys).map(|j| position(key_row(rank, j))).collect();
+                        let (out, lse) = direct_attention(&query_positions, &key_positions, &q, &k, &v, (b, h, h, d, true));
+                        device.write(rank, "whole_out", &out).unwrap();
+                        device.write(rank, "whole_lse", &lse.iter().map(|&l| if l.is_finite() { l } else { 0.0 }).collect::<Vec<f64>>()).unwrap();
+                    }
+                }
+                device.run().unwrap();
+                for rank in 0..cp {
+                    let got: std::collections::HashMap<&str, Vec<f64>> = ["out", "dq", "dk", "dv"].iter().map(|n| (*n, device.read(rank, n).unwrap())).collect();
+                    let nonzero = |name: &str, bi: usize, head: usize, row: usize, rows: usize| -> Option<bool> {
+                        let at = (bi * rows + row) * h * d + head * d;
+                        let x = &got[name][at..at + d];
+                        (!x.iter().any(|v| v.is_nan())).then(|| x.iter().any(|&v| v != 0.0))
+                    };
+                    for bi in 0..b {
+                        for head in 0..h {
+                            let p = probe(bi * h + head);
+                            if kind == "key" {
+                                for i in 0..part {
+                                    let want = sees(rank, i, p);
+                                    // A row that sees the key alone has dq = 0 (p = 1: ds = 0).
+                                    let alone = (0..keys).filter(|&j| sees(rank, i, j)).count() == 1;
+                                    for name in ["out", "dq"].into_iter().filter(|&n| n == "out" || !(alone && want)) {
+                                        if nonzero(name, bi, head, i, part) != Some(want) {
+                                            problems.push(format!("rank {rank}: {name} of query {i} (position {}) with key {p} (position {}) alone: {:?}, sees {want}", position(rank * part + i), position(key_row(rank, p)), nonzero(name, bi, head, i, part)));
+                                        }
+                                    }
+                                }
+                            } else {
+                                let alone = (0..keys).filter(|&j| sees(rank, p, j)).count() == 1;
+                                for j in 0..keys {
+                                    let want = sees(rank, p, j);
+                                    for name in ["dk", "dv"].into_iter().filter(|&n| n == "dv" || !(alone && want)) {
+                                        if nonzero(name, bi, head, j, keys) != Some(want) {
+                                            problems.push(format!("rank {rank}: {name} of key {j} (position {}) with query {p} (position {}) alone: {:?}, sees {want}", position(key_row(rank, j)), position(rank * part + p), nonzero(name, bi, head, j, keys)));
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        problems
+    }
+
     /// Attention of one cp rank's part of `len` rows over `cp` ranks (mesh axis 3), bf16: the
     /// gathered form (`xf.attention` and its backward against all `len` keys) or one ring
     /// step (`xf.attention_block` against a part's keys, its backward from the whole

@@ -525,7 +525,7 @@ fn attention_class(inputs: &[&TensorTy], attrs: &Attrs, products: f64, tensor_co
 fn on_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
     let d = Heads::of(inputs, attrs).map_or(0, |h| h.d);
     let bf16 = inputs.iter().enumerate().all(|(slot, t)| t.dtype == crate::types::DType::Bf16 || STATISTICS.contains(&slot));
-    mma_head_dim(d).is_some() && bf16
+    mma_head_dim(d).is_some() && bf16 && positions_fit(inputs, attrs)
 }
 
 /// Why the attention of these operands runs on the scalar CUDA-core kernels rather than on
@@ -543,6 +543,9 @@ pub fn off_tensor_cores(inputs: &[&TensorTy], attrs: &Attrs) -> Option<String> {
     }
     if mma_head_dim(d).is_none() {
         reasons.push(format!("head dim {d}"));
+    }
+    if !positions_fit(inputs, attrs) {
+        reasons.push("a sequence of 2^30 rows or more".to_string());
     }
     Some(reasons.join(", "))
 }
@@ -879,8 +882,18 @@ fn mma_kernels(cx: &KernelCx<'_>) -> Option<MmaKernels> {
     let d = Heads::of(cx.inputs, cx.attrs).ok()?.d;
     // Every tensor but the rows' statistics (fp32 whatever the storage type).
     let bf16 = cx.inputs.iter().copied().chain(cx.outputs).enumerate().all(|(slot, t)| t.dtype == DType::Bf16 || STATISTICS.contains(&slot));
-    let (whole, parts) = mma_head_dim(d).filter(|_| bf16)?;
+    let (whole, parts) = mma_head_dim(d).filter(|_| bf16 && positions_fit(cx.inputs, cx.attrs))?;
     Some(if context_parallel(cx.inputs, cx.attrs) { parts } else { whole })
+}
+
+/// Whether every row of the op's sequence has a position that the tensor-core kernels'
+/// 32-bit masks hold (`FA_NO_KEY`, 2^31 - 1, marks a key past the end): its queries, its keys
+/// and the whole sequence of its zigzag order, with room for a rank's offset into it. Longer
+/// sequences (no GPU holds one) take the scalar kernels, whose positions are 64-bit.
+fn positions_fit(inputs: &[&TensorTy], attrs: &Attrs) -> bool {
+    const LIMIT: i64 = 1 << 30;
+    let (_, len) = super::zigzag_of(attrs.ints(super::ZIGZAG_ATTR).ok().as_deref());
+    [inputs[0].shape.get(1), inputs[1].shape.get(1)].iter().all(|s| s.is_some_and(|&s| s < LIMIT)) && (len as i64) < LIMIT
 }
 
 /// Whether the op attends from a part of the sequence or to a part of it (context
@@ -1112,8 +1125,8 @@ __device__ __forceinline__ float fa_quad_sum(float v) {
 // part (q0 its first row) against the gathered keys, or a ring step's block (k0 its first row).
 struct fa_seq { i64 sq, sk, q0, k0, chunks, len, causal; };
 // Positions of rows, as the masks compare them: a query past sq is FA_NO_QUERY, a key past
-// sk FA_NO_KEY, so that causally no query sees it. (Positions fit 31 bits: see
-// `attention_positions` in the op.) The masked tiles' loops read positions from registers
+// sk FA_NO_KEY, so that causally no query sees it. (Positions fit 31 bits: `positions_fit`
+// in the op leaves longer sequences to the scalar kernels.) The masked tiles' loops read positions from registers
 // (a thread's own rows) and shared memory (the other side's tile), never computing one: the
 // zigzag order's divisions there would cost the accumulators their registers.
 #define FA_NO_QUERY (-1)
@@ -1551,6 +1564,24 @@ mod tests {
         assert_eq!(flash_tiles(128, 1024, DType::Bf16), Ok((16, 16)));
         // A sequence of 5 in tiles of 8 (16 threads per row).
         assert_eq!(flash_tiles(64, 5, DType::F32), Ok((8, 8)));
+    }
+
+    /// A sequence whose positions the tensor-core kernels' 32-bit masks cannot hold takes the
+    /// scalar kernels (64-bit positions), and `compile` says why; one row fewer stays on
+    /// tensor cores. Queries, keys and a zigzag order's whole sequence each count.
+    #[test]
+    fn sequences_past_the_masks_positions_leave_tensor_cores() {
+        let attrs = Attrs::new().with("causal", crate::attrs::AttrValue::Bool(true)).with("head_dim", crate::attrs::AttrValue::Int(16));
+        let t = |s: i64| TensorTy::new([1, s, 32], DType::Bf16);
+        let (edge, past) = ((1i64 << 30) - 1, 1i64 << 30);
+        assert_eq!(off_tensor_cores(&[&t(edge), &t(edge), &t(edge)], &attrs), None);
+        for (q, k) in [(past, 4), (4, past)] {
+            let why = off_tensor_cores(&[&t(q), &t(k), &t(k)], &attrs).unwrap();
+            assert_eq!(why, "a sequence of 2^30 rows or more", "q {q} k {k}");
+        }
+        let zigzag = attrs.clone().with(crate::ops::ZIGZAG_ATTR, crate::attrs::AttrValue::Ints(vec![4, past]));
+        assert!(off_tensor_cores(&[&t(8), &t(8), &t(8)], &zigzag).is_some_and(|why| why.contains("2^30")));
+        assert!(!on_tensor_cores(&[&t(8), &t(8), &t(8)], &zigzag));
     }
 
     /// Every tensor-core kernel the table names is an entry of the module text (spelled out,
