@@ -16,11 +16,12 @@
 #            micro-batches), every rank on the one GPU, in f32 and in bf16 mixed precision,
 #            tiny with gradient accumulation (4 micro-batches at (1,1,1)), tiny at 1024 rows
 #            (the norms' warp-per-row kernels), and gpt2-small at
-#            tp=1 and tp=2, against the CPU backend: loss at every step and first-step
-#            gradients. Tolerances (relative): f32 loss 1e-4, gradients 1e-3 (summation
-#            order differs: cuBLAS, block reductions); bf16 loss 3e-2 (8-bit mantissa,
-#            against the f32 CPU run), gradients not compared (a bf16 parameter cannot
-#            resolve one small SGD step); and attention's outputs and gradients at three
+#            tp=1 and tp=2 and at cp=2 (a ring, and gathered in bf16), against the CPU
+#            backend: loss at every step and first-step gradients. Tolerances (relative):
+#            f32 loss 1e-4, gradients 1e-3 (summation order differs: cuBLAS, block
+#            reductions); bf16 loss 3e-2 (8-bit mantissa, against the f32 CPU run; 2e-3 at
+#            cp=2, against the CPU's run of the same bf16 plan), gradients not compared (a
+#            bf16 parameter cannot resolve one small SGD step); and attention's outputs and gradients at three
 #            bf16 shapes (the tensor-core kernels, which only a GPU runs: the emulation
 #            takes their fallback) against the CPU backend, relative 2e-2; a case that
 #            cannot run is an ERROR row and the others still run;
@@ -94,6 +95,13 @@ prepare() {
   plan gpt2-f32-tp1 "${gpt[@]}" "${check[@]}" --dtype f32
   plan gpt2-f32-tp2 "${gpt[@]}" "${check[@]}" --dtype f32 --mesh tp=2
   plan gpt2-bf16-tp1 "${gpt[@]}" "${check[@]}" --dtype bf16
+  # gpt2-small over cp=2 (each rank half of every sequence, in zigzag order of 4 chunks of
+  # 32): as a ring (what auto takes in a step of one micro-batch) and gathered; in bf16 the
+  # attention runs the tensor-core kernels' context-parallel forms, checked against the CPU
+  # running the same bf16 plan (so the bound can be tight: only the device's rounding differs).
+  plan gpt2-f32-cp2 "${gpt[@]}" "${check[@]}" --dtype f32 --mesh cp=2
+  plan gpt2-bf16-cp2 "${gpt[@]}" "${check[@]}" --dtype bf16 --mesh cp=2
+  plan gpt2-bf16-cp2-gathered "${gpt[@]}" "${check[@]}" --dtype bf16 --mesh cp=2 --cp-attention all-gather
   # Timed workloads: AdamW, as in training.
   # Priced for the H200 the check runs on: the plans carry the cluster model's prediction
   # (the h200 preset) for `bench` to print beside the measured step.
@@ -150,7 +158,10 @@ prepare() {
     {"name": "tiny bf16 1024 rows", "program": "plans/tiny-bf16-rows1024.json", "reference": "plans/tiny-f32-rows1024.json", "steps": 5, "lr": 0.1, "loss_tolerance": 3e-2},
     {"name": "gpt2-small f32", "program": "plans/gpt2-f32-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
     {"name": "gpt2-small f32", "program": "plans/gpt2-f32-tp2.json", "reference": "plans/gpt2-f32-tp2.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
-    {"name": "gpt2-small bf16", "program": "plans/gpt2-bf16-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 3e-2}
+    {"name": "gpt2-small bf16", "program": "plans/gpt2-bf16-tp1.json", "reference": "plans/gpt2-f32-tp1.json", "steps": 3, "lr": 0.1, "loss_tolerance": 3e-2},
+    {"name": "gpt2-small f32 cp=2 ring", "program": "plans/gpt2-f32-cp2.json", "reference": "plans/gpt2-f32-cp2.json", "steps": 3, "lr": 0.1, "loss_tolerance": 1e-4, "gradient_tolerance": 1e-3},
+    {"name": "gpt2-small bf16 cp=2 ring", "program": "plans/gpt2-bf16-cp2.json", "reference": "plans/gpt2-bf16-cp2.json", "steps": 3, "lr": 0.1, "loss_tolerance": 2e-3},
+    {"name": "gpt2-small bf16 cp=2 gathered", "program": "plans/gpt2-bf16-cp2-gathered.json", "reference": "plans/gpt2-bf16-cp2-gathered.json", "steps": 3, "lr": 0.1, "loss_tolerance": 2e-3}
   ],
   "bench": [
     {"name": "gpt2-small step (s=1024, b=8)", "program": "plans/bench-gpt2-bf16.json", "steps": 6},
