@@ -1156,9 +1156,9 @@ mod emulated {
         (dq, dk, dv)
     }
 
-    /// Values rounded to bf16 (to nearest, ties to even), as the device stores them.
+    /// Values rounded to bf16 as the device stores them.
     fn round_bf16(values: &[f64]) -> Vec<f64> {
-        values.iter().map(|&x| { let bits = (x as f32).to_bits(); f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000) as f64 }).collect()
+        values.iter().map(|&x| f32::from_bits((cuda::bf16_bits(x as f32) as u32) << 16) as f64).collect()
     }
 
     fn attention_against_the_cpu(dtype: shardc_ir::types::DType, s: i64, causal: bool, shape: (i64, i64, i64, i64)) -> (String, Vec<String>, Vec<(&'static str, f64)>) {
