@@ -746,10 +746,6 @@ mod emulated {
         }
     }
 
-    /// Runs `xf.attention` and `xf.attention_grad` on `q [b, hq, s, d]`, `k, v [b, hk, s, d]`
-    /// on the CPU and the emulated device; the case's name, the device's kernels and each
-    /// result's largest difference against the values' scale (at least 1: with one key, dk
-    /// is 0 up to rounding).
     /// A NaN score makes its attention row NaN on the device as on the CPU, in the scalar and
     /// the tensor-core kernels: the rows' guard for a row that sees no key once wrote 0 for a
     /// NaN sum, so a diverged run trained on with a finite loss.
@@ -925,6 +921,58 @@ mod emulated {
                 // the other steps' results).
                 let hidden = (0..cp).any(|rank| device.read(rank, "lse").unwrap().iter().any(|l| l.is_infinite()));
                 assert_eq!(hidden, causal && step > 0, "{what}");
+            }
+        }
+    }
+
+    /// A NaN query makes its row NaN in a ring step's attention wherever the row sees a key of
+    /// the step's block, on the CPU as on the device (tensor cores, bf16); a row that sees none
+    /// of the block stays zero with a log-sum-exp of -inf. The CPU's ring step took a row whose
+    /// every score was NaN for one that sees no key (`max` skips a NaN), so a NaN query came
+    /// out of the ring's merge as a zero row. Rank 0 of cp=2, zigzag: rows 0 to 15 at
+    /// positions 0 to 15, rows 16 to 31 at 48 to 63; step 0's keys are its own, step 1's rank
+    /// 1's (positions 16 to 47), which row 3 does not see.
+    #[test]
+    fn a_nan_query_reaches_its_row_in_a_ring_step_as_on_the_cpu() {
+        let (cp, len, (b, h, d)) = (2usize, 64usize, (1usize, 2usize, 16usize));
+        let part = len / cp;
+        for step in [0usize, 1] {
+            for poked in [3usize, 20] {
+                let what = format!("ring step {step}: NaN in query row {poked}");
+                let program = context_attention_program(cp, len, Some(step), true, true, (b, h, h, d));
+                let mut cpu = shardc_runtime::cpu::CpuExecutor::new(program.clone()).unwrap();
+                let mut device = cuda::CudaExecutor::new(program.clone(), &Placement::Emulated).unwrap();
+                for (i, name) in ["q", "k", "v", "dout", "whole_out", "whole_lse"].iter().enumerate() {
+                    let len = program.buffers[program.arg(name).unwrap().buffer].len();
+                    let mut values = round_bf16(&(0..len).map(|j| shardc_runtime::init::uniform(i as u64 + 7, j as u64) - 0.5).collect::<Vec<f64>>());
+                    if *name == "q" {
+                        // Head 0 of the row: [b, part, h x d].
+                        values[poked * h * d] = f64::NAN;
+                    }
+                    cpu.write_f64(name, &values).unwrap();
+                    for rank in 0..cp {
+                        device.write(rank, name, &values).unwrap();
+                    }
+                }
+                cpu.run().unwrap();
+                device.run().unwrap();
+                let sees_block = !(step == 1 && poked < 16);
+                let (out, lse) = (cpu.read_f64("out").unwrap(), cpu.read_f64("lse").unwrap());
+                let (gpu_out, gpu_lse) = (device.read(0, "out").unwrap(), device.read(0, "lse").unwrap());
+                for (who, out, lse) in [("CPU", &out, &lse), ("device", &gpu_out, &gpu_lse)] {
+                    for row in 0..part {
+                        for head in 0..h {
+                            let nan = row == poked && head == 0 && sees_block;
+                            let values = &out[(row * h + head) * d..(row * h + head + 1) * d];
+                            assert!(values.iter().all(|x| x.is_nan() == nan), "{what}: the {who}'s row {row} head {head}: {values:?}");
+                            let l = lse[head * part + row];
+                            assert_eq!(l.is_nan(), nan, "{what}: the {who}'s lse of row {row} head {head}: {l}");
+                        }
+                    }
+                    if !sees_block {
+                        assert!(lse[poked] == f64::NEG_INFINITY && out[poked * h * d..(poked * h + 1) * d].iter().all(|&x| x == 0.0), "{what}: the {who}'s hidden row");
+                    }
+                }
             }
         }
     }
@@ -1161,6 +1209,10 @@ mod emulated {
         values.iter().map(|&x| f32::from_bits((cuda::bf16_bits(x as f32) as u32) << 16) as f64).collect()
     }
 
+    /// Runs `xf.attention` and `xf.attention_grad` on `q [b, hq, s, d]`, `k, v [b, hk, s, d]`
+    /// on the CPU and the emulated device; the case's name, the device's kernels and each
+    /// result's largest difference against the values' scale (at least 1: with one key, dk
+    /// is 0 up to rounding).
     fn attention_against_the_cpu(dtype: shardc_ir::types::DType, s: i64, causal: bool, shape: (i64, i64, i64, i64)) -> (String, Vec<String>, Vec<(&'static str, f64)>) {
         let (b, hq, hk, d) = shape;
         let what = format!("{dtype:?} s={s} causal={causal} b={b} hq={hq} hk={hk} d={d}");
@@ -2124,6 +2176,92 @@ fn norms_by_warp_and_by_block_equal_the_cpu() {
                 let scale = want.iter().fold(1.0f64, |m, w| m.max(w.abs()));
                 for (i, (w, g)) in want.iter().zip(&got).enumerate() {
                     assert!((w - g).abs() <= 1e-4 * scale, "{forward} [{rows}, {n}] {name}[{i}]: CPU {w}, device {g}");
+                }
+            }
+        }
+    }
+}
+
+/// A NaN logit makes its row's loss and gradient NaN on the device as on the CPU, wherever it
+/// falls among the block's threads: alone in its thread (which then never sees a finite
+/// logit), before a larger logit of its thread, after one. The one-pass statistics once
+/// dropped the sum of a thread whose logits were all NaN, so the loss stayed finite.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_nan_logit_makes_the_loss_nan_as_on_the_cpu() {
+    use shardc_ir::attrs::Attrs;
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    // Rows of 300 logits over a block of 256 threads: thread t holds t and t + 256 (t < 44),
+    // or t alone.
+    let (rows, v) = (2i64, 300i64);
+    for dtype in [DType::F32, DType::Bf16] {
+        let mut fb = FuncBuilder::new("ce");
+        let logits = fb.arg("logits", TensorTy::new(vec![rows, v], dtype), ArgRole::Input);
+        let targets = fb.arg("targets", TensorTy::new(vec![rows], DType::I32), ArgRole::Input);
+        let dloss = fb.arg("dloss", TensorTy::scalar(if dtype == DType::Bf16 { DType::F32 } else { dtype }), ArgRole::Input);
+        let loss = fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "ce").unwrap();
+        let grad = fb.op("xf.cross_entropy_grad", &[logits, targets, dloss], Attrs::new(), "ce.grad").unwrap();
+        let func = fb.finish(&[loss, grad], &["loss".to_string(), "grad".to_string()]);
+        // (where the NaN goes in row 1, a larger logit it meets in its thread)
+        for (at, larger) in [(100usize, None), (0, Some(256usize)), (256, Some(0)), (299, None)] {
+            let what = format!("{dtype:?}: NaN at logit {at} of row 1");
+            let mut xs: Vec<f64> = (0..rows * v).map(|i| ((i * 37 % 17) as f64 - 8.0) / 4.0).collect();
+            xs[v as usize + at] = f64::NAN;
+            if let Some(larger) = larger {
+                xs[v as usize + larger] = 5.0;
+            }
+            let inputs: Vec<(&str, &[f64])> = vec![("logits", &xs), ("targets", &[5.0, 7.0]), ("dloss", &[1.0])];
+            let (want, got) = cpu_and_emulated(&func, &inputs, "loss");
+            assert!(want[0].is_nan() && got[0].is_nan(), "{what}: loss on the CPU {}, on the device {}", want[0], got[0]);
+            let (want, got) = cpu_and_emulated(&func, &inputs, "grad");
+            let nan = |g: &[f64]| g.iter().map(|x| x.is_nan()).collect::<Vec<_>>();
+            assert_eq!(nan(&got), nan(&want), "{what}: where the gradient is NaN");
+            // Row 0, which has no NaN, is the CPU's.
+            for (i, (w, g)) in want.iter().zip(&got).take(v as usize).enumerate() {
+                assert!((w - g).abs() <= 2e-2 * (1.0 + w.abs()), "{what}: grad[{i}]: CPU {w}, device {g}");
+            }
+        }
+    }
+}
+
+/// Ring attention's merge of two partial attentions keeps a NaN, on the device and on the
+/// CPU: a row's part that saw no key (log-sum-exp -inf) beside a part gone NaN is NaN, not
+/// the zero row of a query that sees no key at all (the merges took max(-inf, NaN) = -inf,
+/// and a NaN in one ring step left its rows zero). Rows: both parts empty, one empty and one
+/// NaN either way, one NaN beside a finite part, one empty beside a finite part.
+#[cfg(feature = "cuda")]
+#[test]
+fn attention_merge_keeps_a_nan_part_as_the_cpu_does() {
+    use shardc_ir::attrs::Attrs;
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    // One sequence of 3 positions, 2 heads of 2: lse rows are [h, s].
+    let (s, h, d) = (3i64, 2i64, 2i64);
+    let inf = f64::NEG_INFINITY;
+    let lse_a = [inf, inf, f64::NAN, 0.5, inf, 0.2];
+    let lse_b = [inf, f64::NAN, inf, f64::NAN, 0.3, 0.1];
+    // Row (head, position) is NaN where either part is; zero where both are empty.
+    let nan_rows: Vec<bool> = lse_a.iter().zip(&lse_b).map(|(a, b)| a.is_nan() || b.is_nan()).collect();
+    for dtype in [DType::F32, DType::F64] {
+        let mut fb = FuncBuilder::new("merge");
+        let out_ty = TensorTy::new(vec![1, s, h * d], dtype);
+        let lse_ty = TensorTy::new(vec![1, h, s], dtype);
+        let args = [fb.arg("out_a", out_ty.clone(), ArgRole::Input), fb.arg("lse_a", lse_ty.clone(), ArgRole::Input), fb.arg("out_b", out_ty, ArgRole::Input), fb.arg("lse_b", lse_ty, ArgRole::Input)];
+        let merged = fb.op_multi("xf.attention_merge", &args, Attrs::new(), "merge").unwrap();
+        let func = fb.finish(&merged, &["out".to_string(), "lse".to_string()]);
+        let out_a: Vec<f64> = (0..s * h * d).map(|i| 0.1 * i as f64).collect();
+        let out_b: Vec<f64> = (0..s * h * d).map(|i| 1.0 - 0.05 * i as f64).collect();
+        let inputs: Vec<(&str, &[f64])> = vec![("out_a", &out_a), ("lse_a", &lse_a), ("out_b", &out_b), ("lse_b", &lse_b)];
+        for name in ["out", "lse"] {
+            let (want, got) = cpu_and_emulated(&func, &inputs, name);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                // out is [s, h, d]; lse [h, s].
+                let row = if name == "out" { (i as i64 / d % h * s + i as i64 / (h * d)) as usize } else { i };
+                assert_eq!(w.is_nan(), nan_rows[row], "{dtype:?} {name}[{i}] on the CPU: {w}");
+                assert_eq!(g.is_nan(), nan_rows[row], "{dtype:?} {name}[{i}] on the device: {g}");
+                if !w.is_nan() {
+                    assert!(w == g || (w - g).abs() <= 1e-6 * (1.0 + w.abs()), "{dtype:?} {name}[{i}]: CPU {w}, device {g}");
                 }
             }
         }

@@ -852,7 +852,8 @@ extern "C" __global__ void attention_merge(T* out, acc_t* lse, const T* oa, cons
   GRID_STRIDE(row, rows) {
     i64 at = ((row / (h * s) * s + row % s) * h + row / s % h) * d;
     acc_t a = la[row], b = lb[row], m = fmax(a, b);
-    if (m == NEG_INF) {
+    // Rows that see no key in either part; fmax drops a NaN, which must stay.
+    if (a == NEG_INF && b == NEG_INF) {
       for (i64 c = 0; c < d; c++) out[at + c] = store((acc_t)0);
       lse[row] = NEG_INF;
       continue;

@@ -351,7 +351,9 @@ __device__ void row_softmax_stats(const T* x, i64 n, acc_t* max_out, acc_t* sum_
     else if (v != NEG_INF) sum += exp(v - mx);
   }
   acc_t row_max = block_max(mx);
-  *sum_out = block_sum(mx == NEG_INF ? (acc_t)0 : sum * exp(mx - row_max));
+  // A thread that met no finite logit holds 0, or NaN if it met a NaN (which never raises
+  // `mx`): keep that NaN, or a NaN logit alone in its thread would leave the loss finite.
+  *sum_out = block_sum(mx == NEG_INF ? sum : sum * exp(mx - row_max));
   *max_out = row_max;
 }
 // Per row: its loss (logsumexp - target logit) into `row_loss`.

@@ -342,7 +342,9 @@ fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Ou
             }
             let o = &mut out[i * d..(i + 1) * d];
             o.fill(T::zero());
-            if max == T::neg_infinity() {
+            // A row that sees none of the block (`max` skips a NaN score, which must reach
+            // the row instead).
+            if max == T::neg_infinity() && !p.iter().any(|x| x.is_nan()) {
                 lse[i] = T::neg_infinity();
                 continue;
             }
@@ -380,7 +382,8 @@ fn attention_merge_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_
     out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
         let (a, b) = (la[stat(row)], lb[stat(row)]);
         let m = a.max(b);
-        if m == T::neg_infinity() {
+        // Rows that see no key in either part; `max` drops a NaN, which must stay.
+        if a == T::neg_infinity() && b == T::neg_infinity() {
             o.fill(T::zero());
             return;
         }
@@ -394,7 +397,7 @@ fn attention_merge_kernel<T: Real>(_: &Instr, ins: &[In<'_>], outs: &mut [Out<'_
     lse.par_iter_mut().enumerate().for_each(|(row, l)| {
         let (a, b) = (la[row], lb[row]);
         let m = a.max(b);
-        *l = if m == T::neg_infinity() { m } else { m + ((a - m).exp() + (b - m).exp()).ln() };
+        *l = if a == T::neg_infinity() && b == T::neg_infinity() { m } else { m + ((a - m).exp() + (b - m).exp()).ln() };
     });
     Ok(())
 }
