@@ -37,14 +37,3 @@ fn read_bounded(what: &str, path: &Path, limit: u64) -> Result<Vec<u8>> {
     }
     Ok(bytes)
 }
-
-/// Reads a binary input (`--load` weights) whole: it must be a regular file (a device such
-/// as `/dev/zero` never ends), and its size is what is read.
-pub fn read_file(what: &str, path: &Path) -> Result<Vec<u8>> {
-    let fail = |e: std::io::Error| miette!("{what} {}: {e}", path.display());
-    let meta = std::fs::metadata(path).map_err(fail)?;
-    if !meta.is_file() {
-        return Err(miette!(help = "give a safetensors file", "{what} {}: not a regular file", path.display()));
-    }
-    std::fs::read(path).map_err(fail)
-}

@@ -2938,13 +2938,13 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     }
 }
 
-/// `shardc run --backend cuda ARGS` on the emulated device, with the variables `env`.
 /// Every tensor of a safetensors file, by name, as f64.
 fn safetensors_file(file: &str) -> shardc_runtime::hf::Tensors {
     let file = shardc_runtime::tensor_file::TensorFile::open(std::path::Path::new(file)).unwrap();
     file.names().into_iter().map(|name| (name.clone(), file.read_f64(&name).unwrap().unwrap())).collect()
 }
 
+/// `shardc run --backend cuda ARGS` on the emulated device, with the variables `env`.
 fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_shardc"));
     command.args(["run", "--backend", "cuda"]).args(args).current_dir(root()).env("NO_COLOR", "1").env("SHARDC_GPU_EMULATE", "1");
@@ -2952,6 +2952,107 @@ fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
         command.env(name, value);
     }
     command.output().expect("shardc runs")
+}
+
+/// Writes a safetensors file by hand: (name, dtype as safetensors spells it, shape, bytes).
+fn write_safetensors(path: &std::path::Path, tensors: &[(String, &str, Vec<usize>, Vec<u8>)]) {
+    let mut header = serde_json::Map::new();
+    let mut at = 0;
+    for (name, dtype, shape, bytes) in tensors {
+        header.insert(name.clone(), serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [at, at + bytes.len()] }));
+        at += bytes.len();
+    }
+    let header = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header);
+    tensors.iter().for_each(|t| file.extend(&t.3));
+    std::fs::write(path, file).unwrap();
+}
+
+/// `--load` checks its file against the model before any work, the same way on both
+/// backends, naming the tensor: a NaN or an infinity (which a run only met at its first
+/// loss, blamed on the learning rate; the CPU's and the GPU's losses even differed there),
+/// a tensor the model has no place for (an extra one, a layer past the model's, a Hugging
+/// Face name: use `--hf`), one that is not floating point, one of another shape, one
+/// missing. Any floating-point dtype loads on both (the CPU refused bf16 and f64 files that
+/// the GPU read), to the same losses.
+#[test]
+fn load_checks_its_file_against_the_model_on_both_backends() {
+    let dir = tempdir("load-checks");
+    let saved = dir.join("tiny.safetensors");
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--save", saved.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let params = safetensors_file(saved.to_str().unwrap());
+    let f32_bytes = |values: &[f64]| values.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect::<Vec<u8>>();
+    let f32_tensors = || -> Vec<(String, &str, Vec<usize>, Vec<u8>)> { params.iter().map(|(name, (shape, values))| (name.clone(), "F32", shape.clone(), f32_bytes(values))).collect() };
+    let with = |name: &str, change: &dyn Fn(&mut Vec<(String, &str, Vec<usize>, Vec<u8>)>)| -> String {
+        let mut tensors = f32_tensors();
+        change(&mut tensors);
+        let path = dir.join(format!("{name}.safetensors"));
+        write_safetensors(&path, &tensors);
+        path.to_str().unwrap().to_string()
+    };
+    let poke = |tensor: &str, at: usize, value: f32| {
+        let tensor = tensor.to_string();
+        move |t: &mut Vec<(String, &str, Vec<usize>, Vec<u8>)>| {
+            let entry = t.iter_mut().find(|e| e.0 == tensor).unwrap();
+            entry.3[4 * at..4 * at + 4].copy_from_slice(&value.to_le_bytes());
+        }
+    };
+    let one_layer = dir.join("tiny-1-layer.toml");
+    std::fs::write(&one_layer, std::fs::read_to_string(root().join("models/tiny.toml")).unwrap().replace("layers = 2", "layers = 1")).unwrap();
+    let tiny = "models/tiny.toml".to_string();
+    let cases: Vec<(String, String, String)> = vec![
+        (tiny.clone(), with("nan", &poke("embed.tokens.weight", 25, f32::NAN)), "tensor `embed.tokens.weight` holds NaN at element 25".into()),
+        (tiny.clone(), with("inf", &poke("final_norm.weight", 3, f32::NEG_INFINITY)), "tensor `final_norm.weight` holds -inf at element 3".into()),
+        (tiny.clone(), with("extra", &|t| t.push(("extra.thing".into(), "F32", vec![2], vec![0; 8]))), "tensor `extra.thing` is not a parameter of this model".into()),
+        (one_layer.to_str().unwrap().to_string(), saved.to_str().unwrap().to_string(), "tensor `layers.1.".into()),
+        (tiny.clone(), with("hf-names", &|t| t.iter_mut().find(|e| e.0 == "final_norm.weight").unwrap().0 = "transformer.ln_f.weight".into()), "load from its folder with `--hf DIR`".into()),
+        (tiny.clone(), with("int", &|t| t.iter_mut().find(|e| e.0 == "final_norm.weight").unwrap().1 = "I32"), "tensor `final_norm.weight` is I32: parameters are read from floating-point tensors".into()),
+        (tiny.clone(), with("shape", &|t| t.iter_mut().find(|e| e.0 == "final_norm.weight").unwrap().2 = vec![4, 4]), "tensor `final_norm.weight` has shape [4, 4], the model needs [16]".into()),
+        (tiny.clone(), with("missing", &|t| t.retain(|e| e.0 != "final_norm.bias")), "has no `final_norm.bias`, a parameter of this model".into()),
+    ];
+    for (spec, file, want) in &cases {
+        let args = [spec.as_str(), "--steps", "1", "--load", file.as_str()];
+        for (backend, out) in [("cpu", shardc(&[&["run"][..], &args[..]].concat())), ("cuda", run_on_emulated_gpu(&args, &[]))] {
+            let err = unwrapped(&stderr(&out));
+            assert_eq!(out.status.code(), Some(1), "{backend} {file}: {err}");
+            assert!(err.contains(want) && err.contains("--load"), "{backend} {file}: wanted `{want}` in {err}");
+            assert!(!err.contains("panicked") && !err.contains("--lr"), "{backend} {file}: {err}");
+        }
+    }
+    // Hugging Face weights are checked the same way: an infinity names its tensor.
+    let hf = dir.join("hf-inf");
+    copy_dir(&root().join("tests/data/hf-tiny-gpt2"), &hf);
+    let weights = hf.join("model.safetensors");
+    let at = shardc_runtime::tensor_file::TensorFile::open(&weights).unwrap().byte_range("transformer.ln_f.weight").unwrap().start as usize;
+    let mut bytes = std::fs::read(&weights).unwrap();
+    bytes[at..at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    std::fs::write(&weights, bytes).unwrap();
+    let ids = dir.join("ids.u16");
+    std::fs::write(&ids, (0..4000u32).map(|i| (i % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    let args = ["--hf", hf.to_str().unwrap(), "--seq", "8", "--micro-batch", "2", "--steps", "1", "--data", ids.to_str().unwrap(), "--data-format", "u16"];
+    for (backend, out) in [("cpu", shardc(&[&["run"][..], &args[..]].concat())), ("cuda", run_on_emulated_gpu(&args, &[]))] {
+        let err = unwrapped(&stderr(&out));
+        assert_eq!(out.status.code(), Some(1), "{backend}: {err}");
+        assert!(err.contains("tensor `transformer.ln_f.weight` holds inf at element 0"), "{backend}: {err}");
+    }
+    // bf16 and f64 files load on both backends, to the same first losses.
+    let bf16 = dir.join("bf16.safetensors");
+    write_safetensors(&bf16, &params.iter().map(|(name, (shape, values))| (name.clone(), "BF16", shape.clone(), values.iter().flat_map(|&v| (((v as f32).to_bits() >> 16) as u16).to_le_bytes()).collect())).collect::<Vec<_>>());
+    let f64_file = dir.join("f64.safetensors");
+    write_safetensors(&f64_file, &params.iter().map(|(name, (shape, values))| (name.clone(), "F64", shape.clone(), values.iter().flat_map(|v| v.to_le_bytes()).collect())).collect::<Vec<_>>());
+    let mut first_losses = Vec::new();
+    for file in [&bf16, &f64_file, &saved] {
+        let args = ["models/tiny.toml", "--steps", "1", "--log-every", "1", "--load", file.to_str().unwrap()];
+        let (cpu, gpu) = (losses_by_step(&shardc(&[&["run"][..], &args[..]].concat())), losses_by_step(&run_on_emulated_gpu(&args, &[])));
+        assert!(cpu.len() == 1 && gpu.len() == 1, "{file:?}: CPU {cpu:?}, GPU {gpu:?}");
+        assert!((cpu[&1] - gpu[&1]).abs() <= 1e-5 * cpu[&1], "{file:?}: CPU {cpu:?}, GPU {gpu:?}");
+        first_losses.push(cpu[&1]);
+    }
+    // The f64 file holds the f32 values exactly; bf16 rounds them.
+    assert_eq!(first_losses[1], first_losses[2]);
+    assert!((first_losses[0] - first_losses[2]).abs() < 1e-2 * first_losses[2], "{first_losses:?}");
 }
 
 /// `run --backend cuda`, here on the emulated device (`SHARDC_GPU_EMULATE=1`: the generated

@@ -39,6 +39,52 @@ pub fn from_bytes(data: &[u8]) -> Result<HashMap<String, (Vec<usize>, Vec<f32>)>
     Ok(out)
 }
 
+/// Every parameter of `programs` (each pipeline rank's) with the shape it has outside
+/// programs (a padded vocabulary's real rows): what `--save` writes and `--load` reads.
+pub fn model_parameters(programs: &[Program]) -> std::collections::BTreeMap<String, Vec<usize>> {
+    let mut out = std::collections::BTreeMap::new();
+    for program in programs {
+        for a in program.args.iter().filter(|a| a.role == Some(Role::Param)) {
+            let global = a.layout.as_ref().map_or_else(|| program.buffers[a.buffer].shape.clone(), |l| l.global_shape.clone());
+            out.entry(a.name.clone()).or_insert_with(|| a.logical_shape(&global));
+        }
+    }
+    out
+}
+
+/// A parameter file (`--load`: global tensors by name, as `--save` writes them) checked
+/// against the model of `programs` before any value is read, the same on every backend:
+/// every tensor is a parameter of the model, floating point (f32, f64, bf16 or f16: read as
+/// the parameter's dtype), of the parameter's shape, and every parameter is there. Values
+/// are read one tensor at a time ([`crate::tensor_file::TensorFile::read_f64`], which
+/// refuses a value that is not finite).
+pub fn open_parameter_file(path: &std::path::Path, programs: &[Program]) -> Result<crate::tensor_file::TensorFile, RuntimeError> {
+    let file = crate::tensor_file::TensorFile::open(path)?;
+    let parameters = model_parameters(programs);
+    let bad = |what: String| RuntimeError::Binding(format!("{}: {what}", path.display()));
+    for name in file.names() {
+        let info = file.info(&name).expect("a name of the file");
+        let Some(shape) = parameters.get(&name) else {
+            // Hugging Face names (`transformer.h.0.…`, `model.layers.0.…`, `lm_head.weight`).
+            let hint = if ["transformer.", "model.", "lm_head."].iter().any(|p| name.starts_with(p)) { "; a Hugging Face model's weights load from its folder with `--hf DIR`" } else { "" };
+            let example = parameters.keys().next().map_or(String::new(), |p| format!(" such as `{p}`"));
+            return Err(bad(format!("tensor `{name}` is not a parameter of this model (it has {} parameters{example}, named as `--save` writes them): the file was saved from another model{hint}", parameters.len())));
+        };
+        if !crate::tensor_file::is_float(info.dtype) {
+            return Err(bad(format!("tensor `{name}` is {:?}: parameters are read from floating-point tensors (f32, f64, bf16 or f16)", info.dtype)));
+        }
+        if info.shape != *shape {
+            return Err(bad(format!("tensor `{name}` has shape {:?}, the model needs {shape:?}", info.shape)));
+        }
+    }
+    let missing: Vec<&String> = parameters.keys().filter(|p| file.info(p).is_none()).collect();
+    if let Some(first) = missing.first() {
+        let more = if missing.len() > 1 { format!(" and {} more", missing.len() - 1) } else { String::new() };
+        return Err(bad(format!("has no `{first}`{more}, a parameter of this model: the file was saved from another model")));
+    }
+    Ok(file)
+}
+
 /// The manifest of a sharded checkpoint (`manifest.json` beside one safetensors file per
 /// rank).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]

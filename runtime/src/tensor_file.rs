@@ -84,15 +84,22 @@ impl TensorFile {
     }
 
     /// Reads one floating-point tensor (f32, f64, bf16 or f16) as f64: (shape, values).
-    /// `None` for a tensor of another dtype.
+    /// `None` for a tensor of another dtype. A NaN or infinite value is an error naming the
+    /// tensor: every reader starts training from what it reads (`--load`, Hugging Face
+    /// weights, a checkpoint's state), and a run from it would only fail at its first loss,
+    /// blamed on the learning rate.
     pub fn read_f64(&self, name: &str) -> Result<Option<Tensor>, RuntimeError> {
         let info = self.info(name).ok_or_else(|| bad(&self.path, format!("holds no tensor `{name}`")))?;
         let (dtype, shape) = (info.dtype, info.shape.clone());
-        if !matches!(dtype, Dtype::F32 | Dtype::F64 | Dtype::BF16 | Dtype::F16) {
+        if !is_float(dtype) {
             return Ok(None);
         }
         let bytes = self.read_bytes(name)?;
-        Ok(float_values(dtype, &bytes).map(|values| (shape, values)))
+        let Some(values) = float_values(dtype, &bytes) else { return Ok(None) };
+        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+            return Err(bad(&self.path, format!("tensor `{name}` holds {} at element {at} of its {} (shape {shape:?}): training cannot start from a value that is not finite", values[at], values.len())));
+        }
+        Ok(Some((shape, values)))
     }
 }
 
@@ -129,6 +136,11 @@ pub fn tensors_of_bytes(bytes: &[u8]) -> Result<FileTensors, String> {
             Some((name, info.shape.clone(), values))
         })
         .collect())
+}
+
+/// Whether `dtype` is one [`float_values`] reads.
+pub fn is_float(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F32 | Dtype::F64 | Dtype::BF16 | Dtype::F16)
 }
 
 /// The values of a floating-point tensor's little-endian bytes as f64; `None` for other
@@ -275,6 +287,30 @@ mod tests {
         std::fs::write(&path, &huge).unwrap();
         assert!(TensorFile::open(&path).unwrap_err().to_string().contains("a header of 9223372036854775808 bytes"));
         assert!(tensors_of_bytes(&huge).is_err());
+        std::fs::remove_file(&path).ok();
+    }
+
+    /// A NaN or an infinity, in any floating-point dtype, is refused naming its tensor and
+    /// element; the file's other tensors still read.
+    #[test]
+    fn a_value_that_is_not_finite_is_refused_naming_its_tensor() {
+        let path = std::env::temp_dir().join(format!("shardc-not-finite-{}.safetensors", std::process::id()));
+        let tensors = vec![("ok".to_string(), vec![2], Dtype::F32), ("nan".to_string(), vec![3], Dtype::BF16), ("inf".to_string(), vec![2], Dtype::F16), ("big".to_string(), vec![1], Dtype::F64)];
+        let bytes = |i: usize| -> Result<Vec<u8>, RuntimeError> {
+            Ok(match i {
+                0 => [1.0f32, -2.0].iter().flat_map(|x| x.to_le_bytes()).collect(),
+                1 => [0x3f80u16, 0x7fc0, 0].iter().flat_map(|x| x.to_le_bytes()).collect(),
+                2 => [0u16, 0xfc00].iter().flat_map(|x| x.to_le_bytes()).collect(),
+                _ => f64::INFINITY.to_le_bytes().to_vec(),
+            })
+        };
+        write_streamed(&path, &tensors, &[], bytes).unwrap();
+        let file = TensorFile::open(&path).unwrap();
+        assert_eq!(file.read_f64("ok").unwrap(), Some((vec![2], vec![1.0, -2.0])));
+        for (name, what) in [("nan", "tensor `nan` holds NaN at element 1 of its 3"), ("inf", "tensor `inf` holds -inf at element 1 of its 2"), ("big", "tensor `big` holds inf at element 0 of its 1")] {
+            let err = file.read_f64(name).unwrap_err().to_string();
+            assert!(err.contains(what), "{err}");
+        }
         std::fs::remove_file(&path).ok();
     }
 

@@ -60,9 +60,11 @@ impl Checkpoints {
         let Some(dir) = &args.resume else {
             // `--load FILE` starts from its parameters (global tensors by name).
             if let Some(path) = &args.load {
-                let bytes = crate::input::read_file("--load", path)?;
-                let tensors = shardc_runtime::checkpoint::from_bytes(&bytes).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?;
-                let params = tensors.into_iter().map(|(name, (shape, values))| (name, (shape, values.into_iter().map(f64::from).collect()))).collect();
+                let read = || -> Result<_, shardc_runtime::RuntimeError> {
+                    let file = shardc_runtime::checkpoint::open_parameter_file(path, programs)?;
+                    file.names().into_iter().map(|name| Ok((name.clone(), file.read_f64(&name)?.expect("checked floating point")))).collect()
+                };
+                let params = read().map_err(|e| miette!("--load {e}"))?;
                 return Ok((Some(shardc_runtime::train::TrainState::from_parameters(params, programs)), args.seed.unwrap_or(0)));
             }
             // A Hugging Face model starts from its weights.

@@ -207,9 +207,9 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         // and keeps only its ranks' shards of it.
         None if args.load.is_some() => {
             let path = args.load.as_ref().expect("matched");
-            let file = shardc_runtime::tensor_file::TensorFile::open(path).map_err(|e| miette!("--load {e}"))?;
-            let mut parameter = |name: &str| if file.info(name).is_some() { file.read_f64(name) } else { Ok(None) };
-            cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).into_diagnostic().wrap_err_with(|| format!("loading {}", path.display()))?
+            let file = shardc_runtime::checkpoint::open_parameter_file(path, &programs).map_err(|e| miette!("--load {e}"))?;
+            let mut parameter = |name: &str| file.read_f64(name);
+            cuda::CudaTrainer::from_parameters(&programs, &placement, args.seed.unwrap_or(0), &mut parameter).map_err(|e| miette!("--load {e}"))?
         }
         None if args.step.hf_dir(args.spec.as_deref()).is_some() => {
             let hf = args.step.hf_dir(args.spec.as_deref()).expect("matched");
