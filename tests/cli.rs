@@ -2071,6 +2071,36 @@ fn output_paths_are_checked_before_training() {
         assert!(!stdout(&out).contains("loss"), "{flag} {path}: trained before failing");
         assert!(started.elapsed().as_secs() < 60, "{flag} {path}: not refused up front");
     }
+    // Outputs that would overwrite an input or each other are refused before anything is
+    // written or made (they once overwrote the corpus, wrote the trace over the parameters,
+    // and put shardc-named weights in a Hugging Face folder).
+    let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    std::fs::write(at("corpus.txt"), "In the beginning was the corpus. ".repeat(40)).unwrap();
+    std::fs::copy(root().join("models/tiny.toml"), at("tiny.toml")).unwrap();
+    let cases: Vec<(Vec<String>, &str, &str)> = vec![
+        (vec!["--data".into(), at("corpus.txt"), "--save".into(), at("corpus.txt")], "is the --data file the run reads", "corpus.txt"),
+        (vec!["--data".into(), at("corpus.txt"), "--save".into(), format!("{}/../corpus.txt", at("sub"))], "is the --data file the run reads", "corpus.txt"),
+        (vec!["--save".into(), at("tiny.toml")], "is the spec file the run reads", "tiny.toml"),
+        (vec!["--mesh".into(), "pp=2".into(), "--save".into(), at("x.st"), "--trace".into(), at("x.st")], "is also the --save file", "x.st"),
+        (vec!["--save-hf".into(), at("hf-out"), "--save".into(), at("hf-out/model.safetensors")], "lies in the --save-hf folder", "hf-out"),
+        (vec!["--checkpoint".into(), at("ckpt"), "--save".into(), at("ckpt/LATEST")], "lies in the --checkpoint folder", "ckpt"),
+        (vec!["--save-hf".into(), at("both"), "--save".into(), at("both")], "lies in the --save-hf folder", "both"),
+        (vec!["--checkpoint".into(), at("ckpt2"), "--save-hf".into(), at("ckpt2/hf")], "are the same folder, or one holds the other", "ckpt2"),
+    ];
+    for (args, says, made) in cases {
+        let spec = if args.contains(&at("tiny.toml")) { at("tiny.toml") } else { "models/tiny.toml".into() };
+        let mut all = vec!["run".to_string(), spec, "--steps".into(), "1".into()];
+        all.extend(args.iter().cloned());
+        let out = shardc(&all.iter().map(String::as_str).collect::<Vec<_>>());
+        let err = unwrapped(&stderr(&out));
+        assert!(!out.status.success() && err.contains(says), "{args:?}: wanted `{says}` in {err}");
+        assert!(!stdout(&out).contains("loss"), "{args:?}: trained before failing");
+        if !made.ends_with(".txt") && !made.ends_with(".toml") {
+            assert!(!dir.join(made).exists(), "{args:?}: made {made} before refusing");
+        }
+    }
+    assert!(std::fs::read_to_string(at("corpus.txt")).unwrap().starts_with("In the beginning"));
+    assert!(std::fs::read_to_string(at("tiny.toml")).unwrap().contains("[model]"));
     // A trace needs a pipeline: refused up front otherwise, not silently skipped.
     let trace = dir.join("t.json");
     let out = shardc(&["run", "models/tiny.toml", "--steps", "1000000", "--mesh", "dp=2", "--microbatches", "1", "--trace", trace.to_str().unwrap()]);

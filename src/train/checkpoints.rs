@@ -266,6 +266,8 @@ fn not_finite(tensor: &str, value: f64, step: u64, rank: Option<usize>) -> miett
 /// Every place the run will write, checked before training: a wrong or read-only path found
 /// after the last step would lose the run.
 pub(super) fn check_outputs(args: &RunArgs) -> Result<()> {
+    // Before any folder is made: outputs that would overwrite an input or each other.
+    refuse_colliding_outputs(args)?;
     for (flag, dir) in [("--checkpoint", &args.checkpoint), ("--save-hf", &args.save_hf)] {
         if let Some(dir) = dir {
             writable_folder(flag, dir)?;
@@ -279,6 +281,70 @@ pub(super) fn check_outputs(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// `path` made absolute, through the links of the part of it that exists: two names of one
+/// file compare equal (`out/../x`, `./x`, a link to it).
+fn resolved(path: &std::path::Path) -> std::path::PathBuf {
+    use std::path::Component;
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    // The longest existing head, canonical, with the rest appended (the folders a run makes:
+    // `..` after one is its parent).
+    let parts: Vec<Component> = absolute.components().collect();
+    for keep in (0..=parts.len()).rev() {
+        let Ok(mut real) = parts[..keep].iter().collect::<std::path::PathBuf>().canonicalize() else { continue };
+        for part in &parts[keep..] {
+            match part {
+                Component::ParentDir => {
+                    real.pop();
+                }
+                Component::CurDir => {}
+                other => real.push(other),
+            }
+        }
+        return real;
+    }
+    absolute
+}
+
+/// Refuses outputs that would overwrite the run's inputs or one another: an output file
+/// that is an input file (the spec, `--data`, `--tokenizer`, `--load`) or another output
+/// file, or lies in one of the run's folders (`--checkpoint` and `--save-hf`, which the run
+/// fills, `--resume` and `--hf`, which it reads); an output folder that is another, holds
+/// another, or is the `--hf` folder. `--checkpoint` may be the `--resume` folder: a resumed
+/// run checkpoints on where it left off.
+fn refuse_colliding_outputs(args: &RunArgs) -> Result<()> {
+    let hf = args.step.hf_dir(args.spec.as_deref());
+    let named = |flag: &'static str, path: &Option<std::path::PathBuf>| path.as_ref().map(|p| (flag, p.clone(), resolved(p)));
+    let out_files: Vec<_> = [named("--save", &args.save), named("--trace", &args.trace)].into_iter().flatten().collect();
+    let out_folders: Vec<_> = [named("--checkpoint", &args.checkpoint), named("--save-hf", &args.save_hf)].into_iter().flatten().collect();
+    let spec_file = args.spec.as_ref().filter(|p| p.is_file()).cloned();
+    let in_files: Vec<_> = [named("spec", &spec_file), named("--data", &args.input.data), named("--tokenizer", &args.input.tokenizer), named("--load", &args.load)].into_iter().flatten().collect();
+    let in_folders: Vec<_> = [named("--resume", &args.resume), named("--hf", &hf)].into_iter().flatten().collect();
+    let refuse = |what: String| Err(miette!(help = "give each output a path of its own, outside the folders the run reads and fills", "{what}"));
+    for (i, (flag, path, real)) in out_files.iter().enumerate() {
+        if let Some((other, _, _)) = out_files[..i].iter().find(|o| o.2 == *real) {
+            return refuse(format!("{flag} {} is also the {other} file: one would overwrite the other", path.display()));
+        }
+        if let Some((other, _, _)) = in_files.iter().find(|o| o.2 == *real) {
+            return refuse(format!("{flag} {} is the {other} file the run reads: writing it would destroy it", path.display()));
+        }
+        if let Some((other, dir, _)) = out_folders.iter().chain(&in_folders).find(|o| real.starts_with(&o.2)) {
+            return refuse(format!("{flag} {} lies in the {other} folder {}, whose files the run reads or writes", path.display(), dir.display()));
+        }
+    }
+    for (i, (flag, path, real)) in out_folders.iter().enumerate() {
+        if let Some((other, _, _)) = out_folders[..i].iter().find(|o| o.2.starts_with(real) || real.starts_with(&o.2)) {
+            return refuse(format!("{flag} {} and {other} are the same folder, or one holds the other", path.display()));
+        }
+        if let Some((other, _, _)) = in_files.iter().find(|o| o.2 == *real || o.2.starts_with(real)) {
+            return refuse(format!("{flag} {} is or holds the {other} file the run reads", path.display()));
+        }
+        if let Some((other, dir, _)) = in_folders.iter().find(|o| (o.0 == "--hf" || *flag != "--checkpoint") && (o.2.starts_with(real) || real.starts_with(&o.2))) {
+            return refuse(format!("{flag} {} and the {other} folder {} are the same folder, or one holds the other: the run would write over what it reads", path.display(), dir.display()));
+        }
+    }
+    Ok(())
+}
+
 /// Checks that `file` can be written (its folder created if needed), before the work that
 /// produces it.
 pub(crate) fn writable_file(flag: &str, file: &std::path::Path) -> Result<()> {
@@ -286,7 +352,8 @@ pub(crate) fn writable_file(flag: &str, file: &std::path::Path) -> Result<()> {
         return Err(miette!(help = "give a file name", "{flag} {}: is a folder", file.display()));
     }
     let parent = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    writable_folder(flag, parent)
+    // Named as given: `--save /proc/x: /proc: ...` says which output the folder is for.
+    writable_folder(&format!("{flag} {}: in", file.display()), parent)
 }
 
 /// Creates `dir` (and its parents) if needed and proves a file can be written in it.
