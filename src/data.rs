@@ -62,6 +62,9 @@ pub struct DataArgs {
 /// Held-out windows the validation loss averages over unless --eval-windows says.
 const DEFAULT_EVAL_WINDOWS: u64 = 64;
 
+/// How the built-in corpus is named in messages and in a checkpoint's data record.
+const BUILT_IN_SOURCE: &str = "the built-in corpus (data/kjv-genesis-exodus.txt)";
+
 /// The built-in corpus (data/kjv-genesis-exodus.txt), inside the binary so that `shardc run`
 /// trains wherever it runs.
 const BUILT_IN_CORPUS: &[u8] = include_bytes!("../data/kjv-genesis-exodus.txt");
@@ -152,7 +155,7 @@ pub fn training_corpus(args: &DataArgs, spec: &Spec, hf_dir: Option<&Path>) -> R
     }
     let fail = |e: shardc_runtime::RuntimeError| miette!("--data: {e}");
     let (tokens, source) = match &args.data {
-        None => text_tokens(BUILT_IN_CORPUS.to_vec(), "the built-in corpus (data/kjv-genesis-exodus.txt)".into(), args, hf_dir)?,
+        None => text_tokens(BUILT_IN_CORPUS.to_vec(), BUILT_IN_SOURCE.into(), args, hf_dir)?,
         Some(path) => {
             let name = path.display().to_string();
             let format = resolve(args.data_format, path);
@@ -219,7 +222,7 @@ pub fn resume_data(dir: &Path, saved: Option<&DataRecord>, corpus: &mut Corpus, 
     let (then, now) = (&saved.identity, corpus.identity());
     if then.tokens != now.tokens || then.fingerprint != now.fingerprint {
         return Err(miette!(
-            help = format!("resume with the checkpoint's data (--data {}), or start a new run", then.source),
+            help = if then.source == BUILT_IN_SOURCE { "resume without --data (the checkpoint's run read the built-in corpus), or start a new run".to_string() } else { format!("resume with the checkpoint's data (--data {}), or start a new run", then.source) },
             "{}: the checkpoint's run trained on {} ({}, {} tokens), and this run reads {} ({}, {} tokens)",
             dir.display(),
             then.source,

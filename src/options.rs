@@ -129,7 +129,8 @@ pub struct TrainingArgs {
     /// needs --lr-decay-steps outside `run`.
     #[arg(long)]
     pub lr_decay: Option<String>,
-    /// Iteration at which the decay reaches --min-lr. Default: `run`'s --steps (as
+    /// Iteration at which the decay reaches --min-lr; 0: no decay (the rate stays at --lr
+    /// after the warmup, as with --lr-decay constant). Default: `run`'s --steps (as
     /// Megatron-LM's --lr-decay-iters defaults to --train-iters); other commands: no decay.
     #[arg(long)]
     pub lr_decay_steps: Option<u64>,

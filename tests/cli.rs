@@ -2047,6 +2047,42 @@ fn a_non_finite_step_stops_every_layout_and_is_never_checkpointed() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A resume reads the data its checkpoint's run read, or is refused naming both and the
+/// flag that resumes: `--data FILE` for a file, no `--data` for the built-in corpus (whose
+/// name is no path to give).
+#[test]
+fn a_resume_on_other_data_is_refused_with_the_flag_that_resumes() {
+    let dir = tempdir("resume-data");
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "Call me Ishmael. Some years ago, never mind how long precisely. ".repeat(60)).unwrap();
+    let (built_in, from_file) = (dir.join("built-in"), dir.join("from-file"));
+    let base = ["run", "models/tiny.toml", "--steps", "1"];
+    for (ckpt, data) in [(&built_in, None), (&from_file, Some(&corpus))] {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend(["--checkpoint", ckpt.to_str().unwrap()]);
+        if let Some(data) = data {
+            args.extend(["--data", data.to_str().unwrap()]);
+        }
+        let out = shardc(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let resume = |ckpt: &std::path::Path, data: Option<&std::path::Path>| {
+        let mut args: Vec<&str> = vec!["run", "models/tiny.toml", "--steps", "2", "--resume", ckpt.to_str().unwrap()];
+        if let Some(data) = data {
+            args.extend(["--data", data.to_str().unwrap()]);
+        }
+        let out = shardc(&args);
+        assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+        unwrapped(&stderr(&out))
+    };
+    let err = resume(&built_in, Some(&corpus));
+    assert!(err.contains("trained on the built-in corpus") && err.contains("resume without --data"), "{err}");
+    let err = resume(&from_file, None);
+    // (The report wraps the path at its hyphens.)
+    assert!(err.contains("resume with the checkpoint's data (--data /") && err.contains("corpus.txt), or start a new run"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every output path is checked before any training: a wrong one fails at once, naming the
 /// flag, instead of after the last step.
 #[test]
@@ -3411,6 +3447,20 @@ fn gpu_process_faults_end_every_process_with_the_cause_named() {
         let said = unwrapped(&stderr(&out));
         assert_eq!(out.status.code(), Some(1), "{kind}: {said}");
         assert!(said.contains(says), "{kind}: {said}");
+    }
+    // A fault that cannot be made is refused, not silently left out: with every rank on one
+    // device (no process of its own to end), or a value it cannot read.
+    for (backend, env, says) in [("cuda", "1:30:panic", "a fault is injected into one rank's process"), ("cpu", "1:thirty:panic", "expected RANK:INSTRUCTION:panic|kernel|hang")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
+            .args(["run", "--backend", backend, "models/tiny.toml", "--mesh", "dp=2", "--microbatches", "1", "--steps", "1"])
+            .current_dir(root())
+            .env("NO_COLOR", "1")
+            .env("SHARDC_GPU_EMULATE", "1")
+            .env("SHARDC_FAULT", env)
+            .output()
+            .unwrap();
+        let said = unwrapped(&stderr(&out));
+        assert!(out.status.code() == Some(1) && said.contains(says) && !stdout(&out).contains("loss"), "{backend} SHARDC_FAULT={env}: {said}");
     }
 }
 

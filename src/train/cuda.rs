@@ -158,6 +158,11 @@ pub(super) fn run_cuda(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh)
     } else {
         Placement::SingleDevice { device: 0 }
     };
+    // The tests' fault injection ends one rank's process; every rank on one device has none
+    // of its own, and a fault set for one would be silently left out.
+    if let (Some(fault), Placement::Emulated | Placement::SingleDevice { .. }) = (std::env::var("SHARDC_FAULT").ok(), &placement) {
+        return Err(miette!(help = "unset SHARDC_FAULT, or run the ranks as processes (SHARDC_EMULATE_PROCESSES, or torchrun)", "SHARDC_FAULT={fault}: a fault is injected into one rank's process, and here every rank shares one"));
+    }
     run_cuda_process(args, spec, mesh, placement)
 }
 
@@ -280,7 +285,8 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         let per_step = if timed.is_empty() { seconds[0] } else { timed.iter().sum::<f64>() / timed.len() as f64 };
         println!("  device      {}", trainer.device_name());
         println!("  loss        {first:.4} at step {} -> {last:.4} (mean of the last {} steps), {}", first_step + 1, losses.tail.len(), super::loss_change(first, last));
-        println!("  time        {:.2} ms per step after the first, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
+        let which = if timed.is_empty() { "for the one step (which compiles and loads the kernels)" } else { "per step after the first" };
+        println!("  time        {:.2} ms {which}, {:.0} tokens/s", 1e3 * per_step, tokens as f64 / per_step);
         println!("  memory      {memory}");
     }
     // Written a tensor at a time, from the device or from the rank files: the state is

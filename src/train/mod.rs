@@ -257,6 +257,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     refuse_rank_options_on_one_rank(args, mesh)?;
     check_outputs(args)?;
+    // The tests' fault injection: a value it cannot read would be a fault silently not made.
+    if let Ok(text) = std::env::var("SHARDC_FAULT")
+        && shardc_runtime::cpu::Fault::from_env().is_none()
+    {
+        return Err(miette!(help = "e.g. SHARDC_FAULT=1:30:panic, or unset it", "SHARDC_FAULT={text}: expected RANK:INSTRUCTION:panic|kernel|hang"));
+    }
     // A model without a Hugging Face family is refused before it trains, not after.
     if args.save_hf.is_some() {
         shardc_ir::spec::hf::to_hf_config(&spec).map_err(|e| miette!(help = "--save-hf writes GPT-2, Llama and Mixtral models; use --save for the others", "--save-hf: {e}"))?;
