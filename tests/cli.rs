@@ -3119,6 +3119,15 @@ fn load_checks_its_file_against_the_model_on_both_backends() {
     // The f64 file holds the f32 values exactly; bf16 rounds them.
     assert_eq!(first_losses[1], first_losses[2]);
     assert!((first_losses[0] - first_losses[2]).abs() < 1e-2 * first_losses[2], "{first_losses:?}");
+    // --save writes an f64 model's parameters in f64 (it wrote f32, rounding each), an f32
+    // or bf16 model's in f32 (which their values, a bf16 model's fp32 masters, take exactly).
+    for (dtype, want) in [("f64", "F64"), ("f32", "F32"), ("bf16", "F32")] {
+        let file = dir.join(format!("saved-{dtype}.safetensors"));
+        let out = shardc(&["run", "models/tiny.toml", "--dtype", dtype, "--steps", "1", "--save", file.to_str().unwrap()]);
+        assert!(out.status.success(), "{dtype}: {}", stderr(&out));
+        let header = shardc_runtime::tensor_file::TensorFile::open(&file).unwrap();
+        assert!(header.names().iter().all(|n| format!("{:?}", header.info(n).unwrap().dtype) == want), "{dtype}: --save wrote {:?}", header.names().iter().map(|n| header.info(n).unwrap().dtype).collect::<Vec<_>>());
+    }
 }
 
 /// `run --backend cuda`, here on the emulated device (`SHARDC_GPU_EMULATE=1`: the generated

@@ -16,12 +16,18 @@ use crate::RuntimeError;
 /// Named f32 tensors: `(name, shape, values)`.
 pub type NamedTensors = Vec<(String, Vec<usize>, Vec<f32>)>;
 
-/// Writes a run's parameters (f32, by name, global: what `--load` reads) to the
-/// safetensors file `path`, one tensor at a time as `source` reads them.
-pub fn write_parameters(path: &std::path::Path, source: &dyn crate::train::ParameterSource) -> Result<(), RuntimeError> {
-    let header: Vec<(String, Vec<usize>, Dtype)> = source.parameter_shapes()?.into_iter().map(|(name, shape)| (name, shape, Dtype::F32)).collect();
+/// Writes a run's parameters (by name, global: what `--load` reads) to the safetensors file
+/// `path`, one tensor at a time as `source` reads them: in f32, which an f32 or bf16 model's
+/// parameters (a bf16 model's fp32 masters) take exactly, or in f64 for an f64 model (`f64`),
+/// so that a file loads back to the values saved.
+pub fn write_parameters(path: &std::path::Path, source: &dyn crate::train::ParameterSource, f64: bool) -> Result<(), RuntimeError> {
+    let dtype = if f64 { Dtype::F64 } else { Dtype::F32 };
+    let header: Vec<(String, Vec<usize>, Dtype)> = source.parameter_shapes()?.into_iter().map(|(name, shape)| (name, shape, dtype)).collect();
     // The writer checks each tensor's bytes against its shape.
-    crate::tensor_file::write_streamed(path, &header, &[("format", "pt")], |i| Ok(source.parameter_values(&header[i].0)?.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect()))?;
+    crate::tensor_file::write_streamed(path, &header, &[("format", "pt")], |i| {
+        let values = source.parameter_values(&header[i].0)?;
+        Ok(if f64 { values.iter().flat_map(|x| x.to_le_bytes()).collect() } else { values.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect() })
+    })?;
     Ok(())
 }
 

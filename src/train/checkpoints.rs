@@ -388,9 +388,10 @@ pub(super) fn refuse_load_with_resume(args: &RunArgs) -> Result<()> {
 }
 
 /// `--save FILE`: the trained parameters as global tensors, whatever the mesh.
-pub(super) fn save_parameters(args: &RunArgs, source: Option<&dyn shardc_runtime::train::ParameterSource>) -> Result<()> {
+pub(super) fn save_parameters(args: &RunArgs, spec: &Spec, source: Option<&dyn shardc_runtime::train::ParameterSource>) -> Result<()> {
     let (Some(path), Some(source)) = (&args.save, source) else { return Ok(()) };
-    shardc_runtime::checkpoint::write_parameters(path, source).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
+    let f64 = spec.model.dtype == shardc_ir::spec::SpecDType::F64;
+    shardc_runtime::checkpoint::write_parameters(path, source, f64).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
     println!("  saved       {}", path.display());
     Ok(())
 }

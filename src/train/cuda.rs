@@ -303,7 +303,7 @@ pub(super) fn run_cuda_process(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mes
         if let Some(dir) = &args.save_hf {
             crate::hf::save(dir, spec, source)?;
         }
-        save_parameters(args, Some(source))
+        save_parameters(args, spec, Some(source))
     };
     let saved = save();
     // The rank files written for the files go, whether or not they were written.

@@ -359,7 +359,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(dir) = &args.save_hf {
         crate::hf::save(dir, &spec, &state)?;
     }
-    save_parameters(args, Some(&state))?;
+    save_parameters(args, &spec, Some(&state))?;
     Ok(())
 }
 
@@ -482,7 +482,7 @@ fn run_partitioned(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fit
     if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
         crate::hf::save(dir, spec, state)?;
     }
-    save_parameters(args, state.as_ref().map(|s| s as &dyn shardc_runtime::train::ParameterSource))?;
+    save_parameters(args, spec, state.as_ref().map(|s| s as &dyn shardc_runtime::train::ParameterSource))?;
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     Ok(())
 }
@@ -616,7 +616,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fits:
     if let (Some(dir), Some(state)) = (&args.save_hf, &state) {
         crate::hf::save(dir, spec, state)?;
     }
-    save_parameters(args, state.as_ref().map(|s| s as &dyn shardc_runtime::train::ParameterSource))?;
+    save_parameters(args, spec, state.as_ref().map(|s| s as &dyn shardc_runtime::train::ParameterSource))?;
     let Some(run) = last_run else { return Ok(()) };
     println!("  time        {:.2} s; {} sent between ranks in all", start.elapsed().as_secs_f64(), crate::summary::bytes(sent));
     println!(
