@@ -222,7 +222,13 @@ pub fn resume_data(dir: &Path, saved: Option<&DataRecord>, corpus: &mut Corpus, 
     let (then, now) = (&saved.identity, corpus.identity());
     if then.tokens != now.tokens || then.fingerprint != now.fingerprint {
         return Err(miette!(
-            help = if then.source == BUILT_IN_SOURCE { "resume without --data (the checkpoint's run read the built-in corpus), or start a new run".to_string() } else { format!("resume with the checkpoint's data (--data {}), or start a new run", then.source) },
+            help = if then.source == now.source {
+                format!("the same source read another way: resume with the checkpoint's ({}), or start a new run", then.format)
+            } else if then.source == BUILT_IN_SOURCE {
+                "resume without --data (the checkpoint's run read the built-in corpus), or start a new run".to_string()
+            } else {
+                format!("resume with the checkpoint's data (--data {}), or start a new run", then.source)
+            },
             "{}: the checkpoint's run trained on {} ({}, {} tokens), and this run reads {} ({}, {} tokens)",
             dir.display(),
             then.source,

@@ -21,9 +21,23 @@ fn family(spec: &Spec) -> Result<Family> {
 
 /// The weights of a Hugging Face folder as shardc parameters, checked against the spec: every
 /// tensor must have the shape the spec (its config.json) gives the parameter it becomes.
+/// Only the tensors that become parameters are read, as [`LazyWeights`] reads them: not
+/// GPT-2's mask buffers, a tied model's output head or Llama's rotary frequencies.
 pub fn load_weights(dir: &Path, spec: &Spec) -> Result<Tensors> {
-    let raw = rhf::read_dir(dir).into_diagnostic()?;
-    let params = rhf::import(family(spec)?, &raw, spec.model.tied_embeddings, &parameter_shapes(spec)?).into_diagnostic().wrap_err_with(|| format!("reading the weights of {}", dir.display()))?;
+    let folder = rhf::HfFolder::open(dir).into_diagnostic()?;
+    let (family, tied) = (family(spec)?, spec.model.tied_embeddings);
+    let context = || format!("reading the weights of {}", dir.display());
+    rhf::check_names(folder.names()).into_diagnostic().wrap_err_with(context)?;
+    let mut raw = Tensors::new();
+    for name in folder.names() {
+        if rhf::parameters_of(family, name, tied).into_diagnostic().wrap_err_with(context)?.is_empty() {
+            continue;
+        }
+        if let Some(tensor) = folder.read(name).into_diagnostic()? {
+            raw.insert(name.clone(), tensor);
+        }
+    }
+    let params = rhf::import(family, &raw, tied, &parameter_shapes(spec)?).into_diagnostic().wrap_err_with(context)?;
     Ok(params)
 }
 

@@ -2109,19 +2109,22 @@ fn output_paths_are_checked_before_training() {
     }
     // Outputs that would overwrite an input or each other are refused before anything is
     // written or made (they once overwrote the corpus, wrote the trace over the parameters,
-    // and put shardc-named weights in a Hugging Face folder).
+    // and put shardc-named weights in a Hugging Face folder); outputs that only share a
+    // folder are not.
     let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
     std::fs::write(at("corpus.txt"), "In the beginning was the corpus. ".repeat(40)).unwrap();
     std::fs::copy(root().join("models/tiny.toml"), at("tiny.toml")).unwrap();
+    std::fs::write(at("cluster.toml"), "preset = \"h200\"\n").unwrap();
     let cases: Vec<(Vec<String>, &str, &str)> = vec![
         (vec!["--data".into(), at("corpus.txt"), "--save".into(), at("corpus.txt")], "is the --data file the run reads", "corpus.txt"),
         (vec!["--data".into(), at("corpus.txt"), "--save".into(), format!("{}/../corpus.txt", at("sub"))], "is the --data file the run reads", "corpus.txt"),
         (vec!["--save".into(), at("tiny.toml")], "is the spec file the run reads", "tiny.toml"),
+        (vec!["--cluster".into(), at("cluster.toml"), "--save".into(), at("cluster.toml")], "is the --cluster file the run reads", "cluster.toml"),
         (vec!["--mesh".into(), "pp=2".into(), "--save".into(), at("x.st"), "--trace".into(), at("x.st")], "is also the --save file", "x.st"),
-        (vec!["--save-hf".into(), at("hf-out"), "--save".into(), at("hf-out/model.safetensors")], "lies in the --save-hf folder", "hf-out"),
-        (vec!["--checkpoint".into(), at("ckpt"), "--save".into(), at("ckpt/LATEST")], "lies in the --checkpoint folder", "ckpt"),
-        (vec!["--save-hf".into(), at("both"), "--save".into(), at("both")], "lies in the --save-hf folder", "both"),
-        (vec!["--checkpoint".into(), at("ckpt2"), "--save-hf".into(), at("ckpt2/hf")], "are the same folder, or one holds the other", "ckpt2"),
+        (vec!["--save-hf".into(), at("hf-out"), "--save".into(), at("hf-out/model.safetensors")], "is a file of the --save-hf folder", "hf-out"),
+        (vec!["--checkpoint".into(), at("ckpt"), "--save".into(), at("ckpt/LATEST")], "is a file of the --checkpoint folder", "ckpt"),
+        (vec!["--save-hf".into(), at("both"), "--save".into(), at("both")], "is also the --save-hf folder", "both"),
+        (vec!["--checkpoint".into(), at("ckpt2"), "--save-hf".into(), at("ckpt2/step-00000001")], "is a folder of the --checkpoint folder", "ckpt2"),
     ];
     for (args, says, made) in cases {
         let spec = if args.contains(&at("tiny.toml")) { at("tiny.toml") } else { "models/tiny.toml".into() };
@@ -2131,12 +2134,29 @@ fn output_paths_are_checked_before_training() {
         let err = unwrapped(&stderr(&out));
         assert!(!out.status.success() && err.contains(says), "{args:?}: wanted `{says}` in {err}");
         assert!(!stdout(&out).contains("loss"), "{args:?}: trained before failing");
-        if !made.ends_with(".txt") && !made.ends_with(".toml") {
+        if !made.contains('.') {
             assert!(!dir.join(made).exists(), "{args:?}: made {made} before refusing");
         }
     }
     assert!(std::fs::read_to_string(at("corpus.txt")).unwrap().starts_with("In the beginning"));
     assert!(std::fs::read_to_string(at("tiny.toml")).unwrap().contains("[model]"));
+    // A Megatron-LM dataset's other file, and an output through a link whose target's folder
+    // is yet to be made (the link's own folder was checked, and the write failed after the
+    // run).
+    write_megatron(&dir.join("mega"), &(0..2000u32).map(|i| i % 200).collect::<Vec<_>>(), 100);
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--data", &at("mega.bin"), "--save", &at("mega.idx")]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("is the --data file the run reads"), "{}", stderr(&out));
+    std::os::unix::fs::symlink(dir.join("later/made.safetensors"), dir.join("link.safetensors")).unwrap();
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--save", &at("link.safetensors")]);
+    assert!(out.status.success() && dir.join("later/made.safetensors").is_file(), "{}", stderr(&out));
+    // A run's outputs beside its checkpoints, and --save over the --load file it started from
+    // (read whole before training, replaced at once after).
+    let weights = at("runs/a/final.safetensors");
+    for args in [vec!["--checkpoint", &at("runs/a")[..], "--save", &weights, "--save-hf", &at("runs/a/hf")], vec!["--load", &weights, "--save", &weights]] {
+        let out = shardc(&[&["run", "models/tiny.toml", "--steps", "1"][..], &args[..]].concat());
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    }
+    assert!(dir.join("runs/a/LATEST").is_file() && dir.join("runs/a/hf/config.json").is_file());
     // A trace needs a pipeline: refused up front otherwise, not silently skipped.
     let trace = dir.join("t.json");
     let out = shardc(&["run", "models/tiny.toml", "--steps", "1000000", "--mesh", "dp=2", "--microbatches", "1", "--trace", trace.to_str().unwrap()]);
@@ -3130,6 +3150,52 @@ fn load_checks_its_file_against_the_model_on_both_backends() {
     }
 }
 
+/// What a checkpoint and a Hugging Face folder hold is read alike on both backends: a NaN in
+/// a checkpoint's state is refused naming the tensor on `--resume` (the CPU resumed it and
+/// failed at a later loss, blaming the learning rate, where the GPU refused it), and a
+/// Hugging Face tensor that becomes no parameter (GPT-2's mask buffers, even of -inf) is not
+/// read on either (the CPU refused what the GPU never read).
+#[test]
+fn checkpoints_and_hugging_face_folders_are_read_alike_on_both_backends() {
+    let dir = tempdir("read-alike");
+    let ckpt = dir.join("ckpt");
+    let out = shardc(&["run", "models/tiny.toml", "--steps", "1", "--checkpoint", ckpt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // A NaN in the rank file's first tensor, the manifest's checksums dropped (as a checkpoint
+    // of a shardc that wrote none).
+    let step = ckpt.join("step-00000001");
+    let manifest_path = step.join("manifest.json");
+    let mut manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    manifest.as_object_mut().unwrap().remove("checksums");
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    let rank_file = step.join(manifest["files"][0].as_str().unwrap());
+    let header = shardc_runtime::tensor_file::TensorFile::open(&rank_file).unwrap();
+    let name = header.names().into_iter().find(|n| format!("{:?}", header.info(n).unwrap().dtype) == "F32").unwrap();
+    let at = header.byte_range(&name).unwrap().start as usize;
+    let mut bytes = std::fs::read(&rank_file).unwrap();
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&rank_file, bytes).unwrap();
+    let args = ["models/tiny.toml", "--steps", "3", "--resume", step.to_str().unwrap()];
+    for (backend, out) in [("cpu", shardc(&[&["run"][..], &args[..]].concat())), ("cuda", run_on_emulated_gpu(&args, &[]))] {
+        let err = unwrapped(&stderr(&out));
+        assert!(out.status.code() == Some(1) && err.contains(&format!("tensor `{name}` holds NaN at element 0")), "{backend}: {err}");
+    }
+    // GPT-2's mask buffers of -inf beside the weights: never read, on either backend.
+    let hf = dir.join("hf-masks");
+    copy_dir(&root().join("tests/data/hf-tiny-gpt2"), &hf);
+    let weights = hf.join("model.safetensors");
+    let mut tensors: Vec<(String, &str, Vec<usize>, Vec<u8>)> = safetensors_file(weights.to_str().unwrap()).into_iter().map(|(n, (shape, values))| (n, "F32", shape, values.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect())).collect();
+    tensors.push(("transformer.h.0.attn.masked_bias".into(), "F32", vec![], f32::NEG_INFINITY.to_le_bytes().to_vec()));
+    write_safetensors(&weights, &tensors);
+    let ids = dir.join("ids.u16");
+    std::fs::write(&ids, (0..4000u32).map(|i| (i % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    let args = ["--hf", hf.to_str().unwrap(), "--seq", "8", "--micro-batch", "2", "--steps", "1", "--log-every", "1", "--data", ids.to_str().unwrap(), "--data-format", "u16"];
+    let (cpu, gpu) = (shardc(&[&["run"][..], &args[..]].concat()), run_on_emulated_gpu(&args, &[]));
+    let (cpu, gpu) = (losses_by_step(&cpu), losses_by_step(&gpu));
+    assert!(cpu.len() == 1 && gpu.len() == 1 && (cpu[&1] - gpu[&1]).abs() <= 1e-4 * cpu[&1], "CPU {cpu:?}, GPU {gpu:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `run --backend cuda`, here on the emulated device (`SHARDC_GPU_EMULATE=1`: the generated
 /// kernels compiled as C++), takes every option the CPU backend takes, or refuses it with
 /// the reason before any work: the same losses as the CPU backend from the seed, from
@@ -3459,7 +3525,12 @@ fn gpu_process_faults_end_every_process_with_the_cause_named() {
     }
     // A fault that cannot be made is refused, not silently left out: with every rank on one
     // device (no process of its own to end), or a value it cannot read.
-    for (backend, env, says) in [("cuda", "1:30:panic", "a fault is injected into one rank's process"), ("cpu", "1:thirty:panic", "expected RANK:INSTRUCTION:panic|kernel|hang")] {
+    for (backend, env, says) in [
+        ("cuda", "1:30:panic", "a fault is injected into one rank's process"),
+        ("cpu", "1:thirty:panic", "expected RANK:INSTRUCTION:panic|kernel|hang"),
+        ("cpu", "1:30:panic:later", "expected RANK:INSTRUCTION:panic|kernel|hang"),
+        ("cpu", "7:30:panic", "the mesh dp=2,tp=1,pp=1 has no rank 7"),
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_shardc"))
             .args(["run", "--backend", backend, "models/tiny.toml", "--mesh", "dp=2", "--microbatches", "1", "--steps", "1"])
             .current_dir(root())

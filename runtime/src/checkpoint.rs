@@ -590,6 +590,7 @@ pub fn load_sharded(dir: &std::path::Path) -> Result<(Manifest, TrainState), Run
                 )));
             }
             let values = crate::tensor_file::float_values(view.dtype(), view.data()).unwrap_or_default();
+            crate::tensor_file::check_finite(&path, &name, view.shape(), &values)?;
             shards.entry(name).or_default().push((rank, values));
         }
     }

@@ -108,10 +108,15 @@ impl HfFolder {
         self.tensors.keys()
     }
 
-    /// One tensor as f64 (shape, values); `None` for GPT-2's mask buffers (bool or integer),
-    /// which are not parameters; any other integer tensor is an error naming it.
+    /// One tensor as f64 (shape, values); `None` for GPT-2's mask buffers (of any dtype),
+    /// which are not parameters and are not read; any other integer tensor is an error naming
+    /// it.
     pub fn read(&self, name: &str) -> Result<Option<crate::tensor_file::Tensor>, RuntimeError> {
         let file = &self.files[*self.tensors.get(name).ok_or_else(|| bad(format!("the folder has no tensor `{name}`")))?];
+        // Not read at all: a mask is no weight, whatever its dtype or values.
+        if is_mask_buffer(name) {
+            return Ok(None);
+        }
         match file.read_f64(name)? {
             Some(tensor) => Ok(Some(tensor)),
             None if is_mask_buffer(name) => Ok(None),

@@ -85,9 +85,7 @@ impl TensorFile {
 
     /// Reads one floating-point tensor (f32, f64, bf16 or f16) as f64: (shape, values).
     /// `None` for a tensor of another dtype. A NaN or infinite value is an error naming the
-    /// tensor: every reader starts training from what it reads (`--load`, Hugging Face
-    /// weights, a checkpoint's state), and a run from it would only fail at its first loss,
-    /// blamed on the learning rate.
+    /// tensor ([`check_finite`]).
     pub fn read_f64(&self, name: &str) -> Result<Option<Tensor>, RuntimeError> {
         let info = self.info(name).ok_or_else(|| bad(&self.path, format!("holds no tensor `{name}`")))?;
         let (dtype, shape) = (info.dtype, info.shape.clone());
@@ -96,9 +94,7 @@ impl TensorFile {
         }
         let bytes = self.read_bytes(name)?;
         let Some(values) = float_values(dtype, &bytes) else { return Ok(None) };
-        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
-            return Err(bad(&self.path, format!("tensor `{name}` holds {} at element {at} of its {} (shape {shape:?}): training cannot start from a value that is not finite", values[at], values.len())));
-        }
+        check_finite(&self.path, name, &shape, &values)?;
         Ok(Some((shape, values)))
     }
 }
@@ -136,6 +132,34 @@ pub fn tensors_of_bytes(bytes: &[u8]) -> Result<FileTensors, String> {
             Some((name, info.shape.clone(), values))
         })
         .collect())
+}
+
+/// Refuses tensor `name` of file `path` if one of its `values` is NaN or infinite: whatever
+/// reads it starts training from it (`--load`, Hugging Face weights, a checkpoint's state),
+/// and a run from it would only fail at its first loss, blamed on the learning rate.
+pub fn check_finite(path: &Path, name: &str, shape: &[usize], values: &[f64]) -> Result<(), RuntimeError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(at) => Err(bad(path, format!("tensor `{name}` holds {} at element {at} of its {} (shape {shape:?}): training cannot start from a value that is not finite", values[at], values.len()))),
+        None => Ok(()),
+    }
+}
+
+/// Where the symbolic link `path` points, as a path from here (links followed to the end, at
+/// most 40; the last may name no file yet); `None` when `path` is not a link.
+pub fn link_target(path: &Path) -> Option<PathBuf> {
+    let mut at = path.to_path_buf();
+    let mut followed = false;
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&at) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target = std::fs::read_link(&at).ok()?;
+                at = if target.is_absolute() { target } else { at.parent().unwrap_or(Path::new(".")).join(target) };
+                followed = true;
+            }
+            _ => break,
+        }
+    }
+    followed.then_some(at)
 }
 
 /// Whether `dtype` is one [`float_values`] reads.
@@ -187,15 +211,10 @@ pub fn write_streamed(
     let mut text = serde_json::to_vec(&header).map_err(|e| bad(path, e))?;
     // Padded with spaces to 8 bytes, as the safetensors writer pads it.
     text.resize(text.len().next_multiple_of(8), b' ');
-    // Through a link to the file it names, as writing the path itself would.
-    let resolved;
-    let path = match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_symlink() => {
-            resolved = std::fs::canonicalize(path).map_err(|e| bad(path, e))?;
-            resolved.as_path()
-        }
-        _ => path,
-    };
+    // Through a link to the file it names (one yet to be made included), as writing the
+    // path itself would.
+    let resolved = link_target(path);
+    let path = resolved.as_deref().unwrap_or(path);
     let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     // What an interrupted write of this file left (another process's id) goes first.
     let stale = format!(".{file_name}.partial-");

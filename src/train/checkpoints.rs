@@ -285,7 +285,9 @@ pub(super) fn check_outputs(args: &RunArgs) -> Result<()> {
 /// file compare equal (`out/../x`, `./x`, a link to it).
 fn resolved(path: &std::path::Path) -> std::path::PathBuf {
     use std::path::Component;
-    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    // A dangling link's target does not canonicalize: follow it by hand.
+    let path = shardc_runtime::tensor_file::link_target(path).unwrap_or_else(|| path.to_path_buf());
+    let absolute = std::path::absolute(&path).unwrap_or_else(|_| path.clone());
     // The longest existing head, canonical, with the rest appended (the folders a run makes:
     // `..` after one is its parent).
     let parts: Vec<Component> = absolute.components().collect();
@@ -305,21 +307,58 @@ fn resolved(path: &std::path::Path) -> std::path::PathBuf {
     absolute
 }
 
-/// Refuses outputs that would overwrite the run's inputs or one another: an output file
-/// that is an input file (the spec, `--data`, `--tokenizer`, `--load`) or another output
-/// file, or lies in one of the run's folders (`--checkpoint` and `--save-hf`, which the run
-/// fills, `--resume` and `--hf`, which it reads); an output folder that is another, holds
-/// another, or is the `--hf` folder. `--checkpoint` may be the `--resume` folder: a resumed
-/// run checkpoints on where it left off.
+/// Whether `name`, directly in a checkpoint folder, is one the checkpoints own: they write
+/// or remove it (`LATEST`, `step-*` folders, what a write in progress leaves, the lock).
+fn checkpoint_owned(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    name == "LATEST" || name == ".lock" || name.starts_with(".LATEST-") || name.starts_with("step-") || name.starts_with(".partial-")
+}
+
+/// Whether `name`, directly in a Hugging Face folder, is one a model's folder holds: its
+/// config and weights (what `--save-hf` writes and `--hf` reads).
+fn hf_owned(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    ["config.json", "generation_config.json"].contains(&name.as_ref()) || name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json") || name.starts_with("tokenizer")
+}
+
+/// Refuses outputs that would overwrite the run's inputs or one another, by what each writes:
+/// an output file that is an input file (the spec, `--data`, `--tokenizer`, `--cluster`) or
+/// another output file, or that is a file the checkpoints own in a `--checkpoint` or
+/// `--resume` folder (`LATEST`, `step-*`) or a Hugging Face folder's config or weights in a
+/// `--save-hf` or `--hf` folder; a `--save-hf` folder that is the `--hf` folder it starts
+/// from; an output folder that is one the checkpoints own. Outputs that merely share a
+/// folder are fine (`--checkpoint runs/a --save runs/a/final.safetensors`), as is `--save`
+/// over the `--load` file it started from (read whole before training, replaced atomically
+/// after) and `--checkpoint` in the `--resume` folder.
 fn refuse_colliding_outputs(args: &RunArgs) -> Result<()> {
+    use std::path::Path;
     let hf = args.step.hf_dir(args.spec.as_deref());
     let named = |flag: &'static str, path: &Option<std::path::PathBuf>| path.as_ref().map(|p| (flag, p.clone(), resolved(p)));
     let out_files: Vec<_> = [named("--save", &args.save), named("--trace", &args.trace)].into_iter().flatten().collect();
-    let out_folders: Vec<_> = [named("--checkpoint", &args.checkpoint), named("--save-hf", &args.save_hf)].into_iter().flatten().collect();
     let spec_file = args.spec.as_ref().filter(|p| p.is_file()).cloned();
-    let in_files: Vec<_> = [named("spec", &spec_file), named("--data", &args.input.data), named("--tokenizer", &args.input.tokenizer), named("--load", &args.load)].into_iter().flatten().collect();
-    let in_folders: Vec<_> = [named("--resume", &args.resume), named("--hf", &hf)].into_iter().flatten().collect();
-    let refuse = |what: String| Err(miette!(help = "give each output a path of its own, outside the folders the run reads and fills", "{what}"));
+    let mut in_files: Vec<_> = [named("spec", &spec_file), named("--data", &args.input.data), named("--tokenizer", &args.input.tokenizer), named("--cluster", &args.step.hardware.cluster)].into_iter().flatten().collect();
+    // A Megatron-LM dataset is two files, whichever of them (or their prefix) --data names.
+    if let Some(data) = &args.input.data
+        && (args.input.data_format == crate::data::DataFormat::Megatron || shardc_runtime::data::is_megatron(data))
+    {
+        let (bin, idx) = shardc_runtime::data::megatron_paths(data);
+        in_files.extend([named("--data", &Some(bin)), named("--data", &Some(idx))].into_iter().flatten());
+    }
+    // Folders and what in them is their owner's: a checkpoint folder (a `--resume` folder
+    // that is one checkpoint, holding its manifest, is its owner's whole).
+    let resume_is_one = args.resume.as_ref().is_some_and(|r| r.join("manifest.json").is_file());
+    let folders: Vec<(&str, std::path::PathBuf, std::path::PathBuf, fn(&std::ffi::OsStr) -> bool)> = [
+        named("--checkpoint", &args.checkpoint).map(|(f, p, r)| (f, p, r, checkpoint_owned as fn(&std::ffi::OsStr) -> bool)),
+        named("--resume", &args.resume).map(|(f, p, r)| (f, p, r, if resume_is_one { (|_: &std::ffi::OsStr| true) as fn(&std::ffi::OsStr) -> bool } else { checkpoint_owned })),
+        named("--save-hf", &args.save_hf).map(|(f, p, r)| (f, p, r, hf_owned as fn(&std::ffi::OsStr) -> bool)),
+        named("--hf", &hf).map(|(f, p, r)| (f, p, r, hf_owned as fn(&std::ffi::OsStr) -> bool)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    // The folder of `folders` that owns `path` (a name its owner writes, or anything under one).
+    let owner = |path: &Path| folders.iter().find(|(_, _, dir, owns)| path.strip_prefix(dir).ok().and_then(|rest| rest.iter().next()).is_some_and(owns));
+    let refuse = |what: String| Err(miette!(help = "give the output a path of its own", "{what}"));
     for (i, (flag, path, real)) in out_files.iter().enumerate() {
         if let Some((other, _, _)) = out_files[..i].iter().find(|o| o.2 == *real) {
             return refuse(format!("{flag} {} is also the {other} file: one would overwrite the other", path.display()));
@@ -327,19 +366,21 @@ fn refuse_colliding_outputs(args: &RunArgs) -> Result<()> {
         if let Some((other, _, _)) = in_files.iter().find(|o| o.2 == *real) {
             return refuse(format!("{flag} {} is the {other} file the run reads: writing it would destroy it", path.display()));
         }
-        if let Some((other, dir, _)) = out_folders.iter().chain(&in_folders).find(|o| real.starts_with(&o.2)) {
-            return refuse(format!("{flag} {} lies in the {other} folder {}, whose files the run reads or writes", path.display(), dir.display()));
+        if let Some((other, _, _, _)) = folders.iter().find(|f| f.2 == *real) {
+            return refuse(format!("{flag} {} is also the {other} folder", path.display()));
+        }
+        if let Some((other, dir, _, _)) = owner(real) {
+            return refuse(format!("{flag} {} is a file of the {other} folder {}, which the run reads or writes", path.display(), dir.display()));
         }
     }
-    for (i, (flag, path, real)) in out_folders.iter().enumerate() {
-        if let Some((other, _, _)) = out_folders[..i].iter().find(|o| o.2.starts_with(real) || real.starts_with(&o.2)) {
-            return refuse(format!("{flag} {} and {other} are the same folder, or one holds the other", path.display()));
+    for (flag, path, real, _) in folders.iter().filter(|f| matches!(f.0, "--checkpoint" | "--save-hf")) {
+        if *flag == "--save-hf"
+            && let Some((_, dir, _, _)) = folders.iter().find(|f| f.0 == "--hf" && f.2 == *real)
+        {
+            return refuse(format!("--save-hf {} is the --hf folder {} the run starts from: it would write over those weights", path.display(), dir.display()));
         }
-        if let Some((other, _, _)) = in_files.iter().find(|o| o.2 == *real || o.2.starts_with(real)) {
-            return refuse(format!("{flag} {} is or holds the {other} file the run reads", path.display()));
-        }
-        if let Some((other, dir, _)) = in_folders.iter().find(|o| (o.0 == "--hf" || *flag != "--checkpoint") && (o.2.starts_with(real) || real.starts_with(&o.2))) {
-            return refuse(format!("{flag} {} and the {other} folder {} are the same folder, or one holds the other: the run would write over what it reads", path.display(), dir.display()));
+        if let Some((other, dir, _, _)) = owner(real).filter(|o| o.0 != *flag) {
+            return refuse(format!("{flag} {} is a folder of the {other} folder {}, which the run reads or writes", path.display(), dir.display()));
         }
     }
     Ok(())
@@ -351,7 +392,11 @@ pub(crate) fn writable_file(flag: &str, file: &std::path::Path) -> Result<()> {
     if file.is_dir() || file.as_os_str().to_string_lossy().ends_with(std::path::MAIN_SEPARATOR) {
         return Err(miette!(help = "give a file name", "{flag} {}: is a folder", file.display()));
     }
-    let parent = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    // A link is written through: the folder to check is its target's (a dangling link's
+    // target folder may not exist yet).
+    let target = shardc_runtime::tensor_file::link_target(file);
+    let written = target.as_deref().unwrap_or(file);
+    let parent = written.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
     // Named as given: `--save /proc/x: /proc: ...` says which output the folder is for.
     writable_folder(&format!("{flag} {}: in", file.display()), parent)
 }

@@ -258,10 +258,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
     refuse_rank_options_on_one_rank(args, mesh)?;
     check_outputs(args)?;
     // The tests' fault injection: a value it cannot read would be a fault silently not made.
-    if let Ok(text) = std::env::var("SHARDC_FAULT")
-        && shardc_runtime::cpu::Fault::from_env().is_none()
-    {
-        return Err(miette!(help = "e.g. SHARDC_FAULT=1:30:panic, or unset it", "SHARDC_FAULT={text}: expected RANK:INSTRUCTION:panic|kernel|hang"));
+    if let Ok(text) = std::env::var("SHARDC_FAULT") {
+        match shardc_runtime::cpu::Fault::from_env() {
+            None => return Err(miette!(help = "e.g. SHARDC_FAULT=1:30:panic, or unset it", "SHARDC_FAULT={text}: expected RANK:INSTRUCTION:panic|kernel|hang")),
+            Some(fault) if fault.rank >= mesh.ranks() as usize => return Err(miette!(help = format!("give a rank below {}, or unset it", mesh.ranks()), "SHARDC_FAULT={text}: the mesh {mesh} has no rank {}", fault.rank)),
+            Some(_) => {}
+        }
     }
     // A model without a Hugging Face family is refused before it trains, not after.
     if args.save_hf.is_some() {

@@ -60,6 +60,9 @@ impl Fault {
             "hang" => FaultKind::Hang,
             _ => return None,
         };
+        if parts.next().is_some() {
+            return None;
+        }
         Some(Fault { rank, instruction, kind })
     }
 }

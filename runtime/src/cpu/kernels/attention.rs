@@ -342,9 +342,10 @@ fn attention_block_kernel<T: Real>(instr: &Instr, ins: &[In<'_>], outs: &mut [Ou
             }
             let o = &mut out[i * d..(i + 1) * d];
             o.fill(T::zero());
-            // A row that sees none of the block (`max` skips a NaN score, which must reach
-            // the row instead).
-            if max == T::neg_infinity() && !p.iter().any(|x| x.is_nan()) {
+            // A row that sees none of the block. (Not read off `max`, which skips a NaN score
+            // and is -inf for scores of -inf too: those rows are NaN, as in the whole
+            // sequence's kernels.)
+            if !(0..keys).any(|j| block.sees(i, j)) {
                 lse[i] = T::neg_infinity();
                 continue;
             }
