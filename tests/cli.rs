@@ -1943,6 +1943,18 @@ fn unprintable_names_and_non_finite_logits_are_errors() {
     std::fs::write(hf.join("model.safetensors"), &bytes).unwrap();
     let json = dir.join("logits.json");
     let out = shardc(&["logits", "--hf", hf.to_str().unwrap(), "--tokens", "1,2,3", "-o", json.to_str().unwrap()]);
+    assert!(!out.status.success() && unwrapped(&stderr(&out)).contains("holds NaN at element 0"), "{}{}", stdout(&out), stderr(&out));
+    // Finite weights whose logits are not: a final norm scale of 1e300 (f64 in the file, inf
+    // in the f32 model).
+    let tensors: Vec<(String, &str, Vec<usize>, Vec<u8>)> = safetensors_file(root().join("tests/data/hf-tiny-gpt2/model.safetensors").to_str().unwrap())
+        .into_iter()
+        .map(|(name, (shape, values))| {
+            let scale = if name == "transformer.ln_f.weight" { 1e300 } else { 1.0 };
+            (name, "F64", shape, values.iter().flat_map(|&v| (v * scale).to_le_bytes()).collect())
+        })
+        .collect();
+    write_safetensors(&hf.join("model.safetensors"), &tensors);
+    let out = shardc(&["logits", "--hf", hf.to_str().unwrap(), "--tokens", "1,2,3", "-o", json.to_str().unwrap()]);
     assert!(!out.status.success() && stderr(&out).contains("would not hold it"), "{}{}", stdout(&out), stderr(&out));
     assert!(!json.exists(), "a file of nulls was written");
     let _ = std::fs::remove_dir_all(&dir);

@@ -2182,6 +2182,22 @@ fn norms_by_warp_and_by_block_equal_the_cpu() {
     }
 }
 
+/// `xf.cross_entropy` and its gradient on `[rows, v]` logits of `dtype` (the loss and its
+/// gradient's seed fp32 beside bf16 logits): results `loss` and `grad`.
+#[cfg(feature = "cuda")]
+fn cross_entropy_func(rows: i64, v: i64, dtype: shardc_ir::types::DType) -> shardc_ir::graph::Func {
+    use shardc_ir::attrs::Attrs;
+    use shardc_ir::graph::{ArgRole, FuncBuilder};
+    use shardc_ir::types::{DType, TensorTy};
+    let mut fb = FuncBuilder::new("ce");
+    let logits = fb.arg("logits", TensorTy::new(vec![rows, v], dtype), ArgRole::Input);
+    let targets = fb.arg("targets", TensorTy::new(vec![rows], DType::I32), ArgRole::Input);
+    let dloss = fb.arg("dloss", TensorTy::scalar(if dtype == DType::Bf16 { DType::F32 } else { dtype }), ArgRole::Input);
+    let loss = fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "ce").unwrap();
+    let grad = fb.op("xf.cross_entropy_grad", &[logits, targets, dloss], Attrs::new(), "ce.grad").unwrap();
+    fb.finish(&[loss, grad], &["loss".to_string(), "grad".to_string()])
+}
+
 /// A NaN logit makes its row's loss and gradient NaN on the device as on the CPU, wherever it
 /// falls among the block's threads: alone in its thread (which then never sees a finite
 /// logit), before a larger logit of its thread, after one. The one-pass statistics once
@@ -2189,20 +2205,12 @@ fn norms_by_warp_and_by_block_equal_the_cpu() {
 #[cfg(feature = "cuda")]
 #[test]
 fn a_nan_logit_makes_the_loss_nan_as_on_the_cpu() {
-    use shardc_ir::attrs::Attrs;
-    use shardc_ir::graph::{ArgRole, FuncBuilder};
-    use shardc_ir::types::{DType, TensorTy};
+    use shardc_ir::types::DType;
     // Rows of 300 logits over a block of 256 threads: thread t holds t and t + 256 (t < 44),
     // or t alone.
     let (rows, v) = (2i64, 300i64);
     for dtype in [DType::F32, DType::Bf16] {
-        let mut fb = FuncBuilder::new("ce");
-        let logits = fb.arg("logits", TensorTy::new(vec![rows, v], dtype), ArgRole::Input);
-        let targets = fb.arg("targets", TensorTy::new(vec![rows], DType::I32), ArgRole::Input);
-        let dloss = fb.arg("dloss", TensorTy::scalar(if dtype == DType::Bf16 { DType::F32 } else { dtype }), ArgRole::Input);
-        let loss = fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "ce").unwrap();
-        let grad = fb.op("xf.cross_entropy_grad", &[logits, targets, dloss], Attrs::new(), "ce.grad").unwrap();
-        let func = fb.finish(&[loss, grad], &["loss".to_string(), "grad".to_string()]);
+        let func = cross_entropy_func(rows, v, dtype);
         // (where the NaN goes in row 1, a larger logit it meets in its thread)
         for (at, larger) in [(100usize, None), (0, Some(256usize)), (256, Some(0)), (299, None)] {
             let what = format!("{dtype:?}: NaN at logit {at} of row 1");
@@ -2274,19 +2282,10 @@ fn attention_merge_keeps_a_nan_part_as_the_cpu_does() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cross_entropy_leaves_out_negative_infinite_logits_as_the_cpu_does() {
-    use shardc_ir::attrs::Attrs;
-    use shardc_ir::graph::{ArgRole, FuncBuilder};
-    use shardc_ir::types::{DType, TensorTy};
+    use shardc_ir::types::DType;
     let (rows, v) = (2i64, 300i64);
     for dtype in [DType::F32, DType::F64, DType::Bf16] {
-        let mut fb = FuncBuilder::new("ce");
-        let logits = fb.arg("logits", TensorTy::new(vec![rows, v], dtype), ArgRole::Input);
-        let targets = fb.arg("targets", TensorTy::new(vec![rows], DType::I32), ArgRole::Input);
-        // The loss and its gradient's seed are fp32 beside bf16 logits.
-        let dloss = fb.arg("dloss", TensorTy::scalar(if dtype == DType::Bf16 { DType::F32 } else { dtype }), ArgRole::Input);
-        let loss = fb.op("xf.cross_entropy", &[logits, targets], Attrs::new(), "ce").unwrap();
-        let grad = fb.op("xf.cross_entropy_grad", &[logits, targets, dloss], Attrs::new(), "ce.grad").unwrap();
-        let func = fb.finish(&[loss, grad], &["loss".to_string(), "grad".to_string()]);
+        let func = cross_entropy_func(rows, v, dtype);
         let mut xs: Vec<f64> = (0..rows * v).map(|i| ((i * 37 % 17) as f64 - 8.0) / 4.0).collect();
         xs[0] = f64::NEG_INFINITY; // thread 0's first element of row 0
         xs[256] = 3.0; // thread 0's second element of row 0: a larger max
