@@ -816,6 +816,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         println!("  they differ in: {}", differs.join(", "));
     }
     if let Some(path) = &args.report {
+        crate::train::make_parent(path)?;
         std::fs::write(path, report_html(&spec, &cluster, args.gpus, global_batch, &plans[..plans.len().min(args.top)], &units)).into_diagnostic()?;
         println!("  report      {}", path.display());
     }

@@ -2136,7 +2136,7 @@ fn output_paths_are_checked_before_training() {
         (vec!["--save-hf".into(), at("hf-out"), "--save".into(), at("hf-out/model.safetensors")], "is a file of the --save-hf folder", "hf-out"),
         (vec!["--checkpoint".into(), at("ckpt"), "--save".into(), at("ckpt/LATEST")], "is a file of the --checkpoint folder", "ckpt"),
         (vec!["--save-hf".into(), at("both"), "--save".into(), at("both")], "is also the --save-hf folder", "both"),
-        (vec!["--checkpoint".into(), at("ckpt2"), "--save-hf".into(), at("ckpt2/step-00000001")], "is a folder of the --checkpoint folder", "ckpt2"),
+        (vec!["--checkpoint".into(), at("ckpt2"), "--save-hf".into(), at("ckpt2/step-00000001")], "of the --checkpoint folder", "ckpt2"),
     ];
     for (args, says, made) in cases {
         let spec = if args.contains(&at("tiny.toml")) { at("tiny.toml") } else { "models/tiny.toml".into() };
@@ -2169,6 +2169,54 @@ fn output_paths_are_checked_before_training() {
         assert!(out.status.success(), "{args:?}: {}", stderr(&out));
     }
     assert!(dir.join("runs/a/LATEST").is_file() && dir.join("runs/a/hf/config.json").is_file());
+    // What a second review found. A spec named config.json in the folder --save-hf writes.
+    std::fs::create_dir_all(dir.join("specdir")).unwrap();
+    let spec_json = serde_json::to_string(&shardc_ir::spec::parse_file(&root().join("models/tiny.toml")).unwrap()).unwrap();
+    std::fs::write(at("specdir/config.json"), &spec_json).unwrap();
+    // A hub cache: a snapshot's files are links to blobs another snapshot shares.
+    std::fs::create_dir_all(dir.join("cache/blobs")).unwrap();
+    std::fs::create_dir_all(dir.join("cache/snapshots/abc")).unwrap();
+    std::fs::create_dir_all(dir.join("cache/snapshots/def")).unwrap();
+    for (file, blob) in [("config.json", "c1"), ("model.safetensors", "w1")] {
+        std::fs::copy(root().join("tests/data/hf-tiny-gpt2").join(file), dir.join("cache/blobs").join(blob)).unwrap();
+        for snapshot in ["abc", "def"] {
+            std::os::unix::fs::symlink(format!("../../blobs/{blob}"), dir.join("cache/snapshots").join(snapshot).join(file)).unwrap();
+        }
+    }
+    std::fs::write(at("ids.u16"), (0..4000u32).map(|i| (i % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    let hf = |rest: &[&str]| -> Vec<String> { [&["--hf", &at("cache/snapshots/abc")[..], "--data", &at("ids.u16"), "--data-format", "u16", "--seq", "8", "--micro-batch", "2"][..], rest].concat().iter().map(|s| s.to_string()).collect() };
+    // A checkpoint of two steps, to resume one step folder of.
+    assert!(shardc(&["run", "models/tiny.toml", "--steps", "2", "--checkpoint", &at("ck"), "--checkpoint-every", "1"]).status.success());
+    // A folder of another model's sharded weights.
+    std::fs::create_dir_all(dir.join("sharded")).unwrap();
+    std::fs::write(at("sharded/model.safetensors.index.json"), "{}").unwrap();
+    std::os::unix::fs::symlink("loop-b", dir.join("loop-a")).unwrap();
+    std::os::unix::fs::symlink("loop-a", dir.join("loop-b")).unwrap();
+    std::os::unix::fs::symlink("not-yet", dir.join("dangling-folder")).unwrap();
+    std::fs::write(at("p.st"), b"not read: refused first").unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["run".into(), at("specdir/config.json"), "--save-hf".into(), at("specdir")], "is the spec file the run reads"),
+        ([vec!["run".into()], hf(&["--save", &at("cache/blobs/w1")])].concat(), "is the --hf file the run reads"),
+        ([vec!["run".into()], hf(&["--save-hf", &at("cache/snapshots/def")])].concat(), "is the --hf file the run reads"),
+        (vec!["run".into(), "models/tiny.toml".into(), "--microbatches".into(), "2".into(), "--load".into(), at("p.st"), "--trace".into(), at("p.st")], "is the --load file the run reads"),
+        (vec!["run".into(), "models/tiny.toml".into(), "--resume".into(), at("ck/step-00000001"), "--save".into(), at("ck/LATEST")], "is a file of the --resume folder"),
+        (vec!["run".into(), "models/tiny.toml".into(), "--resume".into(), at("ck/step-00000001"), "--save-hf".into(), at("ck/step-00000001")], "of the --resume folder"),
+        (vec!["run".into(), "models/tiny.toml".into(), "--save-hf".into(), at("sharded")], "holds model.safetensors.index.json, another model's weights"),
+        (vec!["run".into(), "models/tiny.toml".into(), "--save".into(), at("loop-a")], "too many levels of links"),
+        (vec!["run".into(), "models/tiny.toml".into(), "--save-hf".into(), at("dangling-folder")], "a link to"),
+        // Refused after the output checks once; now before them, and nothing is made.
+        (vec!["run".into(), "models/tiny.toml".into(), "--micro-batch".into(), "8".into(), "--trace".into(), at("nd7/t.json"), "--checkpoint".into(), at("nd8")], "--trace writes a pipeline schedule's"),
+        (vec!["run".into(), "models/tiny-moe-capacity.toml".into(), "--save-hf".into(), at("nd9")], "--save-hf"),
+    ];
+    for (args, says) in cases {
+        let mut all = args.clone();
+        all.extend(["--steps".to_string(), "3".to_string()]);
+        let out = shardc(&all.iter().map(String::as_str).collect::<Vec<_>>());
+        let err = unwrapped(&stderr(&out));
+        assert!(!out.status.success() && err.contains(says) && !stdout(&out).contains("loss"), "{args:?}: wanted `{says}` in {err}");
+    }
+    assert_eq!(std::fs::read_to_string(at("specdir/config.json")).unwrap(), spec_json);
+    assert!(["nd7", "nd8", "nd9", "not-yet"].iter().all(|d| !dir.join(d).exists()), "a refused run made a folder");
     // A trace needs a pipeline: refused up front otherwise, not silently skipped.
     let trace = dir.join("t.json");
     let out = shardc(&["run", "models/tiny.toml", "--steps", "1000000", "--mesh", "dp=2", "--microbatches", "1", "--trace", trace.to_str().unwrap()]);

@@ -321,22 +321,30 @@ fn hf_owned(name: &std::ffi::OsStr) -> bool {
     ["config.json", "generation_config.json"].contains(&name.as_ref()) || name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json") || name.starts_with("tokenizer")
 }
 
-/// Refuses outputs that would overwrite the run's inputs or one another, by what each writes:
-/// an output file that is an input file (the spec, `--data`, `--tokenizer`, `--cluster`) or
-/// another output file, or that is a file the checkpoints own in a `--checkpoint` or
-/// `--resume` folder (`LATEST`, `step-*`) or a Hugging Face folder's config or weights in a
-/// `--save-hf` or `--hf` folder; a `--save-hf` folder that is the `--hf` folder it starts
-/// from; an output folder that is one the checkpoints own. Outputs that merely share a
-/// folder are fine (`--checkpoint runs/a --save runs/a/final.safetensors`), as is `--save`
-/// over the `--load` file it started from (read whole before training, replaced atomically
-/// after) and `--checkpoint` in the `--resume` folder.
+/// Refuses outputs that would overwrite the run's inputs or one another, by what each writes
+/// (`--save-hf DIR` writes `DIR/config.json` and `DIR/model.safetensors`), every path
+/// followed through its links: an output file that is an input file (the spec, `--data`
+/// with both files of a Megatron-LM dataset, `--tokenizer`, `--cluster`, the `--hf` folder's
+/// config and weights wherever its links lead, and `--load` for any output but `--save`) or
+/// another output file, or a name a folder's owner writes: in a `--checkpoint` or `--resume`
+/// folder `LATEST` and `step-*` (a `--resume` of one step folder owns it whole, and its
+/// folder's names); in a `--save-hf` or `--hf` folder its config and weights. A `--save-hf`
+/// folder that holds another model's weights (an index, other shards: `--hf` would read
+/// those, not what the run writes) is refused too. Outputs that merely share a folder are
+/// fine (`--checkpoint runs/a --save runs/a/final.safetensors`), as is `--save` over the
+/// `--load` file it started from (read whole before training, replaced at once after), and
+/// `--checkpoint` in the `--resume` folder.
 fn refuse_colliding_outputs(args: &RunArgs) -> Result<()> {
-    use std::path::Path;
+    use std::path::{Path, PathBuf};
+    type Owns = fn(&std::ffi::OsStr) -> bool;
     let hf = args.step.hf_dir(args.spec.as_deref());
-    let named = |flag: &'static str, path: &Option<std::path::PathBuf>| path.as_ref().map(|p| (flag, p.clone(), resolved(p)));
-    let out_files: Vec<_> = [named("--save", &args.save), named("--trace", &args.trace)].into_iter().flatten().collect();
+    let named = |flag: &'static str, path: &Option<PathBuf>| path.as_ref().map(|p| (flag, p.clone(), resolved(p)));
+    let mut out_files: Vec<_> = [named("--save", &args.save), named("--trace", &args.trace)].into_iter().flatten().collect();
+    if let Some(dir) = &args.save_hf {
+        out_files.extend(["config.json", "model.safetensors"].iter().filter_map(|f| named("--save-hf", &Some(dir.join(f)))));
+    }
     let spec_file = args.spec.as_ref().filter(|p| p.is_file()).cloned();
-    let mut in_files: Vec<_> = [named("spec", &spec_file), named("--data", &args.input.data), named("--tokenizer", &args.input.tokenizer), named("--cluster", &args.step.hardware.cluster)].into_iter().flatten().collect();
+    let mut in_files: Vec<_> = [named("spec", &spec_file), named("--data", &args.input.data), named("--tokenizer", &args.input.tokenizer), named("--cluster", &args.step.hardware.cluster), named("--load", &args.load)].into_iter().flatten().collect();
     // A Megatron-LM dataset is two files, whichever of them (or their prefix) --data names.
     if let Some(data) = &args.input.data
         && (args.input.data_format == crate::data::DataFormat::Megatron || shardc_runtime::data::is_megatron(data))
@@ -344,71 +352,127 @@ fn refuse_colliding_outputs(args: &RunArgs) -> Result<()> {
         let (bin, idx) = shardc_runtime::data::megatron_paths(data);
         in_files.extend([named("--data", &Some(bin)), named("--data", &Some(idx))].into_iter().flatten());
     }
-    // Folders and what in them is their owner's: a checkpoint folder (a `--resume` folder
-    // that is one checkpoint, holding its manifest, is its owner's whole).
-    let resume_is_one = args.resume.as_ref().is_some_and(|r| r.join("manifest.json").is_file());
-    let folders: Vec<(&str, std::path::PathBuf, std::path::PathBuf, fn(&std::ffi::OsStr) -> bool)> = [
-        named("--checkpoint", &args.checkpoint).map(|(f, p, r)| (f, p, r, checkpoint_owned as fn(&std::ffi::OsStr) -> bool)),
-        named("--resume", &args.resume).map(|(f, p, r)| (f, p, r, if resume_is_one { (|_: &std::ffi::OsStr| true) as fn(&std::ffi::OsStr) -> bool } else { checkpoint_owned })),
-        named("--save-hf", &args.save_hf).map(|(f, p, r)| (f, p, r, hf_owned as fn(&std::ffi::OsStr) -> bool)),
-        named("--hf", &hf).map(|(f, p, r)| (f, p, r, hf_owned as fn(&std::ffi::OsStr) -> bool)),
+    // The Hugging Face folder's own files, wherever its links lead (a hub cache's snapshot
+    // links to blobs that other snapshots share).
+    if let Some(dir) = &hf {
+        let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+        in_files.extend(entries.filter(|e| hf_owned(&e.file_name())).filter_map(|e| named("--hf", &Some(e.path()))));
+    }
+    // Folders and what in them is their owner's; `whole`: the folder itself and all in it.
+    let resume_step = args.resume.as_ref().filter(|r| r.join("manifest.json").is_file());
+    let folder = |flag: &'static str, path: &Option<PathBuf>, owns: Owns, whole: bool| named(flag, path).map(|(f, p, r)| (f, p, r, owns, whole));
+    let folders: Vec<(&str, PathBuf, PathBuf, Owns, bool)> = [
+        folder("--checkpoint", &args.checkpoint, checkpoint_owned, false),
+        folder("--resume", &args.resume, checkpoint_owned, resume_step.is_some()),
+        folder("--resume", &resume_step.and_then(|r| resolved(r).parent().map(Path::to_path_buf)), checkpoint_owned, false),
+        folder("--save-hf", &args.save_hf, hf_owned, false),
+        folder("--hf", &hf, hf_owned, false),
     ]
     .into_iter()
     .flatten()
     .collect();
-    // The folder of `folders` that owns `path` (a name its owner writes, or anything under one).
-    let owner = |path: &Path| folders.iter().find(|(_, _, dir, owns)| path.strip_prefix(dir).ok().and_then(|rest| rest.iter().next()).is_some_and(owns));
+    // The folder of `folders` (other than `mine`'s) that owns `path`.
+    let owner = |path: &Path, mine: &str| {
+        folders.iter().filter(|f| f.0 != mine).find(|(_, _, dir, owns, whole)| match path.strip_prefix(dir) {
+            Ok(rest) => *whole || rest.iter().next().is_some_and(owns),
+            Err(_) => false,
+        })
+    };
     let refuse = |what: String| Err(miette!(help = "give the output a path of its own", "{what}"));
     for (i, (flag, path, real)) in out_files.iter().enumerate() {
         if let Some((other, _, _)) = out_files[..i].iter().find(|o| o.2 == *real) {
             return refuse(format!("{flag} {} is also the {other} file: one would overwrite the other", path.display()));
         }
-        if let Some((other, _, _)) = in_files.iter().find(|o| o.2 == *real) {
+        if let Some((other, _, _)) = in_files.iter().filter(|o| !(*flag == "--save" && o.0 == "--load")).find(|o| o.2 == *real) {
             return refuse(format!("{flag} {} is the {other} file the run reads: writing it would destroy it", path.display()));
         }
-        if let Some((other, _, _, _)) = folders.iter().find(|f| f.2 == *real) {
+        if let Some((other, _, _, _, _)) = folders.iter().find(|f| f.2 == *real) {
             return refuse(format!("{flag} {} is also the {other} folder", path.display()));
         }
-        if let Some((other, dir, _, _)) = owner(real) {
+        if let Some((other, dir, _, _, _)) = owner(real, flag) {
             return refuse(format!("{flag} {} is a file of the {other} folder {}, which the run reads or writes", path.display(), dir.display()));
         }
     }
-    for (flag, path, real, _) in folders.iter().filter(|f| matches!(f.0, "--checkpoint" | "--save-hf")) {
+    for (flag, path, real, _, _) in folders.iter().filter(|f| matches!(f.0, "--checkpoint" | "--save-hf")) {
         if *flag == "--save-hf"
-            && let Some((_, dir, _, _)) = folders.iter().find(|f| f.0 == "--hf" && f.2 == *real)
+            && let Some((_, dir, _, _, _)) = folders.iter().find(|f| f.0 == "--hf" && f.2 == *real)
         {
             return refuse(format!("--save-hf {} is the --hf folder {} the run starts from: it would write over those weights", path.display(), dir.display()));
         }
-        if let Some((other, dir, _, _)) = owner(real).filter(|o| o.0 != *flag) {
+        if let Some((other, dir, _, _, _)) = owner(real, flag) {
             return refuse(format!("{flag} {} is a folder of the {other} folder {}, which the run reads or writes", path.display(), dir.display()));
+        }
+    }
+    // A folder of another model's weights: `--hf` reads an index or its shards before a
+    // `model.safetensors`, so what the run writes would not be what loads.
+    if let Some(dir) = &args.save_hf {
+        let stale: Vec<String> = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".safetensors.index.json") || (n.ends_with(".safetensors") && n != "model.safetensors")).collect();
+        if let Some(first) = stale.first() {
+            return Err(miette!(help = "give an empty folder, or one --save-hf wrote", "--save-hf {}: holds {first}, another model's weights, which --hf would read instead of what this run writes", dir.display()));
         }
     }
     Ok(())
 }
 
-/// Checks that `file` can be written (its folder created if needed), before the work that
-/// produces it.
+/// Checks that `file` can be written, before the work that produces it: written through its
+/// links, in a folder that exists or can be made (made when the file is written, with
+/// [`make_parent`], so that a run refused later leaves no folder behind).
 pub(crate) fn writable_file(flag: &str, file: &std::path::Path) -> Result<()> {
     if file.is_dir() || file.as_os_str().to_string_lossy().ends_with(std::path::MAIN_SEPARATOR) {
         return Err(miette!(help = "give a file name", "{flag} {}: is a folder", file.display()));
     }
-    // A link is written through: the folder to check is its target's (a dangling link's
-    // target folder may not exist yet).
-    let target = shardc_runtime::tensor_file::link_target(file);
-    let written = target.as_deref().unwrap_or(file);
+    let written = through_links(flag, file)?;
     let parent = written.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    // Named as given: `--save /proc/x: /proc: ...` says which output the folder is for.
+    // Named as given: `--save /proc/x: in /proc: ...` says which output the folder is for.
     writable_folder(&format!("{flag} {}: in", file.display()), parent)
 }
 
-/// Creates `dir` (and its parents) if needed and proves a file can be written in it.
+/// The folder that will hold `file` (through its links), made if it is not there yet: what
+/// [`writable_file`] checked could be made.
+pub(crate) fn make_parent(file: &std::path::Path) -> Result<()> {
+    let written = shardc_runtime::tensor_file::link_target(file).unwrap_or_else(|| file.to_path_buf());
+    match written.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => std::fs::create_dir_all(parent).into_diagnostic().wrap_err_with(|| format!("creating {}", parent.display())),
+        None => Ok(()),
+    }
+}
+
+/// Where `path` is written: its links followed (none: itself). A loop of links, or a link to
+/// nothing through a folder that is a link to nothing, is refused.
+fn through_links(flag: &str, path: &std::path::Path) -> Result<std::path::PathBuf> {
+    let Some(target) = shardc_runtime::tensor_file::link_target(path) else { return Ok(path.to_path_buf()) };
+    if std::fs::symlink_metadata(&target).is_ok_and(|m| m.file_type().is_symlink()) {
+        return Err(miette!(help = "give a path that is not a loop of links", "{flag} {}: too many levels of links (a loop)", path.display()));
+    }
+    Ok(target)
+}
+
+/// Checks that `dir` can be made or written in, making nothing: it is a folder (through its
+/// links), or does not exist yet below a folder that does, in which a file can be written.
 pub(super) fn writable_folder(flag: &str, dir: &std::path::Path) -> Result<()> {
-    let fail = |e: std::io::Error| miette!(help = "give a folder this user can write to", "{flag} {}: {e}", dir.display());
-    if dir.exists() && !dir.is_dir() {
+    let target = through_links(flag, dir)?;
+    if target.as_path() != dir && !target.exists() {
+        return Err(miette!(help = "make the folder it names, or give another", "{flag} {}: a link to {}, which does not exist", dir.display(), target.display()));
+    }
+    if target.exists() && !target.is_dir() {
         return Err(miette!(help = "give a folder, not a file", "{flag} {}: is not a folder", dir.display()));
     }
-    std::fs::create_dir_all(dir).map_err(fail)?;
-    let probe = dir.join(format!(".shardc-write-test-{}", std::process::id()));
+    // The nearest folder that exists: what the run's writes will make the rest in.
+    let mut existing = target.as_path();
+    while !existing.exists() {
+        existing = match existing.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => std::path::Path::new("."),
+        };
+    }
+    let fail = |e: std::io::Error| {
+        let at = if existing == target.as_path() { String::new() } else { format!(" (in {})", existing.display()) };
+        miette!(help = "give a folder this user can write to", "{flag} {}{at}: {e}", dir.display())
+    };
+    if !existing.is_dir() {
+        return Err(miette!(help = "give a path under folders, not files", "{flag} {}: {} is not a folder", dir.display(), existing.display()));
+    }
+    let probe = existing.join(format!(".shardc-write-test-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(fail)?;
     std::fs::remove_file(&probe).map_err(fail)
 }
@@ -435,6 +499,7 @@ pub(super) fn refuse_load_with_resume(args: &RunArgs) -> Result<()> {
 /// `--save FILE`: the trained parameters as global tensors, whatever the mesh.
 pub(super) fn save_parameters(args: &RunArgs, spec: &Spec, source: Option<&dyn shardc_runtime::train::ParameterSource>) -> Result<()> {
     let (Some(path), Some(source)) = (&args.save, source) else { return Ok(()) };
+    make_parent(path)?;
     let f64 = spec.model.dtype == shardc_ir::spec::SpecDType::F64;
     shardc_runtime::checkpoint::write_parameters(path, source, f64).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
     println!("  saved       {}", path.display());

@@ -22,7 +22,7 @@ mod cuda;
 
 pub use bench::*;
 use checkpoints::*;
-pub(crate) use checkpoints::writable_file;
+pub(crate) use checkpoints::{make_parent, writable_file};
 #[cfg(feature = "cuda")]
 use cuda::*;
 
@@ -256,7 +256,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         cuda::emulated_processes(mesh)?;
     }
     refuse_rank_options_on_one_rank(args, mesh)?;
-    check_outputs(args)?;
     // The tests' fault injection: a value it cannot read would be a fault silently not made.
     if let Ok(text) = std::env::var("SHARDC_FAULT") {
         match shardc_runtime::cpu::Fault::from_env() {
@@ -276,6 +275,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
             mesh.ranks()
         ));
     }
+    let pipelined = args.step.compile_options(&spec, mesh)?.pipeline.is_some();
+    if args.trace.is_some() && !pipelined && args.backend == "cpu" {
+        return Err(miette!(help = "trace a pipeline: add --mesh pp=N, or --microbatches M with M > 1", "--trace writes a pipeline schedule's measured timeline, and this run has one micro-batch and no pipeline stages"));
+    }
+    // Last of the checks before any work: it proves the outputs writable.
+    check_outputs(args)?;
     #[cfg(feature = "cuda")]
     if args.backend == "cuda" {
         if let Some(fits) = &fits {
@@ -283,11 +288,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
         return run_cuda(args, &spec, mesh);
     }
-    if args.step.compile_options(&spec, mesh)?.pipeline.is_some() {
+    if pipelined {
         return run_pipelined(args, &spec, mesh, fits.as_deref());
-    }
-    if args.trace.is_some() {
-        return Err(miette!(help = "trace a pipeline: add --mesh pp=N, or --microbatches M with M > 1", "--trace writes a pipeline schedule's measured timeline, and this run has one micro-batch and no pipeline stages"));
     }
     if mesh.ranks() > 1 {
         return run_partitioned(args, &spec, mesh, fits.as_deref());
@@ -628,6 +630,7 @@ fn run_pipelined(args: &RunArgs, spec: &Spec, mesh: shardc_ir::mesh::Mesh, fits:
         run.peak_kept_bytes.iter().map(|b| crate::summary::bytes(*b as u64)).collect::<Vec<_>>().join(", ")
     );
     if let Some(path) = &args.trace {
+        make_parent(path)?;
         std::fs::write(path, shardc_runtime::schedule::trace_json(&run.timeline)).into_diagnostic().wrap_err_with(|| format!("writing {}", path.display()))?;
         println!("  trace       {} (open in Perfetto or chrome://tracing)", path.display());
     }
