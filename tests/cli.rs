@@ -2183,7 +2183,7 @@ fn output_paths_are_checked_before_training() {
             std::os::unix::fs::symlink(format!("../../blobs/{blob}"), dir.join("cache/snapshots").join(snapshot).join(file)).unwrap();
         }
     }
-    std::fs::write(at("ids.u16"), (0..4000u32).map(|i| (i % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    write_small_vocabulary_ids(&dir.join("ids.u16"));
     let hf = |rest: &[&str]| -> Vec<String> { [&["--hf", &at("cache/snapshots/abc")[..], "--data", &at("ids.u16"), "--data-format", "u16", "--seq", "8", "--micro-batch", "2"][..], rest].concat().iter().map(|s| s.to_string()).collect() };
     // A checkpoint of two steps, to resume one step folder of.
     assert!(shardc(&["run", "models/tiny.toml", "--steps", "2", "--checkpoint", &at("ck"), "--checkpoint-every", "1"]).status.success());
@@ -3100,6 +3100,12 @@ fn run_on_emulated_gpu(args: &[&str], env: &[(&str, &str)]) -> Output {
     command.output().expect("shardc runs")
 }
 
+/// Writes 4000 token ids below 64 (the vocabulary of the tiny Hugging Face models in
+/// tests/data) as a u16 file, for `--data FILE --data-format u16`.
+fn write_small_vocabulary_ids(path: &std::path::Path) {
+    std::fs::write(path, (0..4000u32).map(|i| (i % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+}
+
 /// Writes a safetensors file by hand: (name, dtype as safetensors spells it, shape, bytes).
 fn write_safetensors(path: &std::path::Path, tensors: &[(String, &str, Vec<usize>, Vec<u8>)]) {
     let mut header = serde_json::Map::new();
@@ -3176,7 +3182,7 @@ fn load_checks_its_file_against_the_model_on_both_backends() {
     bytes[at..at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
     std::fs::write(&weights, bytes).unwrap();
     let ids = dir.join("ids.u16");
-    std::fs::write(&ids, (0..4000u32).map(|i| (i % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    write_small_vocabulary_ids(&ids);
     let args = ["--hf", hf.to_str().unwrap(), "--seq", "8", "--micro-batch", "2", "--steps", "1", "--data", ids.to_str().unwrap(), "--data-format", "u16"];
     for (backend, out) in [("cpu", shardc(&[&["run"][..], &args[..]].concat())), ("cuda", run_on_emulated_gpu(&args, &[]))] {
         let err = unwrapped(&stderr(&out));
@@ -3248,7 +3254,7 @@ fn checkpoints_and_hugging_face_folders_are_read_alike_on_both_backends() {
     tensors.push(("transformer.h.0.attn.masked_bias".into(), "F32", vec![], f32::NEG_INFINITY.to_le_bytes().to_vec()));
     write_safetensors(&weights, &tensors);
     let ids = dir.join("ids.u16");
-    std::fs::write(&ids, (0..4000u32).map(|i| (i % 64) as u16).flat_map(u16::to_le_bytes).collect::<Vec<u8>>()).unwrap();
+    write_small_vocabulary_ids(&ids);
     let args = ["--hf", hf.to_str().unwrap(), "--seq", "8", "--micro-batch", "2", "--steps", "1", "--log-every", "1", "--data", ids.to_str().unwrap(), "--data-format", "u16"];
     let (cpu, gpu) = (shardc(&[&["run"][..], &args[..]].concat()), run_on_emulated_gpu(&args, &[]));
     let (cpu, gpu) = (losses_by_step(&cpu), losses_by_step(&gpu));
@@ -3653,19 +3659,18 @@ fn checkpoints_of_the_row_major_format_resume_into_the_same_run() {
         let bytes = std::fs::read(&path).unwrap();
         let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
         let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-        let (mut wide_header, mut data) = (serde_json::Map::new(), Vec::new());
         let mut tensors: Vec<(&String, &serde_json::Value)> = header.iter().collect();
         tensors.sort_by_key(|(_, t)| t["data_offsets"][0].as_u64().unwrap());
-        for (tensor, info) in tensors {
-            let (begin, end) = (info["data_offsets"][0].as_u64().unwrap() as usize, info["data_offsets"][1].as_u64().unwrap() as usize);
-            let start = data.len();
-            data.extend(bytes[8 + n + begin..8 + n + end].chunks_exact(4).flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) as f64).to_le_bytes()));
-            wide_header.insert(tensor.clone(), serde_json::json!({"dtype": "F64", "shape": info["shape"], "data_offsets": [start, data.len()]}));
-        }
-        let text = serde_json::to_vec(&wide_header).unwrap();
-        let wide = [&(text.len() as u64).to_le_bytes()[..], &text, &data].concat();
-        *sum = crc32fast::hash(&wide).into();
-        std::fs::write(&path, wide).unwrap();
+        let wide: Vec<(String, &str, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(tensor, info)| {
+                let (begin, end) = (info["data_offsets"][0].as_u64().unwrap() as usize, info["data_offsets"][1].as_u64().unwrap() as usize);
+                let shape = serde_json::from_value(info["shape"].clone()).unwrap();
+                (tensor.clone(), "F64", shape, bytes[8 + n + begin..8 + n + end].chunks_exact(4).flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) as f64).to_le_bytes()).collect())
+            })
+            .collect();
+        write_safetensors(&path, &wide);
+        *sum = crc32fast::hash(&std::fs::read(&path).unwrap()).into();
     }
     manifest["files"] = old_files.into();
     manifest["checksums"] = old_sums.into();

@@ -369,6 +369,14 @@ pub fn save_rank_shards(
     commit(dir, &partial, programs, step, spec, seed, data, checksums)
 }
 
+/// Whether `name`, directly in a checkpoint folder, is one the checkpoints own: they write or
+/// remove it (`LATEST`, the `step-*` folders, what a write in progress leaves, the lock).
+/// What a run may not put its other outputs on.
+pub fn owns_name(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    name == "LATEST" || name == ".lock" || name.starts_with(".LATEST-") || name.starts_with("step-") || name.starts_with(".partial-")
+}
+
 /// The folder a checkpoint of step `step` is kept in.
 fn step_folder(step: u64) -> String {
     format!("step-{step:08}")

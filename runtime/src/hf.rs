@@ -137,6 +137,14 @@ pub fn read_dir(dir: &Path) -> Result<Tensors, RuntimeError> {
     Ok(out)
 }
 
+/// Whether `name`, directly in a Hugging Face model folder, is one of the model's own files:
+/// its config and weights (what `--save-hf` writes and an `--hf` folder is read from), an
+/// index of them, or its tokenizer's.
+pub fn is_model_file(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    ["config.json", "generation_config.json"].contains(&name.as_ref()) || name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json") || name.starts_with("tokenizer")
+}
+
 /// GPT-2's causal-mask buffers (bool or integer), which are not parameters: read past.
 fn is_mask_buffer(name: &str) -> bool {
     name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")

@@ -307,20 +307,6 @@ fn resolved(path: &std::path::Path) -> std::path::PathBuf {
     absolute
 }
 
-/// Whether `name`, directly in a checkpoint folder, is one the checkpoints own: they write
-/// or remove it (`LATEST`, `step-*` folders, what a write in progress leaves, the lock).
-fn checkpoint_owned(name: &std::ffi::OsStr) -> bool {
-    let name = name.to_string_lossy();
-    name == "LATEST" || name == ".lock" || name.starts_with(".LATEST-") || name.starts_with("step-") || name.starts_with(".partial-")
-}
-
-/// Whether `name`, directly in a Hugging Face folder, is one a model's folder holds: its
-/// config and weights (what `--save-hf` writes and `--hf` reads).
-fn hf_owned(name: &std::ffi::OsStr) -> bool {
-    let name = name.to_string_lossy();
-    ["config.json", "generation_config.json"].contains(&name.as_ref()) || name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json") || name.starts_with("tokenizer")
-}
-
 /// Refuses outputs that would overwrite the run's inputs or one another, by what each writes
 /// (`--save-hf DIR` writes `DIR/config.json` and `DIR/model.safetensors`), every path
 /// followed through its links: an output file that is an input file (the spec, `--data`
@@ -356,17 +342,17 @@ fn refuse_colliding_outputs(args: &RunArgs) -> Result<()> {
     // links to blobs that other snapshots share).
     if let Some(dir) = &hf {
         let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
-        in_files.extend(entries.filter(|e| hf_owned(&e.file_name())).filter_map(|e| named("--hf", &Some(e.path()))));
+        in_files.extend(entries.filter(|e| shardc_runtime::hf::is_model_file(&e.file_name())).filter_map(|e| named("--hf", &Some(e.path()))));
     }
     // Folders and what in them is their owner's; `whole`: the folder itself and all in it.
     let resume_step = args.resume.as_ref().filter(|r| r.join("manifest.json").is_file());
     let folder = |flag: &'static str, path: &Option<PathBuf>, owns: Owns, whole: bool| named(flag, path).map(|(f, p, r)| (f, p, r, owns, whole));
     let folders: Vec<(&str, PathBuf, PathBuf, Owns, bool)> = [
-        folder("--checkpoint", &args.checkpoint, checkpoint_owned, false),
-        folder("--resume", &args.resume, checkpoint_owned, resume_step.is_some()),
-        folder("--resume", &resume_step.and_then(|r| resolved(r).parent().map(Path::to_path_buf)), checkpoint_owned, false),
-        folder("--save-hf", &args.save_hf, hf_owned, false),
-        folder("--hf", &hf, hf_owned, false),
+        folder("--checkpoint", &args.checkpoint, shardc_runtime::checkpoint::owns_name, false),
+        folder("--resume", &args.resume, shardc_runtime::checkpoint::owns_name, resume_step.is_some()),
+        folder("--resume", &resume_step.and_then(|r| resolved(r).parent().map(Path::to_path_buf)), shardc_runtime::checkpoint::owns_name, false),
+        folder("--save-hf", &args.save_hf, shardc_runtime::hf::is_model_file, false),
+        folder("--hf", &hf, shardc_runtime::hf::is_model_file, false),
     ]
     .into_iter()
     .flatten()
